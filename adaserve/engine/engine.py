@@ -1,0 +1,275 @@
+"""The engine: one ``step()`` = admit, prefill chunks, speculate, select, verify, commit.
+
+    step():  waiting --admit (reserve KV)--> prefill --chunks--> decode --stop/length--> finished
+             one target forward carries every prefill chunk and every verification tree
+
+``step`` is pure with respect to time except through ``clock``; the loop that calls it (``generate``
+here, a background thread in the worker) decides when requests arrive.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from adaserve.engine.batch import Segment
+from adaserve.engine.policies import Policy, SelectionContext
+from adaserve.engine.request import Phase, Request
+from adaserve.engine.runner import ModelRunner
+from adaserve.engine.speculate import DraftInput, beam_search
+from adaserve.engine.tree import TokenTree
+from adaserve.engine.verify import commit_moves, walk_tree
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    budget: int = 64  # B: tokens per verification forward (roots included); from the profiler later
+    prefill_chunk: int = 256  # prompt tokens per step across requests (chunked prefill)
+    max_batch: int = 64  # decoding requests at once
+    t_iter_s: float = 0.05  # predicted iteration time until a cost model is plugged in
+
+    def __post_init__(self) -> None:
+        if self.budget < 1 or self.prefill_chunk < 1 or self.max_batch < 1:
+            raise ValueError("budget, prefill_chunk and max_batch must be >= 1")
+        if self.t_iter_s <= 0:
+            raise ValueError("t_iter_s must be positive")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: str
+    new_tokens: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class StepMetrics:
+    n_decode: int = 0
+    prefill_tokens: int = 0
+    depth: int = 0
+    width: int = 0
+    tokens_verified: int = 0  # tree nodes sent to the target, roots included
+    tokens_accepted: int = 0  # draft tokens the target confirmed
+    tokens_emitted: int = 0
+    t_speculate_s: float = 0.0
+    t_select_s: float = 0.0
+    t_verify_s: float = 0.0
+    per_request_verified: dict[str, int] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, target: ModelRunner, draft: ModelRunner | None, policy: Policy,
+                 cfg: EngineConfig = EngineConfig(), *, clock: Callable[[], float] = time.perf_counter,
+                 detokenize: Callable[[list[int]], str] | None = None) -> None:
+        if policy.max_depth > 0 and draft is None:
+            raise ValueError(f"policy {policy.name!r} speculates and needs a draft model")
+        if draft is not None and draft.vocab_size != target.vocab_size:
+            raise ValueError(f"draft vocab {draft.vocab_size} != target vocab {target.vocab_size}")
+        self.target, self.draft, self.policy, self.cfg = target, draft, policy, cfg
+        self.clock = clock
+        self.detokenize = detokenize
+        self.stop_ids = frozenset(target.model.cfg.eos_token_ids)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.reserved = [0, 0]  # pages promised to admitted requests (target, draft)
+        self.history: list[StepMetrics] = []
+
+    # ---- requests in and out ----------------------------------------------------------------------
+    @property
+    def max_context(self) -> int:
+        n = self.target.model.cfg.max_position_embeddings
+        return n if self.draft is None else min(n, self.draft.model.cfg.max_position_embeddings)
+
+    def _reservation(self, req: Request) -> tuple[int, int]:
+        # worst case: every token of prompt and output, plus the largest tree written past them
+        n = len(req.prompt_ids) + req.params.max_tokens
+        tgt = self.target.cache.pages_for(n + self.cfg.budget)
+        drf = 0
+        if self.draft is not None and self.policy.max_depth > 0:
+            drf = self.draft.cache.pages_for(n + 1 + self.policy.max_depth * self.policy.max_width)
+        return tgt, drf
+
+    def add_request(self, req: Request) -> None:
+        total = len(req.prompt_ids) + req.params.max_tokens + self.policy.max_depth + 1
+        if total > self.max_context:
+            raise ValueError(
+                f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) exceeds the "
+                f"model context of {self.max_context} tokens"
+            )
+        vocab = self.target.vocab_size
+        if any(not 0 <= t < vocab for t in req.prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        tgt, drf = self._reservation(req)
+        if tgt > self.target.cache.num_pages or (self.draft and drf > self.draft.cache.num_pages):
+            raise ValueError("request needs more KV cache than the engine has in total")
+        req.metrics.arrival_s = self.clock()
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> bool:
+        for req in self.waiting:
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                req.phase, req.finish_reason = Phase.FINISHED, "abort"
+                return True
+        for req in self.running:
+            if req.request_id == request_id:
+                self._finish(req, "abort")
+                return True
+        return False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.cfg.max_batch:
+            req = self.waiting[0]
+            tgt, drf = self._reservation(req)
+            if self.reserved[0] + tgt > self.target.cache.num_pages:
+                return
+            if self.draft is not None and self.reserved[1] + drf > self.draft.cache.num_pages:
+                return
+            self.waiting.pop(0)
+            self.reserved[0] += tgt
+            self.reserved[1] += drf
+            req.reserved_pages = (tgt, drf)
+            req.phase = Phase.PREFILL
+            self.running.append(req)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.phase, req.finish_reason = Phase.FINISHED, reason
+        self.target.cache.release(req.target_kv)
+        if self.draft is not None:
+            self.draft.cache.release(req.draft_kv)
+        self.reserved[0] -= req.reserved_pages[0]
+        self.reserved[1] -= req.reserved_pages[1]
+        req.reserved_pages = (0, 0)
+        self.running.remove(req)
+
+    # ---- one iteration -----------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        self._admit()
+        m = StepMetrics()
+        prefill = self._prefill_segments(m)
+        decoding = [r for r in self.running if r.phase is Phase.DECODE]
+        trees = self._speculate_and_select(decoding, m)
+
+        t0 = self.clock()
+        segments = [seg for _, seg in prefill]
+        segments += [Segment(r.target_kv, r.target_kv.length, t) for r, t in zip(decoding, trees, strict=True)]
+        logits = (self.target.forward(segments, all_logits=[False] * len(prefill) + [True] * len(decoding))
+                  if segments else [])
+        emitted: dict[str, list[int]] = {}
+        for (req, seg), lg in zip(prefill, logits, strict=False):
+            self.target.cache.truncate(req.target_kv, seg.kv_len)
+            if req.target_kv.length == len(req.prompt_ids):  # last chunk: its last logits give token 1
+                res = walk_tree(TokenTree.root(req.prompt_ids[-1]), lg, req.params, generator=req.generator,
+                                stop_ids=self._stop_ids(req), budget=req.remaining)
+                req.phase = Phase.DECODE
+                emitted[req.request_id] = res.tokens
+        for req, tree, lg in zip(decoding, trees, logits[len(prefill):], strict=True):
+            res = walk_tree(tree, lg, req.params, generator=req.generator, stop_ids=self._stop_ids(req),
+                            budget=req.remaining)
+            base = req.target_kv.length
+            self.target.cache.move_slots(req.target_kv, *commit_moves(res.accepted_nodes, base))
+            self.target.cache.truncate(req.target_kv, base + len(res.accepted_nodes))
+            req.metrics.accepted_per_step.append(res.num_accepted)
+            req.metrics.verified_per_step.append(tree.size)
+            m.tokens_accepted += res.num_accepted
+            emitted[req.request_id] = res.tokens
+        m.t_verify_s = self.clock() - t0
+        events = self._emit(emitted, m)
+        self.history.append(m)
+        return events
+
+    def _stop_ids(self, req: Request) -> frozenset[int]:
+        ids = frozenset(req.params.stop_token_ids)
+        return ids if req.params.ignore_eos else ids | self.stop_ids
+
+    def _prefill_segments(self, m: StepMetrics) -> list[tuple[Request, Segment]]:
+        left = self.cfg.prefill_chunk
+        out = []
+        for req in self.running:
+            if req.phase is not Phase.PREFILL or left <= 0:
+                continue
+            done = req.target_kv.length
+            chunk = req.prompt_ids[done : done + left]
+            left -= len(chunk)
+            m.prefill_tokens += len(chunk)
+            out.append((req, Segment(req.target_kv, done, TokenTree.chain(chunk))))
+        return out
+
+    def _speculate_and_select(self, decoding: list[Request], m: StepMetrics) -> list[TokenTree]:
+        m.n_decode = len(decoding)
+        roots = [TokenTree.root(r.all_ids[-1]) for r in decoding]
+        shape = self.policy.tree_shape(len(decoding)) if decoding else None
+        if shape is None or self.draft is None:
+            m.tokens_verified = len(roots)
+            return roots
+        depth, width = shape
+        m.depth, m.width = depth, width
+        t0 = self.clock()
+        inputs = [DraftInput(r.draft_kv, r.all_ids[r.draft_kv.length :]) for r in decoding]
+        cands = beam_search(self.draft, inputs, depth=depth, width=width)
+        t1 = self.clock()
+        ctx = SelectionContext(budget=max(self.cfg.budget, len(decoding)), depth=depth, now_s=t1,
+                               t_iter_s=self.cfg.t_iter_s)
+        chosen = self.policy.select(cands, decoding, ctx)
+        trees = [c.subtree(sel) for c, sel in zip(cands, chosen, strict=True)]
+        m.t_speculate_s, m.t_select_s = t1 - t0, self.clock() - t1
+        m.tokens_verified = sum(t.size for t in trees)
+        m.per_request_verified = {r.request_id: t.size for r, t in zip(decoding, trees, strict=True)}
+        return trees
+
+    def _emit(self, emitted: dict[str, list[int]], m: StepMetrics) -> list[TokenEvent]:
+        now = self.clock()
+        events = []
+        for req in list(self.running):
+            toks = emitted.get(req.request_id)
+            if not toks:
+                continue
+            if req.metrics.first_token_s is None:
+                req.metrics.first_token_s = req.metrics.decode_start_s = now
+            req.output_ids.extend(toks)
+            req.metrics.num_tokens = len(req.output_ids)
+            req.metrics.last_token_s = now
+            m.tokens_emitted += len(toks)
+            reason = None
+            if toks[-1] in self._stop_ids(req):
+                reason = "stop"
+            elif req.params.stop and self.detokenize is not None:
+                text = self.detokenize(req.output_ids)
+                if any(s in text for s in req.params.stop):
+                    reason = "stop"
+            if reason is None and req.remaining <= 0:
+                reason = "length"
+            if reason is not None:
+                self._finish(req, reason)
+            events.append(TokenEvent(req.request_id, toks, reason is not None, reason))
+        return events
+
+    # ---- a simple driver ----------------------------------------------------------------------------
+    def run(self, arrivals: list[tuple[float, Request]], *, on_step: Callable[[list[TokenEvent]], None] | None
+            = None) -> list[Request]:
+        """Serve requests arriving at the given offsets (seconds from now) until all have finished."""
+        pending = sorted(arrivals, key=lambda a: a[0])
+        start = self.clock()
+        done: list[Request] = []
+        while pending or self.has_work:
+            now = self.clock() - start
+            while pending and pending[0][0] <= now:
+                self.add_request(pending.pop(0)[1])
+            if not self.has_work:
+                time.sleep(max(0.0, min(pending[0][0] - now, 0.05)))
+                continue
+            events = self.step()
+            if on_step is not None:
+                on_step(events)
+        for _, req in arrivals:
+            done.append(req)
+        return done

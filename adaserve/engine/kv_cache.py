@@ -1,0 +1,113 @@
+"""The paged KV cache the engine owns, and the page accounting that keeps it from leaking.
+
+Storage is one tensor per K and V, ``[num_layers, num_pages * page_size, kv_heads, head_dim]``: a
+token's *slot* is ``page * page_size + offset``. Viewed per layer as ``[num_pages, page_size, ...]``
+it is the paged layout flashinfer reads.
+
+Accounting per sequence: ``length`` tokens hold committed KV; pages cover ``allocated`` >= length
+slots. A verification step may write a whole tree past ``length``; afterwards the engine calls
+``truncate`` to the committed length, which returns every page beyond it. Rejected tree nodes
+therefore cannot keep pages alive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from adaserve.engine.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    page_size: int = 16
+    num_pages: int | None = None  # explicit size; else derived from memory_bytes
+    memory_bytes: int = 256 * 2**20
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0:
+            raise ValueError("page_size must be positive")
+        if self.num_pages is not None and self.num_pages <= 0:
+            raise ValueError("num_pages must be positive")
+        if self.num_pages is None and self.memory_bytes <= 0:
+            raise ValueError("memory_bytes must be positive")
+
+
+class OutOfPagesError(RuntimeError):
+    """The cache has no free page for a write the scheduler allowed: an accounting bug upstream."""
+
+
+@dataclass
+class SequenceKV:
+    """One request's view of the cache: its pages and how many leading slots hold committed KV."""
+
+    pages: list[int] = field(default_factory=list)
+    length: int = 0
+
+    def slot(self, index: int, page_size: int) -> int:
+        return self.pages[index // page_size] * page_size + index % page_size
+
+    def slots(self, start: int, stop: int, page_size: int) -> np.ndarray:
+        idx = np.arange(start, stop)
+        return np.asarray(self.pages, np.int64)[idx // page_size] * page_size + idx % page_size
+
+
+class PagedKVCache:
+    def __init__(self, model: ModelConfig, cfg: KVCacheConfig, *, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.page_size = cfg.page_size
+        per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype.itemsize
+        self.num_pages = cfg.num_pages or max(1, cfg.memory_bytes // (per_token * cfg.page_size))
+        shape = (model.num_layers, self.num_pages * self.page_size, model.num_kv_heads, model.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
+
+    # ---- accounting -----------------------------------------------------------------------------
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    def ensure(self, seq: SequenceKV, n_tokens: int) -> None:
+        """Allocate pages so that slots [0, n_tokens) exist for ``seq``."""
+        need = self.pages_for(n_tokens) - len(seq.pages)
+        if need > len(self._free):
+            raise OutOfPagesError(f"need {need} pages, {len(self._free)} free")
+        for _ in range(max(0, need)):
+            seq.pages.append(self._free.pop())
+
+    def truncate(self, seq: SequenceKV, n_tokens: int) -> None:
+        """Keep slots [0, n_tokens) as committed; free every page past them."""
+        if n_tokens > len(seq.pages) * self.page_size:
+            raise ValueError("cannot commit more tokens than were allocated")
+        seq.length = n_tokens
+        keep = self.pages_for(n_tokens)
+        while len(seq.pages) > keep:
+            self._free.append(seq.pages.pop())
+
+    def release(self, seq: SequenceKV) -> None:
+        self.truncate(seq, 0)
+
+    # ---- data movement --------------------------------------------------------------------------
+    def move_slots(self, seq: SequenceKV, src: list[int], dst: list[int]) -> None:
+        """Copy KV of token indices ``src`` to ``dst`` in every layer (used to compact accepted paths).
+
+        The caller passes ascending ``dst`` with ``src[j] >= dst[j]``, so no source is overwritten
+        before it is read.
+        """
+        pairs = [(s, d) for s, d in zip(src, dst, strict=True) if s != d]
+        if not pairs:
+            return
+        s_idx = torch.tensor([seq.slot(s, self.page_size) for s, _ in pairs], device=self.k.device)
+        d_idx = torch.tensor([seq.slot(d, self.page_size) for _, d in pairs], device=self.k.device)
+        self.k[:, d_idx] = self.k[:, s_idx]
+        self.v[:, d_idx] = self.v[:, s_idx]

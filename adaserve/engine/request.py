@@ -1,0 +1,84 @@
+"""A request's state inside the engine, and the metrics it reports when it leaves."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from adaserve.engine.kv_cache import SequenceKV
+from adaserve.engine.sampling import SamplingParams, make_generator
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # not admitted: no KV reserved yet
+    PREFILL = "prefill"  # prompt partly in the target KV
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_s: float
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    decode_start_s: float | None = None
+    num_tokens: int = 0
+    accepted_per_step: list[int] = field(default_factory=list)  # draft tokens accepted per verification
+    verified_per_step: list[int] = field(default_factory=list)  # tree tokens sent to verification
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return None if self.first_token_s is None else 1e3 * (self.first_token_s - self.arrival_s)
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Mean time per output token after the first: (t_last - t_first) / (n - 1)."""
+        if self.first_token_s is None or self.last_token_s is None or self.num_tokens < 2:
+            return None
+        return 1e3 * (self.last_token_s - self.first_token_s) / (self.num_tokens - 1)
+
+    def to_dict(self) -> dict:
+        acc = self.accepted_per_step
+        return {
+            "ttft_ms": self.ttft_ms,
+            "tpot_ms": self.tpot_ms,
+            "num_tokens": self.num_tokens,
+            "verifications": len(acc),
+            "accepted_per_step": acc,
+            "mean_accepted_per_step": (sum(acc) / len(acc)) if acc else 0.0,
+        }
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    tpot_slo_ms: float | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_s=0.0))
+    output_ids: list[int] = field(default_factory=list)
+    phase: Phase = Phase.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    target_kv: SequenceKV = field(default_factory=SequenceKV)
+    draft_kv: SequenceKV = field(default_factory=SequenceKV)
+    reserved_pages: tuple[int, int] = (0, 0)  # (target, draft) pages reserved at admission
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.generator = make_generator(self.params.seed)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.FINISHED

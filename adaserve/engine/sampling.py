@@ -1,0 +1,78 @@
+"""Sampling settings and the target distribution they define.
+
+Every emitted token is one draw from the *target's* processed distribution at that token's context,
+made with the request's own generator and one uniform per token (inverse CDF). A speculative
+request therefore consumes its random stream exactly as plain decoding would: with the same seed,
+outputs match plain sampling token for token, not only in distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 means greedy (argmax)
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def processed_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """logits [N, V] -> probabilities [N, V] after temperature, top-k and top-p (float64 for exact CDFs)."""
+    x = logits.double() / p.temperature
+    if p.top_k and p.top_k < x.shape[-1]:
+        kth = torch.topk(x, p.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if p.top_p < 1.0:
+        # keep the smallest set of most likely tokens whose mass reaches top_p
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        sorted_p = sorted_p.masked_fill(mass_before >= p.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from probs [V] using exactly one uniform from ``generator`` (inverse CDF)."""
+    u = torch.rand((), generator=generator, dtype=torch.float64)
+    cdf = probs.double().cpu().cumsum(0)
+    idx = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+    idx = min(idx, probs.shape[0] - 1)
+    while probs[idx] <= 0:  # u landed on a boundary of a zero-mass token: step back to a real one
+        idx -= 1
+    return idx

@@ -94,7 +94,8 @@ class Engine:
             drf = self.draft.cache.pages_for(n + 1 + self.policy.max_depth * self.policy.max_width)
         return tgt, drf
 
-    def add_request(self, req: Request) -> None:
+    def check_request(self, req: Request) -> None:
+        """Raise ValueError (with a message naming the field) if the engine could never serve ``req``."""
         total = len(req.prompt_ids) + req.params.max_tokens + self.policy.max_depth + 1
         if total > self.max_context:
             raise ValueError(
@@ -107,6 +108,9 @@ class Engine:
         tgt, drf = self._reservation(req)
         if tgt > self.target.cache.num_pages or (self.draft and drf > self.draft.cache.num_pages):
             raise ValueError("request needs more KV cache than the engine has in total")
+
+    def add_request(self, req: Request) -> None:
+        self.check_request(req)
         req.metrics.arrival_s = self.clock()
         self.waiting.append(req)
 

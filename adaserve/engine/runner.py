@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,7 +15,7 @@ from adaserve.engine.model import CausalLM
 @dataclass(frozen=True)
 class RunnerConfig:
     attention: str = "auto"
-    kv: KVCacheConfig = KVCacheConfig()
+    kv: KVCacheConfig = field(default_factory=KVCacheConfig)
 
 
 class ModelRunner:

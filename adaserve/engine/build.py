@@ -1,0 +1,67 @@
+"""Assembling an engine from model directories and options: the one place entry points share."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from adaserve.engine.engine import Engine, EngineConfig
+from adaserve.engine.kv_cache import KVCacheConfig
+from adaserve.engine.loader import load_model, load_tokenizer
+from adaserve.engine.model_config import UnsupportedModelError
+from adaserve.engine.policies import make_policy
+from adaserve.engine.runner import ModelRunner, RunnerConfig
+
+log = logging.getLogger(__name__)
+
+
+class EngineBuildError(Exception):
+    """Models or options that cannot make an engine; the message is meant for the user."""
+
+
+@dataclass
+class BuiltEngine:
+    engine: Engine
+    tokenizer: Any | None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise EngineBuildError("--device cuda requested but no CUDA device is available")
+    if name not in ("cpu", "cuda"):
+        raise EngineBuildError(f"unknown device {name!r}: use cpu or cuda")
+    return torch.device(name)
+
+
+def build_engine(*, target: Path, draft: Path | None, device: str = "cpu", policy: str = "beam",
+                 budget: int | None = None, attention: str = "auto", kv_memory_mb: int = 256,
+                 progress: bool = True) -> BuiltEngine:
+    dev = resolve_device(device)
+    try:
+        pol = make_policy(policy)
+        cfg = EngineConfig() if budget is None else EngineConfig(budget=budget)
+        runner_cfg = RunnerConfig(attention=attention, kv=KVCacheConfig(memory_bytes=kv_memory_mb * 2**20))
+    except ValueError as e:
+        raise EngineBuildError(str(e)) from None
+    if pol.max_depth > 0 and draft is None:
+        raise EngineBuildError(f"policy {policy!r} speculates: give a draft model with --draft")
+    try:
+        tgt = ModelRunner(load_model(target, device=dev, progress=progress), runner_cfg)
+        drf = None
+        if draft is not None and pol.max_depth > 0:
+            drf = ModelRunner(load_model(draft, device=dev, progress=progress), runner_cfg)
+        engine = Engine(tgt, drf, pol, cfg)
+    except (FileNotFoundError, UnsupportedModelError, ValueError) as e:
+        raise EngineBuildError(str(e)) from None
+    tokenizer = None
+    try:
+        tokenizer = load_tokenizer(target)
+    except Exception as e:  # transformers raises many types for a missing/odd tokenizer; it is optional
+        log.warning("no tokenizer in %s (%s): only prompt_token_ids inputs will work", target, e)
+    if tokenizer is not None:
+        engine.detokenize = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    return BuiltEngine(engine, tokenizer)

@@ -1,0 +1,47 @@
+"""Shared fixtures: small random checkpoints built once per session, and runners over them."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.models import make_checkpoint
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--with-gpu", action="store_true", help="also run tests that need a CUDA device")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--with-gpu"):
+        return
+    skip = pytest.mark.skip(reason="GPU test: run with --with-gpu on a CUDA machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _threads() -> None:
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def ckpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="session")
+def target_dir(ckpt_dir: Path) -> Path:
+    return make_checkpoint(ckpt_dir / "target", "llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def draft_dir(ckpt_dir: Path) -> Path:
+    """A different random model: its proposals are mostly rejected, exercising the rejection paths."""
+    return make_checkpoint(ckpt_dir / "draft", "llama", seed=1, num_hidden_layers=1)

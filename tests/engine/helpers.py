@@ -1,0 +1,34 @@
+"""Building engines over test checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from adaserve.engine.engine import Engine, EngineConfig
+from adaserve.engine.kv_cache import KVCacheConfig
+from adaserve.engine.loader import load_model
+from adaserve.engine.policies import make_policy
+from adaserve.engine.runner import ModelRunner, RunnerConfig
+
+CPU = torch.device("cpu")
+
+
+def runner(path: Path, *, page_size: int = 4, num_pages: int = 4000) -> ModelRunner:
+    cfg = RunnerConfig(attention="torch", kv=KVCacheConfig(page_size=page_size, num_pages=num_pages))
+    return ModelRunner(load_model(path, device=CPU), cfg)
+
+
+def engine(target: Path, draft: Path | None, policy: str, **cfg: int) -> Engine:
+    pol = make_policy(policy)
+    return Engine(runner(target), runner(draft) if draft and pol.max_depth else None, pol, EngineConfig(**cfg))
+
+
+def hf_greedy(path: Path, prompt: list[int], max_new: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -88,10 +88,11 @@ class Engine:
     def _reservation(self, req: Request) -> tuple[int, int]:
         # worst case: every token of prompt and output, plus the largest tree written past them
         n = len(req.prompt_ids) + req.params.max_tokens
-        tgt = self.target.cache.pages_for(n + self.cfg.budget)
+        tree_max = 1 + self.policy.max_depth * self.policy.max_width  # beam search: root + d levels of w
+        tgt = self.target.cache.pages_for(n + min(tree_max, self.cfg.budget))
         drf = 0
         if self.draft is not None and self.policy.max_depth > 0:
-            drf = self.draft.cache.pages_for(n + 1 + self.policy.max_depth * self.policy.max_width)
+            drf = self.draft.cache.pages_for(n + tree_max)
         return tgt, drf
 
     def check_request(self, req: Request) -> None:

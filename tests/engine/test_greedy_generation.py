@@ -26,7 +26,7 @@ def references(target_dir: Path) -> dict[str, list[int]]:
     return {r.request_id: hf_greedy(target_dir, r.prompt_ids, r.params.max_tokens) for r in workload(10)}
 
 
-def run_staggered(eng, reqs: list[Request]) -> None:  # noqa: ANN001
+def run_staggered(eng, reqs: list[Request]) -> None:
     """Requests join while others are mid-generation: three arrive at once, then one per step."""
     queue = list(reqs)
     for r in queue[:3]:

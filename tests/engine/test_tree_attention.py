@@ -29,19 +29,19 @@ def path_tokens(tree: TokenTree, node: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def hf_model(target_dir: Path):  # noqa: ANN201
+def hf_model(target_dir: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
 
 
-def reference(hf_model, context: list[int]) -> torch.Tensor:  # noqa: ANN001
+def reference(hf_model, context: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf_model(torch.tensor([context])).logits[0, -1]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_batched_tree_logits_equal_sequential(target_dir: Path, hf_model, seed: int) -> None:  # noqa: ANN001
+def test_batched_tree_logits_equal_sequential(target_dir: Path, hf_model, seed: int) -> None:
     rng = np.random.default_rng(seed)
     r = runner(target_dir, page_size=4)
     prefixes = [rng.integers(2, 97, n).tolist() for n in (1, 6, 17, 33)]
@@ -62,7 +62,7 @@ def test_batched_tree_logits_equal_sequential(target_dir: Path, hf_model, seed: 
             assert (lg[node] - ref).abs().max().item() <= 1e-4
 
 
-def test_growing_tree_with_cached_nodes(target_dir: Path, hf_model) -> None:  # noqa: ANN001
+def test_growing_tree_with_cached_nodes(target_dir: Path, hf_model) -> None:
     """Beam search writes a tree level by level: new nodes attend to cached earlier nodes by the mask."""
     rng = np.random.default_rng(7)
     r = runner(target_dir, page_size=4)

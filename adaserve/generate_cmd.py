@@ -27,7 +27,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--input", required=True, type=Path, help="JSONL prompts")
     p.add_argument("--output", required=True, type=Path, help="JSONL results, in input order")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--policy", default="beam", help="decoding policy (default: beam)")
+    p.add_argument("--policy", default="adaserve",
+                   help="adaserve (default), incremental, chain:K, specinfer, smartspec, equal-greedy, global-greedy")
     p.add_argument("--budget", type=int, help="tokens per verification (default: engine default)")
     p.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"])
     p.add_argument("--kv-memory-mb", type=int, default=256, help="KV cache memory per model")

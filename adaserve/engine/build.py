@@ -19,6 +19,9 @@ from adaserve.engine.runner import ModelRunner, RunnerConfig
 log = logging.getLogger(__name__)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 class EngineBuildError(Exception):
     """Models or options that cannot make an engine; the message is meant for the user."""
 
@@ -37,7 +40,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_engine(*, target: Path, draft: Path | None, device: str = "cpu", policy: str = "beam",
+def build_engine(*, target: Path, draft: Path | None, device: str = "cpu", policy: str = "adaserve",
                  budget: int | None = None, attention: str = "auto", kv_memory_mb: int = 256,
                  progress: bool = True) -> BuiltEngine:
     dev = resolve_device(device)
@@ -47,21 +50,24 @@ def build_engine(*, target: Path, draft: Path | None, device: str = "cpu", polic
         runner_cfg = RunnerConfig(attention=attention, kv=KVCacheConfig(memory_bytes=kv_memory_mb * 2**20))
     except ValueError as e:
         raise EngineBuildError(str(e)) from None
-    if pol.max_depth > 0 and draft is None:
+    if pol.max_shape is not None and draft is None:
         raise EngineBuildError(f"policy {policy!r} speculates: give a draft model with --draft")
     try:
         tgt = ModelRunner(load_model(target, device=dev, progress=progress), runner_cfg)
         drf = None
-        if draft is not None and pol.max_depth > 0:
+        if draft is not None and pol.max_shape is not None:
             drf = ModelRunner(load_model(draft, device=dev, progress=progress), runner_cfg)
         engine = Engine(tgt, drf, pol, cfg)
     except (FileNotFoundError, UnsupportedModelError, ValueError) as e:
         raise EngineBuildError(str(e)) from None
     tokenizer = None
-    try:
-        tokenizer = load_tokenizer(target)
-    except Exception as e:  # transformers raises many types for a missing/odd tokenizer; it is optional
-        log.warning("no tokenizer in %s (%s): only prompt_token_ids inputs will work", target, e)
+    if any((target / f).is_file() for f in TOKENIZER_FILES):
+        try:
+            tokenizer = load_tokenizer(target)
+        except Exception as e:  # transformers raises many types for an odd tokenizer; it is optional
+            first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+            log.warning("cannot load the tokenizer in %s (%s): only prompt_token_ids inputs will work",
+                        target, first_line)
     if tokenizer is not None:
         engine.detokenize = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
     return BuiltEngine(engine, tokenizer)

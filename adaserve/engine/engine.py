@@ -1,10 +1,10 @@
 """The engine: one ``step()`` = admit, prefill chunks, speculate, select, verify, commit.
 
-    step():  waiting --admit (reserve KV)--> prefill --chunks--> decode --stop/length--> finished
-             one target forward carries every prefill chunk and every verification tree
+    waiting --admit (reserve KV)--> prefill --chunks--> decode --stop / length / abort--> finished
 
-``step`` is pure with respect to time except through ``clock``; the loop that calls it (``generate``
-here, a background thread in the worker) decides when requests arrive.
+One target forward carries every prefill chunk and every verification tree. ``step`` only reads time
+through ``clock``; whoever calls it (``run`` below, the background ``EngineLoop``, a test) decides
+when requests arrive.
 """
 
 from __future__ import annotations
@@ -12,13 +12,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from adaserve.engine.batch import Segment
-from adaserve.engine.policies import Policy, SelectionContext
+from adaserve.engine.policies import BatchView, Policy, SelectionContext, TreeShape
 from adaserve.engine.request import Phase, Request
+from adaserve.engine.roofline import CostModel
 from adaserve.engine.runner import ModelRunner
 from adaserve.engine.speculate import DraftInput, beam_search
+from adaserve.engine.timing import OnlineCostModel
 from adaserve.engine.tree import TokenTree
 from adaserve.engine.verify import commit_moves, walk_tree
 
@@ -27,16 +29,18 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineConfig:
-    budget: int = 64  # B: tokens per verification forward (roots included); from the profiler later
+    budget: int = 64  # B: tokens per verification (roots included); the profiler's knee when profiled
     prefill_chunk: int = 256  # prompt tokens per step across requests (chunked prefill)
-    max_batch: int = 64  # decoding requests at once
-    t_iter_s: float = 0.05  # predicted iteration time until a cost model is plugged in
+    max_batch: int = 64  # requests admitted at once
+    target_cost: CostModel | None = None  # profiled T_fwd of the target; learnt online when None
+    draft_cost: CostModel | None = None
+    initial_forward_s: float = 0.02  # flat guess for an unprofiled forward, until measurements arrive
 
     def __post_init__(self) -> None:
         if self.budget < 1 or self.prefill_chunk < 1 or self.max_batch < 1:
             raise ValueError("budget, prefill_chunk and max_batch must be >= 1")
-        if self.t_iter_s <= 0:
-            raise ValueError("t_iter_s must be positive")
+        if self.initial_forward_s <= 0:
+            raise ValueError("initial_forward_s must be positive")
 
 
 @dataclass(frozen=True)
@@ -49,24 +53,38 @@ class TokenEvent:
 
 @dataclass
 class StepMetrics:
+    """One iteration, in a form benchmarks aggregate (``to_dict`` is one JSON line)."""
+
     n_decode: int = 0
+    n_prefill: int = 0
     prefill_tokens: int = 0
     depth: int = 0
     width: int = 0
+    budget: int = 0
     tokens_verified: int = 0  # tree nodes sent to the target, roots included
     tokens_accepted: int = 0  # draft tokens the target confirmed
     tokens_emitted: int = 0
     t_speculate_s: float = 0.0
-    t_select_s: float = 0.0
+    t_select_s: float = 0.0  # the scheduler's own time
     t_verify_s: float = 0.0
+    t_step_s: float = 0.0
+    predicted_iter_s: float = 0.0
     per_request_verified: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def budget_used(self) -> float:
+        return self.tokens_verified / self.budget if self.budget else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "budget_used": self.budget_used}
 
 
 class Engine:
     def __init__(self, target: ModelRunner, draft: ModelRunner | None, policy: Policy,
-                 cfg: EngineConfig = EngineConfig(), *, clock: Callable[[], float] = time.perf_counter,
+                 cfg: EngineConfig | None = None, *, clock: Callable[[], float] = time.perf_counter,
                  detokenize: Callable[[list[int]], str] | None = None) -> None:
-        if policy.max_depth > 0 and draft is None:
+        cfg = cfg or EngineConfig()
+        if policy.max_shape is not None and draft is None:
             raise ValueError(f"policy {policy.name!r} speculates and needs a draft model")
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise ValueError(f"draft vocab {draft.vocab_size} != target vocab {target.vocab_size}")
@@ -74,10 +92,15 @@ class Engine:
         self.clock = clock
         self.detokenize = detokenize
         self.stop_ids = frozenset(target.model.cfg.eos_token_ids)
+        flat = CostModel(0.0, 0.0, cfg.initial_forward_s)
+        self.target_time = OnlineCostModel(cfg.target_cost or flat, frozen=cfg.target_cost is not None)
+        self.draft_time = OnlineCostModel(cfg.draft_cost or CostModel(0.0, 0.0, cfg.initial_forward_s / 4),
+                                          frozen=cfg.draft_cost is not None)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.reserved = [0, 0]  # pages promised to admitted requests (target, draft)
         self.history: list[StepMetrics] = []
+        self.step_listeners: list[Callable[[StepMetrics], None]] = []
 
     # ---- requests in and out ----------------------------------------------------------------------
     @property
@@ -85,20 +108,22 @@ class Engine:
         n = self.target.model.cfg.max_position_embeddings
         return n if self.draft is None else min(n, self.draft.model.cfg.max_position_embeddings)
 
+    def _tree_max(self) -> int:
+        shape = self.policy.max_shape
+        return 1 if shape is None else shape.max_nodes
+
     def _reservation(self, req: Request) -> tuple[int, int]:
         # worst case: every token of prompt and output, plus the largest tree written past them
         n = len(req.prompt_ids) + req.params.max_tokens
-        tree_max = 1 + self.policy.max_depth * self.policy.max_width  # beam search: root + d levels of w
-        tgt = self.target.cache.pages_for(n + min(tree_max, self.cfg.budget))
-        drf = 0
-        if self.draft is not None and self.policy.max_depth > 0:
-            drf = self.draft.cache.pages_for(n + tree_max)
+        tree = self._tree_max()
+        tgt = self.target.cache.pages_for(n + tree)
+        drf = self.draft.cache.pages_for(n + tree) if self.draft is not None and tree > 1 else 0
         return tgt, drf
 
     def check_request(self, req: Request) -> None:
         """Raise ValueError (with a message naming the field) if the engine could never serve ``req``."""
-        total = len(req.prompt_ids) + req.params.max_tokens + self.policy.max_depth + 1
-        if total > self.max_context:
+        depth = 0 if self.policy.max_shape is None else self.policy.max_shape.depth
+        if len(req.prompt_ids) + req.params.max_tokens + depth + 1 > self.max_context:
             raise ValueError(
                 f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) exceeds the "
                 f"model context of {self.max_context} tokens"
@@ -107,15 +132,18 @@ class Engine:
         if any(not 0 <= t < vocab for t in req.prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         tgt, drf = self._reservation(req)
-        if tgt > self.target.cache.num_pages or (self.draft and drf > self.draft.cache.num_pages):
-            raise ValueError("request needs more KV cache than the engine has in total")
+        if tgt > self.target.cache.num_pages or (self.draft is not None and drf > self.draft.cache.num_pages):
+            raise ValueError("prompt + max_tokens need more KV cache than the engine has in total")
 
     def add_request(self, req: Request) -> None:
         self.check_request(req)
+        if any(r.request_id == req.request_id for r in self.waiting + self.running):
+            raise ValueError(f"request id {req.request_id!r} is already in use")
         req.metrics.arrival_s = self.clock()
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> bool:
+        """Stop a request now; its KV pages are free when this returns."""
         for req in self.waiting:
             if req.request_id == request_id:
                 self.waiting.remove(req)
@@ -130,6 +158,10 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def kv_usage(self) -> float:
+        c = self.target.cache
+        return 1.0 - c.free_pages / c.num_pages
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.cfg.max_batch:
@@ -158,8 +190,9 @@ class Engine:
 
     # ---- one iteration -----------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        t_start = self.clock()
         self._admit()
-        m = StepMetrics()
+        m = StepMetrics(budget=self.cfg.budget)
         prefill = self._prefill_segments(m)
         decoding = [r for r in self.running if r.phase is Phase.DECODE]
         trees = self._speculate_and_select(decoding, m)
@@ -167,17 +200,19 @@ class Engine:
         t0 = self.clock()
         segments = [seg for _, seg in prefill]
         segments += [Segment(r.target_kv, r.target_kv.length, t) for r, t in zip(decoding, trees, strict=True)]
-        logits = (self.target.forward(segments, all_logits=[False] * len(prefill) + [True] * len(decoding))
-                  if segments else [])
+        want_all = [False] * len(prefill) + [True] * len(decoding)
+        logits = self.target.forward(segments, all_logits=want_all) if segments else []
+        t_fwd = self.clock() - t0
         emitted: dict[str, list[int]] = {}
-        for (req, seg), lg in zip(prefill, logits, strict=False):
+        for (req, seg), lg in zip(prefill, logits[: len(prefill)], strict=True):
             self.target.cache.truncate(req.target_kv, seg.kv_len)
             if req.target_kv.length == len(req.prompt_ids):  # last chunk: its last logits give token 1
                 res = walk_tree(TokenTree.root(req.prompt_ids[-1]), lg, req.params, generator=req.generator,
                                 stop_ids=self._stop_ids(req), budget=req.remaining)
                 req.phase = Phase.DECODE
                 emitted[req.request_id] = res.tokens
-        for req, tree, lg in zip(decoding, trees, logits[len(prefill):], strict=True):
+        proposed = 0
+        for req, tree, lg in zip(decoding, trees, logits[len(prefill) :], strict=True):
             res = walk_tree(tree, lg, req.params, generator=req.generator, stop_ids=self._stop_ids(req),
                             budget=req.remaining)
             base = req.target_kv.length
@@ -186,10 +221,19 @@ class Engine:
             req.metrics.accepted_per_step.append(res.num_accepted)
             req.metrics.verified_per_step.append(tree.size)
             m.tokens_accepted += res.num_accepted
+            proposed += tree.size - 1
             emitted[req.request_id] = res.tokens
+        if segments:
+            n_ctx = sum(s.prefix_len for s in segments)
+            self.target_time.observe(n_ctx, sum(s.num_new for s in segments), t_fwd)
+        if proposed:
+            self.policy.observe(m.tokens_accepted, proposed)
         m.t_verify_s = self.clock() - t0
         events = self._emit(emitted, m)
+        m.t_step_s = self.clock() - t_start
         self.history.append(m)
+        for listener in self.step_listeners:
+            listener(m)
         return events
 
     def _stop_ids(self, req: Request) -> frozenset[int]:
@@ -206,24 +250,40 @@ class Engine:
             chunk = req.prompt_ids[done : done + left]
             left -= len(chunk)
             m.prefill_tokens += len(chunk)
+            m.n_prefill += 1
             out.append((req, Segment(req.target_kv, done, TokenTree.chain(chunk))))
         return out
+
+    def predict_iteration(self, shape: TreeShape | None, n: int, n_context: int) -> float:
+        """Predicted seconds for an iteration: d draft forwards + one target forward over B tokens."""
+        t = self.target_time.predict(n_context, min(self.cfg.budget, n * (1 if shape is None else shape.max_nodes)))
+        if shape is not None:
+            t += shape.depth * self.draft_time.predict(n_context, n * max(1, shape.width))
+        return t
 
     def _speculate_and_select(self, decoding: list[Request], m: StepMetrics) -> list[TokenTree]:
         m.n_decode = len(decoding)
         roots = [TokenTree.root(r.all_ids[-1]) for r in decoding]
-        shape = self.policy.tree_shape(len(decoding)) if decoding else None
-        if shape is None or self.draft is None:
-            m.tokens_verified = len(roots)
+        if not decoding:
             return roots
-        depth, width = shape
-        m.depth, m.width = depth, width
+        n_ctx = sum(r.target_kv.length for r in decoding)
+        view = BatchView(n_active=len(decoding), n_context=n_ctx, budget=self.cfg.budget,
+                         predict_target=self.target_time.predict, predict_draft=self.draft_time.predict)
+        shape = self.policy.tree_shape(view)
+        m.predicted_iter_s = self.predict_iteration(shape, len(decoding), n_ctx)
+        if shape is None or shape.depth < 1 or self.draft is None:
+            m.tokens_verified = len(roots)
+            m.per_request_verified = {r.request_id: 1 for r in decoding}
+            return roots
+        m.depth, m.width = shape.depth, shape.width
         t0 = self.clock()
         inputs = [DraftInput(r.draft_kv, r.all_ids[r.draft_kv.length :]) for r in decoding]
-        cands = beam_search(self.draft, inputs, depth=depth, width=width)
+        cands = beam_search(self.draft, inputs, depth=shape.depth, width=shape.width, expansion=shape.expansion)
         t1 = self.clock()
-        ctx = SelectionContext(budget=max(self.cfg.budget, len(decoding)), depth=depth, now_s=t1,
-                               t_iter_s=self.cfg.t_iter_s)
+        # steps 2..d each ran n*w draft tokens; step 1 ran the pending chains (not modelled separately)
+        self.draft_time.observe(n_ctx, len(decoding) * shape.width, (t1 - t0) / shape.depth)
+        ctx = SelectionContext(budget=max(self.cfg.budget, len(decoding)), depth=shape.depth, now_s=t1,
+                               t_iter_s=m.predicted_iter_s)
         chosen = self.policy.select(cands, decoding, ctx)
         trees = [c.subtree(sel) for c, sel in zip(cands, chosen, strict=True)]
         m.t_speculate_s, m.t_select_s = t1 - t0, self.clock() - t1
@@ -244,27 +304,27 @@ class Engine:
             req.metrics.num_tokens = len(req.output_ids)
             req.metrics.last_token_s = now
             m.tokens_emitted += len(toks)
-            reason = None
-            if toks[-1] in self._stop_ids(req):
-                reason = "stop"
-            elif req.params.stop and self.detokenize is not None:
-                text = self.detokenize(req.output_ids)
-                if any(s in text for s in req.params.stop):
-                    reason = "stop"
-            if reason is None and req.remaining <= 0:
-                reason = "length"
+            reason = self._finish_reason(req, toks)
             if reason is not None:
                 self._finish(req, reason)
             events.append(TokenEvent(req.request_id, toks, reason is not None, reason))
         return events
 
+    def _finish_reason(self, req: Request, new: list[int]) -> str | None:
+        if new[-1] in self._stop_ids(req):
+            return "stop"
+        if req.params.stop and self.detokenize is not None:
+            text = self.detokenize(req.output_ids)
+            if any(s in text for s in req.params.stop):
+                return "stop"
+        return "length" if req.remaining <= 0 else None
+
     # ---- a simple driver ----------------------------------------------------------------------------
-    def run(self, arrivals: list[tuple[float, Request]], *, on_step: Callable[[list[TokenEvent]], None] | None
-            = None) -> list[Request]:
+    def run(self, arrivals: list[tuple[float, Request]],
+            on_step: Callable[[list[TokenEvent]], None] | None = None) -> list[Request]:
         """Serve requests arriving at the given offsets (seconds from now) until all have finished."""
         pending = sorted(arrivals, key=lambda a: a[0])
         start = self.clock()
-        done: list[Request] = []
         while pending or self.has_work:
             now = self.clock() - start
             while pending and pending[0][0] <= now:
@@ -275,6 +335,4 @@ class Engine:
             events = self.step()
             if on_step is not None:
                 on_step(events)
-        for _, req in arrivals:
-            done.append(req)
-        return done
+        return [req for _, req in arrivals]

@@ -1,67 +1,109 @@
-"""Decoding policies: how big each request's tree is and which candidate nodes get verified.
+"""Decoding policies: AdaServe and every baseline, on the same engine (DESIGN.md section 6).
 
-A policy answers two questions per iteration: the beam-search shape (depth, width) for the current
-number of decoding requests, or None for no speculation; and, given the candidate trees, which nodes
-of each to verify. Every policy is lossless: the verification walk guarantees the output, a policy
-only changes how many tokens one target forward confirms.
+A policy answers, each iteration: how to speculate (a ``TreeShape`` for the draft's beam search, or
+None for no speculation), and which candidate nodes of each request to verify. Every policy is
+lossless: the verification walk decides the output; a policy only changes how many tokens one target
+forward confirms, and for whom.
+
+    name            shape                               selection
+    incremental     none                                root only
+    chain:K         depth K, width 1                    the whole chain (no budget), like vLLM-Spec(K)
+    specinfer       static expansion <1,1,3,1,1,1,1,1>  the whole tree (no budget)
+    smartspec       chain, K by predicted goodput       the whole chain
+    equal-greedy    adaptive (Eq. 8-9)                  budget split evenly, greedy per request
+    global-greedy   adaptive                            globally highest path probability
+    adaserve        adaptive                            Algorithm 2: SLO phase, then throughput phase
+    beam:D,W        fixed depth D, width W              globally highest path probability
 """
 
 from __future__ import annotations
 
-import heapq
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from adaserve.engine.adaptive import AdaptiveConfig, depth_width
 from adaserve.engine.request import Request
+from adaserve.engine.selection import (
+    SPECINFER_EXPANSION,
+    select_adaserve,
+    select_equal_greedy,
+    select_global_greedy,
+    slo_requirement,
+)
+from adaserve.engine.smartspec import AcceptanceAverage, best_length
 from adaserve.engine.tree import TokenTree
 
 
 @dataclass(frozen=True)
-class SelectionContext:
-    """What a policy may read when selecting: the budget and each request's state."""
+class TreeShape:
+    depth: int
+    width: int = 1
+    expansion: tuple[int, ...] | None = None  # static per-node fan-out (SpecInfer)
 
-    budget: int  # B: tokens one verification may carry, roots included
+    @property
+    def max_nodes(self) -> int:
+        if self.expansion is None:
+            return 1 + self.depth * self.width
+        total, level = 1, 1
+        for k in self.expansion:
+            level *= k
+            total += level
+        return total
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """What a policy sees before speculating."""
+
+    n_active: int  # decoding requests this iteration
+    n_context: int  # tokens already in the target KV across them
+    budget: int  # B
+    predict_target: Callable[[int, int], float]  # seconds for (N_context, N_batched)
+    predict_draft: Callable[[int, int], float]
+
+
+@dataclass(frozen=True)
+class SelectionContext:
+    budget: int  # tokens one verification may carry, roots included
     depth: int
     now_s: float
-    t_iter_s: float  # predicted iteration time
+    t_iter_s: float  # predicted duration of this iteration
 
 
 class Policy(Protocol):
     name: str
-    max_depth: int
-    max_width: int
 
-    def tree_shape(self, n_active: int) -> tuple[int, int] | None: ...
+    @property
+    def max_shape(self) -> TreeShape | None:
+        """The largest tree this policy can build (sizes KV reservations); None if it never speculates."""
+
+    def tree_shape(self, view: BatchView) -> TreeShape | None: ...
 
     def select(self, cands: list[TokenTree], reqs: list[Request], ctx: SelectionContext) -> list[list[int]]: ...
 
+    def observe(self, accepted: int, proposed: int) -> None:
+        """Feedback after verification: draft tokens accepted out of those proposed."""
 
-def global_top_nodes(cands: list[TokenTree], budget: int) -> list[list[int]]:
-    """Roots always; then the globally highest path-probability nodes until ``budget`` tokens.
 
-    Path probabilities strictly decrease from parent to child, so a node is never chosen before its
-    parent and every selected tree is connected.
-    """
-    chosen = [[0] for _ in cands]
-    heap = [(-float(t.log_probs[i]), r, i) for r, t in enumerate(cands) for i in range(1, t.size)]
-    heapq.heapify(heap)
-    left = budget - len(cands)
-    while left > 0 and heap:
-        _, r, i = heapq.heappop(heap)
-        chosen[r].append(i)
-        left -= 1
-    return [sorted(c) for c in chosen]
+def _everything(cands: list[TokenTree]) -> list[list[int]]:
+    return [list(range(c.size)) for c in cands]
+
+
+class _NoFeedback:
+    def observe(self, accepted: int, proposed: int) -> None:
+        return None
 
 
 @dataclass(frozen=True)
-class Incremental:
-    """Continuous batching without speculation: one token per request per iteration."""
-
+class Incremental(_NoFeedback):
     name: str = "incremental"
-    max_depth: int = 0
-    max_width: int = 0
 
-    def tree_shape(self, n_active: int) -> tuple[int, int] | None:
+    @property
+    def max_shape(self) -> TreeShape | None:
+        return None
+
+    def tree_shape(self, view: BatchView) -> TreeShape | None:
         return None
 
     def select(self, cands: list[TokenTree], reqs: list[Request], ctx: SelectionContext) -> list[list[int]]:
@@ -69,43 +111,165 @@ class Incremental:
 
 
 @dataclass(frozen=True)
-class FixedBeam:
-    """Fixed-shape beam-search trees, verified up to the budget by global path probability."""
+class Chain(_NoFeedback):
+    k: int = 4
+    name: str = "chain"
 
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError("chain:K needs K >= 1")
+
+    @property
+    def max_shape(self) -> TreeShape | None:
+        return TreeShape(self.k, 1)
+
+    def tree_shape(self, view: BatchView) -> TreeShape | None:
+        return TreeShape(self.k, 1)
+
+    def select(self, cands: list[TokenTree], reqs: list[Request], ctx: SelectionContext) -> list[list[int]]:
+        return _everything(cands)
+
+
+@dataclass(frozen=True)
+class SpecInfer(_NoFeedback):
+    expansion: tuple[int, ...] = SPECINFER_EXPANSION
+    name: str = "specinfer"
+
+    @property
+    def max_shape(self) -> TreeShape | None:
+        return TreeShape(len(self.expansion), expansion=self.expansion)
+
+    def tree_shape(self, view: BatchView) -> TreeShape | None:
+        return self.max_shape
+
+    def select(self, cands: list[TokenTree], reqs: list[Request], ctx: SelectionContext) -> list[list[int]]:
+        return _everything(cands)
+
+
+@dataclass
+class SmartSpec:
+    max_k: int = 8
+    acceptance: AcceptanceAverage = field(default_factory=AcceptanceAverage)
+    name: str = "smartspec"
+
+    @property
+    def max_shape(self) -> TreeShape | None:
+        return TreeShape(self.max_k, 1)
+
+    def tree_shape(self, view: BatchView) -> TreeShape | None:
+        k = best_length(n=max(1, view.n_active), n_context=view.n_context, alpha=self.acceptance.alpha,
+                        max_k=self.max_k, t_target=view.predict_target, t_draft=view.predict_draft)
+        return TreeShape(k, 1) if k > 0 else None
+
+    def select(self, cands: list[TokenTree], reqs: list[Request], ctx: SelectionContext) -> list[list[int]]:
+        return _everything(cands)
+
+    def observe(self, accepted: int, proposed: int) -> None:
+        self.acceptance.observe(accepted, proposed)
+
+
+@dataclass(frozen=True)
+class _Adaptive(_NoFeedback):
+    """Shared by the budgeted tree policies: shape from Eq. 8-9 with B1 tied to the budget."""
+
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+
+    @property
+    def max_shape(self) -> TreeShape | None:
+        return TreeShape(self.adaptive.d_max, self.adaptive.w_max)
+
+    def tree_shape(self, view: BatchView) -> TreeShape | None:
+        cfg = replace(self.adaptive, b1=view.budget)
+        d, w = depth_width(view.n_active, cfg)
+        return TreeShape(d, w) if d > 0 else None
+
+
+@dataclass(frozen=True)
+class AdaServe(_Adaptive):
+    n_max: int = 16  # per-request cap in the SLO phase, root included
+    name: str = "adaserve"
+
+    def select(self, cands: list[TokenTree], reqs: list[Request], ctx: SelectionContext) -> list[list[int]]:
+        needs = [requirement(r, now_s=ctx.now_s, t_iter_s=ctx.t_iter_s) for r in reqs]
+        return select_adaserve(cands, needs, budget=ctx.budget, depth=ctx.depth, n_max=self.n_max)
+
+
+@dataclass(frozen=True)
+class EqualGreedy(_Adaptive):
+    name: str = "equal-greedy"
+
+    def select(self, cands: list[TokenTree], reqs: list[Request], ctx: SelectionContext) -> list[list[int]]:
+        return select_equal_greedy(cands, budget=ctx.budget)
+
+
+@dataclass(frozen=True)
+class GlobalGreedy(_Adaptive):
+    name: str = "global-greedy"
+
+    def select(self, cands: list[TokenTree], reqs: list[Request], ctx: SelectionContext) -> list[list[int]]:
+        return select_global_greedy(cands, budget=ctx.budget)
+
+
+@dataclass(frozen=True)
+class FixedBeam(_NoFeedback):
     depth: int = 4
     width: int = 2
     name: str = "beam"
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.width < 1:
-            raise ValueError("beam depth and width must be >= 1")
+            raise ValueError("beam:D,W needs D >= 1 and W >= 1")
 
     @property
-    def max_depth(self) -> int:
-        return self.depth
+    def max_shape(self) -> TreeShape | None:
+        return TreeShape(self.depth, self.width)
 
-    @property
-    def max_width(self) -> int:
-        return self.width
-
-    def tree_shape(self, n_active: int) -> tuple[int, int] | None:
-        return self.depth, self.width
+    def tree_shape(self, view: BatchView) -> TreeShape | None:
+        return self.max_shape
 
     def select(self, cands: list[TokenTree], reqs: list[Request], ctx: SelectionContext) -> list[list[int]]:
-        return global_top_nodes(cands, ctx.budget)
+        return select_global_greedy(cands, budget=ctx.budget)
 
 
-def make_policy(spec: str) -> Policy:
-    """Policy by name: ``incremental``, ``beam`` or ``beam:D,W``."""
+def requirement(req: Request, *, now_s: float, t_iter_s: float) -> float:
+    """A(r) for a decoding request; 0 (nothing beyond the bonus token) when it has no TPOT SLO."""
+    first = req.metrics.first_token_s
+    if req.tpot_slo_ms is None or first is None:
+        return 0.0
+    # TPOT counts tokens after the first, over time since the first: o_r = n - 1, l_r = now - t_first
+    return slo_requirement(elapsed_s=max(0.0, now_s - first), tokens_so_far=max(0, len(req.output_ids) - 1),
+                           t_iter_s=t_iter_s, tpot_slo_s=req.tpot_slo_ms / 1e3)
+
+
+POLICY_NAMES = ("adaserve", "incremental", "chain:K", "specinfer", "smartspec", "equal-greedy", "global-greedy",
+                "beam:D,W")
+
+
+def make_policy(spec: str, *, adaptive: AdaptiveConfig | None = None) -> Policy:
+    """A policy from its name (see the table above)."""
     name, _, arg = spec.partition(":")
-    if name == "incremental" and not arg:
-        return Incremental()
-    if name == "beam":
-        if not arg:
-            return FixedBeam()
-        try:
+    ada = adaptive or AdaptiveConfig()
+    try:
+        if name == "chain" and arg:
+            return Chain(k=int(arg))
+        if name == "beam":
+            if not arg:
+                return FixedBeam()
             d, w = (int(x) for x in arg.split(","))
-        except ValueError:
-            raise ValueError(f"policy {spec!r}: expected beam:DEPTH,WIDTH") from None
-        return FixedBeam(depth=d, width=w)
-    raise ValueError(f"unknown policy {spec!r}; available: incremental, beam, beam:DEPTH,WIDTH")
+            return FixedBeam(depth=d, width=w)
+        if arg:
+            raise ValueError
+    except ValueError as e:
+        detail = f": {e}" if str(e) else ""
+        raise ValueError(f"bad policy {spec!r}{detail}; expected one of {', '.join(POLICY_NAMES)}") from None
+    simple: dict[str, Callable[[], Policy]] = {
+        "adaserve": lambda: AdaServe(adaptive=ada),
+        "incremental": Incremental,
+        "specinfer": SpecInfer,
+        "smartspec": SmartSpec,
+        "equal-greedy": lambda: EqualGreedy(adaptive=ada),
+        "global-greedy": lambda: GlobalGreedy(adaptive=ada),
+    }
+    if name not in simple:
+        raise ValueError(f"unknown policy {spec!r}; available: {', '.join(POLICY_NAMES)}")
+    return simple[name]()

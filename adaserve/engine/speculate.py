@@ -26,8 +26,17 @@ class DraftInput:
     pending: list[int]  # tokens not yet in the draft KV; the last one is the root
 
 
-def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, width: int) -> list[TokenTree]:
-    """Candidate trees (root + ``depth`` levels of ``width`` nodes) with draft path log-probs."""
+def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, width: int,
+                expansion: tuple[int, ...] | None = None) -> list[TokenTree]:
+    """Candidate trees (root + ``depth`` levels of ``width`` nodes) with draft path log-probs.
+
+    With ``expansion`` (SpecInfer's static trees) every node at depth i instead keeps its own top
+    ``expansion[i]`` children, and ``depth = len(expansion)``.
+    """
+    if expansion is not None:
+        depth = len(expansion)
+        if min(expansion, default=0) < 1:
+            raise ValueError("every static expansion factor must be >= 1")
     if depth < 1 or width < 1:
         raise ValueError("beam search needs depth >= 1 and width >= 1")
     segs = [Segment(x.seq, x.seq.length, TokenTree.chain(x.pending)) for x in inputs]
@@ -47,16 +56,21 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
             if not torch.isfinite(logp).all():
                 raise FloatingPointError("draft produced non-finite log-probs: refusing to build a tree")
             base = torch.tensor([lps[r][f] for f in frontier[r]], dtype=torch.float64)
-            score = base[:, None] + logp.double()  # cumulative log path probability
-            k = min(width, score.numel())
-            top = torch.topk(score.flatten(), k)
+            score = base[:, None] + logp.double()  # [F, V] cumulative log path probability
             v = score.shape[1]
+            if expansion is None:  # beam: the top-w extensions over all frontier nodes
+                top = torch.topk(score.flatten(), min(width, score.numel()))
+                picks = [(val, i // v, i % v) for val, i in zip(top.values.tolist(), top.indices.tolist(),
+                                                                strict=True)]
+            else:  # static: each frontier node keeps its own top-k children
+                top = torch.topk(score, min(expansion[step], v), dim=-1)
+                picks = [(val, f, tok) for f in range(score.shape[0])
+                         for val, tok in zip(top.values[f].tolist(), top.indices[f].tolist(), strict=True)]
             new_nodes = []
-            for s, flat in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-                parent = frontier[r][flat // v]
-                toks[r].append(flat % v)
-                pars[r].append(parent)
-                lps[r].append(s)
+            for val, f, tok in picks:
+                toks[r].append(tok)
+                pars[r].append(frontier[r][f])
+                lps[r].append(val)
                 new_nodes.append(len(toks[r]) - 1)
             frontier[r] = new_nodes
         if step == depth - 1:

@@ -22,13 +22,14 @@ def runner(path: Path, *, page_size: int = 4, num_pages: int = 4000) -> ModelRun
 
 def engine(target: Path, draft: Path | None, policy: str, **cfg: int) -> Engine:
     pol = make_policy(policy)
-    return Engine(runner(target), runner(draft) if draft and pol.max_depth else None, pol, EngineConfig(**cfg))
+    drf = runner(draft) if draft and pol.max_shape is not None else None
+    return Engine(runner(target), drf, pol, EngineConfig(**cfg))
 
 
-def hf_greedy(path: Path, prompt: list[int], max_new: int) -> list[int]:
+def hf_greedy(path: Path, prompt: list[int], max_new: int, *, eos: int | None = None) -> list[int]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None,
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
                          pad_token_id=0)
     return out[0, len(prompt):].tolist()

@@ -20,13 +20,14 @@ class CliError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from adaserve import generate_cmd
+    from adaserve import generate_cmd, profile_cmd
 
     parser = argparse.ArgumentParser(prog="adaserve", description="SLO-customized speculative decoding")
     parser.add_argument("--version", action="version", version=f"adaserve {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     generate_cmd.add_parser(sub)
+    profile_cmd.add_parser(sub)
     return parser
 
 

@@ -29,7 +29,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--policy", default="adaserve",
                    help="adaserve (default), incremental, chain:K, specinfer, smartspec, equal-greedy, global-greedy")
-    p.add_argument("--budget", type=int, help="tokens per verification (default: engine default)")
+    p.add_argument("--budget", type=int, help="tokens per verification (default: the profiled budget)")
+    p.add_argument("--reprofile", action="store_true", help="ignore the cached device profile")
     p.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"])
     p.add_argument("--kv-memory-mb", type=int, default=256, help="KV cache memory per model")
     p.set_defaults(func=run)
@@ -106,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     lines = read_input(args.input)
     try:
         built = build_engine(target=args.target, draft=args.draft, device=args.device, policy=args.policy,
-                             budget=args.budget, attention=args.attention, kv_memory_mb=args.kv_memory_mb)
+                             budget=args.budget, attention=args.attention, kv_memory_mb=args.kv_memory_mb,
+                             force_profile=args.reprofile)
     except EngineBuildError as e:
         raise CliError(str(e)) from None
     tok = built.tokenizer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _threads() -> None:
     # tiny test models gain nothing from threads, and OpenMP spin-waits collapse under oversubscription
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _profile_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Profiles go to a per-session folder (subprocesses inherit it), never the user's cache."""
+    os.environ["ADASERVE_CACHE_DIR"] = str(tmp_path_factory.mktemp("profiles"))
 
 
 @pytest.fixture(scope="session")

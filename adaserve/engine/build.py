@@ -14,6 +14,7 @@ from adaserve.engine.kv_cache import KVCacheConfig
 from adaserve.engine.loader import load_model, load_tokenizer
 from adaserve.engine.model_config import UnsupportedModelError
 from adaserve.engine.policies import make_policy
+from adaserve.engine.profiler import Profile, profile_models
 from adaserve.engine.runner import ModelRunner, RunnerConfig
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ class EngineBuildError(Exception):
 class BuiltEngine:
     engine: Engine
     tokenizer: Any | None
+    profile: Profile | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -42,12 +44,14 @@ def resolve_device(name: str) -> torch.device:
 
 def build_engine(*, target: Path, draft: Path | None, device: str = "cpu", policy: str = "adaserve",
                  budget: int | None = None, attention: str = "auto", kv_memory_mb: int = 256,
-                 progress: bool = True) -> BuiltEngine:
+                 profile: bool = True, force_profile: bool = False, progress: bool = True) -> BuiltEngine:
+    """Load models, profile (or reuse the cached profile) unless ``budget`` is given, build the engine."""
     dev = resolve_device(device)
     try:
         pol = make_policy(policy)
-        cfg = EngineConfig() if budget is None else EngineConfig(budget=budget)
         runner_cfg = RunnerConfig(attention=attention, kv=KVCacheConfig(memory_bytes=kv_memory_mb * 2**20))
+        if budget is not None:
+            EngineConfig(budget=budget)  # validate before the slow part
     except ValueError as e:
         raise EngineBuildError(str(e)) from None
     if pol.max_shape is not None and draft is None:
@@ -57,9 +61,19 @@ def build_engine(*, target: Path, draft: Path | None, device: str = "cpu", polic
         drf = None
         if draft is not None and pol.max_shape is not None:
             drf = ModelRunner(load_model(draft, device=dev, progress=progress), runner_cfg)
-        engine = Engine(tgt, drf, pol, cfg)
     except (FileNotFoundError, UnsupportedModelError, ValueError) as e:
         raise EngineBuildError(str(e)) from None
+    prof = None
+    if budget is None and profile:
+        drf_path = draft if drf is not None else None
+        prof = profile_models(tgt, drf, target_path=target, draft_path=drf_path, force=force_profile,
+                              progress=progress)
+    cfg = EngineConfig(
+        budget=budget if budget is not None else (prof.budget if prof else EngineConfig().budget),
+        target_cost=prof.target_cost if prof else None,
+        draft_cost=prof.draft_cost if prof else None,
+    )
+    engine = Engine(tgt, drf, pol, cfg)
     tokenizer = None
     if any((target / f).is_file() for f in TOKENIZER_FILES):
         try:
@@ -70,4 +84,4 @@ def build_engine(*, target: Path, draft: Path | None, device: str = "cpu", polic
                         target, first_line)
     if tokenizer is not None:
         engine.detokenize = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-    return BuiltEngine(engine, tokenizer)
+    return BuiltEngine(engine, tokenizer, prof)

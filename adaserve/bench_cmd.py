@@ -1,0 +1,78 @@
+"""``adaserve bench``: every policy on one arrival schedule, in real time, side by side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from adaserve.cli import CliError
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _budgets(text: str) -> tuple[int | str, ...]:
+    out: list[int | str] = []
+    for x in text.split(","):
+        if x == "auto":
+            out.append(x)
+        elif x.isdigit() and int(x) > 0:
+            out.append(int(x))
+        else:
+            raise argparse.ArgumentTypeError(f"budgets are positive integers or 'auto', got {x!r}")
+    return tuple(out)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("bench", help="compare decoding policies on the same multi-SLO workload")
+    p.add_argument("--target", required=True, type=Path)
+    p.add_argument("--draft", required=True, type=Path)
+    p.add_argument("--policies", default="adaserve,incremental,chain:4,smartspec,specinfer",
+                   help="comma-separated policies (empty with --budgets to sweep budgets only)")
+    p.add_argument("--rps", type=_floats, default=(1.0,), help="request rates, comma-separated")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per (policy, rate)")
+    p.add_argument("--trace", type=Path, help="arrival trace CSV (Azure format), rescaled to each rate")
+    p.add_argument("--mix", help="class mix, e.g. coding=0.6,chat=0.2,summarization=0.2")
+    p.add_argument("--slo-scale", type=float, default=1.0, help="multiply every class's TPOT SLO")
+    p.add_argument("--budgets", type=_budgets, default=(), help="also run adaserve at these budgets (and 'auto')")
+    p.add_argument("--budget", type=int, help="fixed budget for every policy (default: profiled)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--max-tokens", type=int, default=128, help="cap on output tokens per request")
+    p.add_argument("--json", type=Path, help="write the report here")
+    p.add_argument("--plot", type=Path, help="attainment and goodput against rate (PNG)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from adaserve.bench.runner import BenchConfig, plot_report, run_bench
+    from adaserve.bench.workload import parse_mix
+    from adaserve.engine.build import EngineBuildError
+    from adaserve.engine.model_config import UnsupportedModelError
+
+    try:
+        policies = tuple(p for p in args.policies.split(",") if p)
+        cfg = BenchConfig(target=args.target, draft=args.draft, policies=policies, rates=args.rps,
+                          duration_s=args.duration, trace=args.trace,
+                          mix=parse_mix(args.mix) if args.mix else None, slo_scale=args.slo_scale,
+                          seed=args.seed, device=args.device, budget=args.budget, budgets=args.budgets,
+                          max_tokens_cap=args.max_tokens)
+        if args.trace is not None and not args.trace.is_file():
+            raise ValueError(f"trace {args.trace} does not exist")
+        report = run_bench(cfg)
+    except (ValueError, FileNotFoundError, UnsupportedModelError, EngineBuildError) as e:
+        raise CliError(str(e)) from None
+    text = json.dumps(report, indent=2)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    if args.plot:
+        plot_report(report, args.plot)
+    print(text)
+    return 0

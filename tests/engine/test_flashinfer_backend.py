@@ -29,6 +29,7 @@ from adaserve.engine.request import Request
 from adaserve.engine.runner import ModelRunner, RunnerConfig
 from adaserve.engine.sampling import SamplingParams
 from adaserve.engine.tree import TokenTree
+from tests.engine.test_greedy_generation import run_staggered
 from tests.engine.test_tree_attention import random_tree
 from tests.models import make_checkpoint
 
@@ -350,18 +351,11 @@ def workload(n: int, seed: int = 0) -> list[Request]:
 
 def run_engine(ckpts: dict[str, Path], attention: str, policy: str, dtype: torch.dtype) -> dict[str, list[int]]:
     pol = make_policy(policy)
-    draft = gpu_runner(ckpts["draft"], attention, dtype) if pol.max_depth else None
+    draft = gpu_runner(ckpts["draft"], attention, dtype) if pol.max_shape is not None else None
     eng = Engine(gpu_runner(ckpts["d64-gqa2"], attention, dtype), draft, pol,
                  EngineConfig(budget=24, prefill_chunk=16))
     reqs = workload(10)
-    queue = list(reqs)
-    for r in queue[:3]:
-        eng.add_request(r)
-    queue = queue[3:]
-    while queue or eng.has_work:
-        if queue:
-            eng.add_request(queue.pop(0))
-        eng.step()
+    run_staggered(eng, reqs)
     assert all(r.finish_reason == "length" for r in reqs)
     return {r.request_id: r.output_ids for r in reqs}
 

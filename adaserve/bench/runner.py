@@ -15,6 +15,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from adaserve.bench.hf_peer import HFPeer
 from adaserve.bench.metrics import RequestResult, adaserve_ratios, summarize
 from adaserve.bench.workload import WorkloadConfig, WorkloadRequest, build_workload
 from adaserve.engine.build import resolve_device
@@ -28,6 +29,8 @@ from adaserve.engine.runner import ModelRunner, RunnerConfig
 from adaserve.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+HF_PEER = "hf"  # not an engine policy: Hugging Face transformers serving the same arrivals
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,8 @@ class BenchConfig:
         if self.duration_s <= 0:
             raise ValueError("duration must be positive")
         for p in self.policies:
-            make_policy(p)  # raises ValueError naming the bad policy
+            if p != HF_PEER:
+                make_policy(p)  # raises ValueError naming the bad policy
 
 
 @dataclass
@@ -75,6 +79,7 @@ class Shared:
     profile: Profile | None
     budget: int
     variants: list[Variant] = field(default_factory=list)
+    hf: HFPeer | None = None
 
 
 def load_shared(cfg: BenchConfig, *, progress: bool) -> Shared:
@@ -88,6 +93,10 @@ def load_shared(cfg: BenchConfig, *, progress: bool) -> Shared:
     budget = cfg.budget if cfg.budget is not None else (prof.budget if prof else EngineConfig().budget)
     shared = Shared(target, draft, load_tokenizer(cfg.target), prof, budget)
     shared.variants = [Variant(p, p, budget) for p in cfg.policies]
+    if HF_PEER in cfg.policies:
+        eos = shared.target.model.cfg.eos_token_ids
+        pad = shared.tokenizer.pad_token_id if shared.tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+        shared.hf = HFPeer(cfg.target, cfg.draft, eos_token_id=eos[0] if eos else None, pad_token_id=pad)
     for b in cfg.budgets:
         value = prof.budget if b == "auto" and prof else int(b)
         shared.variants.append(Variant(f"adaserve@B={b}" + (f"({value})" if b == "auto" else ""), "adaserve", value))
@@ -127,25 +136,37 @@ def to_requests(workload: list[WorkloadRequest], shared: Shared, cfg: BenchConfi
 
 
 def run_variant(shared: Shared, variant: Variant, workload: list[WorkloadRequest], cfg: BenchConfig,
-                bar: tqdm) -> dict:
-    eng = make_engine(shared, variant)
+                bar: tqdm) -> tuple[dict, dict[str, list[int]]]:
+    """One (variant, workload) run: its summary and every request's output tokens."""
     arrivals = to_requests(workload, shared, cfg)
     classes = {w.request_id: w.slo_class for w in workload}
-
-    def on_step(events: list[TokenEvent]) -> None:
-        bar.update(sum(1 for e in events if e.finished))
-
+    select_s = step_s = 0.0
     t0 = time.perf_counter()
-    eng.run(arrivals, on_step=on_step)
+    if variant.policy == HF_PEER:
+        assert shared.hf is not None
+        shared.hf.run(arrivals, on_done=bar.update)
+    else:
+        eng = make_engine(shared, variant)
+
+        def on_step(events: list[TokenEvent]) -> None:
+            bar.update(sum(1 for e in events if e.finished))
+
+        eng.run(arrivals, on_step=on_step)
+        select_s = sum(m.t_select_s for m in eng.history)
+        step_s = sum(m.t_step_s for m in eng.history)
     wall = time.perf_counter() - t0
     results = [
         RequestResult(r.request_id, classes[r.request_id], float(r.tpot_slo_ms or 0.0), len(r.output_ids),
                       r.metrics.tpot_ms, r.metrics.ttft_ms, tuple(r.metrics.accepted_per_step), r.finish_reason)
         for _, r in arrivals
     ]
-    select_s = sum(m.t_select_s for m in eng.history)
-    step_s = sum(m.t_step_s for m in eng.history)
-    return summarize(results, wall_s=max(wall, cfg.duration_s), select_s=select_s, step_s=step_s)
+    summary = summarize(results, wall_s=max(wall, cfg.duration_s), select_s=select_s, step_s=step_s)
+    return summary, {r.request_id: r.output_ids for _, r in arrivals}
+
+
+def same_outputs(ours: dict[str, list[int]], reference: dict[str, list[int]]) -> float:
+    """Share of requests whose tokens equal the reference's (1.0 = lossless against it)."""
+    return sum(ours[k] == reference[k] for k in reference) / len(reference) if reference else 1.0
 
 
 def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
@@ -166,10 +187,17 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
                 log.warning("rate %.3g over %.0fs gives no requests: skipped", rate, cfg.duration_s)
                 continue
             by_label = {}
+            reference: dict[str, list[int]] | None = None
             for v in shared.variants:
                 bar.set_postfix_str(f"{v.label} @ {rate:g} rps")
-                by_label[v.label] = run_variant(shared, v, wl, cfg, bar)
-                rows.append({"policy": v.label, "rate_rps": rate, "budget": v.budget, **by_label[v.label]})
+                summary, outputs = run_variant(shared, v, wl, cfg, bar)
+                # greedy everywhere: every engine policy must reproduce the first one's tokens exactly
+                if v.policy != HF_PEER:
+                    reference = reference or outputs
+                match = same_outputs(outputs, reference) if reference else None
+                by_label[v.label] = summary
+                rows.append({"policy": v.label, "rate_rps": rate, "budget": v.budget,
+                             "outputs_equal_reference": match, **summary})
             ratios[f"{rate:g}"] = adaserve_ratios(by_label)
     return {
         "device": shared.profile.device if shared.profile else cfg.device,

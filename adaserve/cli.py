@@ -20,7 +20,7 @@ class CliError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from adaserve import bench_cmd, generate_cmd, profile_cmd
+    from adaserve import bench_cmd, generate_cmd, profile_cmd, worker_cmd
 
     parser = argparse.ArgumentParser(prog="adaserve", description="SLO-customized speculative decoding")
     parser.add_argument("--version", action="version", version=f"adaserve {__version__}")
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate_cmd.add_parser(sub)
     profile_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
+    worker_cmd.add_parser(sub)
     return parser
 
 

@@ -152,8 +152,7 @@ def run_variant(shared: Shared, variant: Variant, workload: list[WorkloadRequest
             bar.update(sum(1 for e in events if e.finished))
 
         eng.run(arrivals, on_step=on_step)
-        select_s = sum(m.t_select_s for m in eng.history)
-        step_s = sum(m.t_step_s for m in eng.history)
+        select_s, step_s = eng.totals.t_select_s, eng.totals.t_step_s
     wall = time.perf_counter() - t0
     results = [
         RequestResult(r.request_id, classes[r.request_id], float(r.tpot_slo_ms or 0.0), len(r.output_ids),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -35,6 +36,7 @@ class EngineConfig:
     target_cost: CostModel | None = None  # profiled T_fwd of the target; learnt online when None
     draft_cost: CostModel | None = None
     initial_forward_s: float = 0.02  # flat guess for an unprofiled forward, until measurements arrive
+    history_len: int = 1024  # recent StepMetrics kept; totals are kept for the whole run
 
     def __post_init__(self) -> None:
         if self.budget < 1 or self.prefill_chunk < 1 or self.max_batch < 1:
@@ -79,6 +81,26 @@ class StepMetrics:
         return {**asdict(self), "budget_used": self.budget_used}
 
 
+@dataclass
+class RunTotals:
+    """Sums over every step since the engine started (``history`` keeps only the recent steps)."""
+
+    steps: int = 0
+    t_select_s: float = 0.0
+    t_step_s: float = 0.0
+    tokens_verified: int = 0
+    tokens_accepted: int = 0
+    tokens_emitted: int = 0
+
+    def add(self, m: StepMetrics) -> None:
+        self.steps += 1
+        self.t_select_s += m.t_select_s
+        self.t_step_s += m.t_step_s
+        self.tokens_verified += m.tokens_verified
+        self.tokens_accepted += m.tokens_accepted
+        self.tokens_emitted += m.tokens_emitted
+
+
 class Engine:
     def __init__(self, target: ModelRunner, draft: ModelRunner | None, policy: Policy,
                  cfg: EngineConfig | None = None, *, clock: Callable[[], float] = time.perf_counter,
@@ -99,7 +121,8 @@ class Engine:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.reserved = [0, 0]  # pages promised to admitted requests (target, draft)
-        self.history: list[StepMetrics] = []
+        self.history: deque[StepMetrics] = deque(maxlen=cfg.history_len)
+        self.totals = RunTotals()
         self.step_listeners: list[Callable[[StepMetrics], None]] = []
 
     # ---- requests in and out ----------------------------------------------------------------------
@@ -232,6 +255,7 @@ class Engine:
         events = self._emit(emitted, m)
         m.t_step_s = self.clock() - t_start
         self.history.append(m)
+        self.totals.add(m)
         for listener in self.step_listeners:
             listener(m)
         return events
@@ -300,6 +324,7 @@ class Engine:
                 continue
             if req.metrics.first_token_s is None:
                 req.metrics.first_token_s = req.metrics.decode_start_s = now
+            toks = self._cut_at_stop_string(req, toks)
             req.output_ids.extend(toks)
             req.metrics.num_tokens = len(req.output_ids)
             req.metrics.last_token_s = now
@@ -309,6 +334,16 @@ class Engine:
                 self._finish(req, reason)
             events.append(TokenEvent(req.request_id, toks, reason is not None, reason))
         return events
+
+    def _cut_at_stop_string(self, req: Request, toks: list[int]) -> list[int]:
+        """Keep only the tokens up to the one that completes a stop string (no tokens after it)."""
+        if not req.params.stop or self.detokenize is None:
+            return toks
+        for k in range(1, len(toks) + 1):
+            text = self.detokenize(req.output_ids + toks[:k])
+            if any(s in text for s in req.params.stop):
+                return toks[:k]
+        return toks
 
     def _finish_reason(self, req: Request, new: list[int]) -> str | None:
         if new[-1] in self._stop_ids(req):

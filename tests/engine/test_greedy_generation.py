@@ -82,3 +82,24 @@ def test_eos_ends_request_without_bonus(target_dir: Path, draft_dir: Path, refer
         first = ref.index(stop_token)
         assert req.output_ids == ref[: first + 1]
         assert req.finish_reason == "stop"
+
+
+def test_stop_string_cuts_tokens_at_the_completing_token(target_dir: Path, draft_dir: Path, references) -> None:
+    """A stop string ends the request at the token that completes it: no later token of the same step."""
+    req0 = workload(10)[4]
+    ref = references[req0.request_id]
+
+    def detok(ids: list[int]) -> str:  # a stand-in tokenizer: one letter per token id
+        return "".join(chr(65 + t % 26) for t in ids)
+
+    stop = detok(ref[2:4])
+    cut = next(k for k in range(1, len(ref) + 1) if stop in detok(ref[:k]))
+    for policy in ["beam:4,2", "incremental"]:
+        eng = engine(target_dir, target_dir, policy, budget=32)
+        eng.detokenize = detok
+        req = Request("s", req0.prompt_ids, SamplingParams(max_tokens=req0.params.max_tokens, stop=(stop,),
+                                                           ignore_eos=True))
+        eng.add_request(req)
+        while eng.has_work:
+            eng.step()
+        assert req.output_ids == ref[:cut] and req.finish_reason == "stop"

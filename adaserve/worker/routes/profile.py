@@ -1,0 +1,21 @@
+"""``GET /v1/profile``: the token budget, the cost model and the device this worker runs on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from adaserve.worker import published
+from adaserve.worker.routes.deps import RuntimeDep
+from adaserve.worker.runtime import RequestRefused
+
+router = APIRouter(tags=["profile"])
+
+
+@router.get("/v1/profile")
+async def profile(runtime: RuntimeDep) -> dict[str, Any]:
+    if runtime.built is None:
+        raise RequestRefused(503, f"worker is {runtime.state.value}: no profile yet",
+                             retry_after=runtime.settings.retry_after_s)
+    return published.profile_info(runtime.built, runtime.settings)

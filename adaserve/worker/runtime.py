@@ -1,0 +1,320 @@
+"""What a worker process serves with: the engine on its thread, the requests in flight, the worker's state.
+
+    loading --models, profile, warm-up--> ready --SIGTERM--> draining --idle or grace--> stopped
+       \\--build error--> failed                  (engine crash: failed)
+
+The engine thread reports each request's tokens through a callback; the callback records metrics on
+that thread and hands the event to the request's asyncio queue with ``call_soon_threadsafe``, so the
+event loop never waits on the engine and the engine never waits on a slow client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from adaserve.engine.build import BuiltEngine, EngineBuildError, build_engine
+from adaserve.engine.engine import Engine, TokenEvent
+from adaserve.engine.loader import load_tokenizer
+from adaserve.engine.loop import EngineLoop
+from adaserve.engine.request import Request
+from adaserve.engine.sampling import SamplingParams
+from adaserve.worker import published
+from adaserve.worker.metrics import WorkerMetrics
+from adaserve.worker.registry import Registry
+from adaserve.worker.schemas import GenerateRequest
+from adaserve.worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class RequestRefused(Exception):
+    """A request the worker will not take; ``status`` is the HTTP answer."""
+
+    def __init__(self, status: int, message: str, *, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.retry_after = status, message, retry_after
+
+
+@dataclass
+class InFlight:
+    """One request between submission and its final event, as the event loop sees it."""
+
+    req: Request
+    slo_class: str
+    tpot_slo_ms: float | None
+    events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    met_slo: bool | None = None  # set on the engine thread just before the final event is queued
+    done: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+
+def warm_up(engine: Engine) -> None:
+    """One short speculative request end to end, so the first client does not pay for lazy set-up."""
+    vocab = engine.target.vocab_size
+    req = Request("warmup", [i % vocab for i in range(2, 18)], SamplingParams(max_tokens=8, ignore_eos=True))
+    try:
+        engine.check_request(req)
+    except ValueError as e:
+        log.warning("skipping warm-up: %s", e)
+        return
+    engine.run([(0.0, req)])
+    engine.history.clear()
+
+
+class Runtime:
+    def __init__(self, settings: WorkerSettings, *, metrics: WorkerMetrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics or WorkerMetrics()
+        self.state = State.LOADING
+        self.failure: str | None = None
+        self.built: BuiltEngine | None = None
+        self.loop: EngineLoop | None = None
+        self.tokenizer: Any | None = None  # the event loop's own copy: the engine thread uses the other
+        self.active: dict[str, InFlight] = {}
+        self.registry: Registry | None = None
+        self.started_at = time.time()
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._fatal: list[Callable[[], None]] = []
+        self._watch: asyncio.Task[None] | None = None
+
+    # ---- life cycle -----------------------------------------------------------------------------
+    def on_fatal(self, callback: Callable[[], None]) -> None:
+        """``callback`` runs (on the event loop) when the worker cannot go on: build failure, engine crash."""
+        self._fatal.append(callback)
+
+    async def startup(self) -> None:
+        """Load, profile, warm up (in a thread), then start the engine loop and the registration."""
+        self._aloop = asyncio.get_running_loop()
+        try:
+            built, tokenizer = await asyncio.to_thread(self._prepare)
+        except (EngineBuildError, OSError, ValueError) as e:
+            self._fail(f"cannot start the engine: {e}")
+            return
+        except Exception as e:  # anything else (a device error, a bug): still end the process, not hang
+            log.exception("engine start-up crashed")
+            self._fail(f"cannot start the engine: {type(e).__name__}: {e}")
+            return
+        if self.state is not State.LOADING:  # told to stop while loading
+            return
+        self.built, self.tokenizer = built, tokenizer
+        self.metrics.bind_engine(built.engine)
+        self.metrics.declare_classes([self.settings.default_slo_class, *self.settings.slo_classes])
+        self.loop = EngineLoop(built.engine).start()
+        self.state = State.READY
+        self.metrics.ready.set(1)
+        self._watch = asyncio.create_task(self._watch_engine())
+        if self.settings.redis_url:
+            self.registry = Registry(self.settings, lambda: published.registration(self))
+            await self.registry.start()
+        else:
+            log.warning("no Redis configured (ADASERVE_REDIS_URL / --redis-url): local mode, not registering")
+        log.info("worker %s ready at %s (budget %d)", self.settings.worker_id, self.settings.address,
+                 built.engine.cfg.budget)
+
+    def _prepare(self) -> tuple[BuiltEngine, Any | None]:
+        s = self.settings
+        if s.torch_threads:
+            import torch
+
+            torch.set_num_threads(s.torch_threads)
+        built = build_engine(target=s.target, draft=s.draft, device=s.device, policy=s.policy, budget=s.budget,
+                             attention=s.attention, kv_memory_mb=s.kv_memory_mb, force_profile=s.reprofile,
+                             progress=False)
+        if s.warmup:
+            warm_up(built.engine)
+        tokenizer = load_tokenizer(s.target) if built.tokenizer is not None else None
+        return built, tokenizer
+
+    def _fail(self, message: str) -> None:
+        log.error("%s", message)
+        self.failure, self.state = message, State.FAILED
+        self.metrics.ready.set(0)
+        for cb in self._fatal:
+            cb()
+
+    async def _watch_engine(self) -> None:
+        while self.loop is not None and self.state in (State.READY, State.DRAINING):
+            if not self.loop.alive:
+                self._fail(f"engine loop stopped: {self.loop.error!r}")
+                return
+            await asyncio.sleep(0.5)
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop admitting, tell the gateway, let in-flight requests finish (up to ``grace_s``), abort the rest."""
+        if self.state in (State.LOADING, State.READY):
+            self.state = State.DRAINING
+        self.metrics.ready.set(0)
+        self.metrics.draining.set(1)
+        log.warning("draining: %d request(s) in flight, grace %.0fs", len(self.active), grace_s)
+        if self.registry is not None:
+            await self.registry.publish()
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        except TimeoutError:
+            log.warning("grace period over: aborting %d request(s)", len(self.active))
+            for rid in list(self.active):
+                self.abort(rid)
+            try:
+                await asyncio.wait_for(self._idle.wait(), 5.0)
+            except TimeoutError:
+                log.error("%d request(s) did not end after abort", len(self.active))
+
+    async def shutdown(self) -> None:
+        if self.state is not State.FAILED:
+            self.state = State.STOPPED
+        self.metrics.ready.set(0)
+        if self._watch is not None:
+            self._watch.cancel()
+        if self.registry is not None:
+            await self.registry.stop()
+        if self.loop is not None:
+            for rid in list(self.active):  # EngineLoop.stop finishes what it holds: make that quick
+                self.loop.abort(rid)
+            await asyncio.to_thread(self.loop.stop)
+
+    # ---- health -----------------------------------------------------------------------------------
+    @property
+    def live(self) -> bool:
+        return self.state is not State.FAILED and (self.loop is None or self.loop.alive)
+
+    @property
+    def ready(self) -> bool:
+        return self.state is State.READY and self.loop is not None and self.loop.alive
+
+    # ---- requests -----------------------------------------------------------------------------------
+    async def submit(self, body: GenerateRequest, *, header_class: str | None = None) -> InFlight:
+        """Validate against the engine and queue; raises RequestRefused with the HTTP status to answer."""
+        self._check_admitting()
+        engine = self._engine()
+        slo_class, tpot = self._slo(body, header_class)
+        params = self._params(body)
+        ids = await self._prompt_ids(body)
+        rid = body.request_id or uuid.uuid4().hex
+        req = Request(rid, ids, params, tpot_slo_ms=tpot)
+        try:
+            engine.check_request(req)
+        except ValueError as e:
+            self.metrics.rejected.labels("invalid").inc()
+            raise RequestRefused(400, str(e)) from None
+        self._check_admitting()  # again: the state may have changed while tokenizing
+        if rid in self.active:
+            raise RequestRefused(409, f"request_id {rid!r} is already in flight")
+        if len(self.active) >= self.settings.max_active_requests:
+            self.metrics.rejected.labels("overloaded").inc()
+            raise RequestRefused(503, f"overloaded: {len(self.active)} requests in flight",
+                                 retry_after=self.settings.retry_after_s)
+        flight = InFlight(req, slo_class, tpot)
+        self.active[rid] = flight
+        self._idle.clear()
+        self.metrics.active.labels(slo_class).inc()
+        try:
+            self._engine_loop().submit(req, lambda ev: self._on_event(flight, ev))
+        except (ValueError, RuntimeError) as e:
+            self._forget(flight)
+            status = 400 if isinstance(e, ValueError) else 503
+            raise RequestRefused(status, str(e), retry_after=self.settings.retry_after_s) from None
+        return flight
+
+    def abort(self, request_id: str) -> bool:
+        flight = self.active.get(request_id)
+        if flight is None or self.loop is None:
+            return False
+        self.loop.abort(request_id)
+        return True
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _engine(self) -> Engine:
+        if self.built is None:
+            raise RequestRefused(503, "the engine is not loaded yet", retry_after=self.settings.retry_after_s)
+        return self.built.engine
+
+    def _engine_loop(self) -> EngineLoop:
+        if self.loop is None:
+            raise RuntimeError("the engine loop is not running")
+        return self.loop
+
+    def _check_admitting(self) -> None:
+        if self.state is not State.READY or self.loop is None or not self.loop.alive:
+            reason = "draining" if self.state is State.DRAINING else "not_ready"
+            self.metrics.rejected.labels(reason).inc()
+            raise RequestRefused(503, f"worker is {self.state.value}, not taking requests",
+                                 retry_after=self.settings.retry_after_s)
+
+    def _slo(self, body: GenerateRequest, header_class: str | None) -> tuple[str, float | None]:
+        classes = self.settings.slo_classes
+        name = body.slo_class or header_class or self.settings.default_slo_class
+        if classes and name not in classes and name != self.settings.default_slo_class:
+            raise RequestRefused(422, f"slo_class: unknown class {name!r}; known: {sorted(classes)}")
+        tpot = body.tpot_slo_ms if body.tpot_slo_ms is not None else classes.get(name)
+        return name, tpot
+
+    def _params(self, body: GenerateRequest) -> SamplingParams:
+        max_tokens = body.max_tokens if body.max_tokens is not None else self.settings.default_max_tokens
+        if max_tokens > self.settings.max_tokens_limit:
+            raise RequestRefused(422, f"max_tokens: must be <= {self.settings.max_tokens_limit}, got {max_tokens}")
+        vocab = self._engine().target.vocab_size
+        if any(t >= vocab for t in body.stop_token_ids):
+            raise RequestRefused(400, f"stop_token_ids: token ids must be in [0, {vocab})")
+        if body.stops and self.tokenizer is None:
+            raise RequestRefused(400, "stop: stop strings need a tokenizer, and this model has none")
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                                  top_k=body.top_k, seed=body.seed, stop=body.stops,
+                                  stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos)
+        except ValueError as e:
+            raise RequestRefused(422, str(e)) from None
+
+    async def _prompt_ids(self, body: GenerateRequest) -> list[int]:
+        if body.prompt_token_ids is not None:
+            return list(body.prompt_token_ids)
+        if self.tokenizer is None:
+            raise RequestRefused(400, "prompt: this model has no tokenizer; send prompt_token_ids")
+        ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt, add_special_tokens=True)
+        return list(ids)
+
+    # ---- events (engine thread -> event loop) -------------------------------------------------------
+    def _on_event(self, flight: InFlight, ev: TokenEvent) -> None:
+        if ev.finished:  # the engine is done with the request: its metrics are final
+            flight.met_slo = self.metrics.on_finished(flight.req, slo_class=flight.slo_class,
+                                                      tpot_slo_ms=flight.tpot_slo_ms,
+                                                      reason=ev.finish_reason)
+        try:
+            if self._aloop is not None:
+                self._aloop.call_soon_threadsafe(self._deliver, flight, ev)
+        except RuntimeError:  # the event loop has closed: nobody is listening any more
+            pass
+
+    def _deliver(self, flight: InFlight, ev: TokenEvent) -> None:
+        flight.events.put_nowait(ev)
+        if ev.finished:
+            self._forget(flight)
+
+    def _forget(self, flight: InFlight) -> None:
+        flight.done = True
+        if self.active.get(flight.request_id) is flight:
+            del self.active[flight.request_id]
+            self.metrics.active.labels(flight.slo_class).dec()
+        if not self.active:
+            self._idle.set()

@@ -1,0 +1,109 @@
+"""The worker's one settings object: command-line options over ``ADASERVE_*`` environment variables.
+
+The operator configures workers through the environment (a ConfigMap); a person running one by hand
+uses the command line. Both end up here and are validated once, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+CLASS_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class WorkerSettings(BaseSettings):
+    """Every knob of a worker. Environment variable = ``ADASERVE_`` + the field name in capitals."""
+
+    model_config = SettingsConfigDict(env_prefix="ADASERVE_", env_ignore_empty=True, extra="ignore",
+                                      validate_default=True)
+
+    # models and engine
+    target: Path = Field(description="target model directory (Hugging Face format)")
+    draft: Path | None = Field(None, description="draft model directory; speculative policies need it")
+    model_name: str | None = Field(None, description="name published to the gateway (default: target dir name)")
+    device: Literal["cpu", "cuda"] = "cpu"
+    policy: str = "adaserve"
+    budget: int | None = Field(None, ge=1, description="fixed tokens per verification; skips profiling")
+    attention: Literal["auto", "torch", "flashinfer"] = "auto"
+    kv_memory_mb: int = Field(256, ge=1, description="KV cache memory per model")
+    reprofile: bool = Field(False, description="ignore the cached profile and measure again")
+    torch_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's own)")
+    warmup: bool = True
+
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    advertise_url: str | None = Field(None, description="address published in Redis (default http://host:port)")
+    worker_id: str = Field("", description="unique id in the registry (default: hostname-port)")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    # requests
+    max_active_requests: int = Field(64, ge=1, description="queued + running requests before 503")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 503 answers")
+    default_max_tokens: int = Field(64, ge=1)
+    max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
+    slo_classes: dict[str, float] = Field(
+        default_factory=dict,
+        description='JSON {"class": tpot_ms}; when set, only these classes are accepted and give the default TPOT',
+    )
+    default_slo_class: str = "default"
+
+    # registration and shutdown
+    redis_url: str | None = Field(None, description="redis://host:port/db; unset = local mode, no registration")
+    redis_prefix: str = Field("adaserve", min_length=1, description="key prefix; tests isolate themselves with it")
+    heartbeat_s: float = Field(2.0, gt=0)
+    registration_ttl_s: float = Field(10.0, gt=0)
+    drain_grace_s: float = Field(30.0, ge=0, description="how long SIGTERM waits for in-flight requests")
+
+    @field_validator("target", "draft")
+    @classmethod
+    def _model_dir(cls, v: Path | None) -> Path | None:
+        if v is not None and not (v / "config.json").is_file():
+            raise ValueError(f"{v} is not a model directory (no config.json)")
+        return v
+
+    @field_validator("slo_classes")
+    @classmethod
+    def _classes(cls, v: dict[str, float]) -> dict[str, float]:
+        for name, tpot in v.items():
+            if not CLASS_NAME.match(name):
+                raise ValueError(f"SLO class name {name!r} must match {CLASS_NAME.pattern}")
+            if not tpot > 0:
+                raise ValueError(f"SLO class {name!r}: tpot_ms must be positive, got {tpot}")
+        return v
+
+    @field_validator("default_slo_class")
+    @classmethod
+    def _class_name(cls, v: str) -> str:
+        if not CLASS_NAME.match(v):
+            raise ValueError(f"must match {CLASS_NAME.pattern}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> WorkerSettings:
+        if self.registration_ttl_s <= self.heartbeat_s:
+            raise ValueError("registration_ttl_s must be longer than heartbeat_s, or the entry flickers")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError("default_max_tokens must be <= max_tokens_limit")
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("redis_url must start with redis://, rediss:// or unix://")
+        if not self.worker_id:
+            self.worker_id = f"{socket.gethostname()}-{self.port}"
+        return self
+
+    @property
+    def address(self) -> str:
+        if self.advertise_url:
+            return self.advertise_url.rstrip("/")
+        host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or self.target.resolve().name

@@ -1,0 +1,51 @@
+"""A request's events as response chunks: token ids plus text deltas, then one final chunk.
+
+Chunk: ``{"id", "token_ids", "text"}``; the final chunk adds ``finish_reason``, ``slo_class``,
+``tpot_slo_ms``, ``slo_met`` and ``metrics`` (the engine's per-request metrics). ``text`` is None when
+the model has no tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from adaserve.worker.detok import IncrementalText
+from adaserve.worker.runtime import InFlight, Runtime
+
+
+async def chunks(runtime: Runtime, flight: InFlight) -> AsyncIterator[dict[str, Any]]:
+    text = IncrementalText(runtime.decode, flight.req.params.stop) if runtime.tokenizer is not None else None
+    rid = flight.request_id
+    while True:
+        ev = await flight.events.get()
+        delta = text.push(ev.new_tokens, finished=ev.finished) if text is not None else None
+        if not ev.finished:
+            if ev.new_tokens:
+                yield {"id": rid, "token_ids": ev.new_tokens, "text": delta}
+            continue
+        stopped = text is not None and text.stopped
+        yield {
+            "id": rid,
+            "token_ids": ev.new_tokens,
+            "text": delta,
+            "finish_reason": "stop" if stopped else ev.finish_reason,
+            "slo_class": flight.slo_class,
+            "tpot_slo_ms": flight.tpot_slo_ms,
+            "slo_met": flight.met_slo,
+            "metrics": flight.req.metrics.to_dict(),
+        }
+        return
+
+
+async def collect(runtime: Runtime, flight: InFlight) -> dict[str, Any]:
+    """The whole answer as one body: every token id, the full text, and the final chunk's fields."""
+    ids: list[int] = []
+    parts: list[str] = []
+    async for c in chunks(runtime, flight):
+        ids.extend(c["token_ids"])
+        if c["text"] is not None:
+            parts.append(c["text"])
+        if "finish_reason" in c:
+            return {**c, "token_ids": ids, "text": "".join(parts) if runtime.tokenizer is not None else None}
+    raise RuntimeError("event stream ended without a final event")

@@ -1,0 +1,85 @@
+"""``adaserve worker``: load the models, profile (or reuse the profile), warm up, serve over HTTP.
+
+Every option can also come from an ``ADASERVE_*`` environment variable (docs/worker.md); options given
+on the command line win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+from adaserve.cli import CliError
+
+# command-line option -> settings field; everything else comes from the environment
+OPTIONS = ("target", "draft", "device", "host", "port", "redis_url", "policy", "budget", "attention",
+           "kv_memory_mb", "worker_id", "advertise_url", "max_active_requests", "drain_grace_s", "log_level")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("worker", help="serve the engine over HTTP (a GPU pod's process)")
+    p.add_argument("--target", type=Path, help="target model directory [ADASERVE_TARGET]")
+    p.add_argument("--draft", type=Path, help="draft model directory [ADASERVE_DRAFT]")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="[ADASERVE_DEVICE, default cpu]")
+    p.add_argument("--host", help="bind address [ADASERVE_HOST, default 127.0.0.1]")
+    p.add_argument("--port", type=int, help="[ADASERVE_PORT, default 8000]")
+    p.add_argument("--redis-url", help="register in this Redis [ADASERVE_REDIS_URL]; unset: local mode")
+    p.add_argument("--policy", help="decoding policy [ADASERVE_POLICY, default adaserve]")
+    p.add_argument("--budget", type=int, help="fixed token budget, skips profiling [ADASERVE_BUDGET]")
+    p.add_argument("--attention", choices=["auto", "torch", "flashinfer"], help="[ADASERVE_ATTENTION]")
+    p.add_argument("--kv-memory-mb", type=int, help="KV cache memory per model [ADASERVE_KV_MEMORY_MB]")
+    p.add_argument("--reprofile", action="store_true", default=None, help="ignore the cached profile")
+    p.add_argument("--worker-id", help="id in the registry [ADASERVE_WORKER_ID, default hostname-port]")
+    p.add_argument("--advertise-url", help="address the gateway should use [ADASERVE_ADVERTISE_URL]")
+    p.add_argument("--max-active-requests", type=int, help="queued + running before 503 [ADASERVE_MAX_ACTIVE_REQUESTS]")
+    p.add_argument("--drain-grace-s", type=float, help="SIGTERM grace for in-flight requests [ADASERVE_DRAIN_GRACE_S]")
+    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run)
+
+
+def load_settings(args: argparse.Namespace) -> Any:
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
+
+    from adaserve.worker.settings import WorkerSettings
+
+    given = {name: getattr(args, name) for name in (*OPTIONS, "reprofile") if getattr(args, name) is not None}
+    try:
+        return WorkerSettings(**given)
+    except SettingsError as e:  # an environment value that is not even JSON
+        cause = f": {e.__cause__}" if e.__cause__ else ""
+        raise CliError(f"{e}{cause}") from None
+    except ValidationError as e:
+        raise CliError("; ".join(_describe(err) for err in e.errors())) from None
+
+
+def _describe(err: Any) -> str:
+    """One validation error as 'field (--option or ADASERVE_FIELD): message'."""
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if not err["loc"]:
+        return msg
+    name = str(err["loc"][0])
+    where = f"ADASERVE_{name.upper()}"
+    if name in OPTIONS:
+        where = f"--{name.replace('_', '-')} or {where}"
+    return f"{'.'.join(map(str, err['loc']))} ({where}): {msg}"
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from adaserve.worker.app import create_app
+    from adaserve.worker.runtime import Runtime, State
+    from adaserve.worker.server import DrainingServer
+
+    settings = load_settings(args)
+    logging.getLogger("adaserve").setLevel(logging.DEBUG if args.verbose else settings.log_level.upper())
+    runtime = Runtime(settings)
+    config = uvicorn.Config(create_app(runtime), host=settings.host, port=settings.port,
+                            log_level=settings.log_level, timeout_graceful_shutdown=10, lifespan="on")
+    DrainingServer(config, runtime).run()
+    if runtime.state is State.FAILED:
+        raise CliError(runtime.failure or "worker failed")
+    return 0

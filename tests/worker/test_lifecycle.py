@@ -1,0 +1,120 @@
+"""Registration in a real Redis with the profiled budget, its heartbeat, and SIGTERM drain mid-stream."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from adaserve.engine.profiler import model_identity
+from tests.worker.helpers import WorkerProcess, demo_pair, sse_events, start_worker, wait_for
+
+REDIS_URL = os.environ.get("ADASERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture
+def redis_prefix() -> Iterator[tuple[redis.Redis, str]]:
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    try:
+        client.ping()
+    except redis.ConnectionError:
+        pytest.skip(f"no Redis at {REDIS_URL}")
+    prefix = f"adaserve-test-{uuid.uuid4().hex[:12]}"
+    try:
+        yield client, prefix
+    finally:
+        keys = list(client.scan_iter(f"{prefix}:*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+def registration(r: redis.Redis, prefix: str, worker_id: str) -> dict[str, Any] | None:
+    raw = r.get(f"{prefix}:workers:{worker_id}")
+    return None if raw is None else json.loads(raw)
+
+
+def cached_budget(target: Path) -> int:
+    """The budget the profiler stored for this model in the session's profile cache."""
+    ident = model_identity(target)
+    for f in Path(os.environ["ADASERVE_CACHE_DIR"]).glob("*.json"):
+        data = json.loads(f.read_text())["data"]
+        if data["key"]["model"].startswith(ident):
+            return int(data["target"]["budget"])
+    raise AssertionError("no cached profile for the target")
+
+
+def test_registration_heartbeat_and_sigterm_drain(redis_prefix: tuple[redis.Redis, str], tmp_path: Path) -> None:
+    r, prefix = redis_prefix
+    target, draft = demo_pair()
+    wid = f"w-{uuid.uuid4().hex[:8]}"
+    env = {"ADASERVE_REDIS_PREFIX": prefix, "ADASERVE_HEARTBEAT_S": "0.5", "ADASERVE_REGISTRATION_TTL_S": "3",
+           "ADASERVE_DRAIN_GRACE_S": "120", "ADASERVE_SLO_CLASSES": json.dumps({"chat": 50.0})}
+    # no --budget: the worker profiles this machine (or reuses this session's cached profile)
+    w: WorkerProcess = start_worker(target, draft, tmp_path / "worker.log", "--redis-url", REDIS_URL,
+                                    "--worker-id", wid, env=env)
+    try:
+        # the server answers while the models load and the device is profiled, but is not ready
+        assert "loading" in w.wait_ready()
+        reg = registration(r, prefix, wid)
+        assert reg is not None, w.logs()[-3000:]
+        profile = httpx.get(f"{w.url}/v1/profile", timeout=10).json()
+        assert reg["budget"] == profile["budget"] == cached_budget(target)
+        assert reg["budget_source"] == "profile" and reg["cost_model"]["source"] == "profile"
+        assert reg["cost_model"]["target"] == profile["cost_model"]["target"]
+        assert reg["status"] == "ready" and reg["address"] == w.url and reg["worker_id"] == wid
+        assert reg["models"]["target"] == str(target) and reg["models"]["name"] == "target"
+        assert r.zscore(f"{prefix}:workers", wid) is not None
+        ttl = r.pttl(f"{prefix}:workers:{wid}")
+        assert 0 < ttl <= 3000
+
+        # the heartbeat refreshes it
+        first = reg["updated_at"]
+        assert wait_for(lambda: (registration(r, prefix, wid) or {}).get("updated_at", 0) > first, timeout=10)
+
+        # a stream in flight when SIGTERM arrives runs to its end
+        body = {"prompt": "def main():", "max_tokens": 600, "ignore_eos": True, "stream": True,
+                "slo_class": "chat"}
+        got: dict[str, Any] = {}
+        started = threading.Event()
+
+        def consume() -> None:
+            with httpx.stream("POST", f"{w.url}/v1/generate", json=body, timeout=120) as resp:
+                events = sse_events(resp)
+                got["events"] = [next(events)]
+                started.set()
+                got["events"] += list(events)
+
+        reader = threading.Thread(target=consume)
+        reader.start()
+        assert started.wait(60)
+        w.proc.send_signal(signal.SIGTERM)
+
+        assert wait_for(lambda: httpx.get(f"{w.url}/readyz", timeout=5).status_code == 503, timeout=10)
+        assert (registration(r, prefix, wid) or {}).get("status") == "draining"
+        refused = httpx.post(f"{w.url}/v1/generate", json={"prompt": "x", "max_tokens": 2}, timeout=10)
+        assert refused.status_code == 503 and "retry-after" in refused.headers
+        assert httpx.get(f"{w.url}/healthz", timeout=5).status_code == 200
+        mid = time.monotonic()
+
+        reader.join(120)
+        assert not reader.is_alive()
+        events = got["events"]
+        assert events[-1]["finish_reason"] == "length", events[-1]
+        assert sum(len(e["token_ids"]) for e in events) == body["max_tokens"]
+        assert w.proc.wait(60) == 0, w.logs()[-3000:]
+        assert time.monotonic() - mid < 60
+        assert registration(r, prefix, wid) is None
+        assert r.zscore(f"{prefix}:workers", wid) is None
+    finally:
+        w.terminate()

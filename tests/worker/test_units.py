@@ -1,0 +1,123 @@
+"""Pure pieces of the worker: settings, incremental text, validation messages, the registry's keys."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from adaserve.worker.app import _field
+from adaserve.worker.detok import IncrementalText
+from adaserve.worker.registry import index_key, redacted, worker_key
+from adaserve.worker.schemas import GenerateRequest
+from adaserve.worker.settings import WorkerSettings
+from tests.models import make_checkpoint
+from tests.worker.helpers import free_port
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text("{}")
+    return tmp_path
+
+
+def test_settings_from_environment(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ADASERVE_TARGET", str(model_dir))
+    monkeypatch.setenv("ADASERVE_PORT", "9001")
+    monkeypatch.setenv("ADASERVE_SLO_CLASSES", '{"chat": 50, "summarization": 150}')
+    monkeypatch.setenv("ADASERVE_REDIS_URL", "")  # empty = unset: local mode
+    s = WorkerSettings()
+    assert s.port == 9001 and s.slo_classes == {"chat": 50.0, "summarization": 150.0}
+    assert s.redis_url is None and s.worker_id.endswith("-9001")
+    assert WorkerSettings(port=9002).port == 9002  # explicit values (the command line) win
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"port": 0}, "port"),
+        ({"budget": 0}, "budget"),
+        ({"device": "tpu"}, "device"),
+        ({"slo_classes": {"chat": -1}}, "slo_classes"),
+        ({"redis_url": "localhost:6379"}, "redis_url"),
+        ({"heartbeat_s": 5, "registration_ttl_s": 5}, "registration_ttl_s"),
+    ],
+)
+def test_settings_validation_names_the_field(model_dir: Path, kwargs: dict, field: str) -> None:
+    with pytest.raises(ValidationError, match=field):
+        WorkerSettings(target=model_dir, **kwargs)
+
+
+def test_settings_target_must_be_a_model_directory(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match=r"no config\.json"):
+        WorkerSettings(target=tmp_path)
+
+
+def test_incremental_text_holds_back_partial_characters_and_stop_prefixes() -> None:
+    pieces = {1: "ab", 2: "c\ufffd", 3: "é", 4: "<", 5: "/s", 6: ">tail"}
+
+    def decode(ids: list[int]) -> str:
+        text = "".join(pieces[i] for i in ids)
+        return text.replace("\ufffdé", "é")  # a character split over tokens 2 and 3
+
+    t = IncrementalText(decode, ("</s>",))
+    assert t.push([1], finished=False) == "ab"
+    assert t.push([2], finished=False) == "c"  # the half character waits
+    assert t.push([3], finished=False) == "é"
+    assert t.push([4], finished=False) == ""  # could be the start of "</s>"
+    assert t.push([5], finished=False) == ""
+    assert t.push([6], finished=True) == ""
+    assert t.stopped and t.text == "abcé"
+
+
+def test_incremental_text_flushes_everything_at_the_end() -> None:
+    t = IncrementalText(lambda ids: "x<" * len(ids), ("<>",))
+    assert t.push([1], finished=False) == "x"
+    assert t.push([2], finished=True) == "<x<"
+    assert not t.stopped and t.text == "x<x<"
+
+
+def test_request_body_rules() -> None:
+    assert GenerateRequest(prompt="x", stop="\n").stops == ("\n",)
+    with pytest.raises(ValidationError, match="exactly one"):
+        GenerateRequest(prompt="x", prompt_token_ids=[1])
+    with pytest.raises(ValidationError, match="prompt_token_ids"):
+        GenerateRequest(prompt_token_ids=[True])  # strict ints: no bools, no strings
+
+
+def test_validation_field_names() -> None:
+    assert _field(("body", "prompt_token_ids", 2)) == "prompt_token_ids[2]"
+    assert _field(("header", "X-SLO-Class")) == "X-SLO-Class"
+    assert _field(("body",)) == "body"
+
+
+def test_registry_keys_and_redacted_url() -> None:
+    assert worker_key("p", "w1") == "p:workers:w1"
+    assert index_key("p") == "p:workers"
+    assert redacted("redis://:s3cret@redis:6379/0") == "redis://:***@redis:6379/0"
+    assert redacted("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+def test_worker_cli_rejects_bad_settings_in_one_line(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "adaserve", "worker", "--target", str(tmp_path / "nope")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.startswith("adaserve: error: target (--target or ADASERVE_TARGET)")
+    assert "Traceback" not in res.stderr
+
+
+def test_worker_exits_2_when_the_engine_cannot_be_built(tmp_path: Path) -> None:
+    """Loading happens after the server is up (so /healthz answers meanwhile); a failure still exits 2."""
+    bad = make_checkpoint(tmp_path / "gpt", "llama")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["model_type"] = "gpt_neox"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    res = subprocess.run([sys.executable, "-m", "adaserve", "worker", "--target", str(bad), "--policy", "incremental",
+                          "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("adaserve: error:")]
+    assert len(errors) == 1 and "unsupported architecture" in errors[0]

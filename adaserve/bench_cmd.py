@@ -42,6 +42,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--slo-scale", type=float, default=1.0, help="multiply every class's TPOT SLO")
     p.add_argument("--budgets", type=_budgets, default=(), help="also run adaserve at these budgets (and 'auto')")
     p.add_argument("--budget", type=int, help="fixed budget for every policy (default: profiled)")
+    p.add_argument("--baseline-tpot-ms", type=float,
+                   help="unloaded per-token latency the SLOs are multiples of (default: measured now)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--max-tokens", type=int, default=128, help="cap on output tokens per request")
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
                           duration_s=args.duration, trace=args.trace,
                           mix=parse_mix(args.mix) if args.mix else None, slo_scale=args.slo_scale,
                           seed=args.seed, device=args.device, budget=args.budget, budgets=args.budgets,
-                          max_tokens_cap=args.max_tokens)
+                          max_tokens_cap=args.max_tokens, baseline_tpot_ms=args.baseline_tpot_ms)
         if args.trace is not None and not args.trace.is_file():
             raise ValueError(f"trace {args.trace} does not exist")
         report = run_bench(cfg)

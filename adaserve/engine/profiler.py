@@ -175,7 +175,8 @@ def profile_models(target: ModelRunner, draft: ModelRunner | None, *, target_pat
     cache = cache or ProfileCache()
     dev = device_name(target.device)
     ident = model_identity(target_path) + ("+" + model_identity(draft_path) if draft_path else "")
-    key = ProfileKey(device=dev, model=ident + f":ctx{cfg.context}:max{cfg.max_tokens}",
+    knee = f"{cfg.knee.criterion}:{cfg.knee.max_elasticity}:{cfg.knee.eps}"
+    key = ProfileKey(device=dev, model=ident + f":ctx{cfg.context}:max{cfg.max_tokens}:knee={knee}",
                      dtype=str(target.dtype).removeprefix("torch."), engine_version=__version__)
     data = None if force else cache.load(key)
     cached = data is not None

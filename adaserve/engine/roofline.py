@@ -106,7 +106,10 @@ class RooflinePoint:
 class KneeConfig:
     """How :func:`choose_budget` reads the roofline.
 
-    criterion="latency" (default): B = largest n with t(n) <= (1 + eps) * t(1).
+    criterion="elasticity" (default): B = the last n before the first grid step whose log-log slope
+    d log t / d log n exceeds ``max_elasticity``: past it, doubling the tokens per forward costs more
+    than a sqrt(2) rise in latency, i.e. the forward has stopped being mostly fixed cost.
+    criterion="latency": B = largest n with t(n) <= (1 + eps) * t(1).
     criterion="throughput": B = the n maximising n / t(n) subject to t(n) <= (1 + eps_max) * t(1); among n
     whose tokens/s is within ``throughput_tol`` (relative) of that maximum, the smallest is taken, since a
     roofline past its ridge has a flat tokens/s plateau on which more tokens only cost latency.
@@ -115,20 +118,22 @@ class KneeConfig:
     """
 
     eps: float = 0.1
-    criterion: Literal["latency", "throughput"] = "latency"
+    criterion: Literal["elasticity", "latency", "throughput"] = "elasticity"
+    max_elasticity: float = 0.5
     eps_max: float = 0.5
     throughput_tol: float = 0.02
     smooth: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("eps", "eps_max", "throughput_tol"):
+        for name in ("eps", "eps_max", "throughput_tol", "max_elasticity"):
             v = getattr(self, name)
             if not _is_real(v) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"KneeConfig.{name} must be a finite number >= 0, got {v!r}")
         if self.throughput_tol >= 1:
             raise ValueError(f"KneeConfig.throughput_tol must be < 1, got {self.throughput_tol!r}")
-        if self.criterion not in ("latency", "throughput"):
-            raise ValueError(f"KneeConfig.criterion must be 'latency' or 'throughput': {self.criterion!r}")
+        if self.criterion not in ("elasticity", "latency", "throughput"):
+            raise ValueError(
+                f"KneeConfig.criterion must be 'elasticity', 'latency' or 'throughput': {self.criterion!r}")
         if not isinstance(self.smooth, bool):
             raise ValueError(f"KneeConfig.smooth must be a bool, got {self.smooth!r}")
 
@@ -201,7 +206,15 @@ def choose_budget(points: Sequence[RooflinePoint], cfg: KneeConfig | None = None
     ``points``: one :class:`RooflinePoint` per probed n (any order, no duplicates), typically n in
     {1, 2, 4, ..., 1024}. The reference t(1) is the smoothed latency at the smallest probed n (probe n=1).
 
-    Latency criterion (default): with m the smoothed monotone curve (:func:`smooth_roofline`),
+    Elasticity criterion (default): with m the smoothed monotone curve, the slopes
+        e_i = log(m(n_{i+1}) / m(n_i)) / log(n_{i+1} / n_i)
+    are read left to right and B is the n where the first slope above ``max_elasticity`` starts. On a
+    GPU's flat-then-linear roofline the slope jumps from ~0 to ~1 at the ridge, so B is the ridge; on a
+    CPU, whose forward is a fixed cost plus a per-token cost (t = a + b n, no flat part), B lands near
+    n = a / b, where the per-token part overtakes the fixed part. The latency criterion below would
+    give B = 1 on such a curve, since t(2) is already more than 10% above t(1).
+
+    Latency criterion: with m the smoothed monotone curve (:func:`smooth_roofline`),
         B = max{ n : m(n) <= (1 + eps) * m(n_min) }.
     Because m is non-decreasing, this is the last n before the curve first crosses the threshold.
 
@@ -226,6 +239,11 @@ def choose_budget(points: Sequence[RooflinePoint], cfg: KneeConfig | None = None
     n = np.array([p.n_tokens for p in curve], dtype=np.int64)
     m = np.array([p.latency_s for p in curve], dtype=np.float64)
     t_ref = m[0]
+    if cfg.criterion == "elasticity":
+        # slope of each grid step in log-log space; m is non-decreasing so slopes are >= 0
+        slopes = np.diff(np.log(m)) / np.diff(np.log(n.astype(np.float64)))
+        steep = np.nonzero(slopes > cfg.max_elasticity)[0]
+        return int(n[steep[0]] if steep.size else n[-1])
     if cfg.criterion == "latency":
         # m is non-decreasing, so the admissible set is a prefix of the grid.
         ok = m <= (1.0 + cfg.eps) * t_ref

@@ -113,7 +113,7 @@ def test_clean_flat_then_linear_knee_exact(knee):
 def test_clean_curve_any_knee_matches_definition(knee, eps):
     """Knee off the grid: B is the literal definition, i.e. the largest grid n <= (1+eps) K."""
     pts = curve([flat_linear(n, knee) for n in GRID])
-    b = choose_budget(pts, KneeConfig(eps=eps))
+    b = choose_budget(pts, KneeConfig(eps=eps, criterion="latency"))
     assert b == naive_budget(pts, eps) == max(n for n in GRID if n <= (1 + eps) * knee)
     assert b <= 2 * knee and (b == GRID[-1] or 2 * b > knee)  # within one power of two of the knee
 
@@ -126,9 +126,10 @@ def test_clean_curve_any_knee_matches_definition(knee, eps):
 def test_monotone_curve_unsmoothed_matches_definition_and_eps_is_monotone(steps, eps):
     lat = list(np.cumsum([T0, *steps[:-1]]) + 0.0)
     pts = curve(lat, GRID[: len(lat)])
-    b = choose_budget(pts, KneeConfig(eps=eps, smooth=False))
+    b = choose_budget(pts, KneeConfig(eps=eps, smooth=False, criterion="latency"))
     assert b == naive_budget(pts, eps)
-    assert choose_budget(pts, KneeConfig(eps=eps + 0.1)) >= choose_budget(pts, KneeConfig(eps=eps))
+    wider = choose_budget(pts, KneeConfig(eps=eps + 0.1, criterion="latency"))
+    assert wider >= choose_budget(pts, KneeConfig(eps=eps, criterion="latency"))
 
 
 def test_order_of_points_does_not_matter_and_short_grids_work():
@@ -243,7 +244,7 @@ def test_throughput_criterion_on_gradual_roofline():
     # t(n) = t0 sqrt(1 + (n/K)^2): tokens/s = n/t keeps rising past the latency knee.
     knee = 128
     pts = curve([T0 * math.sqrt(1 + (n / knee) ** 2) for n in GRID])
-    lat_b = choose_budget(pts, KneeConfig(eps=0.1))
+    lat_b = choose_budget(pts, KneeConfig(eps=0.1, criterion="latency"))
     thr_b = choose_budget(pts, KneeConfig(criterion="throughput", eps_max=0.5))
     assert lat_b == 32  # sqrt(1 + x^2) <= 1.1  <=>  n <= 0.458 K
     assert thr_b == 128  # sqrt(1 + x^2) <= 1.5  <=>  n <= 1.118 K, tokens/s increasing
@@ -449,3 +450,28 @@ def test_default_cache_dir(monkeypatch, tmp_path):
     monkeypatch.delenv(CACHE_DIR_ENV)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert default_cache_dir() == tmp_path / ".cache" / "adaserve" / "profiles"
+
+
+# ---- elasticity (the default criterion) ----------------------------------------------------------
+@pytest.mark.parametrize("knee", [1, 4, 32, 156, 512])
+def test_elasticity_finds_the_ridge_of_a_flat_then_linear_roofline(knee):
+    pts = curve([flat_linear(n, knee) for n in GRID])
+    b = choose_budget(pts)
+    assert b <= max(knee, 1) * 2 and 2 * b > knee  # the ridge, up to the power-of-two grid
+
+
+@pytest.mark.parametrize(("fixed_ms", "per_token_ms"), [(9.0, 0.17), (5.0, 0.02), (2.0, 0.5)])
+def test_elasticity_on_a_cpu_like_curve_lands_near_fixed_over_per_token(fixed_ms, per_token_ms):
+    """t = a + b n has no flat part: the latency criterion says B = 1, elasticity says ~a/b."""
+    pts = curve([(fixed_ms + per_token_ms * n) / 1e3 for n in GRID])
+    b = choose_budget(pts)
+    ratio = fixed_ms / per_token_ms
+    assert ratio / 2 <= b <= 2 * ratio or (b == GRID[-1] and ratio > GRID[-1])
+    assert choose_budget(pts, KneeConfig(criterion="latency")) < b
+
+
+def test_elasticity_ignores_noise_and_a_lone_spike():
+    rng = np.random.default_rng(3)
+    lat = [flat_linear(n, 64) * float(rng.lognormal(0, 0.02)) for n in GRID]
+    lat[2] *= 3.0  # one spike in the flat region
+    assert choose_budget(curve(lat)) == 64

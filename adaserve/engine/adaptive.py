@@ -15,10 +15,12 @@ class AdaptiveConfig:
 
     # d never below 1: one draft step is cheap, and the SLO phase may still send only the root.
     d_min: int = 1
-    # SpecInfer's static tree is 8 deep; past that a small draft's path probabilities are tiny and each
-    # extra step costs a full draft forward.
-    d_max: int = 8
-    w_max: int = 4
+    # Every extra level costs a full draft forward before verification can start. With the demo pair on
+    # a CPU (draft only ~4.6x cheaper than the target) d_max=8, w_max=4 lost to chain:4 on SLO attainment
+    # (0.54 vs 0.75 at 2.25 req/s) while d_max=4, w_max=2 reached 0.83 (docs/benchmarks.md). A GPU with
+    # a cheaper draft step can afford deeper trees: raise these there (SpecInfer's static tree is 8 deep).
+    d_max: int = 4
+    w_max: int = 2
     # B1: verification tokens per iteration, i.e. the profiled budget B (section 5; AdaServe measures
     # 156 on A100). B1 / (n + c1) is each request's share of the verify budget, and d = share - 1 leaves
     # room for the root, so drafted depth stays within what selection can afford to verify.

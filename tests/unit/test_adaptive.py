@@ -23,8 +23,8 @@ def test_formula_by_hand():
     # n = 32: d = floor(128 / 33) - 1 = 2, w = 1
     assert depth_width(32, cfg) == (2, 1)
     # c2 widens every batch by a constant; c1 = 0 works for n = 0 too
-    assert depth_width(16, AdaptiveConfig(b2=32, c2=1)) == (6, 3)
-    assert depth_width(0, AdaptiveConfig(c1=0)) == (8, 4)
+    assert depth_width(16, AdaptiveConfig(d_max=8, w_max=4, b2=32, c2=1)) == (6, 3)
+    assert depth_width(0, AdaptiveConfig(d_max=8, w_max=4, c1=0)) == (8, 4)
 
 
 configs = st.builds(

@@ -165,7 +165,7 @@ def test_overload_answers_503_with_retry_after(worker: WorkerProcess, client: ht
 
 BAD_INPUTS = [
     ({"prompt_token_ids": list(range(2, 2100)), "max_tokens": 4}, 400, "prompt"),
-    ({"prompt": "x", "max_tokens": 2040}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 2047}, 400, "max_tokens"),  # prompt + max_tokens > 2048 context
     ({"prompt": "x", "max_tokens": 0}, 422, "max_tokens"),
     ({"prompt": "x", "max_tokens": 10**6}, 422, "max_tokens"),
     ({"prompt": "x", "max_tokens": "many"}, 422, "max_tokens"),

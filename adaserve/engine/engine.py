@@ -13,7 +13,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from adaserve.engine.batch import Segment
 from adaserve.engine.policies import BatchView, Policy, SelectionContext, TreeShape
@@ -94,11 +94,9 @@ class RunTotals:
 
     def add(self, m: StepMetrics) -> None:
         self.steps += 1
-        self.t_select_s += m.t_select_s
-        self.t_step_s += m.t_step_s
-        self.tokens_verified += m.tokens_verified
-        self.tokens_accepted += m.tokens_accepted
-        self.tokens_emitted += m.tokens_emitted
+        for f in fields(self):  # every other field is a StepMetrics field of the same name
+            if f.name != "steps":
+                setattr(self, f.name, getattr(self, f.name) + getattr(m, f.name))
 
 
 class Engine:

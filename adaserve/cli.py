@@ -11,12 +11,9 @@ import logging
 import sys
 
 from adaserve import __version__
+from adaserve.cli_error import EXIT_USAGE, CliError
 
-EXIT_USAGE = 2
-
-
-class CliError(Exception):
-    """A user-facing error: printed as one line, exit code 2."""
+__all__ = ["EXIT_USAGE", "CliError", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:

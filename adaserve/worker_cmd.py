@@ -15,7 +15,8 @@ from adaserve.cli import CliError
 
 # command-line option -> settings field; everything else comes from the environment
 OPTIONS = ("target", "draft", "device", "host", "port", "redis_url", "policy", "budget", "attention",
-           "kv_memory_mb", "worker_id", "advertise_url", "max_active_requests", "drain_grace_s", "log_level")
+           "kv_memory_mb", "dtype", "max_depth", "max_width", "worker_id", "advertise_url", "max_active_requests",
+           "drain_grace_s", "log_level")
 
 
 def add_parser(sub: Any) -> None:
@@ -30,6 +31,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--budget", type=int, help="fixed token budget, skips profiling [ADASERVE_BUDGET]")
     p.add_argument("--attention", choices=["auto", "torch", "flashinfer"], help="[ADASERVE_ATTENTION]")
     p.add_argument("--kv-memory-mb", type=int, help="KV cache memory per model [ADASERVE_KV_MEMORY_MB]")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], help="[ADASERVE_DTYPE]")
+    p.add_argument("--max-depth", type=int, help="deepest draft tree [ADASERVE_MAX_DEPTH, default 4]")
+    p.add_argument("--max-width", type=int, help="widest beam [ADASERVE_MAX_WIDTH, default 2]")
     p.add_argument("--reprofile", action="store_true", default=None, help="ignore the cached profile")
     p.add_argument("--worker-id", help="id in the registry [ADASERVE_WORKER_ID, default hostname-port]")
     p.add_argument("--advertise-url", help="address the gateway should use [ADASERVE_ADVERTISE_URL]")
@@ -40,31 +44,11 @@ def add_parser(sub: Any) -> None:
 
 
 def load_settings(args: argparse.Namespace) -> Any:
-    from pydantic import ValidationError
-    from pydantic_settings import SettingsError
-
+    from adaserve.cli_settings import load
     from adaserve.worker.settings import WorkerSettings
 
     given = {name: getattr(args, name) for name in (*OPTIONS, "reprofile") if getattr(args, name) is not None}
-    try:
-        return WorkerSettings(**given)
-    except SettingsError as e:  # an environment value that is not even JSON
-        cause = f": {e.__cause__}" if e.__cause__ else ""
-        raise CliError(f"{e}{cause}") from None
-    except ValidationError as e:
-        raise CliError("; ".join(_describe(err) for err in e.errors())) from None
-
-
-def _describe(err: Any) -> str:
-    """One validation error as 'field (--option or ADASERVE_FIELD): message'."""
-    msg = str(err["msg"]).removeprefix("Value error, ")
-    if not err["loc"]:
-        return msg
-    name = str(err["loc"][0])
-    where = f"ADASERVE_{name.upper()}"
-    if name in OPTIONS:
-        where = f"--{name.replace('_', '-')} or {where}"
-    return f"{'.'.join(map(str, err['loc']))} ({where}): {msg}"
+    return load(WorkerSettings, given, options=OPTIONS, env_prefix="ADASERVE_")
 
 
 def run(args: argparse.Namespace) -> int:

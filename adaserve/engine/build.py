@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from adaserve.engine.adaptive import AdaptiveConfig
 from adaserve.engine.engine import Engine, EngineConfig
 from adaserve.engine.kv_cache import KVCacheConfig
 from adaserve.engine.loader import load_model, load_tokenizer
@@ -42,13 +43,31 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_dtype(name: str) -> torch.dtype | None:
+    """None for "auto" (the loader's per-device default)."""
+    if name == "auto":
+        return None
+    if name not in DTYPES:
+        raise EngineBuildError(f"unknown dtype {name!r}: use auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
 def build_engine(*, target: Path, draft: Path | None, device: str = "cpu", policy: str = "adaserve",
                  budget: int | None = None, attention: str = "auto", kv_memory_mb: int = 256,
+                 dtype: str = "auto", max_depth: int | None = None, max_width: int | None = None,
                  profile: bool = True, force_profile: bool = False, progress: bool = True) -> BuiltEngine:
-    """Load models, profile (or reuse the cached profile) unless ``budget`` is given, build the engine."""
+    """Load models, profile (or reuse the cached profile) unless ``budget`` is given, build the engine.
+
+    ``max_depth`` / ``max_width`` bound the adaptive tree shape (Eq. 8-9) of the policies that use it.
+    """
     dev = resolve_device(device)
+    dt = resolve_dtype(dtype)
     try:
-        pol = make_policy(policy)
+        bounds = {k: v for k, v in (("d_max", max_depth), ("w_max", max_width)) if v is not None}
+        pol = make_policy(policy, adaptive=AdaptiveConfig(**bounds))
         runner_cfg = RunnerConfig(attention=attention, kv=KVCacheConfig(memory_bytes=kv_memory_mb * 2**20))
         if budget is not None:
             EngineConfig(budget=budget)  # validate before the slow part
@@ -57,10 +76,10 @@ def build_engine(*, target: Path, draft: Path | None, device: str = "cpu", polic
     if pol.max_shape is not None and draft is None:
         raise EngineBuildError(f"policy {policy!r} speculates: give a draft model with --draft")
     try:
-        tgt = ModelRunner(load_model(target, device=dev, progress=progress), runner_cfg)
+        tgt = ModelRunner(load_model(target, device=dev, dtype=dt, progress=progress), runner_cfg)
         drf = None
         if draft is not None and pol.max_shape is not None:
-            drf = ModelRunner(load_model(draft, device=dev, progress=progress), runner_cfg)
+            drf = ModelRunner(load_model(draft, device=dev, dtype=dt, progress=progress), runner_cfg)
     except (FileNotFoundError, UnsupportedModelError, ValueError) as e:
         raise EngineBuildError(str(e)) from None
     prof = None

@@ -28,7 +28,7 @@ from adaserve.engine.sampling import SamplingParams
 from adaserve.worker import published
 from adaserve.worker.metrics import WorkerMetrics
 from adaserve.worker.registry import Registry
-from adaserve.worker.schemas import GenerateRequest
+from adaserve.worker.schemas import ChatMessage, GenerateRequest
 from adaserve.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,18 @@ class InFlight:
     @property
     def request_id(self) -> str:
         return self.req.request_id
+
+
+def chat_prompt(tokenizer: Any, messages: list[ChatMessage]) -> str:
+    """The conversation as prompt text: the model's own chat template, else a plain ``role: text`` transcript
+    ending with ``assistant:`` (base models such as the demo pair have no template)."""
+    turns = [m.model_dump() for m in messages]
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            return str(tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True))
+        except Exception as e:  # a template that rejects these turns (say, no system role) is the user's problem
+            raise RequestRefused(400, f"messages: the model's chat template refused them: {e}") from None
+    return "".join(f"{m.role}: {m.content}\n" for m in messages) + "assistant:"
 
 
 def warm_up(engine: Engine) -> None:
@@ -139,6 +151,7 @@ class Runtime:
             torch.set_num_threads(s.torch_threads)
         built = build_engine(target=s.target, draft=s.draft, device=s.device, policy=s.policy, budget=s.budget,
                              attention=s.attention, kv_memory_mb=s.kv_memory_mb, force_profile=s.reprofile,
+                             dtype=s.dtype, max_depth=s.max_depth, max_width=s.max_width,
                              progress=False)
         if s.warmup:
             warm_up(built.engine)
@@ -290,8 +303,10 @@ class Runtime:
         if body.prompt_token_ids is not None:
             return list(body.prompt_token_ids)
         if self.tokenizer is None:
-            raise RequestRefused(400, "prompt: this model has no tokenizer; send prompt_token_ids")
-        ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt, add_special_tokens=True)
+            field = "messages" if body.messages is not None else "prompt"
+            raise RequestRefused(400, f"{field}: this model has no tokenizer; send prompt_token_ids")
+        text = body.prompt if body.messages is None else chat_prompt(self.tokenizer, body.messages)
+        ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=True)
         return list(ids)
 
     # ---- events (engine thread -> event loop) -------------------------------------------------------

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-from adaserve.worker.settings import CLASS_NAME
+from adaserve.worker.settings import SloClassName
 
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 RequestId = Annotated[str, Field(pattern=REQUEST_ID_PATTERN)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
+
+
+class ChatMessage(BaseModel):
+    """One turn of a conversation; rendered with the model's chat template by the worker."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str
 
 
 class GenerateRequest(BaseModel):
@@ -18,6 +27,7 @@ class GenerateRequest(BaseModel):
 
     prompt: str | None = Field(None, min_length=1)
     prompt_token_ids: list[TokenId] | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=1024)
     max_tokens: StrictInt | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -27,7 +37,7 @@ class GenerateRequest(BaseModel):
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = False
     tpot_slo_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)
-    slo_class: str | None = None
+    slo_class: SloClassName | None = None
     request_id: RequestId | None = None
     stream: bool = False
 
@@ -41,17 +51,10 @@ class GenerateRequest(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return stops
 
-    @field_validator("slo_class")
-    @classmethod
-    def _slo_class(cls, v: str | None) -> str | None:
-        if v is not None and not CLASS_NAME.match(v):
-            raise ValueError(f"must match {CLASS_NAME.pattern}")
-        return v
-
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise ValueError("give exactly one of 'prompt' or 'prompt_token_ids'")
+        if sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)) != 1:
+            raise ValueError("give exactly one of 'prompt', 'prompt_token_ids' or 'messages'")
         return self
 
     @property

@@ -18,21 +18,8 @@ from types import FrameType
 
 import uvicorn
 
+from adaserve.access_log import QuietProbes
 from adaserve.worker.runtime import Runtime
-
-PROBE_PATHS = ("/healthz", "/readyz", "/metrics")
-
-
-class QuietProbes(logging.Filter):
-    """Keep successful probes and scrapes (every few seconds, forever) out of the access log."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        if not isinstance(args, tuple) or len(args) < 5:
-            return True
-        path, status = args[2], args[4]
-        return not (isinstance(path, str) and path.startswith(PROBE_PATHS) and isinstance(status, int)
-                    and status < 400)
 
 
 class DrainingServer(uvicorn.Server):

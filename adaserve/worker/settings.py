@@ -9,12 +9,21 @@ from __future__ import annotations
 import re
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 CLASS_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def _class_name(v: str) -> str:
+    if not CLASS_NAME.match(v):
+        raise ValueError(f"must match {CLASS_NAME.pattern}")
+    return v
+
+
+SloClassName = Annotated[str, AfterValidator(_class_name)]  # what a request may name; the gateway's too
 
 
 class WorkerSettings(BaseSettings):
@@ -28,7 +37,10 @@ class WorkerSettings(BaseSettings):
     draft: Path | None = Field(None, description="draft model directory; speculative policies need it")
     model_name: str | None = Field(None, description="name published to the gateway (default: target dir name)")
     device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     policy: str = "adaserve"
+    max_depth: int | None = Field(None, ge=1, le=32, description="deepest draft tree (adaptive policies)")
+    max_width: int | None = Field(None, ge=1, le=16, description="widest beam (adaptive policies)")
     budget: int | None = Field(None, ge=1, description="fixed tokens per verification; skips profiling")
     attention: Literal["auto", "torch", "flashinfer"] = "auto"
     kv_memory_mb: int = Field(256, ge=1, description="KV cache memory per model")
@@ -52,7 +64,7 @@ class WorkerSettings(BaseSettings):
         default_factory=dict,
         description='JSON {"class": tpot_ms}; when set, only these classes are accepted and give the default TPOT',
     )
-    default_slo_class: str = "default"
+    default_slo_class: SloClassName = "default"
 
     # registration and shutdown
     redis_url: str | None = Field(None, description="redis://host:port/db; unset = local mode, no registration")
@@ -76,13 +88,6 @@ class WorkerSettings(BaseSettings):
                 raise ValueError(f"SLO class name {name!r} must match {CLASS_NAME.pattern}")
             if not tpot > 0:
                 raise ValueError(f"SLO class {name!r}: tpot_ms must be positive, got {tpot}")
-        return v
-
-    @field_validator("default_slo_class")
-    @classmethod
-    def _class_name(cls, v: str) -> str:
-        if not CLASS_NAME.match(v):
-            raise ValueError(f"must match {CLASS_NAME.pattern}")
         return v
 
     @model_validator(mode="after")

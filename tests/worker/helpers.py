@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,6 +88,26 @@ def start_worker(target: Path, draft: Path, log: Path, *args: str, env: dict[str
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
     return WorkerProcess(proc, f"http://127.0.0.1:{port}", log)
+
+
+REDIS_URL = os.environ.get("ADASERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def isolated_redis(label: str) -> Iterator[tuple[redis.Redis, str]]:
+    """A client and a fresh key prefix; every key under it is deleted afterwards. Skips without Redis."""
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    try:
+        client.ping()
+    except redis.ConnectionError:
+        pytest.skip(f"no Redis at {REDIS_URL}")
+    prefix = f"adaserve-{label}-{uuid.uuid4().hex[:12]}"
+    try:
+        yield client, prefix
+    finally:
+        keys = list(client.scan_iter(f"{prefix}:*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
 
 
 def sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:

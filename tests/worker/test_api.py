@@ -181,9 +181,11 @@ BAD_INPUTS = [
     ({"prompt_token_ids": ["a"]}, 422, "prompt_token_ids[0]"),
     ({"prompt_token_ids": [10**7]}, 400, "prompt token ids"),
     ({"prompt_token_ids": []}, 422, "prompt_token_ids"),
-    ({"prompt": "x", "prompt_token_ids": [1]}, 422, "exactly one of 'prompt' or 'prompt_token_ids'"),
-    ({"max_tokens": 3}, 422, "exactly one of 'prompt' or 'prompt_token_ids'"),
+    ({"prompt": "x", "prompt_token_ids": [1]}, 422, "exactly one of 'prompt', 'prompt_token_ids' or 'messages'"),
+    ({"max_tokens": 3}, 422, "exactly one of 'prompt', 'prompt_token_ids' or 'messages'"),
     ({"prompt": "x", "request_id": "no spaces allowed"}, 422, "request_id"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 422, "messages[0].role"),
+    ({"messages": []}, 422, "messages"),
     ({"prompt": "x", "stop_token_ids": [10**7]}, 400, "stop_token_ids"),
 ]
 
@@ -217,3 +219,15 @@ def test_metrics_parse_with_prometheus_parser(worker: WorkerProcess, client: htt
     assert metric(samples, "adaserve_budget_tokens") == int(BUDGET)
     assert metric(samples, "adaserve_iterations_total") > 0
     assert 0.0 <= metric(samples, "adaserve_slo_attainment", slo_class="coding") <= 1.0
+
+
+def test_chat_messages_use_the_plain_transcript_without_a_template(client: httpx.Client) -> None:
+    """The demo tokenizer has no chat template: messages become 'role: text' lines ending 'assistant:'."""
+    chat = client.post("/v1/generate", json={"messages": [{"role": "system", "content": "be brief"},
+                                                          {"role": "user", "content": "def add(a, b):"}],
+                                             "max_tokens": 8})
+    plain = client.post("/v1/generate", json={"prompt": "system: be brief\nuser: def add(a, b):\nassistant:",
+                                              "max_tokens": 8})
+    assert chat.status_code == plain.status_code == 200, chat.text
+    assert chat.json()["token_ids"] == plain.json()["token_ids"]
+    assert chat.json()["prompt_tokens"] == plain.json()["prompt_tokens"] > 5

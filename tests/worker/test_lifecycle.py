@@ -17,26 +17,12 @@ import pytest
 import redis
 
 from adaserve.engine.profiler import model_identity
-from tests.worker.helpers import WorkerProcess, demo_pair, sse_events, start_worker, wait_for
-
-REDIS_URL = os.environ.get("ADASERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+from tests.worker.helpers import REDIS_URL, WorkerProcess, demo_pair, isolated_redis, sse_events, start_worker, wait_for
 
 
 @pytest.fixture
 def redis_prefix() -> Iterator[tuple[redis.Redis, str]]:
-    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
-    try:
-        client.ping()
-    except redis.ConnectionError:
-        pytest.skip(f"no Redis at {REDIS_URL}")
-    prefix = f"adaserve-test-{uuid.uuid4().hex[:12]}"
-    try:
-        yield client, prefix
-    finally:
-        keys = list(client.scan_iter(f"{prefix}:*"))
-        if keys:
-            client.delete(*keys)
-        client.close()
+    yield from isolated_redis("test")
 
 
 def registration(r: redis.Redis, prefix: str, worker_id: str) -> dict[str, Any] | None:

@@ -1,4 +1,4 @@
-"""``GET /v1/profile``: the token budget, the cost model and the device this worker runs on."""
+"""``GET /v1/profile`` (budget, cost model, device) and ``GET /v1/status`` (the registration document)."""
 
 from __future__ import annotations
 
@@ -19,3 +19,9 @@ async def profile(runtime: RuntimeDep) -> dict[str, Any]:
         raise RequestRefused(503, f"worker is {runtime.state.value}: no profile yet",
                              retry_after=runtime.settings.retry_after_s)
     return published.profile_info(runtime.built, runtime.settings)
+
+
+@router.get("/v1/status")
+async def status(runtime: RuntimeDep) -> dict[str, Any]:
+    """The registration document (docs/worker.md), also without Redis: a gateway given worker URLs polls this."""
+    return published.registration(runtime)

@@ -1,0 +1,56 @@
+"""Worker chunks as OpenAI responses: pure functions, one per shape.
+
+A worker chunk is ``{"id", "token_ids", "text"}``; the last one adds ``finish_reason``,
+``prompt_tokens`` and the SLO outcome (adaserve/worker/stream.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+Kind = Literal["completion", "chat"]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def slo_info(final: dict[str, Any], slo_class: str, *, met: bool | None) -> dict[str, Any]:
+    """An extra top-level field; OpenAI clients ignore it, curl users see which class served them."""
+    return {"slo_class": slo_class, "tpot_slo_ms": final.get("tpot_slo_ms"), "slo_met": met,
+            "metrics": final.get("metrics")}
+
+
+def stream_chunk(kind: Kind, *, rid: str, model: str, created: int, text: str | None = None,
+                 finish: str | None = None, role: bool = False) -> dict[str, Any]:
+    if kind == "completion":
+        choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+    delta: dict[str, Any] = {}
+    if role:
+        delta["role"] = "assistant"
+    if text is not None:
+        delta["content"] = text
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+
+def usage_chunk(kind: Kind, *, rid: str, model: str, created: int, prompt_tokens: int,
+                completion_tokens: int) -> dict[str, Any]:
+    obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def full_response(kind: Kind, *, rid: str, model: str, created: int, text: str, finish: str | None,
+                  prompt_tokens: int, completion_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
+    if kind == "completion":
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    else:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish}
+        obj = "chat.completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+            "usage": usage(prompt_tokens, completion_tokens), "adaserve": extra}

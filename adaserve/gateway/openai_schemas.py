@@ -1,0 +1,125 @@
+"""Request bodies of ``/v1/completions`` and ``/v1/chat/completions``: OpenAI's fields, plus ``slo_class``
+and vLLM's ``top_k`` / ``ignore_eos``. Parameters adaserve cannot honour are refused by name, never ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+
+from adaserve.worker.settings import SloClassName
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # OpenAI's default samples
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(0, ge=0)
+    n: StrictInt = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
+    ignore_eos: bool = False
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: Any = None
+    slo_class: SloClassName | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> list[str]:
+        stops = [] if v is None else [v] if isinstance(v, str) else v
+        if len(stops) > 16 or any(not s for s in stops):
+            raise ValueError("at most 16 non-empty stop strings")
+        return stops
+
+    @model_validator(mode="after")
+    def _supported(self) -> _Common:
+        if self.n != 1:
+            raise ValueError("n: only n=1 is supported; send several requests")
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty / frequency_penalty are not supported (they would change the "
+                             "target model's distribution that speculative decoding preserves)")
+        if self.logprobs not in (None, False, 0):
+            raise ValueError("logprobs: not supported")
+        return self
+
+    def sampling(self, default_max_tokens: int) -> dict[str, Any]:
+        """The worker's sampling fields (POST /v1/generate)."""
+        return {"max_tokens": self.max_tokens or default_max_tokens, "temperature": self.temperature,
+                "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed, "stop": self.stop,
+                "ignore_eos": self.ignore_eos}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[StrictInt]
+    echo: bool = False
+    best_of: StrictInt | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionRequest:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str) and len(p) != 1:
+            raise ValueError("prompt: one prompt per request (got a list of several); send one request each")
+        if len(p) == 0 or (isinstance(p, list) and isinstance(p[0], str) and not p[0]):
+            raise ValueError("prompt: must not be empty")
+        if self.echo or self.suffix or (self.best_of not in (None, 1)):
+            raise ValueError("echo, suffix and best_of are not supported")
+        return self
+
+    def prompt_fields(self) -> dict[str, Any]:
+        p = self.prompt
+        if isinstance(p, str):
+            return {"prompt": p}
+        if isinstance(p[0], str):
+            return {"prompt": p[0]}
+        return {"prompt_token_ids": p}
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id ...: accepted, not used
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+
+    def prompt_fields(self) -> dict[str, Any]:
+        return {"messages": [{"role": m.role, "content": m.text()} for m in self.messages]}
+
+    def sampling(self, default_max_tokens: int) -> dict[str, Any]:
+        out = super().sampling(default_max_tokens)
+        if self.max_completion_tokens is not None:
+            out["max_tokens"] = self.max_completion_tokens
+        return out

@@ -1,0 +1,140 @@
+"""The gateway's parts in one object, built once from settings: SLO classes, keys, state, workers, routing.
+
+``open`` is the request path up to the first token: admit, pick a worker, open its stream, and on a
+failure before any token try another worker (``max_attempts`` in all).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+import httpx
+from redis.exceptions import RedisError
+
+from adaserve.gateway import dispatch, redis_state
+from adaserve.gateway.admission import Admission, Refused
+from adaserve.gateway.directory import Directory, RedisSource, Source, StaticSource
+from adaserve.gateway.errors import ApiError
+from adaserve.gateway.keys import ApiKey, load_keys
+from adaserve.gateway.metrics import GatewayMetrics
+from adaserve.gateway.routing import Router
+from adaserve.gateway.settings import GatewaySettings
+from adaserve.gateway.slo import SloClass, load_catalog
+from adaserve.gateway.state import MemoryStore, StateStore
+from adaserve.gateway.tracker import Tracker
+from adaserve.worker.registry import redacted
+
+log = logging.getLogger(__name__)
+
+
+class Gateway:
+    def __init__(self, settings: GatewaySettings) -> None:
+        """Reads the class and key files (ValueError with a message when they are wrong); connects nothing."""
+        self.settings = s = settings
+        self.catalog = load_catalog(file=s.slo_classes_file, inline=s.slo_classes, default=s.default_slo_class)
+        self.keys = load_keys(s.api_keys_file, classes=list(self.catalog.classes))
+        self.metrics = GatewayMetrics()
+        self.metrics.declare(list(self.catalog.classes))
+        self.router = Router(s.routing)
+        timeout = httpx.Timeout(connect=s.connect_timeout_s, read=max(s.first_token_timeout_s, s.token_timeout_s),
+                                write=10.0, pool=s.connect_timeout_s)
+        self.http = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024))
+        self.store: StateStore
+        source: Source
+        if s.redis_url:
+            client = redis_state.connect(s.redis_url)
+            self.store = redis_state.RedisStore(client, s.redis_prefix)
+            source = RedisSource(client, s.redis_prefix) if not s.workers else StaticSource(s.workers, self.http)
+        else:
+            if not s.workers:
+                raise ValueError("give redis_url (workers register there) or workers (their URLs)")
+            self.store = MemoryStore()
+            source = StaticSource(s.workers, self.http)
+        self.directory = Directory(source, refresh_s=s.refresh_s, suspect_s=s.suspect_s)
+        self.admission = Admission(self.directory, self.router, self.catalog, s, self.metrics)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        where = redacted(self.settings.redis_url) if self.settings.redis_url else "in-process state"
+        log.info("gateway: %d SLO classes, API keys %s, %s, routing %s", len(self.catalog.classes),
+                 "on" if self.keys.enabled else "off", where, self.settings.routing)
+        await self.directory.start()
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run clean-up that must finish even when the request that started it was cancelled."""
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def stop(self) -> None:
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5.0)
+        await self.directory.stop()
+        await self.http.aclose()
+        await self.store.close()
+
+    # ---- the request path -------------------------------------------------------------------------
+    def check_model(self, model: str) -> str:
+        known = [self.settings.model_name] if self.settings.model_name else self.directory.models()
+        if model not in known:
+            hint = f"; available: {', '.join(known)}" if known else " (no worker has registered a model yet)"
+            raise ApiError(404, f"model {model!r} not found{hint}", code="model_not_found", param="model")
+        return model
+
+    async def rate_limit(self, key: ApiKey | None) -> None:
+        if key is None or key.rate_per_s is None:
+            return
+        try:
+            wait = await self.store.take_token(key.name, rate_per_s=key.rate_per_s, burst=key.bucket_size)
+        except (RedisError, OSError) as e:  # fail open: an outage of the record keeper is not the caller's fault
+            log.warning("rate limit of %s not checked, state store unreachable: %s", key.name, e)
+            return
+        if wait > 0:
+            self.metrics.rate_limited.labels(key.name).inc()
+            raise ApiError(429, f"rate limit of API key {key.name!r} exceeded ({key.rate_per_s:g} requests/s, "
+                           f"burst {key.bucket_size:g}); retry in {wait:.2f}s", code="rate_limit_exceeded",
+                           retry_after=max(1, int(wait + 0.999)))
+
+    def tracker(self, request_id: str, slo: SloClass, key: ApiKey | None, model: str) -> Tracker:
+        return Tracker(self.store, self.metrics, self.settings.record_ttl_s, request_id, slo,
+                       api_key=key.name if key else None, model=model)
+
+    async def open(self, payload: dict[str, Any], slo: SloClass, track: Tracker) -> dispatch.Upstream:
+        """Admit and start the request on a worker; another worker if one fails before its first token."""
+        tried: set[str] = set()
+        failures: list[str] = []
+        for _ in range(self.settings.max_attempts):
+            try:
+                choice = await self.admission.admit(slo, model=track.model if self.settings.model_name is None
+                                                    else None, exclude=tried)
+            except Refused as e:
+                if not failures:
+                    await track.refused("shed" if e.reason != "no_workers" else "unavailable", e.reason)
+                    raise
+                break
+            w = choice.worker
+            self.metrics.routed.labels(w.id, slo.name, self.router.policy).inc()
+            await track.routed(w.id)
+            self.directory.acquire(w.id, slo.name)
+            try:
+                return await dispatch.open_stream(self.http, w, payload,
+                                                  first_token_timeout_s=self.settings.first_token_timeout_s)
+            except dispatch.WorkerFailed as e:
+                self.directory.release(w.id, slo.name)
+                if not e.busy:
+                    self.directory.mark_failed(w.id)
+                log.warning("request %s: %s; trying another worker", track.request_id, e)
+                tried.add(w.id)
+                failures.append(str(e))
+            except BaseException:
+                self.directory.release(w.id, slo.name)
+                raise
+        await track.finished("failed", None)
+        raise ApiError(503, f"no worker could start the request: {'; '.join(failures)}", code="workers_failed",
+                       retry_after=self.settings.retry_after_s)
+
+    def done(self, up: dispatch.Upstream, slo: SloClass) -> None:
+        self.directory.release(up.worker.id, slo.name)

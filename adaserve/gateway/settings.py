@@ -1,0 +1,60 @@
+"""The gateway's one settings object: command-line options over ``ADASERVE_GATEWAY_*`` environment variables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Routing = Literal["headroom", "least-loaded", "round-robin"]
+
+
+class GatewaySettings(BaseSettings):
+    """Every knob of a gateway. Environment variable = ``ADASERVE_GATEWAY_`` + the field name in capitals."""
+
+    model_config = SettingsConfigDict(env_prefix="ADASERVE_GATEWAY_", env_ignore_empty=True, extra="ignore",
+                                      validate_default=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535, description="0 = any free port")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    # where workers and state live
+    redis_url: str | None = Field(None, description="redis://host:port/db; unset = in-process state, static workers")
+    redis_prefix: str = Field("adaserve", min_length=1, description="the workers' prefix; records live under it too")
+    workers: list[str] = Field(default_factory=list, description="worker URLs polled at /v1/status (no Redis needed)")
+    model_name: str | None = Field(None, description="the only model served (default: what the workers publish)")
+
+    # SLO classes and API keys
+    slo_classes_file: Path | None = Field(None, description="JSON list of classes (the operator's ConfigMap)")
+    slo_classes: str | None = Field(None, description="the same JSON inline; default: coding/chat/summarization")
+    default_slo_class: str | None = Field(None, description="class of requests that name none (default: first)")
+    api_keys_file: Path | None = Field(None, description='JSON {"keys": [...]}; unset = no authentication')
+
+    # routing and admission
+    routing: Routing = "headroom"
+    queue_timeout_s: float = Field(2.0, ge=0, description="how long a request waits for headroom before 503")
+    max_queued: int = Field(64, ge=0, description="requests waiting for headroom at once; beyond it 503 at once")
+    max_attempts: int = Field(3, ge=1, description="workers tried before the first token (1 = no retry)")
+    retry_after_s: int = Field(1, ge=1)
+    refresh_s: float = Field(0.5, gt=0, description="how often the worker list is re-read")
+    suspect_s: float = Field(5.0, ge=0, description="how long a worker that failed a request is skipped")
+    connect_timeout_s: float = Field(2.0, gt=0)
+    first_token_timeout_s: float = Field(120.0, gt=0, description="worker silence before the first token")
+    token_timeout_s: float = Field(60.0, gt=0, description="worker silence between tokens")
+    record_ttl_s: int = Field(86400, ge=1, description="how long request records stay in the state store")
+    max_tokens_default: int = Field(64, ge=1, description="max_tokens of a request that gives none")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GatewaySettings:
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("redis_url must start with redis://, rediss:// or unix://")
+        for url in self.workers:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+        self.workers = [u.rstrip("/") for u in self.workers]
+        if self.slo_classes_file is not None and self.slo_classes is not None:
+            raise ValueError("give slo_classes_file or slo_classes, not both")
+        return self

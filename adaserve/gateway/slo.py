@@ -1,0 +1,113 @@
+"""SLO classes: what a request's class promises, and how a request finds its class.
+
+A class is ``{name, tpotMs, ttftMs?, priority, sheddable?}`` (the AdaServeDeployment's ``sloClasses``;
+snake_case keys work too). Priority below 0 means sheddable (the llm-d convention): under overload
+those requests are refused first.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from adaserve.worker.settings import SloClassName
+
+
+class SloClass(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+    name: SloClassName
+    tpot_ms: float = Field(alias="tpotMs", gt=0, allow_inf_nan=False)
+    ttft_ms: float | None = Field(None, alias="ttftMs", gt=0, allow_inf_nan=False)
+    priority: int = 0
+    sheddable_flag: bool | None = Field(None, alias="sheddable")
+
+    @property
+    def sheddable(self) -> bool:
+        return self.sheddable_flag if self.sheddable_flag is not None else self.priority < 0
+
+    def public(self) -> dict[str, Any]:
+        return {"name": self.name, "tpot_ms": self.tpot_ms, "ttft_ms": self.ttft_ms, "priority": self.priority,
+                "sheddable": self.sheddable}
+
+
+# The README's three applications; what `adaserve up` serves when given no classes.
+DEFAULT_CLASSES = (
+    SloClass(name="coding", tpot_ms=40, ttft_ms=2000, priority=10),
+    SloClass(name="chat", tpot_ms=50, priority=0),
+    SloClass(name="summarization", tpot_ms=150, priority=-1),
+)
+
+
+class UnknownClass(Exception):
+    def __init__(self, name: str, known: list[str]) -> None:
+        super().__init__(f"unknown SLO class {name!r}; valid classes: {', '.join(known)}")
+        self.name, self.known = name, known
+
+
+@dataclass(frozen=True)
+class SloCatalog:
+    classes: dict[str, SloClass]
+    default: str
+
+    def __post_init__(self) -> None:
+        if not self.classes:
+            raise ValueError("at least one SLO class is needed")
+        if self.default not in self.classes:
+            raise ValueError(f"default SLO class {self.default!r} is not one of {', '.join(self.classes)}")
+
+    @classmethod
+    def of(cls, classes: list[SloClass], default: str | None = None) -> SloCatalog:
+        names = [c.name for c in classes]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"SLO class names must be unique; repeated: {', '.join(dupes)}")
+        return cls({c.name: c for c in classes}, default or (names[0] if names else ""))
+
+    def resolve(self, *, header: str | None, body: str | None, key_default: str | None) -> SloClass:
+        """Header, then body field, then the API key's default, then the configured default."""
+        name = header or body or key_default or self.default
+        if name not in self.classes:
+            raise UnknownClass(name, list(self.classes))
+        return self.classes[name]
+
+    def tpot_of(self, name: str) -> float | None:
+        c = self.classes.get(name)
+        return c.tpot_ms if c else None
+
+
+_CLASS_LIST = TypeAdapter(list[SloClass])
+
+
+def parse_classes(text: str, *, source: str) -> list[SloClass]:
+    """A JSON list of classes; ValueError naming the source and the bad field."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{source}: not JSON: {e}") from None
+    if isinstance(raw, dict) and "sloClasses" in raw:  # a whole spec fragment pasted in
+        raw = raw["sloClasses"]
+    try:
+        return _CLASS_LIST.validate_python(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ValueError(f"{source}: [{where}] {first['msg']}") from None
+
+
+def load_catalog(*, file: Path | None, inline: str | None, default: str | None) -> SloCatalog:
+    if file is not None:
+        try:
+            text = file.read_text()
+        except OSError as e:
+            raise ValueError(f"cannot read SLO classes file {file}: {e.strerror}") from None
+        classes = parse_classes(text, source=str(file))
+    elif inline is not None:
+        classes = parse_classes(inline, source="slo_classes")
+    else:
+        classes = list(DEFAULT_CLASSES)
+    return SloCatalog.of(classes, default or ("chat" if classes == list(DEFAULT_CLASSES) else None))

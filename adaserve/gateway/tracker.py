@@ -1,0 +1,121 @@
+"""One request's record: its class, worker, status, tokens, TTFT, TPOT and SLO outcome, kept in the state
+store (with a TTL) and in the metrics. A state store that is down never fails the request itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from adaserve.gateway.metrics import GatewayMetrics
+from adaserve.gateway.slo import SloClass
+from adaserve.gateway.state import StateStore
+
+log = logging.getLogger(__name__)
+
+NORMAL_END = ("stop", "length")
+
+
+def slo_met(slo: SloClass, *, finish: str | None, ttft_ms: float | None, tpot_ms: float | None) -> bool:
+    """Finished normally, mean TPOT within the class's target, TTFT within its target if it has one."""
+    if finish not in NORMAL_END:
+        return False
+    if tpot_ms is not None and tpot_ms > slo.tpot_ms:
+        return False
+    return not (slo.ttft_ms is not None and ttft_ms is not None and ttft_ms > slo.ttft_ms)
+
+
+@dataclass
+class Tracker:
+    store: StateStore
+    metrics: GatewayMetrics
+    ttl_s: int
+    request_id: str
+    slo: SloClass
+    api_key: str | None = None
+    model: str | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    worker: str | None = None
+    attempts: int = 0
+    tokens: int = 0
+    first_s: float | None = None
+    last_s: float | None = None
+    ended: bool = False
+
+    async def _write(self, fields: dict[str, Any], counters: dict[str, int] | None = None) -> None:
+        try:
+            await self.store.record(self.request_id, fields, ttl_s=self.ttl_s)
+            if counters:
+                await self.store.count(self.slo.name, counters)
+        except (RedisError, OSError) as e:
+            log.warning("cannot write request record %s: %s", self.request_id, e)
+
+    async def received(self) -> None:
+        await self._write({"id": self.request_id, "slo_class": self.slo.name, "status": "queued",
+                           "api_key": self.api_key, "model": self.model, "created": time.time()})
+
+    async def routed(self, worker: str) -> None:
+        self.worker, self.attempts = worker, self.attempts + 1
+        if self.attempts > 1:
+            self.metrics.retries.labels(self.slo.name).inc()
+        await self._write({"worker": worker, "attempts": self.attempts, "status": "running"},
+                          {"requests": 1} if self.attempts == 1 else {"retries": 1})
+        if self.attempts == 1:
+            self.metrics.requests.labels(self.slo.name).inc()
+
+    async def refused(self, status: str, reason: str) -> None:
+        """Never reached a worker: shed, rate limited, no worker."""
+        self.ended = True
+        if status == "shed":
+            self.metrics.shed.labels(self.slo.name, reason).inc()
+        await self._write({"status": status, "reason": reason}, {status: 1})
+
+    def on_tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic()
+        if self.first_s is None:
+            self.first_s = now
+        self.last_s = now
+        self.tokens += n
+        self.metrics.output_tokens.labels(self.slo.name).inc(n)
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return None if self.first_s is None else 1e3 * (self.first_s - self.arrival)
+
+    @property
+    def tpot_ms(self) -> float | None:
+        if self.first_s is None or self.last_s is None or self.tokens < 2:
+            return None
+        return 1e3 * (self.last_s - self.first_s) / (self.tokens - 1)
+
+    async def finished(self, outcome: str, finish: str | None) -> bool:
+        """``outcome``: done | aborted (client left) | failed. Returns whether the SLO was met."""
+        if self.ended:
+            return False
+        self.ended = True
+        met = outcome == "done" and slo_met(self.slo, finish=finish, ttft_ms=self.ttft_ms, tpot_ms=self.tpot_ms)
+        name = self.slo.name
+        self.metrics.finished.labels(name, outcome).inc()
+        if self.ttft_ms is not None:
+            self.metrics.ttft.labels(name).observe(self.ttft_ms / 1e3)
+        if self.tpot_ms is not None:
+            self.metrics.tpot.labels(name).observe(self.tpot_ms / 1e3)
+        if outcome == "done":
+            self.metrics.on_slo(name, met=met, tokens=self.tokens)
+        counters = {"finished": 1, "tokens": self.tokens, outcome: 1}
+        if met:
+            counters["slo_met"] = 1
+        await self._write({"status": outcome, "finish_reason": finish, "tokens": self.tokens,
+                           "ttft_ms": _round(self.ttft_ms), "tpot_ms": _round(self.tpot_ms), "slo_met": met,
+                           "ended": time.time()}, counters)
+        return met
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)

@@ -1,0 +1,63 @@
+"""Test doubles: a worker list that the test controls (directory.Source), and registration documents."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+# A registration as a worker writes it (adaserve/worker/published.py `registration`, docs/worker.md).
+REGISTRATION: dict[str, Any] = {
+    "schema": 1,
+    "worker_id": "adaserve-worker-7d9f-abcde",
+    "address": "http://10.0.3.17:8000/",
+    "status": "ready",
+    "version": "0.1.0",
+    "models": {"name": "target", "target": "/models/target", "draft": "/models/draft"},
+    "device": "NVIDIA H100 80GB HBM3",
+    "device_type": "cuda",
+    "budget": 582,
+    "budget_source": "profile",
+    "profile_cached": True,
+    "cost_model": {"source": "profile",
+                   "target": {"alpha": 1.1e-7, "gamma": 2.0e-5, "delta": 0.011},
+                   "draft": {"alpha": 2.0e-8, "gamma": 4.0e-6, "delta": 0.002}},
+    "policy": "adaserve",
+    "max_context": 2048,
+    "capacity": {"max_active_requests": 64, "max_batch": 64},
+    "load": {"active": 3, "active_by_class": {"chat": 2, "coding": 1}, "waiting": 0, "running": 3, "kv_usage": 0.12},
+    "acceptance": {"steps": 64, "mean_accepted_per_verification": 1.7, "acceptance_rate": 0.31},
+    "slo_attainment": {"chat": {"finished": 120, "met": 117, "attainment": 0.975}},
+    "slo_classes": {"chat": 50.0},
+    "started_at": 1763730000.1,
+    "updated_at": 1763730420.6,
+    "heartbeat_s": 2.0,
+    "ttl_s": 10.0,
+}
+
+
+def registration(worker_id: str, *, status: str = "ready", model: str | None = "m", max_active: int = 4,
+                 active: int = 0, by_class: dict[str, int] | None = None, **top: Any) -> dict[str, Any]:
+    """A worker without a cost model yet (judged by free slots); ``top`` overrides top-level fields."""
+    return {"schema": 1, "worker_id": worker_id, "address": f"http://{worker_id}:8000", "status": status,
+            "models": {"name": model}, "capacity": {"max_active_requests": max_active},
+            "load": {"active": active, "active_by_class": by_class or {}},
+            "acceptance": {"steps": 0, "mean_accepted_per_verification": 0.0, "acceptance_rate": 0.0}, **top}
+
+
+class FakeSource:
+    """directory.Source over documents the test sets; ``error`` makes the next reads fail."""
+
+    def __init__(self, docs: list[dict[str, Any]] | None = None) -> None:
+        self.docs = docs or []
+        self.error: Exception | None = None
+        self.reads = 0
+        self.closed = False
+
+    async def read(self) -> list[dict[str, Any]]:
+        self.reads += 1
+        if self.error is not None:
+            raise self.error
+        return copy.deepcopy(self.docs)
+
+    async def close(self) -> None:
+        self.closed = True

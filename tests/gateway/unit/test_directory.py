@@ -1,0 +1,207 @@
+"""directory.py: registrations as routing views, and the directory's merge of its own in-flight requests."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from typing import Any
+
+import pytest
+
+from adaserve.gateway.directory import Directory, parse_registration
+from adaserve.gateway.routing import Router, WorkerView
+from tests.gateway.unit.fakes import REGISTRATION, FakeSource, registration
+from tests.gateway.unit.helpers import run
+
+
+def doc(**changes: Any) -> dict[str, Any]:
+    out = copy.deepcopy(REGISTRATION)
+    out.update(changes)
+    return out
+
+
+# ---- parse_registration ------------------------------------------------------------------------------------
+
+def test_parse_a_real_registration() -> None:
+    assert parse_registration(REGISTRATION) == WorkerView(
+        id="adaserve-worker-7d9f-abcde", address="http://10.0.3.17:8000", status="ready", model="target",
+        max_active=64, active=3, active_by_class={"chat": 2, "coding": 1}, budget=582,
+        target_cost={"alpha": 1.1e-7, "gamma": 2.0e-5, "delta": 0.011},
+        draft_cost={"alpha": 2.0e-8, "gamma": 4.0e-6, "delta": 0.002}, acceptance_rate=0.31)
+
+
+def test_parse_a_worker_that_is_still_loading() -> None:
+    # before the engine is built the registration has no budget or cost model, and nothing verified yet
+    loading = {k: v for k, v in REGISTRATION.items() if k not in ("budget", "cost_model")}
+    loading.update(status="loading", acceptance={"steps": 0, "mean_accepted_per_verification": 0.0,
+                                                 "acceptance_rate": 0.0})
+    v = parse_registration(loading)
+    assert v is not None
+    assert (v.status, v.budget, v.target_cost, v.draft_cost, v.acceptance_rate) == ("loading", None, None, None, None)
+
+
+def test_parse_a_worker_without_draft() -> None:
+    v = parse_registration(doc(cost_model={"source": "online", "target": {"alpha": 0.0, "gamma": 0.0, "delta": 0.1},
+                                           "draft": None}))
+    assert v is not None and v.draft_cost is None and v.target_cost == {"alpha": 0.0, "gamma": 0.0, "delta": 0.1}
+
+
+def test_parse_defaults_for_missing_optional_parts() -> None:
+    v = parse_registration({"worker_id": 7, "address": "http://w", "status": "ready"})
+    assert v == WorkerView(id="7", address="http://w", status="ready", model=None, max_active=1, active=0)
+
+
+@pytest.mark.parametrize("garbage", [
+    None, "a string", 42, [REGISTRATION], {},
+    {"worker_id": "w", "status": "ready"},  # no address
+    {"address": "http://w", "status": "ready"},  # no id
+    doc(load={"active": "many"}),
+    doc(load="busy"),
+    doc(capacity={"max_active_requests": "lots"}),
+    doc(budget="big"),
+    doc(acceptance={"steps": 3}),  # verified, but no rate
+    doc(models=["m"]),
+])
+def test_parse_garbage_is_none(garbage: Any) -> None:
+    assert parse_registration(garbage) is None
+
+
+@pytest.mark.parametrize("cost_model", [
+    {"target": {"alpha": 1e-7, "delta": 0.01}, "draft": None},  # a coefficient missing
+    {"target": "fast", "draft": None},
+    {"target": {"alpha": 1e-7, "gamma": 2e-5, "delta": 0.011}, "draft": {"a": 1}},
+])
+def test_a_malformed_cost_model_does_not_break_routing(cost_model: dict[str, Any]) -> None:
+    # One foreign or older registration must not take routing down for every request: parse_registration
+    # promises None for what is not a registration, so either it refuses the document or routing copes.
+    v = parse_registration(doc(cost_model=cost_model))
+    other = parse_registration(doc(worker_id="healthy"))
+    assert other is not None
+    choice = Router("headroom").choose([w for w in (v, other) if w is not None], 50.0, lambda _: 50.0)
+    assert choice is not None
+
+
+# ---- Directory ---------------------------------------------------------------------------------------------
+
+def directory(docs: list[dict[str, Any]], *, suspect_s: float = 60.0) -> tuple[Directory, FakeSource]:
+    source = FakeSource(docs)
+    d = Directory(source, refresh_s=10.0, suspect_s=suspect_s)
+    run(d.refresh())
+    return d, source
+
+
+def by_id(views: list[WorkerView]) -> dict[str, WorkerView]:
+    return {v.id: v for v in views}
+
+
+def test_usable_raises_loads_to_own_in_flight_counts() -> None:
+    d, _ = directory([registration("a", active=1, by_class={"chat": 1}),
+                      registration("b", active=5, max_active=8, by_class={"chat": 5})])
+    for cls in ("chat", "chat", "coding"):
+        d.acquire("a", cls)
+    d.acquire("b", "chat")
+    views = by_id(d.usable())
+    # a: the registration (one heartbeat old) shows 1; this gateway alone has 3 there now
+    assert (views["a"].active, views["a"].active_by_class) == (3, {"chat": 2, "coding": 1})
+    # b: the registration already counts more than this gateway's one request
+    assert (views["b"].active, views["b"].active_by_class) == (5, {"chat": 5})
+    assert views["a"].free_slots == 1
+    d.release("a", "coding")
+    d.release("a", "coding")  # more releases than acquires never go below zero
+    views = by_id(d.usable())
+    assert views["a"].active == 2 and views["a"].active_by_class.get("coding", 0) == 0
+    assert by_id(d.all())["a"].active == 1  # all() is the registrations as read
+
+
+def test_usable_excludes_workers_that_are_not_ready() -> None:
+    d, _ = directory([registration("a"), registration("b", status="draining"), registration("c", status="loading")])
+    assert [v.id for v in d.usable()] == ["a"]
+    assert sorted(v.id for v in d.all()) == ["a", "b", "c"]
+
+
+def test_usable_excludes_suspected_workers() -> None:
+    d, _ = directory([registration("a"), registration("b")])
+    d.mark_failed("a")
+    assert [v.id for v in d.usable()] == ["b"]
+    run(d.refresh())  # re-reading the list does not clear the suspicion
+    assert [v.id for v in d.usable()] == ["b"]
+
+
+def test_suspicion_ends_after_suspect_s() -> None:
+    d, _ = directory([registration("a")], suspect_s=0.05)
+    d.mark_failed("a")
+    assert d.usable() == []
+    time.sleep(0.08)
+    assert [v.id for v in d.usable()] == ["a"]
+
+
+def test_usable_filters_by_model() -> None:
+    d, _ = directory([registration("a", model="m1"), registration("b", model="m2"), registration("c", model=None)])
+    assert sorted(v.id for v in d.usable("m1")) == ["a", "c"]  # a worker that names no model serves any
+    assert sorted(v.id for v in d.usable("m2")) == ["b", "c"]
+    assert sorted(v.id for v in d.usable()) == ["a", "b", "c"]
+    assert d.models() == ["m1", "m2"]
+
+
+def test_refresh_skips_garbage_and_keeps_the_last_list_on_error() -> None:
+    d, source = directory([registration("a"), {"not": "a registration"}])
+    assert [v.id for v in d.all()] == ["a"] and d.last_error is None
+    source.docs = [registration("b")]
+    source.error = OSError("connection refused")
+    run(d.refresh())
+    assert [v.id for v in d.all()] == ["a"] and d.last_error == "connection refused"
+    source.error = None
+    run(d.refresh())
+    assert [v.id for v in d.all()] == ["b"] and d.last_error is None
+
+
+def test_wait_change_wakes_on_release() -> None:
+    async def main() -> tuple[bool, float]:
+        d = Directory(FakeSource(), refresh_s=10.0, suspect_s=1.0)
+        start = time.monotonic()
+        waiter = asyncio.create_task(d.wait_change(5.0))
+        await asyncio.sleep(0.05)
+        early = waiter.done()
+        d.release("w", "chat")
+        await asyncio.wait_for(waiter, 2.0)
+        return early, time.monotonic() - start
+
+    early, elapsed = run(main())
+    assert not early
+    assert elapsed < 1.0
+
+
+def test_wait_change_wakes_on_refresh_and_times_out_otherwise() -> None:
+    async def main() -> tuple[float, float]:
+        d = Directory(FakeSource([registration("a")]), refresh_s=10.0, suspect_s=1.0)
+        start = time.monotonic()
+        await d.wait_change(0.1)
+        idle = time.monotonic() - start
+        waiter = asyncio.create_task(d.wait_change(5.0))
+        await asyncio.sleep(0.02)
+        start = time.monotonic()
+        await d.refresh()
+        await asyncio.wait_for(waiter, 2.0)
+        return idle, time.monotonic() - start
+
+    idle, woken = run(main())
+    assert 0.09 <= idle < 1.0
+    assert woken < 1.0
+
+
+def test_start_reads_at_once_and_stop_closes_the_source() -> None:
+    async def main() -> tuple[list[str], FakeSource]:
+        source = FakeSource([registration("a")])
+        d = Directory(source, refresh_s=0.02, suspect_s=1.0)
+        await d.start()
+        ids = [v.id for v in d.all()]
+        source.docs = [registration("a"), registration("b")]
+        await asyncio.sleep(0.1)  # the loop re-reads every refresh_s
+        ids += [v.id for v in d.all()]
+        await d.stop()
+        return ids, source
+
+    ids, source = run(main())
+    assert ids == ["a", "a", "b"]
+    assert source.closed and source.reads >= 3

@@ -1,0 +1,127 @@
+"""openai_schemas.py: what the completions and chat bodies accept, refuse by name, and pass to the worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from adaserve.gateway.openai_schemas import ChatRequest, CompletionRequest
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def completion(**kw: Any) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": "m", "prompt": "hello", **kw})
+
+
+def chat(**kw: Any) -> ChatRequest:
+    return ChatRequest.model_validate({"model": "m", "messages": USER, **kw})
+
+
+@pytest.mark.parametrize("make", [completion, chat])
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"n": 2}, "only n=1 is supported"),
+    ({"presence_penalty": 0.5}, "presence_penalty / frequency_penalty are not supported"),
+    ({"frequency_penalty": -1.0}, "presence_penalty / frequency_penalty are not supported"),
+    ({"logprobs": True}, "logprobs: not supported"),
+    ({"logprobs": 3}, "logprobs: not supported"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": "5"}, "max_tokens"),  # no coercion from strings
+    ({"stop": [""]}, "non-empty stop strings"),
+    ({"stop": [f"s{i}" for i in range(17)]}, "at most 16"),
+    ({"slo_class": "two words"}, "slo_class"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # an unknown field is refused, never ignored
+])
+def test_unsupported_parameters_are_refused_by_name(make: Any, fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        make(**fields)
+
+
+@pytest.mark.parametrize("make", [completion, chat])
+def test_harmless_values_of_unsupported_parameters_pass(make: Any) -> None:
+    req = make(n=1, logprobs=False, presence_penalty=0.0, frequency_penalty=0)
+    assert req.n == 1
+
+
+@pytest.mark.parametrize("prompt", [["one", "two"], ["a", "b", "c"]])
+def test_several_prompts_are_refused(prompt: list[str]) -> None:
+    with pytest.raises(ValidationError, match="one prompt per request"):
+        completion(prompt=prompt)
+
+
+@pytest.mark.parametrize("prompt", ["", [], [""]])
+def test_empty_prompt_is_refused(prompt: str | list[Any]) -> None:
+    with pytest.raises(ValidationError, match="prompt: must not be empty"):
+        completion(prompt=prompt)
+
+
+@pytest.mark.parametrize("fields", [{"echo": True}, {"suffix": "end"}, {"best_of": 2}])
+def test_echo_suffix_best_of_are_refused(fields: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError, match="echo, suffix and best_of are not supported"):
+        completion(**fields)
+
+
+@pytest.mark.parametrize(("prompt", "fields"), [
+    ("hello", {"prompt": "hello"}),
+    (["hello"], {"prompt": "hello"}),  # a list of one prompt
+    ([1, 2, 3], {"prompt_token_ids": [1, 2, 3]}),
+])
+def test_prompt_fields(prompt: Any, fields: dict[str, Any]) -> None:
+    assert completion(prompt=prompt).prompt_fields() == fields
+
+
+def test_defaults_sample_like_openai() -> None:
+    req = completion()
+    assert req.temperature == 1.0 and req.top_p == 1.0 and not req.stream and req.slo_class is None
+    assert req.sampling(64) == {"max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None,
+                                "stop": None, "ignore_eos": False}
+
+
+def test_sampling_passes_the_request_fields() -> None:
+    req = completion(max_tokens=9, temperature=0.0, top_p=0.9, top_k=40, seed=7, stop="###", ignore_eos=True)
+    assert req.sampling(64) == {"max_tokens": 9, "temperature": 0.0, "top_p": 0.9, "top_k": 40, "seed": 7,
+                                "stop": ["###"], "ignore_eos": True}
+
+
+@pytest.mark.parametrize(("fields", "max_tokens"), [
+    ({}, 64),
+    ({"max_tokens": 3}, 3),
+    ({"max_completion_tokens": 7}, 7),
+    ({"max_tokens": 3, "max_completion_tokens": 7}, 7),  # the newer field wins
+])
+def test_max_completion_tokens_overrides(fields: dict[str, Any], max_tokens: int) -> None:
+    assert chat(**fields).sampling(64)["max_tokens"] == max_tokens
+
+
+@pytest.mark.parametrize(("options", "include"), [
+    (None, False),
+    ({}, False),
+    ({"include_usage": False}, False),
+    ({"include_usage": True}, True),
+])
+def test_include_usage(options: dict[str, Any] | None, include: bool) -> None:
+    assert completion(stream=True, stream_options=options).include_usage is include
+    assert chat(stream=True, stream_options=options).include_usage is include
+
+
+def test_chat_messages_as_text() -> None:
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "two "}, {"type": "text", "text": "parts"}]},
+                {"role": "assistant", "content": None, "name": "bot"}]
+    assert chat(messages=messages, slo_class="coding").prompt_fields() == {"messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "two parts"},
+        {"role": "assistant", "content": ""}]}
+
+
+@pytest.mark.parametrize("messages", [
+    [],
+    [{"role": "robot", "content": "x"}],
+    [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}],
+])
+def test_bad_messages_are_refused(messages: list[dict[str, Any]]) -> None:
+    with pytest.raises(ValidationError):
+        chat(messages=messages)

@@ -1,0 +1,93 @@
+"""tracker.py: the SLO verdict, and what a request's life writes to the state store."""
+
+from __future__ import annotations
+
+import pytest
+
+from adaserve.gateway.metrics import GatewayMetrics
+from adaserve.gateway.slo import SloClass
+from adaserve.gateway.state import MemoryStore
+from adaserve.gateway.tracker import Tracker, slo_met
+from tests.gateway.unit.helpers import run
+
+CODING = SloClass(name="coding", tpot_ms=40, ttft_ms=2000)  # with a TTFT target
+CHAT = SloClass(name="chat", tpot_ms=50)  # without
+
+
+@pytest.mark.parametrize(("slo", "finish", "ttft", "tpot", "met"), [
+    (CHAT, "stop", 100.0, 30.0, True),
+    (CHAT, "length", 100.0, 30.0, True),
+    (CHAT, "stop", 100.0, 50.0, True),  # exactly on target
+    (CHAT, "abort", 100.0, 30.0, False),  # aborted: never met, however fast
+    (CHAT, "error", 100.0, 30.0, False),
+    (CHAT, None, 100.0, 30.0, False),
+    (CHAT, "stop", 100.0, 50.1, False),  # TPOT above the target
+    (CHAT, "stop", 99_999.0, 30.0, True),  # the class has no TTFT target: TTFT is not checked
+    (CHAT, "stop", 100.0, None, True),  # one token: no TPOT to miss
+    (CODING, "stop", 2000.0, 40.0, True),
+    (CODING, "stop", 2000.1, 30.0, False),  # TTFT above the class's target
+    (CODING, "stop", None, 30.0, True),
+    (CODING, "length", 100.0, 40.5, False),
+])
+def test_slo_met(slo: SloClass, finish: str | None, ttft: float | None, tpot: float | None, met: bool) -> None:
+    assert slo_met(slo, finish=finish, ttft_ms=ttft, tpot_ms=tpot) is met
+
+
+def tracker(store: MemoryStore, slo: SloClass = CHAT) -> Tracker:
+    return Tracker(store, GatewayMetrics(), 60, "req-1", slo, api_key="team-a", model="m")
+
+
+def test_a_fast_request_is_recorded_as_met() -> None:
+    store = MemoryStore()
+
+    async def main() -> tuple[bool, bool]:
+        t = tracker(store)
+        await t.received()
+        await t.routed("w1")
+        t.on_tokens(1)
+        t.on_tokens(0)  # an empty chunk is no token
+        t.on_tokens(2)
+        met = await t.finished("done", "stop")
+        again = await t.finished("done", "stop")  # a second end is ignored
+        return met, again
+
+    met, again = run(main())
+    assert met is True and again is False
+    record = run(store.get_record("req-1"))
+    assert record is not None
+    assert {k: record[k] for k in ("id", "slo_class", "api_key", "model", "worker", "attempts", "status",
+                                   "finish_reason", "tokens", "slo_met")} == {
+        "id": "req-1", "slo_class": "chat", "api_key": "team-a", "model": "m", "worker": "w1", "attempts": "1",
+        "status": "done", "finish_reason": "stop", "tokens": "3", "slo_met": "1"}
+    assert float(record["ttft_ms"]) >= 0 and float(record["tpot_ms"]) < 50
+    assert run(store.counters("chat")) == {"requests": 1, "finished": 1, "done": 1, "tokens": 3, "slo_met": 1}
+
+
+def test_an_aborted_request_is_not_met_and_retries_are_counted() -> None:
+    store = MemoryStore()
+
+    async def main() -> bool:
+        t = tracker(store)
+        await t.routed("w1")
+        await t.routed("w2")  # the first worker failed before a token
+        t.on_tokens(1)
+        return await t.finished("aborted", None)
+
+    assert run(main()) is False
+    record = run(store.get_record("req-1"))
+    assert record is not None and (record["worker"], record["attempts"], record["slo_met"]) == ("w2", "2", "0")
+    assert run(store.counters("chat")) == {"requests": 1, "retries": 1, "finished": 1, "aborted": 1, "tokens": 1}
+
+
+def test_a_refused_request_counts_once_and_never_finishes() -> None:
+    store = MemoryStore()
+
+    async def main() -> bool:
+        t = tracker(store)
+        await t.refused("shed", "queue_full")
+        return await t.finished("done", "stop")
+
+    assert run(main()) is False
+    record = run(store.get_record("req-1"))
+    assert record is not None and (record["status"], record["reason"]) == ("shed", "queue_full")
+    assert run(store.counters("chat")) == {"shed": 1}

@@ -1,0 +1,30 @@
+"""The operator's own settings, from ``ADASERVE_OPERATOR_*`` environment variables (kopf's flags do the rest)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class OperatorConfig:
+    # how often each resource's status is refreshed and its children checked for drift
+    resync_s: float = 15.0
+    # how long one status refresh may wait on Redis; past it the status just has no worker details
+    redis_timeout_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.resync_s > 0:
+            raise ValueError(f"resync_s must be > 0, got {self.resync_s}")
+        if not self.redis_timeout_s > 0:
+            raise ValueError(f"redis_timeout_s must be > 0, got {self.redis_timeout_s}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
+        env = os.environ if env is None else env
+        try:
+            return cls(resync_s=float(env.get("ADASERVE_OPERATOR_RESYNC_S", cls.resync_s)),
+                       redis_timeout_s=float(env.get("ADASERVE_OPERATOR_REDIS_TIMEOUT_S", cls.redis_timeout_s)))
+        except ValueError as e:
+            raise ValueError(f"ADASERVE_OPERATOR_*: {e}") from None

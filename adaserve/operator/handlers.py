@@ -1,0 +1,218 @@
+"""kopf handlers, kept thin: parse the spec, render the children, adopt them, apply them, report a status.
+
+Run: ``python -m kopf run --all-namespaces --peering=adaserve -m adaserve.operator.handlers``
+(or ``python -m adaserve.operator``, which adds the liveness endpoint and a priority).
+
+Decisions, and why:
+
+- Apply is idempotent (create, or merge-patch what differs; see kube.Kube.apply): create, update and
+  resume (an operator restart) run the same code, and a restart creates no duplicates.
+- Drift and hand-deleted children: a child's DELETED event re-applies its owner at once, and the resync
+  timer re-applies every child every ``ADASERVE_OPERATOR_RESYNC_S`` seconds, so edits by hand are undone.
+- Deletion: the children carry ownerReferences, so Kubernetes' garbage collector removes them. The
+  resync timer makes kopf put a finalizer (``adaserve.io/operator``) on the resource (it must stop the
+  timer before the resource goes), so a deletion handler runs anyway; it deletes the children
+  explicitly, which is what removes them where there is no garbage collector (kmock's emulator in the
+  tests). Without the operator running, a deletion waits for it; to delete regardless, remove the
+  finalizer: ``kubectl patch asd NAME --type=merge -p '{"metadata":{"finalizers":null}}'``.
+- An invalid spec (CEL is missing on old clusters, and the emulator validates nothing) sets phase
+  Failed with condition Degraded/InvalidSpec and a Warning event, and the handler returns normally: a
+  retry cannot fix a spec, only a new spec can (which arrives as an update).
+- Leader election is kopf's peering: ``--peering=adaserve`` needs a ClusterKopfPeering named
+  ``adaserve`` (a KopfPeering per namespace when run with ``--namespace``; CRDs in
+  crds/kopf.dev_peerings.yaml). Operators of equal priority all pause, so replicas need distinct
+  ``--priority`` values (``python -m adaserve.operator`` draws one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from adaserve.operator import builders, names, status
+from adaserve.operator.config import OperatorConfig
+from adaserve.operator.kube import Closed, Kube
+from adaserve.operator.registrations import read_workers
+from adaserve.operator.spec import SpecError, parse_spec
+
+CR = (names.GROUP, names.VERSION, names.PLURAL)
+CHILDREN = (("apps/v1", "deployments"), ("v1", "services"), ("v1", "configmaps"))
+OURS = {"app.kubernetes.io/managed-by": names.MANAGED_BY}
+FINALIZER = "adaserve.io/operator"
+log = logging.getLogger(__name__)  # not kopf's per-object logger: that one also posts events
+
+
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, config: OperatorConfig) -> None:
+    # kopf's state in annotations of our own prefix: the structural schema would prune status.kopf
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="adaserve.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="adaserve.io", key="last-handled-configuration")
+    settings.posting.level = logging.WARNING  # events for problems only, not for every handler run
+    memo.config = config
+    memo.setdefault("kube", Kube())
+    memo.locks = {}
+
+
+async def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
+    """kopf's own fallbacks (in a pod, else the kubeconfig), shared with the operator's client."""
+    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    if info is not None:
+        await memo.setdefault("kube", Kube()).login(info)
+    return info
+
+
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    kube = memo.get("kube")
+    if kube is not None:
+        await kube.close()
+
+
+async def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Logger,
+                    stopped: kopf.DaemonStopped | None = None, **_: Any) -> None:
+    """create / update / resume, and the resync timer: children as the spec says, status as they are.
+
+    ``stopped`` (timers only) turns true when the operator exits or the resource goes: then stop between
+    two requests instead of running on against a closing client. The client may close first (kopf's
+    cleanup does not wait for timers): then stop the same way; the next start resumes.
+    """
+    try:
+        new = await sync(body, memo=memo, logger=logger, stopped=stopped)
+    except Closed:
+        log.debug("operator stopping: reconcile of %s left for the next start", body["metadata"]["name"])
+        return
+    if new is not None:
+        patch.status.update(status_changes(new, body.get("status") or {}))
+
+
+async def delete_children(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    kube: Kube = memo.kube
+    meta = body["metadata"]
+    for api_version, kind, child in _child_names(meta["name"]):
+        live = await kube.get(api_version, kind, meta["namespace"], child)
+        if live is not None and _owned_by(live, meta.get("uid")) and await kube.delete(
+                api_version, kind, meta["namespace"], child):
+            logger.info(f"deleted {kind} {child}")
+    memo.locks.pop((meta["namespace"], meta["name"]), None)
+
+
+async def child_event(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger,
+                      **_: Any) -> None:
+    """A child deleted by hand comes back at once (the timer would bring it back later anyway)."""
+    if event.get("type") != "DELETED":
+        return
+    owner = next((r for r in body["metadata"].get("ownerReferences") or []
+                  if r.get("apiVersion") == names.API_VERSION and r.get("kind") == names.KIND), None)
+    if owner is None:
+        return
+    namespace = body["metadata"]["namespace"]
+    with contextlib.suppress(Closed):  # shutting down: the next start's resume re-applies it
+        parent = await memo.kube.get(names.API_VERSION, names.KIND, namespace, owner["name"])
+        if parent is None or parent["metadata"].get("deletionTimestamp"):
+            return  # the owner is going away: this deletion is the garbage collector's or ours
+        logger.info(f"{body.get('kind')} {body['metadata']['name']} was deleted; re-applying {owner['name']}")
+        await sync(kopf.Body(parent), memo=memo, logger=logger)
+
+
+async def sync(body: kopf.Body, *, memo: kopf.Memo, logger: kopf.Logger,
+               stopped: kopf.DaemonStopped | None = None) -> dict[str, Any] | None:
+    """Apply the children of one resource and return its new status (the one function all paths share).
+
+    None if ``stopped`` turned true on the way.
+    """
+    kube: Kube = memo.kube
+    config: OperatorConfig = memo.config
+    meta = body["metadata"]
+    name, namespace = meta["name"], meta["namespace"]
+    previous = (body.get("status") or {}).get("conditions") or []
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    lock = memo.locks.setdefault((namespace, name), asyncio.Lock())  # the timer and an update may overlap
+    async with lock:
+        try:
+            spec = parse_spec(body.get("spec"))
+        except SpecError as e:
+            reported = next((c.get("message") for c in previous if c.get("type") == status.DEGRADED), None)
+            if reported != str(e):  # once per distinct error, not on every resync
+                log.warning("%s/%s: invalid spec: %s", namespace, name, e)
+                kopf.warn(body, reason="InvalidSpec", message=str(e))
+            worker = await kube.get("apps/v1", "Deployment", namespace, names.child(name, names.WORKER))
+            return status.compute(None, name=name, namespace=namespace, generation=meta.get("generation"),
+                                  observed=status.Observed(worker=worker), error=str(e), previous=previous, now=now)
+
+        manifests = builders.children(spec, name=name, namespace=namespace)
+        # controller ref without blockOwnerDeletion: setting that needs RBAC on the owner's finalizers
+        kopf.append_owner_reference(manifests, owner=body, block_owner_deletion=False)
+        live: dict[str, dict[str, Any]] = {}
+        for manifest in manifests:
+            if stopped:
+                return None
+            obj, done = await kube.apply(manifest)
+            live[f"{manifest['kind']}/{manifest['metadata']['name']}"] = obj
+            if done != "unchanged":
+                logger.info(f"{done} {manifest['kind']} {manifest['metadata']['name']}")
+        if not spec.redis.managed:  # switched to an external Redis: the managed one is no longer needed
+            for kind, api_version in (("Deployment", "apps/v1"), ("Service", "v1")):
+                old = await kube.get(api_version, kind, namespace, names.child(name, names.REDIS))
+                if old is not None and _owned_by(old, meta.get("uid")):
+                    await kube.delete(api_version, kind, namespace, names.child(name, names.REDIS))
+                    logger.info(f"deleted {kind} {names.child(name, names.REDIS)}")
+
+    if stopped:
+        return None
+    workers = await read_workers(builders.redis_url(spec, name=name, namespace=namespace),
+                                 names.redis_prefix(namespace, name), timeout_s=config.redis_timeout_s)
+    observed = status.Observed(
+        worker=live.get(f"Deployment/{names.child(name, names.WORKER)}"),
+        gateway=live.get(f"Deployment/{names.child(name, names.GATEWAY)}"),
+        redis=live.get(f"Deployment/{names.child(name, names.REDIS)}"),
+        workers=workers,
+    )
+    return status.compute(spec, name=name, namespace=namespace, generation=meta.get("generation"),
+                          observed=observed, previous=previous, now=now)
+
+
+def status_changes(new: Mapping[str, Any], old: Mapping[str, Any]) -> dict[str, Any]:
+    """Only what differs, so an unchanged status costs no write (and no watch event)."""
+    return {k: v for k, v in new.items() if old.get(k) != v and not (v is None and k not in old)}
+
+
+def _child_names(name: str) -> list[tuple[str, str, str]]:
+    return [
+        ("apps/v1", "Deployment", names.child(name, names.GATEWAY)),
+        ("v1", "Service", names.child(name, names.GATEWAY)),
+        ("apps/v1", "Deployment", names.child(name, names.WORKER)),
+        ("v1", "Service", names.child(name, names.WORKER)),
+        ("apps/v1", "Deployment", names.child(name, names.REDIS)),
+        ("v1", "Service", names.child(name, names.REDIS)),
+        ("v1", "ConfigMap", names.slo_configmap(name)),
+    ]
+
+
+def _owned_by(obj: Mapping[str, Any], uid: str | None) -> bool:
+    return any(r.get("uid") == uid for r in (obj.get("metadata") or {}).get("ownerReferences") or [])
+
+
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+    """Every handler into ``registry`` (tests use a fresh one with a short resync)."""
+
+    def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        configure(settings, memo, config)
+
+    kopf.on.startup(registry=registry)(startup)
+    kopf.on.login(registry=registry)(login)
+    kopf.on.cleanup(registry=registry)(cleanup)
+    for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
+        on(*CR, registry=registry, id="reconcile")(reconcile)
+    kopf.timer(*CR, registry=registry, interval=config.resync_s, id="resync")(reconcile)
+    kopf.on.delete(*CR, registry=registry, id="delete-children")(delete_children)
+    for api_version, plural in CHILDREN:
+        kopf.on.event(api_version, plural, labels=OURS, registry=registry, id="child-event")(child_event)
+
+
+register(kopf.get_default_registry(), OperatorConfig.from_env())

@@ -1,0 +1,300 @@
+"""Pure builders: the example spec renders into exactly these objects (docs/k8s-contract.md), and each
+variant (hub, image, CPU, fixed budget, API keys, external Redis) changes exactly what it should."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+import yaml
+
+from adaserve.operator import builders
+from adaserve.operator.spec import DeploymentSpec, parse_spec
+from tests.operator.schema import EXAMPLE_PATH
+
+NS, NAME = "serving", "llama"
+CLASSES_ENV = '{"coding": 40, "chat": 50, "summarization": 150}'  # {"class": tpotMs}, as the worker reads it
+CLASSES_FILE = "/etc/adaserve/slo/slo-classes.json"
+
+
+@pytest.fixture
+def raw() -> dict[str, Any]:
+    return yaml.safe_load(EXAMPLE_PATH.read_text())["spec"]
+
+
+@pytest.fixture
+def spec(raw: dict[str, Any]) -> DeploymentSpec:
+    return parse_spec(raw)
+
+
+def sel(component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "adaserve", "app.kubernetes.io/instance": NAME,
+            "app.kubernetes.io/component": component}
+
+
+def labels(component: str) -> dict[str, str]:
+    return {**sel(component), "app.kubernetes.io/managed-by": "adaserve-operator", "adaserve.io/component": component}
+
+
+def meta(name: str, component: str) -> dict[str, Any]:
+    return {"name": name, "namespace": NS, "labels": labels(component)}
+
+
+def http_probes(**extra: Any) -> dict[str, Any]:
+    return {
+        **extra,
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10, "failureThreshold": 3},
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
+    }
+
+
+def env_of(deployment: dict[str, Any], container: int = 0) -> dict[str, Any]:
+    env = deployment["spec"]["template"]["spec"]["containers"][container]["env"]
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in env}
+
+
+def test_children_names_and_order(spec: DeploymentSpec) -> None:
+    kinds = [(c["kind"], c["metadata"]["name"]) for c in builders.children(spec, name=NAME, namespace=NS)]
+    assert kinds == [("ConfigMap", "llama-slo-classes"), ("Deployment", "llama-redis"), ("Service", "llama-redis"),
+                     ("Deployment", "llama-worker"), ("Service", "llama-worker"),
+                     ("Deployment", "llama-gateway"), ("Service", "llama-gateway")]
+
+
+def test_slo_configmap(spec: DeploymentSpec) -> None:
+    cm = builders.slo_configmap(spec, name=NAME, namespace=NS)
+    assert cm == {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "llama-slo-classes", "namespace": NS,
+                     "labels": {"app.kubernetes.io/name": "adaserve", "app.kubernetes.io/instance": NAME,
+                                "app.kubernetes.io/managed-by": "adaserve-operator"}},
+        "data": {"slo-classes.json": cm["data"]["slo-classes.json"]},
+    }
+    assert json.loads(cm["data"]["slo-classes.json"]) == [
+        {"name": "coding", "tpotMs": 40, "ttftMs": 1000, "priority": 10, "sheddable": False},
+        {"name": "chat", "tpotMs": 50, "priority": 0, "sheddable": False},
+        {"name": "summarization", "tpotMs": 150, "priority": -1, "sheddable": True},
+    ]
+
+
+def test_worker_deployment(spec: DeploymentSpec) -> None:
+    assert builders.worker_deployment(spec, name=NAME, namespace=NS) == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta("llama-worker", "worker"),
+        "spec": {
+            "replicas": 2,
+            "selector": {"matchLabels": sel("worker")},
+            "template": {
+                "metadata": {"labels": labels("worker")},
+                "spec": {
+                    "terminationGracePeriodSeconds": 45,
+                    "initContainers": [],
+                    "containers": [{
+                        "name": "worker",
+                        "image": "ghcr.io/adaserve/worker:0.1.0",
+                        "command": ["adaserve", "worker"],
+                        "ports": [{"name": "http", "containerPort": 8000, "protocol": "TCP"}],
+                        "env": [
+                            {"name": "ADASERVE_TARGET", "value": "/models/llama-3.1-8b-instruct"},
+                            {"name": "ADASERVE_DRAFT", "value": "/models/llama-3.2-1b-instruct"},
+                            {"name": "ADASERVE_MODEL_NAME", "value": "llama-3.1-8b"},
+                            {"name": "ADASERVE_DTYPE", "value": "bfloat16"},
+                            {"name": "ADASERVE_DEVICE", "value": "cuda"},
+                            {"name": "ADASERVE_POLICY", "value": "adaserve"},
+                            {"name": "ADASERVE_MAX_DEPTH", "value": "4"},
+                            {"name": "ADASERVE_MAX_WIDTH", "value": "2"},
+                            {"name": "ADASERVE_HOST", "value": "0.0.0.0"},
+                            {"name": "ADASERVE_PORT", "value": "8000"},
+                            {"name": "ADASERVE_WORKER_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                            {"name": "ADASERVE_ADVERTISE_URL", "value": "http://$(POD_IP):8000"},
+                            {"name": "ADASERVE_REDIS_URL", "value": "redis://llama-redis.serving.svc:6379/0"},
+                            {"name": "ADASERVE_REDIS_PREFIX", "value": "adaserve:serving:llama"},
+                            {"name": "ADASERVE_SLO_CLASSES", "value": CLASSES_ENV},
+                            {"name": "ADASERVE_DEFAULT_SLO_CLASS", "value": "chat"},
+                            {"name": "ADASERVE_CACHE_DIR", "value": "/var/cache/adaserve"},
+                            {"name": "ADASERVE_DRAIN_GRACE_S", "value": "30"},
+                        ],
+                        "resources": {
+                            "requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "1"},
+                            "limits": {"memory": "64Gi", "nvidia.com/gpu": "1"},
+                        },
+                        "volumeMounts": [{"name": "cache", "mountPath": "/var/cache/adaserve"},
+                                         {"name": "models", "mountPath": "/models", "readOnly": True}],
+                        # 180 x 10 s = 30 min to load and profile before the kubelet gives up
+                        "startupProbe": {"httpGet": {"path": "/readyz", "port": "http"},
+                                         "periodSeconds": 10, "failureThreshold": 180},
+                        **http_probes(),
+                    }],
+                    "volumes": [{"name": "cache", "emptyDir": {}},
+                                {"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}],
+                },
+            },
+        },
+    }
+
+
+def test_worker_service(spec: DeploymentSpec) -> None:
+    assert builders.worker_service(name=NAME, namespace=NS) == {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta("llama-worker", "worker"),
+        "spec": {"type": "ClusterIP", "selector": sel("worker"),
+                 "ports": [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]},
+    }
+
+
+def test_gateway_deployment(spec: DeploymentSpec) -> None:
+    d = builders.gateway_deployment(spec, name=NAME, namespace=NS)
+    digest = d["spec"]["template"]["metadata"]["annotations"]["adaserve.io/slo-classes-sha256"]
+    assert len(digest) == 16
+    assert d == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta("llama-gateway", "gateway"),
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": sel("gateway")},
+            "template": {
+                "metadata": {"labels": labels("gateway"), "annotations": {"adaserve.io/slo-classes-sha256": digest}},
+                "spec": {
+                    "containers": [{
+                        "name": "gateway",
+                        "image": "ghcr.io/adaserve/gateway:0.1.0",
+                        "command": ["python", "-m", "adaserve.gateway"],
+                        "ports": [{"name": "http", "containerPort": 8080, "protocol": "TCP"}],
+                        "env": [
+                            {"name": "ADASERVE_GATEWAY_HOST", "value": "0.0.0.0"},
+                            {"name": "ADASERVE_GATEWAY_PORT", "value": "8080"},
+                            {"name": "ADASERVE_GATEWAY_REDIS_URL", "value": "redis://llama-redis.serving.svc:6379/0"},
+                            {"name": "ADASERVE_GATEWAY_REDIS_PREFIX", "value": "adaserve:serving:llama"},
+                            {"name": "ADASERVE_GATEWAY_MODEL_NAME", "value": "llama-3.1-8b"},
+                            {"name": "ADASERVE_GATEWAY_SLO_CLASSES_FILE", "value": CLASSES_FILE},
+                            {"name": "ADASERVE_GATEWAY_DEFAULT_SLO_CLASS", "value": "chat"},
+                            {"name": "ADASERVE_GATEWAY_ROUTING", "value": "headroom"},
+                        ],
+                        "volumeMounts": [{"name": "slo-classes", "mountPath": "/etc/adaserve/slo", "readOnly": True}],
+                        **http_probes(),
+                    }],
+                    "volumes": [{"name": "slo-classes", "configMap": {"name": "llama-slo-classes"}}],
+                },
+            },
+        },
+    }
+
+
+def test_gateway_rolls_when_classes_change(raw: dict[str, Any]) -> None:
+    def digest(r: dict[str, Any]) -> str:
+        d = builders.gateway_deployment(parse_spec(r), name=NAME, namespace=NS)
+        return str(d["spec"]["template"]["metadata"]["annotations"]["adaserve.io/slo-classes-sha256"])
+
+    before = digest(raw)
+    assert digest(copy.deepcopy(raw)) == before  # deterministic
+    raw["sloClasses"][1]["tpotMs"] = 60
+    assert digest(raw) != before
+
+
+def test_gateway_service(raw: dict[str, Any]) -> None:
+    raw["gateway"].update(serviceType="LoadBalancer", port=8443)
+    assert builders.gateway_service(parse_spec(raw), name=NAME, namespace=NS) == {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta("llama-gateway", "gateway"),
+        "spec": {"type": "LoadBalancer", "selector": sel("gateway"),
+                 "ports": [{"name": "http", "port": 8443, "targetPort": "http", "protocol": "TCP"}]},
+    }
+
+
+def test_gateway_api_keys_secret_is_mounted(raw: dict[str, Any]) -> None:
+    raw["gateway"]["apiKeysSecret"] = {"name": "keys"}
+    pod = builders.gateway_deployment(parse_spec(raw), name=NAME, namespace=NS)["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["env"][-1] == {"name": "ADASERVE_GATEWAY_API_KEYS_FILE", "value": "/etc/adaserve/api-keys/api-keys.json"}
+    assert c["volumeMounts"][-1] == {"name": "api-keys", "mountPath": "/etc/adaserve/api-keys", "readOnly": True}
+    assert pod["volumes"][-1] == {"name": "api-keys", "secret": {"secretName": "keys"}}
+
+
+def test_managed_redis(spec: DeploymentSpec) -> None:
+    assert builders.redis_deployment(spec, name=NAME, namespace=NS) == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta("llama-redis", "redis"),
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": sel("redis")},
+            "template": {"metadata": {"labels": labels("redis")}, "spec": {"containers": [{
+                "name": "redis",
+                "image": "redis:7-alpine",
+                "args": ["--save", "", "--appendonly", "no"],
+                "ports": [{"name": "redis", "containerPort": 6379, "protocol": "TCP"}],
+                "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10},
+                "readinessProbe": {"exec": {"command": ["redis-cli", "ping"]}, "periodSeconds": 5},
+            }]}},
+            "strategy": {"type": "Recreate"},
+        },
+    }
+    assert builders.redis_service(name=NAME, namespace=NS) == {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta("llama-redis", "redis"),
+        "spec": {"type": "ClusterIP", "selector": sel("redis"),
+                 "ports": [{"name": "redis", "port": 6379, "targetPort": "redis", "protocol": "TCP"}]},
+    }
+
+
+def test_external_redis_has_no_redis_children_and_its_url_everywhere(raw: dict[str, Any]) -> None:
+    raw["redis"] = {"url": "redis://shared-redis:6379/2"}
+    kids = builders.children(parse_spec(raw), name=NAME, namespace=NS)
+    assert not [c for c in kids if c["metadata"]["name"] == "llama-redis"]
+    worker, gateway = (next(c for c in kids if c["metadata"]["name"] == n and c["kind"] == "Deployment")
+                       for n in ("llama-worker", "llama-gateway"))
+    assert env_of(worker)["ADASERVE_REDIS_URL"] == "redis://shared-redis:6379/2"
+    assert env_of(gateway)["ADASERVE_GATEWAY_REDIS_URL"] == "redis://shared-redis:6379/2"
+
+
+def test_hub_models_are_fetched_by_an_init_container(raw: dict[str, Any]) -> None:
+    del raw["model"]["pvc"]
+    raw["model"].update(source="hub", target="meta-llama/Llama-3.1-8B-Instruct", draft="meta-llama/Llama-3.2-1B")
+    pod = builders.worker_deployment(parse_spec(raw), name=NAME, namespace=NS)["spec"]["template"]["spec"]
+    assert pod["initContainers"] == [{
+        "name": "adaserve-fetch",
+        "image": "ghcr.io/adaserve/worker:0.1.0",
+        "command": ["sh", "-c",
+                    "huggingface-cli download meta-llama/Llama-3.1-8B-Instruct"
+                    " --local-dir /models/meta-llama/Llama-3.1-8B-Instruct && "
+                    "huggingface-cli download meta-llama/Llama-3.2-1B --local-dir /models/meta-llama/Llama-3.2-1B"],
+        "volumeMounts": [{"name": "models", "mountPath": "/models"}],
+    }]
+    assert pod["volumes"][1] == {"name": "models", "emptyDir": {}}
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["ADASERVE_TARGET"] == "/models/meta-llama/Llama-3.1-8B-Instruct"
+    assert env["ADASERVE_DRAFT"] == "/models/meta-llama/Llama-3.2-1B"
+
+
+def test_image_source_cpu_fixed_budget_no_draft(raw: dict[str, Any]) -> None:
+    del raw["model"]["pvc"], raw["model"]["draft"], raw["model"]["name"], raw["defaultSloClass"]
+    raw["model"].update(source="image", target="/opt/model")
+    raw["resources"] = {"gpusPerWorker": 0}
+    raw["speculation"] = {"policy": "incremental", "budget": 32}
+    d = builders.worker_deployment(parse_spec(raw), name=NAME, namespace=NS)
+    pod = d["spec"]["template"]["spec"]
+    assert pod["initContainers"] == [] and pod["volumes"] == [{"name": "cache", "emptyDir": {}}]
+    assert pod["containers"][0]["resources"] == {"requests": {}, "limits": {}}
+    env = env_of(d)
+    assert "ADASERVE_DRAFT" not in env
+    assert (env["ADASERVE_DEVICE"], env["ADASERVE_BUDGET"], env["ADASERVE_POLICY"]) == ("cpu", "32", "incremental")
+    assert env["ADASERVE_MODEL_NAME"] == NAME  # defaults to the resource's name
+    assert env["ADASERVE_DEFAULT_SLO_CLASS"] == "coding"  # the first class when none is named
+
+
+def test_budget_auto_leaves_the_variable_unset(spec: DeploymentSpec) -> None:
+    assert "ADASERVE_BUDGET" not in env_of(builders.worker_deployment(spec, name=NAME, namespace=NS))
+
+
+def test_builders_do_not_share_state(spec: DeploymentSpec) -> None:
+    a = builders.children(spec, name=NAME, namespace=NS)
+    a[3]["spec"]["template"]["spec"]["containers"][0]["env"].clear()
+    assert builders.children(spec, name=NAME, namespace=NS) != a

@@ -1,0 +1,195 @@
+"""The CRD: structural and documented, the example accepted, bad specs refused with readable messages.
+
+Every bad spec is also refused by the operator's own parser (adaserve/operator/spec.py), at the same
+field and, for the CEL rules, in the same words: on a cluster without CEL the user sees the same error
+in the resource's status.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import celpy
+import pytest
+import yaml
+
+from adaserve.operator import names, spec
+from adaserve.operator.spec import SpecError, parse_spec
+from tests.operator.schema import EXAMPLE_PATH, load_crd, openapi_schema, structural_problems, validate
+
+
+@pytest.fixture(scope="module")
+def crd() -> dict[str, Any]:
+    return load_crd()
+
+
+@pytest.fixture
+def example() -> dict[str, Any]:
+    return yaml.safe_load(EXAMPLE_PATH.read_text())
+
+
+def test_schema_is_structural_and_every_field_is_described(crd: dict[str, Any]) -> None:
+    assert list(structural_problems(openapi_schema(crd))) == []
+
+
+def test_names_subresources_and_columns(crd: dict[str, Any]) -> None:
+    s = crd["spec"]
+    assert crd["metadata"]["name"] == f"{names.PLURAL}.{names.GROUP}"
+    assert (s["group"], s["scope"]) == ("adaserve.io", "Namespaced")
+    assert s["names"]["kind"] == "AdaServeDeployment" and s["names"]["shortNames"] == ["asd"]
+    assert [v["name"] for v in s["versions"]] == ["v1alpha1"]
+    version = s["versions"][0]
+    assert version["subresources"]["status"] == {}
+    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
+    assert version["subresources"]["scale"]["statusReplicasPath"] == ".status.replicas"
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns == {"Phase": ".status.phase", "Ready": ".status.readyWorkers", "Replicas": ".spec.replicas",
+                       "Gateway": ".status.gatewayUrl", "Age": ".metadata.creationTimestamp"}
+
+
+def _rules(node: dict[str, Any]) -> list[dict[str, Any]]:
+    out = list(node.get("x-kubernetes-validations", []))
+    for child in (node.get("properties") or {}).values():
+        out += _rules(child)
+    if isinstance(node.get("items"), dict):
+        out += _rules(node["items"])
+    return out
+
+
+def test_every_cel_rule_compiles_and_has_a_message(crd: dict[str, Any]) -> None:
+    rules = _rules(openapi_schema(crd))
+    assert len(rules) >= 8
+    env = celpy.Environment()
+    for rule in rules:
+        env.compile(rule["rule"])
+        assert rule.get("message"), rule["rule"]
+
+
+def test_example_is_accepted_by_the_crd_and_the_operator(crd: dict[str, Any], example: dict[str, Any]) -> None:
+    assert validate(example, crd) == []
+    parsed = parse_spec(example["spec"])
+    assert parsed.replicas == 2 and parsed.default_class == "chat" and parsed.redis.managed
+
+
+def test_minimal_spec_gets_the_defaults(crd: dict[str, Any]) -> None:
+    minimal = {"apiVersion": "adaserve.io/v1alpha1", "kind": "AdaServeDeployment", "metadata": {"name": "m"},
+               "spec": {"model": {"target": "/m/t", "draft": "/m/d"}, "image": "w", "gateway": {"image": "g"},
+                        "sloClasses": [{"name": "chat", "tpotMs": 50}], "redis": {"url": "redis://r:6379/0"}}}
+    assert validate(minimal, crd) == []
+    s = parse_spec(minimal["spec"])
+    assert (s.replicas, s.resources.gpus_per_worker, s.speculation.budget, s.gateway.port) == (1, 1, "auto", 80)
+
+
+def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    """A mutation of the example's spec: ``_set("sloClasses[1].tpotMs", 0)``; value ... deletes."""
+    def mutate(s: dict[str, Any]) -> None:
+        parts = path.replace("[", ".").replace("]", "").split(".")
+        node: Any = s
+        for p in parts[:-1]:
+            node = node[int(p)] if p.isdigit() else node[p]
+        last: Any = int(parts[-1]) if parts[-1].isdigit() else parts[-1]
+        if value is ...:
+            del node[last]
+        else:
+            node[last] = value
+    return mutate
+
+
+def _dup_class(s: dict[str, Any]) -> None:
+    s["sloClasses"].append({"name": "chat", "tpotMs": 70})
+
+
+# (mutation, the API server's error) for the CEL rules: the operator must say exactly the same
+CEL_CASES = [
+    (_dup_class, f"spec.sloClasses: {spec.MSG_UNIQUE_CLASSES}"),
+    (_set("sloClasses[1].tpotMs", 0), f"spec.sloClasses[1].tpotMs: {spec.MSG_TPOT}"),
+    (_set("sloClasses[1].tpotMs", -5), f"spec.sloClasses[1].tpotMs: {spec.MSG_TPOT}"),
+    (_set("sloClasses[0].ttftMs", 0), f"spec.sloClasses[0].ttftMs: {spec.MSG_TTFT}"),
+    (_set("defaultSloClass", "batch"), f"spec.defaultSloClass: {spec.MSG_DEFAULT_CLASS}"),
+    (_set("redis", {"managed": True, "url": "redis://r:6379/0"}), f"spec.redis: {spec.MSG_REDIS_ONE}"),
+    (_set("redis", {}), f"spec.redis: {spec.MSG_REDIS_ONE}"),
+    (_set("redis", {"managed": False}), f"spec.redis: {spec.MSG_REDIS_ONE}"),
+    (_set("speculation.budget", "lots"), f"spec.speculation.budget: {spec.MSG_BUDGET}"),
+    (_set("speculation.budget", 0), f"spec.speculation.budget: {spec.MSG_BUDGET}"),
+    (_set("model.pvc", ...), f"spec.model: {spec.MSG_PVC}"),
+    (_set("model.source", "image"), f"spec.model: {spec.MSG_PVC}"),
+    (_set("model.target", "models/llama"), f"spec.model: {spec.MSG_TARGET_PATH}"),
+    (_set("model.draft", ...), f"spec.speculation.policy: {spec.MSG_DRAFT}"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "error"), CEL_CASES, ids=[e for _, e in CEL_CASES])
+def test_cel_rules_refuse_with_the_operators_words(crd: dict[str, Any], example: dict[str, Any],
+                                                   mutate: Callable[[dict[str, Any]], None], error: str) -> None:
+    mutate(example["spec"])
+    assert validate(example, crd) == [error]
+    with pytest.raises(SpecError) as e:
+        parse_spec(example["spec"])
+    # the operator names the offending field (the CRD reports some rules on the parent object)
+    assert e.value.message in error and str(e.value).split(":")[0].startswith(error.split(":")[0])
+
+
+# (mutation, the field both must name) for the OpenAPI part: the wording differs, the field does not
+SCHEMA_CASES = [
+    (_set("model.target", ...), "spec.model", "'target' is a required property"),
+    (_set("replicas", -1), "spec.replicas", "less than the minimum of 0"),
+    (_set("speculation.maxDepth", 33), "spec.speculation.maxDepth", "greater than the maximum of 32"),
+    (_set("speculation.maxWidth", 0), "spec.speculation.maxWidth", "less than the minimum of 1"),
+    (_set("speculation.policy", "fast"), "spec.speculation.policy", "does not match"),
+    (_set("sloClasses[0].name", "no spaces"), "spec.sloClasses[0].name", "does not match"),
+    (_set("resources.memory", "lots"), "spec.resources.memory", "does not match"),
+    (_set("redis", {"url": "http://r"}), "spec.redis.url", "does not match"),
+    (_set("gateway.serviceType", "Ingress"), "spec.gateway.serviceType", "is not one of"),
+    (_set("sloClasses", []), "spec.sloClasses", "should be non-empty"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "field", "words"), SCHEMA_CASES, ids=[f for _, f, _ in SCHEMA_CASES])
+def test_schema_refuses_and_so_does_the_operator(crd: dict[str, Any], example: dict[str, Any],
+                                                 mutate: Callable[[dict[str, Any]], None], field: str,
+                                                 words: str) -> None:
+    mutate(example["spec"])
+    errors = validate(example, crd)
+    assert len(errors) == 1 and errors[0].startswith(f"{field}: ") and words in errors[0], errors
+    with pytest.raises(SpecError) as e:
+        parse_spec(example["spec"])
+    assert e.value.path.startswith(field)
+
+
+def test_hub_source_wants_hub_ids(crd: dict[str, Any], example: dict[str, Any]) -> None:
+    s = example["spec"]
+    del s["model"]["pvc"]
+    s["model"].update(source="hub", target="meta-llama/Llama-3.1-8B-Instruct", draft="meta-llama/Llama-3.2-1B")
+    assert validate(example, crd) == []
+    parse_spec(s)
+    s["model"]["draft"] = "/models/draft"
+    assert validate(example, crd) == [f"spec.model: {spec.MSG_TARGET_HUB}"]
+    with pytest.raises(SpecError, match="hub ids"):
+        parse_spec(s)
+
+
+def test_budget_integer_and_incremental_without_draft_are_fine(crd: dict[str, Any], example: dict[str, Any]) -> None:
+    s = example["spec"]
+    s["speculation"].update(budget=96, policy="incremental")
+    del s["model"]["draft"]
+    assert validate(example, crd) == []
+    assert parse_spec(s).speculation.budget == 96
+
+
+def test_cel_rules_hold_for_a_spec_that_passes_the_schema_only(crd: dict[str, Any], example: dict[str, Any]) -> None:
+    """Two broken rules at once are both reported (the API server lists every failed rule)."""
+    s = example["spec"]
+    _dup_class(s)
+    s["redis"]["url"] = "redis://r:6379/0"
+    assert validate(example, crd) == [f"spec.sloClasses: {spec.MSG_UNIQUE_CLASSES}",
+                                      f"spec.redis: {spec.MSG_REDIS_ONE}"]
+
+
+def test_unknown_fields_are_refused_by_the_operator(example: dict[str, Any]) -> None:
+    # the API server prunes unknown fields; an emulator or an old server does not, and a typo must not pass silently
+    s = copy.deepcopy(example["spec"])
+    s["gateway"]["replica"] = 3
+    with pytest.raises(SpecError, match=r"spec\.gateway\.replica: unknown field"):
+        parse_spec(s)

@@ -1,0 +1,295 @@
+"""The operator end to end: kopf's real runner against kmock's Kubernetes emulator (tests/operator/cluster.py).
+
+Each test has its own emulator, operator and namespace (the namespace also isolates its Redis keys).
+The resync timer runs every second here, so repairs and status refreshes show up within a few seconds;
+every wait polls with a generous deadline rather than sleeping a fixed time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import kmock
+import pytest
+import pytest_asyncio
+import redis.asyncio as aioredis
+import yaml
+
+from adaserve.operator import builders, names
+from adaserve.operator.config import OperatorConfig
+from adaserve.operator.kube import is_subset
+from adaserve.operator.spec import MSG_REDIS_ONE, parse_spec
+from tests.operator.cluster import Api, Cluster, Operator, eventually, write_kubeconfig
+from tests.operator.schema import EXAMPLE_PATH
+
+pytestmark = pytest.mark.asyncio
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+CONFIG = OperatorConfig(resync_s=1.0, redis_timeout_s=0.5)
+NAME = "llama"
+CHILDREN = [("api/v1", "configmaps", "llama-slo-classes"),
+            ("apis/apps/v1", "deployments", "llama-worker"), ("api/v1", "services", "llama-worker"),
+            ("apis/apps/v1", "deployments", "llama-gateway"), ("api/v1", "services", "llama-gateway")]
+
+
+class Env:
+    def __init__(self, cluster: Cluster, api: Api, namespace: str) -> None:
+        self.cluster, self.api, self.ns = cluster, api, namespace
+
+    def path(self, prefix: str, plural: str, name: str | None = None) -> str:
+        return f"/{prefix}/namespaces/{self.ns}/{plural}" + (f"/{name}" if name else "")
+
+    @property
+    def cr(self) -> str:
+        return self.path("apis/adaserve.io/v1alpha1", "adaservedeployments", NAME)
+
+    def resource(self, **spec: Any) -> dict[str, Any]:
+        """The example, in this test's namespace, with the local Redis (a managed one would not resolve here)."""
+        body = yaml.safe_load(EXAMPLE_PATH.read_text())
+        body["metadata"]["namespace"] = self.ns
+        body["spec"]["redis"] = {"url": REDIS_URL}
+        body["spec"].update(copy.deepcopy(spec))
+        return dict(body)
+
+    async def create(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.api.create(self.path("apis/adaserve.io/v1alpha1", "adaservedeployments"), body)
+
+    async def children(self) -> dict[str, dict[str, Any] | None]:
+        return {f"{plural}/{name}": await self.api.get(self.path(prefix, plural, name))
+                for prefix, plural, name in CHILDREN}
+
+    async def status(self) -> dict[str, Any]:
+        return dict(((await self.api.get(self.cr)) or {}).get("status") or {})
+
+
+@pytest_asyncio.fixture
+async def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Env]:
+    async with Cluster() as cluster, kmock.Server(cluster):
+        url = str(cluster.url).rstrip("/")
+        # the operator logs in as it would outside a cluster: kopf's kubeconfig login, shared with its client
+        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", url)
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        async with aiohttp.ClientSession(base_url=url) as session:
+            e = Env(cluster, Api(session), f"t-{uuid.uuid4().hex[:8]}")
+            yield e
+            await _forget_redis(e.ns)
+
+
+async def _forget_redis(namespace: str) -> None:
+    r = aioredis.from_url(REDIS_URL)
+    keys = [k async for k in r.scan_iter(f"{names.redis_prefix(namespace, NAME)}:*")]
+    if keys:
+        await r.delete(*keys)
+    await r.aclose()
+
+
+def expected_children(env: Env, body: dict[str, Any], uid: str) -> dict[str, dict[str, Any]]:
+    spec = parse_spec(body["spec"])
+    out = {}
+    for child in builders.children(spec, name=NAME, namespace=env.ns):
+        child["metadata"]["ownerReferences"] = [{
+            "controller": True, "blockOwnerDeletion": False, "apiVersion": "adaserve.io/v1alpha1",
+            "kind": "AdaServeDeployment", "name": NAME, "uid": uid}]
+        plural = {"ConfigMap": "configmaps", "Deployment": "deployments", "Service": "services"}[child["kind"]]
+        out[f"{plural}/{child['metadata']['name']}"] = child
+    return out
+
+
+async def test_create_makes_owned_children_and_a_status(env: Env) -> None:
+    async with Operator(CONFIG):
+        body = env.resource()
+        cr = await env.create(body)
+        want = expected_children(env, body, cr["metadata"]["uid"])
+
+        async def all_there() -> dict[str, Any]:
+            kids = await env.children()
+            return kids if all(kids.values()) else {}
+
+        kids = await eventually(all_there, what="children")
+        assert sorted(kids) == sorted(want)
+        for key, child in want.items():
+            assert is_subset(child, kids[key]), key  # the exact rendering, ownerReference included
+            assert kids[key]["metadata"]["ownerReferences"] == child["metadata"]["ownerReferences"]
+
+        st = await eventually(lambda: _phase(env, "Progressing"), what="phase Progressing")
+        assert st["observedGeneration"] == 1 and st["readyWorkers"] == 0 and st["workers"] == []
+        assert st["gatewayUrl"] == f"http://llama-gateway.{env.ns}.svc:80"
+        cr = await env.api.get(env.cr)
+        assert cr is not None and cr["metadata"]["finalizers"] == ["adaserve.io/operator"]
+
+
+async def _phase(env: Env, phase: str) -> dict[str, Any]:
+    st = await env.status()
+    return st if st.get("phase") == phase else {}
+
+
+async def test_update_changes_replicas_and_classes(env: Env) -> None:
+    async with Operator(CONFIG):
+        await env.create(env.resource())
+        worker = env.path("apis/apps/v1", "deployments", "llama-worker")
+        await eventually(lambda: env.api.get(worker), what="worker Deployment")
+
+        classes = [{"name": "chat", "tpotMs": 45}, {"name": "batch", "tpotMs": 300, "priority": -5, "sheddable": True}]
+        await env.api.patch(env.cr, {"spec": {"replicas": 3, "sloClasses": classes, "defaultSloClass": "batch"}})
+
+        async def updated() -> bool:
+            d = await env.api.get(worker)
+            cm = await env.api.get(env.path("api/v1", "configmaps", "llama-slo-classes"))
+            assert d is not None and cm is not None
+            e = {x["name"]: x.get("value") for x in d["spec"]["template"]["spec"]["containers"][0]["env"]}
+            return (d["spec"]["replicas"] == 3 and e["ADASERVE_SLO_CLASSES"] == '{"chat": 45, "batch": 300}'
+                    and e["ADASERVE_DEFAULT_SLO_CLASS"] == "batch"
+                    and json.loads(cm["data"]["slo-classes.json"])[1]["name"] == "batch")
+
+        await eventually(updated, what="worker and ConfigMap updated")
+        st = await eventually(lambda: _generation(env, 2), what="observedGeneration 2")
+        assert st["phase"] == "Progressing"
+
+
+async def _generation(env: Env, generation: int) -> dict[str, Any]:
+    st = await env.status()
+    return st if st.get("observedGeneration") == generation else {}
+
+
+async def test_status_reports_ready_workers_and_their_registrations(env: Env) -> None:
+    async with Operator(CONFIG):
+        await env.create(env.resource())
+        await eventually(lambda: _phase(env, "Progressing"), what="phase Progressing")
+        # what the Deployment controller and the kubelet would report once the pods pass /readyz
+        for name, n in (("llama-worker", 2), ("llama-gateway", 1)):
+            path = env.path("apis/apps/v1", "deployments", name)
+            d = await env.api.get(path)
+            assert d is not None
+            await env.api.call("PATCH", f"{path}/status", {"status": {
+                "observedGeneration": d["metadata"]["generation"], "replicas": n, "updatedReplicas": n,
+                "readyReplicas": n, "availableReplicas": n}}, merge=True)
+        # what the workers write in Redis (adaserve/worker/registry.py)
+        r = aioredis.from_url(REDIS_URL)
+        prefix = names.redis_prefix(env.ns, NAME)
+        for i in range(2):
+            await r.set(f"{prefix}:workers:llama-worker-{i}", json.dumps({
+                "worker_id": f"llama-worker-{i}", "address": f"http://10.0.0.{i}:8000", "status": "ready",
+                "device": "NVIDIA H100 80GB HBM3", "budget": 256}), px=60_000)
+            await r.zadd(f"{prefix}:workers", {f"llama-worker-{i}": int(time.time() * 1000) + 60_000})
+        await r.aclose()
+
+        st = await eventually(lambda: _phase(env, "Ready"), what="phase Ready")
+        st = await eventually(lambda: _with_workers(env, 2), what="two workers in the status")
+        assert st["readyWorkers"] == 2 and st["replicas"] == 2
+        assert st["workers"][0] == {"id": "llama-worker-0", "address": "http://10.0.0.0:8000",
+                                    "device": "NVIDIA H100 80GB HBM3", "budget": 256, "status": "ready"}
+        assert {c["type"]: c["status"] for c in st["conditions"]} == {
+            "Ready": "True", "Progressing": "False", "Degraded": "False"}
+
+
+async def _with_workers(env: Env, n: int) -> dict[str, Any]:
+    st = await env.status()
+    return st if len(st.get("workers") or []) == n else {}
+
+
+async def test_delete_removes_the_children(env: Env) -> None:
+    async with Operator(CONFIG):
+        await env.create(env.resource())
+        await eventually(lambda: _all_children(env, present=True), what="children")
+        assert await env.api.delete(env.cr) == 200
+        await eventually(lambda: _all_children(env, present=False), what="children deleted")
+        await eventually(lambda: _gone(env), what="resource gone (finalizer released)")
+
+
+async def _all_children(env: Env, *, present: bool) -> bool:
+    kids = await env.children()
+    return all((v is not None) == present for v in kids.values())
+
+
+async def _gone(env: Env) -> bool:
+    return await env.api.get(env.cr) is None
+
+
+async def test_hand_deleted_children_come_back_at_once(env: Env) -> None:
+    # a resync far beyond the deadline: only the children's DELETED events can bring them back in time
+    async with Operator(OperatorConfig(resync_s=600, redis_timeout_s=0.5)):
+        await env.create(env.resource())
+        worker = env.path("apis/apps/v1", "deployments", "llama-worker")
+        cm = env.path("api/v1", "configmaps", "llama-slo-classes")
+        first = await eventually(lambda: env.api.get(worker), what="worker Deployment")
+        await eventually(lambda: env.api.get(cm), what="ConfigMap")
+
+        assert await env.api.delete(worker) == 200
+        assert await env.api.delete(cm) == 200
+        again = await eventually(lambda: env.api.get(worker), what="worker Deployment recreated")
+        await eventually(lambda: env.api.get(cm), what="ConfigMap recreated")
+        assert again["metadata"]["uid"] != first["metadata"]["uid"]  # a new object, not the old one
+        assert again["spec"] == first["spec"]
+
+
+async def test_drift_is_undone_by_the_resync(env: Env) -> None:
+    async with Operator(CONFIG):
+        await env.create(env.resource())
+        worker = env.path("apis/apps/v1", "deployments", "llama-worker")
+        await eventually(lambda: env.api.get(worker), what="worker Deployment")
+        await env.api.patch(worker, {"spec": {"replicas": 7}})  # someone scaled the child instead of the resource
+
+        async def restored() -> bool:
+            d = await env.api.get(worker)
+            return d is not None and d["spec"]["replicas"] == 2
+
+        await eventually(restored, what="replicas restored to the resource's 2")
+
+
+async def test_invalid_spec_sets_a_condition_without_retrying_then_recovers(env: Env) -> None:
+    async with Operator(CONFIG):
+        await env.create(env.resource(redis={"managed": True, "url": REDIS_URL}))  # both: what CEL would refuse
+        st = await eventually(lambda: _phase(env, "Failed"), what="phase Failed")
+        degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+        assert degraded["status"] == "True" and degraded["reason"] == "InvalidSpec"
+        assert degraded["message"] == f"spec.redis: {MSG_REDIS_ONE}"
+        assert (await env.children()) == dict.fromkeys((await env.children()), None)  # nothing rendered
+
+        await eventually(lambda: _warnings(env), what="a Warning event InvalidSpec")
+
+        # no crash loop and no retries: nothing writes the resource again while nothing changes
+        await _quiet(CONFIG.resync_s)  # the last kopf annotations settle
+        writes = env.cluster.writes["adaservedeployments", NAME]
+        settled = await env.api.get(env.cr)
+        await _quiet(3 * CONFIG.resync_s)
+        assert env.cluster.writes["adaservedeployments", NAME] == writes
+        assert await env.api.get(env.cr) == settled
+        assert [e["message"] for e in await _warnings(env)] == [f"spec.redis: {MSG_REDIS_ONE}"]  # said once
+
+        await env.api.patch(env.cr, {"spec": {"redis": {"managed": None}}})  # fixed: the URL only
+        await eventually(lambda: _phase(env, "Progressing"), what="phase Progressing after the fix")
+        await eventually(lambda: _all_children(env, present=True), what="children after the fix")
+
+
+async def _warnings(env: Env) -> list[dict[str, Any]]:
+    events = await env.api.get(env.path("api/v1", "events")) or {}
+    return [e for e in events.get("items", []) if e.get("reason") == "InvalidSpec"]
+
+
+async def _quiet(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
+
+async def test_restart_makes_no_duplicates_and_no_writes(env: Env) -> None:
+    async with Operator(CONFIG):
+        await env.create(env.resource())
+        await eventually(lambda: _all_children(env, present=True), what="children")
+        await eventually(lambda: _phase(env, "Progressing"), what="phase Progressing")
+    creates = dict(env.cluster.creates)
+    writes = {key: n for key, n in env.cluster.writes.items() if key[0] != "adaservedeployments"}
+    assert all(creates[plural, name] == 1 for _, plural, name in CHILDREN)
+
+    async with Operator(CONFIG):  # a new process: resume handlers and timers run on what exists
+        await _quiet(3 * CONFIG.resync_s)
+        assert dict(env.cluster.creates) == creates  # nothing created again
+        assert {key: n for key, n in env.cluster.writes.items() if key[0] != "adaservedeployments"} == writes
+        kids = await env.children()
+        assert all(kids.values())

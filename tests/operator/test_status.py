@@ -1,0 +1,140 @@
+"""Pure status: phases and conditions from the children, worker details from registrations."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from adaserve.operator import status
+from adaserve.operator.handlers import status_changes
+from adaserve.operator.spec import DeploymentSpec, parse_spec
+
+NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
+SELECTOR = "app.kubernetes.io/name=adaserve,app.kubernetes.io/instance=llama,app.kubernetes.io/component=worker"
+
+
+@pytest.fixture
+def spec() -> DeploymentSpec:
+    return parse_spec({"model": {"target": "/m/t", "draft": "/m/d"}, "image": "w", "replicas": 2,
+                       "sloClasses": [{"name": "chat", "tpotMs": 50}], "gateway": {"image": "g"},
+                       "redis": {"managed": True}})
+
+
+def deployment(ready: int, *, replicas: int | None = None, generation: int = 1, observed: int = 1,
+               conditions: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    n = ready if replicas is None else replicas
+    return {"metadata": {"generation": generation},
+            "status": {"observedGeneration": observed, "replicas": n, "updatedReplicas": n,
+                       "readyReplicas": ready, "availableReplicas": ready, "conditions": conditions or []}}
+
+
+def compute(spec: DeploymentSpec | None, observed: status.Observed, **kw: Any) -> dict[str, Any]:
+    return status.compute(spec, name="llama", namespace="serving", generation=3, observed=observed,
+                          now=kw.pop("now", NOW), **kw)
+
+
+def conditions(s: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in s["conditions"]}
+
+
+def test_ready_status_whole(spec: DeploymentSpec) -> None:
+    workers = [{"id": "w-1", "address": "http://10.0.0.7:8000", "device": "H100", "budget": 256, "status": "ready"}]
+    s = compute(spec, status.Observed(worker=deployment(2), gateway=deployment(1), redis=deployment(1),
+                                      workers=workers))
+    message = "workers 2/2 ready; gateway 1/1 ready; redis 1/1 ready"
+    assert s == {
+        "phase": "Ready",
+        "observedGeneration": 3,
+        "replicas": 2,
+        "readyWorkers": 2,
+        "workers": workers,
+        "gatewayUrl": "http://llama-gateway.serving.svc:80",
+        "selector": SELECTOR,
+        "conditions": [
+            {"type": "Ready", "status": "True", "reason": "AllReady", "message": message, "lastTransitionTime": NOW},
+            {"type": "Progressing", "status": "False", "reason": "Complete", "message": message,
+             "lastTransitionTime": NOW},
+            {"type": "Degraded", "status": "False", "reason": "AsExpected", "message": message,
+             "lastTransitionTime": NOW},
+        ],
+    }
+
+
+def test_pending_until_every_child_exists(spec: DeploymentSpec) -> None:
+    s = compute(spec, status.Observed(worker=deployment(0, replicas=2)))
+    assert s["phase"] == "Pending" and s["readyWorkers"] == 0 and s["workers"] == []
+    assert conditions(s) == {"Ready": ("False", "Creating"), "Progressing": ("True", "Creating"),
+                             "Degraded": ("False", "AsExpected")}
+    assert s["conditions"][0]["message"] == "waiting for gateway, redis to be created"
+
+
+@pytest.mark.parametrize("worker", [
+    deployment(1, replicas=2),  # one worker still loading or profiling
+    deployment(2, generation=4, observed=3),  # the Deployment controller has not seen the new template yet
+    {"metadata": {}, "status": {"replicas": 3, "updatedReplicas": 2, "readyReplicas": 3, "availableReplicas": 3}},
+])
+def test_progressing_while_workers_load_or_roll(spec: DeploymentSpec, worker: dict[str, Any]) -> None:
+    s = compute(spec, status.Observed(worker=worker, gateway=deployment(1), redis=deployment(1)))
+    assert s["phase"] == "Progressing"
+    assert conditions(s)["Progressing"] == ("True", "RollingOut") and conditions(s)["Ready"][0] == "False"
+
+
+def test_degraded_when_a_rollout_fails(spec: DeploymentSpec) -> None:
+    stuck = deployment(1, replicas=2, conditions=[
+        {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded", "message": "too slow"}])
+    s = compute(spec, status.Observed(worker=stuck, gateway=deployment(1), redis=deployment(1)))
+    assert s["phase"] == "Degraded"
+    assert conditions(s) == {"Ready": ("False", "RolloutFailed"), "Progressing": ("False", "RolloutFailed"),
+                             "Degraded": ("True", "RolloutFailed")}
+    assert s["conditions"][2]["message"] == "workers: ProgressDeadlineExceeded: too slow"
+
+
+def test_invalid_spec_is_failed_with_the_error(spec: DeploymentSpec) -> None:
+    s = compute(None, status.Observed(worker=deployment(2)), error="spec.redis: set exactly one")
+    assert s["phase"] == "Failed" and s["gatewayUrl"] is None and s["readyWorkers"] == 2
+    assert conditions(s) == {"Ready": ("False", "InvalidSpec"), "Progressing": ("False", "InvalidSpec"),
+                             "Degraded": ("True", "InvalidSpec")}
+    assert all(c["message"] == "spec.redis: set exactly one" for c in s["conditions"])
+
+
+def test_transition_time_moves_only_when_the_status_does(spec: DeploymentSpec) -> None:
+    loading = status.Observed(worker=deployment(1, replicas=2), gateway=deployment(1), redis=deployment(1))
+    first = compute(spec, loading)
+    again = compute(spec, loading, previous=first["conditions"], now=LATER)
+    assert again == first  # nothing changed: not even the times (so no status write)
+    ready = compute(spec, status.Observed(worker=deployment(2), gateway=deployment(1), redis=deployment(1)),
+                    previous=first["conditions"], now=LATER)
+    times = {c["type"]: c["lastTransitionTime"] for c in ready["conditions"]}
+    assert times == {"Ready": LATER, "Progressing": LATER, "Degraded": NOW}
+
+
+def test_external_redis_is_not_waited_for() -> None:
+    spec = parse_spec({"model": {"target": "/m/t"}, "image": "w", "sloClasses": [{"name": "c", "tpotMs": 9}],
+                       "speculation": {"policy": "incremental"}, "gateway": {"image": "g"},
+                       "redis": {"url": "redis://r:6379/0"}})
+    s = compute(spec, status.Observed(worker=deployment(1), gateway=deployment(1)))
+    assert s["phase"] == "Ready"
+
+
+def test_registrations_become_worker_entries() -> None:
+    regs = [
+        json.dumps({"worker_id": "b", "address": "http://10.0.0.8:8000", "status": "loading", "device": "H100"}),
+        None,  # expired between ZRANGEBYSCORE and MGET
+        b"not json",
+        json.dumps({"worker_id": "a", "address": "http://10.0.0.7:8000", "status": "ready", "device": "H100",
+                    "budget": 256, "load": {"active": 3}}),
+        json.dumps(["no", "dict"]),
+    ]
+    assert status.parse_registrations(regs) == [
+        {"id": "a", "address": "http://10.0.0.7:8000", "device": "H100", "budget": 256, "status": "ready"},
+        {"id": "b", "address": "http://10.0.0.8:8000", "device": "H100", "budget": None, "status": "loading"},
+    ]
+
+
+def test_status_changes_only_what_differs() -> None:
+    old = {"phase": "Ready", "readyWorkers": 2, "gatewayUrl": "http://x"}
+    assert status_changes({"phase": "Ready", "readyWorkers": 1, "gatewayUrl": "http://x"}, old) == {"readyWorkers": 1}
+    assert status_changes({"phase": "Failed", "gatewayUrl": None, "workers": None}, old) == {
+        "phase": "Failed", "gatewayUrl": None}  # None removes a key the old status has, and only then

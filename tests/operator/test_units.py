@@ -1,0 +1,74 @@
+"""Small pure pieces: drift detection, API paths, config, the entry point's flags, import without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from adaserve.operator.__main__ import kopf_args
+from adaserve.operator.config import OperatorConfig
+from adaserve.operator.kube import is_subset, path
+from adaserve.operator.spec import SpecError, parse_spec
+from tests.operator.schema import ROOT
+
+
+def test_is_subset_ignores_server_defaults_but_not_changes() -> None:
+    desired = {"spec": {"replicas": 2, "template": {"spec": {"initContainers": [], "containers": [
+        {"name": "w", "env": [{"name": "A", "value": "1"}]}]}}}}
+    live = {"metadata": {"uid": "u"}, "spec": {"replicas": 2, "strategy": {"type": "RollingUpdate"}, "template": {
+        "spec": {"dnsPolicy": "ClusterFirst", "containers": [
+            {"name": "w", "env": [{"name": "A", "value": "1"}], "terminationMessagePath": "/dev/termination-log"}]}}}}
+    assert is_subset(desired, live)  # added defaults and a dropped empty list are no drift
+    desired["spec"]["replicas"] = 3
+    assert not is_subset(desired, live)
+    desired["spec"]["replicas"] = 2
+    desired["spec"]["template"]["spec"]["containers"][0]["env"].append({"name": "B", "value": "2"})
+    assert not is_subset(desired, live)  # a list with another length is drift
+    assert not is_subset({"data": {"k": "1"}}, {"data": {"k": 1}})
+
+
+def test_api_paths() -> None:
+    assert path("apps/v1", "Deployment", "ns", "x") == "/apis/apps/v1/namespaces/ns/deployments/x"
+    assert path("v1", "ConfigMap", "ns") == "/api/v1/namespaces/ns/configmaps"
+    assert path("adaserve.io/v1alpha1", "AdaServeDeployment", "ns", "a") == (
+        "/apis/adaserve.io/v1alpha1/namespaces/ns/adaservedeployments/a")
+
+
+def test_config_from_env() -> None:
+    assert OperatorConfig.from_env({}) == OperatorConfig(resync_s=15.0, redis_timeout_s=1.0)
+    assert OperatorConfig.from_env({"ADASERVE_OPERATOR_RESYNC_S": "2.5"}).resync_s == 2.5
+    with pytest.raises(ValueError, match="resync_s must be > 0"):
+        OperatorConfig.from_env({"ADASERVE_OPERATOR_RESYNC_S": "0"})
+    with pytest.raises(ValueError, match="ADASERVE_OPERATOR_"):
+        OperatorConfig.from_env({"ADASERVE_OPERATOR_REDIS_TIMEOUT_S": "soon"})
+
+
+def test_entry_point_defaults_and_overrides() -> None:
+    args = kopf_args([])
+    assert args[:5] == ["run", "-m", "adaserve.operator.handlers", "--all-namespaces", "--peering=adaserve"]
+    assert args[5] == "--liveness=http://0.0.0.0:8080/healthz" and args[6].startswith("--priority=")
+    assert kopf_args(["-n", "serving", "--standalone"]) == [
+        "run", "-m", "adaserve.operator.handlers", "--liveness=http://0.0.0.0:8080/healthz", "-n", "serving",
+        "--standalone"]
+
+
+def test_spec_error_names_the_field() -> None:
+    good = {"model": {"target": "/t", "draft": "/d"}, "image": "w", "gateway": {"image": "g"},
+            "redis": {"managed": True}, "sloClasses": [{"name": "a", "tpotMs": 5}]}
+    with pytest.raises(SpecError) as e:
+        parse_spec({**good, "sloClasses": [{"name": "a", "tpotMs": 5}, {"name": "b"}]})
+    assert (e.value.path, e.value.message) == ("spec.sloClasses[1].tpotMs", "required")
+    assert isinstance(e.value, ValueError) and str(e.value) == "spec.sloClasses[1].tpotMs: required"
+    with pytest.raises(SpecError, match=r"^spec\.replicas: Input should be a valid integer"):
+        parse_spec({**good, "replicas": "2"})  # strict, as the API server: "2" is no integer
+    with pytest.raises(SpecError, match=r"^spec\.model: required"):
+        parse_spec(None)
+
+
+def test_operator_imports_without_torch() -> None:
+    code = ("import sys; sys.modules['torch'] = None; import adaserve.operator.handlers, adaserve.operator.__main__; "
+            "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules if sys.modules[m] is not None)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

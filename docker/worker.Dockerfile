@@ -1,0 +1,80 @@
+# syntax=docker/dockerfile:1
+# The adaserve worker: the engine behind `adaserve worker`, one model pair per pod. Two variants:
+#
+#   docker build -f docker/worker.Dockerfile -t ghcr.io/adaserve/worker:0.1.0 .                       CUDA
+#   docker build -f docker/worker.Dockerfile --build-arg DEVICE=cpu -t ghcr.io/adaserve/worker:0.1.0-cpu .   CPU
+#
+# CUDA: the torch CUDA wheel (it carries its own CUDA runtime libraries; the node supplies only the driver)
+# and flashinfer, which compiles its attention kernels just in time on first use and so needs nvcc: hence
+# the -devel base (nvcc, headers; g++ and Python headers added). Compiled kernels go to the worker's cache emptyDir (FLASHINFER_WORKSPACE_BASE below).
+# CPU: python:3.11-slim and the CPU wheel of torch; for kind clusters, CI and laptops.
+#
+# Both carry the tiny demo model pair at /app/models/demo/{target,draft} (models/demo in the repo), so a
+# resource with `source: image, target: /app/models/demo/target` runs without downloading anything.
+ARG DEVICE=cuda
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-devel-ubuntu24.04
+ARG CPU_IMAGE=python:3.11-slim
+# torch wheel index for the CUDA variant; must match the CUDA major.minor of CUDA_IMAGE
+ARG TORCH_CUDA_INDEX=https://download.pytorch.org/whl/cu128
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+
+# ---- CUDA base: Python, torch (CUDA), flashinfer --------------------------------------------------------
+FROM ${CUDA_IMAGE} AS base-cuda
+ARG TORCH_CUDA_INDEX
+ENV DEBIAN_FRONTEND=noninteractive
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY constraints.txt /tmp/constraints.txt
+# torch first, from the CUDA index; constraints.txt (torch==2.13.0) then keeps every later install on it
+# (a local version such as 2.13.0+cu128 satisfies ==2.13.0)
+RUN pip install --index-url "${TORCH_CUDA_INDEX}" "torch==2.13.0" \
+    && pip install -c /tmp/constraints.txt "flashinfer-python>=0.2"
+ENV ADASERVE_DEVICE=cuda
+
+# ---- CPU base: Python, torch (CPU) ---------------------------------------------------------------------
+FROM ${CPU_IMAGE} AS base-cpu
+ARG TORCH_CPU_INDEX
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY constraints.txt /tmp/constraints.txt
+RUN pip install --index-url "${TORCH_CPU_INDEX}" "torch==2.13.0"
+ENV ADASERVE_DEVICE=cpu
+
+# ---- the worker: adaserve and its dependencies over the chosen base -----------------------------------
+FROM base-${DEVICE}
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    ADASERVE_HOST=0.0.0.0 \
+    ADASERVE_PORT=8000 \
+    ADASERVE_CACHE_DIR=/var/cache/adaserve \
+    FLASHINFER_WORKSPACE_BASE=/var/cache/adaserve \
+    HF_HOME=/var/cache/adaserve/huggingface
+
+# the package with its declared dependencies (transformers, fastapi, redis, ...); torch is already there
+# and pinned by the constraints, so nothing swaps it for another build
+COPY pyproject.toml README.md /src/
+COPY adaserve /src/adaserve
+RUN pip install -c /tmp/constraints.txt /src huggingface_hub && rm -rf /src \
+    && python -c "import adaserve.worker.server, adaserve.engine"
+
+# docs/k8s-contract.md has the hub initContainer run `huggingface-cli download ID --local-dir DIR`;
+# huggingface_hub >= 1.0 names that command `hf` (same arguments), so keep the old name working
+RUN printf '#!/bin/sh\nexec hf "$@"\n' > /usr/local/bin/huggingface-cli && chmod 0755 /usr/local/bin/huggingface-cli
+
+COPY models/demo /app/models/demo
+
+RUN useradd --uid 10001 --user-group --create-home --home-dir /home/adaserve --shell /usr/sbin/nologin adaserve \
+    && mkdir -p /var/cache/adaserve /models && chown adaserve:adaserve /var/cache/adaserve /models
+USER 10001:10001
+WORKDIR /app
+
+EXPOSE 8000
+ENTRYPOINT ["adaserve"]
+CMD ["worker"]

@@ -17,7 +17,7 @@ __all__ = ["EXIT_USAGE", "CliError", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from adaserve import bench_cmd, gateway_cmd, generate_cmd, profile_cmd, up_cmd, worker_cmd
+    from adaserve import bench_cmd, gateway_cmd, generate_cmd, loadtest_cmd, profile_cmd, up_cmd, worker_cmd
 
     parser = argparse.ArgumentParser(prog="adaserve", description="SLO-customized speculative decoding")
     parser.add_argument("--version", action="version", version=f"adaserve {__version__}")
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker_cmd.add_parser(sub)
     gateway_cmd.add_parser(sub)
     up_cmd.add_parser(sub)
+    loadtest_cmd.add_parser(sub)
     return parser
 
 

@@ -26,7 +26,7 @@ class RequestResult:
 
     @property
     def met_slo(self) -> bool:
-        if self.finish_reason in (None, "abort", "error"):
+        if self.finish_reason in (None, "abort", "error", "refused"):  # refused: 429/503 from a gateway
             return False
         return self.tpot_ms is None or self.tpot_ms <= self.tpot_slo_ms
 

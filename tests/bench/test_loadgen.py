@@ -1,0 +1,84 @@
+"""The load generator's pure parts: client-side timing, classes from the gateway, the per-rate report."""
+
+from __future__ import annotations
+
+import pytest
+
+from adaserve.bench.loadgen import (
+    REFUSED,
+    LoadConfig,
+    Timing,
+    build,
+    classes_from,
+    default_mix,
+    overhead_report,
+    rate_report,
+)
+from adaserve.bench.metrics import RequestResult
+
+PUBLISHED = {"default": "chat", "data": [
+    {"name": "coding", "tpot_ms": 40, "ttft_ms": 2000, "priority": 10, "sheddable": False},
+    {"name": "chat", "tpot_ms": 50, "ttft_ms": None, "priority": 0, "sheddable": False},
+    {"name": "batch", "tpot_ms": 500, "ttft_ms": None, "priority": -1, "sheddable": True},
+]}
+
+
+def result(cls: str, *, tokens: int, tpot: float | None, finish: str | None, slo: float = 50.0) -> RequestResult:
+    return RequestResult(request_id=f"{cls}-{tokens}-{finish}", slo_class=cls, tpot_slo_ms=slo, tokens=tokens,
+                         tpot_ms=tpot, ttft_ms=None if tpot is None else 10.0, accepted_per_step=(),
+                         finish_reason=finish)
+
+
+def test_timing_spreads_the_tokens_after_the_first_over_the_stream() -> None:
+    t = Timing(sent=1.0, first=1.2, last=2.2, tokens=11)  # 10 tokens after the first in 1 s
+    assert t.ttft_ms() == pytest.approx(200.0)
+    assert t.tpot_ms() == pytest.approx(100.0)
+    assert Timing(1.0, 1.2, 1.2, 1).tpot_ms() is None  # one token: no per-token latency
+    assert Timing(1.0, None, None, 0).ttft_ms() is None
+
+
+def test_classes_from_the_gateway_and_a_default_mix_over_those_with_prompts() -> None:
+    classes = classes_from(PUBLISHED)
+    assert [(c.name, c.tpot_ms) for c in classes] == [("coding", 40.0), ("chat", 50.0), ("batch", 500.0)]
+    assert default_mix(classes) == {"coding": 0.5, "chat": 0.5}  # no prompt source for "batch"
+    with pytest.raises(ValueError, match="prompt source"):
+        default_mix(classes[2:])
+
+
+def test_workload_carries_the_gateways_targets() -> None:
+    cfg = LoadConfig(url="http://x", model="m", rates=(4.0,), duration_s=5.0)
+    reqs = build(cfg, classes_from(PUBLISHED), 4.0)
+    assert reqs and {r.slo_class for r in reqs} <= {"coding", "chat"}
+    assert all(r.tpot_slo_ms == {"coding": 40.0, "chat": 50.0}[r.slo_class] for r in reqs)
+    assert all(0 <= r.arrival_s < 5.0 for r in reqs)
+
+
+def test_bad_rates_are_refused() -> None:
+    with pytest.raises(ValueError, match="rates"):
+        LoadConfig(url="http://x", model="m", rates=(0.0,))
+    with pytest.raises(ValueError, match="rates"):
+        LoadConfig(url="http://x", model="m", rates=())
+
+
+def test_refused_and_failed_requests_count_as_misses_and_are_reported_apart() -> None:
+    rs = [result("chat", tokens=20, tpot=30.0, finish="length"),   # met
+          result("chat", tokens=20, tpot=80.0, finish="length"),   # too slow
+          result("chat", tokens=0, tpot=None, finish=REFUSED),     # 503: no tokens, no TPOT, still a miss
+          result("coding", tokens=0, tpot=None, finish="error")]   # the stream broke
+    rep = rate_report(2.0, rs, wall_s=10.0)
+    assert rep["rate_rps"] == 2.0 and rep["requests"] == 4
+    assert rep["slo_attainment"] == pytest.approx(0.25)
+    assert rep["refused"] == 1 and rep["failed"] == 1
+    chat = rep["per_class"]["chat"]
+    assert chat["refused"] == 1 and chat["slo_attainment"] == pytest.approx(1 / 3)
+    assert rep["goodput_tok_s"] == pytest.approx(2.0)  # 20 tokens of the one met request over 10 s
+    assert "scheduler_time_share" not in rep  # engine-side figures are not visible from the client
+
+
+def test_overhead_is_the_difference_of_medians() -> None:
+    direct = [Timing(0.0, 0.020, 0.020 + 0.005 * 63, 64)] * 3
+    gateway = [Timing(0.0, 0.025, 0.025 + 0.0055 * 63, 64)] * 3
+    rep = overhead_report(direct, gateway)
+    assert rep["requests_each"] == 3
+    assert rep["ttft_ms"] == {"direct": 20.0, "gateway": 25.0, "added": 5.0}
+    assert rep["tpot_ms"]["added"] == pytest.approx(0.5)

@@ -37,6 +37,13 @@ def _cost_model(raw: Any) -> dict[str, float] | None:
     return {k: float(raw[k]) for k in COST_KEYS}  # KeyError/TypeError/ValueError: not a registration
 
 
+def _per_request(load: dict[str, Any]) -> float | None:
+    """Mean KV tokens per request the worker holds; None when it holds none (routing assumes a typical one)."""
+    held = int(load.get("running", 0)) + int(load.get("waiting", 0))
+    tokens = load.get("context_tokens")
+    return float(tokens) / held if tokens is not None and held > 0 and float(tokens) > 0 else None
+
+
 def parse_registration(doc: Any) -> WorkerView | None:
     """A registration as a routing view; None when it is not one (an older or foreign schema)."""
     try:
@@ -52,6 +59,8 @@ def parse_registration(doc: Any) -> WorkerView | None:
             budget=int(doc["budget"]) if doc.get("budget") is not None else None,
             target_cost=_cost_model(cost.get("target")), draft_cost=_cost_model(cost.get("draft")),
             acceptance_rate=float(acc["acceptance_rate"]) if acc.get("steps") else None,
+            context_per_request=_per_request(load),
+            draft_steps=int(doc["max_depth"]) if doc.get("max_depth") is not None else None,
         )
     except (AttributeError, KeyError, TypeError, ValueError):
         return None

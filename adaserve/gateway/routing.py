@@ -11,9 +11,10 @@ forwards and its recent acceptance rate; the gateway knows each class's target.
     need_r    = t / T_r                                     tokens request r must gain per iteration
     headroom  = m - mean_r max(0, need_r - 1)               every request gets its bonus token free
 
-(L: a typical context, since the registration does not list lengths; a: the acceptance rate pooled over
-the candidate workers, since it belongs to the model pair and the traffic, and one worker's recent
-window is noisy enough to send it all the traffic or none.) A request whose own need
+(L: the mean context, prompt + output, of the requests the worker holds, as its registration reports,
+else a typical 512; D: the worker's deepest tree, ``max_depth`` in its registration, else 4; a: the
+acceptance rate pooled over the candidate workers, since it belongs to the model pair and the traffic,
+and one worker's recent window is noisy enough to send it all the traffic or none.) A request whose own need
 exceeds what a tree can give (1 + k) has no headroom on that worker. Headroom >= 0 means the batch
 should still meet every target. Workers whose headroom is within ``TIE`` tokens of the best count as
 equal, and the one with fewer requests wins: headroom estimates are not precise enough to send every
@@ -26,10 +27,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-CONTEXT_TOKENS = 512  # L: KV tokens a typical request reads per iteration
-DRAFT_STEPS = 4  # D: the engine's default d_max (engine/adaptive.py)
+CONTEXT_TOKENS = 512  # L when the worker reports none: KV tokens a typical request reads per iteration
+DRAFT_STEPS = 4  # D when the worker reports none: the engine's default d_max (engine/adaptive.py)
 PRIOR_ACCEPTANCE = 0.6  # a before a worker has verified anything
 TIE = 0.25  # headrooms this close (tokens per request per iteration) are equal; fewer requests wins
 
@@ -49,10 +49,19 @@ class WorkerView:
     target_cost: dict[str, float] | None = None
     draft_cost: dict[str, float] | None = None
     acceptance_rate: float | None = None
+    context_per_request: float | None = None  # L as the worker last reported it
+    draft_steps: int | None = None  # D as the worker reports it (0: it does not speculate)
 
     @property
     def free_slots(self) -> int:
         return self.max_active - self.active
+
+    @property
+    def depth(self) -> int:
+        """D: draft steps per iteration (0 without a draft model)."""
+        if self.draft_cost is None:
+            return 0
+        return DRAFT_STEPS if self.draft_steps is None else self.draft_steps
 
 
 def _cost(model: dict[str, float], n_context: int, n_batched: int) -> float:
@@ -63,10 +72,10 @@ def _cost(model: dict[str, float], n_context: int, n_batched: int) -> float:
 def iteration_s(w: WorkerView, n: int) -> float | None:
     if w.target_cost is None or w.budget is None:
         return None
-    ctx = n * CONTEXT_TOKENS
-    if w.draft_cost is None:
+    ctx = round(n * (w.context_per_request or CONTEXT_TOKENS))
+    if w.depth == 0 or w.draft_cost is None:
         return _cost(w.target_cost, ctx, n)
-    return _cost(w.target_cost, ctx, max(w.budget, n)) + DRAFT_STEPS * _cost(w.draft_cost, ctx, n)
+    return _cost(w.target_cost, ctx, max(w.budget, n)) + w.depth * _cost(w.draft_cost, ctx, n)
 
 
 def accepted_per_request(a: float, k: float) -> float:
@@ -95,7 +104,7 @@ def headroom(w: WorkerView, tpot_ms: float, tpot_of: Callable[[str], float | Non
     t = iteration_s(w, n)
     if t is None or w.budget is None:  # no cost model: the share of slots still free after joining
         return (w.free_slots - 1) / w.max_active
-    k = 0.0 if w.draft_cost is None else min(DRAFT_STEPS, w.budget / n - 1.0)
+    k = 0.0 if w.depth == 0 else min(w.depth, w.budget / n - 1.0)
     a = next((x for x in (acceptance, w.acceptance_rate) if x is not None), PRIOR_ACCEPTANCE)
     m = accepted_per_request(a, k)
     own_need = t / (tpot_ms / 1e3)
@@ -139,6 +148,3 @@ class Router:
         else:
             best = open_[next(self._turn) % len(open_)]
         return Choice(best, rooms[best.id], max(rooms.values()))
-
-    def describe(self) -> dict[str, Any]:
-        return {"policy": self.policy, "context_tokens": CONTEXT_TOKENS, "draft_steps": DRAFT_STEPS}

@@ -32,6 +32,8 @@ def profile_info(built: BuiltEngine, settings: WorkerSettings) -> dict[str, Any]
             "draft": engine.draft_time.model.to_dict() if engine.draft is not None else None,
         },
         "policy": settings.policy,
+        # D: draft steps per iteration at most (0: no speculation); the gateway's iteration-time estimate
+        "max_depth": engine.policy.max_shape.depth if engine.policy.max_shape is not None else 0,
         "max_context": engine.max_context,
     }
 
@@ -41,6 +43,14 @@ def active_by_class(runtime: Runtime) -> dict[str, int]:
     for flight in list(runtime.active.values()):
         out[flight.slo_class] = out.get(flight.slo_class, 0) + 1
     return out
+
+
+def context_tokens(runtime: Runtime) -> int:
+    """KV tokens the worker's requests hold now (prompt + output): what each verification reads."""
+    engine = runtime.built.engine if runtime.built else None
+    if engine is None:
+        return 0
+    return sum(len(r.prompt_ids) + len(r.output_ids) for r in [*engine.running, *engine.waiting])
 
 
 def registration(runtime: Runtime) -> dict[str, Any]:
@@ -64,6 +74,7 @@ def registration(runtime: Runtime) -> dict[str, Any]:
             "waiting": len(engine.waiting) if engine else 0,
             "running": len(engine.running) if engine else 0,
             "kv_usage": engine.kv_usage() if engine else 0.0,
+            "context_tokens": context_tokens(runtime),
         },
         "acceptance": runtime.metrics.recent_acceptance(),
         "slo_attainment": runtime.metrics.attainment(),

@@ -61,6 +61,7 @@ def test_registration_heartbeat_and_sigterm_drain(redis_prefix: tuple[redis.Redi
         assert reg["status"] == "ready" and reg["address"] == w.url and reg["worker_id"] == wid
         assert reg["models"]["target"] == str(target) and reg["models"]["name"] == "target"
         assert r.zscore(f"{prefix}:workers", wid) is not None
+        assert reg["max_depth"] == 4 and reg["load"]["context_tokens"] == 0  # adaserve's d_max; holds nothing
         ttl = r.pttl(f"{prefix}:workers:{wid}")
         assert 0 < ttl <= 3000
 
@@ -84,6 +85,9 @@ def test_registration_heartbeat_and_sigterm_drain(redis_prefix: tuple[redis.Redi
         reader = threading.Thread(target=consume)
         reader.start()
         assert started.wait(60)
+        # the request's prompt + output so far, for the gateway's iteration-time estimate
+        assert wait_for(lambda: (registration(r, prefix, wid) or {}).get("load", {}).get("context_tokens", 0) > 3,
+                        timeout=10)
         w.proc.send_signal(signal.SIGTERM)
 
         assert wait_for(lambda: httpx.get(f"{w.url}/readyz", timeout=5).status_code == 503, timeout=10)

@@ -28,7 +28,23 @@ def test_parse_a_real_registration() -> None:
         id="adaserve-worker-7d9f-abcde", address="http://10.0.3.17:8000", status="ready", model="target",
         max_active=64, active=3, active_by_class={"chat": 2, "coding": 1}, budget=582,
         target_cost={"alpha": 1.1e-7, "gamma": 2.0e-5, "delta": 0.011},
-        draft_cost={"alpha": 2.0e-8, "gamma": 4.0e-6, "delta": 0.002}, acceptance_rate=0.31)
+        draft_cost={"alpha": 2.0e-8, "gamma": 4.0e-6, "delta": 0.002}, acceptance_rate=0.31,
+        context_per_request=1730 / 3, draft_steps=4)
+
+
+@pytest.mark.parametrize(("load", "per_request"), [
+    ({"running": 2, "waiting": 1, "context_tokens": 900}, 300.0),  # waiting requests hold their prompts too
+    ({"running": 0, "waiting": 0, "context_tokens": 0}, None),  # holds nothing: routing assumes a typical one
+    ({"running": 3}, None),  # an older worker that does not report it
+])
+def test_parse_context_per_request(load: dict[str, Any], per_request: float | None) -> None:
+    v = parse_registration(doc(load={"active": 3, **load}))
+    assert v is not None and v.context_per_request == per_request
+
+
+def test_parse_a_worker_that_does_not_speculate_reports_depth_0() -> None:
+    v = parse_registration(doc(max_depth=0))
+    assert v is not None and v.draft_steps == 0 and v.depth == 0
 
 
 def test_parse_a_worker_that_is_still_loading() -> None:

@@ -49,6 +49,18 @@ def test_iteration_s_verifies_the_budget_and_drafts_d_steps() -> None:
     assert iteration_s(modelled(), 2) == pytest.approx(0.022224)
 
 
+def test_iteration_s_uses_the_context_and_depth_the_worker_reports() -> None:
+    # L = 100 per request, D = 2; n=2: T_target(200, 64) = 2e-4 + 6.4e-3 + 0.01; T_draft(200, 2) = 2e-4 + 1e-3
+    assert iteration_s(modelled(context_per_request=100.0, draft_steps=2), 2) == pytest.approx(0.0166 + 2 * 0.0012)
+
+
+def test_a_worker_reporting_depth_0_is_judged_without_a_tree() -> None:
+    w = modelled(draft_steps=0)
+    assert iteration_s(w, 2) == iteration_s(modelled(draft_cost=None), 2)
+    # no tree: nothing is accepted beyond the bonus token, so a request needs t <= T_target to fit
+    assert headroom(w, 50.0, tpot_of) == pytest.approx(0.0)
+
+
 def test_iteration_s_batches_at_least_one_token_per_request() -> None:
     # B=1 < n=3: T_target(1536, 3) = 1.536e-3 + 3e-4 + 0.01 = 0.011836; T_draft(1536, 3) = 3e-4 + 1e-3
     assert iteration_s(modelled(budget=1), 3) == pytest.approx(0.011836 + 4 * 0.0013)

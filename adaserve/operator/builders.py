@@ -143,8 +143,22 @@ def _fetch_container(spec: DeploymentSpec) -> dict[str, Any]:
         "name": "adaserve-fetch",
         "image": spec.image,
         "command": ["sh", "-c", script],
+        "env": _hub_token_env(spec),
         "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR}],
     }
+
+
+def _hub_token_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    """HF_TOKEN from the Secret, for gated models: only here, as the worker loads local files only.
+
+    Always a list, even empty: drift detection only compares keys the manifest has, so a token removed
+    from the spec must leave ``env: []`` behind to be removed from the live pod template.
+    """
+    hub = spec.model.hub
+    if hub is None or hub.token_secret is None:
+        return []
+    ref = {"name": hub.token_secret.name, "key": hub.token_secret.key}
+    return [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}}]
 
 
 def _model_path(spec: DeploymentSpec, value: str) -> str:

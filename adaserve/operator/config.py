@@ -11,7 +11,8 @@ from collections.abc import Mapping
 class OperatorConfig:
     # how often each resource's status is refreshed and its children checked for drift
     resync_s: float = 15.0
-    # how long one status refresh may wait on Redis; past it the status just has no worker details
+    # how long one status refresh may wait on Redis; past it the status has no worker details and,
+    # unless a managed Redis is still starting, says Degraded/RedisUnreachable
     redis_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:

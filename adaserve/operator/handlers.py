@@ -18,6 +18,12 @@ Decisions, and why:
 - An invalid spec (CEL is missing on old clusters, and the emulator validates nothing) sets phase
   Failed with condition Degraded/InvalidSpec and a Warning event, and the handler returns normally: a
   retry cannot fix a spec, only a new spec can (which arrives as an update).
+- A child's name held by an object this resource does not own (no ownerReference with its uid) is
+  never taken over: someone else's ConfigMap or Deployment is left as it is, the other children are
+  still applied, and the status says Degraded/NameConflict (plus one Warning event) until the name is
+  free again; the resync then creates the child.
+- Redis that cannot be read sets the Degraded condition (RedisUnreachable, with the host and the
+  error), cleared by the next read that works (status.py says when it counts).
 - Leader election is kopf's peering: ``--peering=adaserve`` needs a ClusterKopfPeering named
   ``adaserve`` (a KopfPeering per namespace when run with ``--namespace``; CRDs in
   crds/kopf.dev_peerings.yaml). Operators of equal priority all pause, so replicas need distinct
@@ -37,7 +43,7 @@ import kopf
 
 from adaserve.operator import builders, names, status
 from adaserve.operator.config import OperatorConfig
-from adaserve.operator.kube import Closed, Kube
+from adaserve.operator.kube import Closed, Kube, owned_by
 from adaserve.operator.registrations import read_workers
 from adaserve.operator.spec import SpecError, parse_spec
 
@@ -96,7 +102,7 @@ async def delete_children(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger,
     meta = body["metadata"]
     for api_version, kind, child in _child_names(meta["name"]):
         live = await kube.get(api_version, kind, meta["namespace"], child)
-        if live is not None and _owned_by(live, meta.get("uid")) and await kube.delete(
+        if live is not None and owned_by(live, meta.get("uid")) and await kube.delete(
                 api_version, kind, meta["namespace"], child):
             logger.info(f"deleted {kind} {child}")
     memo.locks.pop((meta["namespace"], meta["name"]), None)
@@ -148,33 +154,65 @@ async def sync(body: kopf.Body, *, memo: kopf.Memo, logger: kopf.Logger,
         manifests = builders.children(spec, name=name, namespace=namespace)
         # controller ref without blockOwnerDeletion: setting that needs RBAC on the owner's finalizers
         kopf.append_owner_reference(manifests, owner=body, block_owner_deletion=False)
-        live: dict[str, dict[str, Any]] = {}
-        for manifest in manifests:
-            if stopped:
-                return None
-            obj, done = await kube.apply(manifest)
-            live[f"{manifest['kind']}/{manifest['metadata']['name']}"] = obj
-            if done != "unchanged":
-                logger.info(f"{done} {manifest['kind']} {manifest['metadata']['name']}")
+        applied = await _apply_all(kube, manifests, uid=meta.get("uid"), logger=logger, stopped=stopped)
+        if applied is None:
+            return None
+        live, conflicts = applied
+        _warn_conflicts(body, conflicts, previous)
         if not spec.redis.managed:  # switched to an external Redis: the managed one is no longer needed
             for kind, api_version in (("Deployment", "apps/v1"), ("Service", "v1")):
                 old = await kube.get(api_version, kind, namespace, names.child(name, names.REDIS))
-                if old is not None and _owned_by(old, meta.get("uid")):
+                if old is not None and owned_by(old, meta.get("uid")):
                     await kube.delete(api_version, kind, namespace, names.child(name, names.REDIS))
                     logger.info(f"deleted {kind} {names.child(name, names.REDIS)}")
 
     if stopped:
         return None
-    workers = await read_workers(builders.redis_url(spec, name=name, namespace=namespace),
-                                 names.redis_prefix(namespace, name), timeout_s=config.redis_timeout_s)
+    read = await read_workers(builders.redis_url(spec, name=name, namespace=namespace),
+                              names.redis_prefix(namespace, name), timeout_s=config.redis_timeout_s)
     observed = status.Observed(
         worker=live.get(f"Deployment/{names.child(name, names.WORKER)}"),
         gateway=live.get(f"Deployment/{names.child(name, names.GATEWAY)}"),
         redis=live.get(f"Deployment/{names.child(name, names.REDIS)}"),
-        workers=workers,
+        workers=read.workers,
+        redis_error=read.error,
+        conflicts=tuple(conflicts),
     )
     return status.compute(spec, name=name, namespace=namespace, generation=meta.get("generation"),
                           observed=observed, previous=previous, now=now)
+
+
+async def _apply_all(kube: Kube, manifests: list[dict[str, Any]], *, uid: str | None, logger: kopf.Logger,
+                     stopped: kopf.DaemonStopped | None) -> tuple[dict[str, dict[str, Any]], list[str]] | None:
+    """Apply each child; returns ({"Kind/name": live}, ["Kind/name" held by someone else]), None if stopped.
+
+    A foreign object is neither patched nor counted as ours (its status would pass for our rollout).
+    """
+    live: dict[str, dict[str, Any]] = {}
+    conflicts: list[str] = []
+    for manifest in manifests:
+        if stopped:
+            return None
+        key = f"{manifest['kind']}/{manifest['metadata']['name']}"
+        obj, done = await kube.apply(manifest, owner_uid=uid)
+        if done == "conflict":
+            conflicts.append(key)
+            continue
+        live[key] = obj
+        if done != "unchanged":
+            logger.info(f"{done} {manifest['kind']} {manifest['metadata']['name']}")
+    return live, conflicts
+
+
+def _warn_conflicts(body: kopf.Body, conflicts: list[str], previous: list[Mapping[str, Any]]) -> None:
+    """One Warning event per newly taken name, not one per resync (the condition stays meanwhile)."""
+    reported = next((c.get("message") or "" for c in previous
+                     if c.get("type") == status.DEGRADED and c.get("reason") == status.NAME_CONFLICT), "")
+    new = [c for c in conflicts if c not in reported]
+    if new:
+        message = f"{', '.join(new)}: not owned by this AdaServeDeployment; left untouched"
+        log.warning("%s/%s: %s", body["metadata"]["namespace"], body["metadata"]["name"], message)
+        kopf.warn(body, reason=status.NAME_CONFLICT, message=message)
 
 
 def status_changes(new: Mapping[str, Any], old: Mapping[str, Any]) -> dict[str, Any]:
@@ -192,10 +230,6 @@ def _child_names(name: str) -> list[tuple[str, str, str]]:
         ("v1", "Service", names.child(name, names.REDIS)),
         ("v1", "ConfigMap", names.slo_configmap(name)),
     ]
-
-
-def _owned_by(obj: Mapping[str, Any], uid: str | None) -> bool:
-    return any(r.get("uid") == uid for r in (obj.get("metadata") or {}).get("ownerReferences") or [])
 
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:

@@ -66,6 +66,12 @@ def is_subset(desired: Any, live: Any) -> bool:
     return bool(desired == live)
 
 
+def owned_by(obj: Mapping[str, Any], uid: str | None) -> bool:
+    """Whether ``obj`` has an ownerReference to the object with ``uid`` (controller or not)."""
+    return uid is not None and any(
+        r.get("uid") == uid for r in (obj.get("metadata") or {}).get("ownerReferences") or [])
+
+
 class Kube:
     """Holds the credentials of the last login and one HTTP session made from them."""
 
@@ -198,12 +204,13 @@ class Kube:
             raise
         return True
 
-    async def apply(self, obj: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    async def apply(self, obj: Mapping[str, Any], *, owner_uid: str | None = None) -> tuple[dict[str, Any], str]:
         """Create the object, or patch it where it differs from ``obj``; returns (live object, what was done).
 
         Idempotent: an object that already matches is left alone (no write, no new resourceVersion), so a
         restart or a repeated timer makes no duplicates and no churn. A create that loses a race with
-        another writer (409) turns into a patch.
+        another writer (409) turns into a patch. With ``owner_uid``, an existing object without an
+        ownerReference to that uid is someone else's: it is left untouched and reported as "conflict".
         """
         meta = obj["metadata"]
         live = await self.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
@@ -214,6 +221,8 @@ class Kube:
                 if e.status != 409:
                     raise
                 live = await self.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]) or {}
+        if owner_uid is not None and not owned_by(live, owner_uid):
+            return live, "conflict"
         if is_subset(obj, live):
             return live, "unchanged"
         changes = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}

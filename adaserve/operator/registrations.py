@@ -6,9 +6,11 @@ Key schema: adaserve/worker/registry.py (live ids from the index ZSET, then MGET
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -17,13 +19,22 @@ from adaserve.operator.status import parse_registrations
 from adaserve.worker.registry import index_key, redacted, worker_key
 
 log = logging.getLogger(__name__)
+MAX_ERROR_CHARS = 300  # a condition message is read by humans; a driver's error can be long
 
 
-async def read_workers(url: str, prefix: str, *, timeout_s: float) -> list[dict[str, Any]] | None:
-    """status.workers entries of the live workers; None (logged at debug) when Redis cannot be read in time.
+@dataclasses.dataclass(frozen=True)
+class WorkersRead:
+    """One read's outcome: the entries, or (``workers`` None) why Redis could not be read."""
 
-    Unreachable Redis is normal while a managed one starts (and its DNS name only resolves in-cluster),
-    so it is no error: the status just has no worker details.
+    workers: list[dict[str, Any]] | None
+    error: str | None = None
+
+
+async def read_workers(url: str, prefix: str, *, timeout_s: float) -> WorkersRead:
+    """status.workers entries of the live workers, or the reason Redis could not be read in time.
+
+    Never raises: an unreachable Redis is a status to report (status.compute decides when it is a
+    problem: a managed Redis that is still starting is none), not a reason to fail the handler.
     """
     client = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
     now_ms = int(time.time() * 1000)
@@ -31,12 +42,25 @@ async def read_workers(url: str, prefix: str, *, timeout_s: float) -> list[dict[
         async with asyncio.timeout(2 * timeout_s):  # both calls together, whatever the retries inside
             ids = await client.zrangebyscore(index_key(prefix), f"({now_ms}", "+inf")
             if not ids:
-                return []
+                return WorkersRead([])
             keys = [worker_key(prefix, i.decode() if isinstance(i, bytes) else str(i)) for i in ids]
             raw = await client.mget(keys)
     except (RedisError, OSError, TimeoutError) as e:
         log.debug("cannot read registrations from %s: %s", redacted(url), e)
-        return None
+        return WorkersRead(None, describe_failure(url, e, timeout_s=2 * timeout_s))
     finally:
         await client.aclose()
-    return parse_registrations(raw)
+    return WorkersRead(parse_registrations(raw))
+
+
+def describe_failure(url: str, error: BaseException, *, timeout_s: float) -> str:
+    """``Redis at HOST:PORT: <error>`` for the status: the host says which Redis, never the password."""
+    parts = urlsplit(url)
+    where = parts.path if parts.scheme == "unix" else f"{parts.hostname or '?'}:{parts.port or 6379}"
+    # asyncio's timeout carries no text; a driver's error could in theory echo the URL back
+    text = str(error) or f"{type(error).__name__} after {timeout_s:g} s"
+    if parts.password:
+        text = text.replace(parts.password, "***")
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[:MAX_ERROR_CHARS - 3] + "..."
+    return f"Redis at {where}: {text}"

@@ -34,6 +34,7 @@ MSG_TPOT = "tpotMs must be > 0"
 MSG_TTFT = "ttftMs must be > 0"
 MSG_REDIS_ONE = "set exactly one of redis.managed: true or redis.url"
 MSG_PVC = "model.pvc is required with source: pvc and not allowed otherwise"
+MSG_HUB = "model.hub is only allowed with source: hub"
 MSG_TARGET_PATH = "with source image or pvc, target and draft must be absolute paths"
 MSG_TARGET_HUB = "with source hub, target and draft must be hub ids (owner/name)"
 MSG_BUDGET = 'budget must be "auto" or an integer >= 1'
@@ -72,10 +73,23 @@ class Pvc(_Model):
     read_only: bool = True
 
 
+class SecretKey(_Model):
+    """A key of a Secret in the resource's namespace (rendered as a secretKeyRef, never read here)."""
+
+    name: str = Field(min_length=1)
+    key: str = Field("token", min_length=1)
+
+
+class Hub(_Model):
+    # gated or private models: the token the download authenticates with (env HF_TOKEN)
+    token_secret: SecretKey | None = None
+
+
 class ModelSource(_Model):
     name: str | None = None
     source: Literal["image", "pvc", "hub"] = "image"
     pvc: Pvc | None = None
+    hub: Hub | None = None
     target: str = Field(min_length=1)
     draft: str | None = None
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
@@ -155,6 +169,8 @@ def _check_rules(s: DeploymentSpec) -> None:
     m = s.model
     if (m.source == "pvc") != (m.pvc is not None):
         raise SpecError("spec.model", MSG_PVC)
+    if m.source != "hub" and m.hub is not None:
+        raise SpecError("spec.model", MSG_HUB)
     for field in ("target", "draft"):
         value = getattr(m, field)
         if value is None:

@@ -1,5 +1,5 @@
 """Pure builders: the example spec renders into exactly these objects (docs/k8s-contract.md), and each
-variant (hub, image, CPU, fixed budget, API keys, external Redis) changes exactly what it should."""
+variant (hub, hub token, image, CPU, fixed budget, API keys, external Redis) changes exactly what it should."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from adaserve.operator import builders
+from adaserve.operator.kube import is_subset
 from adaserve.operator.spec import DeploymentSpec, parse_spec
 from tests.operator.schema import EXAMPLE_PATH
 
@@ -266,12 +267,46 @@ def test_hub_models_are_fetched_by_an_init_container(raw: dict[str, Any]) -> Non
                     "huggingface-cli download meta-llama/Llama-3.1-8B-Instruct"
                     " --local-dir /models/meta-llama/Llama-3.1-8B-Instruct && "
                     "huggingface-cli download meta-llama/Llama-3.2-1B --local-dir /models/meta-llama/Llama-3.2-1B"],
+        "env": [],  # no token: public models
         "volumeMounts": [{"name": "models", "mountPath": "/models"}],
     }]
     assert pod["volumes"][1] == {"name": "models", "emptyDir": {}}
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     assert env["ADASERVE_TARGET"] == "/models/meta-llama/Llama-3.1-8B-Instruct"
     assert env["ADASERVE_DRAFT"] == "/models/meta-llama/Llama-3.2-1B"
+
+
+def hub_pod(raw: dict[str, Any], **hub: Any) -> dict[str, Any]:
+    del raw["model"]["pvc"]
+    raw["model"].update(source="hub", target="meta-llama/Llama-3.1-8B-Instruct", draft="meta-llama/Llama-3.2-1B")
+    if hub:
+        raw["model"]["hub"] = hub
+    return dict(builders.worker_deployment(parse_spec(raw), name=NAME, namespace=NS)["spec"]["template"]["spec"])
+
+
+@pytest.mark.parametrize(("token_secret", "ref"), [
+    ({"name": "hf-token"}, {"name": "hf-token", "key": "token"}),  # the key's default
+    ({"name": "hf", "key": "HF_TOKEN"}, {"name": "hf", "key": "HF_TOKEN"}),
+])
+def test_hub_token_goes_to_the_fetcher_only(raw: dict[str, Any], token_secret: dict[str, str],
+                                            ref: dict[str, str]) -> None:
+    pod = hub_pod(raw, tokenSecret=token_secret)
+    (fetch,) = pod["initContainers"]
+    assert fetch["env"] == [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}}]
+    # the worker loads local files only: it never needs the token, so it never sees it
+    assert not any(e["name"] == "HF_TOKEN" for e in pod["containers"][0]["env"])
+
+
+def test_hub_without_token_secret_is_like_no_hub_settings(raw: dict[str, Any]) -> None:
+    assert hub_pod(copy.deepcopy(raw), tokenSecret=None) == hub_pod(copy.deepcopy(raw))
+
+
+def test_removing_the_hub_token_is_drift_the_operator_repairs(raw: dict[str, Any]) -> None:
+    with_token = hub_pod(copy.deepcopy(raw), tokenSecret={"name": "hf-token"})
+    without = hub_pod(copy.deepcopy(raw))
+    # Kube.apply patches only when the desired object is not a subset of the live one
+    assert not is_subset(without, with_token)
+    assert not is_subset(with_token, without)
 
 
 def test_image_source_cpu_fixed_budget_no_draft(raw: dict[str, Any]) -> None:

@@ -17,7 +17,14 @@ import yaml
 
 from adaserve.operator import names, spec
 from adaserve.operator.spec import SpecError, parse_spec
-from tests.operator.schema import EXAMPLE_PATH, load_crd, openapi_schema, structural_problems, validate
+from tests.operator.schema import (
+    EXAMPLE_PATH,
+    apply_defaults,
+    load_crd,
+    openapi_schema,
+    structural_problems,
+    validate,
+)
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +122,8 @@ CEL_CASES = [
     (_set("speculation.budget", 0), f"spec.speculation.budget: {spec.MSG_BUDGET}"),
     (_set("model.pvc", ...), f"spec.model: {spec.MSG_PVC}"),
     (_set("model.source", "image"), f"spec.model: {spec.MSG_PVC}"),
+    (_set("model.hub", {"tokenSecret": {"name": "hf-token"}}), f"spec.model: {spec.MSG_HUB}"),  # source pvc
+    (_set("model.hub", {}), f"spec.model: {spec.MSG_HUB}"),
     (_set("model.target", "models/llama"), f"spec.model: {spec.MSG_TARGET_PATH}"),
     (_set("model.draft", ...), f"spec.speculation.policy: {spec.MSG_DRAFT}"),
 ]
@@ -143,6 +152,10 @@ SCHEMA_CASES = [
     (_set("redis", {"url": "http://r"}), "spec.redis.url", "does not match"),
     (_set("gateway.serviceType", "Ingress"), "spec.gateway.serviceType", "is not one of"),
     (_set("sloClasses", []), "spec.sloClasses", "should be non-empty"),
+    (_set("model.hub", {"tokenSecret": {"key": "token"}}), "spec.model.hub.tokenSecret",
+     "'name' is a required property"),
+    (_set("model.hub", {"tokenSecret": {"name": ""}}), "spec.model.hub.tokenSecret.name", "non-empty"),
+    (_set("model.hub", {"tokenSecret": {"name": "hf", "key": ""}}), "spec.model.hub.tokenSecret.key", "non-empty"),
 ]
 
 
@@ -168,6 +181,23 @@ def test_hub_source_wants_hub_ids(crd: dict[str, Any], example: dict[str, Any]) 
     assert validate(example, crd) == [f"spec.model: {spec.MSG_TARGET_HUB}"]
     with pytest.raises(SpecError, match="hub ids"):
         parse_spec(s)
+
+
+def test_hub_token_secret_is_accepted_with_source_hub_and_its_key_defaults(crd: dict[str, Any],
+                                                                           example: dict[str, Any]) -> None:
+    s = example["spec"]
+    del s["model"]["pvc"]
+    s["model"].update(source="hub", target="meta-llama/Llama-3.1-8B-Instruct", draft="meta-llama/Llama-3.2-1B",
+                      hub={"tokenSecret": {"name": "hf-token"}})
+    assert validate(example, crd) == []
+    defaulted = apply_defaults(openapi_schema(crd), example)["spec"]["model"]["hub"]
+    assert defaulted == {"tokenSecret": {"name": "hf-token", "key": "token"}}  # the API server's default
+    parsed = parse_spec(s).model.hub
+    assert parsed is not None and parsed.token_secret is not None
+    assert (parsed.token_secret.name, parsed.token_secret.key) == ("hf-token", "token")  # and the operator's
+    s["model"]["hub"] = {}  # settings without a token are allowed (nothing to render)
+    assert validate(example, crd) == []
+    parse_spec(s)
 
 
 def test_budget_integer_and_incremental_without_draft_are_fine(crd: dict[str, Any], example: dict[str, Any]) -> None:

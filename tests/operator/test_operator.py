@@ -25,7 +25,7 @@ import yaml
 
 from adaserve.operator import builders, names
 from adaserve.operator.config import OperatorConfig
-from adaserve.operator.kube import is_subset
+from adaserve.operator.kube import is_subset, owned_by
 from adaserve.operator.spec import MSG_REDIS_ONE, parse_spec
 from tests.operator.cluster import Api, Cluster, Operator, eventually, write_kubeconfig
 from tests.operator.schema import EXAMPLE_PATH
@@ -269,9 +269,9 @@ async def test_invalid_spec_sets_a_condition_without_retrying_then_recovers(env:
         await eventually(lambda: _all_children(env, present=True), what="children after the fix")
 
 
-async def _warnings(env: Env) -> list[dict[str, Any]]:
+async def _warnings(env: Env, reason: str = "InvalidSpec") -> list[dict[str, Any]]:
     events = await env.api.get(env.path("api/v1", "events")) or {}
-    return [e for e in events.get("items", []) if e.get("reason") == "InvalidSpec"]
+    return [e for e in events.get("items", []) if e.get("reason") == reason]
 
 
 async def _quiet(seconds: float) -> None:
@@ -293,3 +293,63 @@ async def test_restart_makes_no_duplicates_and_no_writes(env: Env) -> None:
         assert {key: n for key, n in env.cluster.writes.items() if key[0] != "adaservedeployments"} == writes
         kids = await env.children()
         assert all(kids.values())
+
+
+async def _degraded(env: Env, reason: str) -> dict[str, Any]:
+    """The status once its Degraded condition has ``reason`` (True for a problem, False for AsExpected)."""
+    st = await env.status()
+    degraded = next((c for c in st.get("conditions") or [] if c["type"] == "Degraded"), {})
+    return st if degraded.get("reason") == reason else {}
+
+
+def _degraded_message(st: dict[str, Any]) -> str:
+    return str(next(c for c in st["conditions"] if c["type"] == "Degraded")["message"])
+
+
+async def test_unreadable_redis_is_reported_then_cleared(env: Env) -> None:
+    async with Operator(CONFIG):
+        body = env.resource()
+        body["spec"]["redis"] = {"url": "redis://:s3cret@127.0.0.1:1/0"}  # nothing listens on port 1
+        await env.create(body)
+        st = await eventually(lambda: _degraded(env, "RedisUnreachable"), what="Degraded/RedisUnreachable")
+        message = _degraded_message(st)
+        assert message.startswith("cannot read worker registrations from Redis at 127.0.0.1:1: "), message
+        assert "s3cret" not in message
+        assert st["phase"] == "Progressing" and st["workers"] == []  # the rollout is not what failed
+
+        await env.api.patch(env.cr, {"spec": {"redis": {"url": REDIS_URL}}})
+        st = await eventually(lambda: _degraded(env, "AsExpected"), what="Degraded cleared")
+        assert next(c for c in st["conditions"] if c["type"] == "Degraded")["status"] == "False"
+
+
+async def test_a_foreign_object_holding_a_childs_name_is_left_alone(env: Env) -> None:
+    cm = env.path("api/v1", "configmaps", "llama-slo-classes")
+    foreign = await env.api.create(env.path("api/v1", "configmaps"), {
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "llama-slo-classes", "namespace": env.ns},
+        "data": {"slo-classes.json": "someone else's"}})
+    async with Operator(CONFIG):
+        cr = await env.create(env.resource())
+        st = await eventually(lambda: _degraded(env, "NameConflict"), what="Degraded/NameConflict")
+        assert st["phase"] == "Degraded" and "ConfigMap/llama-slo-classes" in _degraded_message(st)
+
+        uid = cr["metadata"]["uid"]
+
+        async def others_created() -> bool:
+            kids = await env.children()
+            del kids["configmaps/llama-slo-classes"]
+            return all(v is not None and owned_by(v, uid) for v in kids.values())
+
+        await eventually(others_created, what="the other children, owned")
+        await _quiet(3 * CONFIG.resync_s)  # several resyncs: still no write to the foreign object
+        assert await env.api.get(cm) == foreign
+        assert env.cluster.writes["configmaps", "llama-slo-classes"] == 0
+        assert len(await _warnings(env, "NameConflict")) == 1  # one event, not one per resync
+
+        assert await env.api.delete(cm) == 200  # the name is free: the next resync creates our own
+
+        async def ours() -> bool:
+            got = await env.api.get(cm)
+            return got is not None and owned_by(got, uid)
+
+        await eventually(ours, what="our ConfigMap")
+        await eventually(lambda: _phase(env, "Progressing"), what="phase Progressing once the name is free")

@@ -1,4 +1,5 @@
-"""Reading registrations from a real Redis (127.0.0.1:6379), and not waiting on an unreachable one."""
+"""Reading registrations from a real Redis (127.0.0.1:6379), and not waiting on an unreachable one, but
+saying why (host and error, never the password)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 
-from adaserve.operator.registrations import read_workers
+from adaserve.operator.registrations import WorkersRead, describe_failure, read_workers
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -39,21 +40,36 @@ async def test_live_registrations_are_read(prefix: str) -> None:
         await r.zadd(f"{prefix}:workers", {wid: expires})
     await r.zadd(f"{prefix}:workers", {"crashed": now_ms + 60_000})  # in the index, entry already expired
     await r.aclose()
-    assert await read_workers(REDIS_URL, prefix, timeout_s=2) == [
+    assert await read_workers(REDIS_URL, prefix, timeout_s=2) == WorkersRead([
         {"id": "w-0", "address": "http://w-0:8000", "device": "cpu", "budget": None, "status": "ready"},
         {"id": "w-1", "address": "http://w-1:8000", "device": "cpu", "budget": 128, "status": "ready"},
-    ]
+    ])
 
 
 @pytest.mark.asyncio
 async def test_no_workers_yet(prefix: str) -> None:
-    assert await read_workers(REDIS_URL, prefix, timeout_s=2) == []
+    assert await read_workers(REDIS_URL, prefix, timeout_s=2) == WorkersRead([], None)
 
 
 @pytest.mark.asyncio
-async def test_unreachable_redis_is_no_error_and_quick() -> None:
+async def test_unreachable_redis_is_no_exception_quick_and_explained() -> None:
     started = time.monotonic()
     # nothing listens on port 1; a name that does not resolve behaves the same
-    assert await read_workers("redis://127.0.0.1:1/0", "p", timeout_s=0.5) is None
-    assert await read_workers("redis://no-such-host.invalid:6379/0", "p", timeout_s=0.5) is None
+    refused = await read_workers("redis://:s3cret@127.0.0.1:1/0", "p", timeout_s=0.5)
+    unknown = await read_workers("redis://no-such-host.invalid:6379/0", "p", timeout_s=0.5)
     assert time.monotonic() - started < 10
+    assert refused.workers is None and unknown.workers is None
+    assert refused.error is not None and refused.error.startswith("Redis at 127.0.0.1:1: ")
+    assert "s3cret" not in refused.error
+    assert len(refused.error) > len("Redis at 127.0.0.1:1: ")  # the driver's reason, not just the place
+    assert unknown.error is not None and unknown.error.startswith("Redis at no-such-host.invalid:6379: ")
+
+
+def test_failure_text_hides_the_password_and_bounds_the_length() -> None:
+    url = "rediss://admin:hunter2@redis.example/3"
+    said = describe_failure(url, ConnectionError(f"cannot AUTH hunter2 at {url}"), timeout_s=1)
+    assert said == "Redis at redis.example:6379: cannot AUTH *** at rediss://admin:***@redis.example/3"
+    assert describe_failure("redis://r:7000/0", TimeoutError(), timeout_s=2) == (
+        "Redis at r:7000: TimeoutError after 2 s")  # asyncio's timeout has no text of its own
+    assert describe_failure("unix:///run/redis.sock", OSError("gone"), timeout_s=1) == "Redis at /run/redis.sock: gone"
+    assert len(describe_failure("redis://r/0", OSError("x" * 1000), timeout_s=1)) < 350

@@ -138,3 +138,71 @@ def test_status_changes_only_what_differs() -> None:
     assert status_changes({"phase": "Ready", "readyWorkers": 1, "gatewayUrl": "http://x"}, old) == {"readyWorkers": 1}
     assert status_changes({"phase": "Failed", "gatewayUrl": None, "workers": None}, old) == {
         "phase": "Failed", "gatewayUrl": None}  # None removes a key the old status has, and only then
+
+
+EXTERNAL = {"model": {"target": "/m/t"}, "image": "w", "sloClasses": [{"name": "c", "tpotMs": 9}],
+            "speculation": {"policy": "incremental"}, "gateway": {"image": "g"}, "redis": {"url": "redis://r:6379/0"}}
+REFUSED = "Redis at r:6379: Error 111 connecting to r:6379. Connection refused."
+
+
+def test_unreadable_redis_sets_degraded_but_not_the_phase() -> None:
+    spec = parse_spec(EXTERNAL)
+    s = compute(spec, status.Observed(worker=deployment(1), gateway=deployment(1), redis_error=REFUSED))
+    # the pods may reach a Redis the operator cannot: Ready stays the kubelet's verdict
+    assert s["phase"] == "Ready" and s["workers"] == []
+    assert conditions(s) == {"Ready": ("True", "AllReady"), "Progressing": ("False", "Complete"),
+                             "Degraded": ("True", "RedisUnreachable")}
+    assert s["conditions"][2]["message"] == f"cannot read worker registrations from {REFUSED}"
+    assert s["conditions"][0]["message"] == "workers 1/1 ready; gateway 1/1 ready"
+
+
+def test_redis_condition_clears_when_redis_is_read_again() -> None:
+    spec = parse_spec(EXTERNAL)
+    down = compute(spec, status.Observed(worker=deployment(1), gateway=deployment(1), redis_error=REFUSED))
+    up = compute(spec, status.Observed(worker=deployment(1), gateway=deployment(1), workers=[]),
+                 previous=down["conditions"], now=LATER)
+    degraded = up["conditions"][2]
+    assert (degraded["status"], degraded["reason"], degraded["lastTransitionTime"]) == ("False", "AsExpected", LATER)
+    assert up["conditions"][0]["lastTransitionTime"] == NOW  # Ready did not move
+
+
+def test_managed_redis_counts_as_unreachable_only_once_it_runs(spec: DeploymentSpec) -> None:
+    starting = status.Observed(worker=deployment(0, replicas=2), gateway=deployment(1),
+                               redis=deployment(0, replicas=1), redis_error=REFUSED)
+    assert conditions(compute(spec, starting))["Degraded"] == ("False", "AsExpected")  # normal while it starts
+    running = status.Observed(worker=deployment(0, replicas=2), gateway=deployment(1), redis=deployment(1),
+                              redis_error=REFUSED)
+    s = compute(spec, running)
+    assert s["phase"] == "Progressing" and conditions(s)["Degraded"] == ("True", "RedisUnreachable")
+
+
+def test_a_failed_rollout_keeps_its_reason_and_adds_the_redis_problem() -> None:
+    stuck = deployment(0, replicas=1, conditions=[
+        {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate", "message": "quota"}])
+    s = compute(parse_spec(EXTERNAL), status.Observed(worker=stuck, gateway=deployment(1), redis_error=REFUSED))
+    assert s["phase"] == "Degraded" and conditions(s)["Degraded"] == ("True", "RolloutFailed")
+    assert s["conditions"][2]["message"] == (
+        f"workers: FailedCreate: quota; cannot read worker registrations from {REFUSED}")
+
+
+def test_an_invalid_spec_ignores_redis() -> None:
+    s = compute(None, status.Observed(redis_error=REFUSED), error="spec.redis: bad")
+    assert conditions(s)["Degraded"] == ("True", "InvalidSpec") and s["conditions"][2]["message"] == "spec.redis: bad"
+
+
+def test_name_conflict_is_degraded_and_names_the_objects(spec: DeploymentSpec) -> None:
+    # the foreign ConfigMap is not in the observed children: it is not ours to report on
+    s = compute(spec, status.Observed(worker=deployment(2), gateway=deployment(1), redis=deployment(1),
+                                      conflicts=("ConfigMap/llama-slo-classes", "Service/llama-worker")))
+    assert s["phase"] == "Degraded"
+    assert conditions(s) == {"Ready": ("False", "NameConflict"), "Progressing": ("False", "NameConflict"),
+                             "Degraded": ("True", "NameConflict")}
+    message = s["conditions"][2]["message"]
+    assert message.startswith("ConfigMap/llama-slo-classes, Service/llama-worker: the name is taken by an object")
+    assert "does not own" in message
+
+
+def test_a_conflicting_worker_deployment_is_not_pending_but_a_conflict(spec: DeploymentSpec) -> None:
+    s = compute(spec, status.Observed(gateway=deployment(1), redis=deployment(1),
+                                      conflicts=("Deployment/llama-worker",)))
+    assert s["phase"] == "Degraded" and s["replicas"] == 0 and s["readyWorkers"] == 0

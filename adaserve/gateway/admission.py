@@ -6,16 +6,27 @@
    waits up to ``queue_timeout_s`` for headroom and then goes, best effort, to the router's pick.
 3. No worker has a free slot (or none is ready): wait up to ``queue_timeout_s``, then 503.
 At most ``max_queued`` requests wait at once; beyond that 503 at once.
+
+Waiting requests go in ``rank`` order: higher class priority first, then the tighter TPOT target, then
+earlier arrival. A request that has headroom stands aside (waits) while a waiter ranked ahead of it, for
+the same model, has headroom for its own class too; a waiter ahead that has none holds nobody back, so
+there is no head-of-line blocking. Standing aside is waiting: it takes a queue place, and at the deadline
+rules 2 and 3 decide as for any wait. A waiter that leaves the queue, however it leaves, wakes the others,
+so the caller must count an admitted request on its worker (``Directory.acquire``) before its next
+``await``: a waiter woken meanwhile would see the old load.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import time
+from dataclasses import dataclass, field
 
 from adaserve.gateway.directory import Directory
 from adaserve.gateway.errors import ApiError
 from adaserve.gateway.metrics import GatewayMetrics
-from adaserve.gateway.routing import Choice, Router
+from adaserve.gateway.routing import Choice, Router, WorkerView
 from adaserve.gateway.settings import GatewaySettings
 from adaserve.gateway.slo import SloCatalog, SloClass
 
@@ -28,43 +39,94 @@ class Refused(ApiError):
         self.reason = reason
 
 
+def rank(slo: SloClass, arrival: int) -> tuple[int, float, int]:
+    """Queue order, lowest first: higher priority, then the tighter TPOT target, then earlier arrival."""
+    return (-slo.priority, slo.tpot_ms, arrival)
+
+
+@dataclass(eq=False)
+class Waiter:
+    """One request being admitted; ``arrival`` is its turn number at this gateway."""
+
+    slo: SloClass
+    model: str | None
+    exclude: set[str]
+    arrival: int
+    rank: tuple[int, float, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rank = rank(self.slo, self.arrival)
+
+
 class Admission:
     def __init__(self, directory: Directory, router: Router, catalog: SloCatalog, settings: GatewaySettings,
                  metrics: GatewayMetrics) -> None:
         self.directory, self.router, self.catalog = directory, router, catalog
         self.settings, self.metrics = settings, metrics
-        self.waiting = 0
+        self.queue: list[Waiter] = []  # waiting now, in arrival order
+        self._arrivals = itertools.count()
+        self._left = asyncio.Event()  # set (and replaced) whenever a waiter leaves the queue
+        self._peek = Router("headroom")  # another waiter's headroom; never moves self.router's round-robin turn
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
 
     def _refuse(self, message: str, reason: str) -> Refused:
         return Refused(message, reason=reason, retry_after=self.settings.retry_after_s)
 
+    def _workers(self, w: Waiter) -> list[WorkerView]:
+        return [v for v in self.directory.usable(w.model) if v.id not in w.exclude]
+
+    def _ahead_can_go(self, me: Waiter) -> bool:
+        """Some waiter ranked ahead of ``me``, for the same model, has headroom for its own class now."""
+        for w in self.queue:
+            if w is me or w.model != me.model or w.rank >= me.rank:
+                continue
+            choice = self._peek.choose(self._workers(w), w.slo.tpot_ms, self.catalog.tpot_of)
+            if choice is not None and choice.best_headroom >= 0:
+                return True
+        return False
+
     async def admit(self, slo: SloClass, *, model: str | None, exclude: set[str]) -> Choice:
+        me = Waiter(slo, model, exclude, next(self._arrivals))
         deadline = time.monotonic() + self.settings.queue_timeout_s
-        queued = False
         try:
             while True:
-                workers = [w for w in self.directory.usable(model) if w.id not in exclude]
+                workers = self._workers(me)
                 self.metrics.workers.set(len(workers))
                 choice = self.router.choose(workers, slo.tpot_ms, self.catalog.tpot_of)
                 if choice is not None and choice.best_headroom >= 0:
-                    return choice
-                if choice is not None and slo.sheddable:
+                    if not self._ahead_can_go(me):
+                        return choice
+                elif choice is not None and slo.sheddable:
                     raise self._refuse(f"overloaded: no worker can meet SLO class {slo.name!r} now, and the "
                                        "class is sheddable; retry later", "shed")
                 if time.monotonic() >= deadline:
                     if choice is not None:
-                        return choice  # best effort: the class is not sheddable
+                        return choice  # best effort: the class is not sheddable (or it stood aside until now)
                     if not workers:
                         raise self._refuse("no worker is ready to serve this model", "no_workers")
                     raise self._refuse("overloaded: every worker is at its request limit", "overloaded")
-                if not queued:
-                    if self.waiting >= self.settings.max_queued:
+                if me not in self.queue:
+                    if len(self.queue) >= self.settings.max_queued:
                         raise self._refuse("overloaded: the admission queue is full", "queue_full")
-                    queued = True
-                    self.waiting += 1
-                    self.metrics.queued.set(self.waiting)
-                await self.directory.wait_change(min(deadline - time.monotonic(), self.settings.refresh_s))
+                    self.queue.append(me)
+                    self.metrics.queued.set(len(self.queue))
+                await self._sleep(min(deadline - time.monotonic(), self.settings.refresh_s))
+        finally:  # admitted, refused, timed out or cancelled (client gone): leave, and let the others look again
+            if me in self.queue:
+                self.queue.remove(me)
+                self.metrics.queued.set(len(self.queue))
+                self._left.set()
+                self._left = asyncio.Event()
+
+    async def _sleep(self, timeout_s: float) -> None:
+        """Until a request ends here, the worker list is re-read or a waiter leaves the queue; at most timeout_s."""
+        waits = (asyncio.ensure_future(self._left.wait()),
+                 asyncio.ensure_future(self.directory.wait_change(timeout_s)))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if queued:
-                self.waiting -= 1
-                self.metrics.queued.set(self.waiting)
+            for task in waits:
+                task.cancel()

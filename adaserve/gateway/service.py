@@ -116,10 +116,10 @@ class Gateway:
                     raise
                 break
             w = choice.worker
+            self.directory.acquire(w.id, slo.name)  # before any await: waiters woken now must see this load
             self.metrics.routed.labels(w.id, slo.name, self.router.policy).inc()
-            await track.routed(w.id)
-            self.directory.acquire(w.id, slo.name)
             try:
+                await track.routed(w.id)
                 return await dispatch.open_stream(self.http, w, payload,
                                                   first_token_timeout_s=self.settings.first_token_timeout_s)
             except dispatch.WorkerFailed as e:

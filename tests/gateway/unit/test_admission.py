@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from adaserve.gateway.admission import Admission, Refused
+from adaserve.gateway.admission import Admission, Refused, rank
 from adaserve.gateway.directory import Directory
 from adaserve.gateway.metrics import GatewayMetrics
 from adaserve.gateway.routing import Choice, Router
@@ -17,8 +18,12 @@ from adaserve.gateway.slo import DEFAULT_CLASSES, SloCatalog, SloClass
 from tests.gateway.unit.fakes import FakeSource, registration
 from tests.gateway.unit.helpers import run
 
-CATALOG = SloCatalog.of(list(DEFAULT_CLASSES), "chat")
-CHAT, SUMMARIZATION = CATALOG.classes["chat"], CATALOG.classes["summarization"]  # priority 0 and -1
+# besides coding (priority 10, 40 ms), chat (0, 50 ms) and summarization (-1, 150 ms): chat's priority with a
+# tighter and a looser target
+VOICE = SloClass(name="voice", tpot_ms=30, priority=0)
+BATCH = SloClass(name="batch", tpot_ms=100, priority=0)
+CATALOG = SloCatalog.of([*DEFAULT_CLASSES, VOICE, BATCH], "chat")
+CODING, CHAT, SUMMARIZATION = CATALOG.classes["coding"], CATALOG.classes["chat"], CATALOG.classes["summarization"]
 
 # 200 ms per iteration and no draft: no class (40, 50, 150 ms) can be met, but there are free slots
 SLOW = {"budget": 16, "cost_model": {"target": {"alpha": 0.0, "gamma": 0.0, "delta": 0.2}, "draft": None}}
@@ -150,3 +155,206 @@ def test_excluded_workers_are_not_chosen() -> None:
     assert isinstance(out, Choice) and out.worker.id == "b"
     out, _ = run(timed_admit(adm, CHAT, exclude={"a", "b"}))
     assert isinstance(out, Refused) and out.reason == "no_workers"
+
+
+# ---- the queue's order -----------------------------------------------------------------------------------
+
+
+def test_rank_is_priority_then_tighter_target_then_arrival() -> None:
+    arrivals = [(CHAT, 3), (SUMMARIZATION, 0), (CHAT, 1), (BATCH, 2), (VOICE, 5), (CODING, 4)]
+    ordered = sorted(arrivals, key=lambda a: rank(*a))
+    # coding's priority beats voice's tighter target; the two chats keep their arrival order
+    assert ordered == [(CODING, 4), (VOICE, 5), (CHAT, 1), (CHAT, 3), (BATCH, 2), (SUMMARIZATION, 0)]
+
+
+async def take(adm: Admission, slo: SloClass, order: list[str], label: str | None = None) -> Choice | Refused:
+    """Admit as service.open does, taking the worker the moment admission answers; log who went in ``order``."""
+    label = label or slo.name
+    try:
+        choice = await adm.admit(slo, model=None, exclude=set())
+    except Refused as e:
+        order.append(f"{label}:{e.reason}")
+        return e
+    adm.directory.acquire(choice.worker.id, slo.name)
+    order.append(label)
+    return choice
+
+
+async def settle() -> None:
+    await asyncio.sleep(0.05)
+
+
+async def until(done: Callable[[], bool], timeout_s: float = 1.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < end, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def full_worker(max_active: int = 1, **settings: Any) -> tuple[Admission, Directory, GatewayMetrics]:
+    """One worker with every slot taken by chat; only a release (refresh_s is long) wakes a waiter."""
+    adm, directory, metrics = admission([registration("a", max_active=max_active, **settings.pop("doc", {}))],
+                                        **{"queue_timeout_s": 5.0, "refresh_s": 10.0, **settings})
+    await directory.refresh()
+    for _ in range(max_active):
+        directory.acquire("a", "chat")
+    return adm, directory, metrics
+
+
+@pytest.mark.parametrize(("early", "late"), [(CHAT, CODING), (CHAT, VOICE), (VOICE, CODING)],
+                         ids=["higher-priority", "tighter-target", "priority-before-target"])
+def test_the_waiter_ranked_first_takes_the_slot_that_frees(early: SloClass, late: SloClass) -> None:
+    async def main() -> tuple[list[str], list[str], float | None]:
+        adm, directory, metrics = await full_worker()
+        order: list[str] = []
+        first = asyncio.create_task(take(adm, early, order))
+        await settle()
+        second = asyncio.create_task(take(adm, late, order))
+        await settle()
+        assert adm.waiting == 2 and queued(metrics) == 2
+        directory.release("a", "chat")  # one slot
+        await until(lambda: len(order) == 1)
+        await settle()
+        after_one = list(order)
+        directory.release("a", late.name)
+        await asyncio.gather(first, second)
+        return after_one, order, queued(metrics)
+
+    after_one, order, gauge = run(main())
+    assert after_one == [late.name]  # the later but higher-ranked one; the other still waits
+    assert order == [late.name, early.name]
+    assert gauge == 0
+
+
+def test_equal_classes_go_in_arrival_order() -> None:
+    # refresh_s 0.2: the first waiter's own wake-up (at 0.2) puts it behind the second in the directory's wake
+    # list, so the slot freed at 0.25 goes to whoever wakes first unless admission keeps the order
+    async def main() -> list[str]:
+        adm, directory, _ = await full_worker(refresh_s=0.2)
+        order: list[str] = []
+        first = asyncio.create_task(take(adm, CHAT, order, "first"))
+        await asyncio.sleep(0.1)
+        second = asyncio.create_task(take(adm, CHAT, order, "second"))
+        await asyncio.sleep(0.15)
+        directory.release("a", "chat")
+        await until(lambda: len(order) == 1)
+        directory.release("a", "chat")
+        await asyncio.gather(first, second)
+        return order
+
+    assert run(main()) == ["first", "second"]
+
+
+def test_a_new_request_does_not_jump_the_queue() -> None:
+    async def main() -> tuple[list[str], int]:
+        adm, directory, _ = await full_worker()
+        order: list[str] = []
+        first = asyncio.create_task(take(adm, CHAT, order, "first"))
+        await settle()
+        directory.release("a", "chat")
+        asyncio.get_running_loop().call_later(0.1, directory.release, "a", "chat")
+        await take(adm, CHAT, order, "second")  # arrives as the slot frees, before the waiter has run
+        await first
+        return order, adm.waiting
+
+    assert run(main()) == (["first", "second"], 0)
+
+
+def test_a_waiter_ranked_ahead_without_headroom_holds_nobody_back() -> None:
+    # 45 ms per iteration, no draft: chat (50 ms) and batch (100 ms) have headroom on a free slot, coding (40) not
+    slow = {"budget": 16, "cost_model": {"target": {"alpha": 0.0, "gamma": 0.0, "delta": 0.045}, "draft": None}}
+
+    async def main() -> tuple[list[str], list[str], int, float | None]:
+        adm, directory, metrics = await full_worker(max_active=2, doc=slow, queue_timeout_s=1.0)
+        order: list[str] = []
+        tasks = []
+        for slo in (CODING, BATCH, CHAT):  # ranked coding, chat, batch
+            tasks.append(asyncio.create_task(take(adm, slo, order)))
+            await settle()
+        directory.release("a", "chat")  # one slot: coding has no headroom there, chat and batch have
+        await until(lambda: len(order) == 1)
+        await settle()
+        after_one = list(order)
+        directory.release("a", "chat")
+        await asyncio.gather(*tasks)
+        return after_one, order, adm.waiting, queued(metrics)
+
+    after_one, order, waiting, gauge = run(main())
+    assert after_one == ["chat"]  # not coding (no headroom for 40 ms), not batch (ranked behind chat)
+    assert order == ["chat", "batch", "coding:overloaded"]  # coding: every slot taken at its deadline
+    assert waiting == 0 and gauge == 0
+
+
+def test_a_waiter_that_stood_aside_is_woken_when_the_one_ahead_leaves() -> None:
+    # two slots free at once and no further change to the workers: whoever stood aside for coding must be
+    # woken by coding's leaving, not by the next refresh (10 s) or its own deadline (5 s)
+    async def main() -> tuple[list[str], float]:
+        adm, directory, _ = await full_worker(max_active=2)
+        order: list[str] = []
+        chat = asyncio.create_task(take(adm, CHAT, order))
+        await settle()
+        coding = asyncio.create_task(take(adm, CODING, order))
+        await settle()
+        start = time.monotonic()
+        directory.release("a", "chat")
+        directory.release("a", "chat")
+        await asyncio.gather(chat, coding)
+        return order, time.monotonic() - start
+
+    order, elapsed = run(main())
+    assert order == ["coding", "chat"]
+    assert elapsed < 1.0
+
+
+def test_a_cancelled_waiter_leaves_the_queue_and_blocks_nobody() -> None:
+    async def main() -> tuple[list[str], int, float | None, bool, list[str], float | None]:
+        adm, directory, metrics = await full_worker()
+        order: list[str] = []
+        gone = asyncio.create_task(take(adm, CODING, order, "gone"))
+        await settle()
+        chat = asyncio.create_task(take(adm, CHAT, order))
+        await settle()
+        coding = asyncio.create_task(take(adm, CODING, order))
+        await settle()
+        assert adm.waiting == 3
+        directory.release("a", "chat")  # a slot, and the waiter ranked first is gone (its client disconnected)
+        gone.cancel()
+        await until(lambda: len(order) == 1)
+        await settle()
+        after_one, waiting, gauge = list(order), adm.waiting, queued(metrics)
+        directory.release("a", "coding")
+        await asyncio.gather(chat, coding)
+        return after_one, waiting, gauge, gone.cancelled(), order, queued(metrics)
+
+    after_one, waiting, gauge, cancelled, order, final_gauge = run(main())
+    assert cancelled
+    assert after_one == ["coding"] and waiting == 1 and gauge == 1  # the second coding, promptly; chat waits
+    assert order == ["coding", "chat"]
+    assert final_gauge == 0
+
+
+def test_a_starving_waiter_still_leaves_at_its_queue_timeout() -> None:
+    # coding requests keep taking the only slot; chat is never first, and gets its 503 at queue_timeout_s
+    async def main() -> tuple[list[str], Choice | Refused, float, int, float | None]:
+        adm, directory, metrics = await full_worker(queue_timeout_s=0.6)
+        directory.release("a", "chat")
+        directory.acquire("a", "coding")
+        order: list[str] = []
+        start = time.monotonic()
+        chat = asyncio.create_task(take(adm, CHAT, order))
+        codings = []
+        for _ in range(3):
+            await asyncio.sleep(0.08)
+            codings.append(asyncio.create_task(take(adm, CODING, order)))
+            await asyncio.sleep(0.02)
+            directory.release("a", "coding")
+        out = await chat
+        elapsed = time.monotonic() - start
+        await asyncio.gather(*codings)
+        return order, out, elapsed, adm.waiting, queued(metrics)
+
+    order, out, elapsed, waiting, gauge = run(main())
+    assert order == ["coding", "coding", "coding", "chat:overloaded"]
+    assert isinstance(out, Refused) and out.reason == "overloaded"
+    assert 0.55 <= elapsed < 1.5
+    assert waiting == 0 and gauge == 0

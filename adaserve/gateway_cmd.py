@@ -9,7 +9,8 @@ from typing import Any
 from adaserve.cli_error import CliError
 
 OPTIONS = ("host", "port", "redis_url", "redis_prefix", "workers", "model_name", "slo_classes_file",
-           "default_slo_class", "api_keys_file", "routing", "queue_timeout_s", "max_attempts", "log_level")
+           "default_slo_class", "api_keys_file", "routing", "on_overload", "queue_timeout_s", "max_attempts",
+           "log_level")
 
 
 def add_parser(sub: Any) -> None:
@@ -24,6 +25,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--default-slo-class", help="class of requests that name none")
     p.add_argument("--api-keys-file", type=Path, help='JSON {"keys": [...]}; unset = no authentication')
     p.add_argument("--routing", choices=["headroom", "least-loaded", "round-robin"])
+    p.add_argument("--on-overload", choices=["best-effort", "refuse"],
+                   help="non-sheddable requests without headroom after the queue timeout [default best-effort]")
     p.add_argument("--queue-timeout-s", type=float, help="wait for headroom before 503")
     p.add_argument("--max-attempts", type=int, help="workers tried before the first token")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])

@@ -3,7 +3,8 @@
 1. Some worker has headroom for the request's class: send it to the one the router picks.
 2. None has (every batch would miss a target if it joined), but some have free slots: a sheddable class
    (priority < 0) is refused at once, 503 + Retry-After, so the others keep their pace; any other class
-   waits up to ``queue_timeout_s`` for headroom and then goes, best effort, to the router's pick.
+   waits up to ``queue_timeout_s`` for headroom and then goes, best effort, to the router's pick, or,
+   with ``on_overload="refuse"``, is refused: serving it late would slow the batch it joins too.
 3. No worker has a free slot (or none is ready): wait up to ``queue_timeout_s``, then 503.
 At most ``max_queued`` requests wait at once; beyond that 503 at once.
 
@@ -103,6 +104,9 @@ class Admission:
                     raise self._refuse(f"overloaded: no worker can meet SLO class {slo.name!r} now, and the "
                                        "class is sheddable; retry later", "shed")
                 if time.monotonic() >= deadline:
+                    if choice is not None and choice.best_headroom < 0 and self.settings.on_overload == "refuse":
+                        raise self._refuse(f"overloaded: no worker could meet SLO class {slo.name!r} within "
+                                           f"{self.settings.queue_timeout_s:g}s; retry later", "overloaded")
                     if choice is not None:
                         return choice  # best effort: the class is not sheddable (or it stood aside until now)
                     if not workers:

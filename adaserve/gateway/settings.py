@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Routing = Literal["headroom", "least-loaded", "round-robin"]
+OnOverload = Literal["best-effort", "refuse"]
 
 
 class GatewaySettings(BaseSettings):
@@ -37,6 +38,9 @@ class GatewaySettings(BaseSettings):
     routing: Routing = "headroom"
     queue_timeout_s: float = Field(2.0, ge=0, description="how long a request waits for headroom before 503")
     max_queued: int = Field(64, ge=0, description="requests waiting for headroom at once; beyond it 503 at once")
+    on_overload: OnOverload = Field(
+        "best-effort", description="a non-sheddable request still without headroom after queue_timeout_s: "
+                                   "serve it late (best-effort) or refuse it with 503 (refuse)")
     max_attempts: int = Field(3, ge=1, description="workers tried before the first token (1 = no retry)")
     retry_after_s: int = Field(1, ge=1)
     refresh_s: float = Field(0.5, gt=0, description="how often the worker list is re-read")

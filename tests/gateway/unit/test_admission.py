@@ -83,6 +83,20 @@ def test_non_sheddable_class_waits_then_goes_best_effort() -> None:
     assert adm.waiting == 0 and queued(metrics) == 0
 
 
+def test_on_overload_refuse_turns_best_effort_into_503_after_the_queue_timeout() -> None:
+    adm, _, metrics = admission([registration("a", **SLOW)], on_overload="refuse")
+    out, elapsed = run(timed_admit(adm, CHAT))
+    assert isinstance(out, Refused)
+    assert (out.status, out.reason, out.retry_after) == (503, "overloaded", 7)
+    assert "'chat'" in out.message and "0.2s" in out.message
+    assert 0.18 <= elapsed < 1.5  # it waited for headroom first
+    assert adm.waiting == 0 and queued(metrics) == 0
+    # with headroom it is admitted as before
+    adm, _, _ = admission([registration("a", max_active=4)], on_overload="refuse")
+    out, _ = run(timed_admit(adm, CHAT))
+    assert isinstance(out, Choice) and out.best_headroom >= 0
+
+
 def test_no_workers_is_refused_after_the_queue_timeout() -> None:
     adm, _, metrics = admission([])
     out, elapsed = run(timed_admit(adm, CHAT))

@@ -95,14 +95,10 @@ def read_input(path: Path) -> list[PromptLine]:
     return [parse_line(ln, i) for i, ln in lines]
 
 
-def truncate_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
-
-
 def run(args: argparse.Namespace) -> int:
     from adaserve.engine.build import EngineBuildError, build_engine
     from adaserve.engine.request import Request
+    from adaserve.worker.detok import truncate_at_stop
 
     lines = read_input(args.input)
     try:

@@ -321,35 +321,31 @@ class Engine:
             if not toks:
                 continue
             if req.metrics.first_token_s is None:
-                req.metrics.first_token_s = req.metrics.decode_start_s = now
-            toks = self._cut_at_stop_string(req, toks)
+                req.metrics.first_token_s = now
+            toks, stop_hit = self._cut_at_stop_string(req, toks)
             req.output_ids.extend(toks)
             req.metrics.num_tokens = len(req.output_ids)
             req.metrics.last_token_s = now
             m.tokens_emitted += len(toks)
-            reason = self._finish_reason(req, toks)
+            reason = self._finish_reason(req, toks, stop_hit)
             if reason is not None:
                 self._finish(req, reason)
             events.append(TokenEvent(req.request_id, toks, reason is not None, reason))
         return events
 
-    def _cut_at_stop_string(self, req: Request, toks: list[int]) -> list[int]:
-        """Keep only the tokens up to the one that completes a stop string (no tokens after it)."""
+    def _cut_at_stop_string(self, req: Request, toks: list[int]) -> tuple[list[int], bool]:
+        """The tokens up to the one that completes a stop string (none after it), and whether one did."""
         if not req.params.stop or self.detokenize is None:
-            return toks
+            return toks, False
         for k in range(1, len(toks) + 1):
             text = self.detokenize(req.output_ids + toks[:k])
             if any(s in text for s in req.params.stop):
-                return toks[:k]
-        return toks
+                return toks[:k], True
+        return toks, False
 
-    def _finish_reason(self, req: Request, new: list[int]) -> str | None:
-        if new[-1] in self._stop_ids(req):
+    def _finish_reason(self, req: Request, new: list[int], stop_hit: bool) -> str | None:
+        if stop_hit or new[-1] in self._stop_ids(req):
             return "stop"
-        if req.params.stop and self.detokenize is not None:
-            text = self.detokenize(req.output_ids)
-            if any(s in text for s in req.params.stop):
-                return "stop"
         return "length" if req.remaining <= 0 else None
 
     # ---- a simple driver ----------------------------------------------------------------------------

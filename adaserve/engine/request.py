@@ -23,7 +23,6 @@ class RequestMetrics:
     arrival_s: float
     first_token_s: float | None = None
     last_token_s: float | None = None
-    decode_start_s: float | None = None
     num_tokens: int = 0
     accepted_per_step: list[int] = field(default_factory=list)  # draft tokens accepted per verification
     verified_per_step: list[int] = field(default_factory=list)  # tree tokens sent to verification

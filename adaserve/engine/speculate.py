@@ -55,7 +55,7 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
             logp = torch.log_softmax(lg.float(), dim=-1)  # [len(frontier), V]
             if not torch.isfinite(logp).all():
                 raise FloatingPointError("draft produced non-finite log-probs: refusing to build a tree")
-            base = torch.tensor([lps[r][f] for f in frontier[r]], dtype=torch.float64)
+            base = torch.tensor([lps[r][f] for f in frontier[r]], dtype=torch.float64, device=logp.device)
             score = base[:, None] + logp.double()  # [F, V] cumulative log path probability
             v = score.shape[1]
             if expansion is None:  # beam: the top-w extensions over all frontier nodes

@@ -83,9 +83,6 @@ class TokenTree:
             kids[self.parents[i]].append(i)
         return kids
 
-    def path_probs(self) -> np.ndarray:
-        return np.exp(self.log_probs)
-
     # ---- transformations ----------------------------------------------------------------------
     def subtree(self, selected: Sequence[int]) -> TokenTree:
         """The tree made of ``selected`` nodes (must include 0 and be closed under parents), reindexed."""

@@ -23,8 +23,6 @@ from adaserve.engine.tree import TokenTree
 class WalkResult:
     tokens: list[int]  # emitted tokens: accepted draft tokens, then (unless stopped) the bonus
     accepted_nodes: list[int]  # tree indices of accepted nodes, root first: [0, a_1, ..., a_k]
-    stopped: bool  # a stop token was emitted
-    length_capped: bool  # max_tokens reached
 
     @property
     def num_accepted(self) -> int:
@@ -47,13 +45,13 @@ def walk_tree(tree: TokenTree, logits: torch.Tensor, params: SamplingParams, *, 
             y = draw(processed_probs(logits[node : node + 1], params)[0], generator)
         tokens.append(y)
         if y in stop_ids:
-            return WalkResult(tokens, path, stopped=True, length_capped=False)
+            break  # a stop token ends the walk (the engine's finish check sees it)
         nxt = next((c for c in children[node] if tree.tokens[c] == y), None)
         if nxt is None:
             break  # y is the bonus token
         path.append(nxt)
         node = nxt
-    return WalkResult(tokens, path, stopped=False, length_capped=len(tokens) >= budget)
+    return WalkResult(tokens, path)
 
 
 def commit_moves(accepted_nodes: list[int], prefix_len: int) -> tuple[list[int], list[int]]:

@@ -39,7 +39,9 @@ def test_policy_names_all_resolve() -> None:
         make_policy("nope")
     with pytest.raises(ValueError, match="bad policy"):
         make_policy("chain:x")
-    assert "adaserve" in POLICY_NAMES
+    examples = {"chain:K": "chain:3", "beam:D,W": "beam:3,2"}  # the listed forms of parametrised policies
+    for name in POLICY_NAMES:  # every name the error messages offer builds
+        assert make_policy(examples.get(name, name)).name.startswith(name.split(":")[0])
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -69,6 +71,9 @@ def test_every_policy_is_lossless_with_arrivals_and_aborts(policy: str, draft: s
         else:
             assert r.output_ids == ref, (policy, r.request_id)
     assert eng.target.cache.free_pages == eng.target.cache.num_pages
+    if eng.draft is not None:
+        assert eng.draft.cache.free_pages == eng.draft.cache.num_pages
+    assert eng.reserved == [0, 0]
     if draft == "self" and policy not in ("incremental",):
         assert sum(m.tokens_accepted for m in eng.history) > 0
 
@@ -90,10 +95,9 @@ def test_tight_slo_gets_more_verified_tokens(target_dir: Path) -> None:
     t = np.mean([m.per_request_verified[r.request_id] for m in shared for r in tight])
     x = np.mean([m.per_request_verified[r.request_id] for m in shared for r in relaxed])
     assert t > x
-    for m in eng.history:  # budget is never exceeded; the scheduler's time is reported
+    for m in eng.history:  # budget is never exceeded
         assert m.tokens_verified <= max(m.budget, m.n_decode)
-        assert m.t_select_s >= 0.0 and "t_select_s" in m.to_dict()
-    assert all(m.t_select_s > 0 for m in shared)
+    assert all(m.t_select_s > 0 for m in shared)  # the scheduler's time is measured where it selected
 
 
 def test_beam_search_shapes(target_dir: Path, draft_dir: Path) -> None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from adaserve.cli import CliError
 
 
-def _floats(text: str) -> tuple[float, ...]:
+def floats(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(x) for x in text.split(",") if x)
     except ValueError:
@@ -35,7 +36,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--draft", required=True, type=Path)
     p.add_argument("--policies", default="adaserve,incremental,chain:4,smartspec,specinfer",
                    help="comma-separated policies (empty with --budgets to sweep budgets only)")
-    p.add_argument("--rps", type=_floats, default=(1.0,), help="request rates, comma-separated")
+    p.add_argument("--rps", type=floats, default=(1.0,), help="request rates, comma-separated")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per (policy, rate)")
     p.add_argument("--trace", type=Path, help="arrival trace CSV (Azure format), rescaled to each rate")
     p.add_argument("--mix", help="class mix, e.g. coding=0.6,chat=0.2,summarization=0.2")
@@ -70,11 +71,17 @@ def run(args: argparse.Namespace) -> int:
         report = run_bench(cfg)
     except (ValueError, FileNotFoundError, UnsupportedModelError, EngineBuildError) as e:
         raise CliError(str(e)) from None
-    text = json.dumps(report, indent=2)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-    if args.plot:
-        plot_report(report, args.plot)
-    print(text)
+    emit_report(report, json_path=args.json, plot_path=args.plot, plot=plot_report)
     return 0
+
+
+def emit_report(report: dict[str, Any], *, json_path: Path | None, plot_path: Path | None,
+                plot: Callable[[dict[str, Any], Path], None]) -> None:
+    """The report as JSON on stdout, and optionally into a file and a PNG (every benchmark command)."""
+    text = json.dumps(report, indent=2)
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(text + "\n")
+    if plot_path:
+        plot(report, plot_path)
+    print(text)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -19,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from adaserve.bench_cmd import _floats
+from adaserve.bench_cmd import emit_report, floats
 from adaserve.cli import CliError
 
 READY_TIMEOUT_S = 900.0
@@ -34,7 +33,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--draft", type=Path, help="with --up: draft model directory")
     p.add_argument("--budget", type=int, help="with --up: fixed token budget (default: profiled)")
     p.add_argument("--model", help="model name to request (default: the gateway's first in /v1/models)")
-    p.add_argument("--rps", type=_floats, default=(0.5, 1.0, 2.0), help="request rates, comma-separated")
+    p.add_argument("--rps", type=floats, default=(0.5, 1.0, 2.0), help="request rates, comma-separated")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
     p.add_argument("--mix", help="class mix, e.g. coding=0.5,chat=0.3,summarization=0.2 (default: equal)")
     p.add_argument("--seed", type=int, default=0)
@@ -62,15 +61,9 @@ def run(args: argparse.Namespace) -> int:
             report = _run(args, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{worker_port}")
     else:
         report = _run(args, args.url.rstrip("/"), args.worker_url)
-    text = json.dumps(report, indent=2)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-    if args.plot:
-        from adaserve.bench.loadgen import plot_load
+    from adaserve.bench.loadgen import plot_load
 
-        plot_load(report, args.plot)
-    print(text)
+    emit_report(report, json_path=args.json, plot_path=args.plot, plot=plot_load)
     return 0
 
 

@@ -58,9 +58,9 @@ def resolve_models(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
     return target, draft, name
 
 
-def banner(url: str, model: str, slo_classes: list[str], keys: bool) -> str:
+def banner(url: str, model: str, slo_classes: list[str], cls: str, keys: bool) -> str:
+    """What to paste: ``cls`` is the class the examples name (the configured default)."""
     auth = ' -H "Authorization: Bearer $KEY"' if keys else ""
-    cls = "chat" if "chat" in slo_classes else slo_classes[0]
     return f"""
 adaserve is up: {url}   (model "{model}", SLO classes: {', '.join(slo_classes)})
 
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
           f" ({args.device}); loading, profiling and warming up ...", file=sys.stderr, flush=True)
     worker = subprocess.Popen(cmd, env=env)
     try:
-        return asyncio.run(_serve(server, worker, worker_url, model, list(catalog.classes),
+        return asyncio.run(_serve(server, worker, worker_url, model, list(catalog.classes), catalog.default,
                                   keys=args.api_keys_file is not None))
     finally:
         _stop_worker(worker)
@@ -136,7 +136,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 async def _serve(server: Any, worker: subprocess.Popen[bytes], worker_url: str, model: str,
-                 classes: list[str], *, keys: bool) -> int:
+                 classes: list[str], default_class: str, *, keys: bool) -> int:
     import httpx
 
     gateway = asyncio.create_task(server.serve())
@@ -164,7 +164,7 @@ async def _serve(server: Any, worker: subprocess.Popen[bytes], worker_url: str, 
             await asyncio.sleep(0.05)
         host, port = server.config.host, server.config.port
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        print(banner(f"http://{shown}:{port}", model, classes, keys), flush=True)
+        print(banner(f"http://{shown}:{port}", model, classes, default_class, keys), flush=True)
     watch = asyncio.create_task(_watch_worker(server, worker))
     await gateway
     watch.cancel()

@@ -33,11 +33,10 @@ from typing import Any
 
 import httpx
 
-from adaserve.bench.metrics import RequestResult, summarize
+from adaserve.bench.metrics import REFUSED, RequestResult, summarize
 from adaserve.bench.workload import PROMPT_SOURCES, SLOClass, WorkloadConfig, WorkloadRequest, build_workload
 
 OVERHEAD_PROMPT = "def quicksort(items):"
-REFUSED = "refused"  # finish_reason of a 429/503: counted as a miss and reported apart
 
 
 @dataclass(frozen=True)
@@ -106,8 +105,8 @@ async def sse_data(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
         yield json.loads(data)
 
 
-async def complete(client: httpx.AsyncClient, cfg: LoadConfig, req: WorkloadRequest) -> RequestResult:
-    """One streamed completion through the gateway, timed."""
+async def stream_completion(client: httpx.AsyncClient, cfg: LoadConfig, req: WorkloadRequest) -> tuple[Timing, str]:
+    """One streamed completion through the gateway: when its text arrived, and how it finished."""
     body = {"model": cfg.model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     headers = {**cfg.headers(), "X-SLO-Class": req.slo_class}
@@ -131,10 +130,15 @@ async def complete(client: httpx.AsyncClient, cfg: LoadConfig, req: WorkloadRequ
                         tokens = int(chunk["usage"]["completion_tokens"])
     except httpx.HTTPError:
         finish = "error"
-    timing = Timing(sent, first, last, tokens)
+    return Timing(sent, first, last, tokens), finish
+
+
+async def complete(client: httpx.AsyncClient, cfg: LoadConfig, req: WorkloadRequest) -> RequestResult:
+    """One request of the workload, as the bench's metrics count it."""
+    timing, finish = await stream_completion(client, cfg, req)
     return RequestResult(request_id=req.request_id, slo_class=req.slo_class, tpot_slo_ms=req.tpot_slo_ms,
-                         tokens=tokens, tpot_ms=timing.tpot_ms(), ttft_ms=timing.ttft_ms(), accepted_per_step=(),
-                         finish_reason=finish)
+                         tokens=timing.tokens, tpot_ms=timing.tpot_ms(), ttft_ms=timing.ttft_ms(),
+                         accepted_per_step=(), finish_reason=finish)
 
 
 async def run_rate(cfg: LoadConfig, workload: Sequence[WorkloadRequest],
@@ -201,12 +205,10 @@ async def _direct(client: httpx.AsyncClient, worker_url: str, max_tokens: int) -
 
 async def _via_gateway(client: httpx.AsyncClient, cfg: LoadConfig, max_tokens: int) -> Timing:
     req = WorkloadRequest("overhead", 0.0, "chat", OVERHEAD_PROMPT, max_tokens, 1e9)
-    sent = time.perf_counter()
-    result = await complete(client, cfg, req)
-    if result.tokens < 2 or result.ttft_ms is None or result.tpot_ms is None:
-        raise ValueError(f"the gateway did not stream an answer (finish_reason {result.finish_reason!r})")
-    first = sent + result.ttft_ms / 1000
-    return Timing(sent, first, first + result.tpot_ms * (result.tokens - 1) / 1000, result.tokens)
+    timing, finish = await stream_completion(client, cfg, req)
+    if timing.tpot_ms() is None:
+        raise ValueError(f"the gateway did not stream an answer (finish_reason {finish!r})")
+    return timing
 
 
 def overhead_report(direct: Sequence[Timing], gateway: Sequence[Timing]) -> dict[str, Any]:
@@ -236,15 +238,16 @@ async def measure_overhead(cfg: LoadConfig, worker_url: str, *, requests: int = 
 
 
 def plot_load(report: dict[str, Any], path: Path) -> None:
-    """SLO attainment and median TPOT per class against request rate."""
-    import matplotlib
+    """SLO attainment and mean TPOT per class against request rate."""
+    from adaserve.plots import panels
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    with panels(path, 2) as (fig, (ax1, ax2)):
+        _draw_load(report, fig, ax1, ax2)
 
+
+def _draw_load(report: dict[str, Any], fig: Any, ax1: Any, ax2: Any) -> None:
     rows = report["rates"]
     rates = [r["rate_rps"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     ax1.plot(rates, [100 * r["slo_attainment"] for r in rows], "ko-", linewidth=2.5, label="all")
     for c in report["classes"]:
         name = c["name"]
@@ -260,7 +263,3 @@ def plot_load(report: dict[str, Any], path: Path) -> None:
     ax2.set(xlabel="request rate (req/s)", ylabel="mean TPOT (ms), dashed = target", title="Per-token latency")
     ax1.legend(fontsize=8)
     fig.suptitle(f"model {report['model']} at {report['url']}", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+REFUSED = "refused"  # finish_reason of a request a gateway answered 429/503: a miss, reported apart
+
 
 @dataclass(frozen=True)
 class RequestResult:
@@ -26,7 +28,7 @@ class RequestResult:
 
     @property
     def met_slo(self) -> bool:
-        if self.finish_reason in (None, "abort", "error", "refused"):  # refused: 429/503 from a gateway
+        if self.finish_reason in (None, "abort", "error", REFUSED):
             return False
         return self.tpot_ms is None or self.tpot_ms <= self.tpot_slo_ms
 

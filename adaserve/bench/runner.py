@@ -217,12 +217,13 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
 
 def plot_report(report: dict, path: Path) -> None:
     """SLO attainment and goodput against rate, one line per policy (like AdaServe Figures 8-9)."""
-    import matplotlib
+    from adaserve.plots import panels
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    with panels(path, 2) as (fig, (ax1, ax2)):
+        _draw_report(report, fig, ax1, ax2)
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+
+def _draw_report(report: dict, fig: Any, ax1: Any, ax2: Any) -> None:
     for label in dict.fromkeys(r["policy"] for r in report["results"]):
         rows = sorted((r for r in report["results"] if r["policy"] == label), key=lambda r: r["rate_rps"])
         rates = [r["rate_rps"] for r in rows]
@@ -233,7 +234,3 @@ def plot_report(report: dict, path: Path) -> None:
     ax2.set(xlabel="request rate (req/s)", ylabel="goodput (tokens/s)", title="Goodput")
     ax1.legend(fontsize=8)
     fig.suptitle(f"{Path(report['config']['target']).name} on {report['device'][:50]}", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -198,30 +198,27 @@ def profile_models(target: ModelRunner, draft: ModelRunner | None, *, target_pat
 
 def plot_profile(data: dict[str, Any], path: Path) -> None:
     """Latency and tokens/s against n (log scale), the chosen budget marked, one panel per model."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from adaserve.plots import panels
 
     models = [m for m in ("target", "draft") if m in data]
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
-    for ax, name in zip(axes[0], models, strict=True):
-        rows = data[name]["table"]
-        n = [r["n_tokens"] for r in rows]
-        ax.plot(n, [r["latency_ms"] for r in rows], "o-", color="tab:blue", label="latency (ms)")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tokens per forward (n)")
-        ax.set_ylabel("latency (ms)", color="tab:blue")
-        ax2 = ax.twinx()
-        ax2.plot(n, [r["tokens_per_s"] for r in rows], "s--", color="tab:green", label="tokens/s")
-        ax2.set_ylabel("tokens / s", color="tab:green")
-        ax.axvline(data[name]["budget"], color="tab:red", linestyle=":", label=f"B = {data[name]['budget']}")
-        ax.set_title(f"{name} on {data['device'][:40]}")
-        ax.legend(loc="upper left")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with panels(path, len(models), width=6) as (_, axes):
+        for ax, name in zip(axes, models, strict=True):
+            _plot_model(ax, data, name)
+
+
+def _plot_model(ax: Any, data: dict[str, Any], name: str) -> None:
+    rows = data[name]["table"]
+    n = [r["n_tokens"] for r in rows]
+    ax.plot(n, [r["latency_ms"] for r in rows], "o-", color="tab:blue", label="latency (ms)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per forward (n)")
+    ax.set_ylabel("latency (ms)", color="tab:blue")
+    ax2 = ax.twinx()
+    ax2.plot(n, [r["tokens_per_s"] for r in rows], "s--", color="tab:green", label="tokens/s")
+    ax2.set_ylabel("tokens / s", color="tab:green")
+    ax.axvline(data[name]["budget"], color="tab:red", linestyle=":", label=f"B = {data[name]['budget']}")
+    ax.set_title(f"{name} on {data['device'][:40]}")
+    ax.legend(loc="upper left")
 
 
 def summary_json(profile: Profile) -> str:

@@ -33,9 +33,6 @@ def test_short_bench_report(tmp_path: Path) -> None:
                                                      max_tokens_cap=12)))
         for r in (r for r in rows if r["rate_rps"] == rate):
             assert r["requests"] == expected  # every request accounted for
-            assert 0.0 <= r["slo_attainment"] <= 1.0
-            assert r["goodput_tok_s"] <= r["throughput_tok_s"] + 1e-9
-            assert r["violations"] == round(r["requests"] * (1 - r["slo_attainment"]))
             assert sum(c["requests"] for c in r["per_class"].values()) == r["requests"]
             assert 0.0 <= r["scheduler_time_share"] <= 1.0
             if r["policy"] != "hf":

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from adaserve.gateway.directory import Directory
 from adaserve.gateway.errors import ApiError
 from adaserve.gateway.metrics import GatewayMetrics
-from adaserve.gateway.routing import Choice, Router, WorkerView
+from adaserve.gateway.routing import Choice, Router, WorkerView, best_headroom
 from adaserve.gateway.settings import GatewaySettings
 from adaserve.gateway.slo import SloCatalog, SloClass
 
@@ -67,7 +67,6 @@ class Admission:
         self.queue: list[Waiter] = []  # waiting now, in arrival order
         self._arrivals = itertools.count()
         self._left = asyncio.Event()  # set (and replaced) whenever a waiter leaves the queue
-        self._peek = Router("headroom")  # another waiter's headroom; never moves self.router's round-robin turn
 
     @property
     def waiting(self) -> int:
@@ -76,16 +75,19 @@ class Admission:
     def _refuse(self, message: str, reason: str) -> Refused:
         return Refused(message, reason=reason, retry_after=self.settings.retry_after_s)
 
-    def _workers(self, w: Waiter) -> list[WorkerView]:
-        return [v for v in self.directory.usable(w.model) if v.id not in w.exclude]
+    @staticmethod
+    def _for(w: Waiter, usable: list[WorkerView]) -> list[WorkerView]:
+        """The workers ``w`` may go to, of those usable for its model."""
+        return [v for v in usable if v.id not in w.exclude] if w.exclude else usable
 
-    def _ahead_can_go(self, me: Waiter) -> bool:
-        """Some waiter ranked ahead of ``me``, for the same model, has headroom for its own class now."""
+    def _ahead_can_go(self, me: Waiter, usable: list[WorkerView]) -> bool:
+        """Some waiter ranked ahead of ``me``, for the same model (so ``usable`` is its list too), has
+        headroom for its own class now."""
         for w in self.queue:
             if w is me or w.model != me.model or w.rank >= me.rank:
                 continue
-            choice = self._peek.choose(self._workers(w), w.slo.tpot_ms, self.catalog.tpot_of)
-            if choice is not None and choice.best_headroom >= 0:
+            best = best_headroom(self._for(w, usable), w.slo.tpot_ms, self.catalog.tpot_of)
+            if best is not None and best >= 0:
                 return True
         return False
 
@@ -94,11 +96,11 @@ class Admission:
         deadline = time.monotonic() + self.settings.queue_timeout_s
         try:
             while True:
-                workers = self._workers(me)
-                self.metrics.workers.set(len(workers))
+                usable = self.directory.usable(model)  # once per pass: every waiter ahead has this model
+                workers = self._for(me, usable)
                 choice = self.router.choose(workers, slo.tpot_ms, self.catalog.tpot_of)
                 if choice is not None and choice.best_headroom >= 0:
-                    if not self._ahead_can_go(me):
+                    if not self._ahead_can_go(me, usable):
                         return choice
                 elif choice is not None and slo.sheddable:
                     raise self._refuse(f"overloaded: no worker can meet SLO class {slo.name!r} now, and the "

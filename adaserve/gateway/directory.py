@@ -128,7 +128,6 @@ class Directory:
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.last_error: str | None = None
-        self.refreshed_at = 0.0
 
     async def start(self) -> None:
         await self.refresh()
@@ -160,7 +159,6 @@ class Directory:
         self.last_error = None
         views = [v for v in map(parse_registration, docs) if v is not None]
         self._views = views
-        self.refreshed_at = time.time()
         self._notify()
 
     # ---- what routing sees -------------------------------------------------------------------------

@@ -57,23 +57,31 @@ class Upstream:
     """A worker's stream whose first token (or final chunk) has arrived."""
 
     worker: WorkerView
-    request_id: str
     response: httpx.Response
     events: AsyncIterator[dict[str, Any]]
     first: dict[str, Any]
+    token_timeout_s: float  # the longest the worker may stay silent between two chunks
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
-        """Every chunk from the first; WorkerLost if the stream breaks before the final chunk."""
+        """Every chunk from the first; WorkerLost if the stream breaks, or the worker is silent for longer
+        than ``token_timeout_s``, before the final chunk."""
         yield self.first
         if "finish_reason" in self.first:
             return
-        try:
-            async for chunk in self.events:
-                yield chunk
-                if "finish_reason" in chunk:
-                    return
-        except (httpx.HTTPError, json.JSONDecodeError) as e:
-            raise WorkerLost(f"worker {self.worker.id} failed mid-stream: {type(e).__name__}: {e}") from None
+        while True:
+            try:
+                async with asyncio.timeout(self.token_timeout_s):  # around the read only, never the yield
+                    chunk = await anext(self.events)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                raise WorkerLost(f"worker {self.worker.id} sent nothing for {self.token_timeout_s:g}s "
+                                 "mid-stream") from None
+            except (httpx.HTTPError, json.JSONDecodeError) as e:
+                raise WorkerLost(f"worker {self.worker.id} failed mid-stream: {type(e).__name__}: {e}") from None
+            yield chunk
+            if "finish_reason" in chunk:
+                return
         raise WorkerLost(f"worker {self.worker.id} closed the stream before the last token")
 
     async def close(self) -> None:
@@ -81,13 +89,12 @@ class Upstream:
 
 
 async def open_stream(client: httpx.AsyncClient, worker: WorkerView, payload: dict[str, Any], *,
-                      first_token_timeout_s: float) -> Upstream:
+                      first_token_timeout_s: float, token_timeout_s: float) -> Upstream:
     """POST /v1/generate with stream=true and wait for the first token.
 
     Raises WorkerFailed when another worker should be tried, ApiError when the request itself is at
     fault (the worker's 4xx, passed on).
     """
-    rid = payload["request_id"]
     try:
         response = await client.send(client.build_request("POST", f"{worker.address}/v1/generate", json=payload),
                                      stream=True)
@@ -109,7 +116,7 @@ async def open_stream(client: httpx.AsyncClient, worker: WorkerView, payload: di
                 if final and not chunk.get("token_ids") and chunk["finish_reason"] in FAILED_REASONS:
                     break  # aborted before producing anything (the worker drained): try elsewhere
                 if chunk.get("token_ids") or final:
-                    return Upstream(worker, rid, response, events, chunk)
+                    return Upstream(worker, response, events, chunk, token_timeout_s)
     except (httpx.HTTPError, json.JSONDecodeError, TimeoutError) as e:
         await response.aclose()
         raise WorkerFailed(f"worker {worker.id} failed before the first token: {type(e).__name__}: {e}") from None

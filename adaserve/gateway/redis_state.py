@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
 from adaserve.gateway.state import flatten
@@ -47,22 +48,28 @@ class RedisStore:
     def key(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
 
-    async def record(self, request_id: str, fields: dict[str, Any], *, ttl_s: int) -> None:
+    async def record(self, request_id: str, fields: dict[str, Any], *, ttl_s: int, slo_class: str | None = None,
+                     counters: dict[str, int] | None = None) -> None:
         key = self.key("requests", request_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=flatten(fields))
             pipe.expire(key, ttl_s)
+            if slo_class is not None and counters:
+                self._add_counters(pipe, slo_class, counters)
             await pipe.execute()
 
     async def get_record(self, request_id: str) -> dict[str, str] | None:
         got = await self.redis.hgetall(self.key("requests", request_id))
         return dict(got) if got else None
 
-    async def count(self, slo_class: str, counters: dict[str, int]) -> None:
+    def _add_counters(self, pipe: Pipeline, slo_class: str, counters: dict[str, int]) -> None:
         key = self.key("classes", slo_class)
+        for name, n in counters.items():
+            pipe.hincrby(key, name, n)
+
+    async def count(self, slo_class: str, counters: dict[str, int]) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
-            for name, n in counters.items():
-                pipe.hincrby(key, name, n)
+            self._add_counters(pipe, slo_class, counters)
             await pipe.execute()
 
     async def counters(self, slo_class: str) -> dict[str, int]:

@@ -73,7 +73,7 @@ def iteration_s(w: WorkerView, n: int) -> float | None:
     if w.target_cost is None or w.budget is None:
         return None
     ctx = round(n * (w.context_per_request or CONTEXT_TOKENS))
-    if w.depth == 0 or w.draft_cost is None:
+    if w.depth == 0 or w.draft_cost is None:  # no draft cost is depth 0 already; the 2nd test narrows the type
         return _cost(w.target_cost, ctx, n)
     return _cost(w.target_cost, ctx, max(w.budget, n)) + w.depth * _cost(w.draft_cost, ctx, n)
 
@@ -102,7 +102,8 @@ def headroom(w: WorkerView, tpot_ms: float, tpot_of: Callable[[str], float | Non
         return float("-inf")
     n = w.active + 1
     t = iteration_s(w, n)
-    if t is None or w.budget is None:  # no cost model: the share of slots still free after joining
+    if t is None or w.budget is None:  # no cost model (a t implies a budget; the 2nd test narrows the type):
+        # the share of slots still free after joining
         return (w.free_slots - 1) / w.max_active
     k = 0.0 if w.depth == 0 else min(w.depth, w.budget / n - 1.0)
     a = next((x for x in (acceptance, w.acceptance_rate) if x is not None), PRIOR_ACCEPTANCE)
@@ -114,6 +115,23 @@ def headroom(w: WorkerView, tpot_ms: float, tpot_of: Callable[[str], float | Non
         if target:
             extra += count * max(0.0, t / (target / 1e3) - 1.0)
     return min(m - extra / n, 1.0 + max(k, 0.0) - own_need)
+
+
+def _open(workers: list[WorkerView]) -> list[WorkerView]:
+    """The workers with a free slot, in id order (the order also fixes the pooled acceptance's sum)."""
+    return sorted((w for w in workers if w.free_slots > 0), key=lambda w: w.id)
+
+
+def _headrooms(open_: list[WorkerView], tpot_ms: float, tpot_of: Callable[[str], float | None]) -> dict[str, float]:
+    a = pooled_acceptance(open_)
+    return {w.id: headroom(w, tpot_ms, tpot_of, acceptance=a) for w in open_}
+
+
+def best_headroom(workers: list[WorkerView], tpot_ms: float, tpot_of: Callable[[str], float | None]) -> float | None:
+    """The fleet's best headroom for a request with target ``tpot_ms`` (what ``Router.choose`` reports as
+    ``best_headroom``, whatever the policy), or None when no worker has a free slot. Pure: moves no cursor."""
+    rooms = _headrooms(_open(workers), tpot_ms, tpot_of)
+    return max(rooms.values()) if rooms else None
 
 
 @dataclass(frozen=True)
@@ -135,16 +153,15 @@ class Router:
     def choose(self, workers: list[WorkerView], tpot_ms: float,
                tpot_of: Callable[[str], float | None]) -> Choice | None:
         """The best worker with a free slot, or None. Its headroom says whether the SLO should hold."""
-        open_ = sorted((w for w in workers if w.free_slots > 0), key=lambda w: w.id)
+        open_ = _open(workers)
         if not open_:
             return None
-        a = pooled_acceptance(open_)
-        rooms = {w.id: headroom(w, tpot_ms, tpot_of, acceptance=a) for w in open_}
+        rooms = _headrooms(open_, tpot_ms, tpot_of)
+        top = max(rooms.values())  # = best_headroom(workers, tpot_ms, tpot_of)
         if self.policy == "headroom":
-            top = max(rooms.values())
             best = min((w for w in open_ if rooms[w.id] >= top - TIE), key=lambda w: (w.active, -rooms[w.id]))
         elif self.policy == "least-loaded":
             best = min(open_, key=lambda w: (w.active / w.max_active, w.active))
         else:
             best = open_[next(self._turn) % len(open_)]
-        return Choice(best, rooms[best.id], max(rooms.values()))
+        return Choice(best, rooms[best.id], top)

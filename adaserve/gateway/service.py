@@ -39,6 +39,8 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.metrics.declare(list(self.catalog.classes))
         self.router = Router(s.routing)
+        # the read limit is only a backstop: dispatch enforces first_token_timeout_s on the first token and
+        # token_timeout_s on each chunk after it, whatever the socket does
         timeout = httpx.Timeout(connect=s.connect_timeout_s, read=max(s.first_token_timeout_s, s.token_timeout_s),
                                 write=10.0, pool=s.connect_timeout_s)
         self.http = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024))
@@ -54,6 +56,8 @@ class Gateway:
             self.store = MemoryStore()
             source = StaticSource(s.workers, self.http)
         self.directory = Directory(source, refresh_s=s.refresh_s, suspect_s=s.suspect_s)
+        # read at each scrape: what /readyz counts, whatever one request excludes
+        self.metrics.workers.set_function(lambda: len(self.directory.usable()))
         self.admission = Admission(self.directory, self.router, self.catalog, s, self.metrics)
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -121,7 +125,8 @@ class Gateway:
             try:
                 await track.routed(w.id)
                 return await dispatch.open_stream(self.http, w, payload,
-                                                  first_token_timeout_s=self.settings.first_token_timeout_s)
+                                                  first_token_timeout_s=self.settings.first_token_timeout_s,
+                                                  token_timeout_s=self.settings.token_timeout_s)
             except dispatch.WorkerFailed as e:
                 self.directory.release(w.id, slo.name)
                 if not e.busy:

@@ -15,8 +15,10 @@ from typing import Any, Protocol
 
 
 class StateStore(Protocol):
-    async def record(self, request_id: str, fields: dict[str, Any], *, ttl_s: int) -> None:
-        """Create or update a request's record (fields merge) and reset its TTL."""
+    async def record(self, request_id: str, fields: dict[str, Any], *, ttl_s: int, slo_class: str | None = None,
+                     counters: dict[str, int] | None = None) -> None:
+        """Create or update a request's record (fields merge) and reset its TTL; with ``slo_class``, add
+        ``counters`` to the class's counters in the same write (one round trip), as ``count`` would."""
 
     async def get_record(self, request_id: str) -> dict[str, str] | None: ...
 
@@ -54,12 +56,15 @@ class MemoryStore:
         self._counters: dict[str, dict[str, int]] = {}
         self._buckets: dict[str, tuple[float, float]] = {}
 
-    async def record(self, request_id: str, fields: dict[str, Any], *, ttl_s: int) -> None:
+    async def record(self, request_id: str, fields: dict[str, Any], *, ttl_s: int, slo_class: str | None = None,
+                     counters: dict[str, int] | None = None) -> None:
         now = time.monotonic()
         if len(self._records) > 10_000:
             self._records = {k: v for k, v in self._records.items() if v[0] > now}
         _, old = self._records.get(request_id, (0.0, {}))
         self._records[request_id] = (now + ttl_s, {**old, **flatten(fields)})
+        if slo_class is not None and counters:
+            self._add(slo_class, counters)
 
     async def get_record(self, request_id: str) -> dict[str, str] | None:
         entry = self._records.get(request_id)
@@ -67,10 +72,13 @@ class MemoryStore:
             return None
         return dict(entry[1])
 
-    async def count(self, slo_class: str, counters: dict[str, int]) -> None:
+    def _add(self, slo_class: str, counters: dict[str, int]) -> None:
         c = self._counters.setdefault(slo_class, {})
         for k, n in counters.items():
             c[k] = c.get(k, 0) + n
+
+    async def count(self, slo_class: str, counters: dict[str, int]) -> None:
+        self._add(slo_class, counters)
 
     async def counters(self, slo_class: str) -> dict[str, int]:
         return dict(self._counters.get(slo_class, {}))

@@ -48,9 +48,8 @@ class Tracker:
 
     async def _write(self, fields: dict[str, Any], counters: dict[str, int] | None = None) -> None:
         try:
-            await self.store.record(self.request_id, fields, ttl_s=self.ttl_s)
-            if counters:
-                await self.store.count(self.slo.name, counters)
+            await self.store.record(self.request_id, fields, ttl_s=self.ttl_s, slo_class=self.slo.name,
+                                    counters=counters)
         except (RedisError, OSError) as e:
             log.warning("cannot write request record %s: %s", self.request_id, e)
 

@@ -19,6 +19,8 @@ import openai
 import pytest
 import redis
 
+from adaserve.gateway.slo import DEFAULT_CLASSES
+from adaserve.gateway.tracker import slo_met
 from tests.gateway.helpers import GatewayProcess, start_gateway
 from tests.worker.helpers import (
     REDIS_URL,
@@ -33,6 +35,7 @@ from tests.worker.helpers import (
 )
 
 PROMPT = "Write a Python function that reverses a list."
+CODING = next(c for c in DEFAULT_CLASSES if c.name == "coding")
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +123,10 @@ def test_openai_client_streams_chat_equal_to_the_worker(gateway: GatewayProcess,
     assert usage is not None and usage.completion_tokens == 24 and usage.prompt_tokens == want["prompt_tokens"]
     rec = record(rds, rid)
     assert rec["slo_class"] == "coding" and rec["worker"] in ("w-a", "w-b") and rec["status"] == "done"
-    assert rec["tokens"] == "24" and rec["slo_met"] in ("0", "1") and float(rec["ttft_ms"]) > 0
+    assert rec["tokens"] == "24" and rec["finish_reason"] == "length" and float(rec["ttft_ms"]) > 0
+    # whether a shared CPU kept coding's pace varies; the verdict must agree with the measured TTFT and TPOT
+    met = slo_met(CODING, finish="length", ttft_ms=float(rec["ttft_ms"]), tpot_ms=float(rec["tpot_ms"]))
+    assert rec["slo_met"] == ("1" if met else "0"), rec
 
 
 def test_completions_json_and_stream_equal_the_worker(gateway: GatewayProcess, workers: list[WorkerProcess]) -> None:
@@ -156,6 +162,12 @@ def test_requests_spread_over_workers_by_headroom(gateway: GatewayProcess, rds: 
         assert r.status_code == 200, r.text
         return r.headers["X-Request-Id"]
 
+    def routed() -> float:
+        samples = scrape(gateway.url)
+        return sum(metric(samples, "adaserve_gateway_routing_choices_total", worker=w, slo_class="chat",
+                          policy="headroom") for w in ("w-a", "w-b"))
+
+    before = routed()  # the gateway is shared: earlier tests' chat requests count too
     with cf.ThreadPoolExecutor(6) as pool:
         rids = list(pool.map(one, range(6)))
     used = [record(rds, rid)["worker"] for rid in rids]
@@ -164,9 +176,7 @@ def test_requests_spread_over_workers_by_headroom(gateway: GatewayProcess, rds: 
     # online on this shared CPU, so only the spread itself is asserted (tests/gateway/unit has the numbers).
     views = httpx.get(f"{gateway.url}/readyz").json()
     assert set(used) == {"w-a", "w-b"}, (used, views)
-    samples = scrape(gateway.url)
-    assert sum(metric(samples, "adaserve_gateway_routing_choices_total", worker=w, slo_class="chat",
-                      policy="headroom") for w in ("w-a", "w-b")) >= 6
+    assert routed() - before == 6  # one routing choice each: healthy workers, no retry
 
 
 def test_client_disconnect_aborts_on_the_worker(gateway: GatewayProcess, workers: list[WorkerProcess],
@@ -357,7 +367,8 @@ def test_redis_outage_does_not_fail_requests(workers: list[WorkerProcess], tmp_p
     gw = start_gateway(tmp_path / "gw-noredis.log", "--redis-url", "redis://127.0.0.1:9/0", "--workers",
                        workers[0].url, "--model-name", "demo")
     try:
-        wait_for(lambda: httpx.get(f"{gw.url}/readyz").json()["ready_workers"] == 1, timeout=20)
+        seen = wait_for(lambda: httpx.get(f"{gw.url}/readyz").json()["ready_workers"] == 1, timeout=20)
+        assert seen, gw.logs()[-3000:]
         ready = httpx.get(f"{gw.url}/readyz")
         assert ready.status_code == 503 and ready.json()["state_store"] == "unreachable"
         got = client(gw).completions.create(model="demo", prompt="x = 1", max_tokens=4, temperature=0)

@@ -11,6 +11,7 @@ from adaserve.gateway.errors import ApiError
 from adaserve.gateway.keys import AuthError
 from adaserve.gateway.routes.deps import AuthorizationHeader, GatewayDep
 from adaserve.gateway.service import Gateway
+from adaserve.worker.schemas import REQUEST_ID_PATTERN  # one id syntax: the gateway's ids reach workers
 
 router = APIRouter(tags=["models"])
 
@@ -38,7 +39,7 @@ async def slo_classes(gw: GatewayDep) -> dict[str, Any]:
 
 
 @router.get("/v1/requests/{request_id}")
-async def request_record(request_id: Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")],
+async def request_record(request_id: Annotated[str, Path(pattern=REQUEST_ID_PATTERN)],
                          gw: GatewayDep, authorization: AuthorizationHeader = None) -> dict[str, Any]:
     _authorize(gw, authorization)
     record = await gw.store.get_record(request_id)

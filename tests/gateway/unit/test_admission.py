@@ -53,13 +53,12 @@ def queued(metrics: GatewayMetrics) -> float | None:
 
 
 def test_headroom_available_is_admitted_at_once() -> None:
-    adm, _, metrics = admission([registration("a", max_active=4), registration("b", max_active=4, active=2)])
+    adm, _, _ = admission([registration("a", max_active=4), registration("b", max_active=4, active=2)])
     out, elapsed = run(timed_admit(adm, CHAT))
     assert isinstance(out, Choice)
     assert out.worker.id == "a" and out.headroom == pytest.approx(0.75) and out.best_headroom == out.headroom
     assert elapsed < 0.1
     assert adm.waiting == 0
-    assert metrics.registry.get_sample_value("adaserve_gateway_workers") == 2
 
 
 def test_sheddable_class_under_overload_is_shed_at_once() -> None:

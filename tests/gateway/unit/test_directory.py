@@ -90,12 +90,12 @@ def test_parse_garbage_is_none(garbage: Any) -> None:
 ])
 def test_a_malformed_cost_model_does_not_break_routing(cost_model: dict[str, Any]) -> None:
     # One foreign or older registration must not take routing down for every request: parse_registration
-    # promises None for what is not a registration, so either it refuses the document or routing copes.
-    v = parse_registration(doc(cost_model=cost_model))
+    # refuses it (None, so the directory skips it) and routing goes on over the others.
+    assert parse_registration(doc(cost_model=cost_model)) is None
     other = parse_registration(doc(worker_id="healthy"))
     assert other is not None
-    choice = Router("headroom").choose([w for w in (v, other) if w is not None], 50.0, lambda _: 50.0)
-    assert choice is not None
+    choice = Router("headroom").choose([other], 50.0, lambda _: 50.0)
+    assert choice is not None and choice.worker.id == "healthy"
 
 
 # ---- Directory ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from adaserve.gateway.routing import (
     Router,
     WorkerView,
     accepted_per_request,
+    best_headroom,
     headroom,
     iteration_s,
     pooled_acceptance,
@@ -251,6 +252,23 @@ def test_best_headroom_is_the_fleets_maximum(policy: str) -> None:
         assert choice.best_headroom == pytest.approx(max(rooms))
         assert choice.headroom == pytest.approx(headroom(choice.worker, 10.0, tpot_of))
         assert choice.headroom <= choice.best_headroom
+
+
+def test_best_headroom_without_a_router_equals_the_choices() -> None:
+    # what admission asks of a waiter ahead: the same number as Router.choose, at the pooled acceptance,
+    # and no round-robin turn taken
+    workers = [modelled("b", acceptance_rate=0.8), modelled("a", acceptance_rate=0.2), view("c", active=6),
+               modelled("full", max_active=1, active=1, acceptance_rate=1.0)]
+    for tpot in (10.0, 50.0, 150.0):
+        choice = Router("headroom").choose(workers, tpot, tpot_of)
+        assert choice is not None and best_headroom(workers, tpot, tpot_of) == choice.best_headroom
+    router = Router("round-robin")
+    first = router.choose(workers, 50.0, tpot_of)
+    best_headroom(workers, 50.0, tpot_of)
+    second = router.choose(workers, 50.0, tpot_of)
+    assert first is not None and second is not None and (first.worker.id, second.worker.id) == ("a", "b")
+    assert best_headroom([view("x", max_active=1, active=1)], 50.0, tpot_of) is None
+    assert best_headroom([], 50.0, tpot_of) is None
 
 
 def test_unknown_policy_is_refused() -> None:

@@ -83,6 +83,22 @@ def test_counters_add_up_per_class(kind: str) -> None:
     assert none == {}
 
 
+def test_record_adds_the_class_counters_in_the_same_call(kind: str) -> None:
+    async def main() -> tuple[dict[str, str] | None, dict[str, int], dict[str, int]]:
+        async with open_store(kind) as store:
+            await store.record("r1", {"status": "running"}, ttl_s=60, slo_class="chat", counters={"requests": 1})
+            await store.record("r1", {"status": "done"}, ttl_s=60, slo_class="chat",
+                               counters={"finished": 1, "tokens": 7})
+            await store.record("r2", {"status": "queued"}, ttl_s=60, slo_class="coding", counters={})
+            await store.record("r3", {"status": "queued"}, ttl_s=60)  # no class: the record alone
+            return await store.get_record("r1"), await store.counters("chat"), await store.counters("coding")
+
+    rec, chat, coding = run(main())
+    assert rec == {"status": "done"}
+    assert chat == {"requests": 1, "finished": 1, "tokens": 7}
+    assert coding == {}
+
+
 def test_token_bucket_allows_a_burst_then_waits_one_token(kind: str) -> None:
     async def main() -> tuple[list[float], float, float, float]:
         async with open_store(kind) as store:

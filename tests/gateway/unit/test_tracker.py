@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import Any
+
 import pytest
 
 from adaserve.gateway.metrics import GatewayMetrics
@@ -91,3 +94,38 @@ def test_a_refused_request_counts_once_and_never_finishes() -> None:
     record = run(store.get_record("req-1"))
     assert record is not None and (record["status"], record["reason"]) == ("shed", "queue_full")
     assert run(store.counters("chat")) == {"shed": 1}
+
+
+class CountingStore(MemoryStore):
+    """A MemoryStore that counts the calls a tracker makes (each one a round trip to Redis)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    async def record(self, request_id: str, fields: dict[str, Any], *, ttl_s: int, slo_class: str | None = None,
+                     counters: dict[str, int] | None = None) -> None:
+        self.calls["record"] += 1
+        await super().record(request_id, fields, ttl_s=ttl_s, slo_class=slo_class, counters=counters)
+
+    async def count(self, slo_class: str, counters: dict[str, int]) -> None:
+        self.calls["count"] += 1
+        await super().count(slo_class, counters)
+
+
+def test_each_step_writes_record_and_counters_in_one_store_call() -> None:
+    store = CountingStore()
+
+    async def main() -> list[dict[str, int]]:
+        t = tracker(store)
+        seen = []
+        for step in (t.received(), t.routed("w1"), t.routed("w2"), t.finished("done", "stop")):
+            store.calls.clear()
+            await step
+            seen.append(dict(store.calls))
+        return seen
+
+    # routing a request (before it reaches the worker) and its end: one call each, counters included
+    assert run(main()) == [{"record": 1}] * 4
+    assert run(store.counters("chat")) == {"requests": 1, "retries": 1, "finished": 1, "done": 1, "tokens": 0,
+                                             "slo_met": 1}

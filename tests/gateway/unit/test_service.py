@@ -1,0 +1,38 @@
+"""service.py: the Gateway object as built from settings (no worker, no Redis: in-process state)."""
+
+from __future__ import annotations
+
+from adaserve.gateway.service import Gateway
+from adaserve.gateway.settings import GatewaySettings
+from adaserve.gateway.slo import DEFAULT_CLASSES
+from tests.gateway.unit.fakes import FakeSource, registration
+from tests.gateway.unit.helpers import run
+
+
+def workers_gauge(gw: Gateway) -> float | None:
+    return gw.metrics.registry.get_sample_value("adaserve_gateway_workers")
+
+
+def test_workers_gauge_counts_the_usable_workers_not_one_requests_view() -> None:
+    gw = Gateway(GatewaySettings(workers=["http://x"], queue_timeout_s=0.0))
+    source = FakeSource([registration("a"), registration("b"), registration("c", status="loading")])
+    gw.directory.source = source
+    chat = DEFAULT_CLASSES[1]
+
+    async def main() -> list[float | None]:
+        seen = [workers_gauge(gw)]  # nothing read yet
+        await gw.directory.refresh()
+        seen.append(workers_gauge(gw))
+        # a retry that excludes a worker sees one fewer; the fleet did not shrink
+        choice = await gw.admission.admit(chat, model=None, exclude={"a"})
+        assert choice.worker.id == "b"
+        seen.append(workers_gauge(gw))
+        gw.directory.mark_failed("a")  # suspected: not routable until suspect_s has passed
+        seen.append(workers_gauge(gw))
+        source.docs = [registration("b"), registration("c"), registration("d")]  # c ready, d new
+        await gw.directory.refresh()
+        seen.append(workers_gauge(gw))
+        await gw.http.aclose()
+        return seen
+
+    assert run(main()) == [0, 2, 2, 1, 3]

@@ -58,15 +58,12 @@ ENV PYTHONUNBUFFERED=1 \
     HF_HOME=/var/cache/adaserve/huggingface
 
 # the package with its declared dependencies (transformers, fastapi, redis, ...); torch is already there
-# and pinned by the constraints, so nothing swaps it for another build
+# and pinned by the constraints, so nothing swaps it for another build. huggingface_hub >= 0.34 for the
+# `hf` CLI: the operator's hub initContainer runs `hf download ID --local-dir DIR` (docs/k8s-contract.md)
 COPY pyproject.toml README.md /src/
 COPY adaserve /src/adaserve
-RUN pip install -c /tmp/constraints.txt /src huggingface_hub && rm -rf /src \
-    && python -c "import adaserve.worker.server, adaserve.engine"
-
-# docs/k8s-contract.md has the hub initContainer run `huggingface-cli download ID --local-dir DIR`;
-# huggingface_hub >= 1.0 names that command `hf` (same arguments), so keep the old name working
-RUN printf '#!/bin/sh\nexec hf "$@"\n' > /usr/local/bin/huggingface-cli && chmod 0755 /usr/local/bin/huggingface-cli
+RUN pip install -c /tmp/constraints.txt /src "huggingface_hub>=0.34" && rm -rf /src \
+    && python -c "import adaserve.worker.server, adaserve.engine" && hf download --help > /dev/null
 
 COPY models/demo /app/models/demo
 

@@ -138,7 +138,7 @@ def worker_deployment(spec: DeploymentSpec, *, name: str, namespace: str) -> Man
 def _fetch_container(spec: DeploymentSpec) -> dict[str, Any]:
     ids = [i for i in (spec.model.target, spec.model.draft) if i]
     script = " && ".join(
-        f"huggingface-cli download {shlex.quote(i)} --local-dir {shlex.quote(f'{MODELS_DIR}/{i}')}" for i in ids)
+        f"hf download {shlex.quote(i)} --local-dir {shlex.quote(f'{MODELS_DIR}/{i}')}" for i in ids)
     return {
         "name": "adaserve-fetch",
         "image": spec.image,

@@ -9,6 +9,9 @@ Decisions, and why:
   resume (an operator restart) run the same code, and a restart creates no duplicates.
 - Drift and hand-deleted children: a child's DELETED event re-applies its owner at once, and the resync
   timer re-applies every child every ``ADASERVE_OPERATOR_RESYNC_S`` seconds, so edits by hand are undone.
+  The timer's first run waits one interval (create or resume has just reconciled). A switch from the
+  managed Redis to an external one deletes the managed Redis Deployment and Service; create, update and
+  resume check for that, the timer does not (a switch is a spec change, so an update always sees it).
 - Deletion: the children carry ownerReferences, so Kubernetes' garbage collector removes them. The
   resync timer makes kopf put a finalizer (``adaserve.io/operator``) on the resource (it must stop the
   timer before the resource goes), so a deletion handler runs anyway; it deletes the children
@@ -43,12 +46,12 @@ import kopf
 
 from adaserve.operator import builders, names, status
 from adaserve.operator.config import OperatorConfig
-from adaserve.operator.kube import Closed, Kube, owned_by
+from adaserve.operator.kube import PLURALS, Closed, Kube, owned_by
 from adaserve.operator.registrations import read_workers
 from adaserve.operator.spec import SpecError, parse_spec
 
 CR = (names.GROUP, names.VERSION, names.PLURAL)
-CHILDREN = (("apps/v1", "deployments"), ("v1", "services"), ("v1", "configmaps"))
+CHILDREN = tuple((api_version, plural) for (api_version, kind), plural in PLURALS.items() if kind != names.KIND)
 OURS = {"app.kubernetes.io/managed-by": names.MANAGED_BY}
 FINALIZER = "adaserve.io/operator"
 log = logging.getLogger(__name__)  # not kopf's per-object logger: that one also posts events
@@ -81,15 +84,18 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 
 
 async def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Logger,
-                    stopped: kopf.DaemonStopped | None = None, **_: Any) -> None:
-    """create / update / resume, and the resync timer: children as the spec says, status as they are.
+                    stopped: kopf.DaemonStopped | None = None, prune: bool = True, **_: Any) -> None:
+    """create / update / resume (and, through ``resync``, the timer): children as the spec says, status as
+    they are.
 
+    ``prune``: also remove a managed Redis left over from a switch to an external one. Only create, update
+    and resume do (a switch is a spec change, which one of them always sees), not every resync.
     ``stopped`` (timers only) turns true when the operator exits or the resource goes: then stop between
     two requests instead of running on against a closing client. The client may close first (kopf's
     cleanup does not wait for timers): then stop the same way; the next start resumes.
     """
     try:
-        new = await sync(body, memo=memo, logger=logger, stopped=stopped)
+        new = await sync(body, memo=memo, logger=logger, stopped=stopped, prune=prune)
     except Closed:
         log.debug("operator stopping: reconcile of %s left for the next start", body["metadata"]["name"])
         return
@@ -97,15 +103,25 @@ async def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger:
         patch.status.update(status_changes(new, body.get("status") or {}))
 
 
+async def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Logger,
+                 stopped: kopf.DaemonStopped, **_: Any) -> None:
+    """The resync timer: reconcile (drift repair, a fresh status) without the Redis cleanup."""
+    await reconcile(body, patch, memo, logger, stopped=stopped, prune=False)
+
+
 async def delete_children(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    kube: Kube = memo.kube
     meta = body["metadata"]
     for api_version, kind, child in _child_names(meta["name"]):
-        live = await kube.get(api_version, kind, meta["namespace"], child)
-        if live is not None and owned_by(live, meta.get("uid")) and await kube.delete(
-                api_version, kind, meta["namespace"], child):
-            logger.info(f"deleted {kind} {child}")
+        await _delete_owned(memo.kube, api_version, kind, meta["namespace"], child, meta.get("uid"), logger)
     memo.locks.pop((meta["namespace"], meta["name"]), None)
+
+
+async def _delete_owned(kube: Kube, api_version: str, kind: str, namespace: str, name: str, uid: str | None,
+                        logger: kopf.Logger) -> None:
+    """Delete the object if it exists and ``uid`` owns it (someone else's object of that name stays)."""
+    live = await kube.get(api_version, kind, namespace, name)
+    if live is not None and owned_by(live, uid) and await kube.delete(api_version, kind, namespace, name):
+        logger.info(f"deleted {kind} {name}")
 
 
 async def child_event(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger,
@@ -127,10 +143,11 @@ async def child_event(event: Mapping[str, Any], body: kopf.Body, memo: kopf.Memo
 
 
 async def sync(body: kopf.Body, *, memo: kopf.Memo, logger: kopf.Logger,
-               stopped: kopf.DaemonStopped | None = None) -> dict[str, Any] | None:
+               stopped: kopf.DaemonStopped | None = None, prune: bool = False) -> dict[str, Any] | None:
     """Apply the children of one resource and return its new status (the one function all paths share).
 
-    None if ``stopped`` turned true on the way.
+    None if ``stopped`` turned true on the way. With ``prune``, also delete the managed Redis of a resource
+    that now uses an external one.
     """
     kube: Kube = memo.kube
     config: OperatorConfig = memo.config
@@ -159,12 +176,10 @@ async def sync(body: kopf.Body, *, memo: kopf.Memo, logger: kopf.Logger,
             return None
         live, conflicts = applied
         _warn_conflicts(body, conflicts, previous)
-        if not spec.redis.managed:  # switched to an external Redis: the managed one is no longer needed
-            for kind, api_version in (("Deployment", "apps/v1"), ("Service", "v1")):
-                old = await kube.get(api_version, kind, namespace, names.child(name, names.REDIS))
-                if old is not None and owned_by(old, meta.get("uid")):
-                    await kube.delete(api_version, kind, namespace, names.child(name, names.REDIS))
-                    logger.info(f"deleted {kind} {names.child(name, names.REDIS)}")
+        if prune and not spec.redis.managed:  # maybe switched to an external Redis: drop the managed one
+            for api_version, kind in (("apps/v1", "Deployment"), ("v1", "Service")):
+                await _delete_owned(kube, api_version, kind, namespace, names.child(name, names.REDIS),
+                                    meta.get("uid"), logger)
 
     if stopped:
         return None
@@ -243,7 +258,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     kopf.on.cleanup(registry=registry)(cleanup)
     for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
         on(*CR, registry=registry, id="reconcile")(reconcile)
-    kopf.timer(*CR, registry=registry, interval=config.resync_s, id="resync")(reconcile)
+    # kopf runs a timer as soon as it spawns it: the first resync waits its interval (create or resume
+    # has just reconciled)
+    kopf.timer(*CR, registry=registry, interval=config.resync_s, initial_delay=config.resync_s,
+               id="resync")(resync)
     kopf.on.delete(*CR, registry=registry, id="delete-children")(delete_children)
     for api_version, plural in CHILDREN:
         kopf.on.event(api_version, plural, labels=OURS, registry=registry, id="child-event")(child_event)

@@ -21,6 +21,8 @@ from typing import Any
 import aiohttp
 import kopf
 
+from adaserve.operator import names
+
 log = logging.getLogger(__name__)
 
 # kind -> plural, for the kinds the operator touches (the RBAC in docs/k8s-contract.md grants exactly these)
@@ -28,7 +30,7 @@ PLURALS = {
     ("apps/v1", "Deployment"): "deployments",
     ("v1", "Service"): "services",
     ("v1", "ConfigMap"): "configmaps",
-    ("adaserve.io/v1alpha1", "AdaServeDeployment"): "adaservedeployments",
+    (names.API_VERSION, names.KIND): names.PLURAL,
 }
 REQUEST_TIMEOUT_S = 30
 CLOSE_GRACE_S = 5  # on shutdown, requests still in flight (an orphaned timer's) may finish first

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.chart.helpers import Render, find_helm, run_helm, template_args
+from tests.chart.helpers import RELEASE_NS, Render, find_helm, run_helm, template_args
 
 
 @pytest.fixture(scope="session")
@@ -18,12 +18,12 @@ def helm() -> Path:
 
 @pytest.fixture(scope="session")
 def render(helm: Path, tmp_path_factory: pytest.TempPathFactory) -> Render:
-    """render(values=None, *, crds=False, namespace="adaserve-system") -> the rendered objects, as dicts."""
+    """render(values=None, *, crds=False, namespace=RELEASE_NS) -> the rendered objects, as dicts."""
     cache: dict[str, list[dict[str, Any]]] = {}
     tmp = tmp_path_factory.mktemp("values")
 
     def _render(values: dict[str, Any] | None = None, *, crds: bool = False,
-                namespace: str = "adaserve-system") -> list[dict[str, Any]]:
+                namespace: str = RELEASE_NS) -> list[dict[str, Any]]:
         text = yaml.safe_dump(values or {})
         key = f"{crds}|{namespace}|{text}"
         if key not in cache:

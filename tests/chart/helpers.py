@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "adaserve"
 HELM = ROOT / ".tools" / "bin" / "helm"
 KUBE_VERSION = "1.31.0"  # the cluster version we render for and validate against
+RELEASE_NS = "adaserve-system"  # the namespace the tests install the chart into
 
-# render(values=None, *, crds=False, namespace="adaserve-system") -> the rendered objects (conftest.render)
+# render(values=None, *, crds=False, namespace=RELEASE_NS) -> the rendered objects (conftest.render)
 Render = Callable[..., list[dict[str, Any]]]
 
 # helm's own state in a throwaway place: a user's repositories and plugins must not change a result
@@ -42,7 +43,7 @@ def run_helm(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           env={**os.environ, **_HELM_ENV})
 
 
-def template_args(values_file: Path, *, namespace: str = "adaserve-system", crds: bool = False) -> list[str]:
+def template_args(values_file: Path, *, namespace: str = RELEASE_NS, crds: bool = False) -> list[str]:
     args = ["template", "rel", str(CHART), "--namespace", namespace, "--kube-version", KUBE_VERSION,
             "-f", str(values_file)]
     return [*args, "--include-crds"] if crds else args

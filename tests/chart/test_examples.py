@@ -1,6 +1,7 @@
 """Every AdaServeDeployment the chart's docs and the kind script show is one the cluster would accept: valid
-against the CRD's schema and against the operator's own copy of the CRD's CEL rules. The kind script
-cannot run here, so this is also its only automatic check that its CPU resource really runs on CPU."""
+against the CRD's schema and CEL rules (tests/operator/schema.py) and the operator's own copy of those
+rules. The kind script cannot run here, so this is also its only automatic check that its CPU resource
+really runs on CPU."""
 
 from __future__ import annotations
 
@@ -8,15 +9,13 @@ import re
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import pytest
 import yaml
 
 from adaserve.operator import builders
 from adaserve.operator.spec import parse_spec
 from tests.chart.helpers import CHART, ROOT
-
-CRD = ROOT / "crds" / "adaserve.io_adaservedeployments.yaml"
+from tests.operator.schema import load_crd, validate
 
 
 def yaml_blocks(path: Path) -> list[dict[str, Any]]:
@@ -45,12 +44,11 @@ def test_the_docs_show_examples() -> None:
 
 @pytest.mark.parametrize("where", EXAMPLES)
 def test_documented_resources_satisfy_the_crd_schema_and_rules(where: str) -> None:
-    crd = yaml.safe_load(CRD.read_text())
-    (version,) = [v for v in crd["spec"]["versions"] if v["storage"]]
-    schema = version["schema"]["openAPIV3Schema"]
+    crd = load_crd()
+    (version,) = crd["spec"]["versions"]
     for doc in EXAMPLES[where]:
         assert doc["apiVersion"] == f"{crd['spec']['group']}/{version['name']}"
-        jsonschema.Draft7Validator(schema).validate(doc)
+        assert validate(doc, crd) == []  # defaults, schema, CEL rules: the API server's verdict
         parse_spec(doc["spec"])  # the CEL rules, as the operator mirrors them
 
 

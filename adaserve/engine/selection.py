@@ -140,7 +140,7 @@ def select_adaserve(cands: Sequence[TokenTree], requirements: Sequence[float], *
     A(r) counts the bonus token, as Eq. 2-5 do (acc(T) = sum f(v) over T, root included) and as the cap
     d+1 (d drafted tokens + 1 bonus) requires. The figure's 0.6 and 0.8 are then tokens to accept beyond
     the bonus, i.e. A(r) - 1: Figure 5 is reproduced by A(r0) = 1.6, A(r1) = 1.8
-    (tests/unit/test_selection.py::test_figure5_worked_example).
+    (tests/engine/test_selection.py::test_figure5_worked_example).
     """
     req = _validated(cands, requirements, budget=budget, depth=depth, n_max=n_max)
     lps = [_strict_log_probs(c) for c in cands]

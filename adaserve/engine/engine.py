@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from adaserve.engine.batch import Segment
+from adaserve.engine.cost_model import CostModel
 from adaserve.engine.policies import BatchView, Policy, SelectionContext, TreeShape
 from adaserve.engine.request import Phase, Request
-from adaserve.engine.roofline import CostModel
 from adaserve.engine.runner import ModelRunner
 from adaserve.engine.speculate import DraftInput, beam_search
 from adaserve.engine.timing import OnlineCostModel

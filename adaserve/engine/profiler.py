@@ -1,4 +1,4 @@
-"""Start-up profiling: time real forwards, pick the token budget B at the roofline knee, fit T_fwd.
+"""Timing the models: real forwards on the real device, turned into the worker's published profile.
 
 For each n in {1, 2, 4, ...} the target runs a verification-shaped forward: ``b = min(n, 8)``
 requests, each with ``context`` cached tokens and a chain of n/b new tokens, timed after warm-up with
@@ -7,7 +7,8 @@ separate alpha (per context token) from gamma (per batched token) in
 
     T_fwd = alpha * N_context + gamma * N_batched + delta        (SmartSpec Eq. 7)
 
-The result is cached on disk keyed by device, model identity, dtype and engine version.
+What the timings mean is decided elsewhere: budget.py picks B at the knee, cost_model.py fits T_fwd,
+profile_cache.py keeps the result per device, model identity, dtype and engine version.
 """
 
 from __future__ import annotations
@@ -27,17 +28,10 @@ from tqdm import tqdm
 
 from adaserve import __version__
 from adaserve.engine.batch import Segment
+from adaserve.engine.budget import KneeConfig, RooflinePoint, choose_budget, robust_latency
+from adaserve.engine.cost_model import CostModel, fit_cost_model
 from adaserve.engine.kv_cache import SequenceKV
-from adaserve.engine.roofline import (
-    CostModel,
-    KneeConfig,
-    ProfileCache,
-    ProfileKey,
-    RooflinePoint,
-    choose_budget,
-    fit_cost_model,
-    robust_latency,
-)
+from adaserve.engine.profile_cache import ProfileCache, ProfileKey
 from adaserve.engine.runner import ModelRunner
 from adaserve.engine.tree import TokenTree
 

@@ -1,6 +1,6 @@
 """Predicting how long a forward takes: the cost model when profiled, else one learnt online.
 
-SmartSpec's model ``T_fwd = alpha*N_context + gamma*N_batched + delta`` (roofline.CostModel) is what
+SmartSpec's model ``T_fwd = alpha*N_context + gamma*N_batched + delta`` (cost_model.py) is what
 the start-up profiler fits. Until a worker has profiled, the engine refits it every few steps from
 its own measured forwards, starting from a flat guess, so A(r) and SmartSpec always have a number.
 """
@@ -11,7 +11,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from adaserve.engine.roofline import CostModel, fit_cost_model
+from adaserve.engine.cost_model import CostModel, fit_cost_model
 
 log = logging.getLogger(__name__)
 

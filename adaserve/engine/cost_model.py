@@ -1,0 +1,160 @@
+"""Fitting the forward-cost model ``T_fwd = alpha * N_context + gamma * N_batched + delta``.
+
+SmartSpec's model (section 4.3): alpha the KV-cache read per context token, gamma the compute per
+batched token, delta the weight load. The profiler fits it at start-up with :func:`fit_cost_model`;
+the engine predicts each iteration's duration with it (A(r), SmartSpec's goodput), and workers publish
+it for the gateway's headroom (docs/architecture.md, "Budget and cost model"). timing.py refits it
+online when no profile exists.
+
+Pure logic: numpy and the standard library only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from adaserve.engine.checks import is_int, is_real
+
+__all__ = ["CostModel", "FitReport", "fit_cost_model"]
+
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """SmartSpec's forward-time model, seconds. alpha: per context token (KV read), gamma: per batched
+    token (compute), delta: fixed (weight load, launch). All >= 0."""
+
+    alpha: float
+    gamma: float
+    delta: float
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "gamma", "delta"):
+            v = getattr(self, name)
+            if not is_real(v) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"CostModel.{name} must be a finite number >= 0, got {v!r}")
+
+    def predict(self, n_context: int, n_batched: int) -> float:
+        """T_fwd in seconds for a forward reading n_context cached tokens and computing n_batched new ones."""
+        if n_context < 0 or n_batched < 0:
+            raise ValueError(f"token counts must be >= 0, got n_context={n_context}, n_batched={n_batched}")
+        return self.alpha * n_context + self.gamma * n_batched + self.delta
+
+    def to_dict(self) -> dict[str, float]:
+        return {"alpha": float(self.alpha), "gamma": float(self.gamma), "delta": float(self.delta)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CostModel:
+        if not isinstance(d, Mapping):
+            raise ValueError(f"CostModel.from_dict expects a mapping, got {type(d).__name__}")
+        missing = {"alpha", "gamma", "delta"} - set(d)
+        if missing:
+            raise ValueError(f"CostModel.from_dict: missing keys {sorted(missing)}")
+        return cls(alpha=d["alpha"], gamma=d["gamma"], delta=d["delta"])
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """Quality of a cost-model fit on its own samples. Relative error e_i = |pred_i - y_i| / y_i."""
+
+    n_samples: int
+    mean_rel_error: float
+    max_rel_error: float
+    r2: float
+
+    def to_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+def _nnls_small(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin_{x >= 0} ||a x - b||_2 for a handful of columns, exactly, by enumerating supports.
+
+    The NNLS optimum x* satisfies the KKT conditions, so on its support P the gradient vanishes: x*_P is
+    an unconstrained least-squares solution on the columns P. Solving lstsq for every one of the 2^p
+    supports, keeping the non-negative solutions and taking the smallest residual therefore finds x*
+    (it is among the candidates, and every candidate is feasible). 2^3 = 8 tiny solves here, no
+    iteration, no tolerance to tune; fine for p <= ~10.
+    """
+    p = a.shape[1]
+    best_x, best_r = np.zeros(p), float(b @ b)  # empty support: x = 0
+    for k in range(1, p + 1):
+        for support in itertools.combinations(range(p), k):
+            cols = list(support)
+            xs, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+            if np.any(xs < 0):
+                continue
+            x = np.zeros(p)
+            x[cols] = xs
+            r = a @ x - b
+            rr = float(r @ r)
+            if rr < best_r * (1 - 1e-12):  # strict: among equal fits keep the smaller support
+                best_x, best_r = x, rr
+    return best_x
+
+
+def fit_cost_model(
+    samples: Sequence[tuple[int, int, float]],
+    *,
+    weighting: Literal["relative", "absolute"] = "relative",
+) -> tuple[CostModel, FitReport]:
+    """Fit (alpha, gamma, delta) >= 0 to (N_context, N_batched, seconds) samples by least squares.
+
+    Model: y_i ~ alpha * c_i + gamma * b_i + delta. Solved as non-negative least squares (a negative
+    coefficient is non-physical, and would predict negative or shrinking times off the sampled range).
+
+    weighting="relative" (default) minimises sum ((pred_i - y_i) / y_i)^2: timing noise is roughly
+    multiplicative, and the engine needs small forwards predicted as accurately (in %) as large ones.
+    weighting="absolute" minimises sum (pred_i - y_i)^2, plain OLS on seconds.
+
+    Columns are scaled to unit max before solving (N_context ~ 1e5 next to 1, conditioning), which
+    leaves the sign constraints unchanged. The samples must vary N_context and N_batched independently
+    (design matrix of rank 3), otherwise alpha/gamma/delta are not identifiable and ValueError is raised.
+    """
+    if weighting not in ("relative", "absolute"):
+        raise ValueError(f"weighting must be 'relative' or 'absolute', got {weighting!r}")
+    rows = list(samples)
+    if len(rows) < 3:
+        raise ValueError(f"fit_cost_model needs >= 3 samples, got {len(rows)}")
+    ctx, bat, y = [], [], []
+    for row in rows:
+        try:
+            c, b, s = row
+        except (TypeError, ValueError):
+            raise ValueError(f"each sample must be (n_context, n_batched, seconds), got {row!r}") from None
+        if not (is_int(c) and is_int(b)) or c < 0 or b < 0:
+            raise ValueError(f"n_context and n_batched must be ints >= 0, got {row!r}")
+        if not is_real(s) or not math.isfinite(s) or s <= 0:
+            raise ValueError(f"seconds must be a finite number > 0, got {row!r}")
+        ctx.append(float(c))
+        bat.append(float(b))
+        y.append(float(s))
+    yv = np.asarray(y)
+    design = np.column_stack([np.asarray(ctx), np.asarray(bat), np.ones_like(yv)])
+    scale = np.abs(design).max(axis=0)
+    if np.any(scale == 0) or np.linalg.matrix_rank(design / np.where(scale == 0, 1, scale)) < 3:
+        raise ValueError(
+            "cost-model samples are degenerate: vary n_context and n_batched independently (rank-3 design)"
+        )
+    a = design / scale
+    w = 1.0 / yv if weighting == "relative" else np.ones_like(yv)
+    coef = _nnls_small(a * w[:, None], yv * w) / scale
+    coef = np.maximum(coef, 0.0)  # exact zeros stay zeros; guards -0.0
+    model = CostModel(alpha=float(coef[0]), gamma=float(coef[1]), delta=float(coef[2]))
+
+    pred = design @ coef
+    rel = np.abs(pred - yv) / yv
+    ss_res = float(np.sum((pred - yv) ** 2))
+    ss_tot = float(np.sum((yv - yv.mean()) ** 2))
+    # r^2 on seconds: 1 - SS_res / SS_tot. A constant target is always fitted exactly (delta = y, the
+    # other coefficients 0, feasible for NNLS), so SS_tot = 0 means a perfect fit: r^2 = 1.
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    report = FitReport(
+        n_samples=len(rows), mean_rel_error=float(rel.mean()), max_rel_error=float(rel.max()), r2=float(r2)
+    )
+    return model, report

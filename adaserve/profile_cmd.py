@@ -29,16 +29,16 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from adaserve.engine.build import EngineBuildError, resolve_device
-    from adaserve.engine.kv_cache import KVCacheConfig
+    from adaserve.engine.config import EngineConfig, KVCacheConfig, ProfilerConfig
     from adaserve.engine.loader import load_model
     from adaserve.engine.model_config import UnsupportedModelError
-    from adaserve.engine.profiler import ProfilerConfig, plot_profile, profile_models
-    from adaserve.engine.runner import ModelRunner, RunnerConfig
+    from adaserve.engine.profiler import plot_profile, profile_models
+    from adaserve.engine.runner import ModelRunner
 
     try:
         cfg = ProfilerConfig(max_tokens=args.max_tokens, context=args.context, repeats=args.repeats)
         dev = resolve_device(args.device)
-        rc = RunnerConfig(attention=args.attention, kv=KVCacheConfig(memory_bytes=args.kv_memory_mb * 2**20))
+        rc = EngineConfig(attention=args.attention, kv=KVCacheConfig(memory_bytes=args.kv_memory_mb * 2**20))
         target = ModelRunner(load_model(args.target, device=dev, progress=True), rc)
         draft = ModelRunner(load_model(args.draft, device=dev, progress=True), rc) if args.draft else None
     except (ValueError, FileNotFoundError, UnsupportedModelError, EngineBuildError) as e:

@@ -20,13 +20,13 @@ from adaserve.bench.metrics import RequestResult, adaserve_ratios, summarize
 from adaserve.bench.workload import WorkloadConfig, WorkloadRequest, build_workload
 from adaserve.engine.build import resolve_device
 from adaserve.engine.chat import instruction_ids
-from adaserve.engine.engine import Engine, EngineConfig, TokenEvent
-from adaserve.engine.kv_cache import KVCacheConfig
+from adaserve.engine.config import EngineConfig, KVCacheConfig
+from adaserve.engine.engine import Engine, TokenEvent
 from adaserve.engine.loader import load_model, load_tokenizer
 from adaserve.engine.policies import make_policy
 from adaserve.engine.profiler import Profile, profile_models
 from adaserve.engine.request import Request
-from adaserve.engine.runner import ModelRunner, RunnerConfig
+from adaserve.engine.runner import ModelRunner
 from adaserve.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class Shared:
 
 def load_shared(cfg: BenchConfig, *, progress: bool) -> Shared:
     dev = resolve_device(cfg.device)
-    rc = RunnerConfig(kv=KVCacheConfig(memory_bytes=cfg.kv_memory_mb * 2**20))
+    rc = EngineConfig(kv=KVCacheConfig(memory_bytes=cfg.kv_memory_mb * 2**20))
     target = ModelRunner(load_model(cfg.target, device=dev, progress=progress), rc)
     draft = ModelRunner(load_model(cfg.draft, device=dev, progress=progress), rc)
     needs_profile = cfg.budget is None or "auto" in cfg.budgets
@@ -106,11 +106,10 @@ def load_shared(cfg: BenchConfig, *, progress: bool) -> Shared:
 
 def make_engine(shared: Shared, variant: Variant) -> Engine:
     prof = shared.profile
-    cfg = EngineConfig(budget=variant.budget, target_cost=prof.target_cost if prof else None,
-                       draft_cost=prof.draft_cost if prof else None)
-    pol = make_policy(variant.policy)
-    draft = shared.draft if pol.max_shape is not None else None
-    return Engine(shared.target, draft, pol, cfg)
+    cfg = EngineConfig(policy=variant.policy, budget=variant.budget,
+                       target_cost=prof.target_cost if prof else None, draft_cost=prof.draft_cost if prof else None)
+    draft = shared.draft if make_policy(cfg.policy, cfg).max_shape is not None else None
+    return Engine(shared.target, draft, cfg)
 
 
 def measure_baseline_tpot(shared: Shared, *, tokens: int = 48, runs: int = 5) -> float:

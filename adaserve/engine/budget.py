@@ -15,13 +15,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
 from adaserve.engine.checks import is_int, is_real
+from adaserve.engine.config import KneeConfig
 
-__all__ = ["KneeConfig", "RooflinePoint", "choose_budget", "robust_latency", "smooth_roofline"]
+__all__ = ["RooflinePoint", "choose_budget", "robust_latency", "smooth_roofline"]
 
 
 # ---- repeated timings -> one point of the roofline ---------------------------------------------
@@ -62,42 +62,6 @@ class RooflinePoint:
             raise ValueError(f"n_tokens must be an int >= 1, got {self.n_tokens!r}")
         if not is_real(self.latency_s) or not math.isfinite(self.latency_s) or self.latency_s <= 0:
             raise ValueError(f"latency_s must be a finite number > 0, got {self.latency_s!r}")
-
-
-@dataclass(frozen=True)
-class KneeConfig:
-    """How :func:`choose_budget` reads the roofline.
-
-    criterion="elasticity" (default): B = the last n before the first grid step whose log-log slope
-    d log t / d log n exceeds ``max_elasticity``: past it, doubling the tokens per forward costs more
-    than a sqrt(2) rise in latency, i.e. the forward has stopped being mostly fixed cost.
-    criterion="latency": B = largest n with t(n) <= (1 + eps) * t(1).
-    criterion="throughput": B = the n maximising n / t(n) subject to t(n) <= (1 + eps_max) * t(1); among n
-    whose tokens/s is within ``throughput_tol`` (relative) of that maximum, the smallest is taken, since a
-    roofline past its ridge has a flat tokens/s plateau on which more tokens only cost latency.
-    smooth: apply the median-of-3 outlier filter (see :func:`smooth_roofline`); the monotone envelope is
-    always applied.
-    """
-
-    eps: float = 0.1
-    criterion: Literal["elasticity", "latency", "throughput"] = "elasticity"
-    max_elasticity: float = 0.5
-    eps_max: float = 0.5
-    throughput_tol: float = 0.02
-    smooth: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("eps", "eps_max", "throughput_tol", "max_elasticity"):
-            v = getattr(self, name)
-            if not is_real(v) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"KneeConfig.{name} must be a finite number >= 0, got {v!r}")
-        if self.throughput_tol >= 1:
-            raise ValueError(f"KneeConfig.throughput_tol must be < 1, got {self.throughput_tol!r}")
-        if self.criterion not in ("elasticity", "latency", "throughput"):
-            raise ValueError(
-                f"KneeConfig.criterion must be 'elasticity', 'latency' or 'throughput': {self.criterion!r}")
-        if not isinstance(self.smooth, bool):
-            raise ValueError(f"KneeConfig.smooth must be a bool, got {self.smooth!r}")
 
 
 def _sorted_curve(points: Sequence[RooflinePoint]) -> tuple[np.ndarray, np.ndarray]:

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from adaserve.engine.adaptive import AdaptiveConfig
-from adaserve.engine.engine import Engine, EngineConfig
-from adaserve.engine.kv_cache import KVCacheConfig
+from adaserve.engine.config import AdaptiveConfig, EngineConfig, KVCacheConfig
+from adaserve.engine.engine import Engine
 from adaserve.engine.loader import load_model, load_tokenizer
 from adaserve.engine.model_config import UnsupportedModelError
 from adaserve.engine.policies import make_policy
 from adaserve.engine.profiler import Profile, profile_models
-from adaserve.engine.runner import ModelRunner, RunnerConfig
+from adaserve.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -65,34 +64,29 @@ def build_engine(*, target: Path, draft: Path | None, device: str = "cpu", polic
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype)
-    try:
+    try:  # every option is checked here, before the slow part
         bounds = {k: v for k, v in (("d_max", max_depth), ("w_max", max_width)) if v is not None}
-        pol = make_policy(policy, adaptive=AdaptiveConfig(**bounds))
-        runner_cfg = RunnerConfig(attention=attention, kv=KVCacheConfig(memory_bytes=kv_memory_mb * 2**20))
-        if budget is not None:
-            EngineConfig(budget=budget)  # validate before the slow part
+        cfg = EngineConfig(policy=policy, attention=attention, kv=KVCacheConfig(memory_bytes=kv_memory_mb * 2**20),
+                           adaptive=AdaptiveConfig(**bounds), **({"budget": budget} if budget is not None else {}))
     except ValueError as e:
         raise EngineBuildError(str(e)) from None
-    if pol.max_shape is not None and draft is None:
+    speculates = make_policy(policy, cfg).max_shape is not None
+    if speculates and draft is None:
         raise EngineBuildError(f"policy {policy!r} speculates: give a draft model with --draft")
     try:
-        tgt = ModelRunner(load_model(target, device=dev, dtype=dt, progress=progress), runner_cfg)
+        tgt = ModelRunner(load_model(target, device=dev, dtype=dt, progress=progress), cfg)
         drf = None
-        if draft is not None and pol.max_shape is not None:
-            drf = ModelRunner(load_model(draft, device=dev, dtype=dt, progress=progress), runner_cfg)
+        if draft is not None and speculates:
+            drf = ModelRunner(load_model(draft, device=dev, dtype=dt, progress=progress), cfg)
     except (FileNotFoundError, UnsupportedModelError, ValueError) as e:
         raise EngineBuildError(str(e)) from None
     prof = None
     if budget is None and profile:
         drf_path = draft if drf is not None else None
-        prof = profile_models(tgt, drf, target_path=target, draft_path=drf_path, force=force_profile,
-                              progress=progress)
-    cfg = EngineConfig(
-        budget=budget if budget is not None else (prof.budget if prof else EngineConfig().budget),
-        target_cost=prof.target_cost if prof else None,
-        draft_cost=prof.draft_cost if prof else None,
-    )
-    engine = Engine(tgt, drf, pol, cfg)
+        prof = profile_models(tgt, drf, target_path=target, draft_path=drf_path, cfg=cfg.profiler,
+                              force=force_profile, progress=progress)
+        cfg = replace(cfg, budget=prof.budget, target_cost=prof.target_cost, draft_cost=prof.draft_cost)
+    engine = Engine(tgt, drf, cfg)
     tokenizer = None
     if any((target / f).is_file() for f in TOKENIZER_FILES):
         try:

@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from adaserve.engine.batch import Segment
+from adaserve.engine.config import EngineConfig
 from adaserve.engine.cost_model import CostModel
-from adaserve.engine.policies import BatchView, Policy, SelectionContext, TreeShape
+from adaserve.engine.policies import BatchView, SelectionContext, TreeShape, make_policy
 from adaserve.engine.request import Phase, Request
 from adaserve.engine.runner import ModelRunner
 from adaserve.engine.speculate import DraftInput, beam_search
@@ -26,23 +27,6 @@ from adaserve.engine.tree import TokenTree
 from adaserve.engine.verify import commit_moves, walk_tree
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    budget: int = 64  # B: tokens per verification (roots included); the profiler's knee when profiled
-    prefill_chunk: int = 256  # prompt tokens per step across requests (chunked prefill)
-    max_batch: int = 64  # requests admitted at once
-    target_cost: CostModel | None = None  # profiled T_fwd of the target; learnt online when None
-    draft_cost: CostModel | None = None
-    initial_forward_s: float = 0.02  # flat guess for an unprofiled forward, until measurements arrive
-    history_len: int = 1024  # recent StepMetrics kept; totals are kept for the whole run
-
-    def __post_init__(self) -> None:
-        if self.budget < 1 or self.prefill_chunk < 1 or self.max_batch < 1:
-            raise ValueError("budget, prefill_chunk and max_batch must be >= 1")
-        if self.initial_forward_s <= 0:
-            raise ValueError("initial_forward_s must be positive")
 
 
 @dataclass(frozen=True)
@@ -95,10 +79,11 @@ class RunTotals:
 
 
 class Engine:
-    def __init__(self, target: ModelRunner, draft: ModelRunner | None, policy: Policy,
-                 cfg: EngineConfig | None = None, *, clock: Callable[[], float] = time.perf_counter,
+    def __init__(self, target: ModelRunner, draft: ModelRunner | None, cfg: EngineConfig | None = None, *,
+                 clock: Callable[[], float] = time.perf_counter,
                  detokenize: Callable[[list[int]], str] | None = None) -> None:
         cfg = cfg or EngineConfig()
+        policy = make_policy(cfg.policy, cfg)  # the engine's own: SmartSpec's keeps per-engine state
         if policy.max_shape is not None and draft is None:
             raise ValueError(f"policy {policy.name!r} speculates and needs a draft model")
         if draft is not None and draft.vocab_size != target.vocab_size:

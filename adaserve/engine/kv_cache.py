@@ -17,22 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from adaserve.engine.config import KVCacheConfig
 from adaserve.engine.model_config import ModelConfig
-
-
-@dataclass(frozen=True)
-class KVCacheConfig:
-    page_size: int = 16
-    num_pages: int | None = None  # explicit size; else derived from memory_bytes
-    memory_bytes: int = 256 * 2**20
-
-    def __post_init__(self) -> None:
-        if self.page_size <= 0:
-            raise ValueError("page_size must be positive")
-        if self.num_pages is not None and self.num_pages <= 0:
-            raise ValueError("num_pages must be positive")
-        if self.num_pages is None and self.memory_bytes <= 0:
-            raise ValueError("memory_bytes must be positive")
 
 
 class OutOfPagesError(RuntimeError):

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from adaserve.engine.adaptive import AdaptiveConfig, depth_width
+from adaserve.engine.adaptive import depth_width
+from adaserve.engine.config import AdaptiveConfig, EngineConfig
 from adaserve.engine.request import Request
 from adaserve.engine.selection import (
     SPECINFER_EXPANSION,
@@ -245,10 +246,11 @@ POLICY_NAMES = ("adaserve", "incremental", "chain:K", "specinfer", "smartspec", 
                 "beam:D,W")
 
 
-def make_policy(spec: str, *, adaptive: AdaptiveConfig | None = None) -> Policy:
-    """A policy from its name (see the table above)."""
+def make_policy(spec: str, cfg: EngineConfig | None = None) -> Policy:
+    """A policy from its name (see the table above), with its knobs from ``cfg``."""
     name, _, arg = spec.partition(":")
-    ada = adaptive or AdaptiveConfig()
+    cfg = cfg or EngineConfig()
+    ada = cfg.adaptive
     try:
         if name == "chain" and arg:
             return Chain(k=int(arg))
@@ -263,10 +265,10 @@ def make_policy(spec: str, *, adaptive: AdaptiveConfig | None = None) -> Policy:
         detail = f": {e}" if str(e) else ""
         raise ValueError(f"bad policy {spec!r}{detail}; expected one of {', '.join(POLICY_NAMES)}") from None
     simple: dict[str, Callable[[], Policy]] = {
-        "adaserve": lambda: AdaServe(adaptive=ada),
+        "adaserve": lambda: AdaServe(adaptive=ada, n_max=cfg.n_max),
         "incremental": Incremental,
         "specinfer": SpecInfer,
-        "smartspec": SmartSpec,
+        "smartspec": lambda: SmartSpec(max_k=cfg.smartspec_max_k),
         "equal-greedy": lambda: EqualGreedy(adaptive=ada),
         "global-greedy": lambda: GlobalGreedy(adaptive=ada),
     }

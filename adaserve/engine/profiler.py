@@ -19,7 +19,7 @@ import logging
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,8 @@ from tqdm import tqdm
 
 from adaserve import __version__
 from adaserve.engine.batch import Segment
-from adaserve.engine.budget import KneeConfig, RooflinePoint, choose_budget, robust_latency
+from adaserve.engine.budget import RooflinePoint, choose_budget, robust_latency
+from adaserve.engine.config import ProfilerConfig
 from adaserve.engine.cost_model import CostModel, fit_cost_model
 from adaserve.engine.kv_cache import SequenceKV
 from adaserve.engine.profile_cache import ProfileCache, ProfileKey
@@ -36,22 +37,6 @@ from adaserve.engine.runner import ModelRunner
 from adaserve.engine.tree import TokenTree
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ProfilerConfig:
-    max_tokens: int | None = None  # largest n; default 1024 on CUDA, 256 on CPU (memory and time)
-    context: int = 256  # representative context length per request for the roofline
-    fit_contexts: tuple[int, ...] = (64, 256)  # contexts sampled for the cost-model fit
-    repeats: int = 5
-    warmup: int = 2
-    knee: KneeConfig = field(default_factory=KneeConfig)
-
-    def __post_init__(self) -> None:
-        if self.repeats < 1 or self.warmup < 0 or self.context < 1:
-            raise ValueError("repeats >= 1, warmup >= 0 and context >= 1 are required")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
 
 
 def device_name(device: torch.device) -> str:

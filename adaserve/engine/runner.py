@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from adaserve.engine.attention import make_backend
 from adaserve.engine.batch import Segment, build_layout
-from adaserve.engine.kv_cache import KVCacheConfig, PagedKVCache
+from adaserve.engine.config import EngineConfig
+from adaserve.engine.kv_cache import PagedKVCache
 from adaserve.engine.model import CausalLM
 
 
-@dataclass(frozen=True)
-class RunnerConfig:
-    attention: str = "auto"
-    kv: KVCacheConfig = field(default_factory=KVCacheConfig)
-
-
 class ModelRunner:
-    def __init__(self, model: CausalLM, cfg: RunnerConfig = RunnerConfig()) -> None:
+    def __init__(self, model: CausalLM, cfg: EngineConfig | None = None) -> None:
+        cfg = cfg or EngineConfig()  # reads cfg.attention and cfg.kv
         self.model = model
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype

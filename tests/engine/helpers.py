@@ -6,24 +6,24 @@ from pathlib import Path
 
 import torch
 
-from adaserve.engine.engine import Engine, EngineConfig
-from adaserve.engine.kv_cache import KVCacheConfig
+from adaserve.engine.config import EngineConfig, KVCacheConfig
+from adaserve.engine.engine import Engine
 from adaserve.engine.loader import load_model
 from adaserve.engine.policies import make_policy
-from adaserve.engine.runner import ModelRunner, RunnerConfig
+from adaserve.engine.runner import ModelRunner
 
 CPU = torch.device("cpu")
 
 
 def runner(path: Path, *, page_size: int = 4, num_pages: int = 4000) -> ModelRunner:
-    cfg = RunnerConfig(attention="torch", kv=KVCacheConfig(page_size=page_size, num_pages=num_pages))
+    cfg = EngineConfig(attention="torch", kv=KVCacheConfig(page_size=page_size, num_pages=num_pages))
     return ModelRunner(load_model(path, device=CPU), cfg)
 
 
 def engine(target: Path, draft: Path | None, policy: str, **cfg: int) -> Engine:
-    pol = make_policy(policy)
-    drf = runner(draft) if draft and pol.max_shape is not None else None
-    return Engine(runner(target), drf, pol, EngineConfig(**cfg))
+    config = EngineConfig(policy=policy, **cfg)
+    drf = runner(draft) if draft and make_policy(policy, config).max_shape is not None else None
+    return Engine(runner(target), drf, config)
 
 
 def hf_greedy(path: Path, prompt: list[int], max_new: int, *, eos: int | None = None) -> list[int]:

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaserve.engine.adaptive import AdaptiveConfig, depth_width
+from adaserve.engine.adaptive import depth_width
+from adaserve.engine.config import AdaptiveConfig
 
 
 def test_defaults_low_and_high_load():

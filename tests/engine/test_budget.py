@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaserve.engine.budget import KneeConfig, RooflinePoint, choose_budget, robust_latency, smooth_roofline
+from adaserve.engine.budget import RooflinePoint, choose_budget, robust_latency, smooth_roofline
+from adaserve.engine.config import KneeConfig
 
 GRID = [2**i for i in range(11)]  # 1 .. 1024, the profiler's probe sizes
 T0 = 0.020  # s: one memory-bound forward

@@ -21,12 +21,13 @@ import torch
 from adaserve.engine.attention.flashinfer_paged import FlashInferAttention, plan_arrays
 from adaserve.engine.attention.torch_sdpa import TorchAttention
 from adaserve.engine.batch import Segment, build_layout
-from adaserve.engine.engine import Engine, EngineConfig
-from adaserve.engine.kv_cache import KVCacheConfig, SequenceKV
+from adaserve.engine.config import EngineConfig, KVCacheConfig
+from adaserve.engine.engine import Engine
+from adaserve.engine.kv_cache import SequenceKV
 from adaserve.engine.loader import load_model
 from adaserve.engine.policies import make_policy
 from adaserve.engine.request import Request
-from adaserve.engine.runner import ModelRunner, RunnerConfig
+from adaserve.engine.runner import ModelRunner
 from adaserve.engine.sampling import SamplingParams
 from adaserve.engine.tree import TokenTree
 from tests.engine.test_greedy_generation import run_staggered
@@ -216,7 +217,7 @@ TOL = {torch.float16: 1e-2, torch.bfloat16: 3e-2}  # of the largest |logit|
 
 def cpu_runner(path: Path, page_size: int = 4) -> ModelRunner:
     return ModelRunner(load_model(path, device=CPU),
-                       RunnerConfig(attention="torch", kv=KVCacheConfig(page_size=page_size, num_pages=2000)))
+                       EngineConfig(attention="torch", kv=KVCacheConfig(page_size=page_size, num_pages=2000)))
 
 
 def cuda_device() -> torch.device:
@@ -239,7 +240,7 @@ def gpu_runner(path: Path, attention: str, dtype: torch.dtype, *, page_size: int
                causal_fast_path: bool = True) -> ModelRunner:
     device = cuda_device()
     r = ModelRunner(load_model(path, device=device, dtype=dtype),
-                    RunnerConfig(attention=attention, kv=KVCacheConfig(page_size=page_size, num_pages=2000)))
+                    EngineConfig(attention=attention, kv=KVCacheConfig(page_size=page_size, num_pages=2000)))
     if attention == "flashinfer":
         assert isinstance(r.backend, FlashInferAttention)
         if not causal_fast_path:
@@ -350,10 +351,9 @@ def workload(n: int, seed: int = 0) -> list[Request]:
 
 
 def run_engine(ckpts: dict[str, Path], attention: str, policy: str, dtype: torch.dtype) -> dict[str, list[int]]:
-    pol = make_policy(policy)
-    draft = gpu_runner(ckpts["draft"], attention, dtype) if pol.max_shape is not None else None
-    eng = Engine(gpu_runner(ckpts["d64-gqa2"], attention, dtype), draft, pol,
-                 EngineConfig(budget=24, prefill_chunk=16))
+    cfg = EngineConfig(policy=policy, budget=24, prefill_chunk=16)
+    draft = gpu_runner(ckpts["draft"], attention, dtype) if make_policy(policy, cfg).max_shape is not None else None
+    eng = Engine(gpu_runner(ckpts["d64-gqa2"], attention, dtype), draft, cfg)
     reqs = workload(10)
     run_staggered(eng, reqs)
     assert all(r.finish_reason == "length" for r in reqs)

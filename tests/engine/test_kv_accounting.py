@@ -47,12 +47,12 @@ def test_hundreds_of_iterations_with_rejections_leave_the_cache_empty(target_dir
 
 
 def test_admission_waits_for_kv_instead_of_overcommitting(target_dir: Path, draft_dir: Path) -> None:
-    from adaserve.engine.engine import Engine, EngineConfig
-    from adaserve.engine.policies import make_policy
+    from adaserve.engine.config import EngineConfig
+    from adaserve.engine.engine import Engine
     from tests.engine.helpers import runner
 
     small = runner(target_dir, page_size=4, num_pages=30)  # 120 slots: room for two requests at a time
-    eng = Engine(small, runner(draft_dir), make_policy("beam:2,2"), EngineConfig(budget=8))
+    eng = Engine(small, runner(draft_dir), EngineConfig(policy="beam:2,2", budget=8))
     reqs = [Request(f"r{i}", [5] * 20, SamplingParams(max_tokens=20, ignore_eos=True)) for i in range(5)]
     for r in reqs:
         eng.add_request(r)

@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adaserve.engine.kv_cache import KVCacheConfig, OutOfPagesError, PagedKVCache, SequenceKV
+from adaserve.engine.config import KVCacheConfig
+from adaserve.engine.kv_cache import OutOfPagesError, PagedKVCache, SequenceKV
 from adaserve.engine.model_config import ModelConfig
 from adaserve.engine.verify import commit_moves
 

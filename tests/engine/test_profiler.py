@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from adaserve.engine.config import ProfilerConfig
 from adaserve.engine.profile_cache import ProfileCache
-from adaserve.engine.profiler import ProfilerConfig, model_identity, profile_models
+from adaserve.engine.profiler import model_identity, profile_models
 from tests.engine.helpers import runner
 
 FAST = ProfilerConfig(max_tokens=32, context=32, fit_contexts=(8, 32), repeats=2, warmup=1)

@@ -8,9 +8,10 @@ import torch
 
 from adaserve.engine.attention.base import AttentionBackend
 from adaserve.engine.attention.torch_sdpa import TorchAttention
+from adaserve.engine.config import ATTENTION_BACKENDS
 from adaserve.engine.model_config import ModelConfig
 
-BACKENDS = ("auto", "torch", "flashinfer")
+BACKENDS = ATTENTION_BACKENDS
 
 
 def flashinfer_available() -> bool:

@@ -10,6 +10,7 @@ when requests arrive.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -122,24 +123,43 @@ class Engine:
         return tgt, drf
 
     def check_request(self, req: Request) -> None:
-        """Raise ValueError (with a message naming the field) if the engine could never serve ``req``."""
+        """The engine's one request validation: ValueError, naming the field, if it could never serve ``req``.
+
+        Every way in calls it once (``add_request``, ``EngineLoop.submit``); nothing past it re-checks a
+        request. Read-only, so any thread may call it. ``req.params`` checked itself when it was built.
+        """
+        if not isinstance(req.request_id, str) or not req.request_id:
+            raise ValueError("request_id: must be a non-empty string")
+        if not req.prompt_ids:
+            raise ValueError("prompt_ids: the prompt must contain at least one token")
+        vocab = self.target.vocab_size
+        if any(not 0 <= t < vocab for t in req.prompt_ids):
+            raise ValueError(f"prompt_ids: token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in req.params.stop_token_ids):
+            raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab})")
+        # A(r) divides by the target every iteration: a zero or NaN here would fail mid-batch
+        if req.tpot_slo_ms is not None and not (math.isfinite(req.tpot_slo_ms) and req.tpot_slo_ms > 0):
+            raise ValueError(f"tpot_slo_ms: must be a finite number > 0, got {req.tpot_slo_ms!r}")
         depth = 0 if self.policy.max_shape is None else self.policy.max_shape.depth
         if len(req.prompt_ids) + req.params.max_tokens + depth + 1 > self.max_context:
             raise ValueError(
-                f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) exceeds the "
-                f"model context of {self.max_context} tokens"
+                f"max_tokens: prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) exceeds "
+                f"the model context of {self.max_context} tokens"
             )
-        vocab = self.target.vocab_size
-        if any(not 0 <= t < vocab for t in req.prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         tgt, drf = self._reservation(req)
         if tgt > self.target.cache.num_pages or (self.draft is not None and drf > self.draft.cache.num_pages):
-            raise ValueError("prompt + max_tokens need more KV cache than the engine has in total")
+            raise ValueError("max_tokens: prompt + max_tokens need more KV cache than the engine has in total")
 
     def add_request(self, req: Request) -> None:
+        """Validate ``req`` (``check_request``) and queue it."""
         self.check_request(req)
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        """Queue a request ``check_request`` has passed. EngineLoop checks on the caller's thread and
+        queues on the engine's; only the id can clash by then, since it depends on who else is queued."""
         if any(r.request_id == req.request_id for r in self.waiting + self.running):
-            raise ValueError(f"request id {req.request_id!r} is already in use")
+            raise ValueError(f"request_id: {req.request_id!r} is already in use")
         req.metrics.arrival_s = self.clock()
         self.waiting.append(req)
 

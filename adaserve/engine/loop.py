@@ -59,7 +59,7 @@ class EngineLoop:
 
     def submit(self, req: Request, callback: EventCallback) -> None:
         """Queue ``req``; raises ValueError at once if the engine could never serve it."""
-        self.engine.check_request(req)  # read-only: safe from any thread
+        self.engine.check_request(req)  # the one validation; read-only, so safe from this thread
         with self._cv:
             if self._stopping:
                 raise RuntimeError("engine loop is stopping")
@@ -77,7 +77,7 @@ class EngineLoop:
         for cmd in inbox:
             if isinstance(cmd, _Submit):
                 try:
-                    self.engine.add_request(cmd.req)
+                    self.engine._enqueue(cmd.req)  # checked in submit; only a clashing id can fail here
                 except ValueError as e:
                     log.warning("request %s refused: %s", cmd.req.request_id, e)
                     cmd.callback(TokenEvent(cmd.req.request_id, [], True, "error"))

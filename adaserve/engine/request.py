@@ -66,8 +66,7 @@ class Request:
     generator: torch.Generator = field(init=False)
 
     def __post_init__(self) -> None:
-        if not self.prompt_ids:
-            raise ValueError("prompt must contain at least one token")
+        # No checks here: Engine.check_request is where a request is validated, once.
         self.generator = make_generator(self.params.seed)
 
     @property

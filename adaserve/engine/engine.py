@@ -134,7 +134,7 @@ class Engine:
             raise ValueError("prompt_ids: the prompt must contain at least one token")
         vocab = self.target.vocab_size
         if any(not 0 <= t < vocab for t in req.prompt_ids):
-            raise ValueError(f"prompt_ids: token ids must be in [0, {vocab})")
+            raise ValueError(f"prompt_ids: prompt token ids must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t in req.params.stop_token_ids):
             raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab})")
         # A(r) divides by the target every iteration: a zero or NaN here would fail mid-batch

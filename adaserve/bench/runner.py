@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from adaserve.bench.hf_peer import HFPeer
 from adaserve.bench.metrics import RequestResult, adaserve_ratios, summarize
+from adaserve.bench.selection_gap import SelectionGap, budgeted
 from adaserve.bench.workload import WorkloadConfig, WorkloadRequest, build_workload
 from adaserve.engine.build import resolve_device
 from adaserve.engine.chat import instruction_ids
@@ -146,12 +147,15 @@ def run_variant(shared: Shared, variant: Variant, workload: list[WorkloadRequest
     arrivals = to_requests(workload, shared, cfg)
     classes = {w.request_id: w.slo_class for w in workload}
     select_s = step_s = 0.0
+    gap = SelectionGap() if budgeted(variant.policy) else None  # Algorithm 2 (and kin) against Algorithm 1
     t0 = time.perf_counter()
     if variant.policy == HF_PEER:
         assert shared.hf is not None
         shared.hf.run(arrivals, on_done=bar.update)
     else:
         eng = make_engine(shared, variant)
+        if gap is not None:
+            eng.selection_listeners.append(gap.observe)
 
         def on_step(events: list[TokenEvent]) -> None:
             bar.update(sum(1 for e in events if e.finished))
@@ -165,6 +169,8 @@ def run_variant(shared: Shared, variant: Variant, workload: list[WorkloadRequest
         for _, r in arrivals
     ]
     summary = summarize(results, wall_s=max(wall, cfg.duration_s), select_s=select_s, step_s=step_s)
+    if gap is not None:
+        summary["selection_vs_optimal"] = gap.summary()
     return summary, {r.request_id: r.output_ids for _, r in arrivals}
 
 

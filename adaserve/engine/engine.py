@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from adaserve.engine.batch import Segment
 from adaserve.engine.config import EngineConfig
 from adaserve.engine.cost_model import CostModel
-from adaserve.engine.policies import BatchView, SelectionContext, TreeShape, make_policy
+from adaserve.engine.policies import BatchView, SelectionContext, SelectionRecord, TreeShape, make_policy, requirement
 from adaserve.engine.request import Phase, Request
 from adaserve.engine.runner import ModelRunner
 from adaserve.engine.speculate import DraftInput, beam_search
@@ -103,6 +103,8 @@ class Engine:
         self.history: deque[StepMetrics] = deque(maxlen=cfg.history_len)
         self.totals = RunTotals()
         self.step_listeners: list[Callable[[StepMetrics], None]] = []
+        # called with every speculative iteration's candidates and choice; nothing is recorded without one
+        self.selection_listeners: list[Callable[[SelectionRecord], None]] = []
 
     # ---- requests in and out ----------------------------------------------------------------------
     @property
@@ -311,6 +313,11 @@ class Engine:
         m.t_speculate_s, m.t_select_s = t1 - t0, self.clock() - t1
         m.tokens_verified = sum(t.size for t in trees)
         m.per_request_verified = {r.request_id: t.size for r, t in zip(decoding, trees, strict=True)}
+        if self.selection_listeners:
+            needs = [requirement(r, now_s=ctx.now_s, t_iter_s=ctx.t_iter_s) for r in decoding]
+            record = SelectionRecord(cands, needs, chosen, ctx)
+            for listener in self.selection_listeners:
+                listener(record)
         return trees
 
     def _emit(self, emitted: dict[str, list[int]], m: StepMetrics) -> list[TokenEvent]:

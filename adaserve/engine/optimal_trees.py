@@ -1,7 +1,11 @@
 """Algorithm 1: the optimal draft trees when every path probability f(v) is known (AdaServe section 4.1).
 
-The yardstick the practical selection is measured against. T_inf(r) is infinite; here each request's
-stand-in is an explicit finite ``TokenTree`` whose ``log_probs`` are the known log f(v).
+The yardstick, not a serving path: no policy calls it. It is what Algorithm 2 (selection.select_adaserve)
+is measured against. tests/engine/test_optimal_trees.py proves it optimal by brute force and shows
+Algorithm 2 equals it when nothing caps the selection; the benchmark (bench/selection_gap.py) runs it on
+each iteration's real candidate trees to report how far the engine's choice was from the optimum.
+T_inf(r) is infinite; here each request's stand-in is an explicit finite ``TokenTree`` whose
+``log_probs`` are the known log f(v).
 
 Problem (Eq. 1, 5, 6): choose connected trees T_i, each holding its root, to
     maximise  sum_i sum_{v in T_i} f(v)

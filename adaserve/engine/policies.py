@@ -72,6 +72,16 @@ class SelectionContext:
     t_iter_s: float  # predicted duration of this iteration
 
 
+@dataclass(frozen=True)
+class SelectionRecord:
+    """One iteration's selection, for whoever measures it (the bench compares it with Algorithm 1)."""
+
+    candidates: list[TokenTree]  # the draft's candidate tree per decoding request
+    requirements: list[float]  # A(r) per request, as ``requirement`` computes it for this iteration
+    selected: list[list[int]]  # the policy's choice: node indices per request
+    ctx: SelectionContext
+
+
 class Policy(Protocol):
     name: str
 

@@ -4,8 +4,11 @@ The draft's beam search gives every request a candidate tree whose node ``v`` ca
 path probability. Selection is pure CPU work over those numbers. It returns, per request, the sorted node
 indices to keep (always 0, closed under parents), ready for ``cand.subtree(selected)``.
 
-Policies (DESIGN.md section 6): ``select_adaserve`` (Algorithm 2), ``select_global_greedy``,
-``select_equal_greedy``, ``select_specinfer`` (static expansion) and ``select_chain``.
+The budgeted policies (docs/architecture.md, "Policies"): ``select_adaserve`` (Algorithm 2),
+``select_global_greedy`` and ``select_equal_greedy``. The policies without a budget (chain:K, SpecInfer,
+SmartSpec) verify the whole candidate tree; SpecInfer's static shape comes from the beam search itself.
+How far Algorithm 2 lands from the optimum on the same candidates is measured against Algorithm 1
+(optimal_trees.py) by the benchmark (bench/selection_gap.py).
 
 Why greedy-by-f keeps trees connected (Appendix B): f(child) < f(parent), so a parent always ranks above
 its child. We make the decrease strict (``TokenTree.with_strict_decrease``) and break the remaining ties
@@ -15,33 +18,14 @@ between unrelated nodes by node index; since ``parents[i] < i`` that tie-break a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from adaserve.engine.tree import TokenTree
 
-# SpecInfer's default static tree: a node at depth i keeps its top SPECINFER_EXPANSION[i] children.
+# SpecInfer's default static tree: a node at depth i keeps its top SPECINFER_EXPANSION[i] children
+# (speculate.beam_search builds it).
 SPECINFER_EXPANSION: tuple[int, ...] = (1, 1, 3, 1, 1, 1, 1, 1)
-
-
-@dataclass(frozen=True)
-class SelectionConfig:
-    """Selection knobs for one worker.
-
-    budget: B, the tokens one verification may hold, roots included (the profiled roofline knee).
-    n_max: the most nodes (root included) one request may take in the SLO phase, so a request whose SLO
-        needs many low-f nodes cannot drain the budget (section 4.3, step 2).
-    """
-
-    budget: int
-    n_max: int
-
-    def __post_init__(self) -> None:
-        if self.budget < 1:
-            raise ValueError(f"budget must be >= 1, got {self.budget}")
-        if self.n_max < 1:
-            raise ValueError(f"n_max must be >= 1 (the root alone), got {self.n_max}")
 
 
 def slo_requirement(*, elapsed_s: float, tokens_so_far: int, t_iter_s: float, tpot_slo_s: float) -> float:
@@ -148,14 +132,6 @@ def select_adaserve(cands: Sequence[TokenTree], requirements: Sequence[float], *
     return _as_lists(_throughput_phase(lps, chosen, budget=budget))
 
 
-def select_slo_phase(cands: Sequence[TokenTree], requirements: Sequence[float], *, budget: int, depth: int,
-                     n_max: int) -> list[list[int]]:
-    """Only the SLO phase of ``select_adaserve`` (for inspection and tests); same arguments."""
-    req = _validated(cands, requirements, budget=budget, depth=depth, n_max=n_max)
-    lps = [_strict_log_probs(c) for c in cands]
-    return _as_lists(_slo_phase(lps, req, budget=budget, depth=depth, n_max=n_max))
-
-
 def select_global_greedy(cands: Sequence[TokenTree], *, budget: int) -> list[list[int]]:
     """GlobalGreedy: roots, then the globally highest-f nodes until the budget is spent (no SLO phase)."""
     _check_roots_fit(len(cands), budget)
@@ -175,48 +151,6 @@ def select_equal_greedy(cands: Sequence[TokenTree], *, budget: int) -> list[list
         order = _rank(_strict_log_probs(c), np.arange(1, c.size))
         out.append(np.concatenate(([0], order[: share - 1])))
     return _as_lists(out)
-
-
-def static_expansion(cand: TokenTree, expansion: Sequence[int] = SPECINFER_EXPANSION) -> list[int]:
-    """Keep, for each kept node at depth i, its top ``expansion[i]`` children by f; nothing below depth
-    ``len(expansion)``. A node with fewer candidate children keeps all it has."""
-    if any(e < 0 for e in expansion):
-        raise ValueError(f"expansion counts must be >= 0, got {tuple(expansion)}")
-    kids = cand.children()
-    keep, frontier = [0], [0]
-    for width in expansion:
-        nxt: list[int] = []
-        for v in frontier:
-            nxt.extend(int(c) for c in _rank(cand.log_probs, np.asarray(kids[v], np.int64))[:width])
-        keep.extend(nxt)
-        frontier = nxt
-    return sorted(keep)
-
-
-def select_specinfer(cands: Sequence[TokenTree], *,
-                     expansion: Sequence[int] = SPECINFER_EXPANSION) -> list[list[int]]:
-    """SpecInfer baseline: the same static expansion for every request, no budget."""
-    return [static_expansion(c, expansion) for c in cands]
-
-
-def select_chain(cands: Sequence[TokenTree], k: int) -> list[list[int]]:
-    """chain:k: the root plus the path to the highest-f node at depth min(k, tree depth).
-
-    For w = 1 beams this is the first k drafted tokens. Ties go to the lower node index.
-    """
-    if k < 0:
-        raise ValueError(f"chain length must be >= 0, got {k}")
-    out = []
-    for c in cands:
-        depths = c.depths()
-        at = np.flatnonzero(depths == min(k, int(depths.max())))
-        v = int(at[np.argmax(c.log_probs[at])])  # argmax returns the first (lowest index) maximum
-        path = []
-        while v >= 0:
-            path.append(v)
-            v = int(c.parents[v])
-        out.append(sorted(path))
-    return out
 
 
 def _validated(cands: Sequence[TokenTree], requirements: Sequence[float], *, budget: int, depth: int,

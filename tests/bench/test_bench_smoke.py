@@ -37,5 +37,10 @@ def test_short_bench_report(tmp_path: Path) -> None:
             assert 0.0 <= r["scheduler_time_share"] <= 1.0
             if r["policy"] != "hf":
                 assert r["outputs_equal_reference"] == 1.0  # lossless: same greedy tokens as every policy
+            # the budgeted policy's selection is measured against Algorithm 1; the others have no budget to share
+            gap = r.get("selection_vs_optimal")
+            assert (gap is not None) == (r["policy"] == "adaserve")
+            if gap is not None and gap["optimal_share"] is not None:
+                assert 0.0 <= gap["optimal_share"] <= 1.0
     assert set(report["adaserve_vs_best_other"]) == {"1.5", "3"}
     assert png.stat().st_size > 1000

@@ -53,6 +53,15 @@ def batch(draw: st.DrawFn) -> dict:
     }
 
 
+def slo_phase(cands: list[TokenTree], requirements: list[float], *, budget: int, depth: int,
+              n_max: int) -> list[list[int]]:
+    """Algorithm 2's first phase alone: the step select_adaserve runs before spending the rest of B.
+    Private in the engine (nothing serves with it alone), so reached here through the module."""
+    req = selection._validated(cands, requirements, budget=budget, depth=depth, n_max=n_max)
+    lps = [selection._strict_log_probs(c) for c in cands]
+    return selection._as_lists(selection._slo_phase(lps, req, budget=budget, depth=depth, n_max=n_max))
+
+
 def strict_lp(c: TokenTree) -> np.ndarray:
     """The f the selection ranks by: ties nudged only where the decrease is not strict."""
     lp = c.log_probs
@@ -83,7 +92,7 @@ FIG5 = [
 def test_figure5_worked_example():
     # The caption's A_cap 0.6 / 0.8 count tokens beyond the bonus; A(r) counts the bonus (root f = 1).
     req = [1.0 + 0.6, 1.0 + 0.8]
-    slo = selection.select_slo_phase(FIG5, req, budget=8, depth=3, n_max=8)
+    slo = slo_phase(FIG5, req, budget=8, depth=3, n_max=8)
     assert slo == [[0, 1], [0, 1, 2]]  # r0: t1 (1.7 >= 1.6); r1: t1, t2 (1.5 < 1.8 <= 1.9)
     final = selection.select_adaserve(FIG5, req, budget=8, depth=3, n_max=8)
     # remaining budget 8 - 2 roots - 3 = 3 -> t3(0) .49, t5(0) .392, t3(1) .35
@@ -95,7 +104,7 @@ def test_figure5_worked_example():
 def test_figure5_literal_caption_values_are_met_by_roots():
     # Read literally under Algorithm 2 (n_acc starts at 1.0), 0.6 and 0.8 are met by the roots alone:
     # why the caption's numbers must be A(r) - 1.
-    slo = selection.select_slo_phase(FIG5, [0.6, 0.8], budget=8, depth=3, n_max=8)
+    slo = slo_phase(FIG5, [0.6, 0.8], budget=8, depth=3, n_max=8)
     assert slo == [[0], [0]]
 
 
@@ -105,7 +114,7 @@ def test_figure5_literal_caption_values_are_met_by_roots():
 def test_adaserve_budget_connectivity_and_phases(b: dict):
     cands, req = b["cands"], b["requirements"]
     kw = {"budget": b["budget"], "depth": b["depth"], "n_max": b["n_max"]}
-    slo = selection.select_slo_phase(cands, req, **kw)
+    slo = slo_phase(cands, req, **kw)
     final = selection.select_adaserve(cands, req, **kw)
     assert_trees(cands, slo)
     assert_trees(cands, final)
@@ -136,7 +145,7 @@ def test_adaserve_budget_connectivity_and_phases(b: dict):
 @given(batch())
 def test_adaserve_serves_larger_requirement_first(b: dict):
     cands, req, d, n_max = b["cands"], b["requirements"], b["depth"], b["n_max"]
-    slo = selection.select_slo_phase(cands, req, budget=b["budget"], depth=d, n_max=n_max)
+    slo = slo_phase(cands, req, budget=b["budget"], depth=d, n_max=n_max)
     tol = 1e-9
     for j, (c, s) in enumerate(zip(cands, slo, strict=True)):
         a_cap = min(req[j], d + 1)
@@ -164,9 +173,9 @@ def test_adaserve_scarce_budget_prefers_larger_requirement():
 def test_adaserve_caps_requirement_at_depth_and_n_max():
     chain = tree([-1, 0, 1, 2, 3, 4], [1.0, 0.9, 0.8, 0.7, 0.6, 0.5])
     # A = 100 is capped at d+1: d = 1 -> 2 (1.9 < 2 <= 2.7), d = 2 -> 3 (2.7 < 3 <= 3.4)
-    assert selection.select_slo_phase([chain], [100.0], budget=10, depth=1, n_max=8) == [[0, 1, 2]]
-    assert selection.select_slo_phase([chain], [100.0], budget=10, depth=2, n_max=8) == [[0, 1, 2, 3]]
-    assert selection.select_slo_phase([chain], [100.0], budget=10, depth=5, n_max=2) == [[0, 1]]
+    assert slo_phase([chain], [100.0], budget=10, depth=1, n_max=8) == [[0, 1, 2]]
+    assert slo_phase([chain], [100.0], budget=10, depth=2, n_max=8) == [[0, 1, 2, 3]]
+    assert slo_phase([chain], [100.0], budget=10, depth=5, n_max=2) == [[0, 1]]
 
 
 def test_ties_do_not_orphan_nodes():
@@ -189,14 +198,6 @@ def test_adaserve_rejects_bad_arguments():
     with pytest.raises(ValueError):
         selection.select_adaserve([t], [1.0], budget=4, depth=3, n_max=0)
     assert selection.select_adaserve([], [], budget=4, depth=3, n_max=4) == []
-
-
-def test_selection_config_validates():
-    assert selection.SelectionConfig(budget=128, n_max=16).budget == 128
-    with pytest.raises(ValueError):
-        selection.SelectionConfig(budget=0, n_max=4)
-    with pytest.raises(ValueError):
-        selection.SelectionConfig(budget=8, n_max=0)
 
 
 def test_slo_requirement():
@@ -237,53 +238,3 @@ def test_equal_greedy_splits_budget(cands: list[TokenTree], extra: int):
         rest = [v for v in range(c.size) if v not in s]
         if rest:
             assert lp[s].min() >= lp[rest].max()
-
-
-def full_tree(depth: int, kids: int) -> TokenTree:
-    """Every node above ``depth`` has ``kids`` children with draft probabilities 0.5, 0.25, 0.125, ..."""
-    parents, lps, frontier = [-1], [0.0], [0]
-    for _ in range(depth):
-        nxt = []
-        for v in frontier:
-            for k in range(kids):
-                parents.append(v)
-                lps.append(lps[v] + math.log(0.5 ** (k + 1)))
-                nxt.append(len(parents) - 1)
-        frontier = nxt
-    return TokenTree.from_lists(list(range(len(parents))), parents, lps)
-
-
-def test_specinfer_static_expansion_shape():
-    cand = full_tree(depth=9, kids=3)  # deeper than the expansion: depth 9 must be dropped
-    (sel,) = selection.select_specinfer([cand])
-    assert_trees([cand], [sel])
-    depths = cand.depths()[sel]
-    # <1,1,3,1,1,1,1,1>: 1 root, 1, 1, 3, then each of the 3 branches keeps one child per level
-    assert np.bincount(depths).tolist() == [1, 1, 1, 3, 3, 3, 3, 3, 3]
-    assert len(sel) == 21
-    # each kept node keeps its highest-f children: at depth 2 all 3, elsewhere the first (f x 0.5)
-    kids = cand.children()
-    for v in sel:
-        kept = [c for c in kids[v] if c in sel]
-        if kept:
-            assert kept == kids[v][: len(kept)]
-
-
-def test_specinfer_with_narrow_candidates_keeps_what_exists():
-    chain = tree([-1, 0, 1], [1.0, 0.5, 0.25])
-    assert selection.select_specinfer([chain]) == [[0, 1, 2]]
-    # r0 of Figure 5: t2 has no candidate children, t1 keeps its best one (t3) or both
-    assert selection.static_expansion(FIG5[0], (2, 1)) == [0, 1, 2, 3]
-    assert selection.static_expansion(FIG5[0], (2, 2)) == [0, 1, 2, 3, 4]
-
-
-def test_chain_selection():
-    w1 = tree([-1, 0, 1, 2, 3], [1.0, 0.9, 0.5, 0.4, 0.1])
-    assert selection.select_chain([w1], 10) == [[0, 1, 2, 3, 4]]  # w = 1: the whole chain
-    assert selection.select_chain([w1], 2) == [[0, 1, 2]]
-    assert selection.select_chain([w1], 0) == [[0]]
-    # r1 of Figure 5: the best depth-2 node is t3 (.35, under t1); best depth-3 is t5 (.21, under t3)
-    assert selection.select_chain([FIG5[1]], 2) == [[0, 1, 3]]
-    assert selection.select_chain([FIG5[1]], 3) == [[0, 1, 3, 5]]
-    with pytest.raises(ValueError):
-        selection.select_chain([w1], -1)

@@ -1,4 +1,4 @@
-"""The ragged batch: many requests' new tokens in one forward (DESIGN.md section 3).
+"""The ragged batch: many requests' new tokens in one forward (docs/architecture.md §2).
 
 Each request contributes a *segment*: ``prefix_len`` committed tokens every new token may see, and
 a token tree whose first ``num_cached`` nodes are already in the KV cache (earlier beam-search steps)

@@ -1,7 +1,7 @@
 """Choosing the token budget B: the knee of the measured roofline.
 
 ``t(n)`` is the latency of one target forward over ``n`` new tokens at a fixed context (AdaServe section 3;
-docs/architecture.md, "Budget and cost model"). While the forward is memory-bound ``t`` stays flat at
+docs/architecture.md §8). While the forward is memory-bound ``t`` stays flat at
 ``t(1)`` (every token reuses the same weight load); past the roofline ridge it grows ~linearly in ``n``.
 B is the knee: the most tokens one forward can carry for (almost) the price of one, see
 :func:`choose_budget`.

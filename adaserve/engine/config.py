@@ -15,7 +15,7 @@ own fields when built and raises ValueError naming the field, so nothing downstr
 
 Not knobs: a request's own settings (``sampling.SamplingParams``), the model's shape (``model_config``),
 and estimator constants nobody tunes (the online cost model's window, SmartSpec's acceptance window),
-which stay with their estimators. docs/architecture.md explains what each group does in an iteration.
+which stay with their estimators. docs/architecture.md §9 says where each group acts in an iteration.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 SmartSpec's model (section 4.3): alpha the KV-cache read per context token, gamma the compute per
 batched token, delta the weight load. The profiler fits it at start-up with :func:`fit_cost_model`;
 the engine predicts each iteration's duration with it (A(r), SmartSpec's goodput), and workers publish
-it for the gateway's headroom (docs/architecture.md, "Budget and cost model"). timing.py refits it
+it for the gateway's headroom (docs/architecture.md §8). timing.py refits it
 online when no profile exists.
 
 Pure logic: numpy and the standard library only.

@@ -1,9 +1,10 @@
 """Algorithm 1: the optimal draft trees when every path probability f(v) is known (AdaServe section 4.1).
 
-The yardstick, not a serving path: no policy calls it. It is what Algorithm 2 (selection.select_adaserve)
-is measured against. tests/engine/test_optimal_trees.py proves it optimal by brute force and shows
-Algorithm 2 equals it when nothing caps the selection; the benchmark (bench/selection_gap.py) runs it on
-each iteration's real candidate trees to report how far the engine's choice was from the optimum.
+The yardstick, not a serving path: no policy calls it (docs/architecture.md §5). It is what
+Algorithm 2 (selection.select_adaserve) is measured against. tests/engine/test_optimal_trees.py proves
+it optimal by brute force and shows Algorithm 2 equals it when nothing caps the selection; the benchmark
+(bench/selection_gap.py) runs it on each iteration's real candidate trees to report how far the engine's
+choice was from the optimum.
 T_inf(r) is infinite; here each request's stand-in is an explicit finite ``TokenTree`` whose
 ``log_probs`` are the known log f(v).
 

@@ -1,4 +1,4 @@
-"""Decoding policies: AdaServe and every baseline, on the same engine (DESIGN.md section 6).
+"""Decoding policies: AdaServe and every baseline, on the same engine (docs/architecture.md §6).
 
 A policy answers, each iteration: how to speculate (a ``TreeShape`` for the draft's beam search, or
 None for no speculation), and which candidate nodes of each request to verify. Every policy is

@@ -4,7 +4,7 @@ The draft's beam search gives every request a candidate tree whose node ``v`` ca
 path probability. Selection is pure CPU work over those numbers. It returns, per request, the sorted node
 indices to keep (always 0, closed under parents), ready for ``cand.subtree(selected)``.
 
-The budgeted policies (docs/architecture.md, "Policies"): ``select_adaserve`` (Algorithm 2),
+The budgeted policies (docs/architecture.md §5-6): ``select_adaserve`` (Algorithm 2),
 ``select_global_greedy`` and ``select_equal_greedy``. The policies without a budget (chain:K, SpecInfer,
 SmartSpec) verify the whole candidate tree; SpecInfer's static shape comes from the beam search itself.
 How far Algorithm 2 lands from the optimum on the same candidates is measured against Algorithm 1

@@ -1,4 +1,4 @@
-"""SmartSpec's goodput-guided proposal length (../shared/seeds/003, Sec. 4.3-4.4, Algorithms 1-2).
+"""SmartSpec's goodput-guided proposal length (SmartSpec Sec. 4.3-4.4, Alg. 1-2; docs/architecture.md §6).
 
 Every decoding request proposes the same chain length k this step. The expected tokens a request
 emits with acceptance rate alpha is l(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha) (bonus included), and

@@ -1,4 +1,4 @@
-"""Speculation: batched beam search on the draft model across all requests (DESIGN.md section 2.2).
+"""Speculation: batched beam search on the draft model across all requests (docs/architecture.md §4).
 
 Step 1 feeds every request's tokens the draft has not seen yet (accepted tokens of the last
 iteration, ending with the root) and keeps the root's top-w children. Steps 2..d feed the w newest

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 # Smallest gap kept between a parent's and a child's log path probability, so that a greedy pick by
-# path probability can never take a child before its parent (DESIGN.md section 4: ties orphan nodes).
+# path probability can never take a child before its parent (docs/architecture.md §5: ties orphan nodes).
 STRICT_DECREASE_EPS = 1e-6
 
 

@@ -1,4 +1,4 @@
-"""Verification: walk a request's token tree against the target's logits (DESIGN.md section 2.4).
+"""Verification: walk a request's token tree against the target's logits (docs/architecture.md §7).
 
 At the current node draw y from the target (argmax when greedy); if y is a child's token, accept that
 child and continue from it; otherwise y is the bonus token and the walk stops. Every emitted token is

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the gateway, per SLO class (``adaserve_gateway_*``, DESIGN.md section 7)."""
+"""Prometheus metrics of the gateway, per SLO class (``adaserve_gateway_*``, docs/gateway.md "Metrics")."""
 
 from __future__ import annotations
 

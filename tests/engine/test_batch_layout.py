@@ -1,4 +1,4 @@
-"""Positions by depth, KV slots by flat index, and the mask rows (DESIGN.md section 3)."""
+"""Positions by depth, KV slots by flat index, and the mask rows (docs/architecture.md §2)."""
 
 from __future__ import annotations
 

@@ -13,6 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from adaserve.error_fields import field_path
+
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          409: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
          503: "service_unavailable", 502: "server_error", 504: "server_error"}
@@ -38,24 +40,16 @@ async def api_error(_request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
-def _field(loc: tuple[Any, ...]) -> str:
-    parts = list(loc[1:]) if len(loc) > 1 and loc[0] in ("body", "query", "path", "header") else list(loc)
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out
-
-
 async def invalid_request(_request: Request, exc: Exception) -> JSONResponse:
     """Validation errors as 400 (OpenAI answers 400 for a malformed body, not 422) naming every field."""
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     parts = []
     for e in errors:
-        where = _field(tuple(e.get("loc", ())))
+        where = field_path(tuple(e.get("loc", ())))
         msg = str(e.get("msg", "")).removeprefix("Value error, ")
         parts.append(f"{where}: {msg}" if where else msg)
-    param = _field(tuple(errors[0].get("loc", ()))) if errors else None
+    param = field_path(tuple(errors[0].get("loc", ()))) if errors else None
     return JSONResponse(error_body(400, "; ".join(parts) or "invalid request", param=param or None,
                                    code="invalid_request"), status_code=400)
 

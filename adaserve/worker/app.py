@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from adaserve import __version__
+from adaserve.error_fields import field_path
 from adaserve.worker.routes import generate, health, metrics, profile, requests
 from adaserve.worker.runtime import RequestRefused, Runtime
 
@@ -49,19 +49,10 @@ async def _refused(_request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": exc.message}, status_code=exc.status, headers=headers)
 
 
-def _field(loc: tuple[Any, ...]) -> str:
-    """('body', 'prompt_token_ids', 2) -> 'prompt_token_ids[2]'; ('header', 'X-SLO-Class') -> 'X-SLO-Class'."""
-    parts = list(loc[1:]) if len(loc) > 1 and loc[0] in ("body", "query", "path", "header") else list(loc)
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out or "body"
-
-
 async def _invalid(_request: Request, exc: Exception) -> JSONResponse:
     if not isinstance(exc, RequestValidationError):
         raise exc
-    errors = [{"field": _field(tuple(e.get("loc", ()))), "message": e.get("msg", ""), "type": e.get("type", "")}
-              for e in exc.errors()]
+    errors = [{"field": field_path(tuple(e.get("loc", ()))) or "body", "message": e.get("msg", ""),
+               "type": e.get("type", "")} for e in exc.errors()]
     detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors) or "invalid request"
     return JSONResponse({"detail": detail, "errors": errors}, status_code=422)

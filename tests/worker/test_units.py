@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from adaserve.worker.app import _field
+from adaserve.error_fields import field_path
 from adaserve.worker.detok import IncrementalText
 from adaserve.worker.registry import index_key, redacted, worker_key
 from adaserve.worker.schemas import GenerateRequest
@@ -90,9 +90,10 @@ def test_request_body_rules() -> None:
 
 
 def test_validation_field_names() -> None:
-    assert _field(("body", "prompt_token_ids", 2)) == "prompt_token_ids[2]"
-    assert _field(("header", "X-SLO-Class")) == "X-SLO-Class"
-    assert _field(("body",)) == "body"
+    assert field_path(("body", "prompt_token_ids", 2)) == "prompt_token_ids[2]"
+    assert field_path(("body", "messages", 0, "role")) == "messages[0].role"
+    assert field_path(("header", "X-SLO-Class")) == "X-SLO-Class"
+    assert field_path(("body",)) == "body"
 
 
 def test_registry_keys_and_redacted_url() -> None:

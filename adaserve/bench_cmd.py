@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from adaserve.cli import CliError
-
-
-def floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+from adaserve.arg_types import floats
+from adaserve.cli_error import CliError
+from adaserve.reports import emit_report
 
 
 def _budgets(text: str) -> tuple[int | str, ...]:
@@ -73,15 +66,3 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     emit_report(report, json_path=args.json, plot_path=args.plot, plot=plot_report)
     return 0
-
-
-def emit_report(report: dict[str, Any], *, json_path: Path | None, plot_path: Path | None,
-                plot: Callable[[dict[str, Any], Path], None]) -> None:
-    """The report as JSON on stdout, and optionally into a file and a PNG (every benchmark command)."""
-    text = json.dumps(report, indent=2)
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(text + "\n")
-    if plot_path:
-        plot(report, plot_path)
-    print(text)

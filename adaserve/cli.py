@@ -13,8 +13,6 @@ import sys
 from adaserve import __version__
 from adaserve.cli_error import EXIT_USAGE, CliError
 
-__all__ = ["EXIT_USAGE", "CliError", "build_parser", "main"]
-
 
 def build_parser() -> argparse.ArgumentParser:
     from adaserve import bench_cmd, gateway_cmd, generate_cmd, loadtest_cmd, profile_cmd, up_cmd, worker_cmd

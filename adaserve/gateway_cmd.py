@@ -1,58 +1,17 @@
-"""``adaserve gateway``: the OpenAI-compatible gateway in front of registered workers (docs/gateway.md)."""
+"""``adaserve gateway``: the OpenAI-compatible gateway in front of registered workers (docs/gateway.md).
+
+The options and the run are the gateway package's own (adaserve/gateway/options.py), shared with
+``python -m adaserve.gateway``; this only mounts them under the ``adaserve`` command.
+"""
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
 from typing import Any
 
-from adaserve.cli_error import CliError
-
-OPTIONS = ("host", "port", "redis_url", "redis_prefix", "workers", "model_name", "slo_classes_file",
-           "default_slo_class", "api_keys_file", "routing", "on_overload", "queue_timeout_s", "max_attempts",
-           "log_level")
+from adaserve.gateway import options
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("gateway", help="the OpenAI-compatible gateway: SLO classes, routing, admission")
-    p.add_argument("--host", help="bind address [ADASERVE_GATEWAY_HOST, default 127.0.0.1]")
-    p.add_argument("--port", type=int, help="[ADASERVE_GATEWAY_PORT, default 8080]")
-    p.add_argument("--redis-url", help="workers' registry and shared state [ADASERVE_GATEWAY_REDIS_URL]")
-    p.add_argument("--redis-prefix", help="key prefix [ADASERVE_GATEWAY_REDIS_PREFIX, default adaserve]")
-    p.add_argument("--workers", help="comma-separated worker URLs, instead of Redis registrations")
-    p.add_argument("--model-name", help="the model served [ADASERVE_GATEWAY_MODEL_NAME]")
-    p.add_argument("--slo-classes-file", type=Path, help="JSON list of SLO classes")
-    p.add_argument("--default-slo-class", help="class of requests that name none")
-    p.add_argument("--api-keys-file", type=Path, help='JSON {"keys": [...]}; unset = no authentication')
-    p.add_argument("--routing", choices=["headroom", "least-loaded", "round-robin"])
-    p.add_argument("--on-overload", choices=["best-effort", "refuse"],
-                   help="non-sheddable requests without headroom after the queue timeout [default best-effort]")
-    p.add_argument("--queue-timeout-s", type=float, help="wait for headroom before 503")
-    p.add_argument("--max-attempts", type=int, help="workers tried before the first token")
-    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
-    p.set_defaults(func=run)
-
-
-def load_settings(args: argparse.Namespace) -> Any:
-    from adaserve.cli_settings import load
-    from adaserve.gateway.settings import GatewaySettings
-
-    given = {name: getattr(args, name, None) for name in OPTIONS}
-    given = {k: v for k, v in given.items() if v is not None}
-    if "workers" in given:
-        given["workers"] = [u.strip() for u in given["workers"].split(",") if u.strip()]
-    return load(GatewaySettings, given, options=OPTIONS, env_prefix="ADASERVE_GATEWAY_")
-
-
-def run(args: argparse.Namespace) -> int:
-    from adaserve.gateway.server import make_server
-    from adaserve.gateway.service import Gateway
-
-    settings = load_settings(args)
-    try:
-        gateway = Gateway(settings)  # reads the class and key files: a bad one is a message, not a traceback
-    except ValueError as e:
-        raise CliError(str(e)) from None
-    make_server(gateway).run()
-    return 0
-
+    options.add_arguments(p)
+    p.set_defaults(func=options.run)

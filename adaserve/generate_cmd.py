@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from adaserve.cli import CliError
+from adaserve.cli_error import CliError
 from adaserve.engine.sampling import SamplingParams
 
 INPUT_FIELDS = {"prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed",

@@ -18,8 +18,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from adaserve.bench_cmd import emit_report, floats
-from adaserve.cli import CliError
+from adaserve.arg_types import floats
+from adaserve.cli_error import CliError
+from adaserve.reports import emit_report
 
 READY_TIMEOUT_S = 900.0
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from adaserve.cli import CliError
+from adaserve.cli_error import CliError
 
 
 def add_parser(sub: Any) -> None:

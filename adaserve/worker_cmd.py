@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from adaserve.cli import CliError
+from adaserve.cli_error import CliError
 
 # command-line option -> settings field; everything else comes from the environment
 OPTIONS = ("target", "draft", "device", "host", "port", "redis_url", "policy", "budget", "attention",

@@ -9,16 +9,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from adaserve import gateway_cmd
 from adaserve.cli_error import EXIT_USAGE, CliError
+from adaserve.gateway import options
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m adaserve.gateway")
-    gateway_cmd.add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["gateway", *argv])
+    parser = argparse.ArgumentParser(prog="python -m adaserve.gateway",
+                                     description="the OpenAI-compatible gateway: SLO classes, routing, admission")
+    options.add_arguments(parser)
+    args = parser.parse_args(argv)
     try:
-        return gateway_cmd.run(args)
+        return options.run(args)
     except CliError as e:
         print(f"adaserve: error: {e}", file=sys.stderr)
         return EXIT_USAGE

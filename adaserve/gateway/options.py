@@ -1,0 +1,61 @@
+"""The gateway's command-line options, over its ``ADASERVE_GATEWAY_*`` environment variables, and running a
+gateway from them: the one definition behind ``adaserve gateway`` and ``python -m adaserve.gateway``.
+
+Lives in the gateway package so that the container's command (``__main__``) needs nothing above it but the
+CLI's error contract; ``adaserve/gateway_cmd.py`` only mounts these options as a subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from adaserve.cli_error import CliError
+from adaserve.cli_settings import load
+from adaserve.gateway.settings import GatewaySettings
+
+# option -> settings field of the same name; every other field comes from the environment only
+OPTIONS = ("host", "port", "redis_url", "redis_prefix", "workers", "model_name", "slo_classes_file",
+           "default_slo_class", "api_keys_file", "routing", "on_overload", "queue_timeout_s", "max_attempts",
+           "log_level")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", help="bind address [ADASERVE_GATEWAY_HOST, default 127.0.0.1]")
+    p.add_argument("--port", type=int, help="[ADASERVE_GATEWAY_PORT, default 8080]")
+    p.add_argument("--redis-url", help="workers' registry and shared state [ADASERVE_GATEWAY_REDIS_URL]")
+    p.add_argument("--redis-prefix", help="key prefix [ADASERVE_GATEWAY_REDIS_PREFIX, default adaserve]")
+    p.add_argument("--workers", help="comma-separated worker URLs, instead of Redis registrations")
+    p.add_argument("--model-name", help="the model served [ADASERVE_GATEWAY_MODEL_NAME]")
+    p.add_argument("--slo-classes-file", type=Path, help="JSON list of SLO classes")
+    p.add_argument("--default-slo-class", help="class of requests that name none")
+    p.add_argument("--api-keys-file", type=Path, help='JSON {"keys": [...]}; unset = no authentication')
+    p.add_argument("--routing", choices=["headroom", "least-loaded", "round-robin"])
+    p.add_argument("--on-overload", choices=["best-effort", "refuse"],
+                   help="non-sheddable requests without headroom after the queue timeout [default best-effort]")
+    p.add_argument("--queue-timeout-s", type=float, help="wait for headroom before 503")
+    p.add_argument("--max-attempts", type=int, help="workers tried before the first token")
+    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def load_settings(args: argparse.Namespace) -> GatewaySettings:
+    """The options given, over the environment; CliError naming the option and the variable if one is bad."""
+    given = {name: getattr(args, name, None) for name in OPTIONS}
+    given = {k: v for k, v in given.items() if v is not None}
+    if "workers" in given:
+        given["workers"] = [u.strip() for u in given["workers"].split(",") if u.strip()]
+    return load(GatewaySettings, given, options=OPTIONS, env_prefix="ADASERVE_GATEWAY_")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or Ctrl-C; CliError for bad settings or an unreadable class or key file."""
+    from adaserve.gateway.server import make_server
+    from adaserve.gateway.service import Gateway
+
+    settings = load_settings(args)
+    try:
+        gateway = Gateway(settings)  # reads the class and key files: a bad one is a message, not a traceback
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    make_server(gateway).run()
+    return 0

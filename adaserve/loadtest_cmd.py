@@ -9,10 +9,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +19,7 @@ from typing import Any
 from adaserve.arg_types import floats
 from adaserve.cli_error import CliError
 from adaserve.reports import emit_report
+from adaserve.server_process import NotReady, ServerProcess, free_port
 
 READY_TIMEOUT_S = 900.0
 
@@ -50,8 +49,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from adaserve.up_cmd import free_port
-
     if args.overhead and not (args.worker_url or args.up):
         raise CliError("--overhead needs --worker-url (or --up, which knows its worker)")
     if args.overhead < 0:
@@ -112,32 +109,17 @@ async def _measure(args: argparse.Namespace, url: str, worker_url: str | None) -
 @contextmanager
 def local_stack(args: argparse.Namespace, port: int, worker_port: int) -> Iterator[None]:
     """``adaserve up`` in a child process, ready before the run and stopped (drained) after it."""
-    import httpx
-
     cmd = [sys.executable, "-m", "adaserve", "up", "--port", str(port), "--worker-port", str(worker_port)]
     for name in ("target", "draft", "budget"):
         if getattr(args, name) is not None:
             cmd += [f"--{name}", str(getattr(args, name))]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    # its banner would mix with the report on stdout; its progress and errors still show on stderr
+    stack = ServerProcess.start(cmd, url=f"http://127.0.0.1:{port}", name="`adaserve up`", stdout=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise CliError(f"`adaserve up` exited with status {proc.returncode} (see above)")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise CliError(f"`adaserve up` was not ready after {READY_TIMEOUT_S:.0f}s")
-            time.sleep(0.5)
+        try:
+            stack.wait_ready_blocking("/readyz", timeout_s=READY_TIMEOUT_S, interval_s=0.5)
+        except NotReady as e:
+            raise CliError(str(e)) from None
         yield
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stack.stop(timeout_s=60)

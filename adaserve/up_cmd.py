@@ -12,13 +12,12 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from adaserve.cli import CliError
+from adaserve.cli_error import CliError
+from adaserve.server_process import NotReady, ServerProcess, free_port
 
 DEMO = Path("models/demo")
 READY_TIMEOUT_S = 600.0
@@ -39,12 +38,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--slo-classes-file", type=Path, help="JSON list of SLO classes (default coding/chat/summarization)")
     p.add_argument("--api-keys-file", type=Path, help="JSON API keys; unset = no authentication")
     p.set_defaults(func=run)
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def resolve_models(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
@@ -118,12 +111,12 @@ def run(args: argparse.Namespace) -> int:
     env.pop("ADASERVE_REDIS_URL", None)  # the gateway polls this worker directly
     print(f"adaserve: starting a worker on {target}" + (f" + {draft}" if draft else "") +
           f" ({args.device}); loading, profiling and warming up ...", file=sys.stderr, flush=True)
-    worker = subprocess.Popen(cmd, env=env)
+    worker = ServerProcess.start(cmd, url=worker_url, name="the worker", env=env)
     try:
-        return asyncio.run(_serve(server, worker, worker_url, model, list(catalog.classes), catalog.default,
+        return asyncio.run(_serve(server, worker, model, list(catalog.classes), catalog.default,
                                   keys=args.api_keys_file is not None))
     finally:
-        _stop_worker(worker)
+        worker.stop(timeout_s=40)  # drains: in-flight requests finish
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -135,30 +128,16 @@ def _check_port_free(host: str, port: int) -> None:
             raise CliError(f"cannot listen on {host}:{port}: {e.strerror} (use --port)") from None
 
 
-async def _serve(server: Any, worker: subprocess.Popen[bytes], worker_url: str, model: str,
-                 classes: list[str], default_class: str, *, keys: bool) -> int:
-    import httpx
-
+async def _serve(server: Any, worker: ServerProcess, model: str, classes: list[str], default_class: str, *,
+                 keys: bool) -> int:
+    # the gateway listens while the worker loads; one that cannot (its port taken) ends the wait at once
     gateway = asyncio.create_task(server.serve())
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    async with httpx.AsyncClient(timeout=2.0) as client:
-        while True:
-            if worker.poll() is not None:
-                server.should_exit = True
-                await gateway
-                raise CliError(f"the worker exited with status {worker.returncode} before it was ready (see above)")
-            if gateway.done():
-                break
-            try:
-                if (await client.get(f"{worker_url}/readyz")).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                server.should_exit = True
-                await gateway
-                raise CliError(f"the worker was not ready after {READY_TIMEOUT_S:.0f}s")
-            await asyncio.sleep(0.25)
+    try:
+        await worker.wait_ready("/readyz", timeout_s=READY_TIMEOUT_S, give_up=gateway.done)
+    except NotReady as e:
+        server.should_exit = True
+        await gateway
+        raise CliError(str(e)) from None
     if not gateway.done():
         while not server.started and not gateway.done():
             await asyncio.sleep(0.05)
@@ -168,24 +147,15 @@ async def _serve(server: Any, worker: subprocess.Popen[bytes], worker_url: str, 
     watch = asyncio.create_task(_watch_worker(server, worker))
     await gateway
     watch.cancel()
-    if worker.poll() is not None and worker.returncode not in (0, -signal.SIGTERM):
-        raise CliError(f"the worker exited with status {worker.returncode}")
+    code = worker.proc.poll()
+    if code is not None and code not in (0, -signal.SIGTERM):
+        raise CliError(f"the worker exited with status {code}")
     return 0
 
 
-async def _watch_worker(server: Any, worker: subprocess.Popen[bytes]) -> None:
+async def _watch_worker(server: Any, worker: ServerProcess) -> None:
     """A worker that dies takes the gateway down with it: nothing would answer anyway."""
-    while worker.poll() is None:
+    while worker.proc.poll() is None:
         await asyncio.sleep(0.5)
-    print(f"adaserve: the worker exited (status {worker.returncode}); stopping", file=sys.stderr, flush=True)
+    print(f"adaserve: the worker exited (status {worker.proc.returncode}); stopping", file=sys.stderr, flush=True)
     server.should_exit = True
-
-
-def _stop_worker(worker: subprocess.Popen[bytes]) -> None:
-    if worker.poll() is None:
-        worker.send_signal(signal.SIGTERM)  # drains: in-flight requests finish
-        try:
-            worker.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.worker.helpers import ROOT, demo_pair
+from tests.servers import ROOT, demo_pair
 
 
 def test_loadtest_up_reports_attainment_per_class_and_the_gateway_overhead(tmp_path: Path) -> None:

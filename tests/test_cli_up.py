@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import openai
 
-from tests.worker.helpers import ROOT, demo_pair, free_port
+from adaserve.server_process import free_port
+from tests.servers import ROOT, demo_pair
 
 
 def test_adaserve_up_answers_curl_and_openai_then_stops(tmp_path: Path) -> None:

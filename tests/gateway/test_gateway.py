@@ -21,15 +21,15 @@ import redis
 
 from adaserve.gateway.slo import DEFAULT_CLASSES
 from adaserve.gateway.tracker import slo_met
-from tests.gateway.helpers import GatewayProcess, start_gateway
-from tests.worker.helpers import (
-    REDIS_URL,
-    WorkerProcess,
+from tests.redis_prefix import REDIS_URL, isolated_redis
+from tests.servers import (
+    GatewayProcess,
+    Service,
     demo_pair,
-    isolated_redis,
     metric,
     scrape,
     sse_events,
+    start_gateway,
     start_worker,
     wait_for,
 )
@@ -43,7 +43,7 @@ def rds() -> Iterator[tuple[redis.Redis, str]]:
     yield from isolated_redis("gw-test")
 
 
-def _worker(tmp: Path, prefix: str, wid: str, **env: str) -> WorkerProcess:
+def _worker(tmp: Path, prefix: str, wid: str, **env: str) -> Service:
     target, draft = demo_pair()
     return start_worker(target, draft, tmp / f"{wid}.log", "--budget", "8", "--redis-url", REDIS_URL,
                         "--worker-id", wid,
@@ -52,7 +52,7 @@ def _worker(tmp: Path, prefix: str, wid: str, **env: str) -> WorkerProcess:
 
 
 @pytest.fixture(scope="module")
-def workers(rds: tuple[redis.Redis, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[WorkerProcess]]:
+def workers(rds: tuple[redis.Redis, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Service]]:
     _, prefix = rds
     tmp = tmp_path_factory.mktemp("gw-workers")
     procs = [_worker(tmp, prefix, "w-a"), _worker(tmp, prefix, "w-b")]
@@ -62,11 +62,11 @@ def workers(rds: tuple[redis.Redis, str], tmp_path_factory: pytest.TempPathFacto
         yield procs
     finally:
         for p in procs:
-            p.terminate()
+            p.stop()
 
 
 @pytest.fixture(scope="module")
-def gateway(rds: tuple[redis.Redis, str], workers: list[WorkerProcess],
+def gateway(rds: tuple[redis.Redis, str], workers: list[Service],
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
     _, prefix = rds
     gw = start_gateway(tmp_path_factory.mktemp("gw") / "gateway.log", "--redis-url", REDIS_URL,
@@ -95,7 +95,7 @@ def record(rds: tuple[redis.Redis, str], rid: str) -> dict[str, str]:
     return got
 
 
-def direct(worker: WorkerProcess, **body: Any) -> dict[str, Any]:
+def direct(worker: Service, **body: Any) -> dict[str, Any]:
     r = httpx.post(f"{worker.url}/v1/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
@@ -104,7 +104,7 @@ def direct(worker: WorkerProcess, **body: Any) -> dict[str, Any]:
 # ---- the OpenAI API ----------------------------------------------------------------------------------
 
 
-def test_openai_client_streams_chat_equal_to_the_worker(gateway: GatewayProcess, workers: list[WorkerProcess],
+def test_openai_client_streams_chat_equal_to_the_worker(gateway: GatewayProcess, workers: list[Service],
                                                         rds: tuple[redis.Redis, str]) -> None:
     stream = client(gateway).chat.completions.create(
         model="demo", messages=[{"role": "user", "content": PROMPT}], max_tokens=24, temperature=0, stream=True,
@@ -129,7 +129,7 @@ def test_openai_client_streams_chat_equal_to_the_worker(gateway: GatewayProcess,
     assert rec["slo_met"] == ("1" if met else "0"), rec
 
 
-def test_completions_json_and_stream_equal_the_worker(gateway: GatewayProcess, workers: list[WorkerProcess]) -> None:
+def test_completions_json_and_stream_equal_the_worker(gateway: GatewayProcess, workers: list[Service]) -> None:
     c = client(gateway)
     want = direct(workers[1], prompt="def fibonacci(n):", max_tokens=20, temperature=0)
     got = c.completions.create(model="demo", prompt="def fibonacci(n):", max_tokens=20, temperature=0)
@@ -179,7 +179,7 @@ def test_requests_spread_over_workers_by_headroom(gateway: GatewayProcess, rds: 
     assert routed() - before == 6  # one routing choice each: healthy workers, no retry
 
 
-def test_client_disconnect_aborts_on_the_worker(gateway: GatewayProcess, workers: list[WorkerProcess],
+def test_client_disconnect_aborts_on_the_worker(gateway: GatewayProcess, workers: list[Service],
                                                 rds: tuple[redis.Redis, str]) -> None:
     before = sum(metric(scrape(w.url), "adaserve_requests_total", slo_class="chat", finish_reason="abort")
                  for w in workers)
@@ -251,7 +251,7 @@ def test_chat_bad_messages_and_unknown_path(gateway: GatewayProcess) -> None:
 # ---- API keys and the rate limit (a gateway of its own) -----------------------------------------------------
 
 
-def test_api_keys_and_rate_limit(rds: tuple[redis.Redis, str], workers: list[WorkerProcess], tmp_path: Path) -> None:
+def test_api_keys_and_rate_limit(rds: tuple[redis.Redis, str], workers: list[Service], tmp_path: Path) -> None:
     _, prefix = rds
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"keys": [
@@ -284,7 +284,7 @@ def test_api_keys_and_rate_limit(rds: tuple[redis.Redis, str], workers: list[Wor
 # ---- failures: a worker killed before its first token; overload sheds sheddable classes ------------------------
 
 
-def test_killed_worker_request_succeeds_on_another(rds: tuple[redis.Redis, str], workers: list[WorkerProcess],
+def test_killed_worker_request_succeeds_on_another(rds: tuple[redis.Redis, str], workers: list[Service],
                                                    tmp_path: Path) -> None:
     r, prefix = rds
     doomed = _worker(tmp_path, prefix, "w-doomed", ADASERVE_REGISTRATION_TTL_S="60")
@@ -361,7 +361,7 @@ def test_stream_of_events_is_well_formed(gateway: GatewayProcess) -> None:
     assert all(e["object"] == "chat.completion.chunk" and e["id"] == events[0]["id"] for e in events)
 
 
-def test_redis_outage_does_not_fail_requests(workers: list[WorkerProcess], tmp_path: Path) -> None:
+def test_redis_outage_does_not_fail_requests(workers: list[Service], tmp_path: Path) -> None:
     """State store unreachable (nothing listens on port 9): requests are still served, records skipped, and
     /readyz says 503 so Kubernetes stops sending this gateway traffic."""
     gw = start_gateway(tmp_path / "gw-noredis.log", "--redis-url", "redis://127.0.0.1:9/0", "--workers",

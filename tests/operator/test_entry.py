@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,14 +14,9 @@ import kmock
 import pytest
 import yaml
 
+from adaserve.server_process import free_port
 from tests.operator.cluster import Api, Cluster, eventually, write_kubeconfig
 from tests.operator.schema import EXAMPLE_PATH, ROOT
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.asyncio

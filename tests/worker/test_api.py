@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.worker.helpers import (
-    WorkerProcess,
+from tests.servers import (
+    Service,
     demo_pair,
     metric,
     scrape,
@@ -34,7 +34,7 @@ def models() -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def worker(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+def worker(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     log = tmp_path_factory.mktemp("worker") / "worker.log"
     w = start_worker(*models, log, "--budget", BUDGET, "--max-active-requests", "2",
                      env={"ADASERVE_SLO_CLASSES": json.dumps(CLASSES), "ADASERVE_REDIS_URL": ""})
@@ -42,11 +42,11 @@ def worker(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) 
         w.wait_ready()
         yield w
     finally:
-        assert w.terminate() == 0, w.logs()[-3000:]
+        assert w.stop() == 0, w.logs()[-3000:]
 
 
 @pytest.fixture
-def client(worker: WorkerProcess) -> Iterator[httpx.Client]:
+def client(worker: Service) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=worker.url, timeout=120) as c:
         yield c
 
@@ -58,7 +58,7 @@ def stream(client: httpx.Client, body: dict[str, Any], **kw: Any) -> list[dict[s
         return list(sse_events(r))
 
 
-def test_health_profile_and_local_mode(worker: WorkerProcess, client: httpx.Client) -> None:
+def test_health_profile_and_local_mode(worker: Service, client: httpx.Client) -> None:
     assert client.get("/healthz").status_code == 200
     assert client.get("/readyz").json()["status"] == "ready"
     prof = client.get("/v1/profile").json()
@@ -94,7 +94,7 @@ def test_stream_equals_adaserve_generate(models: tuple[Path, Path], client: http
         assert ids == body["token_ids"] == want["token_ids"]
 
 
-def test_two_concurrent_streams_with_different_slos(worker: WorkerProcess, client: httpx.Client) -> None:
+def test_two_concurrent_streams_with_different_slos(worker: Service, client: httpx.Client) -> None:
     before = scrape(worker.url)
     bodies = [{"prompt": "class Stack:", "max_tokens": 24, "ignore_eos": True, "slo_class": "coding"},
               {"prompt": "def parse(text):", "max_tokens": 20, "ignore_eos": True, "tpot_slo_ms": 1000.0,
@@ -120,7 +120,7 @@ def kv_pages(url: str) -> float:
     return metric(scrape(url), "adaserve_kv_cache_used_pages")
 
 
-def test_abort_mid_stream_frees_kv(worker: WorkerProcess, client: httpx.Client) -> None:
+def test_abort_mid_stream_frees_kv(worker: Service, client: httpx.Client) -> None:
     with client.stream("POST", "/v1/generate", json={**LONG, "request_id": "abort-me"}) as r:
         events = sse_events(r)
         assert next(events)["id"] == "abort-me"
@@ -133,7 +133,7 @@ def test_abort_mid_stream_frees_kv(worker: WorkerProcess, client: httpx.Client) 
     assert client.delete("/v1/requests/abort-me").status_code == 404
 
 
-def test_client_disconnect_aborts_its_request(worker: WorkerProcess, client: httpx.Client) -> None:
+def test_client_disconnect_aborts_its_request(worker: Service, client: httpx.Client) -> None:
     aborted = ("adaserve_requests_total", "default", "abort")
     before = metric(scrape(worker.url), aborted[0], slo_class=aborted[1], finish_reason=aborted[2])
     with client.stream("POST", "/v1/generate", json=LONG) as r:
@@ -146,7 +146,7 @@ def test_client_disconnect_aborts_its_request(worker: WorkerProcess, client: htt
     assert wait_for(lambda: kv_pages(worker.url) == 0)
 
 
-def test_overload_answers_503_with_retry_after(worker: WorkerProcess, client: httpx.Client) -> None:
+def test_overload_answers_503_with_retry_after(worker: Service, client: httpx.Client) -> None:
     ids = ["busy-1", "busy-2"]
     with client.stream("POST", "/v1/generate", json={**LONG, "request_id": ids[0]}) as r1, \
             client.stream("POST", "/v1/generate", json={**LONG, "request_id": ids[1]}) as r2:
@@ -207,7 +207,7 @@ def test_malformed_requests(client: httpx.Client) -> None:
     assert client.delete("/v1/requests/never-seen").status_code == 404
 
 
-def test_metrics_parse_with_prometheus_parser(worker: WorkerProcess, client: httpx.Client) -> None:
+def test_metrics_parse_with_prometheus_parser(worker: Service, client: httpx.Client) -> None:
     r = client.post("/v1/generate", json={"prompt": "x = 1", "max_tokens": 4, "slo_class": "coding"})
     assert r.status_code == 200, r.text
     samples = scrape(worker.url)

@@ -17,7 +17,8 @@ import pytest
 import redis
 
 from adaserve.engine.profiler import model_identity
-from tests.worker.helpers import REDIS_URL, WorkerProcess, demo_pair, isolated_redis, sse_events, start_worker, wait_for
+from tests.redis_prefix import REDIS_URL, isolated_redis
+from tests.servers import Service, demo_pair, sse_events, start_worker, wait_for
 
 
 @pytest.fixture
@@ -47,7 +48,7 @@ def test_registration_heartbeat_and_sigterm_drain(redis_prefix: tuple[redis.Redi
     env = {"ADASERVE_REDIS_PREFIX": prefix, "ADASERVE_HEARTBEAT_S": "0.5", "ADASERVE_REGISTRATION_TTL_S": "3",
            "ADASERVE_DRAIN_GRACE_S": "120", "ADASERVE_SLO_CLASSES": json.dumps({"chat": 50.0})}
     # no --budget: the worker profiles this machine (or reuses this session's cached profile)
-    w: WorkerProcess = start_worker(target, draft, tmp_path / "worker.log", "--redis-url", REDIS_URL,
+    w: Service = start_worker(target, draft, tmp_path / "worker.log", "--redis-url", REDIS_URL,
                                     "--worker-id", wid, env=env)
     try:
         # the server answers while the models load and the device is profiled, but is not ready
@@ -107,4 +108,4 @@ def test_registration_heartbeat_and_sigterm_drain(redis_prefix: tuple[redis.Redi
         assert registration(r, prefix, wid) is None
         assert r.zscore(f"{prefix}:workers", wid) is None
     finally:
-        w.terminate()
+        w.stop()

@@ -11,12 +11,12 @@ import pytest
 from pydantic import ValidationError
 
 from adaserve.error_fields import field_path
+from adaserve.server_process import free_port
 from adaserve.worker.detok import IncrementalText
 from adaserve.worker.registry import index_key, redacted, worker_key
 from adaserve.worker.schemas import GenerateRequest
 from adaserve.worker.settings import WorkerSettings
 from tests.models import make_checkpoint
-from tests.worker.helpers import free_port
 
 
 @pytest.fixture

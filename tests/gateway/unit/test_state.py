@@ -11,7 +11,8 @@ import pytest
 
 from adaserve.gateway.redis_state import RedisStore, connect
 from adaserve.gateway.state import flatten, refill
-from tests.gateway.unit.helpers import STORES, open_store, redis_client, require_redis, run
+from tests.gateway.unit.helpers import STORES, open_store, run
+from tests.redis_prefix import isolated_aredis, require_redis
 
 RATE, BURST = 20.0, 3  # one token every 50 ms
 
@@ -143,7 +144,7 @@ def test_redis_keys_and_ttls() -> None:
     require_redis()
 
     async def main() -> dict[str, object]:
-        async with redis_client() as (client, prefix):
+        async with isolated_aredis("gw") as (client, prefix):
             store = RedisStore(client, prefix)
             await store.record("r1", {"status": "queued"}, ttl_s=100)
             first = await client.ttl(f"{prefix}:requests:r1")

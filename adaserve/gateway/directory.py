@@ -1,9 +1,8 @@
 """The workers the gateway can use: read from the workers' Redis registrations or polled from given URLs,
 merged with what this gateway has in flight on each (a registration is up to one heartbeat old).
 
-Both sources yield the same document, the worker's registration (docs/worker.md): Redis holds it under
-``{prefix}:workers:{id}`` (listed by ``ZRANGEBYSCORE {prefix}:workers (now_ms +inf``), and a worker
-serves it at ``GET /v1/status``.
+Both sources yield the same document, the worker's registration (adaserve/contract/registration.py): Redis
+holds the live ones (read with adaserve/contract/registry.py), and a worker serves its own at ``GET /v1/status``.
 """
 
 from __future__ import annotations
@@ -11,63 +10,51 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 from collections import Counter
-from typing import Any, Protocol
+from typing import Protocol
 
 import httpx
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from adaserve.contract.registration import CostModel, Load, Registration, parse_registration
+from adaserve.contract.registry import read_registrations
 from adaserve.gateway.routing import WorkerView
-from adaserve.worker.registry import index_key, worker_key
 
 log = logging.getLogger(__name__)
 
 
-COST_KEYS = ("alpha", "gamma", "delta")
+def _cost(model: CostModel | None) -> dict[str, float] | None:
+    return None if model is None else model.model_dump()
 
 
-def _cost_model(raw: Any) -> dict[str, float] | None:
-    """A cost model ``{alpha, gamma, delta}`` with numbers; anything else counts as none (routing by slots)."""
-    if raw is None:
-        return None
-    return {k: float(raw[k]) for k in COST_KEYS}  # KeyError/TypeError/ValueError: not a registration
-
-
-def _per_request(load: dict[str, Any]) -> float | None:
+def _per_request(load: Load) -> float | None:
     """Mean KV tokens per request the worker holds; None when it holds none (routing assumes a typical one)."""
-    held = int(load.get("running", 0)) + int(load.get("waiting", 0))
-    tokens = load.get("context_tokens")
-    return float(tokens) / held if tokens is not None and held > 0 and float(tokens) > 0 else None
+    held = load.running + load.waiting
+    tokens = load.context_tokens
+    return tokens / held if tokens is not None and held > 0 and tokens > 0 else None
 
 
-def parse_registration(doc: Any) -> WorkerView | None:
-    """A registration as a routing view; None when it is not one (an older or foreign schema)."""
-    try:
-        load = doc.get("load") or {}
-        cost = doc.get("cost_model") or {}
-        acc = doc.get("acceptance") or {}
-        return WorkerView(
-            id=str(doc["worker_id"]), address=str(doc["address"]).rstrip("/"), status=str(doc["status"]),
-            model=(doc.get("models") or {}).get("name"),
-            max_active=int((doc.get("capacity") or {}).get("max_active_requests") or 1),
-            active=int(load.get("active", 0)),
-            active_by_class={str(k): int(v) for k, v in (load.get("active_by_class") or {}).items()},
-            budget=int(doc["budget"]) if doc.get("budget") is not None else None,
-            target_cost=_cost_model(cost.get("target")), draft_cost=_cost_model(cost.get("draft")),
-            acceptance_rate=float(acc["acceptance_rate"]) if acc.get("steps") else None,
-            context_per_request=_per_request(load),
-            draft_steps=int(doc["max_depth"]) if doc.get("max_depth") is not None else None,
-        )
-    except (AttributeError, KeyError, TypeError, ValueError):
-        return None
+def worker_view(reg: Registration) -> WorkerView:
+    """A registration as routing sees it (before this gateway's own requests are added)."""
+    cost, load = reg.cost_model, reg.load
+    return WorkerView(
+        id=reg.worker_id, address=reg.address.rstrip("/"), status=reg.status, model=reg.models.name,
+        max_active=reg.capacity.max_active_requests or 1,
+        active=load.active, active_by_class=dict(load.active_by_class),
+        budget=reg.budget,
+        target_cost=_cost(cost.target) if cost else None, draft_cost=_cost(cost.draft) if cost else None,
+        # before its first verification a worker's rate says nothing: routing assumes a prior instead
+        acceptance_rate=reg.acceptance.acceptance_rate if reg.acceptance.steps else None,
+        context_per_request=_per_request(load),
+        draft_steps=reg.max_depth,
+    )
 
 
 class Source(Protocol):
-    async def read(self) -> list[dict[str, Any]]: ...
+    async def read(self) -> list[Registration]: ...
 
     async def close(self) -> None: ...
 
@@ -76,18 +63,8 @@ class RedisSource:
     def __init__(self, redis: aioredis.Redis, prefix: str) -> None:
         self.redis, self.prefix = redis, prefix
 
-    async def read(self) -> list[dict[str, Any]]:
-        ids = await self.redis.zrangebyscore(index_key(self.prefix), f"({int(time.time() * 1000)}", "+inf")
-        if not ids:
-            return []
-        raw = await self.redis.mget([worker_key(self.prefix, i) for i in ids])  # a decode_responses client
-        docs = []
-        for body in raw:
-            if body is None:  # expired between the two reads
-                continue
-            with contextlib.suppress(json.JSONDecodeError):
-                docs.append(json.loads(body))
-        return docs
+    async def read(self) -> list[Registration]:
+        return await read_registrations(self.redis, self.prefix)
 
     async def close(self) -> None:
         return None
@@ -99,18 +76,18 @@ class StaticSource:
     def __init__(self, urls: list[str], client: httpx.AsyncClient) -> None:
         self.urls, self.client = urls, client
 
-    async def _one(self, url: str) -> dict[str, Any] | None:
+    async def _one(self, url: str) -> Registration | None:
         try:
             r = await self.client.get(f"{url}/v1/status", timeout=2.0)
             if r.status_code != 200:
                 return None
-            doc = r.json()
-            doc["address"] = url  # the URL we were given is how we reach it, whatever it advertises
-            return doc
+            reg = parse_registration(r.json())
         except (httpx.HTTPError, ValueError):
             return None
+        # the URL we were given is how we reach it, whatever it advertises
+        return None if reg is None else reg.model_copy(update={"address": url})
 
-    async def read(self) -> list[dict[str, Any]]:
+    async def read(self) -> list[Registration]:
         got = await asyncio.gather(*(self._one(u) for u in self.urls))
         return [d for d in got if d is not None]
 
@@ -150,15 +127,14 @@ class Directory:
 
     async def refresh(self) -> None:
         try:
-            docs = await self.source.read()
+            regs = await self.source.read()
         except (RedisError, OSError) as e:
             if self.last_error is None:
                 log.warning("cannot read the worker registrations: %s", e)
             self.last_error = str(e)
             return
         self.last_error = None
-        views = [v for v in map(parse_registration, docs) if v is not None]
-        self._views = views
+        self._views = [worker_view(reg) for reg in regs]
         self._notify()
 
     # ---- what routing sees -------------------------------------------------------------------------

@@ -16,10 +16,10 @@ from typing import Any
 
 import httpx
 
+from adaserve.contract.generate import GenerateRequest
+from adaserve.contract.slo import FAILED_END
 from adaserve.gateway.errors import ApiError
 from adaserve.gateway.routing import WorkerView
-
-FAILED_REASONS = ("abort", "error")
 
 
 class WorkerFailed(Exception):
@@ -88,13 +88,14 @@ class Upstream:
         await self.response.aclose()
 
 
-async def open_stream(client: httpx.AsyncClient, worker: WorkerView, payload: dict[str, Any], *,
+async def open_stream(client: httpx.AsyncClient, worker: WorkerView, request: GenerateRequest, *,
                       first_token_timeout_s: float, token_timeout_s: float) -> Upstream:
-    """POST /v1/generate with stream=true and wait for the first token.
+    """POST ``request`` (to stream) to the worker's /v1/generate and wait for the first token.
 
     Raises WorkerFailed when another worker should be tried, ApiError when the request itself is at
     fault (the worker's 4xx, passed on).
     """
+    payload = {**request.model_dump(mode="json", exclude_none=True), "stream": True}
     try:
         response = await client.send(client.build_request("POST", f"{worker.address}/v1/generate", json=payload),
                                      stream=True)
@@ -113,7 +114,7 @@ async def open_stream(client: httpx.AsyncClient, worker: WorkerView, payload: di
         async with asyncio.timeout(first_token_timeout_s):
             async for chunk in events:
                 final = "finish_reason" in chunk
-                if final and not chunk.get("token_ids") and chunk["finish_reason"] in FAILED_REASONS:
+                if final and not chunk.get("token_ids") and chunk["finish_reason"] in FAILED_END:
                     break  # aborted before producing anything (the worker drained): try elsewhere
                 if chunk.get("token_ids") or final:
                     return Upstream(worker, response, events, chunk, token_timeout_s)

@@ -1,14 +1,19 @@
 """Request bodies of ``/v1/completions`` and ``/v1/chat/completions``: OpenAI's fields, plus ``slo_class``
 and vLLM's ``top_k`` / ``ignore_eos``. Parameters adaserve cannot honour are refused by name, never ignored.
+
+Fields that reach a worker have the types of its own request (adaserve/contract/generate.py): what passes
+here passes there, and ``generate_request`` builds that request without validating it again.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from adaserve.worker.settings import SloClassName
+from adaserve.contract.generate import ChatMessage, GenerateRequest, Role, StopStrings, TokenId
+from adaserve.contract.slo import SloClassName
+from adaserve.gateway.slo import SloClass
 
 
 class StreamOptions(BaseModel):
@@ -27,7 +32,7 @@ class _Common(BaseModel):
     n: StrictInt = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: StopStrings = Field(default_factory=list)
     seed: StrictInt | None = Field(None, ge=0, lt=2**63)
     ignore_eos: bool = False
     user: str | None = None
@@ -35,14 +40,6 @@ class _Common(BaseModel):
     frequency_penalty: float = 0.0
     logprobs: Any = None
     slo_class: SloClassName | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v: str | list[str] | None) -> list[str]:
-        stops = [] if v is None else [v] if isinstance(v, str) else v
-        if len(stops) > 16 or any(not s for s in stops):
-            raise ValueError("at most 16 non-empty stop strings")
-        return stops
 
     @model_validator(mode="after")
     def _supported(self) -> _Common:
@@ -61,13 +58,27 @@ class _Common(BaseModel):
                 "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed, "stop": self.stop,
                 "ignore_eos": self.ignore_eos}
 
+    def prompt_fields(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def generate_request(self, default_max_tokens: int, slo: SloClass, request_id: str) -> GenerateRequest:
+        """What the gateway sends a worker for this body (streamed: the gateway reads every worker's stream).
+
+        ``model_construct``: this body was validated at the gateway's edge, with the worker's own field types,
+        and the worker validates what it receives at its edge; a request only the worker refuses (more turns
+        than it takes) comes back as its 422, which the gateway passes on as a 400.
+        """
+        return GenerateRequest.model_construct(**self.prompt_fields(), **self.sampling(default_max_tokens),
+                                               slo_class=slo.name, tpot_slo_ms=slo.tpot_ms, ttft_slo_ms=slo.ttft_ms,
+                                               request_id=request_id, stream=True)
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[StrictInt]
+    prompt: str | list[str] | list[TokenId]
     echo: bool = False
     best_of: StrictInt | None = None
     suffix: str | None = None
@@ -100,7 +111,7 @@ class ContentPart(BaseModel):
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id ...: accepted, not used
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    role: Role
     content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
@@ -116,7 +127,7 @@ class ChatRequest(_Common):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
 
     def prompt_fields(self) -> dict[str, Any]:
-        return {"messages": [{"role": m.role, "content": m.text()} for m in self.messages]}
+        return {"messages": [ChatMessage.model_construct(role=m.role, content=m.text()) for m in self.messages]}
 
     def sampling(self, default_max_tokens: int) -> dict[str, Any]:
         out = super().sampling(default_max_tokens)

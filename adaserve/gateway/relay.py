@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from adaserve.contract.slo import FAILED_END
 from adaserve.gateway import dispatch, openai_format
 from adaserve.gateway.errors import ApiError, error_body
 from adaserve.gateway.keys import AuthError
@@ -54,7 +55,7 @@ class Call:
             if "finish_reason" in c:
                 self.final, self.prompt_tokens = c, int(c.get("prompt_tokens") or 0)
                 reason = c["finish_reason"]
-                if reason in dispatch.FAILED_REASONS:
+                if reason in FAILED_END:
                     self.outcome = "failed"
                     raise dispatch.WorkerLost(f"worker {self.up.worker.id} ended the request: {reason}")
                 self.outcome, self.finish = "done", reason  # stop | length: the worker already speaks OpenAI's words
@@ -93,9 +94,7 @@ async def serve(gw: Gateway, kind: Kind, body: CompletionRequest | ChatRequest, 
     except ApiError:
         await track.refused("rate_limited", "rate_limit")
         raise
-    payload = {**body.prompt_fields(), **body.sampling(gw.settings.max_tokens_default), "slo_class": slo.name,
-               "tpot_slo_ms": slo.tpot_ms, "request_id": rid, "stream": True}
-    up = await gw.open(payload, slo, track)
+    up = await gw.open(body.generate_request(gw.settings.max_tokens_default, slo, rid), slo, track)
     call = Call(gw, kind, body, track, up)
     headers = {"X-Request-Id": rid, "X-SLO-Class": slo.name, "X-Adaserve-Worker": up.worker.id}
     if body.stream:

@@ -14,6 +14,8 @@ from typing import Any
 import httpx
 from redis.exceptions import RedisError
 
+from adaserve.contract.generate import GenerateRequest
+from adaserve.contract.redis_settings import redacted
 from adaserve.gateway import dispatch, redis_state
 from adaserve.gateway.admission import Admission, Refused
 from adaserve.gateway.directory import Directory, RedisSource, Source, StaticSource
@@ -25,7 +27,6 @@ from adaserve.gateway.settings import GatewaySettings
 from adaserve.gateway.slo import SloClass, load_catalog
 from adaserve.gateway.state import MemoryStore, StateStore
 from adaserve.gateway.tracker import Tracker
-from adaserve.worker.registry import redacted
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class Gateway:
         return Tracker(self.store, self.metrics, self.settings.record_ttl_s, request_id, slo,
                        api_key=key.name if key else None, model=model)
 
-    async def open(self, payload: dict[str, Any], slo: SloClass, track: Tracker) -> dispatch.Upstream:
+    async def open(self, request: GenerateRequest, slo: SloClass, track: Tracker) -> dispatch.Upstream:
         """Admit and start the request on a worker; another worker if one fails before its first token."""
         tried: set[str] = set()
         failures: list[str] = []
@@ -124,7 +125,7 @@ class Gateway:
             self.metrics.routed.labels(w.id, slo.name, self.router.policy).inc()
             try:
                 await track.routed(w.id)
-                return await dispatch.open_stream(self.http, w, payload,
+                return await dispatch.open_stream(self.http, w, request,
                                                   first_token_timeout_s=self.settings.first_token_timeout_s,
                                                   token_timeout_s=self.settings.token_timeout_s)
             except dispatch.WorkerFailed as e:

@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from adaserve.contract.redis_settings import DEFAULT_PREFIX, RedisPrefix, RedisUrl
+
 Routing = Literal["headroom", "least-loaded", "round-robin"]
 OnOverload = Literal["best-effort", "refuse"]
 
@@ -23,8 +25,8 @@ class GatewaySettings(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     # where workers and state live
-    redis_url: str | None = Field(None, description="redis://host:port/db; unset = in-process state, static workers")
-    redis_prefix: str = Field("adaserve", min_length=1, description="the workers' prefix; records live under it too")
+    redis_url: RedisUrl | None = Field(None, description="redis://host:port/db; unset: in-process state, static URLs")
+    redis_prefix: RedisPrefix = Field(DEFAULT_PREFIX, description="the workers' prefix; records live under it too")
     workers: list[str] = Field(default_factory=list, description="worker URLs polled at /v1/status (no Redis needed)")
     model_name: str | None = Field(None, description="the only model served (default: what the workers publish)")
 
@@ -53,8 +55,6 @@ class GatewaySettings(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> GatewaySettings:
-        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("redis_url must start with redis://, rediss:// or unix://")
         for url in self.workers:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"worker URL {url!r} must start with http:// or https://")

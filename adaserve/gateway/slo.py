@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from adaserve.worker.settings import SloClassName
+from adaserve.contract.slo import SloClassName
 
 
 class SloClass(BaseModel):

@@ -11,23 +11,12 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from adaserve.contract.slo import mean_tpot_ms, slo_met, ttft_ms
 from adaserve.gateway.metrics import GatewayMetrics
 from adaserve.gateway.slo import SloClass
 from adaserve.gateway.state import StateStore
 
 log = logging.getLogger(__name__)
-
-NORMAL_END = ("stop", "length")
-
-
-def slo_met(slo: SloClass, *, finish: str | None, ttft_ms: float | None, tpot_ms: float | None) -> bool:
-    """Finished normally, mean TPOT within the class's target, TTFT within its target if it has one."""
-    if finish not in NORMAL_END:
-        return False
-    if tpot_ms is not None and tpot_ms > slo.tpot_ms:
-        return False
-    return not (slo.ttft_ms is not None and ttft_ms is not None and ttft_ms > slo.ttft_ms)
-
 
 @dataclass
 class Tracker:
@@ -85,20 +74,19 @@ class Tracker:
 
     @property
     def ttft_ms(self) -> float | None:
-        return None if self.first_s is None else 1e3 * (self.first_s - self.arrival)
+        return ttft_ms(self.arrival, self.first_s)
 
     @property
     def tpot_ms(self) -> float | None:
-        if self.first_s is None or self.last_s is None or self.tokens < 2:
-            return None
-        return 1e3 * (self.last_s - self.first_s) / (self.tokens - 1)
+        return mean_tpot_ms(self.first_s, self.last_s, self.tokens)
 
     async def finished(self, outcome: str, finish: str | None) -> bool:
         """``outcome``: done | aborted (client left) | failed. Returns whether the SLO was met."""
         if self.ended:
             return False
         self.ended = True
-        met = outcome == "done" and slo_met(self.slo, finish=finish, ttft_ms=self.ttft_ms, tpot_ms=self.tpot_ms)
+        met = outcome == "done" and slo_met(finish, tpot_ms=self.tpot_ms, ttft_ms=self.ttft_ms,
+                                            tpot_target_ms=self.slo.tpot_ms, ttft_target_ms=self.slo.ttft_ms)
         name = self.slo.name
         self.metrics.finished.labels(name, outcome).inc()
         if self.ttft_ms is not None:

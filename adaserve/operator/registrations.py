@@ -1,6 +1,7 @@
 """Reading the workers' registrations from Redis, briefly: the status must never wait on a slow Redis.
 
-Key schema: adaserve/worker/registry.py (live ids from the index ZSET, then MGET of their entries).
+The reading itself is the one every reader shares (adaserve/contract/registry.py); this adds the time limit
+and says why when Redis cannot be read.
 """
 
 from __future__ import annotations
@@ -8,15 +9,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from typing import Any
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from adaserve.operator.status import parse_registrations
-from adaserve.worker.registry import index_key, redacted, worker_key
+from adaserve.contract.redis_settings import redacted
+from adaserve.contract.registry import read_registrations
+from adaserve.operator.status import worker_entries
 
 log = logging.getLogger(__name__)
 MAX_ERROR_CHARS = 300  # a condition message is read by humans; a driver's error can be long
@@ -37,20 +38,15 @@ async def read_workers(url: str, prefix: str, *, timeout_s: float) -> WorkersRea
     problem: a managed Redis that is still starting is none), not a reason to fail the handler.
     """
     client = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-    now_ms = int(time.time() * 1000)
     try:
         async with asyncio.timeout(2 * timeout_s):  # both calls together, whatever the retries inside
-            ids = await client.zrangebyscore(index_key(prefix), f"({now_ms}", "+inf")
-            if not ids:
-                return WorkersRead([])
-            keys = [worker_key(prefix, i.decode() if isinstance(i, bytes) else str(i)) for i in ids]
-            raw = await client.mget(keys)
+            registrations = await read_registrations(client, prefix)
     except (RedisError, OSError, TimeoutError) as e:
         log.debug("cannot read registrations from %s: %s", redacted(url), e)
         return WorkersRead(None, describe_failure(url, e, timeout_s=2 * timeout_s))
     finally:
         await client.aclose()
-    return WorkersRead(parse_registrations(raw))
+    return WorkersRead(worker_entries(registrations))
 
 
 def describe_failure(url: str, error: BaseException, *, timeout_s: float) -> str:

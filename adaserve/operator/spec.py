@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
 from pydantic.alias_generators import to_camel
 
-# The worker accepts these class names (adaserve/worker/settings.py CLASS_NAME); the CRD uses the same pattern.
-CLASS_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+from adaserve.contract.slo import CLASS_NAME
+
 # adaserve/engine/policies.py make_policy: a name, chain:K or beam[:D,W].
 POLICY = (r"^(adaserve|incremental|specinfer|smartspec|equal-greedy|global-greedy"
           r"|chain:[1-9][0-9]*|beam(:[1-9][0-9]*,[1-9][0-9]*)?)$")
@@ -102,7 +102,7 @@ class Resources(_Model):
 
 
 class SloClass(_Model):
-    name: str = Field(pattern=CLASS_NAME)
+    name: str = Field(pattern=CLASS_NAME.pattern)  # what workers and gateways accept; the CRD has it too
     tpot_ms: int
     ttft_ms: int | None = None
     priority: int = 0

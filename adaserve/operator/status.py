@@ -15,10 +15,10 @@ they resolve), and ``kubectl wait --for=condition=Ready`` must not flap with a R
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from adaserve.contract.registration import Registration
 from adaserve.operator import names
 from adaserve.operator.spec import DeploymentSpec
 
@@ -69,29 +69,10 @@ def rollout(deployment: Mapping[str, Any], desired: int) -> Rollout:
     return Rollout(ready=ready, done=done, failure=failure)
 
 
-def parse_registrations(raw: Iterable[bytes | str | None]) -> list[dict[str, Any]]:
-    """Registration JSON (adaserve/worker/published.py) -> status.workers entries, sorted by id.
-
-    Entries that expired between the index read and MGET (None) or do not parse are skipped.
-    """
-    out = []
-    for item in raw:
-        if item is None:
-            continue
-        try:
-            reg = json.loads(item)
-        except ValueError:
-            continue
-        if not isinstance(reg, dict) or not reg.get("worker_id"):
-            continue
-        budget = reg.get("budget")
-        out.append({
-            "id": str(reg["worker_id"]),
-            "address": str(reg.get("address") or ""),
-            "device": str(reg.get("device") or ""),
-            "budget": budget if isinstance(budget, int) and not isinstance(budget, bool) else None,
-            "status": str(reg.get("status") or "unknown"),
-        })
+def worker_entries(registrations: Iterable[Registration]) -> list[dict[str, Any]]:
+    """The workers' registrations (adaserve/contract/registration.py) -> status.workers entries, sorted by id."""
+    out = [{"id": r.worker_id, "address": r.address, "device": r.device or "", "budget": r.budget, "status": r.status}
+           for r in registrations]
     return sorted(out, key=lambda w: w["id"])
 
 

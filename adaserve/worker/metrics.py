@@ -1,4 +1,4 @@
-"""Prometheus metrics of one worker, in a registry of its own (``adaserve_*``, DESIGN.md section 7).
+"""Prometheus metrics of one worker, in a registry of its own (``adaserve_*``, docs/worker.md "Metrics").
 
 Fed from two places: ``Engine.step_listeners`` (one call per iteration, on the engine thread) and
 request completions (also on the engine thread). Gauges that describe the engine's state now (queue
@@ -12,18 +12,9 @@ from collections import defaultdict, deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from adaserve.contract.slo import slo_met
 from adaserve.engine.engine import Engine, StepMetrics
 from adaserve.engine.request import Request
-
-ABORTED = ("abort", "error", None)
-
-
-def slo_met(req: Request, tpot_slo_ms: float | None, reason: str | None) -> bool:
-    """The benchmark's definition: finished normally and mean TPOT within target (no target: met)."""
-    if reason in ABORTED:
-        return False
-    tpot = req.metrics.tpot_ms
-    return tpot_slo_ms is None or tpot is None or tpot <= tpot_slo_ms
 
 
 class WorkerMetrics:
@@ -54,7 +45,7 @@ class WorkerMetrics:
         self.slo_outcomes = Counter("adaserve_slo_requests", "Finished requests by SLO outcome",
                                     ["slo_class", "outcome"], registry=r)
         self.slo_attainment = Gauge("adaserve_slo_attainment",
-                                    "Share of finished requests that met their TPOT SLO, since start",
+                                    "Share of finished requests that met their SLO, since start",
                                     ["slo_class"], registry=r)
         self.output_tokens = Counter("adaserve_output_tokens", "Output tokens of finished requests",
                                      ["slo_class"], registry=r)
@@ -114,9 +105,11 @@ class WorkerMetrics:
             with self._lock:
                 self._recent.append((m.tokens_accepted, m.n_decode, m.tokens_verified - m.n_decode))
 
-    def on_finished(self, req: Request, *, slo_class: str, tpot_slo_ms: float | None, reason: str | None) -> bool:
-        """Record a finished request; returns whether it met its SLO."""
-        met = slo_met(req, tpot_slo_ms, reason)
+    def on_finished(self, req: Request, *, slo_class: str, tpot_slo_ms: float | None, ttft_slo_ms: float | None,
+                    reason: str | None) -> bool:
+        """Record a finished request; returns whether it met its SLO (adaserve/contract/slo.py)."""
+        met = slo_met(reason, tpot_ms=req.metrics.tpot_ms, ttft_ms=req.metrics.ttft_ms, tpot_target_ms=tpot_slo_ms,
+                      ttft_target_ms=ttft_slo_ms)
         n = len(req.output_ids)
         self.requests.labels(slo_class, reason or "error").inc()
         self.slo_outcomes.labels(slo_class, "met" if met else "missed").inc()

@@ -1,13 +1,8 @@
-"""The worker's registration in Redis: a JSON entry with a TTL, refreshed by a heartbeat.
+"""The worker's registration in Redis: its registration document with a TTL, refreshed by a heartbeat.
 
-Schema (docs/worker.md has the fields):
-
-    {prefix}:workers:{worker_id}   STRING  JSON registration, expires after registration_ttl_s
-    {prefix}:workers               ZSET    member worker_id, score = when its entry expires (unix ms)
-
-A gateway lists live workers with ``ZRANGEBYSCORE {prefix}:workers (now_ms +inf`` and reads their
-entries with MGET; a worker that crashed drops out when its TTL passes. Each heartbeat also prunes
-index members whose entries have already expired.
+Key schema and the readers' side: adaserve/contract/registry.py. Each heartbeat writes the entry and its
+index member in one transaction and prunes index members whose entries have expired, so a worker that
+crashed drops out when its TTL passes.
 """
 
 from __future__ import annotations
@@ -18,37 +13,20 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from adaserve.contract.redis_settings import redacted
+from adaserve.contract.registration import Registration
+from adaserve.contract.registry import index_key, worker_key
 from adaserve.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
 
-def redacted(url: str) -> str:
-    """The URL without its password, for logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
-def worker_key(prefix: str, worker_id: str) -> str:
-    return f"{prefix}:workers:{worker_id}"
-
-
-def index_key(prefix: str) -> str:
-    return f"{prefix}:workers"
-
-
 class Registry:
-    def __init__(self, settings: WorkerSettings, snapshot: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, settings: WorkerSettings, snapshot: Callable[[], Registration]) -> None:
         if not settings.redis_url:
             raise ValueError("Registry needs redis_url")
         self.settings = settings
@@ -68,7 +46,7 @@ class Registry:
         """Write the entry now; False (logged once per outage) if Redis cannot be reached."""
         ttl_ms = int(self.settings.registration_ttl_s * 1000)
         now_ms = int(time.time() * 1000)
-        body = json.dumps(self.snapshot())
+        body = json.dumps(self.snapshot().document())
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.set(self.key, body, px=ttl_ms)

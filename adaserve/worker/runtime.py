@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from adaserve.contract.generate import ChatMessage, GenerateRequest
+from adaserve.contract.registration import Registration
 from adaserve.engine.build import BuiltEngine, EngineBuildError, build_engine
 from adaserve.engine.engine import Engine, TokenEvent
 from adaserve.engine.loader import load_tokenizer
@@ -28,7 +30,6 @@ from adaserve.engine.sampling import SamplingParams
 from adaserve.worker import published
 from adaserve.worker.metrics import WorkerMetrics
 from adaserve.worker.registry import Registry
-from adaserve.worker.schemas import ChatMessage, GenerateRequest
 from adaserve.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class InFlight:
     req: Request
     slo_class: str
     tpot_slo_ms: float | None
+    ttft_slo_ms: float | None  # only when the request gives one: ADASERVE_SLO_CLASSES holds TPOT targets only
     events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
     met_slo: bool | None = None  # set on the engine thread just before the final event is queued
     done: bool = False
@@ -136,7 +138,7 @@ class Runtime:
         self.metrics.ready.set(1)
         self._watch = asyncio.create_task(self._watch_engine())
         if self.settings.redis_url:
-            self.registry = Registry(self.settings, lambda: published.registration(self))
+            self.registry = Registry(self.settings, self.registration)
             await self.registry.start()
         else:
             log.warning("no Redis configured (ADASERVE_REDIS_URL / --redis-url): local mode, not registering")
@@ -205,6 +207,12 @@ class Runtime:
                 self.loop.abort(rid)
             await asyncio.to_thread(self.loop.stop)
 
+    def registration(self) -> Registration:
+        """What this worker publishes about itself now (Redis and ``GET /v1/status``)."""
+        return published.registration(self.settings, status=self.state.value, built=self.built,
+                                      active_classes=[f.slo_class for f in list(self.active.values())],
+                                      metrics=self.metrics, started_at=self.started_at)
+
     # ---- health -----------------------------------------------------------------------------------
     @property
     def live(self) -> bool:
@@ -216,19 +224,18 @@ class Runtime:
 
     # ---- requests -----------------------------------------------------------------------------------
     async def submit(self, body: GenerateRequest, *, header_class: str | None = None) -> InFlight:
-        """Validate against the engine and queue; raises RequestRefused with the HTTP status to answer."""
+        """Queue ``body``; raises RequestRefused with the HTTP status to answer.
+
+        Each thing is checked once, where it is known: the body's shape by its schema at the HTTP edge (the
+        route), this worker's settings and state here, and what only the engine knows (context, vocabulary,
+        KV) by the engine itself when the request is submitted to it.
+        """
         self._check_admitting()
-        engine = self._engine()
         slo_class, tpot = self._slo(body, header_class)
         params = self._params(body)
         ids = await self._prompt_ids(body)
         rid = body.request_id or uuid.uuid4().hex
         req = Request(rid, ids, params, tpot_slo_ms=tpot)
-        try:
-            engine.check_request(req)
-        except ValueError as e:
-            self.metrics.rejected.labels("invalid").inc()
-            raise RequestRefused(400, str(e)) from None
         self._check_admitting()  # again: the state may have changed while tokenizing
         if rid in self.active:
             raise RequestRefused(409, f"request_id {rid!r} is already in flight")
@@ -236,16 +243,19 @@ class Runtime:
             self.metrics.rejected.labels("overloaded").inc()
             raise RequestRefused(503, f"overloaded: {len(self.active)} requests in flight",
                                  retry_after=self.settings.retry_after_s)
-        flight = InFlight(req, slo_class, tpot)
+        flight = InFlight(req, slo_class, tpot, body.ttft_slo_ms)
         self.active[rid] = flight
         self._idle.clear()
         self.metrics.active.labels(slo_class).inc()
         try:
             self._engine_loop().submit(req, lambda ev: self._on_event(flight, ev))
-        except (ValueError, RuntimeError) as e:
+        except ValueError as e:  # Engine.check_request: this engine could never serve it
             self._forget(flight)
-            status = 400 if isinstance(e, ValueError) else 503
-            raise RequestRefused(status, str(e), retry_after=self.settings.retry_after_s) from None
+            self.metrics.rejected.labels("invalid").inc()
+            raise RequestRefused(400, str(e)) from None
+        except RuntimeError as e:  # the loop is stopping
+            self._forget(flight)
+            raise RequestRefused(503, str(e), retry_after=self.settings.retry_after_s) from None
         return flight
 
     def abort(self, request_id: str) -> bool:
@@ -257,11 +267,6 @@ class Runtime:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-
-    def _engine(self) -> Engine:
-        if self.built is None:
-            raise RequestRefused(503, "the engine is not loaded yet", retry_after=self.settings.retry_after_s)
-        return self.built.engine
 
     def _engine_loop(self) -> EngineLoop:
         if self.loop is None:
@@ -287,17 +292,12 @@ class Runtime:
         max_tokens = body.max_tokens if body.max_tokens is not None else self.settings.default_max_tokens
         if max_tokens > self.settings.max_tokens_limit:
             raise RequestRefused(422, f"max_tokens: must be <= {self.settings.max_tokens_limit}, got {max_tokens}")
-        vocab = self._engine().target.vocab_size
-        if any(t >= vocab for t in body.stop_token_ids):
-            raise RequestRefused(400, f"stop_token_ids: token ids must be in [0, {vocab})")
         if body.stops and self.tokenizer is None:
             raise RequestRefused(400, "stop: stop strings need a tokenizer, and this model has none")
-        try:
-            return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                  top_k=body.top_k, seed=body.seed, stop=body.stops,
-                                  stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos)
-        except ValueError as e:
-            raise RequestRefused(422, str(e)) from None
+        # the schema already holds every field to SamplingParams' own ranges: nothing here can be refused
+        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                              seed=body.seed, stop=body.stops, stop_token_ids=tuple(body.stop_token_ids),
+                              ignore_eos=body.ignore_eos)
 
     async def _prompt_ids(self, body: GenerateRequest) -> list[int]:
         if body.prompt_token_ids is not None:
@@ -313,7 +313,7 @@ class Runtime:
     def _on_event(self, flight: InFlight, ev: TokenEvent) -> None:
         if ev.finished:  # the engine is done with the request: its metrics are final
             flight.met_slo = self.metrics.on_finished(flight.req, slo_class=flight.slo_class,
-                                                      tpot_slo_ms=flight.tpot_slo_ms,
+                                                      tpot_slo_ms=flight.tpot_slo_ms, ttft_slo_ms=flight.ttft_slo_ms,
                                                       reason=ev.finish_reason)
         try:
             if self._aloop is not None:

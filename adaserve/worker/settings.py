@@ -6,24 +6,15 @@ uses the command line. Both end up here and are validated once, before any model
 
 from __future__ import annotations
 
-import re
 import socket
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import AfterValidator, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-CLASS_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-
-def _class_name(v: str) -> str:
-    if not CLASS_NAME.match(v):
-        raise ValueError(f"must match {CLASS_NAME.pattern}")
-    return v
-
-
-SloClassName = Annotated[str, AfterValidator(_class_name)]  # what a request may name; the gateway's too
+from adaserve.contract.redis_settings import DEFAULT_PREFIX, RedisPrefix, RedisUrl
+from adaserve.contract.slo import CLASS_NAME, SloClassName
 
 
 class WorkerSettings(BaseSettings):
@@ -67,8 +58,8 @@ class WorkerSettings(BaseSettings):
     default_slo_class: SloClassName = "default"
 
     # registration and shutdown
-    redis_url: str | None = Field(None, description="redis://host:port/db; unset = local mode, no registration")
-    redis_prefix: str = Field("adaserve", min_length=1, description="key prefix; tests isolate themselves with it")
+    redis_url: RedisUrl | None = Field(None, description="redis://host:port/db; unset = local mode, no registration")
+    redis_prefix: RedisPrefix = Field(DEFAULT_PREFIX, description="key prefix; tests isolate themselves with it")
     heartbeat_s: float = Field(2.0, gt=0)
     registration_ttl_s: float = Field(10.0, gt=0)
     drain_grace_s: float = Field(30.0, ge=0, description="how long SIGTERM waits for in-flight requests")
@@ -96,8 +87,6 @@ class WorkerSettings(BaseSettings):
             raise ValueError("registration_ttl_s must be longer than heartbeat_s, or the entry flickers")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens must be <= max_tokens_limit")
-        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("redis_url must start with redis://, rediss:// or unix://")
         if not self.worker_id:
             self.worker_id = f"{socket.gethostname()}-{self.port}"
         return self

@@ -1,7 +1,8 @@
 """A request's events as response chunks: token ids plus text deltas, then one final chunk.
 
 Chunk: ``{"id", "token_ids", "text"}``; the final chunk adds ``finish_reason``, ``slo_class``,
-``tpot_slo_ms``, ``slo_met``, ``prompt_tokens`` and ``metrics`` (the engine's per-request metrics).
+``tpot_slo_ms``, ``ttft_slo_ms``, ``slo_met``, ``prompt_tokens`` and ``metrics`` (the engine's per-request
+metrics).
 ``text`` is None when the model has no tokenizer.
 """
 
@@ -32,6 +33,7 @@ async def chunks(runtime: Runtime, flight: InFlight) -> AsyncIterator[dict[str, 
             "finish_reason": "stop" if stopped else ev.finish_reason,
             "slo_class": flight.slo_class,
             "tpot_slo_ms": flight.tpot_slo_ms,
+            "ttft_slo_ms": flight.ttft_slo_ms,
             "slo_met": flight.met_slo,
             "prompt_tokens": len(flight.req.prompt_ids),
             "metrics": flight.req.metrics.to_dict(),

@@ -30,7 +30,7 @@ def test_both_commands_take_the_same_options() -> None:
 
 @pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize(("args", "message"), [
-    (["--redis-url", "localhost:6379"], "redis_url must start with redis://, rediss:// or unix://"),
+    (["--redis-url", "localhost:6379"], "redis_url (--redis-url or ADASERVE_GATEWAY_REDIS_URL): must start with"),
     (["--workers", "ftp://w"], "worker URL 'ftp://w' must start with http:// or https://"),
     ([], "give redis_url (workers register there) or workers (their URLs)"),
 ])

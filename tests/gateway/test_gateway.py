@@ -19,8 +19,8 @@ import openai
 import pytest
 import redis
 
+from adaserve.contract.slo import slo_met
 from adaserve.gateway.slo import DEFAULT_CLASSES
-from adaserve.gateway.tracker import slo_met
 from tests.redis_prefix import REDIS_URL, isolated_redis
 from tests.servers import (
     GatewayProcess,
@@ -125,7 +125,8 @@ def test_openai_client_streams_chat_equal_to_the_worker(gateway: GatewayProcess,
     assert rec["slo_class"] == "coding" and rec["worker"] in ("w-a", "w-b") and rec["status"] == "done"
     assert rec["tokens"] == "24" and rec["finish_reason"] == "length" and float(rec["ttft_ms"]) > 0
     # whether a shared CPU kept coding's pace varies; the verdict must agree with the measured TTFT and TPOT
-    met = slo_met(CODING, finish="length", ttft_ms=float(rec["ttft_ms"]), tpot_ms=float(rec["tpot_ms"]))
+    met = slo_met("length", ttft_ms=float(rec["ttft_ms"]), tpot_ms=float(rec["tpot_ms"]),
+                  tpot_target_ms=CODING.tpot_ms, ttft_target_ms=CODING.ttft_ms)
     assert rec["slo_met"] == ("1" if met else "0"), rec
 
 

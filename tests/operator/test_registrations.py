@@ -1,45 +1,38 @@
-"""Reading registrations from a real Redis (127.0.0.1:6379), and not waiting on an unreachable one, but
+"""Reading registrations from a real Redis (tests/redis_prefix.py), and not waiting on an unreachable one, but
 saying why (host and error, never the password)."""
 
 from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 
+from adaserve.contract.registry import index_key, worker_key
 from adaserve.operator.registrations import WorkersRead, describe_failure, read_workers
-
-REDIS_URL = "redis://127.0.0.1:6379/0"
+from tests.redis_prefix import REDIS_URL, isolated_aredis
 
 
 @pytest_asyncio.fixture
-async def prefix() -> AsyncIterator[str]:
-    p = f"adaserve-test:{uuid.uuid4().hex[:8]}:llama"  # a fresh prefix: parallel runs never see each other
-    yield p
-    r = aioredis.from_url(REDIS_URL)
-    keys = [k async for k in r.scan_iter(f"{p}:*")]
-    if keys:
-        await r.delete(*keys)
-    await r.aclose()
+async def redis_prefix() -> AsyncIterator[tuple[aioredis.Redis, str]]:
+    async with isolated_aredis("operator") as (client, prefix):
+        yield client, prefix
 
 
 @pytest.mark.asyncio
-async def test_live_registrations_are_read(prefix: str) -> None:
-    r = aioredis.from_url(REDIS_URL)
+async def test_live_registrations_are_read(redis_prefix: tuple[aioredis.Redis, str]) -> None:
+    r, prefix = redis_prefix
     now_ms = int(time.time() * 1000)
     for wid, expires, budget in (("w-1", now_ms + 60_000, 128), ("w-0", now_ms + 60_000, None),
                                  ("gone", now_ms - 1_000, 64)):
-        await r.set(f"{prefix}:workers:{wid}", json.dumps(
+        await r.set(worker_key(prefix, wid), json.dumps(
             {"worker_id": wid, "address": f"http://{wid}:8000", "status": "ready", "device": "cpu",
              "budget": budget}), px=60_000)
-        await r.zadd(f"{prefix}:workers", {wid: expires})
-    await r.zadd(f"{prefix}:workers", {"crashed": now_ms + 60_000})  # in the index, entry already expired
-    await r.aclose()
+        await r.zadd(index_key(prefix), {wid: expires})
+    await r.zadd(index_key(prefix), {"crashed": now_ms + 60_000})  # in the index, entry already expired
     assert await read_workers(REDIS_URL, prefix, timeout_s=2) == WorkersRead([
         {"id": "w-0", "address": "http://w-0:8000", "device": "cpu", "budget": None, "status": "ready"},
         {"id": "w-1", "address": "http://w-1:8000", "device": "cpu", "budget": 128, "status": "ready"},
@@ -47,8 +40,8 @@ async def test_live_registrations_are_read(prefix: str) -> None:
 
 
 @pytest.mark.asyncio
-async def test_no_workers_yet(prefix: str) -> None:
-    assert await read_workers(REDIS_URL, prefix, timeout_s=2) == WorkersRead([], None)
+async def test_no_workers_yet(redis_prefix: tuple[aioredis.Redis, str]) -> None:
+    assert await read_workers(REDIS_URL, redis_prefix[1], timeout_s=2) == WorkersRead([], None)
 
 
 @pytest.mark.asyncio

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 
+from adaserve.contract.registration import parse_registration
 from adaserve.operator import status
 from adaserve.operator.handlers import status_changes
 from adaserve.operator.spec import DeploymentSpec, parse_spec
@@ -120,17 +120,14 @@ def test_external_redis_is_not_waited_for() -> None:
 
 
 def test_registrations_become_worker_entries() -> None:
-    regs = [
-        json.dumps({"worker_id": "b", "address": "http://10.0.0.8:8000", "status": "loading", "device": "H100"}),
-        None,  # expired between ZRANGEBYSCORE and MGET
-        b"not json",
-        json.dumps({"worker_id": "a", "address": "http://10.0.0.7:8000", "status": "ready", "device": "H100",
-                    "budget": 256, "load": {"active": 3}}),
-        json.dumps(["no", "dict"]),
-    ]
-    assert status.parse_registrations(regs) == [
+    regs = [parse_registration(d) for d in (
+        {"worker_id": "b", "address": "http://10.0.0.8:8000", "status": "loading"},  # no device, no budget yet
+        {"worker_id": "a", "address": "http://10.0.0.7:8000", "status": "ready", "device": "H100", "budget": 256,
+         "load": {"active": 3}},
+    )]
+    assert status.worker_entries(r for r in regs if r is not None) == [
         {"id": "a", "address": "http://10.0.0.7:8000", "device": "H100", "budget": 256, "status": "ready"},
-        {"id": "b", "address": "http://10.0.0.8:8000", "device": "H100", "budget": None, "status": "loading"},
+        {"id": "b", "address": "http://10.0.0.8:8000", "device": "", "budget": None, "status": "loading"},
     ]
 
 

@@ -1,4 +1,4 @@
-"""Pure pieces of the worker: settings, incremental text, validation messages, the registry's keys."""
+"""Pure pieces of the worker: settings, incremental text, validation messages, CLI errors."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from pydantic import ValidationError
 from adaserve.error_fields import field_path
 from adaserve.server_process import free_port
 from adaserve.worker.detok import IncrementalText
-from adaserve.worker.registry import index_key, redacted, worker_key
-from adaserve.worker.schemas import GenerateRequest
 from adaserve.worker.settings import WorkerSettings
 from tests.models import make_checkpoint
 
@@ -81,26 +79,11 @@ def test_incremental_text_flushes_everything_at_the_end() -> None:
     assert not t.stopped and t.text == "x<x<"
 
 
-def test_request_body_rules() -> None:
-    assert GenerateRequest(prompt="x", stop="\n").stops == ("\n",)
-    with pytest.raises(ValidationError, match="exactly one"):
-        GenerateRequest(prompt="x", prompt_token_ids=[1])
-    with pytest.raises(ValidationError, match="prompt_token_ids"):
-        GenerateRequest(prompt_token_ids=[True])  # strict ints: no bools, no strings
-
-
 def test_validation_field_names() -> None:
     assert field_path(("body", "prompt_token_ids", 2)) == "prompt_token_ids[2]"
     assert field_path(("body", "messages", 0, "role")) == "messages[0].role"
     assert field_path(("header", "X-SLO-Class")) == "X-SLO-Class"
     assert field_path(("body",)) == "body"
-
-
-def test_registry_keys_and_redacted_url() -> None:
-    assert worker_key("p", "w1") == "p:workers:w1"
-    assert index_key("p") == "p:workers"
-    assert redacted("redis://:s3cret@redis:6379/0") == "redis://:***@redis:6379/0"
-    assert redacted("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
 
 
 def test_worker_cli_rejects_bad_settings_in_one_line(tmp_path: Path) -> None:

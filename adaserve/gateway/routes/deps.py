@@ -6,8 +6,8 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
+from adaserve.contract.slo import CLASS_NAME
 from adaserve.gateway.service import Gateway
-from adaserve.worker.settings import CLASS_NAME
 
 
 def get_gateway(request: Request) -> Gateway:

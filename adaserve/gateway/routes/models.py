@@ -7,11 +7,11 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path
 
+from adaserve.contract.generate import REQUEST_ID_PATTERN  # one id syntax: the gateway's ids reach workers
 from adaserve.gateway.errors import ApiError
 from adaserve.gateway.keys import AuthError
 from adaserve.gateway.routes.deps import AuthorizationHeader, GatewayDep
 from adaserve.gateway.service import Gateway
-from adaserve.worker.schemas import REQUEST_ID_PATTERN  # one id syntax: the gateway's ids reach workers
 
 router = APIRouter(tags=["models"])
 

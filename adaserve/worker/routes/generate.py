@@ -15,11 +15,11 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
+from adaserve.contract.generate import GenerateRequest
+from adaserve.contract.slo import CLASS_NAME
 from adaserve.worker import stream
 from adaserve.worker.routes.deps import RuntimeDep
 from adaserve.worker.runtime import InFlight, Runtime
-from adaserve.worker.schemas import GenerateRequest
-from adaserve.worker.settings import CLASS_NAME
 
 router = APIRouter(tags=["generate"])
 

@@ -18,10 +18,10 @@ async def profile(runtime: RuntimeDep) -> dict[str, Any]:
     if runtime.built is None:
         raise RequestRefused(503, f"worker is {runtime.state.value}: no profile yet",
                              retry_after=runtime.settings.retry_after_s)
-    return published.profile_info(runtime.built, runtime.settings)
+    return published.profile_info(runtime.built, runtime.settings).model_dump(mode="json")
 
 
 @router.get("/v1/status")
 async def status(runtime: RuntimeDep) -> dict[str, Any]:
     """The registration document (docs/worker.md), also without Redis: a gateway given worker URLs polls this."""
-    return published.registration(runtime)
+    return runtime.registration().document()

@@ -6,8 +6,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path
 
+from adaserve.contract.generate import REQUEST_ID_PATTERN
 from adaserve.worker.routes.deps import RuntimeDep
-from adaserve.worker.schemas import REQUEST_ID_PATTERN
 
 router = APIRouter(tags=["requests"])
 

@@ -1,4 +1,6 @@
-"""directory.py: registrations as routing views, and the directory's merge of its own in-flight requests."""
+"""directory.py: registrations as routing views, and the directory's merge of its own in-flight requests.
+
+Which documents are registrations at all: tests/contract/test_registration.py."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ from typing import Any
 
 import pytest
 
-from adaserve.gateway.directory import Directory, parse_registration
+from adaserve.contract.registration import parse_registration
+from adaserve.gateway.directory import Directory, worker_view
 from adaserve.gateway.routing import Router, WorkerView
-from tests.gateway.unit.fakes import REGISTRATION, FakeSource, registration
+from tests.contract.examples import REGISTRATION
+from tests.gateway.unit.fakes import FakeSource, registration
 from tests.gateway.unit.helpers import run
 
 
@@ -21,10 +25,16 @@ def doc(**changes: Any) -> dict[str, Any]:
     return out
 
 
-# ---- parse_registration ------------------------------------------------------------------------------------
+def view_of(doc: Any) -> WorkerView | None:
+    """The routing view of a document, None when it is no registration (the directory skips it)."""
+    reg = parse_registration(doc)
+    return None if reg is None else worker_view(reg)
+
+
+# ---- worker_view -------------------------------------------------------------------------------------------
 
 def test_parse_a_real_registration() -> None:
-    assert parse_registration(REGISTRATION) == WorkerView(
+    assert view_of(REGISTRATION) == WorkerView(
         id="adaserve-worker-7d9f-abcde", address="http://10.0.3.17:8000", status="ready", model="target",
         max_active=64, active=3, active_by_class={"chat": 2, "coding": 1}, budget=582,
         target_cost={"alpha": 1.1e-7, "gamma": 2.0e-5, "delta": 0.011},
@@ -38,12 +48,12 @@ def test_parse_a_real_registration() -> None:
     ({"running": 3}, None),  # an older worker that does not report it
 ])
 def test_parse_context_per_request(load: dict[str, Any], per_request: float | None) -> None:
-    v = parse_registration(doc(load={"active": 3, **load}))
+    v = view_of(doc(load={"active": 3, **load}))
     assert v is not None and v.context_per_request == per_request
 
 
 def test_parse_a_worker_that_does_not_speculate_reports_depth_0() -> None:
-    v = parse_registration(doc(max_depth=0))
+    v = view_of(doc(max_depth=0))
     assert v is not None and v.draft_steps == 0 and v.depth == 0
 
 
@@ -52,35 +62,20 @@ def test_parse_a_worker_that_is_still_loading() -> None:
     loading = {k: v for k, v in REGISTRATION.items() if k not in ("budget", "cost_model")}
     loading.update(status="loading", acceptance={"steps": 0, "mean_accepted_per_verification": 0.0,
                                                  "acceptance_rate": 0.0})
-    v = parse_registration(loading)
+    v = view_of(loading)
     assert v is not None
     assert (v.status, v.budget, v.target_cost, v.draft_cost, v.acceptance_rate) == ("loading", None, None, None, None)
 
 
 def test_parse_a_worker_without_draft() -> None:
-    v = parse_registration(doc(cost_model={"source": "online", "target": {"alpha": 0.0, "gamma": 0.0, "delta": 0.1},
+    v = view_of(doc(cost_model={"source": "online", "target": {"alpha": 0.0, "gamma": 0.0, "delta": 0.1},
                                            "draft": None}))
     assert v is not None and v.draft_cost is None and v.target_cost == {"alpha": 0.0, "gamma": 0.0, "delta": 0.1}
 
 
 def test_parse_defaults_for_missing_optional_parts() -> None:
-    v = parse_registration({"worker_id": 7, "address": "http://w", "status": "ready"})
+    v = view_of({"worker_id": 7, "address": "http://w", "status": "ready"})
     assert v == WorkerView(id="7", address="http://w", status="ready", model=None, max_active=1, active=0)
-
-
-@pytest.mark.parametrize("garbage", [
-    None, "a string", 42, [REGISTRATION], {},
-    {"worker_id": "w", "status": "ready"},  # no address
-    {"address": "http://w", "status": "ready"},  # no id
-    doc(load={"active": "many"}),
-    doc(load="busy"),
-    doc(capacity={"max_active_requests": "lots"}),
-    doc(budget="big"),
-    doc(acceptance={"steps": 3}),  # verified, but no rate
-    doc(models=["m"]),
-])
-def test_parse_garbage_is_none(garbage: Any) -> None:
-    assert parse_registration(garbage) is None
 
 
 @pytest.mark.parametrize("cost_model", [
@@ -91,8 +86,8 @@ def test_parse_garbage_is_none(garbage: Any) -> None:
 def test_a_malformed_cost_model_does_not_break_routing(cost_model: dict[str, Any]) -> None:
     # One foreign or older registration must not take routing down for every request: parse_registration
     # refuses it (None, so the directory skips it) and routing goes on over the others.
-    assert parse_registration(doc(cost_model=cost_model)) is None
-    other = parse_registration(doc(worker_id="healthy"))
+    assert view_of(doc(cost_model=cost_model)) is None
+    other = view_of(doc(worker_id="healthy"))
     assert other is not None
     choice = Router("headroom").choose([other], 50.0, lambda _: 50.0)
     assert choice is not None and choice.worker.id == "healthy"

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from adaserve.contract.generate import GenerateRequest
 from adaserve.gateway import dispatch
 from tests.gateway.unit.helpers import run, view
 
@@ -56,7 +57,7 @@ async def read(steps: list[dict[str, Any] | float | str], *, first_token_timeout
     start = time.monotonic()
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
         try:
-            up = await dispatch.open_stream(client, view("w"), {"request_id": "r1", "prompt": "x"},
+            up = await dispatch.open_stream(client, view("w"), GenerateRequest(request_id="r1", prompt="x"),
                                             first_token_timeout_s=first_token_timeout_s,
                                             token_timeout_s=token_timeout_s)
             try:
@@ -67,6 +68,25 @@ async def read(steps: list[dict[str, Any] | float | str], *, first_token_timeout
         except (dispatch.WorkerFailed, dispatch.WorkerLost) as e:
             error = e
     return got, error, time.monotonic() - start
+
+
+def test_the_request_is_posted_as_a_stream_without_empty_fields() -> None:
+    posted: list[dict[str, Any]] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        posted.append(json.loads(request.content))
+        return httpx.Response(200, stream=Script([FINAL]), headers={"content-type": "text/event-stream"})
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            up = await dispatch.open_stream(client, view("w"), GenerateRequest(request_id="r1", prompt="x"),
+                                            first_token_timeout_s=5.0, token_timeout_s=1.0)
+            await up.close()
+
+    run(main())
+    (body,) = posted
+    assert body["stream"] is True and "seed" not in body and "slo_class" not in body  # None: the worker's default
+    assert GenerateRequest.model_validate(body) == GenerateRequest(request_id="r1", prompt="x", stream=True)
 
 
 def test_a_whole_stream_is_read() -> None:

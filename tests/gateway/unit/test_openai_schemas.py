@@ -7,7 +7,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from adaserve.contract.generate import ChatMessage, GenerateRequest
 from adaserve.gateway.openai_schemas import ChatRequest, CompletionRequest
+from adaserve.gateway.slo import SloClass
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -31,8 +33,9 @@ def chat(**kw: Any) -> ChatRequest:
     ({"top_p": 0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": "5"}, "max_tokens"),  # no coercion from strings
-    ({"stop": [""]}, "non-empty stop strings"),
-    ({"stop": [f"s{i}" for i in range(17)]}, "at most 16"),
+    ({"stop": [""]}, "stop strings must be non-empty"),
+    ({"stop": [f"s{i}" for i in range(17)]}, "at most 16 stop strings"),
+    ({"stop": 5}, "stop"),
     ({"slo_class": "two words"}, "slo_class"),
     ({"top_logprobs": 2}, "top_logprobs"),  # an unknown field is refused, never ignored
 ])
@@ -78,7 +81,7 @@ def test_defaults_sample_like_openai() -> None:
     req = completion()
     assert req.temperature == 1.0 and req.top_p == 1.0 and not req.stream and req.slo_class is None
     assert req.sampling(64) == {"max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None,
-                                "stop": None, "ignore_eos": False}
+                                "stop": [], "ignore_eos": False}
 
 
 def test_sampling_passes_the_request_fields() -> None:
@@ -113,8 +116,8 @@ def test_chat_messages_as_text() -> None:
                 {"role": "user", "content": [{"type": "text", "text": "two "}, {"type": "text", "text": "parts"}]},
                 {"role": "assistant", "content": None, "name": "bot"}]
     assert chat(messages=messages, slo_class="coding").prompt_fields() == {"messages": [
-        {"role": "system", "content": "be brief"}, {"role": "user", "content": "two parts"},
-        {"role": "assistant", "content": ""}]}
+        ChatMessage(role="system", content="be brief"), ChatMessage(role="user", content="two parts"),
+        ChatMessage(role="assistant", content="")]}
 
 
 @pytest.mark.parametrize("messages", [
@@ -125,3 +128,27 @@ def test_chat_messages_as_text() -> None:
 def test_bad_messages_are_refused(messages: list[dict[str, Any]]) -> None:
     with pytest.raises(ValidationError):
         chat(messages=messages)
+
+
+CODING = SloClass(name="coding", tpot_ms=40, ttft_ms=2000)
+
+
+@pytest.mark.parametrize("body", [
+    completion(prompt=[1, 2, 3], max_tokens=9, temperature=0.0, top_p=0.9, top_k=40, seed=7, stop="###",
+               ignore_eos=True),
+    completion(prompt=["hello"]),
+    chat(messages=[{"role": "system", "content": "be brief"},
+                   {"role": "user", "content": [{"type": "text", "text": "two "}, {"type": "text", "text": "parts"}]}],
+         max_completion_tokens=5),
+])
+def test_the_worker_request_is_one_the_worker_accepts(body: CompletionRequest | ChatRequest) -> None:
+    # built without a second validation: it must still be exactly what the worker's schema makes of it
+    sent = body.generate_request(64, CODING, "cmpl-1").model_dump(mode="json", exclude_none=True)
+    assert GenerateRequest.model_validate(sent).model_dump(mode="json", exclude_none=True) == sent
+    assert (sent["slo_class"], sent["tpot_slo_ms"], sent["ttft_slo_ms"], sent["request_id"], sent["stream"]) == (
+        "coding", 40.0, 2000.0, "cmpl-1", True)
+
+
+def test_negative_token_ids_are_refused_at_the_gateway() -> None:
+    with pytest.raises(ValidationError, match="prompt"):
+        completion(prompt=[1, -2])

@@ -1,0 +1,80 @@
+"""The body of a worker's ``POST /v1/generate``: what the gateway sends, and what anyone may send a worker.
+
+Shape checks only; what the engine can serve (context length, vocabulary, KV) the worker checks against
+its engine. The gateway's OpenAI bodies use the same field types (token ids, class names, stop strings),
+so what the gateway accepts at its edge a worker accepts too.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, model_validator
+
+from adaserve.contract.slo import SloClassName
+
+# The gateway's request ids reach workers, and both answer /v1/requests/{id}: one syntax for both.
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
+RequestId = Annotated[str, Field(pattern=REQUEST_ID_PATTERN)]
+TokenId = Annotated[StrictInt, Field(ge=0)]  # strict: a bool or a string is not a token id
+MAX_STOPS = 16
+
+
+def stop_list(v: object) -> object:
+    """``stop`` as OpenAI takes it (none, one string, or a list) -> a list of at most 16 non-empty strings.
+
+    Anything that is not a string or a list is passed on for the field's type to refuse by name.
+    """
+    stops = [] if v is None else [v] if isinstance(v, str) else v
+    if not isinstance(stops, list):
+        return v
+    if len(stops) > MAX_STOPS:
+        raise ValueError(f"at most {MAX_STOPS} stop strings")
+    if any(not s for s in stops):
+        raise ValueError("stop strings must be non-empty")
+    return stops
+
+
+StopStrings = Annotated[list[str], BeforeValidator(stop_list)]
+Role = Literal["system", "user", "assistant", "developer", "tool"]
+
+
+class ChatMessage(BaseModel):
+    """One turn of a conversation; the worker renders the turns with the model's chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Role
+    content: str
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | None = Field(None, min_length=1)
+    prompt_token_ids: list[TokenId] | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=1024)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(0, ge=0)
+    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
+    stop: StopStrings = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
+    ignore_eos: bool = False
+    tpot_slo_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    # the gateway sends its class's TTFT target, so the worker's SLO verdict and metrics use it too
+    ttft_slo_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    slo_class: SloClassName | None = None
+    request_id: RequestId | None = None
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        if sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)) != 1:
+            raise ValueError("give exactly one of 'prompt', 'prompt_token_ids' or 'messages'")
+        return self
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return tuple(self.stop)

@@ -1,0 +1,127 @@
+"""The document a worker publishes about itself: its Redis entry (registry.py) and its ``GET /v1/status``.
+
+The worker writes it (adaserve/worker/published.py), the gateway routes by it (gateway/directory.py) and
+the operator summarises it in the resource's status (operator/status.py); docs/worker.md annotates one.
+
+Readers are lenient where workers of another version may differ (unknown fields are ignored; what a loading
+worker cannot know yet is optional) and strict where routing would go wrong (a load or a cost model that is
+not numbers): ``parse_registration`` answers None for what is not a registration, so a reader skips that one
+worker instead of failing for all of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+SCHEMA_VERSION = 1
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)  # ignore, not forbid: a newer worker may add fields
+
+
+class CostModel(_Part):
+    """One model's forward time in seconds: ``alpha * context tokens + gamma * batched tokens + delta``."""
+
+    alpha: float
+    gamma: float
+    delta: float
+
+
+class CostModels(_Part):
+    source: str | None = None  # "profile" (measured at start) or "online" (learnt from served forwards)
+    target: CostModel | None = None
+    draft: CostModel | None = None  # None: no draft model
+
+
+class ModelNames(_Part):
+    name: str | None = None  # what clients pass as "model"; None: serves whatever is asked
+    target: str | None = None
+    draft: str | None = None
+
+
+class Capacity(_Part):
+    max_active_requests: int | None = None
+    max_batch: int | None = None
+
+
+class Load(_Part):
+    active: int = 0  # admitted by the worker, not finished
+    active_by_class: dict[str, int] = Field(default_factory=dict)
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    context_tokens: int | None = None  # KV tokens (prompt + output) of the running and waiting requests
+
+
+class Acceptance(_Part):
+    """Over the worker's recent iterations (``steps`` of them)."""
+
+    steps: int = 0
+    mean_accepted_per_verification: float = 0.0
+    acceptance_rate: float | None = None  # accepted / proposed draft tokens
+
+    @model_validator(mode="after")
+    def _rate_once_verified(self) -> Acceptance:
+        if self.steps and self.acceptance_rate is None:
+            raise ValueError("acceptance_rate is required once steps > 0")
+        return self
+
+
+class ClassAttainment(_Part):
+    finished: int
+    met: int
+    attainment: float
+
+
+class Profile(_Part):
+    """``GET /v1/profile``: budget, cost model and device. A loading worker knows none of it yet."""
+
+    device: str | None = None  # the profiler's device string
+    device_type: str | None = None  # "cpu" or "cuda"
+    budget: int | None = None  # B, tokens per verification
+    budget_source: str | None = None  # "profile", or "fixed" (--budget)
+    profile_cached: bool | None = None
+    cost_model: CostModels | None = None
+    policy: str | None = None
+    max_depth: int | None = None  # D, draft steps per iteration at most (0: no speculation)
+    max_context: int | None = None
+
+
+class Registration(Profile):
+    # a number where an id or address belongs is still readable as one (hand-written or older entries)
+    model_config = ConfigDict(extra="ignore", frozen=True, coerce_numbers_to_str=True, populate_by_name=True)
+
+    schema_version: int = Field(SCHEMA_VERSION, alias="schema")
+    worker_id: str = Field(min_length=1)
+    address: str = Field(min_length=1)
+    status: str  # loading | ready | draining | stopped | failed: only "ready" gets traffic
+    version: str | None = None
+    models: ModelNames = ModelNames()
+    capacity: Capacity = Capacity()
+    load: Load = Load()
+    acceptance: Acceptance = Acceptance()
+    slo_attainment: dict[str, ClassAttainment] = Field(default_factory=dict)
+    slo_classes: dict[str, float] = Field(default_factory=dict)  # class -> TPOT target the worker knows
+    started_at: float | None = None  # unix seconds
+    updated_at: float | None = None
+    heartbeat_s: float | None = None
+    ttl_s: float | None = None
+
+    def document(self) -> dict[str, Any]:
+        """The JSON object as stored and served, who and what first (for people reading it with redis-cli)."""
+        doc = self.model_dump(mode="json", by_alias=True)
+        return {**{k: doc[k] for k in _FIRST}, **doc}
+
+
+_FIRST = ("schema", "worker_id", "address", "status", "version", "models")
+
+
+def parse_registration(doc: Any) -> Registration | None:
+    """``doc`` (decoded JSON) as a registration; None when it is not one (a foreign or broken entry)."""
+    try:
+        return Registration.model_validate(doc)
+    except ValidationError:
+        return None

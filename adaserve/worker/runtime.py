@@ -22,6 +22,7 @@ from typing import Any
 from adaserve.contract.generate import ChatMessage, GenerateRequest
 from adaserve.contract.registration import Registration
 from adaserve.engine.build import BuiltEngine, EngineBuildError, build_engine
+from adaserve.engine.catalog import ModelNotFoundError, resolve
 from adaserve.engine.engine import Engine, TokenEvent
 from adaserve.engine.loader import load_tokenizer
 from adaserve.engine.loop import EngineLoop
@@ -141,7 +142,7 @@ class Runtime:
             self.registry = Registry(self.settings, self.registration)
             await self.registry.start()
         else:
-            log.warning("no Redis configured (ADASERVE_REDIS_URL / --redis-url): local mode, not registering")
+            log.info("no Redis configured (ADASERVE_REDIS_URL / --redis-url): local mode, not registering")
         log.info("worker %s ready at %s (budget %d)", self.settings.worker_id, self.settings.address,
                  built.engine.cfg.budget)
 
@@ -151,13 +152,17 @@ class Runtime:
             import torch
 
             torch.set_num_threads(s.torch_threads)
-        built = build_engine(target=s.target, draft=s.draft, device=s.device, policy=s.policy, budget=s.budget,
+        try:
+            pair = resolve(s.target, draft=s.draft, progress=False)  # a GGUF file is converted once, here
+        except ModelNotFoundError as e:
+            raise EngineBuildError(str(e)) from None
+        built = build_engine(target=pair.target, draft=pair.draft, device=s.device, policy=s.policy, budget=s.budget,
                              attention=s.attention, kv_memory_mb=s.kv_memory_mb, force_profile=s.reprofile,
                              dtype=s.dtype, max_depth=s.max_depth, max_width=s.max_width,
                              progress=False)
         if s.warmup:
             warm_up(built.engine)
-        tokenizer = load_tokenizer(s.target) if built.tokenizer is not None else None
+        tokenizer = load_tokenizer(pair.target) if built.tokenizer is not None else None
         return built, tokenizer
 
     def _fail(self, message: str) -> None:

@@ -7,7 +7,7 @@ uses the command line. Both end up here and are validated once, before any model
 from __future__ import annotations
 
 import socket
-from pathlib import Path
+from pathlib import PurePath
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from adaserve.contract.redis_settings import DEFAULT_PREFIX, RedisPrefix, RedisUrl
 from adaserve.contract.slo import CLASS_NAME, SloClassName
+from adaserve.engine.catalog import DEFAULT_MODEL, check_ref, served_name
 
 
 class WorkerSettings(BaseSettings):
@@ -24,9 +25,11 @@ class WorkerSettings(BaseSettings):
                                       validate_default=True)
 
     # models and engine
-    target: Path = Field(description="target model directory (Hugging Face format)")
-    draft: Path | None = Field(None, description="draft model directory; speculative policies need it")
-    model_name: str | None = Field(None, description="name published to the gateway (default: target dir name)")
+    target: str = Field(DEFAULT_MODEL, description="target model: a name (smollm2-135m-instruct, demo-tiny), a "
+                        ".gguf file or a Hugging Face directory; a named model brings its own draft")
+    draft: str | None = Field(None, description="draft model (same forms); speculative policies need one")
+    model_name: str | None = Field(None, description="name published to the gateway (default: the model's name, "
+                                   "the GGUF file's stem or the directory's name)")
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     policy: str = "adaserve"
@@ -64,11 +67,16 @@ class WorkerSettings(BaseSettings):
     registration_ttl_s: float = Field(10.0, gt=0)
     drain_grace_s: float = Field(30.0, ge=0, description="how long SIGTERM waits for in-flight requests")
 
+    @field_validator("target", "draft", mode="before")
+    @classmethod
+    def _path_as_text(cls, v: object) -> object:
+        return str(v) if isinstance(v, PurePath) else v
+
     @field_validator("target", "draft")
     @classmethod
-    def _model_dir(cls, v: Path | None) -> Path | None:
-        if v is not None and not (v / "config.json").is_file():
-            raise ValueError(f"{v} is not a model directory (no config.json)")
+    def _model_ref(cls, v: str | None) -> str | None:
+        if v is not None:
+            check_ref(v)  # ModelNotFoundError is a ValueError: a one-line settings error
         return v
 
     @field_validator("slo_classes")
@@ -100,4 +108,4 @@ class WorkerSettings(BaseSettings):
 
     @property
     def served_model_name(self) -> str:
-        return self.model_name or self.target.resolve().name
+        return self.model_name or served_name(self.target)

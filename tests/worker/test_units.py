@@ -50,9 +50,19 @@ def test_settings_validation_names_the_field(model_dir: Path, kwargs: dict, fiel
         WorkerSettings(target=model_dir, **kwargs)
 
 
-def test_settings_target_must_be_a_model_directory(tmp_path: Path) -> None:
-    with pytest.raises(ValidationError, match=r"no config\.json"):
+def test_settings_target_must_be_a_model(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match=r"(?s)target.*config\.json.*smollm2-135m-instruct"):
         WorkerSettings(target=tmp_path)
+    with pytest.raises(ValidationError, match=r"(?s)draft.*GGUF file .*missing\.gguf does not exist"):
+        WorkerSettings(target="demo-tiny", draft=tmp_path / "missing.gguf")
+
+
+def test_settings_name_the_served_model_after_the_reference(model_dir: Path) -> None:
+    assert WorkerSettings().target == "smollm2-135m-instruct"  # the default model, no option needed
+    assert WorkerSettings().served_model_name == "smollm2-135m-instruct"
+    assert WorkerSettings(target="demo-tiny").served_model_name == "demo"
+    assert WorkerSettings(target=model_dir).served_model_name == model_dir.name
+    assert WorkerSettings(target=model_dir, model_name="mine").served_model_name == "mine"
 
 
 def test_incremental_text_holds_back_partial_characters_and_stop_prefixes() -> None:

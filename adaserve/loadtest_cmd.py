@@ -29,8 +29,9 @@ def add_parser(sub: Any) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="a running gateway, e.g. http://127.0.0.1:8080")
     where.add_argument("--up", action="store_true", help="start `adaserve up` for the run and stop it after")
-    p.add_argument("--target", type=Path, help="with --up: target model directory (default: the demo pair)")
-    p.add_argument("--draft", type=Path, help="with --up: draft model directory")
+    p.add_argument("--target", help="with --up: the model to serve, as `adaserve up --model` takes it "
+                   "(default smollm2-135m-instruct; demo-tiny for the tiny test pair)")
+    p.add_argument("--draft", help="with --up: its draft (default: the named model's own)")
     p.add_argument("--budget", type=int, help="with --up: fixed token budget (default: profiled)")
     p.add_argument("--model", help="model name to request (default: the gateway's first in /v1/models)")
     p.add_argument("--rps", type=floats, default=(0.5, 1.0, 2.0), help="request rates, comma-separated")

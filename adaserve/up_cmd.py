@@ -1,7 +1,11 @@
-"""``adaserve up``: the whole system on one machine, one command: a worker on the demo pair (or given
-models) in a child process, and the gateway in this one, with in-process state unless ``--redis-url``.
+"""``adaserve up``: the whole system on one machine, one command: a worker on SmolLM2-135M-Instruct with its
+distilled draft (or the given model) in a child process, and the gateway in this one, with in-process state
+unless ``--redis-url``.
 
-Ctrl-C (or SIGTERM) stops the gateway, then drains and stops the worker.
+With no classes file, the three default SLO classes are scaled to this machine once the worker has profiled
+it (``slo.local_classes``): every default class is then feasible on a laptop. Each class is printed with
+its target and how a lone request of it fares (``slo.feasibility``). Ctrl-C (or SIGTERM) stops the gateway,
+then drains and stops the worker.
 """
 
 from __future__ import annotations
@@ -13,21 +17,22 @@ import os
 import signal
 import socket
 import sys
-from pathlib import Path
 from typing import Any
 
 from adaserve.cli_error import CliError
+from adaserve.engine.catalog import DEFAULT_MODEL, ModelNotFoundError, check_ref, served_name
 from adaserve.server_process import NotReady, ServerProcess, free_port
 
-DEMO = Path("models/demo")
-READY_TIMEOUT_S = 600.0
+READY_TIMEOUT_S = 900.0  # a first start converts the model, materialises the draft and profiles the machine
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("up", help="serve locally: gateway + one worker (the demo pair by default)")
-    p.add_argument("--target", type=Path, help=f"target model directory (default {DEMO}/target)")
-    p.add_argument("--draft", type=Path, help=f"draft model directory (default {DEMO}/draft with the demo target)")
-    p.add_argument("--model-name", help="name clients pass as 'model' (default: 'demo', or the target dir name)")
+    p = sub.add_parser("up", help=f"serve locally: gateway + one worker ({DEFAULT_MODEL} by default)")
+    p.add_argument("--model", help=f"{DEFAULT_MODEL} (default, with its distilled draft), demo-tiny (the tiny "
+                   "test pair), a .gguf file or a Hugging Face directory")
+    p.add_argument("--target", dest="model", help=argparse.SUPPRESS)  # the worker's spelling of --model
+    p.add_argument("--draft", help="draft model, same forms (default: the named model's own; none for a path)")
+    p.add_argument("--model-name", help="name clients pass as 'model' (default: the model's name)")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="gateway port (default 8080)")
     p.add_argument("--worker-port", type=int, default=0, help="worker port (default: any free port)")
@@ -35,36 +40,40 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--policy", default="adaserve")
     p.add_argument("--budget", type=int, help="fixed token budget (default: profiled)")
     p.add_argument("--redis-url", help="keep request records in this Redis (default: in-process)")
-    p.add_argument("--slo-classes-file", type=Path, help="JSON list of SLO classes (default coding/chat/summarization)")
-    p.add_argument("--api-keys-file", type=Path, help="JSON API keys; unset = no authentication")
+    p.add_argument("--slo-classes-file", help="JSON list of SLO classes (default: coding, "
+                   "chat and summarization scaled to this machine's per-token latency)")
+    p.add_argument("--api-keys-file", help="JSON API keys; unset = no authentication")
     p.set_defaults(func=run)
 
 
-def resolve_models(args: argparse.Namespace) -> tuple[Path, Path | None, str]:
-    target = args.target or DEMO / "target"
-    draft = args.draft if args.draft is not None else (DEMO / "draft" if args.target is None else None)
-    for role, path in (("target", target), ("draft", draft)):
-        if path is not None and not (path / "config.json").is_file():
-            hint = " (run from the repository root, or give --target/--draft)" if args.target is None else ""
-            raise CliError(f"{role} model directory {path} not found{hint}")
-    name = args.model_name or ("demo" if args.target is None else target.resolve().name)
-    return target, draft, name
+def resolve_models(args: argparse.Namespace) -> tuple[str, str | None, str]:
+    """(model reference, draft reference, served name), checked without loading or converting anything."""
+    ref = args.model or DEFAULT_MODEL
+    try:
+        check_ref(ref)
+        if args.draft is not None:
+            check_ref(args.draft)
+    except ModelNotFoundError as e:
+        raise CliError(str(e)) from None
+    return ref, args.draft, args.model_name or served_name(ref)
 
 
 def banner(url: str, model: str, slo_classes: list[str], cls: str, keys: bool) -> str:
-    """What to paste: ``cls`` is the class the examples name (the configured default)."""
+    """What to paste: a coding request by curl (the tightest class), a streamed chat by the openai client."""
     auth = ' -H "Authorization: Bearer $KEY"' if keys else ""
+    coding = "coding" if "coding" in slo_classes else cls
     return f"""
 adaserve is up: {url}   (model "{model}", SLO classes: {', '.join(slo_classes)})
 
-  curl -s {url}/v1/completions -H 'content-type: application/json' -H 'X-SLO-Class: {cls}'{auth} \\
-      -d '{{"model": "{model}", "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}}'
+  curl -s {url}/v1/chat/completions -H 'content-type: application/json' -H 'X-SLO-Class: {coding}'{auth} \\
+      -d '{{"model": "{model}", "max_tokens": 96, "temperature": 0,
+           "messages": [{{"role": "user", "content": "Write a Python function that reverses a list."}}]}}'
 
   python - <<'PY'
 from openai import OpenAI
 client = OpenAI(base_url="{url}/v1", api_key="{'$KEY' if keys else 'none'}")
-stream = client.chat.completions.create(model="{model}", stream=True, max_tokens=32, temperature=0,
-    messages=[{{"role": "user", "content": "Write a Python function that reverses a list."}}],
+stream = client.chat.completions.create(model="{model}", stream=True, max_tokens=48, temperature=0,
+    messages=[{{"role": "user", "content": "What is the capital of France?"}}],
     extra_headers={{"X-SLO-Class": "{cls}"}})
 for chunk in stream:
     print(chunk.choices[0].delta.content or "", end="", flush=True)
@@ -75,13 +84,28 @@ Also: {url}/v1/models  {url}/v1/slo-classes  {url}/metrics   (Ctrl-C stops every
 """
 
 
+def class_lines(classes: list[Any], *, unloaded_tpot_ms: float | None, max_depth: int | None) -> str:
+    """One line per class: its targets and how a lone request of it fares on this worker."""
+    from adaserve.gateway.slo import feasibility
+
+    words = {"plain": "met by plain decoding", "speculation": "needs speculation to be met",
+             "infeasible": "INFEASIBLE on this machine, even for a lone request", None: "not judged"}
+    base = f"{unloaded_tpot_ms:.1f} ms" if unloaded_tpot_ms else "unknown"
+    out = [f"adaserve: SLO classes (this machine's unloaded per-token latency: {base}):"]
+    for c in classes:
+        ttft = f", TTFT {c.ttft_ms:.0f} ms" if c.ttft_ms else ""
+        how = words[feasibility(c.tpot_ms, unloaded_tpot_ms=unloaded_tpot_ms, max_depth=max_depth)]
+        out.append(f"  {c.name:<14} TPOT {c.tpot_ms:.0f} ms{ttft}, priority {c.priority}: {how}")
+    return "\n".join(out)
+
+
 def run(args: argparse.Namespace) -> int:
     from adaserve.cli_settings import load
-    from adaserve.gateway.server import make_server
-    from adaserve.gateway.service import Gateway
+    from adaserve.gateway.keys import load_keys
     from adaserve.gateway.settings import GatewaySettings
+    from adaserve.gateway.slo import load_catalog
 
-    target, draft, model = resolve_models(args)
+    ref, draft, model = resolve_models(args)
     worker_port = args.worker_port or free_port("127.0.0.1")
     worker_url = f"http://127.0.0.1:{worker_port}"
     given: dict[str, Any] = {"host": args.host, "port": args.port, "workers": [worker_url], "model_name": model,
@@ -90,31 +114,32 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             given[name] = getattr(args, name)
     settings = load(GatewaySettings, given, options=tuple(given), env_prefix="ADASERVE_GATEWAY_")
-    try:
-        gateway = Gateway(settings)
+    derive = settings.slo_classes_file is None and settings.slo_classes is None
+    try:  # the class and key files, checked before minutes of model loading (the gateway reads them again)
+        catalog = load_catalog(file=settings.slo_classes_file, inline=settings.slo_classes,
+                               default=settings.default_slo_class)
+        load_keys(settings.api_keys_file, classes=list(catalog.classes))
     except ValueError as e:
         raise CliError(str(e)) from None
-    catalog = gateway.catalog
-    server = make_server(gateway)
     if args.port:
-        _check_port_free(args.host, args.port)  # before minutes of model loading, not after
+        _check_port_free(args.host, args.port)
 
-    cmd = [sys.executable, "-m", "adaserve", "worker", "--target", str(target), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "adaserve", "worker", "--target", ref, "--model-name", model, "--host", "127.0.0.1",
            "--port", str(worker_port), "--device", args.device, "--policy", args.policy, "--log-level", "warning",
            "--worker-id", "local-worker"]
     if draft is not None:
-        cmd += ["--draft", str(draft)]
+        cmd += ["--draft", draft]
     if args.budget is not None:
         cmd += ["--budget", str(args.budget)]
-    env = {**os.environ, "ADASERVE_MODEL_NAME": model, "ADASERVE_DEFAULT_SLO_CLASS": catalog.default,
-           "ADASERVE_SLO_CLASSES": json.dumps({c.name: c.tpot_ms for c in catalog.classes.values()})}
+    env = {**os.environ, "ADASERVE_DEFAULT_SLO_CLASS": catalog.default}
+    if not derive:  # derived classes are known only once the worker has profiled; requests carry their targets
+        env["ADASERVE_SLO_CLASSES"] = json.dumps({c.name: c.tpot_ms for c in catalog.classes.values()})
     env.pop("ADASERVE_REDIS_URL", None)  # the gateway polls this worker directly
-    print(f"adaserve: starting a worker on {target}" + (f" + {draft}" if draft else "") +
+    print(f"adaserve: starting a worker on {ref}" + (f" + {draft}" if draft else "") +
           f" ({args.device}); loading, profiling and warming up ...", file=sys.stderr, flush=True)
     worker = ServerProcess.start(cmd, url=worker_url, name="the worker", env=env)
     try:
-        return asyncio.run(_serve(server, worker, model, list(catalog.classes), catalog.default,
-                                  keys=args.api_keys_file is not None))
+        return asyncio.run(_serve(settings, worker, derive=derive, keys=args.api_keys_file is not None))
     finally:
         worker.stop(timeout_s=40)  # drains: in-flight requests finish
 
@@ -128,28 +153,49 @@ def _check_port_free(host: str, port: int) -> None:
             raise CliError(f"cannot listen on {host}:{port}: {e.strerror} (use --port)") from None
 
 
-async def _serve(server: Any, worker: ServerProcess, model: str, classes: list[str], default_class: str, *,
-                 keys: bool) -> int:
-    # the gateway listens while the worker loads; one that cannot (its port taken) ends the wait at once
-    gateway = asyncio.create_task(server.serve())
+async def _serve(settings: Any, worker: ServerProcess, *, derive: bool, keys: bool) -> int:
+    import httpx
+
+    from adaserve.gateway.server import make_server
+    from adaserve.gateway.service import Gateway
+    from adaserve.gateway.slo import load_catalog, local_classes
+
     try:
-        await worker.wait_ready("/readyz", timeout_s=READY_TIMEOUT_S, give_up=gateway.done)
+        await worker.wait_ready("/readyz", timeout_s=READY_TIMEOUT_S)
     except NotReady as e:
-        server.should_exit = True
-        await gateway
         raise CliError(str(e)) from None
-    if not gateway.done():
-        while not server.started and not gateway.done():
-            await asyncio.sleep(0.05)
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        profile = (await client.get(f"{worker.url}/v1/profile")).json()
+    unloaded, depth = profile.get("unloaded_tpot_ms"), profile.get("max_depth")
+    if derive and unloaded:
+        classes = [c.model_dump(by_alias=True, exclude_none=True) for c in local_classes(unloaded)]
+        # the same three classes as the defaults, so the same default class
+        default = settings.default_slo_class or load_catalog(file=None, inline=None, default=None).default
+        settings = settings.model_copy(update={"slo_classes": json.dumps(classes), "default_slo_class": default})
+    try:
+        gateway = Gateway(settings)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    catalog = gateway.catalog
+    print(class_lines(list(catalog.classes.values()), unloaded_tpot_ms=unloaded, max_depth=depth),
+          file=sys.stderr, flush=True)
+    server = make_server(gateway)
+    serving = asyncio.create_task(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.05)
+    if server.started:
         host, port = server.config.host, server.config.port
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        print(banner(f"http://{shown}:{port}", model, classes, default_class, keys), flush=True)
+        print(banner(f"http://{shown}:{port}", settings.model_name, list(catalog.classes), catalog.default, keys),
+              flush=True)
     watch = asyncio.create_task(_watch_worker(server, worker))
-    await gateway
+    await serving
     watch.cancel()
     code = worker.proc.poll()
     if code is not None and code not in (0, -signal.SIGTERM):
         raise CliError(f"the worker exited with status {code}")
+    if not server.started:
+        raise CliError(f"the gateway could not listen on {settings.host}:{settings.port} (see above)")
     return 0
 
 

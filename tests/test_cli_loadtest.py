@@ -15,7 +15,8 @@ def test_loadtest_up_reports_attainment_per_class_and_the_gateway_overhead(tmp_p
     demo_pair()
     env = {**os.environ, "ADASERVE_TORCH_THREADS": "1"}
     out, plot = tmp_path / "report.json", tmp_path / "load.png"
-    r = subprocess.run([sys.executable, "-m", "adaserve", "loadtest", "--up", "--budget", "16", "--rps", "2",
+    r = subprocess.run([sys.executable, "-m", "adaserve", "loadtest", "--up", "--target", "demo-tiny",
+                        "--budget", "16", "--rps", "2",
                         "--duration", "4", "--max-tokens", "24", "--mix", "coding=0.5,chat=0.5", "--overhead", "2",
                         "--json", str(out), "--plot", str(plot)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -1,4 +1,5 @@
-"""``adaserve up``: the README's first command serves the demo pair through the gateway, and stops cleanly."""
+"""``adaserve up``: the README's first command serves SmolLM2-135M-Instruct through the gateway, with SLO
+classes scaled to this machine, and stops cleanly (about two minutes here: conversion, profile, answers)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,10 @@ import httpx
 import openai
 
 from adaserve.server_process import free_port
-from tests.servers import ROOT, demo_pair
+from tests.servers import ROOT
 
 
-def test_adaserve_up_answers_curl_and_openai_then_stops(tmp_path: Path) -> None:
-    demo_pair()
+def test_adaserve_up_serves_the_default_model_then_stops(tmp_path: Path) -> None:
     port = free_port()
     log = tmp_path / "up.log"
     env = {**os.environ, "ADASERVE_TORCH_THREADS": "1"}
@@ -33,16 +33,25 @@ def test_adaserve_up_answers_curl_and_openai_then_stops(tmp_path: Path) -> None:
             time.sleep(0.25)
         banner = log.read_text()
         assert url in banner and "curl" in banner and "from openai import OpenAI" in banner
-        r = httpx.post(f"{url}/v1/completions", headers={"X-SLO-Class": "chat"}, timeout=60,
-                       json={"model": "demo", "prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0})
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 16 and r.json()["choices"][0]["text"]
+        assert "unloaded per-token latency" in banner and "INFEASIBLE" not in banner
+        classes = httpx.get(f"{url}/v1/slo-classes").json()
+        assert classes["default"] == "chat"
+        tpot = {c["name"]: c["tpot_ms"] for c in classes["data"]}
+        assert tpot["coding"] < tpot["chat"] < tpot["summarization"]  # 1.5x, 2.5x and 6x of one measurement
+        assert all(c["feasibility"] in ("plain", "speculation") for c in classes["data"])
         c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        answer = c.chat.completions.create(
+            model="smollm2-135m-instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24, temperature=0, extra_headers={"X-SLO-Class": "coding"})
+        assert "Paris" in answer.choices[0].message.content
         text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
-            model="demo", messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0,
-            stream=True) if ch.choices)
-        assert text
-        assert httpx.get(f"{url}/v1/slo-classes").json()["default"] == "chat"
+            model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Name three primary colors."}],
+            max_tokens=16, temperature=0, stream=True) if ch.choices)
+        assert text.strip()
+        r = httpx.post(f"{url}/v1/completions", headers={"X-SLO-Class": "chat"}, timeout=60,
+                       json={"model": "smollm2-135m-instruct", "prompt": "def fibonacci(n):", "max_tokens": 8,
+                             "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
@@ -52,9 +61,9 @@ def test_adaserve_up_answers_curl_and_openai_then_stops(tmp_path: Path) -> None:
 
 
 def test_adaserve_up_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "adaserve", "up", "--target", str(tmp_path / "nope")], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "adaserve", "up", "--model", str(tmp_path / "nope")], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and r.stderr.strip().startswith("adaserve: error: target model directory")
+    assert r.returncode == 2 and r.stderr.strip().startswith("adaserve: error: ") and "nope is not a model" in r.stderr
     assert "Traceback" not in r.stderr
     bad = tmp_path / "classes.json"
     bad.write_text('[{"name": "a", "tpotMs": 0}]')

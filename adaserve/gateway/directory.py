@@ -50,6 +50,7 @@ def worker_view(reg: Registration) -> WorkerView:
         acceptance_rate=reg.acceptance.acceptance_rate if reg.acceptance.steps else None,
         context_per_request=_per_request(load),
         draft_steps=reg.max_depth,
+        unloaded_tpot_ms=reg.unloaded_tpot_ms,
     )
 
 

@@ -51,6 +51,7 @@ class WorkerView:
     acceptance_rate: float | None = None
     context_per_request: float | None = None  # L as the worker last reported it
     draft_steps: int | None = None  # D as the worker reports it (0: it does not speculate)
+    unloaded_tpot_ms: float | None = None  # a lone request's time per token without speculation
 
     @property
     def free_slots(self) -> int:

@@ -35,12 +35,51 @@ class SloClass(BaseModel):
                 "sheddable": self.sheddable}
 
 
-# The README's three applications; what `adaserve up` serves when given no classes.
+# The README's three applications at a GPU's absolute targets: a gateway given no classes serves these.
 DEFAULT_CLASSES = (
     SloClass(name="coding", tpot_ms=40, ttft_ms=2000, priority=10),
     SloClass(name="chat", tpot_ms=50, priority=0),
     SloClass(name="summarization", tpot_ms=150, priority=-1),
 )
+
+# `adaserve up` with no classes scales the same three to the machine it runs on: multiples of the unloaded
+# per-token latency (AdaServe Table 2 sets coding at ~1.2x; 1.5x leaves a laptop's noise some room).
+LOCAL_MULTIPLIERS = {"coding": 1.5, "chat": 2.5, "summarization": 6.0}
+
+
+def local_classes(unloaded_tpot_ms: float) -> list[SloClass]:
+    """DEFAULT_CLASSES with TPOT targets at ``LOCAL_MULTIPLIERS`` x this machine's unloaded per-token latency."""
+    if not unloaded_tpot_ms > 0:
+        raise ValueError(f"unloaded per-token latency must be positive, got {unloaded_tpot_ms}")
+    return [c.model_copy(update={"tpot_ms": float(round(LOCAL_MULTIPLIERS[c.name] * unloaded_tpot_ms))})
+            for c in DEFAULT_CLASSES]
+
+
+def feasibility(tpot_ms: float, *, unloaded_tpot_ms: float | None, max_depth: int | None) -> str | None:
+    """How a lone request of this class fares on a worker (None: the worker has not said):
+
+    - ``"plain"``: plain decoding meets it (``tpot >= t1``, t1 the unloaded per-token latency);
+    - ``"speculation"``: only speculation can: each iteration costs at least t1 and yields at most D + 1
+      tokens, so ``t1 / (D + 1) <= tpot < t1`` needs about ``t1 / tpot - 1`` accepted tokens per step;
+    - ``"infeasible"``: ``tpot < t1 / (D + 1)``, beyond even a fully accepted tree.
+    """
+    if unloaded_tpot_ms is None:
+        return None
+    if tpot_ms >= unloaded_tpot_ms:
+        return "plain"
+    if max_depth and tpot_ms >= unloaded_tpot_ms / (max_depth + 1):
+        return "speculation"
+    return "infeasible"
+
+
+_RANK = {"plain": 0, "speculation": 1, "infeasible": 2}
+
+
+def best_feasibility(tpot_ms: float, workers: list[Any]) -> str | None:
+    """The best ``feasibility`` over workers (anything with ``unloaded_tpot_ms`` and ``draft_steps``)."""
+    found = [f for w in workers
+             if (f := feasibility(tpot_ms, unloaded_tpot_ms=w.unloaded_tpot_ms, max_depth=w.draft_steps))]
+    return min(found, key=_RANK.__getitem__) if found else None
 
 
 class UnknownClass(Exception):

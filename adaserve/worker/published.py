@@ -43,7 +43,20 @@ def profile_info(built: BuiltEngine, settings: WorkerSettings) -> Profile:
         # D: draft steps per iteration at most (0: no speculation); the gateway's iteration-time estimate
         max_depth=engine.policy.max_shape.depth if engine.policy.max_shape is not None else 0,
         max_context=engine.max_context,
+        unloaded_tpot_ms=unloaded_tpot_ms(built),
     )
+
+
+UNLOADED_CONTEXT = 256  # the profiler's default probe context: a short chat turn plus its answer
+
+
+def unloaded_tpot_ms(built: BuiltEngine) -> float:
+    """One target forward of one token over ``UNLOADED_CONTEXT`` tokens: measured by the profile when there
+    is one (its first table row), else predicted by the engine's cost model."""
+    prof = built.profile
+    if prof is not None and prof.data.get("target", {}).get("table"):
+        return float(prof.data["target"]["table"][0]["latency_ms"])
+    return 1e3 * built.engine.target_time.model.predict(UNLOADED_CONTEXT, 1)
 
 
 def context_tokens(engine: Engine) -> int:

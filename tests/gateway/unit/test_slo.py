@@ -144,3 +144,40 @@ def test_resolve_unknown_lists_the_valid_classes() -> None:
     assert e.value.name == "nope" and e.value.known == ["chat", "coding"]
     with pytest.raises(UnknownClass):
         cat.resolve(header=None, body=None, key_default="gone")
+
+
+def test_local_classes_scale_the_defaults_to_this_machine() -> None:
+    from adaserve.gateway.slo import DEFAULT_CLASSES, local_classes
+
+    local = local_classes(64.0)
+    assert [(c.name, c.tpot_ms) for c in local] == [("coding", 96.0), ("chat", 160.0), ("summarization", 384.0)]
+    # only the targets change: priorities, TTFT and sheddability are the defaults'
+    for mine, default in zip(local, DEFAULT_CLASSES, strict=True):
+        assert (mine.priority, mine.ttft_ms, mine.sheddable) == (default.priority, default.ttft_ms, default.sheddable)
+    with pytest.raises(ValueError, match="positive"):
+        local_classes(0.0)
+
+
+def test_feasibility_of_a_lone_request() -> None:
+    from adaserve.gateway.slo import feasibility
+
+    assert feasibility(50, unloaded_tpot_ms=None, max_depth=4) is None
+    assert feasibility(64, unloaded_tpot_ms=64, max_depth=4) == "plain"
+    assert feasibility(40, unloaded_tpot_ms=64, max_depth=4) == "speculation"
+    assert feasibility(12.8, unloaded_tpot_ms=64, max_depth=4) == "speculation"  # t1 / (D + 1) exactly
+    assert feasibility(12.7, unloaded_tpot_ms=64, max_depth=4) == "infeasible"
+    assert feasibility(40, unloaded_tpot_ms=64, max_depth=0) == "infeasible"  # no draft: plain decoding only
+
+
+def test_best_feasibility_takes_the_most_capable_worker() -> None:
+    from types import SimpleNamespace
+
+    from adaserve.gateway.slo import best_feasibility
+
+    slow = SimpleNamespace(unloaded_tpot_ms=100.0, draft_steps=0)
+    fast = SimpleNamespace(unloaded_tpot_ms=60.0, draft_steps=4)
+    silent = SimpleNamespace(unloaded_tpot_ms=None, draft_steps=None)
+    assert best_feasibility(80, [slow, silent]) == "infeasible"
+    assert best_feasibility(80, [slow, fast, silent]) == "plain"
+    assert best_feasibility(30, [slow, fast]) == "speculation"
+    assert best_feasibility(30, [silent]) is None and best_feasibility(30, []) is None

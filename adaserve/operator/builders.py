@@ -162,7 +162,7 @@ def _hub_token_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
 
 
 def _model_path(spec: DeploymentSpec, value: str) -> str:
-    """Hub ids are fetched to /models/<id>; paths (image, PVC) are used as given."""
+    """Hub ids are fetched to /models/<id>; paths (image, PVC) and builtin names are used as given."""
     return f"{MODELS_DIR}/{value}" if spec.model.source == "hub" else value
 
 

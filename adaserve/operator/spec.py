@@ -20,6 +20,8 @@ from adaserve.contract.slo import CLASS_NAME
 # adaserve/engine/policies.py make_policy: a name, chain:K or beam[:D,W].
 POLICY = (r"^(adaserve|incremental|specinfer|smartspec|equal-greedy|global-greedy"
           r"|chain:[1-9][0-9]*|beam(:[1-9][0-9]*,[1-9][0-9]*)?)$")
+# The models the worker image carries by name (adaserve/engine/catalog.py NAMES; a test keeps them equal).
+BUILTIN_MODELS = ("smollm2-135m-instruct", "demo-tiny")
 # A Hugging Face hub id: name or owner/name.
 HUB_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$"
 # Kubernetes resource.Quantity, as in the API's own OpenAPI schema.
@@ -36,6 +38,8 @@ MSG_REDIS_ONE = "set exactly one of redis.managed: true or redis.url"
 MSG_PVC = "model.pvc is required with source: pvc and not allowed otherwise"
 MSG_HUB = "model.hub is only allowed with source: hub"
 MSG_TARGET_PATH = "with source image or pvc, target and draft must be absolute paths"
+MSG_BUILTIN = ("with source builtin, target must name a model the worker image carries "
+               "(smollm2-135m-instruct or demo-tiny) and draft must not be set: the named model brings its own")
 MSG_TARGET_HUB = "with source hub, target and draft must be hub ids (owner/name)"
 MSG_BUDGET = 'budget must be "auto" or an integer >= 1'
 MSG_DRAFT = "speculation.policy other than incremental needs model.draft"
@@ -87,7 +91,7 @@ class Hub(_Model):
 
 class ModelSource(_Model):
     name: str | None = None
-    source: Literal["image", "pvc", "hub"] = "image"
+    source: Literal["image", "pvc", "hub", "builtin"] = "image"
     pvc: Pvc | None = None
     hub: Hub | None = None
     target: str = Field(min_length=1)
@@ -171,9 +175,11 @@ def _check_rules(s: DeploymentSpec) -> None:
         raise SpecError("spec.model", MSG_PVC)
     if m.source != "hub" and m.hub is not None:
         raise SpecError("spec.model", MSG_HUB)
+    if m.source == "builtin" and (m.target not in BUILTIN_MODELS or m.draft is not None):
+        raise SpecError("spec.model", MSG_BUILTIN)
     for field in ("target", "draft"):
         value = getattr(m, field)
-        if value is None:
+        if value is None or m.source == "builtin":
             continue
         if m.source == "hub" and not re.match(HUB_ID, value):
             raise SpecError(f"spec.model.{field}", MSG_TARGET_HUB)
@@ -192,7 +198,7 @@ def _check_rules(s: DeploymentSpec) -> None:
     budget = s.speculation.budget
     if budget != "auto" and (isinstance(budget, str) or budget < 1):
         raise SpecError("spec.speculation.budget", MSG_BUDGET)
-    if s.speculation.policy != "incremental" and m.draft is None:
+    if s.speculation.policy != "incremental" and m.draft is None and m.source != "builtin":
         raise SpecError("spec.speculation.policy", MSG_DRAFT)
     if (s.redis.url is not None) == s.redis.managed:
         raise SpecError("spec.redis", MSG_REDIS_ONE)

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from adaserve.operator import names, spec
+from adaserve.operator.builders import worker_env
 from adaserve.operator.spec import SpecError, parse_spec
 from tests.operator.schema import (
     EXAMPLE_PATH,
@@ -225,3 +226,26 @@ def test_unknown_fields_are_refused_by_the_operator(example: dict[str, Any]) -> 
     s["gateway"]["replica"] = 3
     with pytest.raises(SpecError, match=r"spec\.gateway\.replica: unknown field"):
         parse_spec(s)
+
+
+def test_builtin_source_names_a_model_the_image_carries(crd: dict[str, Any], example: dict[str, Any]) -> None:
+    from adaserve.engine.catalog import NAMES
+
+    assert spec.BUILTIN_MODELS == NAMES  # the CRD's list, the operator's and the worker's catalog agree
+    s = example["spec"]
+    s["model"] = {"source": "builtin", "target": "smollm2-135m-instruct", "dtype": "float32"}
+    assert validate(example, crd) == []  # speculates with no draft: the named model brings its own
+    parsed = parse_spec(s)
+    env = {e["name"]: e.get("value") for e in worker_env(parsed, name="m", namespace="ns")}
+    assert env["ADASERVE_TARGET"] == "smollm2-135m-instruct" and "ADASERVE_DRAFT" not in env
+    for bad in ({"target": "llama-3"}, {"target": "/models/x"}, {"draft": "/models/d"}):
+        s["model"] = {"source": "builtin", "target": "smollm2-135m-instruct", **bad}
+        assert validate(example, crd) == [f"spec.model: {spec.MSG_BUILTIN}"], bad
+        with pytest.raises(SpecError, match="source builtin"):
+            parse_spec(s)
+
+
+def test_gguf_file_on_a_volume_is_a_target_path(crd: dict[str, Any], example: dict[str, Any]) -> None:
+    example["spec"]["model"]["target"] = "/models/smollm2.Q4_1.gguf"
+    assert validate(example, crd) == []
+    assert parse_spec(example["spec"]).model.target.endswith(".gguf")

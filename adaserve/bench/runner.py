@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from adaserve.bench.hf_peer import HFPeer
@@ -20,7 +21,7 @@ from adaserve.bench.metrics import RequestResult, adaserve_ratios, summarize
 from adaserve.bench.selection_gap import SelectionGap, budgeted
 from adaserve.bench.workload import WorkloadConfig, WorkloadRequest, build_workload
 from adaserve.engine.build import resolve_device
-from adaserve.engine.chat import instruction_ids
+from adaserve.engine.chat import has_chat_template, instruction_ids
 from adaserve.engine.config import EngineConfig, KVCacheConfig
 from adaserve.engine.engine import Engine, TokenEvent
 from adaserve.engine.loader import load_model, load_tokenizer
@@ -39,6 +40,7 @@ HF_PEER = "hf"  # not an engine policy: Hugging Face transformers serving the sa
 class BenchConfig:
     target: Path
     draft: Path
+    model: str = ""  # the name the pair was asked for (catalog), for the report
     policies: tuple[str, ...] = ("adaserve", "incremental", "chain:4", "smartspec", "specinfer")
     rates: tuple[float, ...] = (1.0,)
     duration_s: float = 30.0
@@ -216,7 +218,12 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
         "config": {"policies": list(cfg.policies), "budgets": [str(b) for b in cfg.budgets],
                    "rates_rps": list(cfg.rates), "duration_s": cfg.duration_s, "slo_scale": cfg.slo_scale,
                    "seed": cfg.seed, "trace": str(cfg.trace) if cfg.trace else None, "mix": cfg.mix,
-                   "target": str(cfg.target), "draft": str(cfg.draft)},
+                   "model": cfg.model, "target": str(cfg.target), "draft": str(cfg.draft),
+                   # every setting that shaped the numbers besides the above
+                   "dtype": str(shared.target.dtype).removeprefix("torch."), "torch_threads": torch.get_num_threads(),
+                   "d_max": EngineConfig().adaptive.d_max, "w_max": EngineConfig().adaptive.w_max,
+                   "max_tokens_cap": cfg.max_tokens_cap, "max_prompt_tokens": cfg.max_prompt_tokens,
+                   "kv_memory_mb": cfg.kv_memory_mb, "chat_template": has_chat_template(shared.tokenizer)},
         "results": rows,
         "adaserve_vs_best_other": ratios,
     }

@@ -66,7 +66,7 @@ class WorkerView:
 
 
 def _cost(model: dict[str, float], n_context: int, n_batched: int) -> float:
-    # the worker's roofline fit: T = alpha * context + gamma * batched + delta (engine/roofline.py)
+    # the worker's roofline fit: T = alpha * context + gamma * batched + delta (engine/cost_model.py)
     return model["alpha"] * n_context + model["gamma"] * n_batched + model["delta"]
 
 

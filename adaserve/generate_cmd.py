@@ -22,8 +22,9 @@ INPUT_FIELDS = {"prompt", "prompt_token_ids", "max_tokens", "temperature", "top_
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate completions for a JSONL file of prompts")
-    p.add_argument("--target", required=True, type=Path, help="target model directory (Hugging Face format)")
-    p.add_argument("--draft", type=Path, help="draft model directory; required by speculative policies")
+    p.add_argument("--target", default="smollm2-135m-instruct",
+                   help="smollm2-135m-instruct (default, brings its draft), demo-tiny, a .gguf file or a directory")
+    p.add_argument("--draft", help="draft model, same forms; speculative policies need one")
     p.add_argument("--input", required=True, type=Path, help="JSONL prompts")
     p.add_argument("--output", required=True, type=Path, help="JSONL results, in input order")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -97,12 +98,17 @@ def read_input(path: Path) -> list[PromptLine]:
 
 def run(args: argparse.Namespace) -> int:
     from adaserve.engine.build import EngineBuildError, build_engine
+    from adaserve.engine.catalog import ModelNotFoundError, resolve
     from adaserve.engine.request import Request
     from adaserve.worker.detok import truncate_at_stop
 
     lines = read_input(args.input)
     try:
-        built = build_engine(target=args.target, draft=args.draft, device=args.device, policy=args.policy,
+        pair = resolve(args.target, draft=args.draft)
+    except ModelNotFoundError as e:
+        raise CliError(str(e)) from None
+    try:
+        built = build_engine(target=pair.target, draft=pair.draft, device=args.device, policy=args.policy,
                              budget=args.budget, attention=args.attention, kv_memory_mb=args.kv_memory_mb,
                              force_profile=args.reprofile)
     except EngineBuildError as e:

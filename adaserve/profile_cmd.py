@@ -13,8 +13,9 @@ from adaserve.cli_error import CliError
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("profile", help="profile the device: token budget and cost model (cached)")
-    p.add_argument("--target", required=True, type=Path)
-    p.add_argument("--draft", type=Path)
+    p.add_argument("--target", default="smollm2-135m-instruct",
+                   help="smollm2-135m-instruct (default, with its draft), demo-tiny, a .gguf file or a directory")
+    p.add_argument("--draft", help="draft model, same forms (default: the named model's own)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"])
     p.add_argument("--max-tokens", type=int, help="largest n probed (default 256 on CPU, 1024 on CUDA)")
@@ -29,6 +30,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from adaserve.engine.build import EngineBuildError, resolve_device
+    from adaserve.engine.catalog import ModelNotFoundError, resolve
     from adaserve.engine.config import EngineConfig, KVCacheConfig, ProfilerConfig
     from adaserve.engine.loader import load_model
     from adaserve.engine.model_config import UnsupportedModelError
@@ -36,14 +38,15 @@ def run(args: argparse.Namespace) -> int:
     from adaserve.engine.runner import ModelRunner
 
     try:
+        pair = resolve(args.target, draft=args.draft)
         cfg = ProfilerConfig(max_tokens=args.max_tokens, context=args.context, repeats=args.repeats)
         dev = resolve_device(args.device)
         rc = EngineConfig(attention=args.attention, kv=KVCacheConfig(memory_bytes=args.kv_memory_mb * 2**20))
-        target = ModelRunner(load_model(args.target, device=dev, progress=True), rc)
-        draft = ModelRunner(load_model(args.draft, device=dev, progress=True), rc) if args.draft else None
-    except (ValueError, FileNotFoundError, UnsupportedModelError, EngineBuildError) as e:
+        target = ModelRunner(load_model(pair.target, device=dev, progress=True), rc)
+        draft = ModelRunner(load_model(pair.draft, device=dev, progress=True), rc) if pair.draft else None
+    except (ValueError, FileNotFoundError, UnsupportedModelError, EngineBuildError, ModelNotFoundError) as e:
         raise CliError(str(e)) from None
-    prof = profile_models(target, draft, target_path=args.target, draft_path=args.draft, cfg=cfg, force=args.force)
+    prof = profile_models(target, draft, target_path=pair.target, draft_path=pair.draft, cfg=cfg, force=args.force)
     if args.plot:
         plot_profile(prof.data, args.plot)
     if args.json:

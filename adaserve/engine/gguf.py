@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -54,27 +55,42 @@ def is_converted(directory: Path) -> bool:
     return (directory / _DONE).is_file() and (directory / "config.json").is_file()
 
 
-def converted_dir(gguf: Path, cache: Path | None = None) -> Path:
-    """Where ``gguf`` is (or will be) converted: keyed by the file's content, not its name or place."""
-    return (cache or model_cache_dir()) / f"{gguf.stem}-{file_digest(gguf)[:16]}"
-
-
 def ensure_converted(gguf: Path, *, cache: Path | None = None, progress: bool = True) -> Path:
-    """The Hugging Face directory for ``gguf``, converting it on first use."""
+    """The Hugging Face directory for ``gguf`` (keyed by the file's content), converting it on first use."""
     gguf = Path(gguf)
     if not gguf.is_file():
         raise GGUFError(f"GGUF file {gguf} does not exist")
-    out = converted_dir(gguf, cache)
+    digest = file_digest(gguf)
+    out = (cache or model_cache_dir()) / f"{gguf.stem}-{digest[:16]}"
     if is_converted(out):
         return out
     if progress:
         print(f"adaserve: converting {gguf.name} to a Hugging Face directory (once) -> {out}", file=sys.stderr)
+
+    def write(tmp: Path) -> None:
+        write_hf_dir(gguf, tmp, progress=progress)
+        (tmp / _DONE).write_text(json.dumps({"source": str(gguf.resolve()), "sha256": digest}))
+
+    return publish_dir(out, write, done=_DONE)
+
+
+def publish_dir(out: Path, write: Callable[[Path], None], *, done: str) -> Path:
+    """Make ``out`` by ``write``-ing a temporary sibling and renaming it, so no reader ever sees half of it.
+
+    ``done`` is the file ``write`` creates last. If another process published ``out`` meanwhile, its copy
+    is kept and ours dropped (never remove a directory someone may be loading); an unfinished ``out``
+    (no ``done`` file: an interrupted run) is replaced. The directory is world-readable, like any cache.
+    """
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        write_hf_dir(gguf, tmp, progress=progress)
-        (tmp / _DONE).write_text(json.dumps({"source": str(gguf.resolve()), "sha256": file_digest(gguf)}))
-        if out.exists():  # a stale, unfinished directory from an interrupted run
+        write(tmp)
+        for f in [tmp, *tmp.rglob("*")]:
+            f.chmod(0o755 if f.is_dir() else 0o644)
+        if (out / done).is_file():
+            shutil.rmtree(tmp)
+            return out
+        if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
     except BaseException:

@@ -85,3 +85,50 @@ def test_derived_draft_materialises_once_as_a_plain_checkpoint(tmp_path: Path, m
     stamp = (out / "config.json").stat().st_mtime_ns
     assert catalog.ensure_draft(committed, target, progress=False) == out
     assert (out / "config.json").stat().st_mtime_ns == stamp  # reused, not rewritten
+
+
+def test_gguf_conversion_is_keyed_by_content_reused_and_never_half_published(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from adaserve.engine import gguf
+
+    calls: list[Path] = []
+
+    def fake_write(src: Path, out: Path, *, progress: bool) -> None:  # stands in for transformers' dequantising
+        calls.append(out)
+        if src.read_bytes() == b"broken":
+            raise gguf.GGUFError("cannot read")
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(gguf, "write_hf_dir", fake_write)
+    cache = tmp_path / "cache"
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"weights")
+    out = gguf.ensure_converted(src, cache=cache, progress=False)
+    assert out.parent == cache and out.name.startswith("m-") and gguf.is_converted(out)
+    assert gguf.ensure_converted(src, cache=cache, progress=False) == out and len(calls) == 1  # reused
+    renamed = tmp_path / "other-name.gguf"
+    renamed.write_bytes(b"weights")
+    assert gguf.ensure_converted(renamed, cache=cache, progress=False).name.endswith(out.name[len("m"):])
+
+    (out / ".adaserve-converted").unlink()  # as if a run died before finishing
+    assert gguf.ensure_converted(src, cache=cache, progress=False) == out and len(calls) == 3
+    assert gguf.is_converted(out)
+
+    src.write_bytes(b"broken")
+    with pytest.raises(gguf.GGUFError, match="cannot read"):
+        gguf.ensure_converted(src, cache=cache, progress=False)
+    assert sorted(p.name for p in cache.iterdir() if p.name.startswith(".")) == []  # no temp left behind
+
+
+def test_publish_keeps_a_copy_another_process_finished_first(tmp_path: Path) -> None:
+    from adaserve.engine.gguf import publish_dir
+
+    out = tmp_path / "m"
+
+    def theirs_then_ours(tmp: Path) -> None:
+        out.mkdir()  # another process publishes while we write
+        (out / "done").write_text("theirs")
+        (tmp / "done").write_text("ours")
+
+    assert publish_dir(out, theirs_then_ours, done="done") == out
+    assert (out / "done").read_text() == "theirs" and [p.name for p in tmp_path.iterdir()] == ["m"]

@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from adaserve.cli_error import CliError
-from adaserve.engine.catalog import DEFAULT_MODEL, ModelNotFoundError, check_ref, served_name
+from adaserve.engine.catalog import DEFAULT_MODEL, NAMES, ModelNotFoundError, check_ref, served_name
 from adaserve.server_process import NotReady, ServerProcess, free_port
 
 READY_TIMEOUT_S = 900.0  # a first start converts the model, materialises the draft and profiles the machine
@@ -55,6 +55,9 @@ def resolve_models(args: argparse.Namespace) -> tuple[str, str | None, str]:
             check_ref(args.draft)
     except ModelNotFoundError as e:
         raise CliError(str(e)) from None
+    if ref not in NAMES and args.draft is None and args.policy != "incremental":
+        raise CliError(f"policy {args.policy} speculates and {ref} brings no draft: give --draft, "
+                       "or --policy incremental")
     return ref, args.draft, args.model_name or served_name(ref)
 
 
@@ -138,10 +141,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"adaserve: starting a worker on {ref}" + (f" + {draft}" if draft else "") +
           f" ({args.device}); loading, profiling and warming up ...", file=sys.stderr, flush=True)
     worker = ServerProcess.start(cmd, url=worker_url, name="the worker", env=env)
+    # Until the gateway serves (and installs its own handlers), SIGTERM must still stop the worker below:
+    # minutes of model loading would otherwise leave it running, orphaned, on its port.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         return asyncio.run(_serve(settings, worker, derive=derive, keys=args.api_keys_file is not None))
     finally:
+        signal.signal(signal.SIGTERM, previous)
         worker.stop(timeout_s=40)  # drains: in-flight requests finish
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # the CLI turns it into exit 130 after the finally blocks ran
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -164,10 +175,14 @@ async def _serve(settings: Any, worker: ServerProcess, *, derive: bool, keys: bo
         await worker.wait_ready("/readyz", timeout_s=READY_TIMEOUT_S)
     except NotReady as e:
         raise CliError(str(e)) from None
-    async with httpx.AsyncClient(timeout=10.0) as client:
-        profile = (await client.get(f"{worker.url}/v1/profile")).json()
+    try:
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            profile = (await client.get(f"{worker.url}/v1/profile")).raise_for_status().json()
+    except (httpx.HTTPError, ValueError) as e:
+        raise CliError(f"the worker was ready but its profile could not be read: {e}") from None
     unloaded, depth = profile.get("unloaded_tpot_ms"), profile.get("max_depth")
-    if derive and unloaded:
+    # a fixed --budget skips profiling: the latency is then a guess, and the absolute defaults are kept
+    if derive and unloaded and profile.get("budget_source") == "profile":
         classes = [c.model_dump(by_alias=True, exclude_none=True) for c in local_classes(unloaded)]
         # the same three classes as the defaults, so the same default class
         default = settings.default_slo_class or load_catalog(file=None, inline=None, default=None).default

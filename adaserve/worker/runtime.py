@@ -19,10 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from adaserve.contract.generate import ChatMessage, GenerateRequest
+from adaserve.contract.generate import GenerateRequest
 from adaserve.contract.registration import Registration
 from adaserve.engine.build import BuiltEngine, EngineBuildError, build_engine
 from adaserve.engine.catalog import ModelNotFoundError, resolve
+from adaserve.engine.chat import ChatTemplateError, chat_text, has_chat_template
 from adaserve.engine.engine import Engine, TokenEvent
 from adaserve.engine.loader import load_tokenizer
 from adaserve.engine.loop import EngineLoop
@@ -67,18 +68,6 @@ class InFlight:
     @property
     def request_id(self) -> str:
         return self.req.request_id
-
-
-def chat_prompt(tokenizer: Any, messages: list[ChatMessage]) -> str:
-    """The conversation as prompt text: the model's own chat template, else a plain ``role: text`` transcript
-    ending with ``assistant:`` (base models such as the demo pair have no template)."""
-    turns = [m.model_dump() for m in messages]
-    if getattr(tokenizer, "chat_template", None):
-        try:
-            return str(tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True))
-        except Exception as e:  # a template that rejects these turns (say, no system role) is the user's problem
-            raise RequestRefused(400, f"messages: the model's chat template refused them: {e}") from None
-    return "".join(f"{m.role}: {m.content}\n" for m in messages) + "assistant:"
 
 
 def warm_up(engine: Engine) -> None:
@@ -310,8 +299,15 @@ class Runtime:
         if self.tokenizer is None:
             field = "messages" if body.messages is not None else "prompt"
             raise RequestRefused(400, f"{field}: this model has no tokenizer; send prompt_token_ids")
-        text = body.prompt if body.messages is None else chat_prompt(self.tokenizer, body.messages)
-        ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=True)
+        if body.messages is None:
+            text, special = body.prompt, True
+        else:
+            try:
+                text = chat_text(self.tokenizer, [m.model_dump() for m in body.messages])
+            except ChatTemplateError as e:  # a template that rejects these turns (say, no system role)
+                raise RequestRefused(400, f"messages: {e}") from None
+            special = not has_chat_template(self.tokenizer)  # a template writes its own special tokens
+        ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=special)
         return list(ids)
 
     # ---- events (engine thread -> event loop) -------------------------------------------------------

@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from adaserve.contract.redis_settings import DEFAULT_PREFIX, RedisPrefix, RedisUrl
 from adaserve.contract.slo import CLASS_NAME, SloClassName
-from adaserve.engine.catalog import DEFAULT_MODEL, check_ref, served_name
+from adaserve.engine.catalog import DEFAULT_MODEL, NAMES, check_ref, served_name
 
 
 class WorkerSettings(BaseSettings):
@@ -95,6 +95,10 @@ class WorkerSettings(BaseSettings):
             raise ValueError("registration_ttl_s must be longer than heartbeat_s, or the entry flickers")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens must be <= max_tokens_limit")
+        if self.target not in NAMES and self.draft is None and self.policy != "incremental":
+            # refused before loading: a .gguf target would otherwise be converted first, for nothing
+            raise ValueError(f"policy {self.policy} speculates and target {self.target} brings no draft: "
+                             "set draft, or policy incremental")
         if not self.worker_id:
             self.worker_id = f"{socket.gethostname()}-{self.port}"
         return self

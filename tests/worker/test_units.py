@@ -25,6 +25,7 @@ def model_dir(tmp_path: Path) -> Path:
 
 def test_settings_from_environment(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ADASERVE_TARGET", str(model_dir))
+    monkeypatch.setenv("ADASERVE_POLICY", "incremental")
     monkeypatch.setenv("ADASERVE_PORT", "9001")
     monkeypatch.setenv("ADASERVE_SLO_CLASSES", '{"chat": 50, "summarization": 150}')
     monkeypatch.setenv("ADASERVE_REDIS_URL", "")  # empty = unset: local mode
@@ -47,7 +48,7 @@ def test_settings_from_environment(model_dir: Path, monkeypatch: pytest.MonkeyPa
 )
 def test_settings_validation_names_the_field(model_dir: Path, kwargs: dict, field: str) -> None:
     with pytest.raises(ValidationError, match=field):
-        WorkerSettings(target=model_dir, **kwargs)
+        WorkerSettings(target=model_dir, policy="incremental", **kwargs)
 
 
 def test_settings_target_must_be_a_model(tmp_path: Path) -> None:
@@ -61,8 +62,9 @@ def test_settings_name_the_served_model_after_the_reference(model_dir: Path) -> 
     assert WorkerSettings().target == "smollm2-135m-instruct"  # the default model, no option needed
     assert WorkerSettings().served_model_name == "smollm2-135m-instruct"
     assert WorkerSettings(target="demo-tiny").served_model_name == "demo"
-    assert WorkerSettings(target=model_dir).served_model_name == model_dir.name
-    assert WorkerSettings(target=model_dir, model_name="mine").served_model_name == "mine"
+    plain = {"target": model_dir, "policy": "incremental"}
+    assert WorkerSettings(**plain).served_model_name == model_dir.name
+    assert WorkerSettings(**plain, model_name="mine").served_model_name == "mine"
 
 
 def test_incremental_text_holds_back_partial_characters_and_stop_prefixes() -> None:
@@ -102,6 +104,13 @@ def test_worker_cli_rejects_bad_settings_in_one_line(tmp_path: Path) -> None:
     assert res.returncode == 2
     assert res.stderr.startswith("adaserve: error: target (--target or ADASERVE_TARGET)")
     assert "Traceback" not in res.stderr
+
+
+def test_a_directory_target_without_a_draft_needs_policy_incremental(model_dir: Path) -> None:
+    with pytest.raises(ValidationError, match="brings no draft"):
+        WorkerSettings(target=model_dir)
+    assert WorkerSettings(target=model_dir, policy="incremental").draft is None
+    assert WorkerSettings(target="demo-tiny").draft is None  # a named model brings its own
 
 
 def test_worker_exits_2_when_the_engine_cannot_be_built(tmp_path: Path) -> None:

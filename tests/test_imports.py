@@ -169,3 +169,27 @@ def test_cycle_finder_names_every_knot() -> None:
 def test_no_import_cycles() -> None:
     cycles = all_cycles(graph())
     assert cycles == [], "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+# The one-way arrows of docs/architecture.md ("The house"): the packages each package may import (itself,
+# the small leaves it needs, and `adaserve` itself for __version__). The gateway never imports the worker.
+LEAVES = ("adaserve.access_log", "adaserve.error_fields")
+ALLOWED = {
+    "engine": ("adaserve.engine", "adaserve.plots"),
+    "bench": ("adaserve.bench", "adaserve.engine", "adaserve.plots"),
+    "contract": ("adaserve.contract",),
+    "worker": ("adaserve.worker", "adaserve.engine", "adaserve.contract", *LEAVES),
+    "gateway": ("adaserve.gateway", "adaserve.contract", "adaserve.cli_error", "adaserve.cli_settings", *LEAVES),
+    "operator": ("adaserve.operator", "adaserve.contract"),
+}
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_imports_point_one_way(package: str) -> None:
+    allowed = ALLOWED[package]
+    edges = graph()
+    bad = sorted(f"{name} -> {dep}" for name, deps in edges.items()
+                 if name == f"adaserve.{package}" or name.startswith(f"adaserve.{package}.")
+                 for dep in deps
+                 if dep != "adaserve" and not any(dep == a or dep.startswith(a + ".") for a in allowed))
+    assert not bad, f"adaserve/{package} may import only {allowed}: " + ", ".join(bad)

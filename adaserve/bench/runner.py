@@ -247,4 +247,5 @@ def _draw_report(report: dict, fig: Any, ax1: Any, ax2: Any) -> None:
     ax1.set(xlabel="request rate (req/s)", ylabel="SLO attainment (%)", ylim=(0, 105), title="SLO attainment")
     ax2.set(xlabel="request rate (req/s)", ylabel="goodput (tokens/s)", title="Goodput")
     ax1.legend(fontsize=8)
-    fig.suptitle(f"{Path(report['config']['target']).name} on {report['device'][:50]}", fontsize=9)
+    name = report["config"].get("model") or Path(report["config"]["target"]).name
+    fig.suptitle(f"{name} on {report['device'][:50]}", fontsize=9)

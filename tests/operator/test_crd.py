@@ -231,7 +231,10 @@ def test_unknown_fields_are_refused_by_the_operator(example: dict[str, Any]) -> 
 def test_builtin_source_names_a_model_the_image_carries(crd: dict[str, Any], example: dict[str, Any]) -> None:
     from adaserve.engine.catalog import NAMES
 
-    assert spec.BUILTIN_MODELS == NAMES  # the CRD's list, the operator's and the worker's catalog agree
+    # the CRD's list, its message, the operator's and the worker's catalog agree
+    assert spec.BUILTIN_MODELS == NAMES
+    rule = next(r["rule"] for r in _rules(openapi_schema(crd)) if "builtin" in r["message"])
+    assert all(f"'{n}'" in rule and n in spec.MSG_BUILTIN for n in NAMES)
     s = example["spec"]
     s["model"] = {"source": "builtin", "target": "smollm2-135m-instruct", "dtype": "float32"}
     assert validate(example, crd) == []  # speculates with no draft: the named model brings its own

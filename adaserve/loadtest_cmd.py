@@ -1,7 +1,8 @@
 """``adaserve loadtest``: multi-SLO load through a gateway over HTTP; prints a JSON report.
 
 Against a running gateway (``--url``, e.g. a cluster's) or one it starts itself (``--up``: ``adaserve up``
-on ``--target``, by default smollm2-135m-instruct, stopped afterwards). See adaserve/bench/loadgen.py for what is measured and how.
+on ``--target``, by default smollm2-135m-instruct, stopped afterwards). See adaserve/bench/loadgen.py for
+what is measured and how.
 """
 
 from __future__ import annotations

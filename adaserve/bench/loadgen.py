@@ -1,7 +1,7 @@
 """Load through the gateway: SLO attainment per class against request rate, seen by the client.
 
 ``adaserve bench`` drives the engine in-process; this drives a running gateway over HTTP the way
-applications do (streaming ``/v1/completions`` naming an ``X-SLO-Class``), so it measures what users
+applications do (streaming ``/v1/chat/completions`` naming an ``X-SLO-Class``), so it measures what users
 get: engine, worker, gateway, admission and shedding together. It works against ``adaserve up`` or a
 cluster's gateway alike.
 
@@ -106,13 +106,14 @@ async def sse_data(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
 
 
 async def stream_completion(client: httpx.AsyncClient, cfg: LoadConfig, req: WorkloadRequest) -> tuple[Timing, str]:
-    """One streamed completion through the gateway: when its text arrived, and how it finished."""
-    body = {"model": cfg.model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    """One streamed chat completion through the gateway (the prompt as one user turn, rendered with the
+    model's chat template, as ``adaserve bench`` sends it): when its text arrived, and how it finished."""
+    body = {"model": cfg.model, "messages": [{"role": "user", "content": req.prompt}], "max_tokens": req.max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     headers = {**cfg.headers(), "X-SLO-Class": req.slo_class}
     sent, first, last, tokens, finish = time.perf_counter(), None, None, 0, "error"
     try:
-        async with client.stream("POST", f"{cfg.url}/v1/completions", json=body, headers=headers) as resp:
+        async with client.stream("POST", f"{cfg.url}/v1/chat/completions", json=body, headers=headers) as resp:
             if resp.status_code in (429, 503):
                 finish = REFUSED
             elif resp.status_code == 200:
@@ -122,7 +123,7 @@ async def stream_completion(client: httpx.AsyncClient, cfg: LoadConfig, req: Wor
                         finish = "error"
                         break
                     for choice in chunk.get("choices") or []:
-                        if choice.get("text"):
+                        if (choice.get("delta") or {}).get("content"):
                             first = first if first is not None else now
                             last = now
                         finish = choice.get("finish_reason") or finish

@@ -7,6 +7,8 @@ For each dtype (float32, bfloat16) the pair is loaded once; then ``--rounds`` ro
 A forward carries n new tokens over prefixes of ``--context`` cached tokens (the profiler's probe shape).
 Reported per (dtype, model, n): median and quartiles over rounds; per dtype: the target:draft latency
 ratio at n = 1 (what one draft step costs against one target step), and bfloat16 / float32 per model.
+``--check-greedy`` adds, per dtype and policy, whether the engine's greedy output equals transformers'
+greedy ``generate`` in that dtype on six chat prompts (does the dtype keep "identical to the target" true?).
 """
 
 from __future__ import annotations
@@ -70,6 +72,39 @@ def measure(model: str, *, dtypes: tuple[str, ...], grid: tuple[int, ...], conte
             "table": table, "ratios": ratios}
 
 
+GREEDY_PROMPTS = ("What is the capital of France?", "Write a Python function that reverses a list.",
+                  "Explain what a database index is.", "Name three primary colors.", "How do vaccines work?",
+                  "def fibonacci(n):")
+
+
+def greedy_agreement(model: str, *, dtypes: tuple[str, ...], policies: tuple[str, ...],
+                     new_tokens: int) -> dict[str, Any]:
+    """Per dtype and policy: does the engine's greedy output equal transformers' greedy ``generate`` in the
+    same dtype, prompt by prompt? (The six prompts run as one batch through the engine.)"""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from adaserve.engine.chat import instruction_ids
+    from adaserve.engine.request import Request
+    from adaserve.engine.sampling import SamplingParams
+
+    pair = resolve(model, progress=False)
+    tok = AutoTokenizer.from_pretrained(str(pair.target))
+    ids = [instruction_ids(tok, p) for p in GREEDY_PROMPTS]
+    out: dict[str, Any] = {"prompts": list(GREEDY_PROMPTS), "new_tokens": new_tokens}
+    for dt in dtypes:
+        hf = AutoModelForCausalLM.from_pretrained(str(pair.target), dtype=getattr(torch, dt)).eval()
+        eos = hf.generation_config.eos_token_id
+        refs = [hf.generate(torch.tensor([i]), max_new_tokens=new_tokens, do_sample=False,
+                            pad_token_id=eos)[0, len(i):].tolist() for i in ids]
+        for pol in policies:
+            eng = build_engine(target=pair.target, draft=pair.draft, policy=pol, budget=64, dtype=dt,
+                               profile=False, progress=False).engine
+            reqs = [Request(f"r{k}", i, SamplingParams(max_tokens=new_tokens)) for k, i in enumerate(ids)]
+            eng.run([(0.0, r) for r in reqs])
+            out[f"{dt}/{pol}"] = [r.output_ids == ref[: len(r.output_ids)] for r, ref in zip(reqs, refs, strict=True)]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
@@ -77,12 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--check-greedy", action="store_true",
+                   help="also compare greedy outputs with transformers' in each dtype (incremental, adaserve, chain:4)")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     out = measure(a.model, dtypes=DTYPES, grid=tuple(int(x) for x in a.grid.split(",")), context=a.context,
                   rounds=a.rounds)
+    if a.check_greedy:
+        out["greedy_equals_transformers"] = greedy_agreement(
+            a.model, dtypes=DTYPES, policies=("incremental", "adaserve", "chain:4"), new_tokens=48)
     text = json.dumps(out, indent=2)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ REGISTRATION: dict[str, Any] = {
     "policy": "adaserve",
     "max_depth": 4,
     "max_context": 2048,
+    "unloaded_tpot_ms": 21.5,
     "capacity": {"max_active_requests": 64, "max_batch": 64},
     "load": {"active": 3, "active_by_class": {"chat": 2, "coding": 1}, "waiting": 0, "running": 3, "kv_usage": 0.12,
              "context_tokens": 1730},

@@ -29,7 +29,7 @@ from adaserve.gateway.errors import ApiError
 from adaserve.gateway.metrics import GatewayMetrics
 from adaserve.gateway.routing import Choice, Router, WorkerView, best_headroom
 from adaserve.gateway.settings import GatewaySettings
-from adaserve.gateway.slo import SloCatalog, SloClass
+from adaserve.gateway.slo import SloCatalog, SloClass, feasibility
 
 
 class Refused(ApiError):
@@ -91,6 +91,17 @@ class Admission:
                 return True
         return False
 
+    def _idle_choice(self, slo: SloClass, workers: list[WorkerView]) -> Choice | None:
+        """An idle worker on which a lone request of this class meets its target (its own measured unloaded
+        latency says so): admitted at once, whatever the headroom model predicts, since waiting cannot make
+        an idle worker faster; it only adds to the request's TTFT."""
+        for w in workers:
+            fits = feasibility(slo.tpot_ms, unloaded_tpot_ms=w.unloaded_tpot_ms, max_depth=w.draft_steps)
+            if w.active == 0 and w.free_slots > 0 and fits in ("plain", "speculation"):
+                room = best_headroom([w], slo.tpot_ms, self.catalog.tpot_of)
+                return Choice(w, room if room is not None else 0.0, room if room is not None else 0.0)
+        return None
+
     async def admit(self, slo: SloClass, *, model: str | None, exclude: set[str]) -> Choice:
         me = Waiter(slo, model, exclude, next(self._arrivals))
         deadline = time.monotonic() + self.settings.queue_timeout_s
@@ -99,6 +110,9 @@ class Admission:
                 usable = self.directory.usable(model)  # once per pass: every waiter ahead has this model
                 workers = self._for(me, usable)
                 choice = self.router.choose(workers, slo.tpot_ms, self.catalog.tpot_of)
+                idle = self._idle_choice(slo, workers)
+                if idle is not None and not self._ahead_can_go(me, usable):
+                    return idle
                 if choice is not None and choice.best_headroom >= 0:
                     if not self._ahead_can_go(me, usable):
                         return choice

@@ -371,3 +371,22 @@ def test_a_starving_waiter_still_leaves_at_its_queue_timeout() -> None:
     assert isinstance(out, Refused) and out.reason == "overloaded"
     assert 0.55 <= elapsed < 1.5
     assert waiting == 0 and gauge == 0
+
+
+def test_an_idle_worker_admits_a_feasible_class_at_once_whatever_the_headroom_model_says() -> None:
+    """Issue 15's invariant: the headroom model (200 ms per iteration) says no class can be met, but the worker
+    measured 30 ms per token alone: coding (40 ms) and the sheddable summarization go in at once."""
+    adm, _, _ = admission([registration("a", unloaded_tpot_ms=30.0, **SLOW)])
+    for slo in (CODING, SUMMARIZATION):
+        out, elapsed = run(timed_admit(adm, slo))
+        assert isinstance(out, Choice) and out.worker.id == "a", slo.name
+        assert elapsed < 0.1 and adm.waiting == 0
+
+
+def test_an_idle_worker_too_slow_for_the_class_still_goes_by_the_headroom_model() -> None:
+    adm, _, _ = admission([registration("a", unloaded_tpot_ms=300.0, **SLOW)])
+    out, _ = run(timed_admit(adm, SUMMARIZATION))  # 150 ms < 300 ms and no draft: infeasible even alone
+    assert isinstance(out, Refused) and out.reason == "shed"
+    busy, _, _ = admission([registration("a", unloaded_tpot_ms=30.0, active=1, **SLOW)])
+    out, _ = run(timed_admit(busy, SUMMARIZATION))  # not idle: the headroom model decides, as before
+    assert isinstance(out, Refused) and out.reason == "shed"

@@ -39,7 +39,7 @@ def test_parse_a_real_registration() -> None:
         max_active=64, active=3, active_by_class={"chat": 2, "coding": 1}, budget=582,
         target_cost={"alpha": 1.1e-7, "gamma": 2.0e-5, "delta": 0.011},
         draft_cost={"alpha": 2.0e-8, "gamma": 4.0e-6, "delta": 0.002}, acceptance_rate=0.31,
-        context_per_request=1730 / 3, draft_steps=4)
+        context_per_request=1730 / 3, draft_steps=4, unloaded_tpot_ms=21.5)
 
 
 @pytest.mark.parametrize(("load", "per_request"), [

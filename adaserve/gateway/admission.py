@@ -91,11 +91,13 @@ class Admission:
                 return True
         return False
 
-    def _idle_choice(self, slo: SloClass, workers: list[WorkerView]) -> Choice | None:
+    def _idle_choice(self, slo: SloClass, workers: list[WorkerView], routed: Choice | None) -> Choice | None:
         """An idle worker on which a lone request of this class meets its target (its own measured unloaded
         latency says so): admitted at once, whatever the headroom model predicts, since waiting cannot make
-        an idle worker faster; it only adds to the request's TTFT."""
-        for w in workers:
+        an idle worker faster; it only adds to the request's TTFT. The routing policy's own pick goes first
+        (round-robin stays round-robin); another idle worker only when that one is not."""
+        first = [routed.worker] if routed is not None else []
+        for w in [*first, *(v for v in workers if not first or v.id != first[0].id)]:
             fits = feasibility(slo.tpot_ms, unloaded_tpot_ms=w.unloaded_tpot_ms, max_depth=w.draft_steps)
             if w.active == 0 and w.free_slots > 0 and fits in ("plain", "speculation"):
                 room = best_headroom([w], slo.tpot_ms, self.catalog.tpot_of)
@@ -110,7 +112,7 @@ class Admission:
                 usable = self.directory.usable(model)  # once per pass: every waiter ahead has this model
                 workers = self._for(me, usable)
                 choice = self.router.choose(workers, slo.tpot_ms, self.catalog.tpot_of)
-                idle = self._idle_choice(slo, workers)
+                idle = self._idle_choice(slo, workers, choice)
                 if idle is not None and not self._ahead_can_go(me, usable):
                     return idle
                 if choice is not None and choice.best_headroom >= 0:

@@ -390,3 +390,15 @@ def test_an_idle_worker_too_slow_for_the_class_still_goes_by_the_headroom_model(
     busy, _, _ = admission([registration("a", unloaded_tpot_ms=30.0, active=1, **SLOW)])
     out, _ = run(timed_admit(busy, SUMMARIZATION))  # not idle: the headroom model decides, as before
     assert isinstance(out, Refused) and out.reason == "shed"
+
+
+def test_the_idle_rule_keeps_the_routing_policys_pick() -> None:
+    """Two idle workers under round-robin: the shortcut admits where the policy points, in turn."""
+    docs = [registration(w, unloaded_tpot_ms=30.0, **SLOW) for w in ("a", "b")]
+    adm, _, _ = admission(docs, routing="round-robin")
+    picks = []
+    for _ in range(4):
+        out, _ = run(timed_admit(adm, CODING))
+        assert isinstance(out, Choice)
+        picks.append(out.worker.id)
+    assert sorted(picks) == ["a", "a", "b", "b"]

@@ -6,6 +6,10 @@ docs/architecture.md §8). While the forward is memory-bound ``t`` stays flat at
 B is the knee: the most tokens one forward can carry for (almost) the price of one, see
 :func:`choose_budget`.
 
+Before a table is trusted, :func:`check_roofline` asks whether it can be a roofline at all (a busy
+machine once produced one that chose B = 2 and stopped speculation for every later start), and
+:func:`speculation_floor` is the least B the engine may run with, whatever the table says.
+
 Pure logic: no model, no device, no clock. The profiler (profiler.py) times the forwards and hands the
 numbers in here. Runtime dependencies: numpy and the standard library only.
 """
@@ -13,15 +17,16 @@ numbers in here. Runtime dependencies: numpy and the standard library only.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from adaserve.engine.checks import is_int, is_real
-from adaserve.engine.config import KneeConfig
+from adaserve.engine.config import AdaptiveConfig, KneeConfig
 
-__all__ = ["RooflinePoint", "choose_budget", "robust_latency", "smooth_roofline"]
+__all__ = ["RooflinePoint", "TableCheck", "TableVerdict", "check_roofline", "choose_budget", "relative_spread",
+           "robust_latency", "smooth_roofline", "speculation_floor"]
 
 
 # ---- repeated timings -> one point of the roofline ---------------------------------------------
@@ -178,3 +183,142 @@ def choose_budget(points: Sequence[RooflinePoint], cfg: KneeConfig | None = None
     n_ok, g = n[ok], n[ok] / m[ok]  # tokens per second on the admissible prefix
     good = g >= (1.0 - cfg.throughput_tol) * g.max()
     return int(n_ok[good][0])
+
+
+# ---- the least budget the engine may run with ----------------------------------------------------
+
+
+def speculation_floor(adaptive: AdaptiveConfig | None = None) -> int:
+    """The least B the engine may run with: what one request needs to speculate at full size.
+
+        floor = max(1 + d_max * w_max, (d_max + 1) * (1 + c1))
+
+    1 + d_max * w_max is the largest tree one request can verify under the adaptive policies: beam
+    search keeps at most w_max beams at each of at most d_max levels under one root (Eq. 8-9), and a
+    budgeted policy (adaserve, equal-greedy, global-greedy) verifies at most B tokens per iteration over
+    the whole batch. (d_max + 1) * (1 + c1) is the B at which Eq. 8, with B1 = B, lets a lone request
+    (n = 1) draft d_max levels: d = floor(B / (1 + c1)) - 1.
+
+    Why a floor at all: a knee below it means even a lone request, the cheapest batch there is, cannot
+    have its tree verified. A busy machine once timed a table whose knee was B = 2, and adaserve then
+    verified the root and one drafted token per iteration (0.15 accepted per verification) while chain:4,
+    which ignores B, won every run. A tree of 1 + d_max * w_max tokens is a fraction of a forward's cost
+    wherever drafting that tree pays at all, which is what the bounds are chosen for. Nothing else in the
+    engine needs more: the policies that ignore B (chain, specinfer, smartspec) are unaffected, and the
+    engine already lifts B to the number of roots, max(B, n), for a large batch.
+    """
+    a = AdaptiveConfig() if adaptive is None else adaptive
+    return max(1 + a.d_max * a.w_max, (a.d_max + 1) * (1 + a.c1))
+
+
+# ---- is a measured table a roofline at all? -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TableCheck:
+    """What a measured table must satisfy before its knee is trusted and cached (:func:`check_roofline`).
+
+    max_drop: a probe may lie at most this fraction below the slowest smaller probe. More tokens never
+        make a forward cheaper; on a quiet machine the medians of interleaved rounds wobble by a few %.
+    max_exponent: from one probe to the next, t may grow at most like n^max_exponent (1.5: 2.8x per
+        doubling). A forward over 2n tokens costs at most about two forwards over n, whether t = a + b n
+        (a CPU) or flat then linear (a GPU), so a steeper step is a stall, not the hardware.
+    max_spread: the interquartile range of one probe's rounds may be at most this fraction of their
+        median: a median is only as good as the rounds agree, and a busy machine makes them disagree.
+    noise_floor_s: differences below this are timer noise whatever the ratios say (1 ms forwards).
+    """
+
+    max_drop: float = 0.15
+    max_exponent: float = 1.5
+    max_spread: float = 0.25
+    noise_floor_s: float = 2e-4
+
+    def __post_init__(self) -> None:
+        for name in ("max_drop", "max_exponent", "max_spread", "noise_floor_s"):
+            v = getattr(self, name)
+            if not is_real(v) or math.isnan(v) or v < 0:
+                raise ValueError(f"TableCheck.{name} must be a number >= 0, got {v!r}")
+        if self.max_drop >= 1:
+            raise ValueError(f"TableCheck.max_drop must be < 1, got {self.max_drop!r}")
+        if self.max_exponent < 1:
+            raise ValueError(f"TableCheck.max_exponent must be >= 1 (linear growth is physical), "
+                             f"got {self.max_exponent!r}")
+
+
+@dataclass(frozen=True)
+class TableVerdict:
+    """What :func:`check_roofline` found: nothing (ok), or one sentence per implausible probe."""
+
+    problems: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def reason(self, limit: int = 3) -> str:
+        """The first ``limit`` problems, for a log line."""
+        if self.ok:
+            return "ok"
+        more = len(self.problems) - limit
+        return "; ".join(self.problems[:limit]) + (f"; and {more} more" if more > 0 else "")
+
+
+def _quartiles(samples: Sequence[float]) -> tuple[float, float, float]:
+    q25, q50, q75 = np.percentile(np.asarray(list(samples), dtype=np.float64), [25, 50, 75])
+    return float(q25), float(q50), float(q75)
+
+
+def relative_spread(samples: Sequence[float]) -> float:
+    """(q75 - q25) / median of one probe's rounds: how far they disagree, one outlier each side ignored."""
+    q25, q50, q75 = _quartiles(samples)
+    return (q75 - q25) / q50 if q50 > 0 else math.inf
+
+
+def _ms(t: float) -> str:
+    return f"{1e3 * t:.1f} ms"
+
+
+def _shape_problems(n: np.ndarray, t: np.ndarray, check: TableCheck) -> list[str]:
+    """Drops below the slowest smaller probe, and rises steeper than n^max_exponent between neighbours."""
+    out = []
+    for i in range(1, n.size):
+        j = int(np.argmax(t[:i]))  # the slowest smaller probe
+        # drop: t_i < (1 - max_drop) * max_{j<i} t_j
+        if t[i] < (1.0 - check.max_drop) * t[j] - check.noise_floor_s:
+            out.append(f"t(n={n[i]}) = {_ms(t[i])} is {1 - t[i] / t[j]:.0%} below t(n={n[j]}) = {_ms(t[j])}: "
+                       "more tokens cannot make a forward cheaper")
+        # rise: t_i / t_{i-1} > (n_i / n_{i-1})^max_exponent
+        allowed = float(n[i] / n[i - 1]) ** check.max_exponent
+        if t[i] > allowed * t[i - 1] + check.noise_floor_s:
+            out.append(f"t(n={n[i]}) = {_ms(t[i])} is {t[i] / t[i - 1]:.1f}x t(n={n[i - 1]}) = {_ms(t[i - 1])}: "
+                       f"at most {allowed:.1f}x is physical")
+    return out
+
+
+def _spread_problems(samples: Mapping[int, Sequence[float]], check: TableCheck) -> list[str]:
+    out = []
+    for n in sorted(samples):
+        xs = list(samples[n])
+        if len(xs) < 2:
+            continue
+        q25, q50, q75 = _quartiles(xs)
+        if q75 - q25 > check.max_spread * q50 + check.noise_floor_s:
+            out.append(f"t(n={n}) rounds disagree: interquartile {_ms(q75 - q25)} around a median of "
+                       f"{_ms(q50)} (at most {check.max_spread:.0%})")
+    return out
+
+
+def check_roofline(points: Sequence[RooflinePoint], samples: Mapping[int, Sequence[float]] | None = None,
+                   check: TableCheck | None = None) -> TableVerdict:
+    """Can ``points`` (one robust latency per n) be a measured roofline, or did a busy machine write it?
+
+    Shape (always): no probe far below a smaller one, no step steeper than n^max_exponent (see
+    :class:`TableCheck`). Spread (when ``samples``, n -> the rounds' seconds, is given): the rounds of
+    each probe agree. The knee of a table that fails means nothing: re-measure it, and do not cache it.
+    """
+    check = TableCheck() if check is None else check
+    n, t = _sorted_curve(points)
+    problems = _shape_problems(n, t, check)
+    if samples is not None:
+        problems += _spread_problems(samples, check)
+    return TableVerdict(tuple(problems))

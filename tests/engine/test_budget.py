@@ -10,8 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaserve.engine.budget import RooflinePoint, choose_budget, robust_latency, smooth_roofline
-from adaserve.engine.config import KneeConfig
+from adaserve.engine.budget import (
+    RooflinePoint,
+    TableCheck,
+    check_roofline,
+    choose_budget,
+    relative_spread,
+    robust_latency,
+    smooth_roofline,
+    speculation_floor,
+)
+from adaserve.engine.config import AdaptiveConfig, EngineConfig, KneeConfig
 
 GRID = [2**i for i in range(11)]  # 1 .. 1024, the profiler's probe sizes
 T0 = 0.020  # s: one memory-bound forward
@@ -261,3 +270,88 @@ def test_elasticity_ignores_noise_and_a_lone_spike():
     lat = [flat_linear(n, 64) * float(rng.lognormal(0, 0.02)) for n in GRID]
     lat[2] *= 3.0  # one spike in the flat region
     assert choose_budget(curve(lat)) == 64
+
+
+# ------------------------------------------------------------------------------------------------
+# Is the table a roofline at all? And the least B the engine may run with
+# ------------------------------------------------------------------------------------------------
+
+GRID256 = [2**i for i in range(9)]  # 1 .. 256, the CPU probe sizes
+# measured on this project's machine (docs: issue 14): while busy, then quiet; ms for n = 1, 2, 4, ..., 256
+BUSY_MS = [148, 828, 48, 790, 956, 93, 412, 1204, 556]
+QUIET_MS = [6.9, 9.1, 12.3, 15.3, 23.4, 23.6, 28.9, 33.3, 49.0]
+
+
+def table_ms(ms: list[float]) -> list[RooflinePoint]:
+    return curve([t / 1e3 for t in ms], GRID256)
+
+
+def test_busy_table_fails_the_check_and_says_why():
+    verdict = check_roofline(table_ms(BUSY_MS))
+    assert not verdict.ok
+    text = " ".join(verdict.problems)
+    assert "t(n=4) = 48.0 ms is 94% below t(n=2) = 828.0 ms" in text  # the drop
+    assert "t(n=2) = 828.0 ms is 5.6x t(n=1) = 148.0 ms" in text  # the impossible rise
+    assert choose_budget(table_ms(BUSY_MS)) == 2  # what the busy machine's knee was: why the check exists
+    assert verdict.reason(limit=2).endswith(f"and {len(verdict.problems) - 2} more")
+
+
+def test_quiet_table_passes_the_check():
+    verdict = check_roofline(table_ms(QUIET_MS))
+    assert verdict.ok and verdict.reason() == "ok"
+    assert choose_budget(table_ms(QUIET_MS)) == 8
+
+
+@pytest.mark.parametrize("knee", [1, 16, 128, 1024])
+def test_clean_rooflines_pass_the_check(knee):
+    assert check_roofline(curve([flat_linear(n, knee) for n in GRID])).ok  # GPU: flat then linear
+    assert check_roofline(curve([T0 + 1e-4 * n for n in GRID])).ok  # CPU: a + b n
+
+
+def test_check_tolerates_small_wobbles_but_not_drops_or_jumps():
+    flat = [T0] * len(GRID)
+    wobble = [T0 * (1 + 0.05 * (-1) ** i) for i in range(len(GRID))]  # +-5%: a quiet machine
+    assert check_roofline(curve(flat)).ok and check_roofline(curve(wobble)).ok
+    drop = list(flat)
+    drop[6] = 0.7 * T0  # 30% cheaper with more tokens
+    assert [p.startswith("t(n=64)") for p in check_roofline(curve(drop)).problems] == [True]
+    jump = [flat_linear(n, 16) for n in GRID]
+    jump[5:] = [4 * t for t in jump[5:]]  # 8x per doubling at n=32, then a clean doubling again
+    assert [p.startswith("t(n=32)") for p in check_roofline(curve(jump)).problems] == [True]
+    # below the noise floor, ratios do not count: a 0.05 ms forward may read 0.15 ms
+    tiny = [5e-5] * len(GRID)
+    tiny[3] = 1.5e-4
+    assert check_roofline(curve(tiny)).ok
+    assert not check_roofline(curve(tiny), check=TableCheck(noise_floor_s=0.0)).ok
+
+
+def test_check_reads_the_spread_of_the_rounds():
+    pts = curve([flat_linear(n, 64) for n in GRID])
+    agree = {n: [T0, T0 * 1.02, T0 * 0.99, T0 * 5.0, T0] for n in GRID}  # one stall per probe: ignored
+    assert check_roofline(pts, agree).ok
+    disagree = dict(agree)
+    disagree[8] = [T0, 2 * T0, 3 * T0, 0.5 * T0, 4 * T0]
+    problems = check_roofline(pts, disagree).problems
+    assert len(problems) == 1 and problems[0].startswith("t(n=8) rounds disagree")
+    assert relative_spread([1.0, 1.0, 1.0]) == 0.0
+    assert relative_spread([1.0, 2.0, 3.0]) == pytest.approx(1.0 / 2.0)  # (2.5 - 1.5) / 2
+
+
+@pytest.mark.parametrize("kw", [{"max_drop": 1.0}, {"max_drop": -0.1}, {"max_exponent": 0.9},
+                                {"max_spread": math.nan}, {"noise_floor_s": -1.0}])
+def test_table_check_validation(kw):
+    with pytest.raises(ValueError):
+        TableCheck(**kw)
+
+
+def test_speculation_floor_covers_one_full_tree_and_eq8_depth():
+    a = EngineConfig().adaptive
+    floor = speculation_floor()
+    assert floor == speculation_floor(a) == max(1 + a.d_max * a.w_max, (a.d_max + 1) * (1 + a.c1))
+    assert floor >= 1 + a.d_max * a.w_max  # the largest tree one request verifies
+    # Eq. 8 with B1 = floor gives a lone request the full depth
+    assert floor // (1 + a.c1) - 1 >= a.d_max
+    assert speculation_floor(AdaptiveConfig(d_max=8, w_max=4)) == 33
+    assert speculation_floor(AdaptiveConfig(d_max=2, w_max=1, c1=3)) == 12  # (2 + 1) * (1 + 3)
+    # the busy table's knee is below it; the quiet one's too on this CPU (8 < 10)
+    assert choose_budget(table_ms(BUSY_MS)) < floor and choose_budget(table_ms(QUIET_MS)) < floor

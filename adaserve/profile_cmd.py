@@ -55,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
         t = prof.data["target"]
         how = "cached" if prof.cached else f"profiled in {prof.data['profiling_seconds']:.1f}s"
         print(f"device {prof.device}: budget B = {prof.budget} tokens ({how})")
+        if prof.budget > prof.knee:
+            print(f"  the knee is at {prof.knee}; B is raised to {prof.budget}, what one request needs to speculate")
+        if prof.problems:
+            print(f"  warning: the table is too noisy to cache; used for this run only: {'; '.join(prof.problems[:3])}")
         for row in t["table"]:
             print(f"  n={row['n_tokens']:5d}  {row['latency_ms']:9.2f} ms  {row['tokens_per_s']:10.1f} tok/s")
         cm, fit = t["cost_model"], t["fit"]

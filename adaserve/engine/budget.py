@@ -223,8 +223,8 @@ class TableCheck:
     max_exponent: from one probe to the next, t may grow at most like n^max_exponent (1.5: 2.8x per
         doubling). A forward over 2n tokens costs at most about two forwards over n, whether t = a + b n
         (a CPU) or flat then linear (a GPU), so a steeper step is a stall, not the hardware.
-    max_spread: the interquartile range of one probe's rounds may be at most this fraction of their
-        median: a median is only as good as the rounds agree, and a busy machine makes them disagree.
+    max_spread: the median absolute deviation of one probe's rounds may be at most this fraction of
+        their median (:func:`relative_spread`): a median is only as good as most rounds agree.
     noise_floor_s: differences below this are timer noise whatever the ratios say (1 ms forwards).
     """
 
@@ -263,15 +263,20 @@ class TableVerdict:
         return "; ".join(self.problems[:limit]) + (f"; and {more} more" if more > 0 else "")
 
 
-def _quartiles(samples: Sequence[float]) -> tuple[float, float, float]:
-    q25, q50, q75 = np.percentile(np.asarray(list(samples), dtype=np.float64), [25, 50, 75])
-    return float(q25), float(q50), float(q75)
+def _median_and_mad(samples: Sequence[float]) -> tuple[float, float]:
+    arr = np.asarray(list(samples), dtype=np.float64)
+    med = float(np.median(arr))
+    return med, float(np.median(np.abs(arr - med)))
 
 
 def relative_spread(samples: Sequence[float]) -> float:
-    """(q75 - q25) / median of one probe's rounds: how far they disagree, one outlier each side ignored."""
-    q25, q50, q75 = _quartiles(samples)
-    return (q75 - q25) / q50 if q50 > 0 else math.inf
+    """MAD / median of one probe's rounds, MAD = median_i |x_i - median|: how far the rounds disagree.
+
+    Like the median itself it ignores any minority of outliers (2 stalled rounds of 5), so it flags a
+    probe exactly when its median cannot be trusted either: most rounds disagree.
+    """
+    med, mad = _median_and_mad(samples)
+    return mad / med if med > 0 else math.inf
 
 
 def _ms(t: float) -> str:
@@ -301,10 +306,10 @@ def _spread_problems(samples: Mapping[int, Sequence[float]], check: TableCheck) 
         xs = list(samples[n])
         if len(xs) < 2:
             continue
-        q25, q50, q75 = _quartiles(xs)
-        if q75 - q25 > check.max_spread * q50 + check.noise_floor_s:
-            out.append(f"t(n={n}) rounds disagree: interquartile {_ms(q75 - q25)} around a median of "
-                       f"{_ms(q50)} (at most {check.max_spread:.0%})")
+        med, mad = _median_and_mad(xs)
+        if mad > check.max_spread * med + check.noise_floor_s:
+            out.append(f"t(n={n}) rounds disagree: typically {_ms(mad)} from their median {_ms(med)} "
+                       f"(at most {check.max_spread:.0%})")
     return out
 
 

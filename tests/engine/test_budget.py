@@ -329,12 +329,14 @@ def test_check_reads_the_spread_of_the_rounds():
     pts = curve([flat_linear(n, 64) for n in GRID])
     agree = {n: [T0, T0 * 1.02, T0 * 0.99, T0 * 5.0, T0] for n in GRID}  # one stall per probe: ignored
     assert check_roofline(pts, agree).ok
+    agree[4] = [T0, 9 * T0, T0, 7 * T0, T0]  # two stalls of five: the median is still right
+    assert check_roofline(pts, agree).ok
     disagree = dict(agree)
-    disagree[8] = [T0, 2 * T0, 3 * T0, 0.5 * T0, 4 * T0]
+    disagree[8] = [T0, 2 * T0, 3 * T0, 0.5 * T0, 4 * T0]  # most rounds far from each other
     problems = check_roofline(pts, disagree).problems
     assert len(problems) == 1 and problems[0].startswith("t(n=8) rounds disagree")
     assert relative_spread([1.0, 1.0, 1.0]) == 0.0
-    assert relative_spread([1.0, 2.0, 3.0]) == pytest.approx(1.0 / 2.0)  # (2.5 - 1.5) / 2
+    assert relative_spread([1.0, 2.0, 3.0]) == pytest.approx(1.0 / 2.0)  # MAD 1 around median 2
 
 
 @pytest.mark.parametrize("kw", [{"max_drop": 1.0}, {"max_drop": -0.1}, {"max_exponent": 0.9},

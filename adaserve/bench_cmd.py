@@ -1,4 +1,4 @@
-"""``adaserve bench``: every policy on one arrival schedule, in real time, side by side."""
+"""``adaserve bench``: every policy on one arrival schedule, side by side, on the wall clock or a simulated one."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from adaserve.arg_types import floats
+from adaserve.bench.device_model import HOST_MEASURED
 from adaserve.cli_error import CliError
 from adaserve.engine.catalog import DEFAULT_MODEL
 from adaserve.reports import emit_report
@@ -22,6 +23,18 @@ def _budgets(text: str) -> tuple[int | str, ...]:
         else:
             raise argparse.ArgumentTypeError(f"budgets are positive integers or 'auto', got {x!r}")
     return tuple(out)
+
+
+def _sched(text: str) -> float | str:
+    if text == HOST_MEASURED:
+        return text
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds or 'measured', got {text!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"scheduler time must be >= 0 ms, got {text!r}")
+    return v
 
 
 def add_parser(sub: Any) -> None:
@@ -44,6 +57,17 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--max-tokens", type=int, default=128, help="cap on output tokens per request")
+    p.add_argument("--clock", choices=["wall", "simulated"], default="wall",
+                   help="simulated: real models and tokens, time from --device-profile (deterministic)")
+    p.add_argument("--device-profile", default="measured",
+                   help="simulated clock's device: 'measured' (this machine's profile), a shipped profile "
+                        "(e.g. a100-80g-tp4/llama-3.1-70b) or a JSON file")
+    p.add_argument("--sched-ms", type=_sched,
+                   help="simulated: scheduler time per iteration in ms, or 'measured' (host time; default for "
+                        "the measured profile, else the profile's figure)")
+    p.add_argument("--sweep", choices=["rate", "urgent-share", "slo-scale"], default="rate",
+                   help="what varies: --rps (rate), or --values at the one --rps")
+    p.add_argument("--values", type=floats, default=(), help="urgent shares or SLO scales for --sweep")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--plot", type=Path, help="attainment and goodput against rate (PNG)")
     p.set_defaults(func=run)
@@ -68,7 +92,9 @@ def run(args: argparse.Namespace) -> int:
                           duration_s=args.duration, trace=args.trace,
                           mix=parse_mix(args.mix) if args.mix else None, slo_scale=args.slo_scale,
                           seed=args.seed, device=args.device, budget=args.budget, budgets=args.budgets,
-                          max_tokens_cap=args.max_tokens, baseline_tpot_ms=args.baseline_tpot_ms)
+                          max_tokens_cap=args.max_tokens, baseline_tpot_ms=args.baseline_tpot_ms,
+                          clock=args.clock, device_profile=args.device_profile, sched_ms=args.sched_ms,
+                          sweep=args.sweep, values=args.values)
         if args.trace is not None and not args.trace.is_file():
             raise ValueError(f"trace {args.trace} does not exist")
         report = run_bench(cfg)

@@ -1,7 +1,9 @@
 """The side-by-side benchmark: one arrival schedule, every policy, the same engine and hardware, one run.
 
-    for each rate:   workload = build_workload(rate)            (same prompts, SLOs, arrival times)
-        for each policy:   run it in real time on a fresh Engine over the shared model runners
+    for each point of the sweep (a rate, a share of urgent requests, an SLO scale):
+        workload = build_workload(point)                       (same prompts, SLOs, arrival times)
+        for each policy:   run it on a fresh Engine over the shared model runners,
+                           on the wall clock or the simulated one (sim_clock.py, a device profile)
                            summarize(requests) -> attainment, goodput, TPOT, TTFT, acceptance ...
 """
 
@@ -9,20 +11,25 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from adaserve.bench.budget_use import BudgetUse
+from adaserve.bench.device_model import HOST_MEASURED, MEASURED, DeviceProfile, load_profile_file, profile_from_measured
 from adaserve.bench.hf_peer import HFPeer
 from adaserve.bench.metrics import RequestResult, adaserve_ratios, summarize
 from adaserve.bench.selection_gap import SelectionGap, budgeted
-from adaserve.bench.workload import WorkloadConfig, WorkloadRequest, build_workload
-from adaserve.engine.build import resolve_device
+from adaserve.bench.sim_clock import SimClock, SimTotals, run_simulated
+from adaserve.bench.sim_profile import costs_of, simulated_profile
+from adaserve.bench.workload import DEFAULT_MIX, WorkloadConfig, WorkloadRequest, build_workload
+from adaserve.engine.build import adaptive_for, resolve_device
 from adaserve.engine.chat import has_chat_template, instruction_ids
-from adaserve.engine.config import EngineConfig, KVCacheConfig
+from adaserve.engine.config import AdaptiveConfig, EngineConfig, KVCacheConfig
 from adaserve.engine.engine import Engine, TokenEvent
 from adaserve.engine.loader import load_model, load_tokenizer
 from adaserve.engine.policies import make_policy
@@ -34,6 +41,9 @@ from adaserve.engine.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 HF_PEER = "hf"  # not an engine policy: Hugging Face transformers serving the same arrivals
+CLOCKS = ("wall", "simulated")
+SWEEPS = ("rate", "urgent-share", "slo-scale")
+URGENT = "coding"  # the class with the tightest SLO: the "urgent" requests of the paper's Figure 10
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,13 @@ class BenchConfig:
     max_prompt_tokens: int = 512
     kv_memory_mb: int = 512
     baseline_tpot_ms: float | None = None  # measured when None
+    clock: str = "wall"  # "simulated": time from ``device_profile`` (sim_clock.py)
+    device_profile: str = MEASURED  # simulated: "measured" (this machine's profile), a shipped name or a file
+    # simulated: scheduler time per iteration, ms, or "measured" (host time); None: the analytic profile's
+    # figure, or host time with the measured profile
+    sched_ms: float | str | None = None
+    sweep: str = "rate"  # rate: over ``rates``; urgent-share / slo-scale: over ``values`` at ``rates[0]``
+    values: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.policies and not self.budgets:
@@ -63,6 +80,22 @@ class BenchConfig:
             raise ValueError("rates must be positive")
         if self.duration_s <= 0:
             raise ValueError("duration must be positive")
+        if self.clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
+        if self.sweep not in SWEEPS:
+            raise ValueError(f"sweep must be one of {', '.join(SWEEPS)}, got {self.sweep!r}")
+        if self.sweep != "rate" and (not self.values or len(self.rates) != 1):
+            raise ValueError(f"--sweep {self.sweep} needs --values and exactly one rate")
+        if self.sweep == "urgent-share" and not all(0 <= v <= 1 for v in self.values):
+            raise ValueError("urgent shares must be in [0, 1]")
+        if self.sweep == "slo-scale" and not all(v > 0 for v in self.values):
+            raise ValueError("SLO scales must be positive")
+        if isinstance(self.sched_ms, str) and self.sched_ms != HOST_MEASURED:
+            raise ValueError(f"sched_ms must be milliseconds or {HOST_MEASURED!r}, got {self.sched_ms!r}")
+        if isinstance(self.sched_ms, float | int) and not self.sched_ms >= 0:
+            raise ValueError("sched_ms must be >= 0")
+        if self.clock == "simulated" and HF_PEER in self.policies:
+            raise ValueError("the hf peer runs on the wall clock only: drop it from a simulated bench")
         for p in self.policies:
             if p != HF_PEER:
                 make_policy(p)  # raises ValueError naming the bad policy
@@ -73,6 +106,7 @@ class Variant:
     label: str
     policy: str
     budget: int
+    budget_rule: str = "goodput"
 
 
 @dataclass
@@ -84,6 +118,12 @@ class Shared:
     budget: int
     variants: list[Variant] = field(default_factory=list)
     hf: HFPeer | None = None
+    device: DeviceProfile | None = None  # set for a simulated bench
+    sched_s: float | None = None  # simulated: fixed scheduler time per iteration (None: host-measured)
+
+    @property
+    def simulated(self) -> bool:
+        return self.device is not None
 
 
 def load_shared(cfg: BenchConfig, *, progress: bool) -> Shared:
@@ -91,11 +131,24 @@ def load_shared(cfg: BenchConfig, *, progress: bool) -> Shared:
     rc = EngineConfig(kv=KVCacheConfig(memory_bytes=cfg.kv_memory_mb * 2**20))
     target = ModelRunner(load_model(cfg.target, device=dev, progress=progress), rc)
     draft = ModelRunner(load_model(cfg.draft, device=dev, progress=progress), rc)
-    needs_profile = cfg.budget is None or "auto" in cfg.budgets
-    prof = (profile_models(target, draft, target_path=cfg.target, draft_path=cfg.draft, progress=progress)
-            if needs_profile else None)
+    device: DeviceProfile | None = None
+    sched_s = None if cfg.sched_ms is None or cfg.sched_ms == HOST_MEASURED else float(cfg.sched_ms) / 1e3
+    if cfg.clock == "simulated" and cfg.device_profile != MEASURED:
+        # the engine is configured as a worker on that device would be: its profile, priced by the model
+        device = load_profile_file(cfg.device_profile)
+        data = simulated_profile(device)
+        b, tc, dc = costs_of(data)
+        prof: Profile | None = Profile(device=f"simulated {device.name}", budget=b, target_cost=tc, draft_cost=dc,
+                                       data=data, cached=False)
+        sched_s = device.sched_s if cfg.sched_ms is None else sched_s
+    elif cfg.budget is None or "auto" in cfg.budgets or cfg.clock == "simulated":
+        prof = profile_models(target, draft, target_path=cfg.target, draft_path=cfg.draft, progress=progress)
+        if cfg.clock == "simulated":
+            device = profile_from_measured(prof.data, sched_s=sched_s or 0.0)
+    else:
+        prof = None
     budget = cfg.budget if cfg.budget is not None else (prof.budget if prof else EngineConfig().budget)
-    shared = Shared(target, draft, load_tokenizer(cfg.target), prof, budget)
+    shared = Shared(target, draft, load_tokenizer(cfg.target), prof, budget, device=device, sched_s=sched_s)
     shared.variants = [Variant(p, p, budget) for p in cfg.policies]
     if HF_PEER in cfg.policies:
         eos = shared.target.model.cfg.eos_token_ids
@@ -103,16 +156,30 @@ def load_shared(cfg: BenchConfig, *, progress: bool) -> Shared:
         shared.hf = HFPeer(cfg.target, cfg.draft, eos_token_id=eos[0] if eos else None, pad_token_id=pad)
     for b in cfg.budgets:
         value = prof.budget if b == "auto" and prof else int(b)
-        shared.variants.append(Variant(f"adaserve@B={b}" + (f"({value})" if b == "auto" else ""), "adaserve", value))
+        # a fixed budget, as the knee rule alone would give it (the default rule only uses B as a floor)
+        shared.variants.append(Variant(f"adaserve@B={b}" + (f"({value})" if b == "auto" else ""), "adaserve", value,
+                                       budget_rule="knee"))
     return shared
 
 
 def make_engine(shared: Shared, variant: Variant) -> Engine:
     prof = shared.profile
-    cfg = EngineConfig(policy=variant.policy, budget=variant.budget,
-                       target_cost=prof.target_cost if prof else None, draft_cost=prof.draft_cost if prof else None)
+    adaptive = adaptive_for(AdaptiveConfig(), prof.data) if prof else AdaptiveConfig()
+    cfg = EngineConfig(policy=variant.policy, budget=variant.budget, budget_rule=variant.budget_rule,
+                       adaptive=adaptive, target_cost=prof.target_cost if prof else None,
+                       draft_cost=prof.draft_cost if prof else None)
     draft = shared.draft if make_policy(cfg.policy, cfg).max_shape is not None else None
-    return Engine(shared.target, draft, cfg)
+    return Engine(shared.target, draft, cfg, clock=SimClock() if shared.simulated else time.perf_counter)
+
+
+def serve(shared: Shared, eng: Engine, arrivals: list[tuple[float, Request]],
+          on_step: Callable[[list[TokenEvent]], None] | None = None) -> SimTotals | None:
+    """Run ``arrivals`` to completion on the engine's clock; the simulated time's breakdown, if simulated."""
+    if shared.device is None:
+        eng.run(arrivals, on_step=on_step)
+        return None
+    assert isinstance(eng.clock, SimClock)
+    return run_simulated(eng, arrivals, shared.device, eng.clock, sched_s=shared.sched_s, on_step=on_step)
 
 
 def measure_baseline_tpot(shared: Shared, *, tokens: int = 48, runs: int = 5) -> float:
@@ -122,11 +189,13 @@ def measure_baseline_tpot(shared: Shared, *, tokens: int = 48, runs: int = 5) ->
     adds time, and every SLO of the workload is a multiple of this number.
     """
     out = []
+    if shared.simulated and shared.sched_s is not None:
+        runs = 1  # the simulated clock gives the same figure every time
     for i in range(runs + 1):
         eng = make_engine(shared, Variant("baseline", "incremental", shared.budget))
         req = Request(f"baseline-{i}", shared.tokenizer.encode("def main():"),
                       SamplingParams(max_tokens=tokens, ignore_eos=True))
-        eng.run([(0.0, req)])
+        serve(shared, eng, [(0.0, req)])
         if i > 0 and req.metrics.tpot_ms is not None:  # the first run warms up
             out.append(req.metrics.tpot_ms)
     return min(out)
@@ -149,22 +218,30 @@ def run_variant(shared: Shared, variant: Variant, workload: list[WorkloadRequest
     arrivals = to_requests(workload, shared, cfg)
     classes = {w.request_id: w.slo_class for w in workload}
     select_s = step_s = 0.0
-    gap = SelectionGap() if budgeted(variant.policy) else None  # Algorithm 2 (and kin) against Algorithm 1
+    # Algorithm 2 (and kin) against Algorithm 1; in simulated runs on every 10th iteration (it is slow)
+    gap = SelectionGap(stride=10 if shared.simulated else 1) if budgeted(variant.policy) else None
+    use = BudgetUse(variant.policy.partition(":")[0], n_max=EngineConfig().n_max)
+    sim: SimTotals | None = None
     t0 = time.perf_counter()
     if variant.policy == HF_PEER:
         assert shared.hf is not None
         shared.hf.run(arrivals, on_done=bar.update)
+        wall = time.perf_counter() - t0
     else:
         eng = make_engine(shared, variant)
+        eng.selection_listeners.append(use.observe)
         if gap is not None:
             eng.selection_listeners.append(gap.observe)
 
         def on_step(events: list[TokenEvent]) -> None:
             bar.update(sum(1 for e in events if e.finished))
 
-        eng.run(arrivals, on_step=on_step)
+        start = eng.clock()
+        sim = serve(shared, eng, arrivals, on_step=on_step)
+        wall = eng.clock() - start  # simulated seconds when simulated
         select_s, step_s = eng.totals.t_select_s, eng.totals.t_step_s
-    wall = time.perf_counter() - t0
+        if sim is not None:  # the scheduler's time is charged by the simulation, outside the engine's steps
+            select_s, step_s = sim.sched_s, sim.busy_s
     results = [
         RequestResult(r.request_id, classes[r.request_id], float(r.tpot_slo_ms or 0.0), len(r.output_ids),
                       r.metrics.tpot_ms, r.metrics.ttft_ms, tuple(r.metrics.accepted_per_step), r.finish_reason)
@@ -173,6 +250,13 @@ def run_variant(shared: Shared, variant: Variant, workload: list[WorkloadRequest
     summary = summarize(results, wall_s=max(wall, cfg.duration_s), select_s=select_s, step_s=step_s)
     if gap is not None:
         summary["selection_vs_optimal"] = gap.summary()
+    if variant.policy != HF_PEER:
+        summary["budget_use"] = use.summary()
+    if sim is not None:
+        summary["simulated"] = {"target_s": sim.target_s, "draft_s": sim.draft_s, "sched_s": sim.sched_s,
+                                "idle_s": sim.idle_s, "iterations": sim.iterations,
+                                "mean_step_ms": 1e3 * sim.busy_s / max(1, sim.iterations)}
+    summary["real_s"] = time.perf_counter() - t0  # wall clock, whatever the run's clock
     return summary, {r.request_id: r.output_ids for _, r in arrivals}
 
 
@@ -181,52 +265,98 @@ def same_outputs(ours: dict[str, list[int]], reference: dict[str, list[int]]) ->
     return sum(ours[k] == reference[k] for k in reference) / len(reference) if reference else 1.0
 
 
+@dataclass(frozen=True)
+class SweepPoint:
+    x: float  # the swept value: a rate, a share of urgent requests or an SLO scale
+    workload: WorkloadConfig
+
+
+def urgent_mix(share: float, base: dict[str, float] | None = None) -> dict[str, float]:
+    """The mix with ``share`` of URGENT requests, the other classes keeping their relative shares."""
+    base = dict(base or DEFAULT_MIX)
+    others = {k: v for k, v in base.items() if k != URGENT}
+    rest = sum(others.values())
+    mix = {URGENT: share, **{k: (1 - share) * v / rest for k, v in others.items()}}
+    return {k: v for k, v in mix.items() if v > 0}
+
+
+def sweep_points(cfg: BenchConfig, baseline_tpot_ms: float) -> list[SweepPoint]:
+    def wc(rate: float, **kw: Any) -> WorkloadConfig:
+        args: dict[str, Any] = {"mix": cfg.mix} if cfg.mix else {}
+        args.update(slo_scale=cfg.slo_scale, **kw)
+        return WorkloadConfig(rate, cfg.duration_s, baseline_tpot_ms=baseline_tpot_ms, seed=cfg.seed,
+                              max_tokens_cap=cfg.max_tokens_cap, trace=cfg.trace, **args)
+
+    if cfg.sweep == "rate":
+        return [SweepPoint(r, wc(r)) for r in cfg.rates]
+    rate = cfg.rates[0]
+    if cfg.sweep == "urgent-share":
+        return [SweepPoint(v, wc(rate, mix=urgent_mix(v, cfg.mix))) for v in cfg.values]
+    return [SweepPoint(v, wc(rate, slo_scale=v)) for v in cfg.values]
+
+
 def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
     shared = load_shared(cfg, progress=progress)
     baseline = cfg.baseline_tpot_ms or measure_baseline_tpot(shared)
-    workloads = {}
-    for rate in cfg.rates:
-        wc = WorkloadConfig(rate, cfg.duration_s, baseline_tpot_ms=baseline, seed=cfg.seed,
-                            slo_scale=cfg.slo_scale, max_tokens_cap=cfg.max_tokens_cap, trace=cfg.trace,
-                            **({"mix": cfg.mix} if cfg.mix else {}))
-        workloads[rate] = build_workload(wc)
-    total = sum(len(w) for w in workloads.values()) * len(shared.variants)
+    points = [(pt, build_workload(pt.workload)) for pt in sweep_points(cfg, baseline)]
+    # the target's own greedy output (incremental decoding) is the reference every policy must reproduce
+    variants = sorted(shared.variants, key=lambda v: v.policy != "incremental")
+    total = sum(len(w) for _, w in points) * len(variants)
     rows: list[dict] = []
     ratios: dict[str, Any] = {}
     with tqdm(total=total, desc="bench", unit="req", disable=not progress) as bar:
-        for rate, wl in workloads.items():
+        for pt, wl in points:
             if not wl:
-                log.warning("rate %.3g over %.0fs gives no requests: skipped", rate, cfg.duration_s)
+                log.warning("rate %.3g over %.0fs gives no requests: skipped", pt.workload.rate, cfg.duration_s)
                 continue
             by_label = {}
             reference: dict[str, list[int]] | None = None
-            for v in shared.variants:
-                bar.set_postfix_str(f"{v.label} @ {rate:g} rps")
+            for v in variants:
+                bar.set_postfix_str(f"{v.label} @ {cfg.sweep}={pt.x:g}")
                 summary, outputs = run_variant(shared, v, wl, cfg, bar)
-                # greedy everywhere: every engine policy must reproduce the first one's tokens exactly
+                # greedy everywhere: every engine policy must reproduce the reference's tokens exactly
                 if v.policy != HF_PEER:
                     reference = reference or outputs
                 match = same_outputs(outputs, reference) if reference else None
                 by_label[v.label] = summary
-                rows.append({"policy": v.label, "rate_rps": rate, "budget": v.budget,
+                rows.append({"policy": v.label, "sweep": cfg.sweep, "x": pt.x, "rate_rps": pt.workload.rate,
+                             "slo_scale": pt.workload.slo_scale, "mix": dict(pt.workload.mix), "budget": v.budget,
                              "outputs_equal_reference": match, **summary})
-            ratios[f"{rate:g}"] = adaserve_ratios(by_label)
+            ratios[f"{pt.x:g}"] = adaserve_ratios(by_label)
+    has_incremental = any(v.policy == "incremental" for v in variants)
+    engine_rows = [r for r in rows if r["policy"] != HF_PEER]
     return {
         "device": shared.profile.device if shared.profile else cfg.device,
+        "clock": cfg.clock,
         "budget": shared.budget,
         "baseline_tpot_ms": baseline,
+        # every engine policy produced the target's own greedy tokens (incremental decoding is the target alone)
+        "lossless": (all(r["outputs_equal_reference"] == 1.0 for r in engine_rows) if has_incremental else None),
         "config": {"policies": list(cfg.policies), "budgets": [str(b) for b in cfg.budgets],
                    "rates_rps": list(cfg.rates), "duration_s": cfg.duration_s, "slo_scale": cfg.slo_scale,
+                   "sweep": cfg.sweep, "values": list(cfg.values),
                    "seed": cfg.seed, "trace": str(cfg.trace) if cfg.trace else None, "mix": cfg.mix,
                    "model": cfg.model, "target": str(cfg.target), "draft": str(cfg.draft),
                    # every setting that shaped the numbers besides the above
                    "dtype": str(shared.target.dtype).removeprefix("torch."), "torch_threads": torch.get_num_threads(),
-                   "d_max": EngineConfig().adaptive.d_max, "w_max": EngineConfig().adaptive.w_max,
+                   "adaptive": asdict(make_engine(shared, variants[0]).cfg.adaptive),
+                   "budget_rule": EngineConfig().budget_rule,
                    "max_tokens_cap": cfg.max_tokens_cap, "max_prompt_tokens": cfg.max_prompt_tokens,
                    "kv_memory_mb": cfg.kv_memory_mb, "chat_template": has_chat_template(shared.tokenizer)},
+        "simulation": _simulation_settings(shared),
         "results": rows,
         "adaserve_vs_best_other": ratios,
     }
+
+
+def _simulation_settings(shared: Shared) -> dict | None:
+    if shared.device is None:
+        return None
+    prof = shared.profile
+    return {"device_profile": shared.device.name, "description": shared.device.description,
+            "sched_ms": None if shared.sched_s is None else 1e3 * shared.sched_s,
+            "sched": "host-measured" if shared.sched_s is None else "fixed",
+            "profile": prof.data if prof else None, "device_source": shared.device.source}
 
 
 def plot_report(report: dict, path: Path) -> None:
@@ -238,14 +368,21 @@ def plot_report(report: dict, path: Path) -> None:
 
 
 def _draw_report(report: dict, fig: Any, ax1: Any, ax2: Any) -> None:
+    sweep = report["config"].get("sweep", "rate")
     for label in dict.fromkeys(r["policy"] for r in report["results"]):
-        rows = sorted((r for r in report["results"] if r["policy"] == label), key=lambda r: r["rate_rps"])
-        rates = [r["rate_rps"] for r in rows]
+        rows = sorted((r for r in report["results"] if r["policy"] == label), key=lambda r: r.get("x", r["rate_rps"]))
+        xs = [r.get("x", r["rate_rps"]) for r in rows]
         style = {"linewidth": 2.5} if label == "adaserve" else {"linewidth": 1.2}
-        ax1.plot(rates, [100 * r["slo_attainment"] for r in rows], "o-", label=label, **style)
-        ax2.plot(rates, [r["goodput_tok_s"] for r in rows], "o-", label=label, **style)
-    ax1.set(xlabel="request rate (req/s)", ylabel="SLO attainment (%)", ylim=(0, 105), title="SLO attainment")
-    ax2.set(xlabel="request rate (req/s)", ylabel="goodput (tokens/s)", title="Goodput")
+        ax1.plot(xs, [100 * r["slo_attainment"] for r in rows], "o-", label=label, **style)
+        ax2.plot(xs, [r["goodput_tok_s"] for r in rows], "o-", label=label, **style)
+    xlabel = SWEEP_LABELS.get(sweep, sweep)
+    ax1.set(xlabel=xlabel, ylabel="SLO attainment (%)", ylim=(0, 105), title="SLO attainment")
+    ax2.set(xlabel=xlabel, ylabel="goodput (tokens/s)", title="Goodput")
     ax1.legend(fontsize=8)
     name = report["config"].get("model") or Path(report["config"]["target"]).name
-    fig.suptitle(f"{name} on {report['device'][:50]}", fontsize=9)
+    clock = "simulated " if report.get("clock") == "simulated" else ""
+    fig.suptitle(f"{name} on {clock}{report['device'][:60]}", fontsize=9)
+
+
+SWEEP_LABELS = {"rate": "request rate (req/s)", "urgent-share": f"share of urgent ({URGENT}) requests",
+                "slo-scale": "SLO scale (x every class's TPOT target)"}

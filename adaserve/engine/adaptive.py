@@ -5,6 +5,8 @@ The bounds and constants are ``config.AdaptiveConfig``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from adaserve.engine.config import AdaptiveConfig
 
 
@@ -20,3 +22,21 @@ def depth_width(n_active: int, cfg: AdaptiveConfig) -> tuple[int, int]:
     d = min(max(cfg.b1 // (n + cfg.c1) - 1, cfg.d_min), cfg.d_max)
     w = min(max(cfg.b2 // n + cfg.c2, 1), cfg.w_max)
     return d, w
+
+
+def bounds_for_device(cfg: AdaptiveConfig, *, t_target_s: float, t_draft_s: float, draft_budget: int) -> AdaptiveConfig:
+    """``cfg`` with d_max, w_max and B2 set from the profiled costs instead of CPU-tuned constants.
+
+    r = t_target(1) / t_draft(1): how many draft forwards one target forward buys.
+        d_max = clip(round(0.75 * r), 2, 8)   the d draft steps before verification stay under ~3/4 of
+                                              the target forward (8: SpecInfer's depth). r = 5.6 for the
+                                              default pair on a CPU gives 4, the depth measured best there.
+        w_max = 4 if r >= 10 else 2           a wide beam needs a draft cheap enough to run its w x tokens
+        B2    = the draft's own knee          draft tokens per beam step that still cost about one token
+    """
+    if not (t_target_s > 0 and t_draft_s > 0):
+        return cfg
+    r = t_target_s / t_draft_s
+    d_max = min(max(round(0.75 * r), 2), 8)
+    w_max = 4 if r >= 10 else 2
+    return replace(cfg, d_max=max(d_max, cfg.d_min), w_max=w_max, b2=max(1, draft_budget))

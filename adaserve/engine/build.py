@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from adaserve.engine.adaptive import bounds_for_device
 from adaserve.engine.catalog import TOKENIZER_FILES
 from adaserve.engine.config import AdaptiveConfig, EngineConfig, KVCacheConfig
 from adaserve.engine.engine import Engine
@@ -21,6 +22,17 @@ from adaserve.engine.runner import ModelRunner
 log = logging.getLogger(__name__)
 
 
+
+
+def adaptive_for(cfg: AdaptiveConfig, data: dict[str, Any], *, pinned: set[str] = frozenset()) -> AdaptiveConfig:
+    """``cfg`` with the tree bounds the profiled draft:target cost ratio allows (adaptive.bounds_for_device),
+    except the ``pinned`` fields the user set. Unchanged without a draft profile."""
+    if "draft" not in data:
+        return cfg
+    t_target = float(data["target"]["table"][0]["latency_ms"]) / 1e3  # n = 1 at the reference context
+    t_draft = float(data["draft"]["table"][0]["latency_ms"]) / 1e3
+    tuned = bounds_for_device(cfg, t_target_s=t_target, t_draft_s=t_draft, draft_budget=int(data["draft"]["budget"]))
+    return replace(tuned, **{k: getattr(cfg, k) for k in pinned})
 
 
 class EngineBuildError(Exception):
@@ -85,7 +97,8 @@ def build_engine(*, target: Path, draft: Path | None, device: str = "cpu", polic
         drf_path = draft if drf is not None else None
         prof = profile_models(tgt, drf, target_path=target, draft_path=drf_path, cfg=cfg.profiler,
                               force=force_profile, progress=progress)
-        cfg = replace(cfg, budget=prof.budget, target_cost=prof.target_cost, draft_cost=prof.draft_cost)
+        cfg = replace(cfg, budget=prof.budget, target_cost=prof.target_cost, draft_cost=prof.draft_cost,
+                      adaptive=adaptive_for(cfg.adaptive, prof.data, pinned=set(bounds)))
     engine = Engine(tgt, drf, cfg)
     tokenizer = None
     if any((target / f).is_file() for f in TOKENIZER_FILES):

@@ -151,6 +151,9 @@ class ProfilerConfig:
         _at_least("ProfilerConfig", "warmup", self.warmup, 0)
 
 
+BUDGET_RULES = ("goodput", "knee")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """One engine's configuration. ``build.build_engine`` fills ``budget`` and the costs from the profile."""
@@ -158,6 +161,9 @@ class EngineConfig:
     # ---- what an iteration verifies (policies.py) ----
     policy: str = "adaserve"  # a name from policies.POLICY_NAMES, e.g. "adaserve", "chain:4", "beam:4,2"
     budget: int = 64  # B: tokens per verification, roots included; the profiler's knee when profiled
+    # "goodput": B is a floor, raised each iteration while verifying more raises expected tokens per
+    # second (iteration_budget.py); "knee": B exactly, every iteration
+    budget_rule: str = "goodput"
     n_max: int = 16  # AdaServe: the most nodes (root included) one request takes in the SLO phase
     smartspec_max_k: int = 8  # SmartSpec: the longest chain it may choose
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
@@ -180,6 +186,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _at_least("EngineConfig", "budget", self.budget, 1)
+        if self.budget_rule not in BUDGET_RULES:
+            raise ValueError(f"EngineConfig.budget_rule must be one of {', '.join(BUDGET_RULES)}, "
+                             f"got {self.budget_rule!r}")
         _at_least("EngineConfig", "n_max", self.n_max, 1)
         _at_least("EngineConfig", "smartspec_max_k", self.smartspec_max_k, 1)
         _at_least("EngineConfig", "prefill_chunk", self.prefill_chunk, 1)

@@ -19,7 +19,16 @@ from dataclasses import asdict, dataclass, field
 from adaserve.engine.batch import Segment
 from adaserve.engine.config import EngineConfig
 from adaserve.engine.cost_model import CostModel
-from adaserve.engine.policies import BatchView, SelectionContext, SelectionRecord, TreeShape, make_policy, requirement
+from adaserve.engine.iteration_budget import goodput_budget
+from adaserve.engine.policies import (
+    BatchView,
+    SelectionContext,
+    SelectionRecord,
+    TreeShape,
+    is_budgeted,
+    make_policy,
+    requirement,
+)
 from adaserve.engine.request import Phase, Request
 from adaserve.engine.runner import ModelRunner
 from adaserve.engine.speculate import DraftInput, beam_search
@@ -218,7 +227,7 @@ class Engine:
         m = StepMetrics(budget=self.cfg.budget)
         prefill = self._prefill_segments(m)
         decoding = [r for r in self.running if r.phase is Phase.DECODE]
-        trees = self._speculate_and_select(decoding, m)
+        trees = self._speculate_and_select(decoding, m, t_start)
 
         t0 = self.clock()
         segments = [seg for _, seg in prefill]
@@ -278,14 +287,16 @@ class Engine:
             out.append((req, Segment(req.target_kv, done, TokenTree.chain(chunk))))
         return out
 
-    def predict_iteration(self, shape: TreeShape | None, n: int, n_context: int) -> float:
-        """Predicted seconds for an iteration: d draft forwards + one target forward over B tokens."""
-        t = self.target_time.predict(n_context, min(self.cfg.budget, n * (1 if shape is None else shape.max_nodes)))
+    def predict_iteration(self, shape: TreeShape | None, n: int, n_context: int, prefill_tokens: int = 0) -> float:
+        """Predicted seconds for an iteration: d draft forwards + one target forward over at most B tree
+        tokens plus the prefill chunks riding in the same forward."""
+        verify = min(self.cfg.budget, n * (1 if shape is None else shape.max_nodes))
+        t = self.target_time.predict(n_context, verify + prefill_tokens)
         if shape is not None:
             t += shape.depth * self.draft_time.predict(n_context, n * max(1, shape.width))
         return t
 
-    def _speculate_and_select(self, decoding: list[Request], m: StepMetrics) -> list[TokenTree]:
+    def _speculate_and_select(self, decoding: list[Request], m: StepMetrics, t_start: float) -> list[TokenTree]:
         m.n_decode = len(decoding)
         roots = [TokenTree.root(r.all_ids[-1]) for r in decoding]
         if not decoding:
@@ -294,7 +305,7 @@ class Engine:
         view = BatchView(n_active=len(decoding), n_context=n_ctx, budget=self.cfg.budget,
                          predict_target=self.target_time.predict, predict_draft=self.draft_time.predict)
         shape = self.policy.tree_shape(view)
-        m.predicted_iter_s = self.predict_iteration(shape, len(decoding), n_ctx)
+        m.predicted_iter_s = self.predict_iteration(shape, len(decoding), n_ctx, m.prefill_tokens)
         if shape is None or shape.depth < 1 or self.draft is None:
             m.tokens_verified = len(roots)
             m.per_request_verified = {r.request_id: 1 for r in decoding}
@@ -306,8 +317,17 @@ class Engine:
         t1 = self.clock()
         # steps 2..d each ran n*w draft tokens; step 1 ran the pending chains (not modelled separately)
         self.draft_time.observe(n_ctx, len(decoding) * shape.width, (t1 - t0) / shape.depth)
-        ctx = SelectionContext(budget=max(self.cfg.budget, len(decoding)), depth=shape.depth, now_s=t1,
-                               t_iter_s=m.predicted_iter_s)
+        budget = max(self.cfg.budget, len(decoding))
+        if self.cfg.budget_rule == "goodput" and is_budgeted(self.policy):
+            budget = goodput_budget(cands, floor=budget, t_spent_s=t1 - t_start,
+                                    t_target=lambda k: self.target_time.predict(n_ctx, k + m.prefill_tokens))
+        m.budget = budget
+        # A(r): this iteration's tokens land at t_start + t_iter, t_iter = the draft time already spent plus
+        # the predicted verification (counting the draft's time once, not in a predicted whole iteration
+        # on top of a clock read after it)
+        verify = min(budget, sum(c.size for c in cands)) + m.prefill_tokens
+        t_iter = (t1 - t_start) + self.target_time.predict(n_ctx, verify)
+        ctx = SelectionContext(budget=budget, depth=shape.depth, now_s=t_start, t_iter_s=t_iter)
         chosen = self.policy.select(cands, decoding, ctx)
         trees = [c.subtree(sel) for c, sel in zip(cands, chosen, strict=True)]
         m.t_speculate_s, m.t_select_s = t1 - t0, self.clock() - t1

@@ -242,6 +242,11 @@ class FixedBeam(_NoFeedback):
         return select_global_greedy(cands, budget=ctx.budget)
 
 
+def is_budgeted(policy: Policy) -> bool:
+    """Whether the policy chooses within the budget B (the others verify their whole candidate trees)."""
+    return isinstance(policy, _Adaptive | FixedBeam)
+
+
 def requirement(req: Request, *, now_s: float, t_iter_s: float) -> float:
     """A(r) for a decoding request; 0 (nothing beyond the bonus token) when it has no TPOT SLO."""
     first = req.metrics.first_token_s

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from adaserve.engine.attention import make_backend
@@ -9,6 +13,15 @@ from adaserve.engine.batch import Segment, build_layout
 from adaserve.engine.config import EngineConfig
 from adaserve.engine.kv_cache import PagedKVCache
 from adaserve.engine.model import CausalLM
+
+
+@dataclass(frozen=True)
+class ForwardRecord:
+    """What one forward did, for whoever listens (the simulated clock prices it by a device model)."""
+
+    n_new: int  # tokens computed
+    n_context: int  # cached tokens they attended to (every segment's prefix and cached tree nodes)
+    wall_s: float  # host time the call took (no device sync: exact on CPU only)
 
 
 class ModelRunner:
@@ -19,6 +32,7 @@ class ModelRunner:
         self.dtype = model.lm_head.weight.dtype
         self.cache = PagedKVCache(model.cfg, cfg.kv, dtype=self.dtype, device=self.device)
         self.backend = make_backend(cfg.attention, model.cfg, self.device)
+        self.forward_listeners: list[Callable[[ForwardRecord], None]] = []
 
     @property
     def vocab_size(self) -> int:
@@ -30,6 +44,7 @@ class ModelRunner:
         Returns, per segment, logits ``[num_new, V]`` when ``all_logits[i]`` else ``[1, V]`` (its
         last new token: enough for a prefill chunk).
         """
+        t0 = time.perf_counter()
         for s in segments:
             self.cache.ensure(s.seq, s.kv_len)
         layout = build_layout(segments, page_size=self.cache.page_size, device=self.device)
@@ -43,4 +58,11 @@ class ModelRunner:
         self.backend.plan(layout, self.cache)
         logits = self.model(layout.input_ids, layout.positions, backend=self.backend, cache=self.cache,
                             logits_rows=torch.tensor(rows, device=self.device))
-        return list(torch.split(logits, counts))
+        out = list(torch.split(logits, counts))
+        if self.forward_listeners:
+            rec = ForwardRecord(n_new=sum(s.num_new for s in segments),
+                                n_context=sum(s.prefix_len + s.num_cached for s in segments),
+                                wall_s=time.perf_counter() - t0)
+            for listener in self.forward_listeners:
+                listener(rec)
+        return out

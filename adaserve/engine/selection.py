@@ -126,10 +126,18 @@ def select_adaserve(cands: Sequence[TokenTree], requirements: Sequence[float], *
     the bonus, i.e. A(r) - 1: Figure 5 is reproduced by A(r0) = 1.6, A(r1) = 1.8
     (tests/engine/test_selection.py::test_figure5_worked_example).
     """
+    _, total = adaserve_phases(cands, requirements, budget=budget, depth=depth, n_max=n_max)
+    return _as_lists(total)
+
+
+def adaserve_phases(cands: Sequence[TokenTree], requirements: Sequence[float], *, budget: int, depth: int,
+                    n_max: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Algorithm 2's two phases apart: the nodes after the SLO phase and after the throughput phase, per
+    request (unsorted). The bench counts how many nodes each phase assigned."""
     req = _validated(cands, requirements, budget=budget, depth=depth, n_max=n_max)
     lps = [_strict_log_probs(c) for c in cands]
-    chosen = _slo_phase(lps, req, budget=budget, depth=depth, n_max=n_max)
-    return _as_lists(_throughput_phase(lps, chosen, budget=budget))
+    slo = _slo_phase(lps, req, budget=budget, depth=depth, n_max=n_max)
+    return slo, _throughput_phase(lps, slo, budget=budget)
 
 
 def select_global_greedy(cands: Sequence[TokenTree], *, budget: int) -> list[list[int]]:

@@ -42,15 +42,15 @@ def recorded(ms: dict[int, float]) -> Callable[[int, int], float]:
     return lambda n, c: ms[n] / 1e3 * (0.9 if c == 64 else 1.0)
 
 
-class Switching:
-    """Replays ``first`` for the first ``calls`` forwards, then ``then``: a machine that calms down."""
+class Phases:
+    """Replays one table per measurement attempt (``calls`` forwards each), the last one from then on."""
 
-    def __init__(self, first: dict[int, float], then: dict[int, float], calls: int) -> None:
-        self.first, self.then, self.calls, self.n = recorded(first), recorded(then), calls, 0
+    def __init__(self, *tables: dict[int, float], calls: int = CALLS_PER_ATTEMPT) -> None:
+        self.timers, self.calls, self.n = [recorded(t) for t in tables], calls, 0
 
     def __call__(self, n: int, c: int) -> float:
         self.n += 1
-        return (self.first if self.n <= self.calls else self.then)(n, c)
+        return self.timers[min((self.n - 1) // self.calls, len(self.timers) - 1)](n, c)
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +105,18 @@ def test_noisy_table_is_measured_again_then_used_uncached(tgt: ModelRunner, capl
 
 
 def test_noisy_then_quiet_table_is_remeasured_and_passes(tgt: ModelRunner):
-    timer = Switching(BUSY_MS, QUIET_MS, calls=CALLS_PER_ATTEMPT)
-    out = profile_runner(tgt, CFG, label="target", progress=False, timer=timer)
+    out = profile_runner(tgt, CFG, label="target", progress=False, timer=Phases(BUSY_MS, QUIET_MS))
     assert out["check"] == {"ok": True, "problems": [], "attempts": 2}
     assert [r["latency_ms"] for r in out["table"]] == pytest.approx(list(QUIET_MS.values()))
     assert out["budget"] == 8
+
+
+def test_when_every_attempt_fails_the_least_implausible_is_kept(tgt: ModelRunner):
+    one_dip = {**QUIET_MS, 64: 0.5 * QUIET_MS[32]}  # a single probe far too fast
+    out = profile_runner(tgt, CFG, label="target", progress=False, timer=Phases(BUSY_MS, one_dip, BUSY_MS))
+    assert out["check"]["attempts"] == 3 and not out["check"]["ok"]
+    assert len(out["check"]["problems"]) == 2  # the dip, at each context
+    assert [r["latency_ms"] for r in out["table"]] == pytest.approx(list(one_dip.values()))
 
 
 def test_busy_table_is_not_cached_and_budget_stays_at_the_floor(

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from adaserve.engine.adaptive import bounds_for_device
+from adaserve.engine.budget import speculation_floor
 from adaserve.engine.catalog import TOKENIZER_FILES
 from adaserve.engine.config import AdaptiveConfig, EngineConfig, KVCacheConfig
 from adaserve.engine.engine import Engine
@@ -97,8 +98,10 @@ def build_engine(*, target: Path, draft: Path | None, device: str = "cpu", polic
         drf_path = draft if drf is not None else None
         prof = profile_models(tgt, drf, target_path=target, draft_path=drf_path, cfg=cfg.profiler,
                               force=force_profile, progress=progress)
-        cfg = replace(cfg, budget=prof.budget, target_cost=prof.target_cost, draft_cost=prof.draft_cost,
-                      adaptive=adaptive_for(cfg.adaptive, prof.data, pinned=set(bounds)))
+        adaptive = adaptive_for(cfg.adaptive, prof.data, pinned=set(bounds))
+        # deeper or wider trees than the defaults need a larger floor under B (budget.speculation_floor)
+        cfg = replace(cfg, budget=max(prof.budget, speculation_floor(adaptive)), target_cost=prof.target_cost,
+                      draft_cost=prof.draft_cost, adaptive=adaptive)
     engine = Engine(tgt, drf, cfg)
     tokenizer = None
     if any((target / f).is_file() for f in TOKENIZER_FILES):

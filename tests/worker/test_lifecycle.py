@@ -16,6 +16,7 @@ import httpx
 import pytest
 import redis
 
+from adaserve.engine.budget import speculation_floor
 from adaserve.engine.profiler import model_identity
 from tests.redis_prefix import REDIS_URL, isolated_redis
 from tests.servers import Service, demo_pair, sse_events, start_worker, wait_for
@@ -31,14 +32,15 @@ def registration(r: redis.Redis, prefix: str, worker_id: str) -> dict[str, Any] 
     return None if raw is None else json.loads(raw)
 
 
-def cached_budget(target: Path) -> int:
-    """The budget the profiler stored for this model in the session's profile cache."""
+def cached_knee(target: Path) -> int | None:
+    """The knee B the profiler stored for this model in the session's profile cache; None when the
+    profile was too noisy to cache (a busy machine)."""
     ident = model_identity(target)
     for f in Path(os.environ["ADASERVE_CACHE_DIR"]).glob("*.json"):
         data = json.loads(f.read_text())["data"]
         if data["key"]["model"].startswith(ident):
             return int(data["target"]["budget"])
-    raise AssertionError("no cached profile for the target")
+    return None
 
 
 def test_registration_heartbeat_and_sigterm_drain(redis_prefix: tuple[redis.Redis, str], tmp_path: Path) -> None:
@@ -56,13 +58,17 @@ def test_registration_heartbeat_and_sigterm_drain(redis_prefix: tuple[redis.Redi
         reg = registration(r, prefix, wid)
         assert reg is not None, w.logs()[-3000:]
         profile = httpx.get(f"{w.url}/v1/profile", timeout=10).json()
-        assert reg["budget"] == profile["budget"] == cached_budget(target)
+        # the published B is the profile's: its knee, raised to what one request needs to speculate
+        assert reg["budget"] == profile["budget"] >= speculation_floor()
+        knee = cached_knee(target)
+        assert knee is None or reg["budget"] >= knee
         assert reg["budget_source"] == "profile" and reg["cost_model"]["source"] == "profile"
         assert reg["cost_model"]["target"] == profile["cost_model"]["target"]
         assert reg["status"] == "ready" and reg["address"] == w.url and reg["worker_id"] == wid
         assert reg["models"]["target"] == str(target) and reg["models"]["name"] == "target"
         assert r.zscore(f"{prefix}:workers", wid) is not None
-        assert reg["max_depth"] == 4 and reg["load"]["context_tokens"] == 0  # adaserve's d_max; holds nothing
+        # adaserve's d_max, set from the profiled draft:target cost ratio; the worker holds nothing yet
+        assert 2 <= reg["max_depth"] <= 8 and reg["load"]["context_tokens"] == 0
         ttl = r.pttl(f"{prefix}:workers:{wid}")
         assert 0 < ttl <= 3000
 

@@ -8,6 +8,10 @@ verification is a whole tree: one layout serves them all.
     positions   = prefix_len + depth(node)          (RoPE: by depth)
     KV slots    = prefix_len + node index           (storage: by flat index)
     mask row i  = [1 ... 1 (prefix) | anc[i, :M]]   (a node sees its ancestors and itself)
+
+The layout holds what every backend reads (ids, positions, write slots, per-segment lengths, the page
+table). The mask is not built here: each attention backend builds the form it reads, on its device,
+from the per-segment vectors (``attention/masks.py``).
 """
 
 from __future__ import annotations
@@ -46,60 +50,61 @@ class BatchLayout:
     write_slots: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
     qo_indptr: list[int]  # [B+1]: request b owns tokens qo_indptr[b]:qo_indptr[b+1]
     kv_lens: list[int]  # [B]
-    key_slots: torch.Tensor  # [B, Kmax] int64, padded with 0
-    key_positions: torch.Tensor  # [B, Kmax] int64, padded with a huge value
-    mask: torch.Tensor  # [B, Qmax, Kmax] bool; padded query rows see key 0 only
-    token_batch: torch.Tensor  # [T]: request of each token
-    token_row: torch.Tensor  # [T]: row of each token inside its request
+    page_table: np.ndarray  # [B, max pages read] int64: the pages covering each kv_len, padded with 0
+    page_size: int
     segments: tuple[Segment, ...]
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def all_chains(self) -> bool:
+        """Every segment is a chain: the mask is causal (key index = position) for every request."""
+        return all(s.tree.is_chain for s in self.segments)
+
+
+def page_table(segments: list[Segment], kv_lens: np.ndarray, page_size: int) -> np.ndarray:
+    """[B, max pages] int64: the first ceil(kv_len / page_size) pages of each sequence, padded with 0."""
+    n_pages = -(-kv_lens // page_size)
+    table = np.zeros((len(segments), int(n_pages.max())), np.int64)
+    for b, (s, n) in enumerate(zip(segments, n_pages.tolist(), strict=True)):
+        if n > len(s.seq.pages):
+            raise ValueError(f"sequence holds {len(s.seq.pages)} pages but {kv_lens[b]} keys need {n}")
+        table[b, :n] = s.seq.pages[:n]
+    return table
+
 
 def build_layout(segments: list[Segment], *, page_size: int, device: torch.device) -> BatchLayout:
     if not segments:
         raise ValueError("a batch needs at least one segment")
-    n_new = [s.num_new for s in segments]
-    if min(n_new) <= 0:
+    prefix = np.fromiter((s.prefix_len for s in segments), np.int64, len(segments))
+    cached = np.fromiter((s.num_cached for s in segments), np.int64, len(segments))
+    size = np.fromiter((s.tree.size for s in segments), np.int64, len(segments))
+    n_new = size - cached
+    if n_new.min() <= 0:
         raise ValueError("every segment must contribute at least one new token")
-    kv_lens = [s.kv_len for s in segments]
-    b, q_max, k_max = len(segments), max(n_new), max(kv_lens)
+    kv_lens = prefix + size
+    table = page_table(segments, kv_lens, page_size)
 
-    ids, pos, slots, t_batch, t_row = [], [], [], [], []  # type: ignore[var-annotated]
-    key_slots = np.zeros((b, k_max), np.int64)
-    key_pos = np.full((b, k_max), 2**40, np.int64)
-    mask = np.zeros((b, q_max, k_max), dtype=bool)
-    mask[:, :, 0] = True  # padded query rows must see one key; they are dropped afterwards
-    for r, s in enumerate(segments):
-        p, m, c = s.prefix_len, s.tree.size, s.num_cached
-        depth = s.tree.depths()
-        anc = s.tree.ancestor_matrix()
-        ids.append(s.tree.tokens[c:])
-        pos.append(p + depth[c:])
-        slots.append(s.seq.slots(p + c, p + m, page_size))
-        t_batch.extend([r] * (m - c))
-        t_row.extend(range(m - c))
-        key_slots[r, : p + m] = s.seq.slots(0, p + m, page_size)
-        key_pos[r, :p] = np.arange(p)
-        key_pos[r, p : p + m] = p + depth
-        mask[r, : m - c, :p] = True
-        mask[r, : m - c, p : p + m] = anc[c:]
+    ids = np.concatenate([s.tree.tokens[s.num_cached:] for s in segments])
+    depth = np.concatenate([s.tree.depths()[s.num_cached:] for s in segments])
+    # token t of segment b (row r of its new tokens) is tree node c_b + r, at token index L_b + c_b + r
+    seg = np.repeat(np.arange(len(segments)), n_new)
+    qo_indptr = np.concatenate([[0], np.cumsum(n_new)])
+    index = prefix[seg] + cached[seg] + (np.arange(len(seg)) - qo_indptr[seg])
+    slots = table[seg, index // page_size] * page_size + index % page_size
 
-    def t(x: np.ndarray | list[int]) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(x), dtype=torch.int64, device=device)
+    def t(x: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(x, dtype=torch.int64, device=device)
 
     return BatchLayout(
-        input_ids=t(np.concatenate(ids)),
-        positions=t(np.concatenate(pos)),
-        write_slots=t(np.concatenate(slots)),
-        qo_indptr=[0, *np.cumsum(n_new).tolist()],
-        kv_lens=kv_lens,
-        key_slots=t(key_slots),
-        key_positions=t(key_pos),
-        mask=torch.as_tensor(mask, device=device),
-        token_batch=t(t_batch),
-        token_row=t(t_row),
+        input_ids=t(ids),
+        positions=t(prefix[seg] + depth),
+        write_slots=t(slots),
+        qo_indptr=qo_indptr.tolist(),
+        kv_lens=kv_lens.tolist(),
+        page_table=table,
+        page_size=page_size,
         segments=tuple(segments),
     )

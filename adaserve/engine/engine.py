@@ -16,6 +16,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from adaserve.engine.batch import Segment
 from adaserve.engine.config import EngineConfig
 from adaserve.engine.cost_model import CostModel
@@ -32,9 +34,10 @@ from adaserve.engine.policies import (
 from adaserve.engine.request import Phase, Request
 from adaserve.engine.runner import ModelRunner
 from adaserve.engine.speculate import DraftInput, beam_search
+from adaserve.engine.stop_strings import StopStringMatcher
 from adaserve.engine.timing import OnlineCostModel
 from adaserve.engine.tree import TokenTree
-from adaserve.engine.verify import commit_moves, walk_tree
+from adaserve.engine.verify import WalkInput, commit_moves, walk_trees
 
 log = logging.getLogger(__name__)
 
@@ -236,20 +239,25 @@ class Engine:
         logits = self.target.forward(segments, all_logits=want_all) if segments else []
         t_fwd = self.clock() - t0
         emitted: dict[str, list[int]] = {}
+        first: list[tuple[Request, TokenTree, torch.Tensor]] = []  # last prefill chunks: their logits give token 1
         for (req, seg), lg in zip(prefill, logits[: len(prefill)], strict=True):
             self.target.cache.truncate(req.target_kv, seg.kv_len)
-            if req.target_kv.length == len(req.prompt_ids):  # last chunk: its last logits give token 1
-                res = walk_tree(TokenTree.root(req.prompt_ids[-1]), lg, req.params, generator=req.generator,
-                                stop_ids=self._stop_ids(req), budget=req.remaining)
-                req.phase = Phase.DECODE
-                emitted[req.request_id] = res.tokens
+            if req.target_kv.length == len(req.prompt_ids):
+                first.append((req, TokenTree.root(req.prompt_ids[-1]), lg))
+        walks = [*first, *zip(decoding, trees, logits[len(prefill) :], strict=True)]
+        # one batched draw for every walk (verify.walk_trees), then host work per request
+        results = walk_trees([WalkInput(t, lg, r.params, r.generator, self._stop_ids(r), r.remaining)
+                              for r, t, lg in walks])
+        for (req, _, _), res in zip(first, results, strict=False):
+            req.phase = Phase.DECODE
+            emitted[req.request_id] = res.tokens
+        decoded = results[len(first) :]
+        # one KV compaction for every request, before any truncation returns the pages it reads
+        self.target.cache.move_many([(r.target_kv, *commit_moves(res.accepted_nodes, r.target_kv.length))
+                                     for r, res in zip(decoding, decoded, strict=True)])
         proposed = 0
-        for req, tree, lg in zip(decoding, trees, logits[len(prefill) :], strict=True):
-            res = walk_tree(tree, lg, req.params, generator=req.generator, stop_ids=self._stop_ids(req),
-                            budget=req.remaining)
-            base = req.target_kv.length
-            self.target.cache.move_slots(req.target_kv, *commit_moves(res.accepted_nodes, base))
-            self.target.cache.truncate(req.target_kv, base + len(res.accepted_nodes))
+        for req, tree, res in zip(decoding, trees, decoded, strict=True):
+            self.target.cache.truncate(req.target_kv, req.target_kv.length + len(res.accepted_nodes))
             req.metrics.accepted_per_step.append(res.num_accepted)
             req.metrics.verified_per_step.append(tree.size)
             m.tokens_accepted += res.num_accepted
@@ -298,7 +306,7 @@ class Engine:
 
     def _speculate_and_select(self, decoding: list[Request], m: StepMetrics, t_start: float) -> list[TokenTree]:
         m.n_decode = len(decoding)
-        roots = [TokenTree.root(r.all_ids[-1]) for r in decoding]
+        roots = [TokenTree.root(r.last_token) for r in decoding]
         if not decoding:
             return roots
         n_ctx = sum(r.target_kv.length for r in decoding)
@@ -312,7 +320,7 @@ class Engine:
             return roots
         m.depth, m.width = shape.depth, shape.width
         t0 = self.clock()
-        inputs = [DraftInput(r.draft_kv, r.all_ids[r.draft_kv.length :]) for r in decoding]
+        inputs = [DraftInput(r.draft_kv, r.ids_from(r.draft_kv.length)) for r in decoding]
         cands = beam_search(self.draft, inputs, depth=shape.depth, width=shape.width, expansion=shape.expansion)
         t1 = self.clock()
         # steps 2..d each ran n*w draft tokens; step 1 ran the pending chains (not modelled separately)
@@ -361,14 +369,17 @@ class Engine:
         return events
 
     def _cut_at_stop_string(self, req: Request, toks: list[int]) -> tuple[list[int], bool]:
-        """The tokens up to the one that completes a stop string (none after it), and whether one did."""
+        """The tokens up to the one that completes a stop string (none after it), and whether one did.
+
+        Incremental (stop_strings.py): each token decodes a few tokens and searches its new text plus the
+        longest stop string's tail, not the whole output again."""
         if not req.params.stop or self.detokenize is None:
             return toks, False
-        for k in range(1, len(toks) + 1):
-            text = self.detokenize(req.output_ids + toks[:k])
-            if any(s in text for s in req.params.stop):
-                return toks[:k], True
-        return toks, False
+        if req.stop_matcher is None:
+            req.stop_matcher = StopStringMatcher(req.params.stop, self.detokenize)
+            req.stop_matcher.first_stop(req.output_ids)  # tokens emitted before (none, unless set late)
+        k = req.stop_matcher.first_stop(toks)
+        return (toks, False) if k is None else (toks[:k], True)
 
     def _finish_reason(self, req: Request, new: list[int], stop_hit: bool) -> str | None:
         if stop_hit or new[-1] in self._stop_ids(req):

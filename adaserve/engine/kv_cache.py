@@ -36,8 +36,11 @@ class SequenceKV:
         return self.pages[index // page_size] * page_size + index % page_size
 
     def slots(self, start: int, stop: int, page_size: int) -> np.ndarray:
-        idx = np.arange(start, stop)
-        return np.asarray(self.pages, np.int64)[idx // page_size] * page_size + idx % page_size
+        return self.slots_at(np.arange(start, stop), page_size)
+
+    def slots_at(self, index: np.ndarray, page_size: int) -> np.ndarray:
+        """Cache slots of token indices ``index`` (int64 array)."""
+        return np.asarray(self.pages, np.int64)[index // page_size] * page_size + index % page_size
 
 
 class PagedKVCache:
@@ -85,15 +88,27 @@ class PagedKVCache:
 
     # ---- data movement --------------------------------------------------------------------------
     def move_slots(self, seq: SequenceKV, src: list[int], dst: list[int]) -> None:
-        """Copy KV of token indices ``src`` to ``dst`` in every layer (used to compact accepted paths).
+        """Copy KV of token indices ``src`` to ``dst`` in every layer (used to compact accepted paths)."""
+        self.move_many([(seq, src, dst)])
 
-        The caller passes ascending ``dst`` with ``src[j] >= dst[j]``, so no source is overwritten
-        before it is read.
+    def move_many(self, moves: list[tuple[SequenceKV, list[int], list[int]]]) -> None:
+        """Every sequence's (src, dst) token moves in one gather/scatter over all layers.
+
+        The gather reads every source before the scatter writes, so any order is safe; sequences own
+        disjoint slots, so their moves never collide.
         """
-        pairs = [(s, d) for s, d in zip(src, dst, strict=True) if s != d]
-        if not pairs:
+        s_all, d_all = [], []
+        for seq, src, dst in moves:
+            s, d = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+            if len(s) != len(d):
+                raise ValueError("src and dst must have the same length")
+            keep = s != d
+            if keep.any():
+                s_all.append(seq.slots_at(s[keep], self.page_size))
+                d_all.append(seq.slots_at(d[keep], self.page_size))
+        if not s_all:
             return
-        s_idx = torch.tensor([seq.slot(s, self.page_size) for s, _ in pairs], device=self.k.device)
-        d_idx = torch.tensor([seq.slot(d, self.page_size) for _, d in pairs], device=self.k.device)
+        s_idx = torch.as_tensor(np.concatenate(s_all), device=self.k.device)
+        d_idx = torch.as_tensor(np.concatenate(d_all), device=self.k.device)
         self.k[:, d_idx] = self.k[:, s_idx]
         self.v[:, d_idx] = self.v[:, s_idx]

@@ -9,6 +9,7 @@ import torch
 
 from adaserve.engine.kv_cache import SequenceKV
 from adaserve.engine.sampling import SamplingParams, make_generator
+from adaserve.engine.stop_strings import StopStringMatcher
 
 
 class Phase(enum.Enum):
@@ -64,6 +65,7 @@ class Request:
     draft_kv: SequenceKV = field(default_factory=SequenceKV)
     reserved_pages: tuple[int, int] = (0, 0)  # (target, draft) pages reserved at admission
     generator: torch.Generator = field(init=False)
+    stop_matcher: StopStringMatcher | None = field(default=None, init=False, repr=False)  # made on first use
 
     def __post_init__(self) -> None:
         # No checks here: Engine.check_request is where a request is validated, once.
@@ -71,7 +73,19 @@ class Request:
 
     @property
     def all_ids(self) -> list[int]:
+        """Prompt and output, concatenated (a copy: O(length); the engine reads ``last_token`` / ``ids_from``)."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def ids_from(self, start: int) -> list[int]:
+        """``all_ids[start:]`` without building ``all_ids``: O(len - start)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n :]
+        return self.prompt_ids[start:] + self.output_ids
 
     @property
     def remaining(self) -> int:

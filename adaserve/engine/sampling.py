@@ -67,12 +67,20 @@ def make_generator(seed: int | None) -> torch.Generator:
     return g
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from probs [V] using exactly one uniform from ``generator`` (inverse CDF)."""
-    u = torch.rand((), generator=generator, dtype=torch.float64)
-    cdf = probs.double().cpu().cumsum(0)
-    idx = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
-    idx = min(idx, probs.shape[0] - 1)
-    while probs[idx] <= 0:  # u landed on a boundary of a zero-mass token: step back to a real one
-        idx -= 1
+def draw_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws, one per row: probs [R, V], uniforms u [R] in [0, 1) -> token ids [R] (int64).
+
+    Row r returns the first token whose cumulative mass exceeds u[r] * total (float64); a draw landing
+    past the last token (u * total rounding up to the total) falls back to the last token with mass.
+    """
+    cdf = probs.double().cumsum(-1)
+    idx = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True)[:, 0]
+    idx = idx.clamp(max=probs.shape[-1] - 1)
+    # cdf[idx] > target >= cdf[idx - 1] means probs[idx] > 0, except past the end: there, step back to
+    # the largest j <= idx with probs[j] > 0
+    empty = probs.gather(1, idx[:, None])[:, 0] <= 0
+    if bool(empty.any()):
+        ar = torch.arange(probs.shape[-1], device=probs.device)
+        last_with_mass = torch.cummax(torch.where(probs[empty] > 0, ar, -1), dim=-1).values
+        idx[empty] = last_with_mass.gather(1, idx[empty][:, None])[:, 0]
     return idx

@@ -32,6 +32,10 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
 
     With ``expansion`` (SpecInfer's static trees) every node at depth i instead keeps its own top
     ``expansion[i]`` children, and ``depth = len(expansion)``.
+
+    Every request's tree has the same number of nodes at every level (``width``, or the product of the
+    expansions), so a level is one batched step over all requests: one log-softmax and one top-k over
+    ``[n, F * V]`` (``[n, F, V]`` for static trees) and one copy of the picks to the host.
     """
     if expansion is not None:
         depth = len(expansion)
@@ -40,51 +44,60 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     if depth < 1 or width < 1:
         raise ValueError("beam search needs depth >= 1 and width >= 1")
     segs = [Segment(x.seq, x.seq.length, TokenTree.chain(x.pending)) for x in inputs]
-    last = draft.forward(segs, all_logits=[False] * len(segs))
+    logits = draft.forward(segs, all_logits=[False] * len(segs))
     for x in inputs:  # the pending tokens are real: they stay in the draft KV
         draft.cache.truncate(x.seq, x.seq.length + len(x.pending))
 
-    # per request: tokens, parents, log-probs of the tree so far; node 0 is the root
-    toks = [[x.pending[-1]] for x in inputs]
-    pars = [[-1] for _ in inputs]
-    lps = [[0.0] for _ in inputs]
-    frontier = [[0] for _ in inputs]
-    logits = last
+    # [n, M] per request: tokens, parents, log path probabilities of the tree so far; node 0 is the root
+    n = len(inputs)
+    toks = np.asarray([[x.pending[-1]] for x in inputs], np.int64)
+    pars = np.full((n, 1), -1, np.int64)
+    lps = np.zeros((n, 1))
     for step in range(depth):
-        for r, lg in enumerate(logits):
-            logp = torch.log_softmax(lg.float(), dim=-1)  # [len(frontier), V]
-            if not torch.isfinite(logp).all():
-                raise FloatingPointError("draft produced non-finite log-probs: refusing to build a tree")
-            base = torch.tensor([lps[r][f] for f in frontier[r]], dtype=torch.float64, device=logp.device)
-            score = base[:, None] + logp.double()  # [F, V] cumulative log path probability
-            v = score.shape[1]
-            if expansion is None:  # beam: the top-w extensions over all frontier nodes
-                top = torch.topk(score.flatten(), min(width, score.numel()))
-                picks = [(val, i // v, i % v) for val, i in zip(top.values.tolist(), top.indices.tolist(),
-                                                                strict=True)]
-            else:  # static: each frontier node keeps its own top-k children
-                top = torch.topk(score, min(expansion[step], v), dim=-1)
-                picks = [(val, f, tok) for f in range(score.shape[0])
-                         for val, tok in zip(top.values[f].tolist(), top.indices[f].tolist(), strict=True)]
-            new_nodes = []
-            for val, f, tok in picks:
-                toks[r].append(tok)
-                pars[r].append(frontier[r][f])
-                lps[r].append(val)
-                new_nodes.append(len(toks[r]) - 1)
-            frontier[r] = new_nodes
+        m = toks.shape[1]
+        frontier = m - len(logits[0])  # the frontier is the last F nodes of every tree
+        k = None if expansion is None else expansion[step]
+        tok, parent, value = expand_level(torch.cat(logits), lps[:, frontier:], width=width, per_node=k)
+        toks = np.concatenate([toks, tok], axis=1)
+        pars = np.concatenate([pars, frontier + parent], axis=1)
+        lps = np.concatenate([lps, value], axis=1)
         if step == depth - 1:
             break
-        segs = []
-        for r, x in enumerate(inputs):
-            tree = TokenTree.from_lists(toks[r], pars[r], lps[r])
-            # root sits at the last committed slot; earlier beams are cached, the frontier is new
-            segs.append(Segment(x.seq, x.seq.length - 1, tree, num_cached=tree.size - len(frontier[r])))
-        logits = draft.forward(segs, all_logits=[True] * len(segs))
+        # root sits at the last committed slot; earlier beams are cached, the new level is new
+        segs = [Segment(x.seq, x.seq.length - 1, TokenTree(toks[r], pars[r], lps[r]), num_cached=m)
+                for r, x in enumerate(inputs)]
+        logits = draft.forward(segs, all_logits=[True] * n)
 
     for x in inputs:  # drop the scratch beams
         draft.cache.truncate(x.seq, x.seq.length)
-    return [
-        TokenTree(np.asarray(t, np.int64), np.asarray(p, np.int64), np.asarray(lp)).with_strict_decrease()
-        for t, p, lp in zip(toks, pars, lps, strict=True)
-    ]
+    return [TokenTree(toks[r], pars[r], lps[r]).with_strict_decrease() for r in range(n)]
+
+
+def expand_level(logits: torch.Tensor, base: np.ndarray, *, width: int,
+                 per_node: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One beam level for every request at once.
+
+    logits [n * F, V]: the draft's logits at each request's F frontier nodes; base [n, F]: their log path
+    probabilities. score(f, v) = base[f] + log softmax(logits[f])[v], in float64. Beam: the top ``width``
+    of the F * V extensions; static (``per_node``): each frontier node's own top ``per_node``, node-major.
+    Returns (tokens, frontier index of the parent, log path probability), each [n, k], on the host.
+    """
+    n, f = base.shape
+    logp = torch.log_softmax(logits.float(), dim=-1).view(n, f, -1)
+    v = logp.shape[-1]
+    score = torch.as_tensor(base, device=logp.device)[:, :, None] + logp.double()  # [n, F, V]
+    if per_node is None:
+        top = torch.topk(score.view(n, f * v), min(width, f * v), dim=-1)
+        values, flat = top.values, top.indices
+    else:
+        top = torch.topk(score, min(per_node, v), dim=-1)  # [n, F, k]
+        values = top.values.reshape(n, -1)
+        flat = (top.indices + v * torch.arange(f, device=logp.device)[None, :, None]).reshape(n, -1)
+    # sum(logp) is finite iff every log-prob is: one reduction, fetched with the picks in one copy
+    check = logp.sum(dtype=torch.float64).reshape(1)
+    host = torch.cat([values.flatten(), flat.flatten().double(), check]).cpu().numpy()
+    if not np.isfinite(host[-1]):
+        raise FloatingPointError("draft produced non-finite log-probs: refusing to build a tree")
+    k = values.shape[1]
+    picked = host[n * k : 2 * n * k].astype(np.int64).reshape(n, k)  # exact: indices < 2**53
+    return picked % v, picked // v, host[: n * k].reshape(n, k)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -60,21 +61,51 @@ class TokenTree:
     def size(self) -> int:
         return len(self.tokens)
 
+    @property
+    def is_chain(self) -> bool:
+        """parents == [-1, 0, 1, ...]: a prefill chunk or a lone root."""
+        return self._is_chain
+
+    @cached_property
+    def _is_chain(self) -> bool:
+        return bool(np.array_equal(self.parents, np.arange(-1, self.size - 1)))
+
     def depths(self) -> np.ndarray:
-        """depth[0] = 0, depth[i] = depth[parent[i]] + 1. Positions are ``prefix_len + depth``."""
-        d = np.zeros(self.size, np.int64)
-        for i in range(1, self.size):
-            d[i] = d[self.parents[i]] + 1
+        """depth[0] = 0, depth[i] = depth[parent[i]] + 1. Positions are ``prefix_len + depth``. Read-only."""
+        return self._depths
+
+    @cached_property
+    def _depths(self) -> np.ndarray:
+        if self.is_chain:
+            d = np.arange(self.size, dtype=np.int64)
+        else:
+            # pointer jumping: jump[i] is an ancestor dist[i] steps up (the root jumps to itself, 0 steps);
+            # dist[i] += dist[jump[i]], jump[i] = jump[jump[i]] doubles the reach: O(log depth) passes
+            jump = np.maximum(self.parents, 0)
+            d = (np.arange(self.size) > 0).astype(np.int64)
+            while jump.any():
+                d = d + d[jump]
+                jump = jump[jump]
+        d.flags.writeable = False
         return d
 
     def ancestor_matrix(self) -> np.ndarray:
-        """[M, M] bool: anc[i, j] is True when j is i or an ancestor of i (the tree attention mask)."""
+        """[M, M] bool: anc[i, j] is True when j is i or an ancestor of i (the tree attention mask). Read-only."""
+        return self._ancestors
+
+    @cached_property
+    def _ancestors(self) -> np.ndarray:
         m = self.size
-        anc = np.zeros((m, m), dtype=bool)
-        for i in range(m):
-            if i > 0:
-                anc[i] = anc[self.parents[i]]
-            anc[i, i] = True
+        if self.is_chain:
+            anc = np.tri(m, dtype=bool)
+        else:
+            # level by level: anc[i] = anc[parent[i]] OR onehot(i), every node of one depth at once
+            anc = np.eye(m, dtype=bool)
+            depth = self.depths()
+            for level in range(1, int(depth.max()) + 1):
+                nodes = np.flatnonzero(depth == level)
+                anc[nodes] |= anc[self.parents[nodes]]
+        anc.flags.writeable = False
         return anc
 
     def children(self) -> list[list[int]]:
@@ -86,21 +117,25 @@ class TokenTree:
     # ---- transformations ----------------------------------------------------------------------
     def subtree(self, selected: Sequence[int]) -> TokenTree:
         """The tree made of ``selected`` nodes (must include 0 and be closed under parents), reindexed."""
-        keep = sorted(set(int(i) for i in selected))
-        if not keep or keep[0] != 0:
+        keep = np.unique(np.asarray(selected, np.int64))
+        if not keep.size or keep[0] != 0:
             raise ValueError("a subtree must contain the root")
-        new_index = {old: new for new, old in enumerate(keep)}
-        parents = [-1]
-        for old in keep[1:]:
-            p = int(self.parents[old])
-            if p not in new_index:
-                raise ValueError(f"node {old} selected without its parent {p}: tree would be disconnected")
-            parents.append(new_index[p])
-        return TokenTree(self.tokens[keep], np.asarray(parents, np.int64), self.log_probs[keep])
+        new_index = np.full(self.size, -1, np.int64)
+        new_index[keep] = np.arange(keep.size)
+        old_parents = self.parents[keep[1:]]
+        orphans = keep[1:][new_index[old_parents] < 0]
+        if orphans.size:
+            old = int(orphans[0])
+            raise ValueError(f"node {old} selected without its parent {int(self.parents[old])}: "
+                             "tree would be disconnected")
+        parents = np.concatenate([[-1], new_index[old_parents]])
+        return TokenTree(self.tokens[keep], parents, self.log_probs[keep])
 
     def with_strict_decrease(self, eps: float = STRICT_DECREASE_EPS) -> TokenTree:
         """Nudge ties so every child's path probability is strictly below its parent's."""
         lp = self.log_probs.copy()
-        for i in range(1, self.size):
-            lp[i] = min(lp[i], lp[self.parents[i]] - eps)
+        depth = self.depths()
+        for level in range(1, int(depth.max(initial=0)) + 1):  # parents are final before their children
+            nodes = np.flatnonzero(depth == level)
+            lp[nodes] = np.minimum(lp[nodes], lp[self.parents[nodes]] - eps)
         return TokenTree(self.tokens, self.parents, lp)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from adaserve.engine.attention.flashinfer_paged import FlashInferAttention, plan_arrays
-from adaserve.engine.attention.torch_sdpa import TorchAttention
+from adaserve.engine.attention.torch_sdpa import TorchAttention, group_segments
 from adaserve.engine.batch import Segment, build_layout
 from adaserve.engine.config import EngineConfig, KVCacheConfig
 from adaserve.engine.engine import Engine
@@ -106,9 +106,12 @@ def test_flat_mask_equals_torch_backend_mask(window: int | None) -> None:
         arr = plan_arrays(layout, page_size, sliding_window=window, allow_causal=False)
         ref = TorchAttention(head_dim=8, sliding_window=window)
         ref.plan(layout, None)  # type: ignore[arg-type]  # the torch plan only reads the layout
-        assert ref._mask is not None
-        blocks = [ref._mask[b, 0, : s.num_new, : s.kv_len].reshape(-1) for b, s in enumerate(segs)]
-        assert arr.mask is not None and torch.equal(arr.mask, torch.cat(blocks))
+        blocks: dict[int, torch.Tensor] = {}
+        for g, members in zip(ref._groups, group_segments([s.num_new for s in segs]), strict=True):
+            for j, b in enumerate(members):
+                blocks[b] = g.mask[j, 0, : segs[b].num_new, : segs[b].kv_len].reshape(-1)
+        assert sorted(blocks) == list(range(len(segs)))
+        assert arr.mask is not None and torch.equal(arr.mask, torch.cat([blocks[b] for b in range(len(segs))]))
         for b, s in enumerate(segs):
             lo, hi = arr.kv_indptr[b], arr.kv_indptr[b + 1]
             assert arr.kv_indices[lo:hi].tolist() == s.seq.pages[: hi - lo]

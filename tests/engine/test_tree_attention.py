@@ -78,3 +78,29 @@ def test_growing_tree_with_cached_nodes(target_dir: Path, hf_model) -> None:
     for j, node in enumerate(range(5, 10)):
         ref = reference(hf_model, prefix + path_tokens(full, node))
         assert (lg[j] - ref).abs().max().item() <= 1e-4
+
+
+def test_prefill_chunk_beside_trees_uses_its_own_grid(target_dir: Path, hf_model) -> None:
+    """A long prefill chunk and small trees in one forward: the torch backend gives them separate padded
+    grids (the trees are not padded to the chunk's rows), and every logit still equals the reference."""
+    from adaserve.engine.attention.torch_sdpa import group_segments
+
+    rng = np.random.default_rng(5)
+    r = runner(target_dir, page_size=4)
+    prefixes = [rng.integers(2, 97, n).tolist() for n in (3, 11)]
+    seqs = [SequenceKV() for _ in prefixes]
+    r.forward([Segment(s, 0, TokenTree.chain(p)) for s, p in zip(seqs, prefixes, strict=True)],
+              all_logits=[False] * len(seqs))
+    for s, p in zip(seqs, prefixes, strict=True):
+        r.cache.truncate(s, len(p))
+    chunk = rng.integers(2, 97, 45).tolist()
+    trees = [random_tree(rng, 6, 97), random_tree(rng, 3, 97)]
+    segs = [Segment(s, len(p), t) for s, p, t in zip(seqs, prefixes, trees, strict=True)]
+    segs.insert(1, Segment(SequenceKV(), 0, TokenTree.chain(chunk)))
+    assert group_segments([s.num_new for s in segs]) == [[1], [0, 2]]
+    logits = r.forward(segs, all_logits=[True] * 3)
+    for j in range(45):
+        assert (logits[1][j] - reference(hf_model, chunk[: j + 1])).abs().max().item() <= 1e-4
+    for p, t, lg in zip(prefixes, trees, (logits[0], logits[2]), strict=True):
+        for node in range(t.size):
+            assert (lg[node] - reference(hf_model, p + path_tokens(t, node))).abs().max().item() <= 1e-4

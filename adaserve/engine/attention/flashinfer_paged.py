@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from adaserve.engine.attention.base import write_kv
+from adaserve.engine.attention.masks import MaskIndex, flat_mask
 from adaserve.engine.batch import BatchLayout
 from adaserve.engine.kv_cache import PagedKVCache
 from adaserve.engine.model_config import ModelConfig
@@ -60,60 +61,34 @@ class PlanArrays:
     mask: torch.Tensor | None  # flat bool [sum_b num_new_b * kv_len_b] on the layout's device, or None
 
 
-def _is_chain(parents: np.ndarray) -> bool:
-    return bool(np.array_equal(parents, np.arange(-1, len(parents) - 1)))
-
-
-def page_table(layout: BatchLayout, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def page_table(layout: BatchLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(kv_indptr, kv_indices, kv_last_page_len): the first ceil(kv_len / page_size) pages of each sequence.
 
     A sequence may own more pages than this step reads (allocation runs ahead); those are not listed.
     """
-    indptr = [0]
-    indices: list[int] = []
-    last = []
-    for seg, kv_len in zip(layout.segments, layout.kv_lens, strict=True):
-        n_pages = -(-kv_len // page_size)
-        if n_pages > len(seg.seq.pages):
-            raise ValueError(f"sequence holds {len(seg.seq.pages)} pages but {kv_len} keys need {n_pages}")
-        indices.extend(seg.seq.pages[:n_pages])
-        indptr.append(len(indices))
-        last.append(kv_len - (n_pages - 1) * page_size)
-    return (np.asarray(indptr, np.int32), np.asarray(indices, np.int32), np.asarray(last, np.int32))
-
-
-def flat_mask(layout: BatchLayout, sliding_window: int | None = None) -> torch.Tensor:
-    """Per request the row-major ``[num_new, kv_len]`` block of the layout's mask, concatenated.
-
-    With a window, a query at position p keeps only keys at positions > p - window (positions by
-    depth: the torch backend's rule), so for trees the window is decided here, not by flashinfer.
-    """
-    mask = layout.mask  # [B, Qmax, Kmax]
-    dev = mask.device
-    b, q_max, k_max = mask.shape
-    if sliding_window is not None:
-        q_pos = torch.zeros((b, q_max), dtype=torch.int64, device=dev)
-        q_pos[layout.token_batch, layout.token_row] = layout.positions
-        mask = mask & ((q_pos[:, :, None] - layout.key_positions[:, None, :]) < sliding_window)
-    n_new = torch.as_tensor(np.diff(layout.qo_indptr), dtype=torch.int64, device=dev)
-    kv_lens = torch.as_tensor(layout.kv_lens, dtype=torch.int64, device=dev)
-    rows = torch.arange(q_max, device=dev)[None, :, None] < n_new[:, None, None]
-    cols = torch.arange(k_max, device=dev)[None, None, :] < kv_lens[:, None, None]
-    return mask[rows & cols]  # boolean indexing walks [B, Qmax, Kmax] row-major: exactly the flat layout
+    kv_lens = np.asarray(layout.kv_lens, np.int64)
+    n_pages = -(-kv_lens // layout.page_size)
+    indptr = np.concatenate([[0], np.cumsum(n_pages)])
+    listed = np.arange(layout.page_table.shape[1])[None, :] < n_pages[:, None]
+    indices = layout.page_table[listed]  # row-major: each request's pages in order
+    last = kv_lens - (n_pages - 1) * layout.page_size
+    return indptr.astype(np.int32), indices.astype(np.int32), last.astype(np.int32)
 
 
 def plan_arrays(layout: BatchLayout, page_size: int, *, sliding_window: int | None = None,
                 allow_causal: bool = True) -> PlanArrays:
     """Everything flashinfer's ``plan`` needs for ``layout``; pure numpy/torch, no flashinfer."""
-    kv_indptr, kv_indices, last = page_table(layout, page_size)
-    causal = allow_causal and all(_is_chain(s.tree.parents) for s in layout.segments)
+    if page_size != layout.page_size:
+        raise ValueError(f"layout built for page size {layout.page_size}, cache pages hold {page_size}")
+    kv_indptr, kv_indices, last = page_table(layout)
+    causal = allow_causal and layout.all_chains
     if causal:
         # chain: query j sits at key index kv_len - num_new + j == its position, so flashinfer's
         # "kv_idx >= q_idx - window_left" equals the torch rule "q_pos - k_pos < window"
         window_left = sliding_window - 1 if sliding_window is not None else -1
         mask = None
     else:
-        window_left, mask = -1, flat_mask(layout, sliding_window)
+        window_left, mask = -1, flat_mask(MaskIndex(layout, layout.input_ids.device), sliding_window)
     return PlanArrays(
         qo_indptr=np.asarray(layout.qo_indptr, np.int32),
         kv_indptr=kv_indptr,

@@ -1,0 +1,199 @@
+"""The batched iteration computes what the per-request one did (docs/architecture.md §4, §7, §3).
+
+Each batched step is checked against a plain per-request reference written here: beam search level by
+level with one forward per request, the verification walk drawing token by token (argmax, or one
+uniform per emitted token through the inverse CDF), and KV compaction sequence by sequence.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from adaserve.engine.batch import Segment
+from adaserve.engine.config import KVCacheConfig
+from adaserve.engine.kv_cache import PagedKVCache, SequenceKV
+from adaserve.engine.model_config import ModelConfig
+from adaserve.engine.request import Request
+from adaserve.engine.runner import ModelRunner
+from adaserve.engine.sampling import SamplingParams, draw_rows, make_generator, processed_probs
+from adaserve.engine.speculate import DraftInput, beam_search, expand_level
+from adaserve.engine.tree import TokenTree
+from adaserve.engine.verify import WalkInput, commit_moves, walk_trees
+from tests.engine.helpers import runner
+from tests.engine.test_tree_attention import random_tree
+
+
+# ---- beam search -----------------------------------------------------------------------------------
+def reference_beam(draft: ModelRunner, x: DraftInput, depth: int, width: int) -> TokenTree:
+    """One request alone, node lists grown level by level, top-w of the flattened [F, V] scores."""
+    seq = SequenceKV(pages=list(x.seq.pages), length=x.seq.length)
+    lg = draft.forward([Segment(seq, seq.length, TokenTree.chain(x.pending))], all_logits=[False])[0]
+    draft.cache.truncate(seq, seq.length + len(x.pending))
+    toks, pars, lps, frontier = [x.pending[-1]], [-1], [0.0], [0]
+    for step in range(depth):
+        logp = torch.log_softmax(lg.float(), -1).double()
+        score = torch.tensor([lps[f] for f in frontier], dtype=torch.float64)[:, None] + logp
+        top = torch.topk(score.flatten(), width)
+        new = []
+        for val, i in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+            toks.append(i % score.shape[1])
+            pars.append(frontier[i // score.shape[1]])
+            lps.append(val)
+            new.append(len(toks) - 1)
+        frontier = new
+        if step < depth - 1:
+            tree = TokenTree.from_lists(toks, pars, lps)
+            lg = draft.forward([Segment(seq, seq.length - 1, tree, num_cached=tree.size - len(frontier))],
+                               all_logits=[True])[0]
+    draft.cache.truncate(seq, seq.length)
+    return TokenTree.from_lists(toks, pars, lps).with_strict_decrease()
+
+
+def test_batched_beam_search_equals_per_request_search(draft_dir: Path) -> None:
+    rng = np.random.default_rng(4)
+    draft = runner(draft_dir)
+    for depth, width in ((1, 1), (3, 2), (4, 3)):
+        prompts = [rng.integers(2, 97, int(rng.integers(1, 12))).tolist() for _ in range(5)]
+        seqs = []
+        for p in prompts:  # a committed context, then pending tokens the draft has not seen
+            s = SequenceKV()
+            draft.forward([Segment(s, 0, TokenTree.chain(p[:-1] or p))], all_logits=[False])
+            draft.cache.truncate(s, len(p[:-1] or p))
+            seqs.append(s)
+        inputs = [DraftInput(s, p[-1:] if len(p) > 1 else [int(rng.integers(2, 97))]) for s, p in zip(seqs, prompts,
+                                                                                                      strict=True)]
+        refs = [reference_beam(draft, x, depth, width) for x in inputs]
+        got = beam_search(draft, inputs, depth=depth, width=width)
+        for g, r in zip(got, refs, strict=True):
+            assert g.tokens.tolist() == r.tokens.tolist()
+            assert g.parents.tolist() == r.parents.tolist()
+            assert np.allclose(g.log_probs, r.log_probs, atol=1e-5)
+        for s in seqs:
+            draft.cache.release(s)
+
+
+def test_expand_level_static_and_beam_by_hand() -> None:
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.25, 0.25], [0.2, 0.2, 0.6], [0.7, 0.2, 0.1]]))
+    base = np.log([[0.5, 0.25], [1.0, 0.1]])  # two requests, two frontier nodes each
+    tok, parent, value = expand_level(logits, base, width=2)
+    # request 0: 0.5*0.6=0.3 (node 0, token 1), 0.5*0.3=0.15 (node 0, token 2) beat 0.25*0.5=0.125
+    assert tok.tolist()[0] == [1, 2] and parent.tolist()[0] == [0, 0]
+    assert tok.tolist()[1] == [2, 0] and parent.tolist()[1] == [0, 0]
+    assert np.allclose(np.exp(value[0]), [0.3, 0.15])
+    tok, parent, value = expand_level(logits, base, width=2, per_node=1)  # static: each node's best child
+    assert tok.tolist() == [[1, 0], [2, 0]] and parent.tolist() == [[0, 1], [0, 1]]
+    assert np.allclose(np.exp(value[1]), [0.6, 0.07])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_draft_log_probs_fail_loudly(bad: float) -> None:
+    logits = torch.zeros(2, 5)
+    logits[1, 3] = bad
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        expand_level(logits, np.zeros((2, 1)), width=2)
+
+
+# ---- verification ----------------------------------------------------------------------------------
+def reference_walk(tree: TokenTree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator,
+                   stop_ids: frozenset[int], budget: int) -> tuple[list[int], list[int]]:
+    """Token by token: argmax, or one uniform and the inverse CDF of the processed row."""
+    children = tree.children()
+    tokens, path, node = [], [0], 0
+    while len(tokens) < budget:
+        if params.greedy:
+            y = int(logits[node].argmax())
+        else:
+            u = torch.rand((), generator=gen, dtype=torch.float64)
+            probs = processed_probs(logits[node : node + 1], params)[0]
+            cdf = probs.cumsum(0)
+            y = min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), probs.shape[0] - 1)
+            while probs[y] <= 0:
+                y -= 1
+        tokens.append(y)
+        if y in stop_ids:
+            break
+        nxt = next((c for c in children[node] if tree.tokens[c] == y), None)
+        if nxt is None:
+            break
+        path.append(nxt)
+        node = nxt
+    return tokens, path
+
+
+SETTINGS = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3, top_p=0.8),
+            SamplingParams(temperature=1.3, top_p=0.5)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_batched_walks_equal_token_by_token_walks(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    v = 6
+    for _ in range(40):
+        inputs, refs = [], []
+        for i in range(int(rng.integers(1, 7))):
+            tree = random_tree(rng, int(rng.integers(1, 9)), v)
+            # logits that often agree with the tree, so walks go deep
+            logits = torch.randn(tree.size, v, dtype=torch.float32)
+            for node, kids in enumerate(tree.children()):
+                if kids and rng.random() < 0.7:
+                    logits[node, int(tree.tokens[kids[int(rng.integers(0, len(kids)))]])] += 4.0
+            params = SETTINGS[int(rng.integers(0, len(SETTINGS)))]
+            stop = frozenset({int(rng.integers(0, v))}) if rng.random() < 0.3 else frozenset()
+            budget = int(rng.integers(1, 6))
+            inputs.append(WalkInput(tree, logits, params, make_generator(1000 * seed + i), stop, budget))
+            ref_gen = make_generator(1000 * seed + i)
+            refs.append((reference_walk(tree, logits, params, ref_gen, stop, budget), ref_gen))
+        for res, ((tokens, path), ref_gen), x in zip(walk_trees(inputs), refs, inputs, strict=True):
+            assert res.tokens == tokens and res.accepted_nodes == path
+            # exactly one uniform per emitted token was consumed (none when greedy)
+            assert torch.equal(x.generator.get_state(), ref_gen.get_state())
+
+
+def test_draw_rows_falls_back_to_the_last_token_with_mass() -> None:
+    probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.25, 0.75, 0.0]], dtype=torch.float64)
+    assert draw_rows(probs, torch.tensor([0.0, 0.0])).tolist() == [0, 1]
+    assert draw_rows(probs, torch.tensor([0.6, 0.2])).tolist() == [1, 1]
+    assert draw_rows(probs, torch.tensor([1.0, 1.0])).tolist() == [1, 2]  # u * total == total: past the end
+
+
+def test_uniforms_in_one_call_equal_one_at_a_time() -> None:
+    """walk_trees draws a request's uniforms in one call and rewinds: this must be the same stream."""
+    a, b = make_generator(5), make_generator(5)
+    many = torch.rand(7, generator=a, dtype=torch.float64)
+    one_by_one = torch.stack([torch.rand((), generator=b, dtype=torch.float64) for _ in range(7)])
+    assert torch.equal(many, one_by_one)
+
+
+# ---- KV compaction -----------------------------------------------------------------------------------
+def test_one_compaction_for_many_sequences_equals_one_at_a_time() -> None:
+    cfg = ModelConfig(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=8, num_layers=2,
+                      num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4,
+                      max_position_embeddings=64, tie_word_embeddings=True)
+    caches = [PagedKVCache(cfg, KVCacheConfig(page_size=4, num_pages=12), dtype=torch.float32,
+                           device=torch.device("cpu")) for _ in range(2)]
+    for c in caches:
+        c.k.copy_(torch.arange(c.k.numel(), dtype=torch.float32).view_as(c.k))
+        c.v.copy_(-c.k)
+    paths = [[0, 2, 5, 9], [0, 1, 3], [0]]
+    lengths = [3, 6, 1]
+    seqs = [[SequenceKV(pages=[p for p in range(12) if p % 3 == i], length=n) for i, n in enumerate(lengths)]
+            for _ in caches]
+    moves = [[(s, *commit_moves(path, s.length)) for s, path in zip(ss, paths, strict=True)] for ss in seqs]
+    for s, src, dst in moves[0]:
+        caches[0].move_slots(s, src, dst)
+    caches[1].move_many(moves[1])
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
+# ---- request reads -------------------------------------------------------------------------------------
+def test_last_token_and_ids_from_without_concatenation() -> None:
+    r = Request("x", [1, 2, 3], SamplingParams())
+    assert r.last_token == 3 and r.ids_from(1) == [2, 3] and r.ids_from(3) == []
+    r.output_ids.extend([7, 8])
+    assert r.last_token == 8
+    for start in range(6):
+        assert r.ids_from(start) == r.all_ids[start:]

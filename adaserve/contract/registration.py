@@ -76,6 +76,38 @@ class ClassAttainment(_Part):
     attainment: float
 
 
+class IterationPoint(_Part):
+    """The worker's recent iterations that held ``requests`` requests (decoding and prefilling): one point of
+    its measured iteration-time curve (the last ``steps`` such iterations, refreshed as it serves)."""
+
+    requests: int = Field(ge=1)
+    steps: int = Field(ge=1)
+    iteration_ms: float = Field(gt=0, allow_inf_nan=False)  # mean wall time of one iteration
+    tokens_verified: float = Field(ge=0, allow_inf_nan=False)  # mean tree tokens sent to the target
+    # mean tokens a decoding request gained per iteration (accepted draft tokens + the bonus token); None when
+    # none of those iterations decoded (prefill only)
+    tokens_per_request: float | None = Field(None, ge=0, allow_inf_nan=False)
+
+
+class ClassRecent(_Part):
+    """One SLO class over the worker's last ``finished`` finished requests of it."""
+
+    finished: int = Field(ge=1)
+    met: int = Field(ge=0)
+    attainment: float = Field(ge=0, le=1)
+    tpot_ms: float | None = Field(None, ge=0, allow_inf_nan=False)  # mean TPOT of those that had one
+    ttft_ms: float | None = Field(None, ge=0, allow_inf_nan=False)  # mean TTFT, from the worker's arrival
+    accepted_per_verification: float | None = Field(None, ge=0, allow_inf_nan=False)
+
+
+class Measured(_Part):
+    """What the worker measured while serving (the gateway predicts each class's TPOT from it): iteration time
+    against requests per iteration, and each class's recent TPOT, TTFT, attainment and acceptance."""
+
+    iterations: list[IterationPoint] = Field(default_factory=list)  # ascending ``requests``
+    classes: dict[str, ClassRecent] = Field(default_factory=dict)
+
+
 class Profile(_Part):
     """``GET /v1/profile``: budget, cost model and device. A loading worker knows none of it yet."""
 
@@ -91,6 +123,8 @@ class Profile(_Part):
     # a lone request's time per token without speculation: one target forward of one token at the profiled
     # context (the profile's measurement, else the cost model's estimate); SLO classes are judged against it
     unloaded_tpot_ms: float | None = None
+    # a lone request's time per token as served (speculation included), measured on a chat prompt at warm-up
+    lone_tpot_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
 
 
 class Registration(Profile):
@@ -107,6 +141,7 @@ class Registration(Profile):
     load: Load = Load()
     acceptance: Acceptance = Acceptance()
     slo_attainment: dict[str, ClassAttainment] = Field(default_factory=dict)
+    measured: Measured = Measured()
     slo_classes: dict[str, float] = Field(default_factory=dict)  # class -> TPOT target the worker knows
     started_at: float | None = None  # unix seconds
     updated_at: float | None = None

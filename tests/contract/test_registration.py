@@ -54,6 +54,11 @@ def test_numbers_for_id_and_address_read_as_text() -> None:
     doc(models=["m"]),
     doc(cost_model={"target": {"alpha": 1e-7, "delta": 0.01}, "draft": None}),  # a coefficient missing
     doc(cost_model={"target": "fast", "draft": None}),
+    doc(measured={"iterations": [{"requests": 0, "steps": 3, "iteration_ms": 10.0, "tokens_verified": 1}]}),
+    doc(measured={"iterations": [{"requests": 2, "steps": 3, "iteration_ms": "slow", "tokens_verified": 1}]}),
+    doc(measured={"iterations": [{"requests": 2, "steps": 3, "iteration_ms": float("nan"), "tokens_verified": 1}]}),
+    doc(measured={"classes": {"chat": {"finished": 2, "met": 1, "attainment": 1.5}}}),
+    doc(lone_tpot_ms=-3.0),
 ])
 def test_what_is_not_a_registration_is_none(garbage: Any) -> None:
     assert parse_registration(garbage) is None

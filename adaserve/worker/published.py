@@ -20,12 +20,13 @@ from adaserve.contract.registration import (
 from adaserve.engine.build import BuiltEngine
 from adaserve.engine.engine import Engine
 from adaserve.engine.profiler import device_name
+from adaserve.worker.measurements import Measurements
 from adaserve.worker.metrics import WorkerMetrics
 from adaserve.worker.settings import WorkerSettings
 
 
-def profile_info(built: BuiltEngine, settings: WorkerSettings) -> Profile:
-    """Budget, cost model and device."""
+def profile_info(built: BuiltEngine, settings: WorkerSettings, *, lone_tpot_ms: float | None = None) -> Profile:
+    """Budget, cost model and device; ``lone_tpot_ms``: a lone request's TPOT as measured at warm-up."""
     engine, prof = built.engine, built.profile
     return Profile(
         device=prof.device if prof else device_name(engine.target.device),
@@ -44,6 +45,7 @@ def profile_info(built: BuiltEngine, settings: WorkerSettings) -> Profile:
         max_depth=engine.policy.max_shape.depth if engine.policy.max_shape is not None else 0,
         max_context=engine.max_context,
         unloaded_tpot_ms=unloaded_tpot_ms(built),
+        lone_tpot_ms=lone_tpot_ms,
     )
 
 
@@ -65,11 +67,12 @@ def context_tokens(engine: Engine) -> int:
 
 
 def registration(s: WorkerSettings, *, status: str, built: BuiltEngine | None, active_classes: list[str],
-                 metrics: WorkerMetrics, started_at: float) -> Registration:
+                 metrics: WorkerMetrics, measurements: Measurements, lone_tpot_ms: float | None,
+                 started_at: float) -> Registration:
     """The document a worker keeps in Redis and serves at ``GET /v1/status``; ``active_classes``: the SLO
     class of each request in flight (Runtime.registration gathers all of this)."""
     engine = built.engine if built else None
-    profile = profile_info(built, s) if built else Profile()
+    profile = profile_info(built, s, lone_tpot_ms=lone_tpot_ms) if built else Profile()
     return Registration(
         **dict(profile),
         worker_id=s.worker_id,
@@ -89,6 +92,7 @@ def registration(s: WorkerSettings, *, status: str, built: BuiltEngine | None, a
         ),
         acceptance=Acceptance(**metrics.recent_acceptance()),
         slo_attainment={c: ClassAttainment(**a) for c, a in metrics.attainment().items()},
+        measured=measurements.measured(),
         slo_classes=s.slo_classes,
         started_at=started_at,
         updated_at=time.time(),

@@ -20,16 +20,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adaserve.contract.generate import GenerateRequest
-from adaserve.contract.registration import Registration
+from adaserve.contract.registration import Profile, Registration
+from adaserve.contract.slo import NORMAL_END
 from adaserve.engine.build import BuiltEngine, EngineBuildError, build_engine
 from adaserve.engine.catalog import ModelNotFoundError, resolve
 from adaserve.engine.chat import ChatTemplateError, chat_text, has_chat_template
-from adaserve.engine.engine import Engine, TokenEvent
+from adaserve.engine.engine import Engine, StepMetrics, TokenEvent
 from adaserve.engine.loader import load_tokenizer
 from adaserve.engine.loop import EngineLoop
 from adaserve.engine.request import Request
 from adaserve.engine.sampling import SamplingParams
 from adaserve.worker import published
+from adaserve.worker.measurements import Measurements
 from adaserve.worker.metrics import WorkerMetrics
 from adaserve.worker.registry import Registry
 from adaserve.worker.settings import WorkerSettings
@@ -83,10 +85,41 @@ def warm_up(engine: Engine) -> None:
     engine.history.clear()
 
 
+LONE_PROMPT = "Write a Python function that reverses a list."  # the README's coding request
+LONE_TOKENS = 32
+
+
+def lone_prompt_ids(engine: Engine, tokenizer: Any | None) -> list[int]:
+    """LONE_PROMPT as a served chat turn (the model's template), or token ids when there is no tokenizer."""
+    if tokenizer is None:
+        return [i % engine.target.vocab_size for i in range(2, 34)]
+    if has_chat_template(tokenizer):
+        return list(tokenizer.encode(chat_text(tokenizer, [{"role": "user", "content": LONE_PROMPT}]),
+                                     add_special_tokens=False))
+    return list(tokenizer.encode(LONE_PROMPT, add_special_tokens=True))
+
+
+def measure_lone(engine: Engine, prompt_ids: list[int]) -> tuple[float | None, list[StepMetrics]]:
+    """Serve one request alone, as a client's would be served (speculation included): its mean TPOT in ms, and
+    the iterations it took (they seed the measured iteration-time curve). (None, []) if the engine refuses it."""
+    req = Request("lone", prompt_ids, SamplingParams(max_tokens=LONE_TOKENS, ignore_eos=True))
+    try:
+        engine.check_request(req)
+    except ValueError as e:
+        log.warning("not measuring a lone request: %s", e)
+        return None, []
+    engine.run([(0.0, req)])
+    steps = list(engine.history)
+    engine.history.clear()
+    return req.metrics.tpot_ms, steps
+
+
 class Runtime:
     def __init__(self, settings: WorkerSettings, *, metrics: WorkerMetrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics or WorkerMetrics()
+        self.measurements = Measurements()
+        self.lone_tpot_ms: float | None = None  # measured at warm-up (measure_lone)
         self.state = State.LOADING
         self.failure: str | None = None
         self.built: BuiltEngine | None = None
@@ -110,7 +143,7 @@ class Runtime:
         """Load, profile, warm up (in a thread), then start the engine loop and the registration."""
         self._aloop = asyncio.get_running_loop()
         try:
-            built, tokenizer = await asyncio.to_thread(self._prepare)
+            built, tokenizer, lone = await asyncio.to_thread(self._prepare)
         except (EngineBuildError, OSError, ValueError) as e:
             self._fail(f"cannot start the engine: {e}")
             return
@@ -121,7 +154,11 @@ class Runtime:
         if self.state is not State.LOADING:  # told to stop while loading
             return
         self.built, self.tokenizer = built, tokenizer
+        self.lone_tpot_ms, lone_steps = lone
         self.metrics.bind_engine(built.engine)
+        for step in lone_steps:  # the curve starts from the lone request's iterations
+            self.measurements.on_step(step)
+        built.engine.step_listeners.append(self.measurements.on_step)
         self.metrics.declare_classes([self.settings.default_slo_class, *self.settings.slo_classes])
         self.loop = EngineLoop(built.engine).start()
         self.state = State.READY
@@ -135,7 +172,7 @@ class Runtime:
         log.info("worker %s ready at %s (budget %d)", self.settings.worker_id, self.settings.address,
                  built.engine.cfg.budget)
 
-    def _prepare(self) -> tuple[BuiltEngine, Any | None]:
+    def _prepare(self) -> tuple[BuiltEngine, Any | None, tuple[float | None, list[StepMetrics]]]:
         s = self.settings
         if s.torch_threads:
             import torch
@@ -149,10 +186,12 @@ class Runtime:
                              attention=s.attention, kv_memory_mb=s.kv_memory_mb, force_profile=s.reprofile,
                              dtype=s.dtype, max_depth=s.max_depth, max_width=s.max_width,
                              progress=False)
+        lone: tuple[float | None, list[StepMetrics]] = (None, [])
         if s.warmup:
             warm_up(built.engine)
+            lone = measure_lone(built.engine, lone_prompt_ids(built.engine, built.tokenizer))
         tokenizer = load_tokenizer(pair.target) if built.tokenizer is not None else None
-        return built, tokenizer
+        return built, tokenizer, lone
 
     def _fail(self, message: str) -> None:
         log.error("%s", message)
@@ -205,7 +244,14 @@ class Runtime:
         """What this worker publishes about itself now (Redis and ``GET /v1/status``)."""
         return published.registration(self.settings, status=self.state.value, built=self.built,
                                       active_classes=[f.slo_class for f in list(self.active.values())],
-                                      metrics=self.metrics, started_at=self.started_at)
+                                      metrics=self.metrics, measurements=self.measurements,
+                                      lone_tpot_ms=self.lone_tpot_ms, started_at=self.started_at)
+
+    def profile(self) -> Profile:
+        """``GET /v1/profile``: budget, cost model, device and the lone request's measured TPOT."""
+        if self.built is None:
+            raise RuntimeError("no engine yet")
+        return published.profile_info(self.built, self.settings, lone_tpot_ms=self.lone_tpot_ms)
 
     # ---- health -----------------------------------------------------------------------------------
     @property
@@ -316,6 +362,10 @@ class Runtime:
             flight.met_slo = self.metrics.on_finished(flight.req, slo_class=flight.slo_class,
                                                       tpot_slo_ms=flight.tpot_slo_ms, ttft_slo_ms=flight.ttft_slo_ms,
                                                       reason=ev.finish_reason)
+            if ev.finish_reason in NORMAL_END:  # an abort says nothing about how fast requests are served
+                m = flight.req.metrics
+                self.measurements.on_finished(flight.slo_class, met=flight.met_slo, tpot_ms=m.tpot_ms,
+                                              ttft_ms=m.ttft_ms, accepted=m.accepted_per_step)
         try:
             if self._aloop is not None:
                 self._aloop.call_soon_threadsafe(self._deliver, flight, ev)

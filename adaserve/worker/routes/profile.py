@@ -6,7 +6,6 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from adaserve.worker import published
 from adaserve.worker.routes.deps import RuntimeDep
 from adaserve.worker.runtime import RequestRefused
 
@@ -18,7 +17,7 @@ async def profile(runtime: RuntimeDep) -> dict[str, Any]:
     if runtime.built is None:
         raise RequestRefused(503, f"worker is {runtime.state.value}: no profile yet",
                              retry_after=runtime.settings.retry_after_s)
-    return published.profile_info(runtime.built, runtime.settings).model_dump(mode="json")
+    return runtime.profile().model_dump(mode="json")
 
 
 @router.get("/v1/status")

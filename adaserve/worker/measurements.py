@@ -1,0 +1,96 @@
+"""What a worker measures while it serves, published in its registration (``measured``) for the gateway to
+predict each class's TPOT from (docs/gateway.md "Routing and admission"):
+
+- its iteration-time curve: for each number of requests an iteration held (decoding + prefilling), the mean
+  wall time of its last ``steps_per_point`` such iterations, the tree tokens they verified and the tokens a
+  decoding request gained per iteration (accepted draft tokens + the bonus token);
+- per SLO class, over its last ``finished_per_class`` finished requests: TPOT, TTFT, attainment, and draft
+  tokens accepted per verification.
+
+Fed on the engine thread (``on_step`` is an ``Engine.step_listeners`` entry; ``on_finished`` runs when a
+request ends), read on the event loop (``measured``): windows are copied under a lock, summarised outside it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from adaserve.contract.registration import ClassRecent, IterationPoint, Measured
+from adaserve.engine.engine import StepMetrics
+
+
+@dataclass(frozen=True)
+class Step:
+    """One iteration as the curve keeps it."""
+
+    ms: float
+    verified: int
+    gained: int  # tokens decoding requests gained: accepted draft tokens + one bonus token each
+    decoding: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    """One finished request as its class's window keeps it."""
+
+    met: bool
+    tpot_ms: float | None
+    ttft_ms: float | None
+    accepted: tuple[int, ...]  # draft tokens accepted per verification
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def point(requests: int, steps: Sequence[Step]) -> IterationPoint:
+    """The curve's point at ``requests`` from its recent iterations (at least one)."""
+    decoding = sum(s.decoding for s in steps)
+    return IterationPoint(requests=requests, steps=len(steps),
+                          iteration_ms=sum(s.ms for s in steps) / len(steps),
+                          tokens_verified=sum(s.verified for s in steps) / len(steps),
+                          tokens_per_request=sum(s.gained for s in steps) / decoding if decoding else None)
+
+
+def class_recent(done: Sequence[Finished]) -> ClassRecent:
+    """A class's recent figures from its last finished requests (at least one)."""
+    met = sum(f.met for f in done)
+    accepted = [a for f in done for a in f.accepted]
+    return ClassRecent(finished=len(done), met=met, attainment=met / len(done),
+                       tpot_ms=_mean([f.tpot_ms for f in done if f.tpot_ms is not None]),
+                       ttft_ms=_mean([f.ttft_ms for f in done if f.ttft_ms is not None]),
+                       accepted_per_verification=_mean(accepted))
+
+
+class Measurements:
+    def __init__(self, *, steps_per_point: int = 32, finished_per_class: int = 32) -> None:
+        if steps_per_point < 1 or finished_per_class < 1:
+            raise ValueError("measurement windows must hold at least one entry")
+        self.steps_per_point, self.finished_per_class = steps_per_point, finished_per_class
+        self._lock = threading.Lock()
+        self._steps: dict[int, deque[Step]] = {}
+        self._classes: dict[str, deque[Finished]] = {}
+
+    def on_step(self, m: StepMetrics) -> None:
+        n = m.n_decode + m.n_prefill
+        if n <= 0 or not m.t_step_s > 0:
+            return
+        step = Step(1e3 * m.t_step_s, m.tokens_verified, m.tokens_accepted + m.n_decode, m.n_decode)
+        with self._lock:
+            self._steps.setdefault(n, deque(maxlen=self.steps_per_point)).append(step)
+
+    def on_finished(self, slo_class: str, *, met: bool, tpot_ms: float | None, ttft_ms: float | None,
+                    accepted: Sequence[int]) -> None:
+        done = Finished(met, tpot_ms, ttft_ms, tuple(accepted))
+        with self._lock:
+            self._classes.setdefault(slo_class, deque(maxlen=self.finished_per_class)).append(done)
+
+    def measured(self) -> Measured:
+        with self._lock:
+            steps = {n: list(q) for n, q in self._steps.items()}
+            classes = {c: list(q) for c, q in self._classes.items()}
+        return Measured(iterations=[point(n, steps[n]) for n in sorted(steps)],
+                        classes={c: class_recent(done) for c, done in sorted(classes.items())})

@@ -1,20 +1,27 @@
-"""Admit, queue or shed: the decision made before a request goes to a worker.
+"""Admit, queue or refuse: the decision made before a request goes to a worker (``admission="slo"``, the default).
 
-1. Some worker has headroom for the request's class: send it to the one the router picks.
-2. None has (every batch would miss a target if it joined), but some have free slots: a sheddable class
-   (priority < 0) is refused at once, 503 + Retry-After, so the others keep their pace; any other class
-   waits up to ``queue_timeout_s`` for headroom and then goes, best effort, to the router's pick, or,
-   with ``on_overload="refuse"``, is refused: serving it late would slow the batch it joins too.
-3. No worker has a free slot (or none is ready): wait up to ``queue_timeout_s``, then 503.
+1. Some worker has slack for the request (routing.py: every target on it, this request's included, should still
+   hold if it joined): send it to the one the router picks, at once. An idle worker that can meet the class
+   alone always has slack, so an idle fleet never queues a request of a feasible class.
+2. None has, but some have free slots: a sheddable class (priority < 0) is refused at once, 503 + Retry-After,
+   so the others keep their pace; any other class waits for slack, up to its wait budget.
+3. No worker has a free slot (or none is ready): wait, up to the wait budget.
+4. The wait budget is ``queue_timeout_s``, shortened for a class with a TTFT target to what that target leaves
+   after the worker's own recent TTFT: a request whose wait has already spent its target is refused then, not
+   served late. At the end of its wait a request still without slack is refused, 503 + Retry-After (or, with
+   ``on_overload="best-effort"``, served late by the router's pick, slowing the batch it joins).
+5. A class that no worker can meet even for a lone request (routing.feasible_anywhere) is served best effort:
+   its own target is left out of its slack, the others' still count (or, ``on_infeasible="refuse"``, 503).
 At most ``max_queued`` requests wait at once; beyond that 503 at once.
 
-Waiting requests go in ``rank`` order: higher class priority first, then the tighter TPOT target, then
-earlier arrival. A request that has headroom stands aside (waits) while a waiter ranked ahead of it, for
-the same model, has headroom for its own class too; a waiter ahead that has none holds nobody back, so
-there is no head-of-line blocking. Standing aside is waiting: it takes a queue place, and at the deadline
-rules 2 and 3 decide as for any wait. A waiter that leaves the queue, however it leaves, wakes the others,
-so the caller must count an admitted request on its worker (``Directory.acquire``) before its next
-``await``: a waiter woken meanwhile would see the old load.
+``admission="none"`` is a plain load balancer, for comparison: the router's pick among workers with a free
+slot, at once; without one, wait up to ``queue_timeout_s``, then 503.
+
+Waiting requests go in ``rank`` order: higher class priority first, then the tighter TPOT target, then earlier
+arrival. A request that could go stands aside (waits) while a waiter ranked ahead of it, for the same model,
+could go too; a waiter ahead that cannot holds nobody back, so there is no head-of-line blocking. A waiter that
+leaves the queue, however it leaves, wakes the others, so the caller must count an admitted request on its
+worker (``Directory.acquire``) before its next ``await``: a waiter woken meanwhile would see the old load.
 """
 
 from __future__ import annotations
@@ -27,9 +34,9 @@ from dataclasses import dataclass, field
 from adaserve.gateway.directory import Directory
 from adaserve.gateway.errors import ApiError
 from adaserve.gateway.metrics import GatewayMetrics
-from adaserve.gateway.routing import Choice, Router, WorkerView, best_headroom
+from adaserve.gateway.routing import Choice, Router, WorkerView, best_slack, feasible_anywhere, lone_tpot_ms
 from adaserve.gateway.settings import GatewaySettings
-from adaserve.gateway.slo import SloCatalog, SloClass, feasibility
+from adaserve.gateway.slo import SloCatalog, SloClass
 
 
 class Refused(ApiError):
@@ -45,6 +52,20 @@ def rank(slo: SloClass, arrival: int) -> tuple[int, float, int]:
     return (-slo.priority, slo.tpot_ms, arrival)
 
 
+def worker_ttft_ms(workers: list[WorkerView], slo_class: str) -> float | None:
+    """The quickest recent TTFT of the class among the workers, as they measure it (from their arrival)."""
+    seen = [w.class_ttft_ms[slo_class] for w in workers if slo_class in w.class_ttft_ms]
+    return min(seen) if seen else None
+
+
+def wait_budget_s(slo: SloClass, queue_timeout_s: float, worker_ttft_ms: float | None) -> float:
+    """How long a request of the class may wait for slack: ``queue_timeout_s``, or less when the class has a TTFT
+    target: that target minus the TTFT the worker itself adds (0 when it has not said)."""
+    if slo.ttft_ms is None:
+        return queue_timeout_s
+    return max(0.0, min(queue_timeout_s, (slo.ttft_ms - (worker_ttft_ms or 0.0)) / 1e3))
+
+
 @dataclass(eq=False)
 class Waiter:
     """One request being admitted; ``arrival`` is its turn number at this gateway."""
@@ -53,10 +74,21 @@ class Waiter:
     model: str | None
     exclude: set[str]
     arrival: int
+    best_effort: bool = False  # its class is infeasible everywhere (as of its last look)
     rank: tuple[int, float, int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.rank = rank(self.slo, self.arrival)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """Where a request goes, and how it got there."""
+
+    choice: Choice
+    waited_s: float
+    queued: bool  # it waited in the queue (False: admitted on its first look)
+    mode: str  # slo (every target should hold) | best_effort (infeasible class) | late (on_overload) | plain
 
 
 class Admission:
@@ -80,62 +112,83 @@ class Admission:
         """The workers ``w`` may go to, of those usable for its model."""
         return [v for v in usable if v.id not in w.exclude] if w.exclude else usable
 
+    def _can_go(self, w: Waiter, workers: list[WorkerView]) -> bool:
+        if self.settings.admission == "none":
+            return any(v.free_slots > 0 for v in workers)
+        best = best_slack(workers, w.slo.name, self.catalog.tpot_of, best_effort=w.best_effort)
+        return best is not None and best >= 0
+
     def _ahead_can_go(self, me: Waiter, usable: list[WorkerView]) -> bool:
-        """Some waiter ranked ahead of ``me``, for the same model (so ``usable`` is its list too), has
-        headroom for its own class now."""
-        for w in self.queue:
-            if w is me or w.model != me.model or w.rank >= me.rank:
-                continue
-            best = best_headroom(self._for(w, usable), w.slo.tpot_ms, self.catalog.tpot_of)
-            if best is not None and best >= 0:
-                return True
-        return False
+        """Some waiter ranked ahead of ``me``, for the same model (so ``usable`` is its list too), could go now."""
+        return any(w is not me and w.model == me.model and w.rank < me.rank and self._can_go(w, self._for(w, usable))
+                   for w in self.queue)
 
-    def _idle_choice(self, slo: SloClass, workers: list[WorkerView], routed: Choice | None) -> Choice | None:
-        """An idle worker on which a lone request of this class meets its target (its own measured unloaded
-        latency says so): admitted at once, whatever the headroom model predicts, since waiting cannot make
-        an idle worker faster; it only adds to the request's TTFT. The routing policy's own pick goes first
-        (round-robin stays round-robin); another idle worker only when that one is not."""
-        first = [routed.worker] if routed is not None else []
-        for w in [*first, *(v for v in workers if not first or v.id != first[0].id)]:
-            fits = feasibility(slo.tpot_ms, unloaded_tpot_ms=w.unloaded_tpot_ms, max_depth=w.draft_steps)
-            if w.active == 0 and w.free_slots > 0 and fits in ("plain", "speculation"):
-                room = best_headroom([w], slo.tpot_ms, self.catalog.tpot_of)
-                return Choice(w, room if room is not None else 0.0, room if room is not None else 0.0)
-        return None
+    def infeasible(self, slo: SloClass, workers: list[WorkerView]) -> bool:
+        """No worker can meet the class even for a lone request (and some worker says so)."""
+        return bool(workers) and not feasible_anywhere(workers, slo.name, self.catalog.tpot_of)
 
-    async def admit(self, slo: SloClass, *, model: str | None, exclude: set[str]) -> Choice:
+    def _infeasible_refusal(self, slo: SloClass, workers: list[WorkerView]) -> Refused:
+        lone = [t for w in workers if (t := lone_tpot_ms(w, slo.name)) is not None]
+        fastest = f"; the fastest worker serves a lone request at {min(lone):.0f} ms per token" if lone else ""
+        return self._refuse(f"SLO class {slo.name!r} ({slo.tpot_ms:g} ms per token) cannot be met by any worker, "
+                            f"even for a lone request{fastest}; this gateway refuses it (on_infeasible=refuse)",
+                            "slo_infeasible")
+
+    def _look(self, me: Waiter, workers: list[WorkerView], usable: list[WorkerView], *,
+              over: bool) -> tuple[Choice, str] | None:
+        """One look at the workers: (choice, mode) to go now, None to wait; raises Refused to refuse."""
+        slo, s = me.slo, self.settings
+        if s.admission == "none":
+            choice = self.router.choose(workers, slo.name, self.catalog.tpot_of, keep_targets=False)
+            if choice is not None and (over or not self._ahead_can_go(me, usable)):
+                return choice, "plain"
+        else:
+            me.best_effort = self.infeasible(slo, workers)
+            if me.best_effort and s.on_infeasible == "refuse":
+                raise self._infeasible_refusal(slo, workers)
+            choice = self.router.choose(workers, slo.name, self.catalog.tpot_of, best_effort=me.best_effort)
+            if choice is not None and choice.best >= 0:
+                if over or not self._ahead_can_go(me, usable):  # at its deadline it stood aside long enough
+                    return choice, "best_effort" if me.best_effort else "slo"
+            elif choice is not None and slo.sheddable:
+                raise self._refuse(f"overloaded: no worker can meet SLO class {slo.name!r} now, and the class is "
+                                   "sheddable; retry later", "shed")
+            elif over and choice is not None and s.on_overload == "best-effort":
+                return choice, "late"
+            elif over and choice is not None:
+                raise self._refuse(f"overloaded: no worker could meet SLO class {slo.name!r} within its wait "
+                                   f"budget ({self.budget_s(slo, workers):g}s); retry later", "overloaded")
+        if not over:
+            return None
+        if not workers:
+            raise self._refuse("no worker is ready to serve this model", "no_workers")
+        raise self._refuse("overloaded: every worker is at its request limit", "overloaded")
+
+    def budget_s(self, slo: SloClass, workers: list[WorkerView]) -> float:
+        if self.settings.admission == "none":
+            return self.settings.queue_timeout_s
+        return wait_budget_s(slo, self.settings.queue_timeout_s, worker_ttft_ms(workers, slo.name))
+
+    async def admit(self, slo: SloClass, *, model: str | None, exclude: set[str]) -> Admitted:
         me = Waiter(slo, model, exclude, next(self._arrivals))
-        deadline = time.monotonic() + self.settings.queue_timeout_s
+        start = time.monotonic()
+        deadline: float | None = None
         try:
             while True:
-                usable = self.directory.usable(model)  # once per pass: every waiter ahead has this model
+                usable = self.directory.usable(model)  # once per look: every waiter ahead has this model
                 workers = self._for(me, usable)
-                choice = self.router.choose(workers, slo.tpot_ms, self.catalog.tpot_of)
-                idle = self._idle_choice(slo, workers, choice)
-                if idle is not None and not self._ahead_can_go(me, usable):
-                    return idle
-                if choice is not None and choice.best_headroom >= 0:
-                    if not self._ahead_can_go(me, usable):
-                        return choice
-                elif choice is not None and slo.sheddable:
-                    raise self._refuse(f"overloaded: no worker can meet SLO class {slo.name!r} now, and the "
-                                       "class is sheddable; retry later", "shed")
-                if time.monotonic() >= deadline:
-                    if choice is not None and choice.best_headroom < 0 and self.settings.on_overload == "refuse":
-                        raise self._refuse(f"overloaded: no worker could meet SLO class {slo.name!r} within "
-                                           f"{self.settings.queue_timeout_s:g}s; retry later", "overloaded")
-                    if choice is not None:
-                        return choice  # best effort: the class is not sheddable (or it stood aside until now)
-                    if not workers:
-                        raise self._refuse("no worker is ready to serve this model", "no_workers")
-                    raise self._refuse("overloaded: every worker is at its request limit", "overloaded")
+                if deadline is None:
+                    deadline = start + self.budget_s(slo, workers)
+                got = self._look(me, workers, usable, over=time.monotonic() >= deadline)
+                if got is not None:
+                    choice, mode = got
+                    return Admitted(choice, time.monotonic() - start, me in self.queue, mode)
                 if me not in self.queue:
                     if len(self.queue) >= self.settings.max_queued:
                         raise self._refuse("overloaded: the admission queue is full", "queue_full")
                     self.queue.append(me)
                     self.metrics.queued.set(len(self.queue))
-                await self._sleep(min(deadline - time.monotonic(), self.settings.refresh_s))
+                await self._sleep(max(0.0, min(deadline - time.monotonic(), self.settings.refresh_s)))
         finally:  # admitted, refused, timed out or cancelled (client gone): leave, and let the others look again
             if me in self.queue:
                 self.queue.remove(me)

@@ -1,5 +1,6 @@
 """The workers the gateway can use: read from the workers' Redis registrations or polled from given URLs,
-merged with what this gateway has in flight on each (a registration is up to one heartbeat old).
+merged with what this gateway has in flight on each (a registration is up to one heartbeat old: load.py),
+each with the correction this gateway has learnt for it (calibration.py).
 
 Both sources yield the same document, the worker's registration (adaserve/contract/registration.py): Redis
 holds the live ones (read with adaserve/contract/registry.py), and a worker serves its own at ``GET /v1/status``.
@@ -12,16 +13,17 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections import Counter
 from typing import Protocol
 
 import httpx
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from adaserve.contract.registration import CostModel, Load, Registration, parse_registration
+from adaserve.contract.registration import CostModel, Load, Measured, Registration, parse_registration
 from adaserve.contract.registry import read_registrations
-from adaserve.gateway.routing import WorkerView
+from adaserve.gateway.calibration import Calibration
+from adaserve.gateway.load import OwnLoad, effective, mean_level
+from adaserve.gateway.routing import CurvePoint, WorkerView, pooled_acceptance, predicted_tpot_ms
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +39,17 @@ def _per_request(load: Load) -> float | None:
     return tokens / held if tokens is not None and held > 0 and tokens > 0 else None
 
 
+def _pooled_accepted(measured: Measured) -> float | None:
+    """Accepted tokens per verification over every class's recent requests, weighted by their count."""
+    rows = [(c.finished, c.accepted_per_verification) for c in measured.classes.values()
+            if c.accepted_per_verification is not None]
+    n = sum(k for k, _ in rows)
+    return sum(k * a for k, a in rows) / n if n else None
+
+
 def worker_view(reg: Registration) -> WorkerView:
     """A registration as routing sees it (before this gateway's own requests are added)."""
-    cost, load = reg.cost_model, reg.load
+    cost, load, measured = reg.cost_model, reg.load, reg.measured
     return WorkerView(
         id=reg.worker_id, address=reg.address.rstrip("/"), status=reg.status, model=reg.models.name,
         max_active=reg.capacity.max_active_requests or 1,
@@ -51,6 +61,13 @@ def worker_view(reg: Registration) -> WorkerView:
         context_per_request=_per_request(load),
         draft_steps=reg.max_depth,
         unloaded_tpot_ms=reg.unloaded_tpot_ms,
+        lone_tpot_ms=reg.lone_tpot_ms,
+        curve=tuple(CurvePoint(p.requests, p.steps, p.iteration_ms, p.tokens_per_request)
+                    for p in sorted(measured.iterations, key=lambda p: p.requests)),
+        class_accepted={c: r.accepted_per_verification for c, r in measured.classes.items()
+                        if r.accepted_per_verification is not None},
+        pooled_accepted=_pooled_accepted(measured),
+        class_ttft_ms={c: r.ttft_ms for c, r in measured.classes.items() if r.ttft_ms is not None},
     )
 
 
@@ -97,11 +114,14 @@ class StaticSource:
 
 
 class Directory:
-    def __init__(self, source: Source, *, refresh_s: float, suspect_s: float) -> None:
+    def __init__(self, source: Source, *, refresh_s: float, suspect_s: float,
+                 calibration: Calibration | None = None) -> None:
         self.source = source
         self.refresh_s, self.suspect_s = refresh_s, suspect_s
+        self.calibration = calibration or Calibration()
         self._views: list[WorkerView] = []
-        self._own: dict[str, Counter[str]] = {}
+        self._written: dict[str, float | None] = {}  # each registration's updated_at (worker's clock, unix s)
+        self._own: dict[str, OwnLoad] = {}
         self._suspect: dict[str, float] = {}
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -136,14 +156,31 @@ class Directory:
             return
         self.last_error = None
         self._views = [worker_view(reg) for reg in regs]
+        self._written = {reg.worker_id: reg.updated_at for reg in regs}
+        for wid in self._own:
+            self._tick(wid)
         self._notify()
 
     # ---- what routing sees -------------------------------------------------------------------------
     def all(self) -> list[WorkerView]:
         return list(self._views)
 
+    def _merged(self, v: WorkerView) -> WorkerView:
+        """``v`` with the load it holds now (load.effective) and this gateway's correction for it."""
+        own = self._own.get(v.id)
+        k = self.calibration.correction(v.id)
+        if own is None:
+            return v if k == 1.0 else dataclasses.replace(v, correction=k)
+        written = self._written.get(v.id)
+        by_class = effective(v.active_by_class, own.now, own.at(written) if written is not None else None)
+        active = sum(by_class.values())
+        if written is None:
+            active = max(v.active, sum(own.now.values()))
+        return dataclasses.replace(v, active=active, active_by_class={c: n for c, n in by_class.items() if n},
+                                   correction=k)
+
     def usable(self, model: str | None = None) -> list[WorkerView]:
-        """Ready, not suspected, serving ``model``; loads raised to this gateway's own in-flight counts."""
+        """Ready, not suspected, serving ``model``; loads as they are now, corrections applied."""
         now = time.monotonic()
         out = []
         for v in self._views:
@@ -151,23 +188,45 @@ class Directory:
                 continue
             if model is not None and v.model is not None and v.model != model:
                 continue
-            own = self._own.get(v.id, Counter())
-            by_class = {c: max(v.active_by_class.get(c, 0), own[c]) for c in {*v.active_by_class, *own}}
-            out.append(dataclasses.replace(v, active=max(v.active, sum(own.values())), active_by_class=by_class))
+            out.append(self._merged(v))
         return out
 
     def models(self) -> list[str]:
         return sorted({v.model for v in self._views if v.model})
 
     # ---- this gateway's own bookkeeping ---------------------------------------------------------------
+    def _tick(self, worker_id: str) -> tuple[float, float]:
+        own = self._own.setdefault(worker_id, OwnLoad())
+        view = next((v for v in self._views if v.id == worker_id), None)
+        level = self._merged(view).active if view is not None else sum(own.now.values())
+        return own.tick(level)
+
     def acquire(self, worker_id: str, slo_class: str) -> None:
-        self._own.setdefault(worker_id, Counter())[slo_class] += 1
+        self._own.setdefault(worker_id, OwnLoad()).change(slo_class, +1)
+        self._tick(worker_id)
 
     def release(self, worker_id: str, slo_class: str) -> None:
         own = self._own.get(worker_id)
-        if own is not None and own[slo_class] > 0:
-            own[slo_class] -= 1
+        if own is not None and own.now[slo_class] > 0:
+            own.change(slo_class, -1)
+            self._tick(worker_id)
         self._notify()
+
+    def mark(self, worker_id: str) -> tuple[float, float]:
+        """The worker's load integral now: two marks give the mean load between them (load.mean_level)."""
+        return self._tick(worker_id)
+
+    def learn(self, worker_id: str, slo_class: str, since: tuple[float, float], *, observed_ms: float | None,
+              tokens: int) -> tuple[float | None, float]:
+        """A request that decoded on the worker from mark ``since`` until now got ``observed_ms`` per token:
+        compare with the TPOT predicted at the mean load it saw, and learn. (predicted, the worker's correction)."""
+        n = mean_level(since, self.mark(worker_id))
+        view = next((v for v in self._views if v.id == worker_id), None)
+        if view is None or n is None:
+            return None, self.calibration.correction(worker_id)
+        predicted = predicted_tpot_ms(view, slo_class, max(1.0, n), acceptance=pooled_acceptance(self._views))
+        k = self.calibration.observe(worker_id, predicted_ms=predicted, observed_ms=observed_ms, tokens=tokens)
+        return predicted, k
 
     def mark_failed(self, worker_id: str) -> None:
         """Skip a worker that just failed a request until its next chance (``suspect_s``)."""

@@ -38,6 +38,15 @@ class GatewayMetrics:
                                ["slo_class"], registry=r)
         self.routed = Counter("adaserve_gateway_routing_choices", "Requests sent to each worker",
                               ["worker", "slo_class", "policy"], registry=r)
+        self.admitted = Counter("adaserve_gateway_admitted", "Requests admitted, by how (at_once | after_wait) "
+                                "and mode (slo | best_effort | late | plain)", ["slo_class", "how", "mode"],
+                                registry=r)
+        self.queue_wait = Histogram("adaserve_gateway_queue_seconds", "Time a request waited in admission",
+                                    ["slo_class"], buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0),
+                                    registry=r)
+        self.correction = Gauge("adaserve_gateway_tpot_correction",
+                                "Observed over predicted TPOT learnt per worker (1 = the prediction holds)",
+                                ["worker"], registry=r)
         self.queued = Gauge("adaserve_gateway_queued", "Requests waiting for headroom now", registry=r)
         self.workers = Gauge("adaserve_gateway_workers", "Workers the gateway can route to", registry=r)
         self._finished: dict[str, int] = {}

@@ -16,8 +16,8 @@ from adaserve.gateway.settings import GatewaySettings
 
 # option -> settings field of the same name; every other field comes from the environment only
 OPTIONS = ("host", "port", "redis_url", "redis_prefix", "workers", "model_name", "slo_classes_file",
-           "default_slo_class", "api_keys_file", "routing", "on_overload", "queue_timeout_s", "max_attempts",
-           "log_level")
+           "default_slo_class", "api_keys_file", "routing", "admission", "on_overload", "on_infeasible",
+           "queue_timeout_s", "max_attempts", "log_level")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,8 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-slo-class", help="class of requests that name none")
     p.add_argument("--api-keys-file", type=Path, help='JSON {"keys": [...]}; unset = no authentication')
     p.add_argument("--routing", choices=["headroom", "least-loaded", "round-robin"])
+    p.add_argument("--admission", choices=["slo", "none"],
+                   help="slo: admit where every target should hold (default); none: a plain load balancer")
     p.add_argument("--on-overload", choices=["best-effort", "refuse"],
-                   help="non-sheddable requests without headroom after the queue timeout [default best-effort]")
+                   help="non-sheddable requests still without headroom when their wait is over [default refuse]")
+    p.add_argument("--on-infeasible", choices=["best-effort", "refuse"],
+                   help="classes no worker can meet even alone [default best-effort]")
     p.add_argument("--queue-timeout-s", type=float, help="wait for headroom before 503")
     p.add_argument("--max-attempts", type=int, help="workers tried before the first token")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])

@@ -65,7 +65,7 @@ class Call:
         if self.outcome == "aborted":
             await dispatch.abort(self.gw.http, self.up.worker, self.rid)
         await self.up.close()
-        self.gw.done(self.up, self.track.slo)
+        self.gw.done(self.up, self.track, self.outcome)
         met = await self.track.finished(self.outcome, self.finish)
         self.final["slo_met"] = met
 

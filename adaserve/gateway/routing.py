@@ -1,42 +1,61 @@
-"""Which worker gets a request: pure functions of the workers' published state.
+"""Which worker gets a request, and whether any should take it now: pure functions of what workers measure.
 
-``headroom`` (the default) asks of each worker: if this request joined, could the budget still keep
-every request on its TPOT target? The worker publishes its token budget B, the cost model of its
-forwards and its recent acceptance rate; the gateway knows each class's target.
+For a request of class c that would make ``n`` requests on worker w (this one included):
 
-    n         = requests on the worker, this one included
-    t         = T_target(n*L, B) + D * T_draft(n*L, n)     one iteration: verify B tokens, D draft steps
-    k         = min(D, B/n - 1)                             draft tokens each request's tree gets on average
-    m         = a (1 - a^k) / (1 - a)                       tokens a chain of k accepts, acceptance rate a
-    need_r    = t / T_r                                     tokens request r must gain per iteration
-    headroom  = m - mean_r max(0, need_r - 1)               every request gets its bonus token free
+    T(n)       iteration time: w's measured curve (``measured.iterations`` in its registration) at n;
+               linear between points, beyond them along the curve's least-squares slope (with one point
+               only, in the proportion of the cost-model prior below)
+    E(n)       tokens a decoding request gains per iteration (accepted draft tokens + the bonus token), from
+               the same curve; beyond its ends, the nearest point's
+    E_c(n)     = 1 + (E(n) - 1) * r_c,  r_c = c's draft tokens accepted per verification on w over all
+               classes' (AdaServe's selection gives tighter requests bigger trees), within [1/2, 2]
+    TPOT_c(n)  = k_w * T(n) / E_c(n)
 
-(L: the mean context, prompt + output, of the requests the worker holds, as its registration reports,
-else a typical 512; D: the worker's deepest tree, ``max_depth`` in its registration, else 4; a: the
-acceptance rate pooled over the candidate workers, since it belongs to the model pair and the traffic,
-and one worker's recent window is noisy enough to send it all the traffic or none.) A request whose own need
-exceeds what a tree can give (1 + k) has no headroom on that worker. Headroom >= 0 means the batch
-should still meet every target. Workers whose headroom is within ``TIE`` tokens of the best count as
-equal, and the one with fewer requests wins: headroom estimates are not precise enough to send every
-request to one worker for a hundredth of a token. Workers without a cost model are judged by their free
-slots only; ``least-loaded`` and ``round-robin`` are the fallbacks a deployment can choose.
+k_w is the correction this gateway learns from its own finished requests on w: observed over predicted
+TPOT (calibration.py). The **slack** of w for c is ``min_k 1 - TPOT_k(n) / target_k`` over c and every class
+already on w: the relative margin the tightest request there keeps if this one joins. Slack >= 0: every
+target should hold. A class whose target no worker can meet even alone (slack of a lone request < 0) is
+served best effort: its own target is left out of its slack, the others' still count.
+
+Before a worker has measured anything (no curve point with ``MIN_STEPS`` iterations), the prior is the
+analytic model of its published cost model: one iteration verifies B tokens and drafts D steps,
+``T = T_target(n*L, max(B, n)) + D * T_draft(n*L, n)``, and a request gains ``1 + a (1 - a^k) / (1 - a)``
+tokens, ``k = min(D, B/n - 1)`` (L: its mean context per request, else 512; D: its ``max_depth``, else 4;
+a: the acceptance rate pooled over workers, else 0.6). A worker with neither curve nor cost model is judged
+by the share of its slots still free. Workers within ``TIE`` of the best slack count as equal, and the one
+with fewer requests wins; ``least-loaded`` and ``round-robin`` are the fallbacks a deployment can choose.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 CONTEXT_TOKENS = 512  # L when the worker reports none: KV tokens a typical request reads per iteration
 DRAFT_STEPS = 4  # D when the worker reports none: the engine's default d_max (engine/adaptive.py)
 PRIOR_ACCEPTANCE = 0.6  # a before a worker has verified anything
-TIE = 0.25  # headrooms this close (tokens per request per iteration) are equal; fewer requests wins
+MIN_STEPS = 4  # iterations a curve point needs before it is trusted
+CLASS_RATIO = (0.5, 2.0)  # bounds of a class's acceptance over the pooled one
+TIE = 0.1  # slacks this close (share of the target) are equal; fewer requests wins
+
+TpotOf = Callable[[str], float | None]
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    """One point of a worker's measured iteration-time curve (contract: ``IterationPoint``)."""
+
+    requests: int
+    steps: int
+    iteration_ms: float
+    tokens_per_request: float | None = None
 
 
 @dataclass(frozen=True)
 class WorkerView:
-    """A worker as routing sees it: its registration plus this gateway's own requests in flight on it."""
+    """A worker as routing sees it: its registration, this gateway's own requests on it, its correction."""
 
     id: str
     address: str
@@ -51,7 +70,13 @@ class WorkerView:
     acceptance_rate: float | None = None
     context_per_request: float | None = None  # L as the worker last reported it
     draft_steps: int | None = None  # D as the worker reports it (0: it does not speculate)
-    unloaded_tpot_ms: float | None = None  # a lone request's time per token without speculation
+    unloaded_tpot_ms: float | None = None  # one target forward of one token (the profile's)
+    lone_tpot_ms: float | None = None  # a lone request's TPOT as served, measured at warm-up
+    curve: tuple[CurvePoint, ...] = ()  # ascending requests
+    class_accepted: dict[str, float] = field(default_factory=dict)  # accepted per verification, per class
+    pooled_accepted: float | None = None  # the same over all classes
+    class_ttft_ms: dict[str, float] = field(default_factory=dict)  # recent TTFT per class, at the worker
+    correction: float = 1.0  # k_w: observed / predicted TPOT, learnt by this gateway
 
     @property
     def free_slots(self) -> int:
@@ -65,14 +90,19 @@ class WorkerView:
         return DRAFT_STEPS if self.draft_steps is None else self.draft_steps
 
 
+# ---- the prior: the analytic model of the published cost model -----------------------------------------
+
+
 def _cost(model: dict[str, float], n_context: int, n_batched: int) -> float:
     # the worker's roofline fit: T = alpha * context + gamma * batched + delta (engine/cost_model.py)
     return model["alpha"] * n_context + model["gamma"] * n_batched + model["delta"]
 
 
 def iteration_s(w: WorkerView, n: int) -> float | None:
+    """The prior's iteration time in seconds with ``n`` requests; None without a cost model and budget."""
     if w.target_cost is None or w.budget is None:
         return None
+    n = max(1, n)
     ctx = round(n * (w.context_per_request or CONTEXT_TOKENS))
     if w.depth == 0 or w.draft_cost is None:  # no draft cost is depth 0 already; the 2nd test narrows the type
         return _cost(w.target_cost, ctx, n)
@@ -88,58 +118,175 @@ def accepted_per_request(a: float, k: float) -> float:
     return a * (1.0 - a**k) / (1.0 - a)
 
 
-def pooled_acceptance(workers: list[WorkerView]) -> float | None:
+def prior_tokens(w: WorkerView, n: int, acceptance: float | None) -> float:
+    """The prior's tokens per request per iteration: the bonus token plus an accepted chain of the tree's depth."""
+    if w.depth == 0 or w.budget is None:
+        return 1.0
+    k = min(w.depth, w.budget / max(1, n) - 1.0)
+    a = next((x for x in (acceptance, w.acceptance_rate) if x is not None), PRIOR_ACCEPTANCE)
+    return 1.0 + accepted_per_request(a, k)
+
+
+def pooled_acceptance(workers: Sequence[WorkerView]) -> float | None:
     rates = [w.acceptance_rate for w in workers if w.acceptance_rate is not None]
     return sum(rates) / len(rates) if rates else None
 
 
-def headroom(w: WorkerView, tpot_ms: float, tpot_of: Callable[[str], float | None], *,
-             acceptance: float | None = None) -> float:
-    """Spare accepted tokens per request per iteration if a request with target ``tpot_ms`` joined ``w``.
+# ---- the measured curve ------------------------------------------------------------------------------------
 
-    ``acceptance``: the rate to assume (pooled over workers); default the worker's own.
-    """
+
+def trusted(curve: Sequence[CurvePoint]) -> list[CurvePoint]:
+    return [p for p in curve if p.steps >= MIN_STEPS]
+
+
+def curve_slope(points: Sequence[CurvePoint]) -> float | None:
+    """Least-squares ms per extra request over the points, weighted by their iterations (>= 0); None below
+    two distinct request counts."""
+    if len({p.requests for p in points}) < 2:
+        return None
+    wsum = sum(p.steps for p in points)
+    mx = sum(p.steps * p.requests for p in points) / wsum
+    my = sum(p.steps * p.iteration_ms for p in points) / wsum
+    sxx = sum(p.steps * (p.requests - mx) ** 2 for p in points)
+    sxy = sum(p.steps * (p.requests - mx) * (p.iteration_ms - my) for p in points)
+    return max(0.0, sxy / sxx)
+
+
+def _around(points: Sequence[CurvePoint], n: float) -> tuple[CurvePoint | None, CurvePoint | None]:
+    """The last point at or below ``n`` and the first at or above it."""
+    lo = next((p for p in reversed(points) if p.requests <= n), None)
+    hi = next((p for p in points if p.requests >= n), None)
+    return lo, hi
+
+
+def _between(lo: CurvePoint, hi: CurvePoint, n: float, y: Callable[[CurvePoint], float]) -> float:
+    if hi.requests == lo.requests:
+        return y(lo)
+    f = (n - lo.requests) / (hi.requests - lo.requests)
+    return y(lo) + f * (y(hi) - y(lo))
+
+
+def iteration_ms_at(w: WorkerView, n: float, *, acceptance: float | None = None) -> float | None:
+    """T(n) in ms (``n`` may be fractional: a mean over a request's life); None when nothing predicts it."""
+    points = trusted(w.curve)
+    prior = iteration_s(w, round(n))
+    if not points:
+        return None if prior is None else 1e3 * prior
+    lo, hi = _around(points, n)
+    if lo is not None and hi is not None:
+        return _between(lo, hi, n, lambda p: p.iteration_ms)
+    edge = lo if lo is not None else hi
+    assert edge is not None
+    slope = curve_slope(points)
+    if slope is not None:
+        return max(edge.iteration_ms + slope * (n - edge.requests), 0.5 * edge.iteration_ms)
+    prior_edge = iteration_s(w, edge.requests)
+    if prior is not None and prior_edge:  # one point: scaled as the prior scales
+        return edge.iteration_ms * prior / prior_edge
+    return edge.iteration_ms * max(n, 1.0) / edge.requests  # no prior: in proportion to the requests
+
+
+def tokens_at(w: WorkerView, n: float, *, acceptance: float | None = None) -> float:
+    """E(n): tokens a decoding request gains per iteration, >= 1."""
+    points = [p for p in trusted(w.curve) if p.tokens_per_request is not None]
+    if not points:
+        return prior_tokens(w, round(n), acceptance)
+    lo, hi = _around(points, n)
+    if lo is not None and hi is not None:
+        e = _between(lo, hi, n, lambda p: p.tokens_per_request or 0.0)
+    else:
+        edge = lo if lo is not None else hi
+        assert edge is not None and edge.tokens_per_request is not None
+        e = edge.tokens_per_request
+    return max(1.0, e)
+
+
+def class_ratio(w: WorkerView, slo_class: str) -> float:
+    """r_c: the class's accepted tokens per verification over the pooled figure, within CLASS_RATIO."""
+    mine, pooled = w.class_accepted.get(slo_class), w.pooled_accepted
+    if mine is None or not pooled:
+        return 1.0
+    return min(max(mine / pooled, CLASS_RATIO[0]), CLASS_RATIO[1])
+
+
+def predicted_tpot_ms(w: WorkerView, slo_class: str, n: float, *, acceptance: float | None = None) -> float | None:
+    """TPOT_c(n) before the correction k_w; None when the worker has neither curve nor cost model."""
+    t = iteration_ms_at(w, n, acceptance=acceptance)
+    if t is None:
+        return None
+    e = tokens_at(w, n, acceptance=acceptance)
+    return t / (1.0 + (e - 1.0) * class_ratio(w, slo_class))
+
+
+def lone_tpot_ms(w: WorkerView, slo_class: str, *, acceptance: float | None = None) -> float | None:
+    """What a lone request of the class gets on ``w``: corrected TPOT at n = 1."""
+    raw = predicted_tpot_ms(w, slo_class, 1, acceptance=acceptance)
+    return None if raw is None else w.correction * raw
+
+
+def feasible(w: WorkerView, slo_class: str, tpot_of: TpotOf, *, acceptance: float | None = None) -> bool | None:
+    """Can ``w`` meet the class's target for a lone request? None: nothing predicts it."""
+    target, lone = tpot_of(slo_class), lone_tpot_ms(w, slo_class, acceptance=acceptance)
+    if target is None or lone is None:
+        return None
+    return lone <= target
+
+
+def slack(w: WorkerView, slo_class: str, tpot_of: TpotOf, *, acceptance: float | None = None,
+          best_effort: bool = False) -> float:
+    """min over the classes on ``w`` (this request's included, unless ``best_effort``) of 1 - TPOT / target
+    if this request joined; -inf without a free slot; the free-slot share when nothing predicts TPOT."""
     if w.free_slots <= 0:
-        return float("-inf")
+        return -math.inf
     n = w.active + 1
-    t = iteration_s(w, n)
-    if t is None or w.budget is None:  # no cost model (a t implies a budget; the 2nd test narrows the type):
-        # the share of slots still free after joining
+    t = iteration_ms_at(w, n, acceptance=acceptance)
+    if t is None:
         return (w.free_slots - 1) / w.max_active
-    k = 0.0 if w.depth == 0 else min(w.depth, w.budget / n - 1.0)
-    a = next((x for x in (acceptance, w.acceptance_rate) if x is not None), PRIOR_ACCEPTANCE)
-    m = accepted_per_request(a, k)
-    own_need = t / (tpot_ms / 1e3)
-    extra = max(0.0, own_need - 1.0)
-    for name, count in w.active_by_class.items():
+    e = tokens_at(w, n, acceptance=acceptance)
+    judged = {c for c, k in w.active_by_class.items() if k > 0} | ({slo_class} if not best_effort else set())
+    worst = 1.0
+    for name in sorted(judged):
         target = tpot_of(name)
         if target:
-            extra += count * max(0.0, t / (target / 1e3) - 1.0)
-    return min(m - extra / n, 1.0 + max(k, 0.0) - own_need)
+            tpot = w.correction * t / (1.0 + (e - 1.0) * class_ratio(w, name))
+            worst = min(worst, 1.0 - tpot / target)
+    return worst
 
 
-def _open(workers: list[WorkerView]) -> list[WorkerView]:
+# ---- the choice -------------------------------------------------------------------------------------------------
+
+
+def _open(workers: Sequence[WorkerView]) -> list[WorkerView]:
     """The workers with a free slot, in id order (the order also fixes the pooled acceptance's sum)."""
     return sorted((w for w in workers if w.free_slots > 0), key=lambda w: w.id)
 
 
-def _headrooms(open_: list[WorkerView], tpot_ms: float, tpot_of: Callable[[str], float | None]) -> dict[str, float]:
+def _slacks(open_: list[WorkerView], slo_class: str, tpot_of: TpotOf, best_effort: bool) -> dict[str, float]:
     a = pooled_acceptance(open_)
-    return {w.id: headroom(w, tpot_ms, tpot_of, acceptance=a) for w in open_}
+    return {w.id: slack(w, slo_class, tpot_of, acceptance=a, best_effort=best_effort) for w in open_}
 
 
-def best_headroom(workers: list[WorkerView], tpot_ms: float, tpot_of: Callable[[str], float | None]) -> float | None:
-    """The fleet's best headroom for a request with target ``tpot_ms`` (what ``Router.choose`` reports as
-    ``best_headroom``, whatever the policy), or None when no worker has a free slot. Pure: moves no cursor."""
-    rooms = _headrooms(_open(workers), tpot_ms, tpot_of)
+def best_slack(workers: Sequence[WorkerView], slo_class: str, tpot_of: TpotOf, *,
+               best_effort: bool = False) -> float | None:
+    """The fleet's best slack for the class (what ``Router.choose`` reports as ``best``, whatever the policy),
+    or None when no worker has a free slot. Pure: moves no cursor."""
+    rooms = _slacks(_open(workers), slo_class, tpot_of, best_effort)
     return max(rooms.values()) if rooms else None
+
+
+def feasible_anywhere(workers: Sequence[WorkerView], slo_class: str, tpot_of: TpotOf) -> bool:
+    """Some worker (busy or not) can meet the class for a lone request, or none can be judged."""
+    a = pooled_acceptance(sorted(workers, key=lambda w: w.id))
+    verdicts = [feasible(w, slo_class, tpot_of, acceptance=a) for w in workers]
+    return any(v is None or v for v in verdicts) or not verdicts
 
 
 @dataclass(frozen=True)
 class Choice:
     worker: WorkerView
-    headroom: float  # the chosen worker's
-    best_headroom: float  # the fleet's best: below 0, no worker should meet this request's target
+    slack: float  # the chosen worker's
+    best: float  # the fleet's best: below 0, no worker should meet this request's target now
+    predicted_tpot_ms: float | None  # the request's own TPOT on the chosen worker, before the correction
 
 
 class Router:
@@ -151,18 +298,23 @@ class Router:
         self.policy = policy
         self._turn = itertools.count()
 
-    def choose(self, workers: list[WorkerView], tpot_ms: float,
-               tpot_of: Callable[[str], float | None]) -> Choice | None:
-        """The best worker with a free slot, or None. Its headroom says whether the SLO should hold."""
+    def choose(self, workers: Sequence[WorkerView], slo_class: str, tpot_of: TpotOf, *,
+               best_effort: bool = False, keep_targets: bool = True) -> Choice | None:
+        """The policy's worker among those with a free slot, or None; its slack says whether targets hold.
+
+        ``keep_targets``: when some worker keeps every target (slack >= 0), the policy picks among those only
+        (a plain load balancer passes False)."""
         open_ = _open(workers)
         if not open_:
             return None
-        rooms = _headrooms(open_, tpot_ms, tpot_of)
-        top = max(rooms.values())  # = best_headroom(workers, tpot_ms, tpot_of)
+        rooms = _slacks(open_, slo_class, tpot_of, best_effort)
+        top = max(rooms.values())  # = best_slack(...)
+        pool = [w for w in open_ if rooms[w.id] >= 0] if keep_targets and top >= 0 else open_
         if self.policy == "headroom":
-            best = min((w for w in open_ if rooms[w.id] >= top - TIE), key=lambda w: (w.active, -rooms[w.id]))
+            best = min((w for w in pool if rooms[w.id] >= top - TIE), key=lambda w: (w.active, -rooms[w.id]))
         elif self.policy == "least-loaded":
-            best = min(open_, key=lambda w: (w.active / w.max_active, w.active))
+            best = min(pool, key=lambda w: (w.active / w.max_active, w.active))
         else:
-            best = open_[next(self._turn) % len(open_)]
-        return Choice(best, rooms[best.id], top)
+            best = pool[next(self._turn) % len(pool)]
+        predicted = predicted_tpot_ms(best, slo_class, best.active + 1, acceptance=pooled_acceptance(open_))
+        return Choice(best, rooms[best.id], top, predicted)

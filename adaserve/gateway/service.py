@@ -64,9 +64,20 @@ class Gateway:
 
     async def start(self) -> None:
         where = redacted(self.settings.redis_url) if self.settings.redis_url else "in-process state"
-        log.info("gateway: %d SLO classes, API keys %s, %s, routing %s", len(self.catalog.classes),
-                 "on" if self.keys.enabled else "off", where, self.settings.routing)
+        log.info("gateway: %d SLO classes, API keys %s, %s, routing %s, admission %s", len(self.catalog.classes),
+                 "on" if self.keys.enabled else "off", where, self.settings.routing, self.settings.admission)
         await self.directory.start()
+        self.name_infeasible()
+
+    def name_infeasible(self) -> list[str]:
+        """Log, and return, the classes no usable worker can meet even for a lone request."""
+        workers = self.directory.usable()
+        bad = [c for c in self.catalog.classes.values() if self.admission.infeasible(c, workers)]
+        treat = "refused" if self.settings.on_infeasible == "refuse" else "served best effort"
+        for c in bad:
+            log.warning("SLO class %r (%g ms per token) cannot be met by any worker even for a lone request: "
+                        "its requests are %s", c.name, c.tpot_ms, treat)
+        return [c.name for c in bad]
 
     def spawn(self, work: Coroutine[Any, Any, None]) -> None:
         """Run clean-up that must finish even when the request that started it was cancelled."""
@@ -113,21 +124,26 @@ class Gateway:
         failures: list[str] = []
         for _ in range(self.settings.max_attempts):
             try:
-                choice = await self.admission.admit(slo, model=track.model if self.settings.model_name is None
-                                                    else None, exclude=tried)
+                admitted = await self.admission.admit(slo, model=track.model if self.settings.model_name is None
+                                                      else None, exclude=tried)
             except Refused as e:
                 if not failures:
                     await track.refused("shed" if e.reason != "no_workers" else "unavailable", e.reason)
                     raise
                 break
-            w = choice.worker
+            w = admitted.choice.worker
             self.directory.acquire(w.id, slo.name)  # before any await: waiters woken now must see this load
             self.metrics.routed.labels(w.id, slo.name, self.router.policy).inc()
+            self.metrics.admitted.labels(slo.name, "after_wait" if admitted.queued else "at_once",
+                                         admitted.mode).inc()
+            self.metrics.queue_wait.labels(slo.name).observe(admitted.waited_s)
             try:
-                await track.routed(w.id)
-                return await dispatch.open_stream(self.http, w, request,
-                                                  first_token_timeout_s=self.settings.first_token_timeout_s,
-                                                  token_timeout_s=self.settings.token_timeout_s)
+                await track.routed(w.id, admitted)
+                up = await dispatch.open_stream(self.http, w, request,
+                                                first_token_timeout_s=self.settings.first_token_timeout_s,
+                                                token_timeout_s=self.settings.token_timeout_s)
+                track.decoding_since = self.directory.mark(w.id)  # the load it decodes under is measured from here
+                return up
             except dispatch.WorkerFailed as e:
                 self.directory.release(w.id, slo.name)
                 if not e.busy:
@@ -142,5 +158,12 @@ class Gateway:
         raise ApiError(503, f"no worker could start the request: {'; '.join(failures)}", code="workers_failed",
                        retry_after=self.settings.retry_after_s)
 
-    def done(self, up: dispatch.Upstream, slo: SloClass) -> None:
-        self.directory.release(up.worker.id, slo.name)
+    def done(self, up: dispatch.Upstream, track: Tracker, outcome: str) -> None:
+        """The request has left its worker: learn from its TPOT (if it finished normally), then release the slot."""
+        wid = up.worker.id
+        if outcome == "done" and track.decoding_since is not None:
+            predicted, k = self.directory.learn(wid, track.slo.name, track.decoding_since,
+                                                observed_ms=track.tpot_ms, tokens=track.tokens)
+            track.predicted_tpot_ms = predicted
+            self.metrics.correction.labels(wid).set(k)
+        self.directory.release(wid, track.slo.name)

@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from adaserve.contract.redis_settings import DEFAULT_PREFIX, RedisPrefix, RedisUrl
 
 Routing = Literal["headroom", "least-loaded", "round-robin"]
+AdmissionMode = Literal["slo", "none"]
 OnOverload = Literal["best-effort", "refuse"]
 
 
@@ -38,11 +39,17 @@ class GatewaySettings(BaseSettings):
 
     # routing and admission
     routing: Routing = "headroom"
+    admission: AdmissionMode = Field(
+        "slo", description="slo: admit where every target should hold, queue or shed otherwise; none: a plain "
+                           "load balancer (any free slot, at once)")
     queue_timeout_s: float = Field(2.0, ge=0, description="how long a request waits for headroom before 503")
     max_queued: int = Field(64, ge=0, description="requests waiting for headroom at once; beyond it 503 at once")
     on_overload: OnOverload = Field(
-        "best-effort", description="a non-sheddable request still without headroom after queue_timeout_s: "
-                                   "serve it late (best-effort) or refuse it with 503 (refuse)")
+        "refuse", description="a non-sheddable request still without headroom when its wait is over: refuse it "
+                              "with 503 (refuse) or serve it late, slowing the batch it joins (best-effort)")
+    on_infeasible: OnOverload = Field(
+        "best-effort", description="a class no worker can meet even for a lone request: serve it as fast as a "
+                                   "worker can without breaking the others' targets (best-effort), or 503 (refuse)")
     max_attempts: int = Field(3, ge=1, description="workers tried before the first token (1 = no retry)")
     retry_after_s: int = Field(1, ge=1)
     refresh_s: float = Field(0.5, gt=0, description="how often the worker list is re-read")

@@ -8,6 +8,7 @@ those requests are refused first.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from adaserve.contract.slo import SloClassName
+from adaserve.gateway.routing import WorkerView, lone_tpot_ms
 
 
 class SloClass(BaseModel):
@@ -42,32 +44,36 @@ DEFAULT_CLASSES = (
     SloClass(name="summarization", tpot_ms=150, priority=-1),
 )
 
-# `adaserve up` with no classes scales the same three to the machine it runs on: multiples of the unloaded
-# per-token latency (AdaServe Table 2 sets coding at ~1.2x; 1.5x leaves a laptop's noise some room).
+# `adaserve up` with no classes scales the same three to the machine it runs on: multiples of the per-token
+# latency a lone request gets there (AdaServe Table 2 sets coding at ~1.2x; 1.5x leaves a laptop's noise room).
 LOCAL_MULTIPLIERS = {"coding": 1.5, "chat": 2.5, "summarization": 6.0}
 
 
-def local_classes(unloaded_tpot_ms: float) -> list[SloClass]:
-    """DEFAULT_CLASSES with TPOT targets at ``LOCAL_MULTIPLIERS`` x this machine's unloaded per-token latency."""
-    if not unloaded_tpot_ms > 0:
-        raise ValueError(f"unloaded per-token latency must be positive, got {unloaded_tpot_ms}")
-    return [c.model_copy(update={"tpot_ms": float(round(LOCAL_MULTIPLIERS[c.name] * unloaded_tpot_ms))})
+def local_classes(lone_tpot_ms: float) -> list[SloClass]:
+    """DEFAULT_CLASSES with TPOT targets at ``LOCAL_MULTIPLIERS`` x a lone request's per-token latency here."""
+    if not lone_tpot_ms > 0:
+        raise ValueError(f"per-token latency must be positive, got {lone_tpot_ms}")
+    return [c.model_copy(update={"tpot_ms": float(round(LOCAL_MULTIPLIERS[c.name] * lone_tpot_ms))})
             for c in DEFAULT_CLASSES]
 
 
-def feasibility(tpot_ms: float, *, unloaded_tpot_ms: float | None, max_depth: int | None) -> str | None:
+def feasibility(tpot_ms: float, *, unloaded_tpot_ms: float | None, max_depth: int | None,
+                lone_tpot_ms: float | None = None) -> str | None:
     """How a lone request of this class fares on a worker (None: the worker has not said):
 
+    - ``"infeasible"``: the TPOT a lone request gets there, as measured (``lone_tpot_ms``), is above the
+      target; or, without a measurement, ``tpot < t1 / (D + 1)``, beyond even a fully accepted tree;
     - ``"plain"``: plain decoding meets it (``tpot >= t1``, t1 the unloaded per-token latency);
     - ``"speculation"``: only speculation can: each iteration costs at least t1 and yields at most D + 1
-      tokens, so ``t1 / (D + 1) <= tpot < t1`` needs about ``t1 / tpot - 1`` accepted tokens per step;
-    - ``"infeasible"``: ``tpot < t1 / (D + 1)``, beyond even a fully accepted tree.
+      tokens, so ``t1 / (D + 1) <= tpot < t1`` needs about ``t1 / tpot - 1`` accepted tokens per step.
     """
+    if lone_tpot_ms is not None and tpot_ms < lone_tpot_ms:
+        return "infeasible"
     if unloaded_tpot_ms is None:
-        return None
+        return None if lone_tpot_ms is None else ("plain" if tpot_ms >= lone_tpot_ms else "infeasible")
     if tpot_ms >= unloaded_tpot_ms:
         return "plain"
-    if max_depth and tpot_ms >= unloaded_tpot_ms / (max_depth + 1):
+    if (max_depth and tpot_ms >= unloaded_tpot_ms / (max_depth + 1)) or lone_tpot_ms is not None:
         return "speculation"
     return "infeasible"
 
@@ -75,11 +81,19 @@ def feasibility(tpot_ms: float, *, unloaded_tpot_ms: float | None, max_depth: in
 _RANK = {"plain": 0, "speculation": 1, "infeasible": 2}
 
 
-def best_feasibility(tpot_ms: float, workers: list[Any]) -> str | None:
-    """The best ``feasibility`` over workers (anything with ``unloaded_tpot_ms`` and ``draft_steps``)."""
-    found = [f for w in workers
-             if (f := feasibility(tpot_ms, unloaded_tpot_ms=w.unloaded_tpot_ms, max_depth=w.draft_steps))]
-    return min(found, key=_RANK.__getitem__) if found else None
+def class_feasibility(c: SloClass, workers: list[WorkerView]) -> dict[str, Any]:
+    """``feasibility`` of the class on its best worker, and the TPOT a lone request of it gets there (as this
+    gateway predicts it: routing.lone_tpot_ms); nulls until a worker reports."""
+    found = []
+    for w in workers:
+        lone = lone_tpot_ms(w, c.name)
+        f = feasibility(c.tpot_ms, unloaded_tpot_ms=w.unloaded_tpot_ms, max_depth=w.draft_steps, lone_tpot_ms=lone)
+        if f is not None:
+            found.append((_RANK[f], lone if lone is not None else math.inf, f))
+    if not found:
+        return {"feasibility": None, "lone_tpot_ms": None}
+    _, lone, f = min(found)
+    return {"feasibility": f, "lone_tpot_ms": None if math.isinf(lone) else round(lone, 1)}
 
 
 class UnknownClass(Exception):

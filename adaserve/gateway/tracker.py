@@ -12,6 +12,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from adaserve.contract.slo import mean_tpot_ms, slo_met, ttft_ms
+from adaserve.gateway.admission import Admitted
 from adaserve.gateway.metrics import GatewayMetrics
 from adaserve.gateway.slo import SloClass
 from adaserve.gateway.state import StateStore
@@ -34,6 +35,8 @@ class Tracker:
     first_s: float | None = None
     last_s: float | None = None
     ended: bool = False
+    decoding_since: tuple[float, float] | None = None  # the worker's load mark at the first token (directory.mark)
+    predicted_tpot_ms: float | None = None  # at the load it decoded under, before the correction
 
     async def _write(self, fields: dict[str, Any], counters: dict[str, int] | None = None) -> None:
         try:
@@ -46,11 +49,13 @@ class Tracker:
         await self._write({"id": self.request_id, "slo_class": self.slo.name, "status": "queued",
                            "api_key": self.api_key, "model": self.model, "created": time.time()})
 
-    async def routed(self, worker: str) -> None:
+    async def routed(self, worker: str, admitted: Admitted) -> None:
         self.worker, self.attempts = worker, self.attempts + 1
         if self.attempts > 1:
             self.metrics.retries.labels(self.slo.name).inc()
-        await self._write({"worker": worker, "attempts": self.attempts, "status": "running"},
+        await self._write({"worker": worker, "attempts": self.attempts, "status": "running",
+                           "queued": admitted.queued, "queue_ms": _round(1e3 * admitted.waited_s),
+                           "admission": admitted.mode, "slack": _round(admitted.choice.slack)},
                           {"requests": 1} if self.attempts == 1 else {"retries": 1})
         if self.attempts == 1:
             self.metrics.requests.labels(self.slo.name).inc()
@@ -100,7 +105,7 @@ class Tracker:
             counters["slo_met"] = 1
         await self._write({"status": outcome, "finish_reason": finish, "tokens": self.tokens,
                            "ttft_ms": _round(self.ttft_ms), "tpot_ms": _round(self.tpot_ms), "slo_met": met,
-                           "ended": time.time()}, counters)
+                           "predicted_tpot_ms": _round(self.predicted_tpot_ms), "ended": time.time()}, counters)
         return met
 
 

@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from adaserve.contract.slo import slo_met
-from adaserve.gateway.slo import DEFAULT_CLASSES
+from adaserve.gateway.slo import DEFAULT_CLASSES, SloClass
 from tests.redis_prefix import REDIS_URL, isolated_redis
 from tests.servers import (
     GatewayProcess,
@@ -35,12 +35,24 @@ from tests.servers import (
 )
 
 PROMPT = "Write a Python function that reverses a list."
-CODING = next(c for c in DEFAULT_CLASSES if c.name == "coding")
+# Targets no busy machine misses (seconds per token), so that what these tests assert never depends on how fast
+# this machine is today; the default classes' names, priorities and sheddability.
+LAX = [c.model_copy(update={"tpot_ms": 1000.0 * c.tpot_ms, "ttft_ms": c.ttft_ms and 60_000.0})
+       for c in DEFAULT_CLASSES]
+CODING = next(c for c in LAX if c.name == "coding")
 
 
 @pytest.fixture(scope="module")
 def rds() -> Iterator[tuple[redis.Redis, str]]:
     yield from isolated_redis("gw-test")
+
+
+@pytest.fixture(scope="module")
+def lax_classes(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Gateway options for the LAX classes, chat the default as with the built-in classes."""
+    path = tmp_path_factory.mktemp("classes") / "lax.json"
+    path.write_text(json.dumps([c.model_dump(by_alias=True, exclude_none=True) for c in LAX]))
+    return ["--slo-classes-file", str(path), "--default-slo-class", "chat"]
 
 
 def _worker(tmp: Path, prefix: str, wid: str, **env: str) -> Service:
@@ -66,11 +78,11 @@ def workers(rds: tuple[redis.Redis, str], tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.fixture(scope="module")
-def gateway(rds: tuple[redis.Redis, str], workers: list[Service],
+def gateway(rds: tuple[redis.Redis, str], workers: list[Service], lax_classes: list[str],
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
     _, prefix = rds
     gw = start_gateway(tmp_path_factory.mktemp("gw") / "gateway.log", "--redis-url", REDIS_URL,
-                       "--redis-prefix", prefix)
+                       "--redis-prefix", prefix, *lax_classes)
     try:
         gw.wait_workers(2)
         yield gw
@@ -124,10 +136,10 @@ def test_openai_client_streams_chat_equal_to_the_worker(gateway: GatewayProcess,
     rec = record(rds, rid)
     assert rec["slo_class"] == "coding" and rec["worker"] in ("w-a", "w-b") and rec["status"] == "done"
     assert rec["tokens"] == "24" and rec["finish_reason"] == "length" and float(rec["ttft_ms"]) > 0
-    # whether a shared CPU kept coding's pace varies; the verdict must agree with the measured TTFT and TPOT
+    # the verdict agrees with the measured TTFT and TPOT (the lax targets make it a pass)
     met = slo_met("length", ttft_ms=float(rec["ttft_ms"]), tpot_ms=float(rec["tpot_ms"]),
                   tpot_target_ms=CODING.tpot_ms, ttft_target_ms=CODING.ttft_ms)
-    assert rec["slo_met"] == ("1" if met else "0"), rec
+    assert rec["slo_met"] == ("1" if met else "0") == "1", rec
 
 
 def test_completions_json_and_stream_equal_the_worker(gateway: GatewayProcess, workers: list[Service]) -> None:
@@ -172,11 +184,10 @@ def test_requests_spread_over_workers_by_headroom(gateway: GatewayProcess, rds: 
     with cf.ThreadPoolExecutor(6) as pool:
         rids = list(pool.map(one, range(6)))
     used = [record(rds, rid)["worker"] for rid in rids]
-    # overlapping requests: the gateway counts its own in-flight requests, so the other worker has more
-    # headroom once one holds a request. How many each gets depends on the cost models the workers fitted
-    # online on this shared CPU, so only the spread itself is asserted (tests/gateway/unit has the numbers).
+    # overlapping requests: the gateway counts its own in-flight requests at once, and with targets this lax
+    # both workers keep every target, so their slacks tie and the one holding fewer requests gets the next
     views = httpx.get(f"{gateway.url}/readyz").json()
-    assert set(used) == {"w-a", "w-b"}, (used, views)
+    assert sorted(used).count("w-a") == 3 and sorted(used).count("w-b") == 3, (used, views)
     assert routed() - before == 6  # one routing choice each: healthy workers, no retry
 
 
@@ -252,7 +263,8 @@ def test_chat_bad_messages_and_unknown_path(gateway: GatewayProcess) -> None:
 # ---- API keys and the rate limit (a gateway of its own) -----------------------------------------------------
 
 
-def test_api_keys_and_rate_limit(rds: tuple[redis.Redis, str], workers: list[Service], tmp_path: Path) -> None:
+def test_api_keys_and_rate_limit(rds: tuple[redis.Redis, str], workers: list[Service], tmp_path: Path,
+                                lax_classes: list[str]) -> None:
     _, prefix = rds
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"keys": [
@@ -260,7 +272,7 @@ def test_api_keys_and_rate_limit(rds: tuple[redis.Redis, str], workers: list[Ser
         {"key": "sk-team-b-0123456789", "name": "team-b"},
     ]}))
     gw = start_gateway(tmp_path / "gw-keys.log", "--redis-url", REDIS_URL, "--redis-prefix", prefix,
-                       "--api-keys-file", str(keys))
+                       "--api-keys-file", str(keys), *lax_classes)
     try:
         gw.wait_workers(2)
         with pytest.raises(openai.AuthenticationError):
@@ -286,13 +298,13 @@ def test_api_keys_and_rate_limit(rds: tuple[redis.Redis, str], workers: list[Ser
 
 
 def test_killed_worker_request_succeeds_on_another(rds: tuple[redis.Redis, str], workers: list[Service],
-                                                   tmp_path: Path) -> None:
+                                                   tmp_path: Path, lax_classes: list[str]) -> None:
     r, prefix = rds
     doomed = _worker(tmp_path, prefix, "w-doomed", ADASERVE_REGISTRATION_TTL_S="60")
     doomed.wait_ready()
     # round-robin makes the gateway pick the dead worker for some of the requests, whatever its headroom
     gw = start_gateway(tmp_path / "gw-rr.log", "--redis-url", REDIS_URL, "--redis-prefix", prefix,
-                       "--routing", "round-robin")
+                       "--routing", "round-robin", *lax_classes)
     try:
         gw.wait_workers(3)
         doomed.proc.send_signal(signal.SIGKILL)  # no drain: its registration stays, as a crashed pod's does
@@ -317,38 +329,83 @@ def test_killed_worker_request_succeeds_on_another(rds: tuple[redis.Redis, str],
 
 
 def test_overload_sheds_sheddable_classes_first(rds: tuple[redis.Redis, str], tmp_path: Path) -> None:
-    """A worker whose published cost model makes one iteration take 1 s cannot keep any class's pace.
+    """A worker (written by the test: nothing listens at its address) that measured 5 ms per token alone and
+    1 s with two requests, busy with one chat request: every class is feasible alone, none has slack now.
 
-    The registration is written by the test (no real worker is that slow); nothing listens at its address,
-    so a class that is not sheddable, served best effort after the queue timeout, fails with 503 too.
-    """
+    The sheddable class is refused at once, without queueing (the queue timeout is far longer than its client's
+    timeout); coding (not sheddable) waits for slack until its TTFT target (2 s) is spent, then is refused."""
     r, _ = rds
     prefix = f"adaserve-gw-shed-{uuid.uuid4().hex[:8]}"
+    curve = [{"requests": 1, "steps": 32, "iteration_ms": 5.0, "tokens_verified": 1, "tokens_per_request": 1.0},
+             {"requests": 2, "steps": 32, "iteration_ms": 1000.0, "tokens_verified": 2, "tokens_per_request": 1.0}]
     doc = {"schema": 1, "worker_id": "slow", "address": "http://127.0.0.1:9", "status": "ready",
            "models": {"name": "demo"}, "budget": 8, "capacity": {"max_active_requests": 4},
-           "cost_model": {"target": {"alpha": 0.0, "gamma": 0.0, "delta": 1.0}, "draft": None},
-           "load": {"active": 0, "active_by_class": {}}, "acceptance": {"steps": 0}}
-    r.set(f"{prefix}:workers:slow", json.dumps(doc), px=60_000)
-    r.zadd(f"{prefix}:workers", {"slow": int(time.time() * 1000) + 60_000})
-    # a queue timeout far longer than the shed request's own client timeout: had it queued, it would time out
+           "load": {"active": 1, "active_by_class": {"chat": 1}}, "acceptance": {"steps": 0},
+           "measured": {"iterations": curve}, "updated_at": time.time()}
+    r.set(f"{prefix}:workers:slow", json.dumps(doc), px=120_000)
+    r.zadd(f"{prefix}:workers", {"slow": int(time.time() * 1000) + 120_000})
     gw = start_gateway(tmp_path / "gw-shed.log", "--redis-url", REDIS_URL, "--redis-prefix", prefix,
-                       "--queue-timeout-s", "6", "--max-attempts", "1")
+                       "--queue-timeout-s", "120", "--max-attempts", "1")
     try:
         gw.wait_workers(1)
-        shed = httpx.post(f"{gw.url}/v1/completions", headers={"X-SLO-Class": "summarization"}, timeout=3,
+        shed = httpx.post(f"{gw.url}/v1/completions", headers={"X-SLO-Class": "summarization"}, timeout=60,
                           json={"model": "demo", "prompt": "x", "max_tokens": 2})
         assert shed.status_code == 503 and shed.headers["Retry-After"] == "1"
         assert shed.json()["error"]["code"] == "shed"
         kept = httpx.post(f"{gw.url}/v1/completions", headers={"X-SLO-Class": "coding"}, timeout=60,
                           json={"model": "demo", "prompt": "x", "max_tokens": 2})
-        assert kept.status_code == 503 and kept.json()["error"]["code"] == "workers_failed"  # tried, not shed
+        assert kept.status_code == 503 and kept.headers["Retry-After"] == "1"
+        assert kept.json()["error"]["code"] == "overloaded" and "'coding'" in kept.json()["error"]["message"]
         assert int(r.hget(f"{prefix}:classes:summarization", "shed") or 0) == 1
-        assert metric(scrape(gw.url), "adaserve_gateway_shed_total", slo_class="summarization", reason="shed") == 1
+        assert int(r.hget(f"{prefix}:classes:coding", "shed") or 0) == 1
+        samples = scrape(gw.url)
+        assert metric(samples, "adaserve_gateway_shed_total", slo_class="summarization", reason="shed") == 1
+        assert metric(samples, "adaserve_gateway_shed_total", slo_class="coding", reason="overloaded") == 1
+        assert metric(samples, "adaserve_gateway_requests_total", slo_class="coding") == 0  # never sent
     finally:
         assert gw.stop() == 0
         keys = list(r.scan_iter(f"{prefix}:*"))
         if keys:
             r.delete(*keys)
+
+
+def test_an_idle_fleet_never_queues(rds: tuple[redis.Redis, str], workers: list[Service], tmp_path: Path) -> None:
+    """Issue 15's invariant against real workers: one request at a time, of every class (the built-in targets,
+    which this machine may or may not meet today, and one no machine meets), each is admitted on its first look
+    at the workers, never queued: a feasible class because an idle worker keeps its target, the impossible
+    one because it is served best effort. The impossible class is named at start-up and in /v1/slo-classes."""
+    _, prefix = rds
+    impossible = SloClass(name="impossible", tpot_ms=0.001)
+    classes = tmp_path / "classes.json"
+    classes.write_text(json.dumps([c.model_dump(by_alias=True, exclude_none=True)
+                                   for c in (*DEFAULT_CLASSES, impossible)]))
+    gw = start_gateway(tmp_path / "gw-idle.log", "--redis-url", REDIS_URL, "--redis-prefix", prefix,
+                       "--slo-classes-file", str(classes), "--queue-timeout-s", "120")
+    try:
+        gw.wait_workers(2)
+        listed = {c["name"]: c for c in httpx.get(f"{gw.url}/v1/slo-classes").json()["data"]}
+        assert listed["impossible"]["feasibility"] == "infeasible" and listed["impossible"]["lone_tpot_ms"] > 0
+        assert "'impossible'" in gw.logs() and "cannot be met by any worker even for a lone request" in gw.logs()
+        rids = []
+        for _ in range(3):
+            for name in ("coding", "chat", "summarization", "impossible"):
+                # one JSON answer at a time: the gateway releases the worker before it answers
+                got = client(gw).completions.with_raw_response.create(
+                    model="demo", prompt="def add(a, b):", max_tokens=8, temperature=0,
+                    extra_headers={"X-SLO-Class": name})
+                rids.append((name, got.headers["X-Request-Id"]))
+        for name, rid in rids:
+            rec = record(rds, rid)
+            assert rec["status"] == "done" and rec["queued"] == "0", (name, rec)
+            assert rec["admission"] == ("best_effort" if name == "impossible" else rec["admission"]), rec
+        samples = scrape(gw.url)
+        for name in ("coding", "chat", "summarization", "impossible"):
+            at_once = sum(metric(samples, "adaserve_gateway_admitted_total", slo_class=name, how="at_once", mode=m)
+                          for m in ("slo", "best_effort"))
+            assert at_once == 3, (name, samples)
+        assert metric(samples, "adaserve_gateway_queue_seconds_count", slo_class="chat") == 3
+    finally:
+        assert gw.stop() == 0
 
 
 def test_stream_of_events_is_well_formed(gateway: GatewayProcess) -> None:
@@ -362,11 +419,11 @@ def test_stream_of_events_is_well_formed(gateway: GatewayProcess) -> None:
     assert all(e["object"] == "chat.completion.chunk" and e["id"] == events[0]["id"] for e in events)
 
 
-def test_redis_outage_does_not_fail_requests(workers: list[Service], tmp_path: Path) -> None:
+def test_redis_outage_does_not_fail_requests(workers: list[Service], tmp_path: Path, lax_classes: list[str]) -> None:
     """State store unreachable (nothing listens on port 9): requests are still served, records skipped, and
     /readyz says 503 so Kubernetes stops sending this gateway traffic."""
     gw = start_gateway(tmp_path / "gw-noredis.log", "--redis-url", "redis://127.0.0.1:9/0", "--workers",
-                       workers[0].url, "--model-name", "demo")
+                       workers[0].url, "--model-name", "demo", *lax_classes)
     try:
         seen = wait_for(lambda: httpx.get(f"{gw.url}/readyz").json()["ready_workers"] == 1, timeout=20)
         assert seen, gw.logs()[-3000:]

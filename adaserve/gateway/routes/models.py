@@ -12,7 +12,7 @@ from adaserve.gateway.errors import ApiError
 from adaserve.gateway.keys import AuthError
 from adaserve.gateway.routes.deps import AuthorizationHeader, GatewayDep
 from adaserve.gateway.service import Gateway
-from adaserve.gateway.slo import best_feasibility
+from adaserve.gateway.slo import class_feasibility
 
 router = APIRouter(tags=["models"])
 
@@ -36,11 +36,11 @@ async def models(gw: GatewayDep, authorization: AuthorizationHeader = None) -> d
 @router.get("/v1/slo-classes")
 async def slo_classes(gw: GatewayDep) -> dict[str, Any]:
     """The classes a request may name (header ``X-SLO-Class`` or body ``slo_class``) and the default, each
-    with how a lone request of it fares on the best usable worker (``feasibility``; null until one reports)."""
+    with how a lone request of it fares on the best usable worker (``feasibility``, ``lone_tpot_ms``; null
+    until one reports)."""
     workers = gw.directory.usable()
     return {"default": gw.catalog.default,
-            "data": [{**c.public(), "feasibility": best_feasibility(c.tpot_ms, workers)}
-                     for c in gw.catalog.classes.values()]}
+            "data": [{**c.public(), **class_feasibility(c, workers)} for c in gw.catalog.classes.values()]}
 
 
 @router.get("/v1/requests/{request_id}")

@@ -17,6 +17,12 @@ def registration(worker_id: str, *, status: str = "ready", model: str | None = "
             "acceptance": {"steps": 0, "mean_accepted_per_verification": 0.0, "acceptance_rate": 0.0}, **top}
 
 
+def curve(*points: tuple[int, float, float]) -> dict[str, Any]:
+    """A ``measured`` section: (requests, iteration ms, tokens per request) points of 32 iterations each."""
+    return {"iterations": [{"requests": n, "steps": 32, "iteration_ms": ms, "tokens_verified": n,
+                            "tokens_per_request": e} for n, ms, e in points]}
+
+
 class FakeSource:
     """directory.Source over documents the test sets, parsed as the real sources parse them (what is not a
     registration is left out); ``error`` makes the next reads fail."""

@@ -13,7 +13,7 @@ import pytest
 
 from adaserve.contract.registration import parse_registration
 from adaserve.gateway.directory import Directory, worker_view
-from adaserve.gateway.routing import Router, WorkerView
+from adaserve.gateway.routing import CurvePoint, Router, WorkerView, predicted_tpot_ms
 from tests.contract.examples import REGISTRATION
 from tests.gateway.unit.fakes import FakeSource, registration
 from tests.gateway.unit.helpers import run
@@ -39,7 +39,17 @@ def test_parse_a_real_registration() -> None:
         max_active=64, active=3, active_by_class={"chat": 2, "coding": 1}, budget=582,
         target_cost={"alpha": 1.1e-7, "gamma": 2.0e-5, "delta": 0.011},
         draft_cost={"alpha": 2.0e-8, "gamma": 4.0e-6, "delta": 0.002}, acceptance_rate=0.31,
-        context_per_request=1730 / 3, draft_steps=4, unloaded_tpot_ms=21.5)
+        context_per_request=1730 / 3, draft_steps=4, unloaded_tpot_ms=21.5, lone_tpot_ms=14.2,
+        curve=(CurvePoint(1, 32, 31.0, 2.2), CurvePoint(3, 32, 38.5, 1.9)),
+        class_accepted={"chat": 1.6, "coding": 2.0}, pooled_accepted=(32 * 1.6 + 12 * 2.0) / 44,
+        class_ttft_ms={"chat": 48.0, "coding": 52.0})
+
+
+def test_the_curve_is_read_in_order_of_requests() -> None:
+    points = REGISTRATION["measured"]["iterations"]
+    v = view_of(doc(measured={"iterations": points[::-1]}))
+    assert v is not None and [p.requests for p in v.curve] == [1, 3]
+    assert v.class_accepted == {} and v.pooled_accepted is None and v.class_ttft_ms == {}
 
 
 @pytest.mark.parametrize(("load", "per_request"), [
@@ -89,7 +99,7 @@ def test_a_malformed_cost_model_does_not_break_routing(cost_model: dict[str, Any
     assert view_of(doc(cost_model=cost_model)) is None
     other = view_of(doc(worker_id="healthy"))
     assert other is not None
-    choice = Router("headroom").choose([other], 50.0, lambda _: 50.0)
+    choice = Router("headroom").choose([other], "chat", lambda _: 50.0)
     assert choice is not None and choice.worker.id == "healthy"
 
 
@@ -123,6 +133,44 @@ def test_usable_raises_loads_to_own_in_flight_counts() -> None:
     views = by_id(d.usable())
     assert views["a"].active == 2 and views["a"].active_by_class.get("coding", 0) == 0
     assert by_id(d.all())["a"].active == 1  # all() is the registrations as read
+
+
+def test_a_registration_is_read_as_what_it_was_when_written() -> None:
+    """A registration written before this gateway's last request there ended still counts that request; one
+    written before a request began here does not count it yet (load.effective)."""
+    d, source = directory([])
+    t0 = time.time()
+    d.acquire("a", "chat")  # this gateway: one chat request since t0
+    d.acquire("a", "coding")
+    source.docs = [registration("a", active=3, by_class={"chat": 2, "coding": 1}, updated_at=time.time())]
+    run(d.refresh())  # the worker counted ours and one chat request of someone else's
+    assert by_id(d.usable())["a"].active_by_class == {"chat": 2, "coding": 1}
+    d.release("a", "chat")  # ended here after the registration was written: not counted any more
+    d.release("a", "coding")
+    assert (by_id(d.usable())["a"].active, by_id(d.usable())["a"].active_by_class) == (1, {"chat": 1})
+    d.acquire("a", "coding")  # begun since: counted at once
+    assert by_id(d.usable())["a"].active_by_class == {"chat": 1, "coding": 1}
+    # a registration written before any of this gateway's requests: all of it is someone else's
+    source.docs = [registration("a", active=2, by_class={"chat": 2}, updated_at=t0 - 1)]
+    run(d.refresh())
+    assert by_id(d.usable())["a"].active_by_class == {"chat": 2, "coding": 1}
+
+
+def test_the_correction_learnt_from_finished_requests_reaches_the_views() -> None:
+    measured = {"iterations": [{"requests": 1, "steps": 32, "iteration_ms": 20.0, "tokens_verified": 2,
+                                "tokens_per_request": 2.0},
+                               {"requests": 2, "steps": 32, "iteration_ms": 30.0, "tokens_verified": 4,
+                                "tokens_per_request": 1.5}]}
+    d, _ = directory([registration("a", measured=measured, updated_at=time.time())])
+    assert by_id(d.usable())["a"].correction == 1.0
+    d.acquire("a", "chat")
+    since = d.mark("a")
+    time.sleep(0.05)
+    predicted, k = d.learn("a", "chat", since, observed_ms=20.0, tokens=32)  # alone: predicted 10 ms, got 20
+    assert predicted == pytest.approx(10.0, rel=0.05)
+    assert k == pytest.approx(2 ** 0.2, rel=0.02) and by_id(d.usable())["a"].correction == k
+    d.release("a", "chat")
+    assert predicted_tpot_ms(by_id(d.usable())["a"], "chat", 1) == pytest.approx(10.0)  # raw: the correction apart
 
 
 def test_usable_excludes_workers_that_are_not_ready() -> None:
@@ -180,7 +228,7 @@ def test_wait_change_wakes_on_release() -> None:
 
     early, elapsed = run(main())
     assert not early
-    assert elapsed < 1.0
+    assert elapsed < 5.0  # woken, not timed out
 
 
 def test_wait_change_wakes_on_refresh_and_times_out_otherwise() -> None:
@@ -197,8 +245,8 @@ def test_wait_change_wakes_on_refresh_and_times_out_otherwise() -> None:
         return idle, time.monotonic() - start
 
     idle, woken = run(main())
-    assert 0.09 <= idle < 1.0
-    assert woken < 1.0
+    assert idle >= 0.09
+    assert woken < 5.0
 
 
 def test_start_reads_at_once_and_stop_closes_the_source() -> None:

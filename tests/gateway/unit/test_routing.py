@@ -1,4 +1,4 @@
-"""routing.py: the headroom formula against hand-computed numbers, and each policy of Router.choose."""
+"""routing.py: TPOT predicted from a worker's measured curve, the prior, slack, and each policy of Router.choose."""
 
 from __future__ import annotations
 
@@ -8,24 +8,38 @@ from typing import Any
 import pytest
 
 from adaserve.gateway.routing import (
+    CLASS_RATIO,
     CONTEXT_TOKENS,
     DRAFT_STEPS,
+    MIN_STEPS,
     PRIOR_ACCEPTANCE,
     TIE,
+    CurvePoint,
     Router,
     WorkerView,
     accepted_per_request,
-    best_headroom,
-    headroom,
+    best_slack,
+    class_ratio,
+    curve_slope,
+    feasible,
+    feasible_anywhere,
+    iteration_ms_at,
     iteration_s,
+    lone_tpot_ms,
     pooled_acceptance,
+    predicted_tpot_ms,
+    prior_tokens,
+    slack,
+    tokens_at,
 )
 from tests.gateway.unit.helpers import view
 
 # T = alpha * context + gamma * batched + delta (seconds)
 TARGET = {"alpha": 1e-6, "gamma": 1e-4, "delta": 0.01}
 DRAFT = {"alpha": 0.0, "gamma": 1e-4, "delta": 0.001}
-TPOTS = {"tight": 10.0, "chat": 50.0, "relaxed": 150.0}
+TPOTS = {"tight": 30.0, "chat": 50.0, "relaxed": 150.0}
+# a worker's measured curve: 20 ms alone gaining 2 tokens, 30 ms with two requests gaining 1.5, 50 ms with four
+CURVE = (CurvePoint(1, 32, 20.0, 2.0), CurvePoint(2, 32, 30.0, 1.5), CurvePoint(4, 16, 50.0, 1.25))
 
 
 def tpot_of(name: str) -> float | None:
@@ -33,193 +47,208 @@ def tpot_of(name: str) -> float | None:
 
 
 def modelled(id: str = "w", **kw: Any) -> WorkerView:
-    """A worker with a cost model, B = 64, acceptance rate a = 0.5 and one chat request running."""
-    fields: dict[str, Any] = {"max_active": 8, "active": 1, "active_by_class": {"chat": 1}, "budget": 64,
-                              "target_cost": TARGET, "draft_cost": DRAFT, "acceptance_rate": 0.5}
+    """A worker with a cost model (B = 64, acceptance rate 0.5) and no measurements yet."""
+    fields: dict[str, Any] = {"max_active": 8, "active": 0, "budget": 64, "target_cost": TARGET,
+                              "draft_cost": DRAFT, "acceptance_rate": 0.5}
     return view(id, **{**fields, **kw})
 
 
+def measured(id: str = "w", **kw: Any) -> WorkerView:
+    """A worker that has measured CURVE."""
+    return modelled(id, **{"curve": CURVE, **kw})
+
+
 def test_constants_the_hand_numbers_assume() -> None:
-    assert (CONTEXT_TOKENS, DRAFT_STEPS, PRIOR_ACCEPTANCE) == (512, 4, 0.6)
+    assert (CONTEXT_TOKENS, DRAFT_STEPS, PRIOR_ACCEPTANCE, MIN_STEPS, CLASS_RATIO) == (512, 4, 0.6, 4, (0.5, 2.0))
 
 
-# ---- iteration_s -------------------------------------------------------------------------------------------
+# ---- the measured curve ---------------------------------------------------------------------------------------
 
-def test_iteration_s_verifies_the_budget_and_drafts_d_steps() -> None:
+@pytest.mark.parametrize(("n", "ms"), [(1, 20.0), (2, 30.0), (4, 50.0), (3, 40.0), (1.5, 25.0)])
+def test_iteration_time_at_and_between_measured_points(n: float, ms: float) -> None:
+    assert iteration_ms_at(measured(), n) == pytest.approx(ms)
+
+
+def test_iteration_time_beyond_the_curve_follows_its_least_squares_slope() -> None:
+    # weights 32, 32, 16: mean n = 2, mean T = 30; sxy = 32*(-1)(-10) + 0 + 16*2*20 = 960, sxx = 32 + 0 + 64 = 96
+    assert curve_slope(CURVE) == pytest.approx(10.0)
+    assert iteration_ms_at(measured(), 6) == pytest.approx(70.0)
+    # below the first point: the same line, but never under half the first point
+    shifted = tuple(CurvePoint(p.requests + 2, p.steps, p.iteration_ms) for p in CURVE)
+    assert iteration_ms_at(measured(curve=shifted), 2) == pytest.approx(10.0)
+    assert iteration_ms_at(measured(curve=shifted), 1) == pytest.approx(10.0)  # 0 by the line, floored
+
+
+def test_a_decreasing_curve_does_not_extrapolate_downwards() -> None:
+    noisy = (CurvePoint(1, 8, 30.0, 2.0), CurvePoint(2, 8, 25.0, 2.0))
+    assert curve_slope(noisy) == 0.0
+    assert iteration_ms_at(measured(curve=noisy), 5) == pytest.approx(25.0)
+
+
+def test_one_point_scales_as_the_prior_does() -> None:
+    one = (CurvePoint(1, 32, 20.0, 2.0),)
+    w = measured(curve=one)
+    assert iteration_ms_at(w, 3) == pytest.approx(20.0 * iteration_s(w, 3) / iteration_s(w, 1))  # type: ignore[operator]
+    # without a cost model: in proportion to the requests
+    assert iteration_ms_at(view(curve=one), 3) == pytest.approx(60.0)
+
+
+def test_points_with_few_iterations_are_not_trusted() -> None:
+    shaky = (CurvePoint(1, MIN_STEPS - 1, 500.0, 1.0), *CURVE[1:])
+    assert iteration_ms_at(measured(curve=shaky), 1) == pytest.approx(30.0 - 10.0)  # the line through 2 and 4
+    only_shaky = (CurvePoint(1, 1, 500.0, 1.0),)
+    assert iteration_ms_at(modelled(curve=only_shaky), 1) == pytest.approx(1e3 * iteration_s(modelled(), 1))  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(("n", "e"), [(1, 2.0), (2, 1.5), (3, 1.375), (4, 1.25), (9, 1.25)])
+def test_tokens_per_iteration_from_the_curve_nearest_beyond_its_ends(n: float, e: float) -> None:
+    assert tokens_at(measured(), n) == pytest.approx(e)
+
+
+def test_prefill_only_points_say_nothing_about_tokens() -> None:
+    curve = (CurvePoint(1, 32, 20.0, None), CurvePoint(2, 32, 30.0, 1.5))
+    assert tokens_at(measured(curve=curve), 1) == pytest.approx(1.5)
+
+
+def test_predicted_tpot_is_iteration_time_over_tokens() -> None:
+    assert predicted_tpot_ms(measured(), "chat", 1) == pytest.approx(10.0)
+    assert predicted_tpot_ms(measured(), "chat", 4) == pytest.approx(40.0)
+    assert predicted_tpot_ms(view(), "chat", 1) is None  # neither curve nor cost model
+
+
+def test_a_class_that_accepts_more_gains_more_tokens_beyond_the_bonus() -> None:
+    w = measured(class_accepted={"tight": 1.5, "relaxed": 0.5, "wild": 9.0}, pooled_accepted=1.0)
+    assert class_ratio(w, "tight") == 1.5 and class_ratio(w, "relaxed") == 0.5
+    assert class_ratio(w, "wild") == CLASS_RATIO[1] and class_ratio(w, "unknown") == 1.0
+    # n = 2: T = 30, E = 1.5; tight gains 1 + 0.5 * 1.5 = 1.75 tokens, relaxed 1 + 0.5 * 0.5 = 1.25
+    assert predicted_tpot_ms(w, "tight", 2) == pytest.approx(30 / 1.75)
+    assert predicted_tpot_ms(w, "relaxed", 2) == pytest.approx(30 / 1.25)
+    assert class_ratio(measured(class_accepted={"tight": 1.0}), "tight") == 1.0  # no pooled figure
+
+
+# ---- the prior (a worker that has not served yet) -------------------------------------------------------
+
+def test_prior_iteration_verifies_the_budget_and_drafts_d_steps() -> None:
     # n=2: T_target(1024, B=64) = 1.024e-3 + 6.4e-3 + 0.01 = 0.017424; T_draft(1024, 2) = 2e-4 + 1e-3 = 0.0012
     assert iteration_s(modelled(), 2) == pytest.approx(0.022224)
+    assert iteration_ms_at(modelled(), 2) == pytest.approx(22.224)
 
 
-def test_iteration_s_uses_the_context_and_depth_the_worker_reports() -> None:
-    # L = 100 per request, D = 2; n=2: T_target(200, 64) = 2e-4 + 6.4e-3 + 0.01; T_draft(200, 2) = 2e-4 + 1e-3
+def test_prior_uses_the_context_and_depth_the_worker_reports() -> None:
     assert iteration_s(modelled(context_per_request=100.0, draft_steps=2), 2) == pytest.approx(0.0166 + 2 * 0.0012)
+    assert iteration_s(modelled(draft_steps=0), 2) == iteration_s(modelled(draft_cost=None), 2)
+    assert iteration_s(modelled(draft_cost=None), 2) == pytest.approx(0.011224)  # one forward of n tokens
+    assert iteration_s(modelled(budget=None), 2) is None and iteration_s(view(), 2) is None
 
-
-def test_a_worker_reporting_depth_0_is_judged_without_a_tree() -> None:
-    w = modelled(draft_steps=0)
-    assert iteration_s(w, 2) == iteration_s(modelled(draft_cost=None), 2)
-    # no tree: nothing is accepted beyond the bonus token, so a request needs t <= T_target to fit
-    assert headroom(w, 50.0, tpot_of) == pytest.approx(0.0)
-
-
-def test_iteration_s_batches_at_least_one_token_per_request() -> None:
-    # B=1 < n=3: T_target(1536, 3) = 1.536e-3 + 3e-4 + 0.01 = 0.011836; T_draft(1536, 3) = 3e-4 + 1e-3
-    assert iteration_s(modelled(budget=1), 3) == pytest.approx(0.011836 + 4 * 0.0013)
-
-
-def test_iteration_s_without_draft_is_one_target_forward_of_n_tokens() -> None:
-    # no speculation: T_target(1024, n=2) = 1.024e-3 + 2e-4 + 0.01, the budget plays no part
-    assert iteration_s(modelled(draft_cost=None), 2) == pytest.approx(0.011224)
-
-
-@pytest.mark.parametrize("missing", ["target_cost", "budget"])
-def test_iteration_s_needs_a_cost_model_and_a_budget(missing: str) -> None:
-    assert iteration_s(modelled(**{missing: None}), 2) is None
-
-
-# ---- accepted_per_request ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("a", "k", "m"), [
-    (0.5, 4, 0.9375),  # 0.5 + 0.25 + 0.125 + 0.0625
-    (0.6, 4, 0.6 + 0.36 + 0.216 + 0.1296),
-    (0.5, 1.5, 1 - 0.5**1.5),  # a fractional tree size interpolates
-    (1.0, 3, 3.0),  # every draft token accepted
-    (0.0, 4, 0.0),
-    (0.7, 0, 0.0),
-    (0.7, -0.5, 0.0),  # fewer budget tokens than requests: no tree at all
+    (0.5, 4, 0.9375), (0.5, 1.5, 1 - 0.5**1.5), (1.0, 3, 3.0), (0.0, 4, 0.0), (0.7, 0, 0.0), (0.7, -0.5, 0.0),
 ])
 def test_accepted_per_request(a: float, k: float, m: float) -> None:
     assert accepted_per_request(a, k) == pytest.approx(m)
 
 
-# ---- headroom ----------------------------------------------------------------------------------------------
-
-def test_headroom_by_hand_for_a_tight_request() -> None:
-    # n=2, k = min(4, 64/2 - 1) = 4, m = 0.9375; own need = t / 10ms = 2.2224 (1.2224 beyond the bonus token);
-    # the running chat request needs 0.44448 < 1  ->  0.9375 - 1.2224 / 2 = 0.3263 (reach 5 - 2.2224 is larger)
-    assert headroom(modelled(), 10.0, tpot_of) == pytest.approx(0.9375 - 1.2224 / 2)
-
-
-def test_headroom_by_hand_for_a_relaxed_request() -> None:
-    # need 0.14816 < 1: no extra demand, headroom = m
-    assert headroom(modelled(), 150.0, tpot_of) == pytest.approx(0.9375)
-
-
-def test_tighter_class_has_less_headroom() -> None:
-    w = modelled()
-    assert headroom(w, 10.0, tpot_of) < headroom(w, 50.0, tpot_of)
-
-
-def test_running_tight_requests_reduce_headroom() -> None:
-    mixes = [{"chat": 3}, {"chat": 2, "tight": 1}, {"chat": 1, "tight": 2}, {"tight": 3}]
-    rooms = [headroom(modelled(active=3, active_by_class=mix), 50.0, tpot_of) for mix in mixes]
-    assert rooms == sorted(rooms, reverse=True) and len(set(rooms)) == len(rooms)
-    # n=4: t = 0.018448 + 4 * 0.0014 = 0.024048; each tight request needs 2.4048, 1.4048 beyond its bonus token
-    assert rooms[0] == pytest.approx(0.9375)
-    assert rooms[-1] == pytest.approx(0.9375 - 3 * 1.4048 / 4)
-    assert rooms[-1] < 0  # three tight requests already use more than the tree gives
-
-
-def test_running_requests_of_unknown_classes_add_no_demand() -> None:
-    assert headroom(modelled(active_by_class={"gone": 1}), 50.0, tpot_of) == pytest.approx(0.9375)
-
-
-def test_prior_acceptance_before_any_verification() -> None:
-    # a = 0.6 until the worker publishes its acceptance rate: m = 0.6 + 0.36 + 0.216 + 0.1296 = 1.3056
-    assert headroom(modelled(acceptance_rate=None), 50.0, tpot_of) == pytest.approx(1.3056)
-
-
-def test_an_assumed_acceptance_overrides_the_workers_own() -> None:
-    assert headroom(modelled(acceptance_rate=0.5), 50.0, tpot_of, acceptance=0.6) == pytest.approx(1.3056)
-    assert headroom(modelled(acceptance_rate=None), 50.0, tpot_of, acceptance=0.5) == pytest.approx(0.9375)
+def test_prior_tokens_a_chain_of_the_trees_depth() -> None:
+    assert prior_tokens(modelled(), 2, None) == pytest.approx(1.9375)  # k = min(4, 31) at a = 0.5
+    assert prior_tokens(modelled(acceptance_rate=None), 2, None) == pytest.approx(1 + 1.3056)  # a = 0.6
+    assert prior_tokens(modelled(), 2, 0.6) == pytest.approx(1 + 1.3056)  # the pooled rate wins
+    assert prior_tokens(modelled(budget=8), 4, None) == pytest.approx(1.5)  # k = 8/4 - 1 = 1
+    assert prior_tokens(modelled(draft_cost=None), 1, None) == 1.0
+    assert tokens_at(modelled(), 2) == pytest.approx(1.9375)
 
 
 def test_pooled_acceptance_is_the_mean_of_published_rates() -> None:
     assert pooled_acceptance([modelled(acceptance_rate=0.5), modelled(acceptance_rate=0.7), view()]) == 0.6
-    assert pooled_acceptance([view(), modelled(acceptance_rate=None)]) is None
-    assert pooled_acceptance([]) is None
+    assert pooled_acceptance([view()]) is None and pooled_acceptance([]) is None
 
 
-def test_the_budget_caps_each_requests_tree() -> None:
-    # B=8, n=2: k = min(4, 8/2 - 1) = 3, m = 0.5 + 0.25 + 0.125; t = T_target(1024, 8) + 4 * 0.0012 = 0.016624
-    assert headroom(modelled(budget=8), 150.0, tpot_of) == pytest.approx(0.875)
-    # 4 ms: need 4.156 > 1 + k = 4 -> negative even though a perfect acceptance would supply m = 3
-    assert headroom(modelled(budget=8, acceptance_rate=1.0), 4.0, tpot_of) == pytest.approx(4 - 0.016624 / 0.004)
+# ---- slack ------------------------------------------------------------------------------------------------------
+
+def test_slack_of_an_idle_worker_is_the_lone_requests_margin() -> None:
+    assert slack(measured(), "chat", tpot_of) == pytest.approx(1 - 10 / 50)
+    assert slack(measured(), "tight", tpot_of) == pytest.approx(1 - 10 / 30)
 
 
-def test_without_draft_a_request_needing_more_than_one_token_has_no_headroom() -> None:
-    w = modelled(draft_cost=None)  # t = 0.011224; k = 0: a tree cannot help
-    assert headroom(w, 50.0, tpot_of) == pytest.approx(0.0)
-    assert headroom(w, 10.0, tpot_of) == pytest.approx(1.0 - 1.1224)  # reach: 1 - need
+def test_slack_is_the_tightest_margin_of_every_class_on_the_worker() -> None:
+    # joining makes 4: T = 50, E = 1.25, TPOT 40 for everyone; tight (30 ms) is already there and breaks
+    w = measured(active=3, active_by_class={"chat": 2, "tight": 1})
+    assert slack(w, "relaxed", tpot_of) == pytest.approx(1 - 40 / 30)
+    assert slack(measured(active=3, active_by_class={"chat": 3}), "relaxed", tpot_of) == pytest.approx(1 - 40 / 50)
+    assert slack(measured(active=3, active_by_class={"gone": 3}), "relaxed", tpot_of) == pytest.approx(1 - 40 / 150)
 
 
-def test_need_beyond_one_plus_d_is_negative_whatever_the_acceptance() -> None:
-    # 4 ms: need = 0.022224 / 0.004 = 5.556 > 1 + D = 5; with a = 1 the supply would leave 4 - 4.556 / 2 > 0
-    room = headroom(modelled(acceptance_rate=1.0), 4.0, tpot_of)
-    assert room == pytest.approx(5 - 5.556)
-    assert room < 0
+def test_the_correction_scales_every_prediction() -> None:
+    w = measured(correction=2.0)
+    assert slack(w, "chat", tpot_of) == pytest.approx(1 - 20 / 50)
+    assert lone_tpot_ms(w, "chat") == pytest.approx(20.0)
 
 
-def test_no_cost_model_falls_back_to_free_slot_share() -> None:
+def test_best_effort_leaves_the_requests_own_target_out() -> None:
+    assert slack(measured(), "tight", lambda _: 5.0) < 0
+    assert slack(measured(), "tight", lambda _: 5.0, best_effort=True) == 1.0  # nobody else to break
+    busy = measured(active=1, active_by_class={"chat": 1})  # n = 2: TPOT 20 against chat's 50
+    assert slack(busy, "tight", lambda c: 5.0 if c == "tight" else tpot_of(c), best_effort=True) == pytest.approx(0.6)
+
+
+def test_no_free_slot_is_minus_infinite_slack() -> None:
+    for w in (measured(max_active=2, active=2), view(max_active=1, active=1), view(max_active=2, active=5)):
+        assert slack(w, "relaxed", tpot_of) == -math.inf
+
+
+def test_a_worker_nothing_predicts_is_judged_by_its_free_slots() -> None:
     w = view(max_active=8, active=3, active_by_class={"tight": 3})
-    assert headroom(w, 1.0, tpot_of) == pytest.approx((5 - 1) / 8)  # share of slots still free after joining
-    assert headroom(w, 1000.0, tpot_of) == headroom(w, 1.0, tpot_of)  # the target plays no part
-    assert headroom(view(max_active=4, active=3), 50.0, tpot_of) == 0.0  # the last slot: still admissible
-    assert headroom(modelled(budget=None), 1.0, tpot_of) == pytest.approx((7 - 1) / 8)  # cost model, no budget
+    assert slack(w, "tight", tpot_of) == pytest.approx((5 - 1) / 8)
+    assert slack(view(max_active=4, active=3), "chat", tpot_of) == 0.0  # the last slot: still admissible
 
 
-@pytest.mark.parametrize("w", [view(max_active=4, active=4), modelled(max_active=1, active=1),
-                               view(max_active=2, active=5)])
-def test_full_worker_has_minus_infinite_headroom(w: WorkerView) -> None:
-    assert headroom(w, 150.0, tpot_of) == -math.inf
+def test_feasible_means_a_lone_request_meets_the_target() -> None:
+    assert feasible(measured(), "tight", tpot_of) is True  # 10 ms alone
+    assert feasible(measured(correction=4.0), "tight", tpot_of) is False  # 40 ms alone
+    assert feasible(view(), "tight", tpot_of) is None
+    assert feasible(measured(), "nameless", tpot_of) is None
+    fast, slow = measured("fast"), measured("slow", correction=4.0)
+    assert feasible_anywhere([slow, fast], "tight", tpot_of) and not feasible_anywhere([slow], "tight", tpot_of)
+    assert feasible_anywhere([slow, view("unknown")], "tight", tpot_of)  # one that cannot be judged may
+    assert feasible_anywhere([], "tight", tpot_of)
 
 
-# ---- Router.choose -----------------------------------------------------------------------------------------
+# ---- Router.choose -----------------------------------------------------------------------------------------------
 
-def test_headroom_policy_picks_the_most_headroom() -> None:
-    busy = modelled("a", active=1, active_by_class={"tight": 1})  # 0.9375 - 1.2224 / 2: fewer requests, less room
-    calm = modelled("b", active=3, active_by_class={"chat": 3})  # 0.9375
-    assert headroom(calm, 50.0, tpot_of) - headroom(busy, 50.0, tpot_of) > TIE
-    choice = Router("headroom").choose([busy, calm], 50.0, tpot_of)
-    assert choice is not None and choice.worker.id == "b"
-    assert choice.headroom == pytest.approx(0.9375)
-    assert choice.best_headroom == choice.headroom
-
-
-def test_headroom_ties_go_to_the_worker_with_fewer_active() -> None:
-    a = view("a", max_active=8, active=3)  # 5/8 - 1/8 = 0.5
-    b = view("b", max_active=4, active=1)  # 3/4 - 1/4 = 0.5, fewer requests running
-    for order in ([a, b], [b, a]):
-        choice = Router("headroom").choose(order, 50.0, tpot_of)
-        assert choice is not None and choice.worker.id == "b" and choice.headroom == 0.5
-
-
-def test_headroom_within_tie_counts_as_equal_and_fewer_active_wins() -> None:
-    fewer = view("a", max_active=4, active=1)  # 0.5
-    roomier = view("b", max_active=10, active=2)  # 0.7: within TIE of the best
-    choice = Router("headroom").choose([fewer, roomier], 50.0, tpot_of)
+def test_headroom_policy_picks_the_most_slack() -> None:
+    busy = measured("a", active=1, active_by_class={"tight": 1})  # n = 2: TPOT 20 against 30: slack 1/3
+    calm = measured("b", active=3, active_by_class={"relaxed": 3})  # n = 4: 40 against 50: 0.2 (chat joins)
+    choice = Router("headroom").choose([calm, busy], "chat", tpot_of)
     assert choice is not None and choice.worker.id == "a"
-    assert choice.best_headroom == pytest.approx(0.7)
-    much_roomier = view("b", max_active=20, active=2)  # 0.85: beyond TIE, room wins over fewer requests
-    choice = Router("headroom").choose([fewer, much_roomier], 50.0, tpot_of)
-    assert choice is not None and choice.worker.id == "b"
+    assert choice.slack == pytest.approx(1 / 3) and choice.best == choice.slack
+    assert choice.predicted_tpot_ms == pytest.approx(20.0)
 
 
-def test_router_judges_every_open_worker_at_the_pooled_acceptance() -> None:
-    # one worker's recent window is noisy: 0.2 and 0.8 both count as their mean 0.5 (m = 0.9375); the full
-    # worker's rate is not pooled
-    workers = [modelled("a", acceptance_rate=0.2), modelled("b", acceptance_rate=0.8),
-               modelled("c", acceptance_rate=1.0, max_active=1)]
-    choice = Router("headroom").choose(workers, 50.0, tpot_of)
+def test_slacks_within_tie_are_equal_and_fewer_requests_wins() -> None:
+    fewer = measured("a", active=1, active_by_class={"relaxed": 1})  # 1 - 20/150
+    more = measured("b", active=2, active_by_class={"relaxed": 2}, curve=(CurvePoint(3, 32, 20.0, 2.0),))
+    assert abs(slack(fewer, "relaxed", tpot_of) - slack(more, "relaxed", tpot_of)) < TIE
+    choice = Router("headroom").choose([more, fewer], "relaxed", tpot_of)
     assert choice is not None and choice.worker.id == "a"
-    assert choice.headroom == pytest.approx(0.9375) and choice.best_headroom == pytest.approx(0.9375)
 
 
-def test_least_loaded_picks_the_lowest_share_of_slots_in_use() -> None:
-    a = view("a", max_active=4, active=2)  # half full
-    b = view("b", max_active=8, active=3)  # more requests, lower share
-    choice = Router("least-loaded").choose([a, b], 50.0, tpot_of)
-    assert choice is not None and choice.worker.id == "b"
+def test_the_headroom_policy_never_trades_a_kept_target_for_fewer_requests() -> None:
+    # a keeps chat's target by a hair (slack 0.02), b holds fewer requests but would miss it (-0.05): within TIE
+    a = measured("a", active=2, curve=(CurvePoint(3, 32, 49.0, 1.0),))
+    b = measured("b", active=1, curve=(CurvePoint(2, 32, 52.5, 1.0),))
+    choice = Router("headroom").choose([a, b], "chat", tpot_of)
+    assert choice is not None and choice.worker.id == "a" and choice.best == pytest.approx(0.02)
+
+
+def test_least_loaded_and_round_robin_pick_among_workers_that_keep_the_targets() -> None:
+    keeps = measured("a", active=3, max_active=4, active_by_class={"relaxed": 3})  # 40 ms for chat: ok
+    breaks = measured("b", active=3, max_active=8, active_by_class={"tight": 3})  # tight breaks at n = 4
+    for policy in ("least-loaded", "round-robin"):
+        router = Router(policy)
+        for _ in range(3):
+            choice = router.choose([breaks, keeps], "chat", tpot_of)
+            assert choice is not None and choice.worker.id == "a", policy
+    plain = Router("least-loaded").choose([breaks, keeps], "chat", tpot_of, keep_targets=False)
+    assert plain is not None and plain.worker.id == "b"  # a plain load balancer: the lowest share of slots in use
 
 
 def test_round_robin_cycles_through_open_workers_in_id_order() -> None:
@@ -227,7 +256,7 @@ def test_round_robin_cycles_through_open_workers_in_id_order() -> None:
     workers = [view("c"), view("a"), view("full", max_active=1, active=1), view("b")]
     picked = []
     for _ in range(4):
-        choice = router.choose(workers, 50.0, tpot_of)
+        choice = router.choose(workers, "chat", tpot_of)
         assert choice is not None
         picked.append(choice.worker.id)
     assert picked == ["a", "b", "c", "a"]
@@ -235,40 +264,30 @@ def test_round_robin_cycles_through_open_workers_in_id_order() -> None:
 
 @pytest.mark.parametrize("policy", ["headroom", "least-loaded", "round-robin"])
 def test_no_free_slot_anywhere_is_none(policy: str) -> None:
-    full = [view("a", max_active=1, active=1), modelled("b", max_active=2, active=2)]
-    assert Router(policy).choose(full, 50.0, tpot_of) is None
-    assert Router(policy).choose([], 50.0, tpot_of) is None
+    full = [view("a", max_active=1, active=1), measured("b", max_active=2, active=2)]
+    assert Router(policy).choose(full, "chat", tpot_of) is None
+    assert Router(policy).choose([], "chat", tpot_of) is None
+    assert best_slack(full, "chat", tpot_of) is None
 
 
 @pytest.mark.parametrize("policy", ["headroom", "least-loaded", "round-robin"])
-def test_best_headroom_is_the_fleets_maximum(policy: str) -> None:
-    workers = [modelled("a", active=3, active_by_class={"tight": 3}), modelled("b"), view("c", active=6)]
-    rooms = [headroom(w, 10.0, tpot_of) for w in workers]
-    assert len(set(rooms)) == 3
+def test_best_slack_is_the_fleets_maximum_whatever_the_policy(policy: str) -> None:
+    workers = [measured("a", active=3, active_by_class={"tight": 3}), measured("b"), view("c", active=6)]
+    best = max(slack(w, "chat", tpot_of) for w in workers)
     router = Router(policy)
-    for _ in range(3):  # round-robin visits every worker; best stays the fleet's
-        choice = router.choose(workers, 10.0, tpot_of)
-        assert choice is not None
-        assert choice.best_headroom == pytest.approx(max(rooms))
-        assert choice.headroom == pytest.approx(headroom(choice.worker, 10.0, tpot_of))
-        assert choice.headroom <= choice.best_headroom
+    for _ in range(3):
+        choice = router.choose(workers, "chat", tpot_of)
+        assert choice is not None and choice.best == pytest.approx(best) == best_slack(workers, "chat", tpot_of)
+        assert choice.slack <= choice.best
 
 
-def test_best_headroom_without_a_router_equals_the_choices() -> None:
-    # what admission asks of a waiter ahead: the same number as Router.choose, at the pooled acceptance,
-    # and no round-robin turn taken
-    workers = [modelled("b", acceptance_rate=0.8), modelled("a", acceptance_rate=0.2), view("c", active=6),
-               modelled("full", max_active=1, active=1, acceptance_rate=1.0)]
-    for tpot in (10.0, 50.0, 150.0):
-        choice = Router("headroom").choose(workers, tpot, tpot_of)
-        assert choice is not None and best_headroom(workers, tpot, tpot_of) == choice.best_headroom
+def test_best_slack_moves_no_round_robin_cursor() -> None:
     router = Router("round-robin")
-    first = router.choose(workers, 50.0, tpot_of)
-    best_headroom(workers, 50.0, tpot_of)
-    second = router.choose(workers, 50.0, tpot_of)
+    workers = [view("b"), view("a")]
+    first = router.choose(workers, "chat", tpot_of)
+    best_slack(workers, "chat", tpot_of)
+    second = router.choose(workers, "chat", tpot_of)
     assert first is not None and second is not None and (first.worker.id, second.worker.id) == ("a", "b")
-    assert best_headroom([view("x", max_active=1, active=1)], 50.0, tpot_of) is None
-    assert best_headroom([], 50.0, tpot_of) is None
 
 
 def test_unknown_policy_is_refused() -> None:

@@ -24,8 +24,8 @@ def test_workers_gauge_counts_the_usable_workers_not_one_requests_view() -> None
         await gw.directory.refresh()
         seen.append(workers_gauge(gw))
         # a retry that excludes a worker sees one fewer; the fleet did not shrink
-        choice = await gw.admission.admit(chat, model=None, exclude={"a"})
-        assert choice.worker.id == "b"
+        admitted = await gw.admission.admit(chat, model=None, exclude={"a"})
+        assert admitted.choice.worker.id == "b"
         seen.append(workers_gauge(gw))
         gw.directory.mark_failed("a")  # suspected: not routable until suspect_s has passed
         seen.append(workers_gauge(gw))

@@ -169,15 +169,31 @@ def test_feasibility_of_a_lone_request() -> None:
     assert feasibility(40, unloaded_tpot_ms=64, max_depth=0) == "infeasible"  # no draft: plain decoding only
 
 
-def test_best_feasibility_takes_the_most_capable_worker() -> None:
-    from types import SimpleNamespace
+def test_feasibility_measured_overrules_the_profile() -> None:
+    from adaserve.gateway.slo import feasibility
 
-    from adaserve.gateway.slo import best_feasibility
+    # one forward takes 43 ms, but a lone request as served (speculation included) gets 80 ms per token
+    assert feasibility(65, unloaded_tpot_ms=43, max_depth=4, lone_tpot_ms=80) == "infeasible"
+    assert feasibility(90, unloaded_tpot_ms=43, max_depth=4, lone_tpot_ms=80) == "plain"
+    # speculation that works: 30 ms per token alone against a 64 ms forward
+    assert feasibility(40, unloaded_tpot_ms=64, max_depth=4, lone_tpot_ms=30) == "speculation"
+    assert feasibility(12, unloaded_tpot_ms=64, max_depth=4, lone_tpot_ms=10) == "speculation"  # beyond t1/(D+1)
+    assert feasibility(40, unloaded_tpot_ms=None, max_depth=None, lone_tpot_ms=30) == "plain"
+    assert feasibility(20, unloaded_tpot_ms=None, max_depth=None, lone_tpot_ms=30) == "infeasible"
 
-    slow = SimpleNamespace(unloaded_tpot_ms=100.0, draft_steps=0)
-    fast = SimpleNamespace(unloaded_tpot_ms=60.0, draft_steps=4)
-    silent = SimpleNamespace(unloaded_tpot_ms=None, draft_steps=None)
-    assert best_feasibility(80, [slow, silent]) == "infeasible"
-    assert best_feasibility(80, [slow, fast, silent]) == "plain"
-    assert best_feasibility(30, [slow, fast]) == "speculation"
-    assert best_feasibility(30, [silent]) is None and best_feasibility(30, []) is None
+
+def test_class_feasibility_takes_the_most_capable_worker() -> None:
+    from adaserve.gateway.routing import CurvePoint
+    from adaserve.gateway.slo import class_feasibility
+    from tests.gateway.unit.helpers import view
+
+    slow = view("slow", unloaded_tpot_ms=100.0, draft_steps=0, curve=(CurvePoint(1, 32, 100.0, 1.0),))
+    fast = view("fast", unloaded_tpot_ms=60.0, draft_steps=4, curve=(CurvePoint(1, 32, 50.0, 2.0),))
+    silent = view("silent")
+    cls = {c: SloClass(name="chat", tpot_ms=c) for c in (80, 30, 20)}
+    assert class_feasibility(cls[80], [slow, silent]) == {"feasibility": "infeasible", "lone_tpot_ms": 100.0}
+    assert class_feasibility(cls[80], [slow, fast, silent]) == {"feasibility": "plain", "lone_tpot_ms": 25.0}
+    assert class_feasibility(cls[30], [slow, fast]) == {"feasibility": "speculation", "lone_tpot_ms": 25.0}
+    assert class_feasibility(cls[20], [slow, fast]) == {"feasibility": "infeasible", "lone_tpot_ms": 25.0}
+    assert class_feasibility(cls[30], [silent]) == {"feasibility": None, "lone_tpot_ms": None}
+    assert class_feasibility(cls[30], []) == {"feasibility": None, "lone_tpot_ms": None}

@@ -6,14 +6,20 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from adaserve.gateway.admission import Admitted
 from adaserve.gateway.metrics import GatewayMetrics
+from adaserve.gateway.routing import Choice
 from adaserve.gateway.slo import SloClass
 from adaserve.gateway.state import MemoryStore
 from adaserve.gateway.tracker import Tracker
-from tests.gateway.unit.helpers import run
+from tests.gateway.unit.helpers import run, view
 
 CODING = SloClass(name="coding", tpot_ms=40, ttft_ms=2000)  # with a TTFT target
 CHAT = SloClass(name="chat", tpot_ms=50)  # without
+
+
+def admitted(worker: str, *, queued: bool = False) -> Admitted:
+    return Admitted(Choice(view(worker), 0.25, 0.5, 20.0), 0.3 if queued else 0.0, queued, "slo")
 
 
 def tracker(store: MemoryStore, slo: SloClass = CHAT) -> Tracker:
@@ -26,7 +32,7 @@ def test_a_fast_request_is_recorded_as_met() -> None:
     async def main() -> tuple[bool, bool]:
         t = tracker(store)
         await t.received()
-        await t.routed("w1")
+        await t.routed("w1", admitted("w1", queued=True))
         t.on_tokens(1)
         t.on_tokens(0)  # an empty chunk is no token
         t.on_tokens(2)
@@ -43,6 +49,7 @@ def test_a_fast_request_is_recorded_as_met() -> None:
         "id": "req-1", "slo_class": "chat", "api_key": "team-a", "model": "m", "worker": "w1", "attempts": "1",
         "status": "done", "finish_reason": "stop", "tokens": "3", "slo_met": "1"}
     assert float(record["ttft_ms"]) >= 0 and float(record["tpot_ms"]) < 50
+    assert (record["queued"], record["queue_ms"], record["admission"], record["slack"]) == ("1", "300.0", "slo", "0.25")
     assert run(store.counters("chat")) == {"requests": 1, "finished": 1, "done": 1, "tokens": 3, "slo_met": 1}
 
 
@@ -52,7 +59,7 @@ def test_a_class_with_a_ttft_target_misses_on_a_slow_first_token() -> None:
     async def main(waited_s: float) -> bool:
         t = tracker(store, CODING)
         t.arrival -= waited_s  # the first token comes this long after the request arrived
-        await t.routed("w1")
+        await t.routed("w1", admitted("w1"))
         t.on_tokens(2)
         return await t.finished("done", "length")
 
@@ -65,8 +72,8 @@ def test_an_aborted_request_is_not_met_and_retries_are_counted() -> None:
 
     async def main() -> bool:
         t = tracker(store)
-        await t.routed("w1")
-        await t.routed("w2")  # the first worker failed before a token
+        await t.routed("w1", admitted("w1"))
+        await t.routed("w2", admitted("w2"))  # the first worker failed before a token
         t.on_tokens(1)
         return await t.finished("aborted", None)
 
@@ -113,7 +120,8 @@ def test_each_step_writes_record_and_counters_in_one_store_call() -> None:
     async def main() -> list[dict[str, int]]:
         t = tracker(store)
         seen = []
-        for step in (t.received(), t.routed("w1"), t.routed("w2"), t.finished("done", "stop")):
+        for step in (t.received(), t.routed("w1", admitted("w1")), t.routed("w2", admitted("w2")),
+                     t.finished("done", "stop")):
             store.calls.clear()
             await step
             seen.append(dict(store.calls))

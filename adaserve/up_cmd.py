@@ -2,9 +2,10 @@
 distilled draft (or the given model) in a child process, and the gateway in this one, with in-process state
 unless ``--redis-url``.
 
-With no classes file, the three default SLO classes are scaled to this machine once the worker has profiled
-it (``slo.local_classes``): every default class is then feasible on a laptop. Each class is printed with
-its target and how a lone request of it fares (``slo.feasibility``). Ctrl-C (or SIGTERM) stops the gateway,
+With no classes file, the three default SLO classes are scaled to this machine once the worker has measured
+what a lone request gets (``lone_tpot_ms``, speculation included; ``slo.local_classes``): every default class
+is then feasible on a laptop. Each class is printed with its target and how a lone request of it fares
+(``slo.feasibility``). Ctrl-C (or SIGTERM) stops the gateway,
 then drains and stops the worker.
 """
 
@@ -87,17 +88,20 @@ Also: {url}/v1/models  {url}/v1/slo-classes  {url}/metrics   (Ctrl-C stops every
 """
 
 
-def class_lines(classes: list[Any], *, unloaded_tpot_ms: float | None, max_depth: int | None) -> str:
+def class_lines(classes: list[Any], *, unloaded_tpot_ms: float | None, max_depth: int | None,
+                lone_tpot_ms: float | None = None) -> str:
     """One line per class: its targets and how a lone request of it fares on this worker."""
     from adaserve.gateway.slo import feasibility
 
     words = {"plain": "met by plain decoding", "speculation": "needs speculation to be met",
              "infeasible": "INFEASIBLE on this machine, even for a lone request", None: "not judged"}
     base = f"{unloaded_tpot_ms:.1f} ms" if unloaded_tpot_ms else "unknown"
-    out = [f"adaserve: SLO classes (this machine's unloaded per-token latency: {base}):"]
+    lone = f", a lone request served: {lone_tpot_ms:.1f} ms" if lone_tpot_ms else ""
+    out = [f"adaserve: SLO classes (this machine's per-token latency: one forward {base}{lone}):"]
     for c in classes:
         ttft = f", TTFT {c.ttft_ms:.0f} ms" if c.ttft_ms else ""
-        how = words[feasibility(c.tpot_ms, unloaded_tpot_ms=unloaded_tpot_ms, max_depth=max_depth)]
+        how = words[feasibility(c.tpot_ms, unloaded_tpot_ms=unloaded_tpot_ms, max_depth=max_depth,
+                                lone_tpot_ms=lone_tpot_ms)]
         out.append(f"  {c.name:<14} TPOT {c.tpot_ms:.0f} ms{ttft}, priority {c.priority}: {how}")
     return "\n".join(out)
 
@@ -180,10 +184,12 @@ async def _serve(settings: Any, worker: ServerProcess, *, derive: bool, keys: bo
             profile = (await client.get(f"{worker.url}/v1/profile")).raise_for_status().json()
     except (httpx.HTTPError, ValueError) as e:
         raise CliError(f"the worker was ready but its profile could not be read: {e}") from None
-    unloaded, depth = profile.get("unloaded_tpot_ms"), profile.get("max_depth")
-    # a fixed --budget skips profiling: the latency is then a guess, and the absolute defaults are kept
-    if derive and unloaded and profile.get("budget_source") == "profile":
-        classes = [c.model_dump(by_alias=True, exclude_none=True) for c in local_classes(unloaded)]
+    unloaded, depth, lone = profile.get("unloaded_tpot_ms"), profile.get("max_depth"), profile.get("lone_tpot_ms")
+    # what a lone request measurably gets, speculation included; else one profiled forward (a fixed --budget
+    # skips profiling: the latency is then a guess, and the absolute defaults are kept)
+    base = lone or (unloaded if profile.get("budget_source") == "profile" else None)
+    if derive and base:
+        classes = [c.model_dump(by_alias=True, exclude_none=True) for c in local_classes(base)]
         # the same three classes as the defaults, so the same default class
         default = settings.default_slo_class or load_catalog(file=None, inline=None, default=None).default
         settings = settings.model_copy(update={"slo_classes": json.dumps(classes), "default_slo_class": default})
@@ -192,7 +198,7 @@ async def _serve(settings: Any, worker: ServerProcess, *, derive: bool, keys: bo
     except ValueError as e:
         raise CliError(str(e)) from None
     catalog = gateway.catalog
-    print(class_lines(list(catalog.classes.values()), unloaded_tpot_ms=unloaded, max_depth=depth),
+    print(class_lines(list(catalog.classes.values()), unloaded_tpot_ms=unloaded, max_depth=depth, lone_tpot_ms=lone),
           file=sys.stderr, flush=True)
     server = make_server(gateway)
     serving = asyncio.create_task(server.serve())

@@ -26,18 +26,19 @@ def test_adaserve_up_serves_the_default_model_then_stops(tmp_path: Path) -> None
                                 stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 900  # a first start on a busy machine profiles it, slowly
         while "adaserve is up" not in log.read_text():
             assert proc.poll() is None, log.read_text()
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.25)
         banner = log.read_text()
         assert url in banner and "curl" in banner and "from openai import OpenAI" in banner
-        assert "unloaded per-token latency" in banner and "INFEASIBLE" not in banner
+        assert "per-token latency: one forward" in banner and "a lone request served" in banner
+        assert "INFEASIBLE" not in banner
         classes = httpx.get(f"{url}/v1/slo-classes").json()
         assert classes["default"] == "chat"
         tpot = {c["name"]: c["tpot_ms"] for c in classes["data"]}
-        assert tpot["coding"] < tpot["chat"] < tpot["summarization"]  # 1.5x, 2.5x and 6x of one measurement
+        assert tpot["coding"] < tpot["chat"] < tpot["summarization"]  # 1.5x, 2.5x and 6x of a lone request's TPOT
         assert all(c["feasibility"] in ("plain", "speculation") for c in classes["data"])
         c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         answer = c.chat.completions.create(

@@ -3,7 +3,8 @@
 ``adaserve bench`` drives the engine in-process; this drives a running gateway over HTTP the way
 applications do (streaming ``/v1/chat/completions`` naming an ``X-SLO-Class``), so it measures what users
 get: engine, worker, gateway, admission and shedding together. It works against ``adaserve up`` or a
-cluster's gateway alike.
+cluster's gateway alike, and can run the same schedule through a second gateway (a plain load balancer,
+``--routing least-loaded --admission none``) in the same run, rate by rate, alternating.
 
 Per request, from the client's clock::
 
@@ -11,10 +12,18 @@ Per request, from the client's clock::
     tpot = (t(last chunk with text) - t(first chunk with text)) / (completion_tokens - 1)
 
 (the stream's final usage chunk gives ``completion_tokens``; a speculative step can put several tokens
-in one chunk, so chunks are not counted). A request meets its SLO when ``tpot <= tpot_ms`` of its class
-(AdaServe section 6.1); a refused request (429/503) or one that failed counts as a miss, and the
-report also counts them separately. The arrival schedule and prompts are those of ``adaserve bench``
-(bench/workload.py), with the targets the gateway publishes at ``/v1/slo-classes``.
+in one chunk, so chunks are not counted). A request meets its SLO by the one rule the worker and the
+gateway use (adaserve/contract/slo.py ``slo_met``, handed in by the command, as the bench imports no service
+package): it ended normally, its TPOT is within its class's target and, for a class with a TTFT target, so is
+its TTFT. A refused request (429/503) or one that failed is a miss; the report
+gives attainment over all requests and over the admitted ones, the refused share, goodput (output tokens of
+requests that met their SLO, per second of the run) and TTFT, overall and per class. The arrival schedule and
+prompts are those of ``adaserve bench`` (bench/workload.py), with the targets the gateway publishes at
+``/v1/slo-classes``.
+
+Capacity: the request rate the fleet can complete at all, ``throughput / mean output tokens per request``,
+with the throughput measured by a closed loop of ``concurrency`` clients sending the workload's requests back
+to back (``probe_capacity``). A sweep can then be given in multiples of it.
 
 Gateway overhead: the same greedy requests one at a time, straight to the worker and through the
 gateway, alternating; the medians' differences are what the gateway adds to TTFT and to each token.
@@ -23,17 +32,18 @@ gateway, alternating; the medians' differences are what the gateway adds to TTFT
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import statistics
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
-from adaserve.bench.metrics import REFUSED, RequestResult, summarize
+from adaserve.bench.metrics import REFUSED, RequestResult
 from adaserve.bench.workload import PROMPT_SOURCES, SLOClass, WorkloadConfig, WorkloadRequest, build_workload
 
 OVERHEAD_PROMPT = "def quicksort(items):"
@@ -159,18 +169,69 @@ async def run_rate(cfg: LoadConfig, workload: Sequence[WorkloadRequest],
         return list(results), time.perf_counter() - start
 
 
-def rate_report(rate: float, results: Sequence[RequestResult], wall_s: float) -> dict[str, Any]:
-    summary = summarize(results, wall_s=wall_s)
-    for key in ("mean_accepted_per_verification", "scheduler_time_share"):  # engine-side figures
-        summary.pop(key)
-    summary["refused"] = sum(r.finish_reason == REFUSED for r in results)
-    summary["failed"] = sum(r.finish_reason in (None, "error") for r in results)
-    for name, row in summary["per_class"].items():
+class SloRule(Protocol):
+    """adaserve/contract/slo.py ``slo_met``: whether a request that ended so met its targets."""
+
+    def __call__(self, finish: str | None, *, tpot_ms: float | None, ttft_ms: float | None,
+                 tpot_target_ms: float | None, ttft_target_ms: float | None = None) -> bool: ...
+
+
+def met(r: RequestResult, ttft_target_ms: float | None, rule: SloRule) -> bool:
+    """``rule`` on what the client saw; a refused request is a miss whatever the rule says."""
+    return r.finish_reason != REFUSED and rule(r.finish_reason, tpot_ms=r.tpot_ms, ttft_ms=r.ttft_ms,
+                                               tpot_target_ms=r.tpot_slo_ms, ttft_target_ms=ttft_target_ms)
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
+
+
+def _quantile(xs: Sequence[float], q: float) -> float | None:
+    if not xs:
+        return None
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summary(results: Sequence[RequestResult], wall_s: float, ttft_of: Callable[[str], float | None],
+            rule: SloRule) -> dict[str, Any]:
+    """Attainment of all and of admitted requests, refused share, goodput and latencies of ``results``."""
+    n = len(results)
+    admitted = [r for r in results if r.finish_reason != REFUSED]
+    ok = [r for r in results if met(r, ttft_of(r.slo_class), rule)]
+    ttfts = [r.ttft_ms for r in admitted if r.ttft_ms is not None]
+    tpots = [r.tpot_ms for r in admitted if r.tpot_ms is not None]
+    return {
+        "requests": n,
+        "admitted": len(admitted),
+        "refused": n - len(admitted),
+        "failed": sum(r.finish_reason in (None, "error", "abort") for r in results),
+        "refused_share": (n - len(admitted)) / n if n else 0.0,
+        "slo_attainment": len(ok) / n if n else 0.0,
+        "admitted_attainment": len(ok) / len(admitted) if admitted else None,
+        "goodput_tok_s": sum(r.tokens for r in ok) / wall_s,
+        "throughput_tok_s": sum(r.tokens for r in admitted) / wall_s,
+        "mean_tpot_ms": _mean(tpots),
+        "p90_tpot_ms": _quantile(tpots, 0.9),
+        "mean_ttft_ms": _mean(ttfts),
+        "p50_ttft_ms": statistics.median(ttfts) if ttfts else None,
+        "p90_ttft_ms": _quantile(ttfts, 0.9),
+    }
+
+
+def rate_report(rate: float, results: Sequence[RequestResult], wall_s: float, *, rule: SloRule,
+                ttft_of: Callable[[str], float | None] = lambda _: None,
+                capacity_rps: float | None = None) -> dict[str, Any]:
+    """One rate: ``summary`` overall and per class; ``ttft_of``: each class's TTFT target (None: none)."""
+    if wall_s <= 0:
+        raise ValueError("wall_s must be positive")
+    per_class = {}
+    for name in sorted({r.slo_class for r in results}):
         rs = [r for r in results if r.slo_class == name]
-        row["refused"] = sum(r.finish_reason == REFUSED for r in rs)
-        ttfts = sorted(r.ttft_ms for r in rs if r.ttft_ms is not None)
-        row["p50_ttft_ms"] = statistics.median(ttfts) if ttfts else None
-    return {"rate_rps": rate, **summary}
+        per_class[name] = {**summary(rs, wall_s, ttft_of, rule), "tpot_slo_ms": rs[0].tpot_slo_ms,
+                           "ttft_slo_ms": ttft_of(name)}
+    return {"rate_rps": rate, "load": rate / capacity_rps if capacity_rps else None,
+            **summary(results, wall_s, ttft_of, rule), "wall_s": wall_s, "per_class": per_class}
 
 
 def build(cfg: LoadConfig, classes: tuple[SLOClass, ...], rate: float) -> list[WorkloadRequest]:
@@ -178,6 +239,44 @@ def build(cfg: LoadConfig, classes: tuple[SLOClass, ...], rate: float) -> list[W
     wl = WorkloadConfig(rate, cfg.duration_s, baseline_tpot_ms=1.0, seed=cfg.seed, mix=mix,
                         classes=tuple(c for c in classes if c.name in mix), max_tokens_cap=cfg.max_tokens_cap)
     return build_workload(wl)
+
+
+def mean_tokens(cfg: LoadConfig, classes: tuple[SLOClass, ...], *, sample: int = 2000) -> float:
+    """Mean output tokens per request of the workload's mix (its requests always run to max_tokens)."""
+    reqs = build(dataclasses.replace(cfg, duration_s=sample / 10.0), classes, 10.0)
+    return statistics.fmean(r.max_tokens for r in reqs)
+
+
+async def probe_capacity(cfg: LoadConfig, classes: tuple[SLOClass, ...], *, url: str, concurrency: int,
+                         duration_s: float) -> dict[str, Any]:
+    """The fleet's throughput at ``url`` under a closed loop of ``concurrency`` clients sending the workload's
+    requests back to back for ``duration_s`` (those in flight then are finished and counted), and the request
+    rate it can complete at all: ``throughput / mean output tokens per request``."""
+    if concurrency < 1 or not duration_s > 0:
+        raise ValueError("the capacity probe needs concurrency >= 1 and a positive duration")
+    probe = dataclasses.replace(cfg, url=url)
+    queue = iter(build(dataclasses.replace(cfg, duration_s=max(60.0, 4 * duration_s)), classes, 10.0))
+    done: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=cfg.timeout_s, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def loop() -> None:
+            for req in queue:
+                if time.perf_counter() - start >= duration_s:
+                    return
+                done.append(await complete(client, probe, req))
+
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    tokens = sum(r.tokens for r in done if r.finish_reason != REFUSED)
+    refused = sum(r.finish_reason == REFUSED for r in done)
+    if not tokens:
+        raise ValueError(f"the capacity probe at {url} got no tokens back ({refused} of {len(done)} refused)")
+    per_request = mean_tokens(cfg, classes)
+    return {"url": url, "concurrency": concurrency, "duration_s": duration_s, "wall_s": wall, "requests": len(done),
+            "refused": refused, "throughput_tok_s": tokens / wall, "mean_tokens_per_request": per_request,
+            "capacity_rps": tokens / wall / per_request}
 
 
 async def fetch_json(client: httpx.AsyncClient, url: str, headers: dict[str, str]) -> dict[str, Any]:
@@ -239,28 +338,52 @@ async def measure_overhead(cfg: LoadConfig, worker_url: str, *, requests: int = 
 
 
 def plot_load(report: dict[str, Any], path: Path) -> None:
-    """SLO attainment and mean TPOT per class against request rate."""
+    """Per class against load: attainment of all requests and of the admitted ones, refused share, goodput and
+    median TTFT; each system a line style (solid: the first, dashed: the plain load balancer)."""
     from adaserve.plots import panels
 
-    with panels(path, 2) as (fig, (ax1, ax2)):
-        _draw_load(report, fig, ax1, ax2)
+    with panels(path, 5, width=4.4, height=4.0) as (fig, axes):
+        _draw_load(report, fig, axes)
 
 
-def _draw_load(report: dict[str, Any], fig: Any, ax1: Any, ax2: Any) -> None:
-    rows = report["rates"]
-    rates = [r["rate_rps"] for r in rows]
-    ax1.plot(rates, [100 * r["slo_attainment"] for r in rows], "ko-", linewidth=2.5, label="all")
-    for c in report["classes"]:
-        name = c["name"]
-        got = [r["per_class"].get(name) for r in rows]
-        if not any(got):
-            continue
-        xs = [x for x, g in zip(rates, got, strict=True) if g]
-        line, = ax1.plot(xs, [100 * g["slo_attainment"] for g in got if g], "o-", label=f"{name} ({c['tpot_ms']:g} ms)")
-        ax2.plot(xs, [g["mean_tpot_ms"] or float("nan") for g in got if g], "o-", color=line.get_color(), label=name)
-        ax2.axhline(c["tpot_ms"], color=line.get_color(), linestyle="--", linewidth=1)
-    ax1.set(xlabel="request rate (req/s)", ylabel="SLO attainment (%)", ylim=(0, 105),
-            title="SLO attainment through the gateway")
-    ax2.set(xlabel="request rate (req/s)", ylabel="mean TPOT (ms), dashed = target", title="Per-token latency")
-    ax1.legend(fontsize=8)
-    fig.suptitle(f"model {report['model']} at {report['url']}", fontsize=9)
+STYLES = ("-", "--", ":")
+
+
+def _x(report: dict[str, Any], row: dict[str, Any]) -> float:
+    return row["load"] if report.get("capacity") and row.get("load") is not None else row["rate_rps"]
+
+
+def _draw_load(report: dict[str, Any], fig: Any, axes: list[Any]) -> None:
+    systems = report.get("systems") or {"gateway": {"rates": report["rates"]}}
+    colors: dict[str, Any] = {}
+    panels = [("slo_attainment", 100, "SLO attainment, all requests (%)", (0, 105)),
+              ("admitted_attainment", 100, "SLO attainment, admitted requests (%)", (0, 105)),
+              ("refused_share", 100, "refused (%)", (0, 105)),
+              ("goodput_tok_s", 1, "goodput (tokens/s)", None),
+              ("p50_ttft_ms", 1e-3, "median TTFT of admitted (s)", None)]
+    for (name, system), style in zip(systems.items(), STYLES, strict=False):
+        rows = system["rates"]
+        xs = [_x(report, r) for r in rows]
+        for ax, (key, scale, _, _) in zip(axes, panels, strict=True):
+            for c in report["classes"]:
+                got = [r["per_class"].get(c["name"]) for r in rows]
+                if not any(got):
+                    continue
+                pts = [(x, g[key] * scale) for x, g in zip(xs, got, strict=True) if g and g.get(key) is not None]
+                if not pts:
+                    continue
+                line, = ax.plot(*zip(*pts, strict=True), style, marker="o", markersize=3,
+                                color=colors.get(c["name"]), label=f"{c['name']} ({c['tpot_ms']:g} ms), {name}")
+                colors.setdefault(c["name"], line.get_color())
+            if key == "goodput_tok_s":
+                ax.plot(xs, [r[key] for r in rows], style, color="k", linewidth=2, label=f"all, {name}")
+    xlabel = "offered load (x capacity)" if report.get("capacity") else "request rate (req/s)"
+    for ax, (_, _, ylabel, ylim) in zip(axes, panels, strict=True):
+        ax.set(xlabel=xlabel, ylabel=ylabel)
+        if ylim:
+            ax.set_ylim(*ylim)
+    axes[0].legend(fontsize=6)
+    axes[3].legend(fontsize=6)
+    cap = report.get("capacity") or {}
+    extra = f", capacity {cap['capacity_rps']:.2f} req/s" if cap.get("capacity_rps") else ""
+    fig.suptitle(f"model {report['model']}; solid: {' / dashed: '.join(systems)}{extra}", fontsize=9)

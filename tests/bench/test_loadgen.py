@@ -11,10 +11,13 @@ from adaserve.bench.loadgen import (
     build,
     classes_from,
     default_mix,
+    mean_tokens,
+    met,
     overhead_report,
     rate_report,
 )
 from adaserve.bench.metrics import RequestResult
+from adaserve.contract.slo import slo_met
 
 PUBLISHED = {"default": "chat", "data": [
     {"name": "coding", "tpot_ms": 40, "ttft_ms": 2000, "priority": 10, "sheddable": False},
@@ -65,14 +68,33 @@ def test_refused_and_failed_requests_count_as_misses_and_are_reported_apart() ->
           result("chat", tokens=20, tpot=80.0, finish="length"),   # too slow
           result("chat", tokens=0, tpot=None, finish=REFUSED),     # 503: no tokens, no TPOT, still a miss
           result("coding", tokens=0, tpot=None, finish="error")]   # the stream broke
-    rep = rate_report(2.0, rs, wall_s=10.0)
-    assert rep["rate_rps"] == 2.0 and rep["requests"] == 4
+    rep = rate_report(2.0, rs, wall_s=10.0, rule=slo_met, capacity_rps=4.0)
+    assert rep["rate_rps"] == 2.0 and rep["load"] == 0.5 and rep["requests"] == 4
     assert rep["slo_attainment"] == pytest.approx(0.25)
-    assert rep["refused"] == 1 and rep["failed"] == 1
+    assert rep["admitted_attainment"] == pytest.approx(1 / 3)  # of the three that were not refused
+    assert rep["refused"] == 1 and rep["failed"] == 1 and rep["refused_share"] == 0.25
     chat = rep["per_class"]["chat"]
     assert chat["refused"] == 1 and chat["slo_attainment"] == pytest.approx(1 / 3)
+    assert chat["admitted_attainment"] == pytest.approx(0.5) and chat["refused_share"] == pytest.approx(1 / 3)
     assert rep["goodput_tok_s"] == pytest.approx(2.0)  # 20 tokens of the one met request over 10 s
+    assert rep["throughput_tok_s"] == pytest.approx(4.0)
     assert "scheduler_time_share" not in rep  # engine-side figures are not visible from the client
+    assert rate_report(2.0, rs, wall_s=10.0, rule=slo_met)["load"] is None
+
+
+def test_a_class_with_a_ttft_target_is_judged_by_it_too() -> None:
+    # the contract's one rule: TPOT within target and, for a class with one, TTFT too (10 ms here)
+    rs = [result("coding", tokens=20, tpot=30.0, finish="length"), result("chat", tokens=20, tpot=30.0, finish="stop")]
+    ttft = {"coding": 5.0, "chat": None}
+    rep = rate_report(1.0, rs, wall_s=1.0, rule=slo_met, ttft_of=ttft.get)
+    assert rep["per_class"]["coding"]["slo_attainment"] == 0.0 and rep["per_class"]["chat"]["slo_attainment"] == 1.0
+    assert rep["per_class"]["coding"]["ttft_slo_ms"] == 5.0 and rep["p50_ttft_ms"] == 10.0
+    assert met(rs[0], 50.0, slo_met) and not met(rs[0], 5.0, slo_met)
+
+
+def test_mean_tokens_of_the_mix() -> None:
+    cfg = LoadConfig(url="http://x", model="m", rates=(1.0,), mix={"coding": 1.0})
+    assert mean_tokens(cfg, classes_from(PUBLISHED)) == pytest.approx((32 + 128) / 2, rel=0.05)  # U{32, 128}
 
 
 def test_overhead_is_the_difference_of_medians() -> None:

@@ -5,9 +5,12 @@ The bounds and constants are ``config.AdaptiveConfig``.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from adaserve.engine.config import AdaptiveConfig
+from adaserve.engine.smartspec import expected_emitted
 
 
 def depth_width(n_active: int, cfg: AdaptiveConfig) -> tuple[int, int]:
@@ -40,3 +43,54 @@ def bounds_for_device(cfg: AdaptiveConfig, *, t_target_s: float, t_draft_s: floa
     d_max = min(max(round(0.75 * r), 2), 8)
     w_max = 4 if r >= 10 else 2
     return replace(cfg, d_max=max(d_max, cfg.d_min), w_max=w_max, b2=max(1, draft_budget))
+
+
+@dataclass
+class PathAcceptance:
+    """alpha of a geometric model of how far down its tree a request's accepted path reaches.
+
+    Each draft level is accepted with probability alpha until the first rejection; the maximum-likelihood
+    alpha is accepted / (accepted + rejections) (a request whose whole path was accepted had no
+    rejection). Summed over a window of recent iterations; ``prior`` until the first one.
+    """
+
+    window: int = 32
+    prior: float = 0.7
+    samples: deque[tuple[int, int]] = field(default_factory=deque)
+
+    @property
+    def alpha(self) -> float:
+        acc = sum(a for a, _ in self.samples)
+        trials = acc + sum(r for _, r in self.samples)
+        return acc / trials if trials else self.prior
+
+    def observe(self, accepted: int, rejections: int) -> None:
+        if accepted + rejections <= 0:
+            return
+        self.samples.append((accepted, rejections))
+        while len(self.samples) > self.window:
+            self.samples.popleft()
+
+
+def goodput_depth(n: int, width: int, *, alpha: float, d_min: int, d_max: int, n_context: int,
+                  extra_tokens: int, t_target: Callable[[int, int], float],
+                  t_draft: Callable[[int, int], float]) -> int:
+    """The depth d in [max(d_min, 1), d_max] with the most expected tokens per second (SmartSpec's rule,
+    for the best path of a beam tree):
+
+        goodput(d) = n * l(alpha, d) / (d * T_draft(N_ctx, n * w) + T_target(N_ctx, n * (d + 1) + extra))
+
+    with l(alpha, d) = (1 - alpha^(d+1)) / (1 - alpha) tokens per request (bonus included). Each beam
+    step runs n * w draft tokens; verification is priced for the best path (the selection may verify
+    more when those tokens pay, iteration_budget.py). ``extra``: prefill tokens in the same forward.
+    Why not Eq. 8 alone: it ties depth to the budget, d = B / (n + c1) - 1, so as a backlog grows the
+    trees shrink, fewer tokens are accepted per forward and the backlog grows faster; chain:4, which
+    ignores B, kept up with a load that collapsed adaserve (docs/benchmarks.md).
+    """
+    best_d, best = max(d_min, 1), -1.0
+    for d in range(max(d_min, 1), max(d_max, 1) + 1):
+        cost = d * t_draft(n_context, n * width) + t_target(n_context, n * (d + 1) + extra_tokens)
+        rate = n * expected_emitted(alpha, d) / max(cost, 1e-12)
+        if rate > best:
+            best_d, best = d, rate
+    return best_d

@@ -80,6 +80,9 @@ class AdaptiveConfig:
     b2: int = 32
     c1: int = 1  # > 0 so n + c1 never hits zero, and one request never claims the whole budget
     c2: int = 0
+    # "goodput": depth by predicted tokens per second (adaptive.goodput_depth), width by Eq. 9;
+    # "eq8": the paper's Eq. 8, depth tied to the budget
+    depth_rule: str = "goodput"
 
     def __post_init__(self) -> None:
         if not is_int(self.d_min) or self.d_min < 0 or not is_int(self.d_max) or self.d_max < self.d_min:
@@ -90,6 +93,8 @@ class AdaptiveConfig:
         _at_least("AdaptiveConfig", "c1", self.c1, 0)
         if not is_int(self.c2):
             raise ValueError(f"AdaptiveConfig.c2 must be an int, got {self.c2!r}")
+        if self.depth_rule not in ("goodput", "eq8"):
+            raise ValueError(f"AdaptiveConfig.depth_rule must be 'goodput' or 'eq8', got {self.depth_rule!r}")
 
 
 @dataclass(frozen=True)

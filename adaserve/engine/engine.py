@@ -67,6 +67,10 @@ class StepMetrics:
     t_select_s: float = 0.0  # the scheduler's own time
     t_verify_s: float = 0.0
     t_step_s: float = 0.0
+    # the engine's own cost, in wall seconds whatever ``clock`` is (the bench's may be simulated): the
+    # step, and the part of it inside the target's and the draft's model forwards (CausalLM.forward)
+    t_wall_s: float = 0.0
+    t_forward_s: float = 0.0
     predicted_iter_s: float = 0.0
     per_request_verified: dict[str, int] = field(default_factory=dict)
 
@@ -74,8 +78,13 @@ class StepMetrics:
     def budget_used(self) -> float:
         return self.tokens_verified / self.budget if self.budget else 0.0
 
+    @property
+    def non_forward_share(self) -> float:
+        """The engine's own cost: scheduling, selection, tree building, layout, walk, commit, bookkeeping."""
+        return max(0.0, 1.0 - self.t_forward_s / self.t_wall_s) if self.t_wall_s > 0 else 0.0
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "budget_used": self.budget_used}
+        return {**asdict(self), "budget_used": self.budget_used, "non_forward_share": self.non_forward_share}
 
 
 @dataclass
@@ -226,6 +235,7 @@ class Engine:
     # ---- one iteration -----------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         t_start = self.clock()
+        own_start = self._own_time()
         self._admit()
         m = StepMetrics(budget=self.cfg.budget)
         prefill = self._prefill_segments(m)
@@ -255,27 +265,36 @@ class Engine:
         # one KV compaction for every request, before any truncation returns the pages it reads
         self.target.cache.move_many([(r.target_kv, *commit_moves(res.accepted_nodes, r.target_kv.length))
                                      for r, res in zip(decoding, decoded, strict=True)])
-        proposed = 0
+        proposed = rejections = 0
         for req, tree, res in zip(decoding, trees, decoded, strict=True):
             self.target.cache.truncate(req.target_kv, req.target_kv.length + len(res.accepted_nodes))
             req.metrics.accepted_per_step.append(res.num_accepted)
             req.metrics.verified_per_step.append(tree.size)
             m.tokens_accepted += res.num_accepted
             proposed += tree.size - 1
+            # the accepted path stopped short of the tree's deepest level: a rejection
+            rejections += tree.size > 1 and res.num_accepted < int(tree.depths().max())
             emitted[req.request_id] = res.tokens
         if segments:
             n_ctx = sum(s.prefix_len for s in segments)
             self.target_time.observe(n_ctx, sum(s.num_new for s in segments), t_fwd)
         if proposed:
             self.policy.observe(m.tokens_accepted, proposed)
+            self.policy.observe_paths(m.tokens_accepted, rejections)
         m.t_verify_s = self.clock() - t0
         events = self._emit(emitted, m)
         m.t_step_s = self.clock() - t_start
+        m.t_wall_s, m.t_forward_s = (b - a for a, b in zip(own_start, self._own_time(), strict=True))
         self.history.append(m)
         self.totals.add(m)
         for listener in self.step_listeners:
             listener(m)
         return events
+
+    def _own_time(self) -> tuple[float, float]:
+        """(wall clock, wall seconds both models have spent in forwards so far): StepMetrics' own-cost pair."""
+        fwd = self.target.model.forward_seconds + (self.draft.model.forward_seconds if self.draft else 0.0)
+        return time.perf_counter(), fwd
 
     def _stop_ids(self, req: Request) -> frozenset[int]:
         ids = frozenset(req.params.stop_token_ids)
@@ -311,7 +330,8 @@ class Engine:
             return roots
         n_ctx = sum(r.target_kv.length for r in decoding)
         view = BatchView(n_active=len(decoding), n_context=n_ctx, budget=self.cfg.budget,
-                         predict_target=self.target_time.predict, predict_draft=self.draft_time.predict)
+                         predict_target=self.target_time.predict, predict_draft=self.draft_time.predict,
+                         prefill_tokens=m.prefill_tokens)
         shape = self.policy.tree_shape(view)
         m.predicted_iter_s = self.predict_iteration(shape, len(decoding), n_ctx, m.prefill_tokens)
         if shape is None or shape.depth < 1 or self.draft is None:

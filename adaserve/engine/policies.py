@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from adaserve.engine.adaptive import depth_width
+from adaserve.engine.adaptive import PathAcceptance, depth_width, goodput_depth
 from adaserve.engine.config import AdaptiveConfig, EngineConfig
 from adaserve.engine.request import Request
 from adaserve.engine.selection import (
@@ -62,6 +62,7 @@ class BatchView:
     budget: int  # B
     predict_target: Callable[[int, int], float]  # seconds for (N_context, N_batched)
     predict_draft: Callable[[int, int], float]
+    prefill_tokens: int = 0  # prompt tokens riding in the same target forward
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,9 @@ class Policy(Protocol):
     def observe(self, accepted: int, proposed: int) -> None:
         """Feedback after verification: draft tokens accepted out of those proposed."""
 
+    def observe_paths(self, accepted: int, rejections: int) -> None:
+        """Feedback after verification: tokens accepted, and requests whose path stopped at a rejection."""
+
 
 def _everything(cands: list[TokenTree]) -> list[list[int]]:
     return [list(range(c.size)) for c in cands]
@@ -103,6 +107,9 @@ def _everything(cands: list[TokenTree]) -> list[list[int]]:
 
 class _NoFeedback:
     def observe(self, accepted: int, proposed: int) -> None:
+        return None
+
+    def observe_paths(self, accepted: int, rejections: int) -> None:
         return None
 
 
@@ -178,12 +185,16 @@ class SmartSpec:
     def observe(self, accepted: int, proposed: int) -> None:
         self.acceptance.observe(accepted, proposed)
 
+    def observe_paths(self, accepted: int, rejections: int) -> None:
+        return None
+
 
 @dataclass(frozen=True)
 class _Adaptive(_NoFeedback):
-    """Shared by the budgeted tree policies: shape from Eq. 8-9 with B1 tied to the budget."""
+    """Shared by the budgeted tree policies: width from Eq. 9; depth by predicted goodput (or Eq. 8)."""
 
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    paths: PathAcceptance = field(default_factory=PathAcceptance)  # mutable state in a frozen policy
 
     @property
     def max_shape(self) -> TreeShape | None:
@@ -192,7 +203,14 @@ class _Adaptive(_NoFeedback):
     def tree_shape(self, view: BatchView) -> TreeShape | None:
         cfg = replace(self.adaptive, b1=view.budget)
         d, w = depth_width(view.n_active, cfg)
+        if cfg.depth_rule == "goodput" and d > 0:
+            d = goodput_depth(max(view.n_active, 1), w, alpha=self.paths.alpha, d_min=cfg.d_min, d_max=cfg.d_max,
+                              n_context=view.n_context, extra_tokens=view.prefill_tokens,
+                              t_target=view.predict_target, t_draft=view.predict_draft)
         return TreeShape(d, w) if d > 0 else None
+
+    def observe_paths(self, accepted: int, rejections: int) -> None:
+        self.paths.observe(accepted, rejections)
 
 
 @dataclass(frozen=True)

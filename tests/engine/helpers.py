@@ -20,7 +20,7 @@ def runner(path: Path, *, page_size: int = 4, num_pages: int = 4000) -> ModelRun
     return ModelRunner(load_model(path, device=CPU), cfg)
 
 
-def engine(target: Path, draft: Path | None, policy: str, **cfg: int) -> Engine:
+def engine(target: Path, draft: Path | None, policy: str, **cfg: int | str) -> Engine:
     config = EngineConfig(policy=policy, **cfg)
     drf = runner(draft) if draft and make_policy(policy, config).max_shape is not None else None
     return Engine(runner(target), drf, config)

@@ -60,3 +60,44 @@ def test_config_validates(kwargs: dict):
 def test_negative_n_rejected():
     with pytest.raises(ValueError):
         depth_width(-1, AdaptiveConfig())
+
+
+def test_path_acceptance_is_the_geometric_mle() -> None:
+    from adaserve.engine.adaptive import PathAcceptance
+
+    p = PathAcceptance(window=2, prior=0.5)
+    assert p.alpha == 0.5  # nothing observed yet
+    p.observe(6, 2)  # 6 levels accepted, 2 paths stopped by a rejection
+    assert p.alpha == 0.75
+    p.observe(0, 0)  # no speculation: ignored
+    p.observe(2, 2)
+    p.observe(4, 0)  # the window keeps the last two
+    assert p.alpha == 6 / 8
+
+
+def test_goodput_depth_goes_deep_when_draft_steps_are_cheap_and_shallow_when_not() -> None:
+    from adaserve.engine.adaptive import goodput_depth
+
+    def target(ctx: int, k: int) -> float:
+        return 0.025 + 0.00016 * max(0, k - 134)  # a roofline: flat to the ridge, then linear
+
+    cheap = lambda ctx, k: 0.0005  # noqa: E731
+    dear = lambda ctx, k: 0.02  # noqa: E731
+    kw = {"alpha": 0.8, "d_min": 1, "d_max": 8, "n_context": 0, "extra_tokens": 0, "t_target": target}
+    assert goodput_depth(1, 2, t_draft=cheap, **kw) == 8
+    assert goodput_depth(1, 2, t_draft=dear, **kw) == 1
+    # a big batch pushes verification past the ridge: deep chains stop paying
+    assert goodput_depth(64, 2, t_draft=cheap, **kw) < goodput_depth(4, 2, t_draft=cheap, **kw)
+    # never below d_min, never above d_max
+    assert goodput_depth(1, 2, t_draft=dear, **{**kw, "d_min": 2}) == 2
+    assert goodput_depth(1, 2, t_draft=cheap, **{**kw, "d_max": 3}) == 3
+
+
+def test_bounds_follow_the_draft_to_target_cost_ratio() -> None:
+    from adaserve.engine.adaptive import bounds_for_device
+
+    cpu = bounds_for_device(AdaptiveConfig(), t_target_s=0.043, t_draft_s=0.043 / 5.6, draft_budget=16)
+    assert (cpu.d_max, cpu.w_max, cpu.b2) == (4, 2, 16)
+    gpu = bounds_for_device(AdaptiveConfig(), t_target_s=0.0243, t_draft_s=0.0018, draft_budget=128)
+    assert (gpu.d_max, gpu.w_max, gpu.b2) == (8, 4, 128)
+    assert bounds_for_device(AdaptiveConfig(), t_target_s=0.0, t_draft_s=1.0, draft_budget=1) == AdaptiveConfig()

@@ -79,8 +79,11 @@ def test_every_policy_is_lossless_with_arrivals_and_aborts(policy: str, draft: s
 
 
 def test_tight_slo_gets_more_verified_tokens(target_dir: Path) -> None:
-    """Same batch, same prompts: requests 5 ms behind schedule get deeper trees than relaxed ones."""
-    eng = engine(target_dir, target_dir, "adaserve", budget=16)
+    """Same batch, same prompts: requests 5 ms behind schedule get deeper trees than relaxed ones.
+
+    A fixed B (the knee rule): with a draft equal to the target every node pays for itself, so the goodput
+    rule would raise B until every tree fits and the SLO step would have nothing to decide."""
+    eng = engine(target_dir, target_dir, "adaserve", budget=16, budget_rule="knee")
     prompt = [7, 8, 9, 10]
     tight = [Request(f"t{i}", prompt, SamplingParams(max_tokens=40, ignore_eos=True), tpot_slo_ms=0.5)
              for i in range(3)]

@@ -283,7 +283,7 @@ def urgent_mix(share: float, base: dict[str, float] | None = None) -> dict[str, 
 def sweep_points(cfg: BenchConfig, baseline_tpot_ms: float) -> list[SweepPoint]:
     def wc(rate: float, **kw: Any) -> WorkloadConfig:
         args: dict[str, Any] = {"mix": cfg.mix} if cfg.mix else {}
-        args.update(slo_scale=cfg.slo_scale, **kw)
+        args.update({"slo_scale": cfg.slo_scale, **kw})
         return WorkloadConfig(rate, cfg.duration_s, baseline_tpot_ms=baseline_tpot_ms, seed=cfg.seed,
                               max_tokens_cap=cfg.max_tokens_cap, trace=cfg.trace, **args)
 

@@ -1,0 +1,80 @@
+"""``adaserve bench --clock simulated``: the same seed gives the same report, and the sweeps build the
+workloads they name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adaserve.bench.runner import BenchConfig, sweep_points, urgent_mix
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "models" / "demo"
+WALL_CLOCK_FIELDS = {"real_s"}  # host time a run took: the one thing a simulated report may not repeat
+
+
+def strip_wall_clock(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: strip_wall_clock(v) for k, v in x.items() if k not in WALL_CLOCK_FIELDS}
+    if isinstance(x, list):
+        return [strip_wall_clock(v) for v in x]
+    return x
+
+
+def bench(out: Path, *extra: str) -> dict:
+    res = subprocess.run(
+        [sys.executable, "-m", "adaserve", "bench", "--target", str(DEMO / "target"), "--draft", str(DEMO / "draft"),
+         "--clock", "simulated", "--device-profile", "a100-80g-tp4/llama-3.1-70b", "--policies",
+         "incremental,adaserve,chain:2", "--duration", "1.5", "--max-tokens", "10", "--json", str(out), *extra],
+        capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.skipif(not (DEMO / "target" / "config.json").is_file(), reason="demo pair not in this checkout")
+def test_same_seed_same_report(tmp_path: Path) -> None:
+    a = bench(tmp_path / "a.json", "--rps", "6")
+    b = bench(tmp_path / "b.json", "--rps", "6")
+    assert strip_wall_clock(a) == strip_wall_clock(b)
+    assert a["clock"] == "simulated" and a["lossless"] is True  # every policy produced the target's tokens
+    assert a["simulation"]["sched"] == "fixed" and a["simulation"]["sched_ms"] == 1.0
+    for row in a["results"]:
+        assert row["simulated"]["iterations"] > 0
+        # a simulated run's time is the device's: at least one 24 ms target forward per iteration
+        assert row["simulated"]["target_s"] >= 0.024 * row["simulated"]["iterations"]
+        if row["policy"] == "adaserve":
+            assert row["budget_use"]["iterations"] > 0 and row["budget_use"]["mean_budget"] >= a["budget"]
+
+
+@pytest.mark.skipif(not (DEMO / "target" / "config.json").is_file(), reason="demo pair not in this checkout")
+def test_urgent_share_sweep_reports_each_share(tmp_path: Path) -> None:
+    rep = bench(tmp_path / "u.json", "--rps", "4", "--sweep", "urgent-share", "--values", "0.2,0.8")
+    assert {r["x"] for r in rep["results"]} == {0.2, 0.8}
+    for r in rep["results"]:
+        assert r["mix"]["coding"] == pytest.approx(r["x"])
+    assert set(rep["adaserve_vs_best_other"]) == {"0.2", "0.8"}
+
+
+def test_urgent_mix_keeps_the_other_classes_proportions() -> None:
+    mix = urgent_mix(0.5, {"coding": 0.6, "chat": 0.2, "summarization": 0.2})
+    assert mix == pytest.approx({"coding": 0.5, "chat": 0.25, "summarization": 0.25})
+    assert urgent_mix(1.0) == {"coding": 1.0}
+
+
+def test_sweep_points_vary_one_thing() -> None:
+    cfg = BenchConfig(target=DEMO, draft=DEMO, policies=("adaserve",), rates=(3.0,), sweep="slo-scale",
+                      values=(0.5, 2.0), clock="simulated")
+    pts = sweep_points(cfg, baseline_tpot_ms=20.0)
+    assert [p.workload.slo_scale for p in pts] == [0.5, 2.0]
+    assert {p.workload.rate for p in pts} == {3.0}
+    with pytest.raises(ValueError, match="exactly one rate"):
+        BenchConfig(target=DEMO, draft=DEMO, rates=(1.0, 2.0), sweep="slo-scale", values=(1.0,))
+    with pytest.raises(ValueError, match="wall clock only"):
+        BenchConfig(target=DEMO, draft=DEMO, policies=("hf",), clock="simulated")
+    with pytest.raises(ValueError, match="clock"):
+        BenchConfig(target=DEMO, draft=DEMO, clock="sundial")

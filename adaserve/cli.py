@@ -15,7 +15,16 @@ from adaserve.cli_error import EXIT_USAGE, CliError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from adaserve import bench_cmd, gateway_cmd, generate_cmd, loadtest_cmd, profile_cmd, up_cmd, worker_cmd
+    from adaserve import (
+        bench_cmd,
+        gateway_cmd,
+        generate_cmd,
+        loadtest_cmd,
+        microbench_cmd,
+        profile_cmd,
+        up_cmd,
+        worker_cmd,
+    )
 
     parser = argparse.ArgumentParser(prog="adaserve", description="SLO-customized speculative decoding")
     parser.add_argument("--version", action="version", version=f"adaserve {__version__}")
@@ -28,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway_cmd.add_parser(sub)
     up_cmd.add_parser(sub)
     loadtest_cmd.add_parser(sub)
+    microbench_cmd.add_parser(sub)
     return parser
 
 

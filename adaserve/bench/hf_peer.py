@@ -3,12 +3,14 @@
 Static batching, as a user of the library would write it: whenever the model is idle, every request
 that has arrived is taken as one left-padded batch and run through ``generate`` until the longest is
 done; requests arriving meanwhile wait for the next batch. A batch of one uses assisted generation
-with the draft model (transformers supports it for batch size 1 only). Per-token times come from a
-stopping criterion that records the clock after every decoding step.
+with the draft model (transformers supports it for batch size 1 only) unless ``assisted`` is off.
+``cache_implementation="static"`` gives ``generate`` transformers' static KV cache. Per-token times come
+from a stopping criterion that records the clock after every decoding step.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,12 +33,20 @@ class _StepClock:
 
 
 class HFPeer:
-    def __init__(self, target: Path, draft: Path | None, *, eos_token_id: int | None, pad_token_id: int) -> None:
+    def __init__(self, target: Path, draft: Path | None, *, eos_token_id: int | None, pad_token_id: int,
+                 assisted: bool = True, cache_implementation: str | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
         self.draft = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval() if draft else None
         self.eos, self.pad = eos_token_id, pad_token_id
+        self.assisted, self.cache_implementation = assisted, cache_implementation
+
+    def variant(self, *, assisted: bool, cache_implementation: str | None) -> HFPeer:
+        """The same loaded models, generating another way."""
+        other = copy.copy(self)
+        other.assisted, other.cache_implementation = assisted, cache_implementation
+        return other
 
     def _generate(self, batch: list[Request]) -> None:
         from transformers import StoppingCriteriaList
@@ -49,8 +59,10 @@ class HFPeer:
             mask[i, width - len(r.prompt_ids) :] = 1
         clock = _StepClock()
         kwargs: dict[str, Any] = {}
-        if len(batch) == 1 and self.draft is not None:
+        if len(batch) == 1 and self.draft is not None and self.assisted:
             kwargs["assistant_model"] = self.draft
+        if self.cache_implementation is not None:
+            kwargs["cache_implementation"] = self.cache_implementation
         with torch.no_grad():
             out = self.model.generate(ids, attention_mask=mask, do_sample=False,
                                       max_new_tokens=max(r.params.max_tokens for r in batch),

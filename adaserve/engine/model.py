@@ -7,6 +7,8 @@ explicit positions; attention goes through the backend, which owns the KV layout
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -94,14 +96,22 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(cfg)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # wall seconds spent in ``forward``, summed: the engine's time outside forwards is the rest of an
+        # iteration (StepMetrics.t_forward_s). A CUDA forward is synchronised before the clock is read.
+        self.forward_seconds = 0.0
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *, backend: AttentionBackend,
                 cache: PagedKVCache, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        t0 = time.perf_counter()
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, backend, cache)
         if logits_rows is not None:
             x = x[logits_rows]  # only the rows someone reads: prefill chunks need one
-        return self.lm_head(self.model.norm(x)).float()  # [R, vocab]
+        logits = self.lm_head(self.model.norm(x)).float()  # [R, vocab]
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)  # the caller reads the logits next anyway
+        self.forward_seconds += time.perf_counter() - t0
+        return logits

@@ -57,7 +57,7 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
         m = toks.shape[1]
         frontier = m - len(logits[0])  # the frontier is the last F nodes of every tree
         k = None if expansion is None else expansion[step]
-        tok, parent, value = expand_level(torch.cat(logits), lps[:, frontier:], width=width, per_node=k)
+        tok, parent, value = expand_level(logits, lps[:, frontier:], width=width, per_node=k)
         toks = np.concatenate([toks, tok], axis=1)
         pars = np.concatenate([pars, frontier + parent], axis=1)
         lps = np.concatenate([lps, value], axis=1)
@@ -73,28 +73,39 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     return [TokenTree(toks[r], pars[r], lps[r]).with_strict_decrease() for r in range(n)]
 
 
-def expand_level(logits: torch.Tensor, base: np.ndarray, *, width: int,
+def expand_level(logits: list[torch.Tensor], base: np.ndarray, *, width: int,
                  per_node: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One beam level for every request at once.
 
-    logits [n * F, V]: the draft's logits at each request's F frontier nodes; base [n, F]: their log path
-    probabilities. score(f, v) = base[f] + log softmax(logits[f])[v], in float64. Beam: the top ``width``
-    of the F * V extensions; static (``per_node``): each frontier node's own top ``per_node``, node-major.
-    Returns (tokens, frontier index of the parent, log path probability), each [n, k], on the host.
+    logits: per request [F, V], the draft's logits at its F frontier nodes; base [n, F]: their log path
+    probabilities. score(f, v) = base[f] + log softmax(logits[f])[v], in float64.
+
+    Beam: the top ``width`` of the F * V extensions. Only a node's own top-``width`` children can be among
+    them (base[f] is one constant per node), and log softmax keeps a row's order, so each row's top-k of
+    the raw logits, less the row's logsumexp, gives every candidate: the [n, F * V] scores are never built.
+    Static (``per_node``): each frontier node's own top ``per_node``, node-major.
+    The per-request reductions queue without a sync; the picks reach the host in one copy.
+    Returns (tokens, frontier index of the parent, log path probability), each [n, k].
     """
     n, f = base.shape
-    logp = torch.log_softmax(logits.float(), dim=-1).view(n, f, -1)
-    v = logp.shape[-1]
-    score = torch.as_tensor(base, device=logp.device)[:, :, None] + logp.double()  # [n, F, V]
+    v = logits[0].shape[-1]
+    k_node = min(per_node if per_node is not None else width, v)
+    tops, lse, extremes = [], [], []
+    for lg in logits:
+        x = lg.float()
+        tops.append(torch.topk(x, k_node, dim=-1))
+        lse.append(torch.logsumexp(x, dim=-1))
+        extremes.append(torch.stack(torch.aminmax(x)))  # both finite iff every logit is (NaN propagates)
+    values = torch.stack([t.values for t in tops]).double() - torch.stack(lse).double()[:, :, None]  # [n, F, k]
+    score = torch.as_tensor(base, device=values.device)[:, :, None] + values
+    # flat index of a candidate in its request's [F, V] grid: f * V + token
+    flat = torch.stack([t.indices for t in tops]) + v * torch.arange(f, device=values.device)[None, :, None]
     if per_node is None:
-        top = torch.topk(score.view(n, f * v), min(width, f * v), dim=-1)
-        values, flat = top.values, top.indices
+        top = torch.topk(score.view(n, f * k_node), min(width, f * k_node), dim=-1)
+        values, flat = top.values, flat.view(n, -1).gather(1, top.indices)
     else:
-        top = torch.topk(score, min(per_node, v), dim=-1)  # [n, F, k]
-        values = top.values.reshape(n, -1)
-        flat = (top.indices + v * torch.arange(f, device=logp.device)[None, :, None]).reshape(n, -1)
-    # sum(logp) is finite iff every log-prob is: one reduction, fetched with the picks in one copy
-    check = logp.sum(dtype=torch.float64).reshape(1)
+        values, flat = score.view(n, -1), flat.view(n, -1)
+    check = torch.stack(extremes).double().sum().reshape(1)
     host = torch.cat([values.flatten(), flat.flatten().double(), check]).cpu().numpy()
     if not np.isfinite(host[-1]):
         raise FloatingPointError("draft produced non-finite log-probs: refusing to build a tree")

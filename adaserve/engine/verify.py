@@ -46,8 +46,8 @@ def walk_trees(inputs: list[WalkInput]) -> list[WalkResult]:
     """Every request's walk; the draws are batched, the walks are host work over them.
 
     The token the walk would draw at node v is computed for every node up front (``draw_at_nodes``):
-    greedy requests in one argmax over all their nodes, sampled requests in one call per sampling
-    setting. The walk visits at most one node per depth and emits one token per node visited, so the
+    greedy requests by argmax (per request, with no sync between them) and one copy to the host, sampled
+    requests in one call per sampling setting. The walk visits at most one node per depth and emits one token per node visited, so the
     draw at a node of depth d uses the request's d-th uniform, exactly as sequential decoding draws it.
     """
     drawn, uniforms_before = draw_at_nodes(inputs)
@@ -97,8 +97,8 @@ def draw_at_nodes(inputs: list[WalkInput]) -> tuple[list[list[int]], list[torch.
     states: list[torch.Tensor | None] = [None] * len(inputs)
     greedy = [i for i, x in enumerate(inputs) if x.params.greedy]
     if greedy:
-        # one argmax over every greedy node, one copy to the host
-        ys = torch.cat([inputs[i].logits for i in greedy]).argmax(-1).tolist()
+        # per request an argmax queued without a sync (no copy of the logits), one copy to the host
+        ys = torch.cat([inputs[i].logits.argmax(-1) for i in greedy]).tolist()
         at = 0
         for i in greedy:
             m = inputs[i].tree.size

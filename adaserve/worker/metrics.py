@@ -26,6 +26,11 @@ class WorkerMetrics:
             "adaserve_iteration_seconds", "Wall time of one engine iteration", registry=r,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
         )
+        self.iteration_non_forward = Histogram(
+            "adaserve_iteration_non_forward_ratio",
+            "Share of an iteration's wall time outside model forwards (scheduling, selection, tree building, "
+            "bookkeeping)", registry=r, buckets=(0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0),
+        )
         self.budget = Gauge("adaserve_budget_tokens", "Token budget B per verification", registry=r)
         self.budget_used = Histogram(
             "adaserve_budget_used_ratio", "Tree tokens verified / budget, per iteration with decoding",
@@ -95,6 +100,8 @@ class WorkerMetrics:
     def on_step(self, m: StepMetrics) -> None:
         self.iterations.inc()
         self.iteration_seconds.observe(m.t_step_s)
+        if m.t_wall_s > 0:
+            self.iteration_non_forward.observe(m.non_forward_share)
         self.tokens_emitted.inc(m.tokens_emitted)
         self.prefill_tokens.inc(m.prefill_tokens)
         if m.n_decode:

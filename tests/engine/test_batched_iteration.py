@@ -79,12 +79,13 @@ def test_batched_beam_search_equals_per_request_search(draft_dir: Path) -> None:
 def test_expand_level_static_and_beam_by_hand() -> None:
     logits = torch.log(torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.25, 0.25], [0.2, 0.2, 0.6], [0.7, 0.2, 0.1]]))
     base = np.log([[0.5, 0.25], [1.0, 0.1]])  # two requests, two frontier nodes each
-    tok, parent, value = expand_level(logits, base, width=2)
+    tok, parent, value = expand_level([logits[:2], logits[2:]], base, width=2)
     # request 0: 0.5*0.6=0.3 (node 0, token 1), 0.5*0.3=0.15 (node 0, token 2) beat 0.25*0.5=0.125
     assert tok.tolist()[0] == [1, 2] and parent.tolist()[0] == [0, 0]
     assert tok.tolist()[1] == [2, 0] and parent.tolist()[1] == [0, 0]
     assert np.allclose(np.exp(value[0]), [0.3, 0.15])
-    tok, parent, value = expand_level(logits, base, width=2, per_node=1)  # static: each node's best child
+    # static: each node's best child
+    tok, parent, value = expand_level([logits[:2], logits[2:]], base, width=2, per_node=1)
     assert tok.tolist() == [[1, 0], [2, 0]] and parent.tolist() == [[0, 1], [0, 1]]
     assert np.allclose(np.exp(value[1]), [0.6, 0.07])
 
@@ -94,7 +95,7 @@ def test_non_finite_draft_log_probs_fail_loudly(bad: float) -> None:
     logits = torch.zeros(2, 5)
     logits[1, 3] = bad
     with pytest.raises(FloatingPointError, match="non-finite"):
-        expand_level(logits, np.zeros((2, 1)), width=2)
+        expand_level([logits[:1], logits[1:]], np.zeros((2, 1)), width=2)
 
 
 # ---- verification ----------------------------------------------------------------------------------

@@ -1,0 +1,294 @@
+"""The engine's own cost: per iteration, the time spent outside model forwards, as a share of the iteration.
+
+    for each (speculation on/off, batch n):   n requests decoding at once on a fresh engine
+        prefill every prompt, run ``warmup`` iterations, then time ``steps`` iterations:
+            t_step                 the whole ``Engine.step()``
+            t_forward              inside the target's and the draft's ``CausalLM.forward`` (module hooks)
+            non-forward share      (t_step - t_forward) / t_step      scheduling, selection, tree
+                                   building, batch layout, verification walk, KV commit, bookkeeping
+
+The forward time is taken by forward hooks on the models, not by anything the engine reports, so the
+same module measures any version of the engine (the before/after table in docs/benchmarks.md).
+Speculation on is the ``adaserve`` policy (adaptive depth and width, Eq. 8-9) at a fixed budget; off is
+``incremental`` (continuous batching). Greedy, ``ignore_eos``: every request keeps decoding.
+
+    python -m adaserve.bench.engine_only --json docs/results/engine-only-cpu-smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from adaserve.bench.microbench_options import (
+    MODES,
+    EngineOnlyConfig,
+    add_common,
+    add_engine_only,
+    engine_only_config,
+)
+from adaserve.engine.config import EngineConfig, KVCacheConfig
+from adaserve.engine.engine import Engine
+from adaserve.engine.request import Phase, Request
+from adaserve.engine.runner import ModelRunner
+from adaserve.engine.sampling import SamplingParams
+
+
+class ForwardClock:
+    """Seconds spent inside one module's forward, by hooks; synchronises a CUDA device at both ends.
+
+    ``seconds`` is wall time; ``cpu_seconds`` the process's CPU time (every thread), which other work on
+    a shared machine inflates far less (with one torch thread, not at all).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.seconds = self.cpu_seconds = 0.0
+        self._t0 = self._c0 = 0.0
+        self._cuda = next(module.parameters()).is_cuda
+        self._hooks = [module.register_forward_pre_hook(self._start), module.register_forward_hook(self._stop)]
+
+    def _now(self) -> float:
+        if self._cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _start(self, *_: Any) -> None:
+        self._t0, self._c0 = self._now(), time.process_time()
+
+    def _stop(self, *_: Any) -> None:
+        self.seconds += self._now() - self._t0
+        self.cpu_seconds += time.process_time() - self._c0
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+@dataclass(frozen=True)
+class IterationTimes:
+    """One timed iteration, in seconds (``draft_fwd`` is 0 without speculation)."""
+
+    step: float
+    target_fwd: float
+    draft_fwd: float
+    speculate: float  # StepMetrics.t_speculate_s: draft forwards + tree building
+    select: float
+    verify: float  # StepMetrics.t_verify_s: target forward + walk + commit
+    tokens: int  # tokens emitted
+    cpu_step: float = 0.0  # the same iteration and forwards in process CPU time
+    cpu_fwd: float = 0.0
+
+    @property
+    def forward(self) -> float:
+        return self.target_fwd + self.draft_fwd
+
+    @property
+    def non_forward(self) -> float:
+        return self.step - self.forward
+
+
+def summarize_cell(its: Sequence[IterationTimes]) -> dict[str, float]:
+    """Aggregates of one cell's iterations: share = sum(non-forward) / sum(step), per-iteration ms."""
+    total = sum(i.step for i in its)
+    shares = [i.non_forward / i.step for i in its]
+    n = len(its)
+
+    def ms(xs: Sequence[float]) -> float:
+        return 1e3 * sum(xs) / n
+
+    return {
+        "non_forward_share": sum(i.non_forward for i in its) / total,
+        "median_iteration_share": statistics.median(shares),
+        "iteration_ms": ms([i.step for i in its]),
+        "forward_ms": ms([i.forward for i in its]),
+        "non_forward_ms": ms([i.non_forward for i in its]),
+        # where the non-forward time goes (each without the forwards it contains)
+        "speculate_other_ms": ms([i.speculate - i.draft_fwd for i in its]),
+        "select_ms": ms([i.select for i in its]),
+        "verify_other_ms": ms([i.verify - i.target_fwd for i in its]),
+        "rest_ms": ms([i.step - i.speculate - i.select - i.verify for i in its]),
+        "non_forward_share_cpu": 1.0 - sum(i.cpu_fwd for i in its) / max(sum(i.cpu_step for i in its), 1e-12),
+        "tokens_per_iteration": sum(i.tokens for i in its) / n,
+        "tokens_per_s": sum(i.tokens for i in its) / total,
+    }
+
+
+def prompts(tokenizer: Any, n: int, max_tokens: int) -> list[list[int]]:
+    """``n`` chat-formatted prompts (coding, then chat), each cut to its last ``max_tokens`` tokens."""
+    from adaserve.bench.workload import chat_prompts, humaneval_prompts
+    from adaserve.engine.chat import instruction_ids
+
+    pool = [*humaneval_prompts()[:64], *chat_prompts()[:64]]
+    return [instruction_ids(tokenizer, pool[i % len(pool)])[-max_tokens:] for i in range(n)]
+
+
+def run_cell(target: ModelRunner, draft: ModelRunner, prompt_ids: list[list[int]], *, mode: str,
+             cfg: EngineOnlyConfig) -> list[IterationTimes]:
+    """Decode ``len(prompt_ids)`` requests together; time ``cfg.steps`` iterations after prefill and warm-up."""
+    ecfg = EngineConfig(policy=MODES[mode], budget=cfg.budget, max_batch=max(64, len(prompt_ids)))
+    eng = Engine(target, draft if mode == "spec" else None, ecfg)
+    longest = (cfg.warmup_steps + cfg.steps + 2) * (ecfg.adaptive.d_max + 1)
+    for i, ids in enumerate(prompt_ids):
+        eng.add_request(Request(f"r{i}", ids, SamplingParams(max_tokens=longest, ignore_eos=True)))
+    while eng.waiting or any(r.phase is not Phase.DECODE for r in eng.running):
+        eng.step()
+    for _ in range(cfg.warmup_steps):
+        eng.step()
+    clocks = (ForwardClock(target.model), ForwardClock(draft.model))
+    out = []
+    try:
+        for _ in range(cfg.steps):
+            f0 = [c.seconds for c in clocks]
+            c0 = sum(c.cpu_seconds for c in clocks)
+            t0, p0 = time.perf_counter(), time.process_time()
+            eng.step()
+            t, cpu = time.perf_counter() - t0, time.process_time() - p0
+            m = eng.history[-1]
+            out.append(IterationTimes(step=t, target_fwd=clocks[0].seconds - f0[0],
+                                      draft_fwd=clocks[1].seconds - f0[1], speculate=m.t_speculate_s,
+                                      select=m.t_select_s, verify=m.t_verify_s, tokens=m.tokens_emitted,
+                                      cpu_step=cpu, cpu_fwd=sum(c.cpu_seconds for c in clocks) - c0))
+    finally:
+        for c in clocks:
+            c.remove()
+        for r in list(eng.running):
+            eng.abort(r.request_id)
+    return out
+
+
+def run_engine_only(target: ModelRunner, draft: ModelRunner, tokenizer: Any, cfg: EngineOnlyConfig, *,
+                    progress: bool = False) -> dict[str, Any]:
+    """Every (mode, batch) cell ``cfg.repeats`` times, interleaved; the report's ``cells`` hold each repeat."""
+    ids = prompts(tokenizer, max(cfg.batches), cfg.prompt_tokens)
+    runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+    for rep in range(cfg.repeats):
+        for mode in cfg.modes:
+            for n in cfg.batches:
+                load = os.getloadavg()[0]
+                its = run_cell(target, draft, ids[:n], mode=mode, cfg=cfg)
+                # the machine's 1-minute load average before and after the cell: other work on a shared
+                # machine inflates forwards (threads waiting on each other) and Python alike
+                runs.setdefault((mode, n), []).append({**summarize_cell(its), "load_before": load,
+                                                       "load_after": os.getloadavg()[0]})
+                if progress:
+                    s = runs[(mode, n)][-1]
+                    print(f"[{rep + 1}/{cfg.repeats}] {mode:5s} n={n:3d}: non-forward {s['non_forward_share']:.1%} "
+                          f"of {s['iteration_ms']:.1f} ms (cpu time {s['non_forward_share_cpu']:.1%}, "
+                          f"load {s['load_before']:.1f})", file=sys.stderr)
+    cells = []
+    for (mode, n), reps in runs.items():
+        shares = [r["non_forward_share"] for r in reps]
+        cells.append({
+            "mode": mode, "policy": MODES[mode], "batch": n,
+            "non_forward_share_median": statistics.median(shares),
+            "non_forward_share_min": min(shares), "non_forward_share_max": max(shares),
+            "non_forward_share_cpu_median": statistics.median(r["non_forward_share_cpu"] for r in reps),
+            "iteration_ms_median": statistics.median(r["iteration_ms"] for r in reps),
+            "non_forward_ms_median": statistics.median(r["non_forward_ms"] for r in reps),
+            "repeats": reps,
+        })
+    return {"cells": cells}
+
+
+def source_version() -> str:
+    """The commit of the code measured, ``+dirty`` with uncommitted changes ("unknown" outside git)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "adaserve"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def settings(target: ModelRunner, cfg: Any, *, model: str, device: str) -> dict[str, Any]:
+    """Every setting that shaped the figures (``cfg``: the benchmark's own dataclass), for the report."""
+    ecfg = EngineConfig()
+    return {**asdict(cfg), "model": model, "device": device, "source": source_version(),
+            "dtype": str(target.dtype).removeprefix("torch."),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "cpus": os.cpu_count(),
+            "host_cpu": host_cpu(), "d_max": ecfg.adaptive.d_max, "w_max": ecfg.adaptive.w_max,
+            "budget_rule": ecfg.budget_rule, "attention": ecfg.attention}
+
+
+def host_cpu() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or "unknown"
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "unknown")
+
+
+def load_pair(model: str, device: str, kv_memory_mb: int) -> tuple[ModelRunner, ModelRunner, Any]:
+    from adaserve.engine.build import resolve_device
+    from adaserve.engine.catalog import resolve
+    from adaserve.engine.loader import load_model, load_tokenizer
+
+    pair = resolve(model, progress=False)
+    if pair.draft is None:
+        raise ValueError(f"{model} has no draft of its own")
+    dev = resolve_device(device)
+    rc = EngineConfig(kv=KVCacheConfig(memory_bytes=kv_memory_mb * 2**20))
+    target = ModelRunner(load_model(pair.target, device=dev, progress=False), rc)
+    draft = ModelRunner(load_model(pair.draft, device=dev, progress=False), rc)
+    return target, draft, load_tokenizer(pair.target)
+
+
+def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Raises ValueError for bad settings (the CLI turns it into a one-line error)."""
+    cfg = engine_only_config(args)
+    set_threads(args.threads)
+    target, draft, tok = load_pair(args.model, args.device, cfg.kv_memory_mb)
+    report = {"benchmark": "engine-only",
+              "config": {**settings(target, cfg, model=args.model, device=args.device),
+                         "sampling": "greedy, ignore_eos"},
+              **run_engine_only(target, draft, tok, cfg, progress=True)}
+    write_report(report, args.json)
+    return report
+
+
+def set_threads(threads: int | None) -> None:
+    if threads is not None:
+        if threads < 1:
+            raise ValueError("--threads must be >= 1")
+        torch.set_num_threads(threads)
+
+
+def write_report(report: dict[str, Any], path: Path | None) -> None:
+    """JSON on stdout, and into ``path`` when given."""
+    text = json.dumps(report, indent=2)
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    print(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m adaserve.bench.engine_only", description=__doc__.splitlines()[0])
+    add_common(p)
+    add_engine_only(p)
+    try:
+        run_from_args(p.parse_args(argv))
+    except ValueError as e:
+        print(f"engine_only: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""The engine against Hugging Face transformers' ``generate``: same model, dtype, threads and arrivals, one run.
+
+Scenarios, each repeated; within a repeat every variant runs once, back to back, so they share the
+machine's conditions and their ratios are taken repeat by repeat:
+
+    single       one request (a HumanEval task through the chat template), up to ``max_tokens``, greedy
+    concurrent   ``concurrency`` requests, all arriving at once (or Poisson at ``arrival_rate``), each
+                 with its own prompt and a cap drawn from [min_tokens, max_tokens]; greedy, EOS ends one
+
+Variants:
+
+    engine-adaserve     the engine with AdaServe speculation on the draft (fixed budget, adaptive tree)
+    engine-incremental  the engine without speculation (continuous batching)
+    hf                  ``generate`` with its default (dynamic) cache: the requests that have arrived go in
+                        as one left-padded batch that runs until its longest request is done (bench/hf_peer.py)
+    hf-static           the same with ``cache_implementation="static"``
+    hf-assisted         (single only) transformers' own speculative decoding with the same draft
+
+Per run: makespan (first arrival to last token), output tokens, throughput = tokens / makespan, per-token
+latency (mean TPOT, (t_last - t_first) / (n - 1)), mean TTFT, and the share of requests whose tokens equal
+engine-incremental's (greedy: equal up to float differences of batched, padded computation).
+
+    python -m adaserve.bench.peer_compare --json docs/results/hf-peer-cpu-smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from adaserve.bench.engine_only import load_pair, prompts, set_threads, settings, write_report
+from adaserve.bench.hf_peer import HFPeer
+from adaserve.bench.microbench_options import PeerConfig, add_common, add_engine_only, add_peer, peer_config
+from adaserve.engine.catalog import resolve
+from adaserve.engine.config import EngineConfig
+from adaserve.engine.engine import Engine
+from adaserve.engine.request import Request
+from adaserve.engine.runner import ModelRunner
+from adaserve.engine.sampling import SamplingParams
+
+ENGINE_POLICIES = {"engine-adaserve": "adaserve", "engine-incremental": "incremental"}
+HF_VARIANTS = {"hf": dict(assisted=False, cache_implementation=None),
+               "hf-static": dict(assisted=False, cache_implementation="static"),
+               "hf-assisted": dict(assisted=True, cache_implementation=None)}
+REFERENCE = "engine-incremental"
+
+Arrivals = list[tuple[float, Request]]
+
+
+def scenario_arrivals(ids: list[list[int]], caps: list[int], offsets: list[float]) -> Callable[[], Arrivals]:
+    """Fresh requests for every run (a request carries its own output and times)."""
+    def make() -> Arrivals:
+        return [(t, Request(f"r{i}", p, SamplingParams(max_tokens=c)))
+                for i, (p, c, t) in enumerate(zip(ids, caps, offsets, strict=True))]
+    return make
+
+
+def summarize_run(arrivals: Arrivals) -> dict[str, Any]:
+    reqs = [r for _, r in arrivals]
+    start = min(r.metrics.arrival_s for r in reqs)
+    end = max(r.metrics.last_token_s or start for r in reqs)
+    tokens = sum(len(r.output_ids) for r in reqs)
+    tpots = [r.metrics.tpot_ms for r in reqs if r.metrics.tpot_ms is not None]
+    ttfts = [r.metrics.ttft_ms for r in reqs if r.metrics.ttft_ms is not None]
+    return {"makespan_s": end - start, "output_tokens": tokens, "throughput_tok_s": tokens / (end - start),
+            "mean_tpot_ms": statistics.fmean(tpots) if tpots else None,
+            "mean_ttft_ms": statistics.fmean(ttfts) if ttfts else None}
+
+
+def run_engine(target: ModelRunner, draft: ModelRunner, policy: str, arrivals: Arrivals, budget: int) -> None:
+    eng = Engine(target, draft if policy != "incremental" else None,
+                 EngineConfig(policy=policy, budget=budget, max_batch=max(64, len(arrivals))))
+    eng.run(arrivals)
+
+
+def run_variant(name: str, make: Callable[[], Arrivals], target: ModelRunner, draft: ModelRunner,
+                hf: HFPeer, budget: int) -> tuple[dict[str, Any], dict[str, list[int]]]:
+    arrivals = make()
+    if name in ENGINE_POLICIES:
+        run_engine(target, draft, ENGINE_POLICIES[name], arrivals, budget)
+    else:
+        hf.variant(**HF_VARIANTS[name]).run(arrivals, max_batch=len(arrivals))
+    return summarize_run(arrivals), {r.request_id: r.output_ids for _, r in arrivals}
+
+
+def ratio_stats(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def run_scenario(name: str, variants: list[str], make: Callable[[], Arrivals], target: ModelRunner,
+                 draft: ModelRunner, hf: HFPeer, cfg: PeerConfig, *, progress: bool) -> dict[str, Any]:
+    repeats: list[dict[str, Any]] = []
+    for rep in range(cfg.repeats):
+        runs, outputs = {}, {}
+        for v in variants:
+            runs[v], outputs[v] = run_variant(v, make, target, draft, hf, cfg.budget)
+            if progress:
+                s = runs[v]
+                tpot = f"{s['mean_tpot_ms']:.1f}" if s["mean_tpot_ms"] is not None else "-"
+                print(f"[{rep + 1}/{cfg.repeats}] {name} {v:18s} {s['throughput_tok_s']:7.1f} tok/s, "
+                      f"TPOT {tpot} ms, {s['output_tokens']} tokens in {s['makespan_s']:.1f} s", file=sys.stderr)
+        ref = outputs[REFERENCE]
+        for v in variants:
+            runs[v]["outputs_equal_reference"] = sum(outputs[v][k] == ref[k] for k in ref) / len(ref)
+        repeats.append(runs)
+    medians = {v: {k: statistics.median(r[v][k] for r in repeats)
+                   for k in ("throughput_tok_s", "mean_tpot_ms", "makespan_s", "mean_ttft_ms")
+                   if all(r[v][k] is not None for r in repeats)} for v in variants}
+    hf_names = [v for v in variants if v.startswith("hf")]
+    # ratios repeat by repeat, against the best transformers variant of the same repeat
+    thr = [r["engine-adaserve"]["throughput_tok_s"] / max(r[h]["throughput_tok_s"] for h in hf_names)
+           for r in repeats]
+    tpot = [r["engine-adaserve"]["mean_tpot_ms"] / min(r[h]["mean_tpot_ms"] for h in hf_names) for r in repeats]
+    best_engine_thr = [max(r[e]["throughput_tok_s"] for e in ENGINE_POLICIES) /
+                       max(r[h]["throughput_tok_s"] for h in hf_names) for r in repeats]
+    return {"variants": variants, "median": medians, "repeats": repeats,
+            "engine_adaserve_over_best_hf": {"throughput": ratio_stats(thr), "tpot": ratio_stats(tpot)},
+            "best_engine_over_best_hf_throughput": ratio_stats(best_engine_thr)}
+
+
+def run_peer(target: ModelRunner, draft: ModelRunner, hf: HFPeer, tokenizer: Any, cfg: PeerConfig, *,
+             progress: bool = False) -> dict[str, Any]:
+    ids = prompts(tokenizer, max(cfg.concurrency, 1), cfg.prompt_tokens)
+    rng = np.random.default_rng(cfg.seed)
+    caps = rng.integers(cfg.min_tokens, cfg.max_tokens, cfg.concurrency, endpoint=True).tolist()
+    offsets = ([0.0] * cfg.concurrency if cfg.arrival_rate is None
+               else np.cumsum(rng.exponential(1.0 / cfg.arrival_rate, cfg.concurrency)).tolist())
+    single = scenario_arrivals(ids[:1], [cfg.max_tokens], [0.0])
+    concurrent = scenario_arrivals(ids[: cfg.concurrency], caps, offsets)
+    warm = scenario_arrivals(ids[:2], [4, 4], [0.0, 0.0])
+    for v in [*ENGINE_POLICIES, *HF_VARIANTS]:  # first calls allocate and initialise: not timed
+        run_variant(v, warm, target, draft, hf, cfg.budget)
+    engines = list(ENGINE_POLICIES)
+    return {
+        "single": run_scenario("single", [*engines, *HF_VARIANTS], single, target, draft, hf, cfg,
+                               progress=progress),
+        "concurrent": {"caps": caps, "arrivals_s": offsets,
+                       **run_scenario("concurrent", [*engines, "hf", "hf-static"], concurrent, target, draft, hf,
+                                      cfg, progress=progress)},
+    }
+
+
+def verdict(report: dict[str, Any]) -> dict[str, Any]:
+    """The issue's two targets, read from the medians of the per-repeat ratios."""
+    single = report["single"]["engine_adaserve_over_best_hf"]["tpot"]["median"]
+    conc = report["concurrent"]["engine_adaserve_over_best_hf"]["throughput"]["median"]
+    return {"single_tpot_engine_over_hf": single, "single_tpot_no_worse": single <= 1.0,
+            "concurrent_throughput_engine_over_hf": conc, "concurrent_throughput_at_least_3x": conc >= 3.0}
+
+
+def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Raises ValueError for bad settings (the CLI turns it into a one-line error)."""
+    cfg = peer_config(args)
+    set_threads(args.threads)
+    target, draft, tok = load_pair(args.model, args.device, cfg.kv_memory_mb)
+    pair = resolve(args.model, progress=False)
+    eos = target.model.cfg.eos_token_ids
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
+    hf = HFPeer(pair.target, pair.draft, eos_token_id=eos[0] if eos else None, pad_token_id=pad)
+    results = run_peer(target, draft, hf, tok, cfg, progress=True)
+    report = {"benchmark": "hf-peer",
+              "config": {**settings(target, cfg, model=args.model, device=args.device),
+                         "hf_dtype": str(hf.model.dtype).removeprefix("torch."), "sampling": "greedy, EOS ends",
+                         "transformers": _transformers_version()},
+              **results}
+    report["verdict"] = verdict(report)
+    write_report(report, args.json)
+    return report
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m adaserve.bench.peer_compare", description=__doc__.splitlines()[0])
+    add_common(p)
+    add_engine_only(p)  # --repeats, --prompt-tokens, --budget
+    add_peer(p)
+    try:
+        run_from_args(p.parse_args(argv))
+    except ValueError as e:
+        print(f"peer_compare: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

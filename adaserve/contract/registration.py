@@ -76,6 +76,13 @@ class ClassAttainment(_Part):
     attainment: float
 
 
+class ClassTokens(_Part):
+    """A class's decoding requests in a curve point's iterations: tokens each gained per iteration, on average."""
+
+    tokens: float = Field(ge=0, allow_inf_nan=False)
+    decodes: int = Field(ge=1)  # request-iterations the mean is over
+
+
 class IterationPoint(_Part):
     """The worker's recent iterations that held ``requests`` requests (decoding and prefilling): one point of
     its measured iteration-time curve (the last ``steps`` such iterations, refreshed as it serves)."""
@@ -87,6 +94,7 @@ class IterationPoint(_Part):
     # mean tokens a decoding request gained per iteration (accepted draft tokens + the bonus token); None when
     # none of those iterations decoded (prefill only)
     tokens_per_request: float | None = Field(None, ge=0, allow_inf_nan=False)
+    tokens_by_class: dict[str, ClassTokens] = Field(default_factory=dict)  # the same, per SLO class
 
 
 class ClassRecent(_Part):

@@ -3,7 +3,8 @@ predict each class's TPOT from (docs/gateway.md "Routing and admission"):
 
 - its iteration-time curve: for each number of requests an iteration held (decoding + prefilling), the mean
   wall time of its last ``steps_per_point`` such iterations, the tree tokens they verified and the tokens a
-  decoding request gained per iteration (accepted draft tokens + the bonus token);
+  decoding request gained per iteration (accepted draft tokens + the bonus token), overall and per SLO class
+  (classes accept very differently: a summary of code far less than a chat answer);
 - per SLO class, over its last ``finished_per_class`` finished requests: TPOT, TTFT, attainment, and draft
   tokens accepted per verification.
 
@@ -15,10 +16,10 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from adaserve.contract.registration import ClassRecent, IterationPoint, Measured
+from adaserve.contract.registration import ClassRecent, ClassTokens, IterationPoint, Measured
 from adaserve.engine.engine import StepMetrics
 
 
@@ -30,6 +31,7 @@ class Step:
     verified: int
     gained: int  # tokens decoding requests gained: accepted draft tokens + one bonus token each
     decoding: int
+    by_class: tuple[tuple[str, int, int], ...] = ()  # (class, tokens gained, decoding requests) of known classes
 
 
 @dataclass(frozen=True)
@@ -49,10 +51,18 @@ def _mean(xs: Sequence[float]) -> float | None:
 def point(requests: int, steps: Sequence[Step]) -> IterationPoint:
     """The curve's point at ``requests`` from its recent iterations (at least one)."""
     decoding = sum(s.decoding for s in steps)
+    gained: dict[str, list[int]] = {}
+    for s in steps:
+        for name, tokens, decodes in s.by_class:
+            g = gained.setdefault(name, [0, 0])
+            g[0] += tokens
+            g[1] += decodes
     return IterationPoint(requests=requests, steps=len(steps),
                           iteration_ms=sum(s.ms for s in steps) / len(steps),
                           tokens_verified=sum(s.verified for s in steps) / len(steps),
-                          tokens_per_request=sum(s.gained for s in steps) / decoding if decoding else None)
+                          tokens_per_request=sum(s.gained for s in steps) / decoding if decoding else None,
+                          tokens_by_class={c: ClassTokens(tokens=t / d, decodes=d)
+                                           for c, (t, d) in sorted(gained.items())})
 
 
 def class_recent(done: Sequence[Finished]) -> ClassRecent:
@@ -74,11 +84,19 @@ class Measurements:
         self._steps: dict[int, deque[Step]] = {}
         self._classes: dict[str, deque[Finished]] = {}
 
-    def on_step(self, m: StepMetrics) -> None:
+    def on_step(self, m: StepMetrics, accepted: Mapping[str, tuple[str, int]] | None = None) -> None:
+        """One iteration; ``accepted``: request id -> (its SLO class, draft tokens it had accepted) for the
+        decoding requests whose class is known."""
         n = m.n_decode + m.n_prefill
         if n <= 0 or not m.t_step_s > 0:
             return
-        step = Step(1e3 * m.t_step_s, m.tokens_verified, m.tokens_accepted + m.n_decode, m.n_decode)
+        by_class: dict[str, list[int]] = {}
+        for name, k in (accepted or {}).values():
+            g = by_class.setdefault(name, [0, 0])
+            g[0] += k + 1
+            g[1] += 1
+        step = Step(1e3 * m.t_step_s, m.tokens_verified, m.tokens_accepted + m.n_decode, m.n_decode,
+                    tuple((c, t, d) for c, (t, d) in sorted(by_class.items())))
         with self._lock:
             self._steps.setdefault(n, deque(maxlen=self.steps_per_point)).append(step)
 

@@ -158,7 +158,7 @@ class Runtime:
         self.metrics.bind_engine(built.engine)
         for step in lone_steps:  # the curve starts from the lone request's iterations
             self.measurements.on_step(step)
-        built.engine.step_listeners.append(self.measurements.on_step)
+        built.engine.step_listeners.append(self._measure_step)
         self.metrics.declare_classes([self.settings.default_slo_class, *self.settings.slo_classes])
         self.loop = EngineLoop(built.engine).start()
         self.state = State.READY
@@ -171,6 +171,16 @@ class Runtime:
             log.info("no Redis configured (ADASERVE_REDIS_URL / --redis-url): local mode, not registering")
         log.info("worker %s ready at %s (budget %d)", self.settings.worker_id, self.settings.address,
                  built.engine.cfg.budget)
+
+    def _measure_step(self, m: StepMetrics) -> None:
+        """Engine thread, after each iteration: the curve, with what each decoding request of a known class gained
+        (its flight is still here: a finished request leaves ``active`` only later, on the event loop)."""
+        accepted = {}
+        for rid in m.per_request_verified:
+            flight = self.active.get(rid)
+            if flight is not None and flight.req.metrics.accepted_per_step:
+                accepted[rid] = (flight.slo_class, flight.req.metrics.accepted_per_step[-1])
+        self.measurements.on_step(m, accepted)
 
     def _prepare(self) -> tuple[BuiltEngine, Any | None, tuple[float | None, list[StepMetrics]]]:
         s = self.settings

@@ -28,6 +28,16 @@ def test_the_curve_has_a_point_per_number_of_requests_in_an_iteration() -> None:
         (1, 2, pytest.approx(25.0), 5.0, 2.0), (2, 2, pytest.approx(70.0), 2.0, 2.0)]
 
 
+def test_each_point_says_what_each_class_gained() -> None:
+    m = Measurements()
+    m.on_step(step(3, 30.0, verified=9, accepted=4), {"a": ("chat", 3), "b": ("chat", 1), "c": ("summ", 0)})
+    m.on_step(step(3, 30.0, verified=9, accepted=2), {"a": ("chat", 2), "c": ("summ", 0)})  # "d": class unknown
+    (p,) = m.measured().iterations
+    assert p.tokens_per_request == pytest.approx(12 / 6)
+    got = {c: (t.tokens, t.decodes) for c, t in p.tokens_by_class.items()}
+    assert got == {"chat": (pytest.approx(9 / 3), 3), "summ": (1.0, 2)}
+
+
 def test_each_point_keeps_only_the_recent_iterations() -> None:
     m = Measurements(steps_per_point=3)
     for ms in (100.0, 100.0, 10.0, 20.0, 30.0):

@@ -17,9 +17,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def slo_info(final: dict[str, Any], slo_class: str, *, met: bool | None) -> dict[str, Any]:
-    """An extra top-level field; OpenAI clients ignore it, curl users see which class served them."""
+    """An extra top-level field; OpenAI clients ignore it, curl users see which class served them. ``slo_met``
+    is the gateway's verdict (TTFT from the client's arrival), ``worker_slo_met`` the worker's (from its own)."""
     return {"slo_class": slo_class, "tpot_slo_ms": final.get("tpot_slo_ms"), "slo_met": met,
-            "metrics": final.get("metrics")}
+            "worker_slo_met": final.get("slo_met"), "metrics": final.get("metrics")}
 
 
 def stream_chunk(kind: Kind, *, rid: str, model: str, created: int, text: str | None = None,

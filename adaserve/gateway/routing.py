@@ -5,17 +5,19 @@ For a request of class c that would make ``n`` requests on worker w (this one in
     T(n)       iteration time: w's measured curve (``measured.iterations`` in its registration) at n;
                linear between points, beyond them along the curve's least-squares slope (with one point
                only, in the proportion of the cost-model prior below)
-    E(n)       tokens a decoding request gains per iteration (accepted draft tokens + the bonus token), from
-               the same curve; beyond its ends, the nearest point's
-    E_c(n)     = 1 + (E(n) - 1) * r_c,  r_c = c's draft tokens accepted per verification on w over all
-               classes' (AdaServe's selection gives tighter requests bigger trees), within [1/2, 2]
+    E_c(n)     tokens a decoding request of class c gains per iteration (accepted draft tokens + the bonus
+               token), from the same curve's per-class figures (classes accept very differently, and AdaServe's
+               selection gives tighter requests bigger trees); beyond their ends, the nearest point's. Where
+               the class has not been measured: the curve's figure over all classes, E(n), as
+               1 + (E(n) - 1) * r_c, r_c = c's accepted tokens per verification over all classes', in [1/2, 2]
     TPOT_c(n)  = k_w * T(n) / E_c(n)
 
 k_w is the correction this gateway learns from its own finished requests on w: observed over predicted
 TPOT (calibration.py). The **slack** of w for c is ``min_k 1 - TPOT_k(n) / target_k`` over c and every class
 already on w: the relative margin the tightest request there keeps if this one joins. Slack >= 0: every
-target should hold. A class whose target no worker can meet even alone (slack of a lone request < 0) is
-served best effort: its own target is left out of its slack, the others' still count.
+target should hold. A class whose target no worker can meet even alone (lone TPOT above its target) is served
+best effort: its own target is left out of its slack; and a class already on w that w cannot meet alone holds
+nobody back there.
 
 Before a worker has measured anything (no curve point with ``MIN_STEPS`` iterations), the prior is the
 analytic model of its published cost model: one iteration verifies B tokens and drafts D steps,
@@ -37,6 +39,7 @@ CONTEXT_TOKENS = 512  # L when the worker reports none: KV tokens a typical requ
 DRAFT_STEPS = 4  # D when the worker reports none: the engine's default d_max (engine/adaptive.py)
 PRIOR_ACCEPTANCE = 0.6  # a before a worker has verified anything
 MIN_STEPS = 4  # iterations a curve point needs before it is trusted
+MIN_DECODES = 4  # request-iterations of a class a curve point needs before its figure for the class is trusted
 CLASS_RATIO = (0.5, 2.0)  # bounds of a class's acceptance over the pooled one
 TIE = 0.1  # slacks this close (share of the target) are equal; fewer requests wins
 
@@ -51,6 +54,7 @@ class CurvePoint:
     steps: int
     iteration_ms: float
     tokens_per_request: float | None = None
+    tokens_by_class: dict[str, tuple[float, int]] = field(default_factory=dict)  # class -> (tokens, decodes)
 
 
 @dataclass(frozen=True)
@@ -186,19 +190,31 @@ def iteration_ms_at(w: WorkerView, n: float, *, acceptance: float | None = None)
     return edge.iteration_ms * max(n, 1.0) / edge.requests  # no prior: in proportion to the requests
 
 
+def _along(points: Sequence[CurvePoint], n: float, y: Callable[[CurvePoint], float]) -> float:
+    """``y`` along the points at ``n``: linear between them, the nearest one's beyond their ends."""
+    lo, hi = _around(points, n)
+    if lo is not None and hi is not None:
+        return _between(lo, hi, n, y)
+    edge = lo if lo is not None else hi
+    assert edge is not None
+    return y(edge)
+
+
 def tokens_at(w: WorkerView, n: float, *, acceptance: float | None = None) -> float:
-    """E(n): tokens a decoding request gains per iteration, >= 1."""
+    """E(n): tokens a decoding request (any class) gains per iteration, >= 1."""
     points = [p for p in trusted(w.curve) if p.tokens_per_request is not None]
     if not points:
         return prior_tokens(w, round(n), acceptance)
-    lo, hi = _around(points, n)
-    if lo is not None and hi is not None:
-        e = _between(lo, hi, n, lambda p: p.tokens_per_request or 0.0)
-    else:
-        edge = lo if lo is not None else hi
-        assert edge is not None and edge.tokens_per_request is not None
-        e = edge.tokens_per_request
-    return max(1.0, e)
+    return max(1.0, _along(points, n, lambda p: p.tokens_per_request or 0.0))
+
+
+def class_tokens_at(w: WorkerView, slo_class: str, n: float, *, acceptance: float | None = None) -> float:
+    """E_c(n): tokens a decoding request of the class gains per iteration, >= 1."""
+    points = [p for p in trusted(w.curve) if p.tokens_by_class.get(slo_class, (0.0, 0))[1] >= MIN_DECODES]
+    if points:
+        return max(1.0, _along(points, n, lambda p: p.tokens_by_class[slo_class][0]))
+    e = tokens_at(w, n, acceptance=acceptance)
+    return 1.0 + (e - 1.0) * class_ratio(w, slo_class)
 
 
 def class_ratio(w: WorkerView, slo_class: str) -> float:
@@ -214,8 +230,7 @@ def predicted_tpot_ms(w: WorkerView, slo_class: str, n: float, *, acceptance: fl
     t = iteration_ms_at(w, n, acceptance=acceptance)
     if t is None:
         return None
-    e = tokens_at(w, n, acceptance=acceptance)
-    return t / (1.0 + (e - 1.0) * class_ratio(w, slo_class))
+    return t / class_tokens_at(w, slo_class, n, acceptance=acceptance)
 
 
 def lone_tpot_ms(w: WorkerView, slo_class: str, *, acceptance: float | None = None) -> float | None:
@@ -235,20 +250,25 @@ def feasible(w: WorkerView, slo_class: str, tpot_of: TpotOf, *, acceptance: floa
 def slack(w: WorkerView, slo_class: str, tpot_of: TpotOf, *, acceptance: float | None = None,
           best_effort: bool = False) -> float:
     """min over the classes on ``w`` (this request's included, unless ``best_effort``) of 1 - TPOT / target
-    if this request joined; -inf without a free slot; the free-slot share when nothing predicts TPOT."""
+    if this request joined; -inf without a free slot; the free-slot share when nothing predicts TPOT. A class
+    already there that ``w`` cannot meet even alone is served best effort: it holds nobody back."""
     if w.free_slots <= 0:
         return -math.inf
     n = w.active + 1
     t = iteration_ms_at(w, n, acceptance=acceptance)
     if t is None:
         return (w.free_slots - 1) / w.max_active
-    e = tokens_at(w, n, acceptance=acceptance)
-    judged = {c for c, k in w.active_by_class.items() if k > 0} | ({slo_class} if not best_effort else set())
+    others = {c for c, k in w.active_by_class.items() if k > 0 and c != slo_class}
+    judged = {c for c in others if feasible(w, c, tpot_of, acceptance=acceptance)}
+    if not best_effort:
+        judged.add(slo_class)
+    elif slo_class in w.active_by_class and feasible(w, slo_class, tpot_of, acceptance=acceptance):
+        judged.add(slo_class)  # infeasible somewhere else, feasible here: those already here keep their target
     worst = 1.0
     for name in sorted(judged):
         target = tpot_of(name)
         if target:
-            tpot = w.correction * t / (1.0 + (e - 1.0) * class_ratio(w, name))
+            tpot = w.correction * t / class_tokens_at(w, name, n, acceptance=acceptance)
             worst = min(worst, 1.0 - tpot / target)
     return worst
 

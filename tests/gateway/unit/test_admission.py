@@ -192,12 +192,13 @@ def test_an_infeasible_class_is_served_best_effort_at_once_on_an_idle_worker() -
 
 
 def test_best_effort_still_keeps_the_others_targets() -> None:
-    # busy with a chat request: a best-effort coding request joining would slow it to 400 ms: wait, then refuse
-    adm, _, _ = admission([registration("a", **{**SLOW, "active": 1, "by_class": {"chat": 1}})])
-    out, _ = run(timed_admit(adm, CODING))
+    # 100 ms alone: coding (40) is infeasible, summarization (150) is not; with two requests, 400 ms
+    middling = {"budget": 16, "measured": curve((1, 100.0, 1.0), (2, 400.0, 1.0))}
+    adm, _, _ = admission([registration("a", **middling, active=1, by_class={"summarization": 1})])
+    out, _ = run(timed_admit(adm, CODING))  # would slow the summarization request to 400 ms: wait, then refuse
     assert isinstance(out, Refused) and out.reason == "overloaded"
-    # with nobody there whose target it could break, it goes at once
-    adm, _, _ = admission([registration("a", **{**SLOW, "active": 1, "by_class": {"gone": 1}})])
+    # a request there whose class the worker cannot meet even alone holds nobody back
+    adm, _, _ = admission([registration("a", **middling, active=1, by_class={"chat": 1})])
     out, _ = run(timed_admit(adm, CODING))
     assert isinstance(out, Admitted) and out.mode == "best_effort" and not out.queued
 

@@ -60,8 +60,9 @@ def test_full_chat() -> None:
 
 
 def test_slo_info() -> None:
-    final = {"finish_reason": "stop", "tpot_slo_ms": 50.0, "metrics": {"tpot_ms": 31.0}, "token_ids": [1]}
+    final = {"finish_reason": "stop", "tpot_slo_ms": 50.0, "metrics": {"tpot_ms": 31.0}, "token_ids": [1],
+             "slo_met": False}
     assert slo_info(final, "chat", met=True) == {"slo_class": "chat", "tpot_slo_ms": 50.0, "slo_met": True,
-                                                 "metrics": {"tpot_ms": 31.0}}
+                                                 "worker_slo_met": False, "metrics": {"tpot_ms": 31.0}}
     assert slo_info({}, "batch", met=None) == {"slo_class": "batch", "tpot_slo_ms": None, "slo_met": None,
-                                               "metrics": None}
+                                               "worker_slo_met": None, "metrics": None}

@@ -20,6 +20,7 @@ from adaserve.gateway.routing import (
     accepted_per_request,
     best_slack,
     class_ratio,
+    class_tokens_at,
     curve_slope,
     feasible,
     feasible_anywhere,
@@ -116,6 +117,23 @@ def test_predicted_tpot_is_iteration_time_over_tokens() -> None:
     assert predicted_tpot_ms(view(), "chat", 1) is None  # neither curve nor cost model
 
 
+def test_a_class_measured_on_the_curve_is_predicted_from_its_own_figures() -> None:
+    # summaries accept little (1.1 tokens per iteration), chat a lot (2.6): same iterations, TPOT 2.4x apart
+    curve = (CurvePoint(1, 32, 20.0, 1.0, {"summarization": (1.1, 20)}),
+             CurvePoint(3, 32, 40.0, 1.8, {"chat": (2.6, 40), "summarization": (1.2, 40), "rare": (5.0, 3)}))
+    w = measured(curve=curve, class_accepted={"chat": 3.0}, pooled_accepted=1.0)
+    assert class_tokens_at(w, "summarization", 1) == pytest.approx(1.1)
+    assert class_tokens_at(w, "summarization", 2) == pytest.approx(1.15)  # between the points
+    assert class_tokens_at(w, "chat", 1) == pytest.approx(2.6)  # the nearest point that measured it
+    assert predicted_tpot_ms(w, "chat", 3) == pytest.approx(40 / 2.6)
+    # too few decodes of "rare" to trust: the pooled figure at n, scaled by its acceptance (unknown here: 1)
+    assert class_tokens_at(w, "rare", 3) == pytest.approx(1.8)
+    # chat at n = 5 beyond the curve's ends: the nearest point's figure; with no curve, the pooled one scaled
+    assert class_tokens_at(w, "chat", 5) == pytest.approx(2.6)
+    assert class_tokens_at(measured(class_accepted={"chat": 3.0}, pooled_accepted=1.0), "chat", 2) == \
+        pytest.approx(1 + 0.5 * 2.0)
+
+
 def test_a_class_that_accepts_more_gains_more_tokens_beyond_the_bonus() -> None:
     w = measured(class_accepted={"tight": 1.5, "relaxed": 0.5, "wild": 9.0}, pooled_accepted=1.0)
     assert class_ratio(w, "tight") == 1.5 and class_ratio(w, "relaxed") == 0.5
@@ -188,6 +206,17 @@ def test_best_effort_leaves_the_requests_own_target_out() -> None:
     assert slack(measured(), "tight", lambda _: 5.0, best_effort=True) == 1.0  # nobody else to break
     busy = measured(active=1, active_by_class={"chat": 1})  # n = 2: TPOT 20 against chat's 50
     assert slack(busy, "tight", lambda c: 5.0 if c == "tight" else tpot_of(c), best_effort=True) == pytest.approx(0.6)
+
+
+def test_a_class_the_worker_cannot_meet_even_alone_holds_nobody_back() -> None:
+    # tight (30 ms) cannot be met alone at correction 4 (40 ms); chat (50 ms) joining makes 2: 4 * 20 = 80 ms
+    w = measured(active=1, active_by_class={"tight": 1}, correction=4.0)
+    targets = {"tight": 30.0, "chat": 100.0}
+    assert feasible(w, "tight", targets.get) is False
+    assert slack(w, "chat", targets.get) == pytest.approx(1 - 80 / 100)  # tight's target is not counted
+    # a feasible class already there is counted, even when the joining one is served best effort
+    w2 = measured(active=1, active_by_class={"chat": 1})
+    assert slack(w2, "tight", lambda c: {"tight": 1.0, "chat": 25.0}[c], best_effort=True) == pytest.approx(0.2)
 
 
 def test_no_free_slot_is_minus_infinite_slack() -> None:

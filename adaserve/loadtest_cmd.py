@@ -39,8 +39,11 @@ def add_parser(sub: Any) -> None:
                    "(default smollm2-135m-instruct; demo-tiny for the tiny test pair)")
     p.add_argument("--draft", help="with --up: its draft (default: the named model's own)")
     p.add_argument("--budget", type=int, help="with --up: fixed token budget (default: profiled)")
+    p.add_argument("--slo-classes-file", type=Path, help="with --up: the classes, as `adaserve up` takes them "
+                   "(default: the three default classes scaled to the machine)")
     p.add_argument("--model", help="model name to request (default: the gateway's first in /v1/models)")
-    p.add_argument("--rps", type=floats, default=(0.5, 1.0, 2.0), help="request rates, comma-separated")
+    p.add_argument("--rps", type=floats, help="request rates, comma-separated (default 0.5,1,2, none with only "
+                   "--sequential or --overhead)")
     p.add_argument("--load", type=floats, help="rates as multiples of the capacity instead, e.g. 0.25,0.5,1,2,3")
     p.add_argument("--capacity-rps", type=float, help="with --load: the capacity (default: measured first)")
     p.add_argument("--probe-s", type=float, default=30.0, help="capacity probe: seconds of closed-loop load")
@@ -57,19 +60,23 @@ def add_parser(sub: Any) -> None:
                    help="also time N greedy requests direct to the worker and through the gateway "
                         "(needs --worker-url, or --up)")
     p.add_argument("--worker-url", help="a worker behind the gateway, for --overhead")
+    p.add_argument("--sequential", type=int, default=0, metavar="N",
+                   help="first, N requests of each class one at a time: refused, queued, the gateway's and the "
+                        "worker's TTFT and attainment")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--plot", type=Path, help="attainment and TPOT per class against rate (PNG)")
     p.set_defaults(func=run)
 
 
+DEFAULT_RPS = (0.5, 1.0, 2.0)
 PLAIN = {"routing": "least-loaded", "admission": "none"}  # the comparison: what a user would put in front of workers
 
 
 def run(args: argparse.Namespace) -> int:
     if args.overhead and not (args.worker_url or args.up):
         raise CliError("--overhead needs --worker-url (or --up, which knows its worker)")
-    if args.overhead < 0:
-        raise CliError("--overhead must be >= 0")
+    if args.overhead < 0 or args.sequential < 0:
+        raise CliError("--overhead and --sequential must be >= 0")
     if args.compare and not args.up:
         raise CliError("--compare starts a plain load balancer beside `adaserve up`: it needs --up "
                        "(or give a running one with --compare-url)")
@@ -77,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--capacity-rps must be positive")
     if args.load is not None and any(not x > 0 for x in args.load):
         raise CliError("--load multiples must be positive")
+    if args.rps is None:
+        args.rps = () if args.load is None and (args.sequential or args.overhead) else DEFAULT_RPS
     if args.up:
         port, worker_port = free_port("127.0.0.1"), free_port("127.0.0.1")
         with local_stack(args, port, worker_port) as plain_url:
@@ -126,7 +135,7 @@ async def _measure(args: argparse.Namespace, url: str, worker_url: str | None,
     classes = loadgen.classes_from(published)
     ttft = {c["name"]: c.get("ttft_ms") for c in published["data"]}
     mix = parse_mix(args.mix, known=[c.name for c in classes]) if args.mix else None
-    cfg = loadgen.LoadConfig(url=url, model=model, rates=args.rps, duration_s=args.duration, mix=mix,
+    cfg = loadgen.LoadConfig(url=url, model=model, rates=args.rps or DEFAULT_RPS, duration_s=args.duration, mix=mix,
                              seed=args.seed, max_tokens_cap=args.max_tokens, api_key=args.api_key)
     systems: dict[str, dict[str, Any]] = {"adaserve": {"url": url, "settings": gateway_settings(args), "rates": []}}
     if plain_url:
@@ -137,11 +146,15 @@ async def _measure(args: argparse.Namespace, url: str, worker_url: str | None,
                    "rps": list(args.rps) if args.load is None else None, "load": args.load,
                    "duration_s": args.duration, "seed": args.seed, "mix": cfg.mix or loadgen.default_mix(classes),
                    "max_tokens": args.max_tokens, "target": args.target, "budget": args.budget,
+                   "slo_classes_file": str(args.slo_classes_file) if args.slo_classes_file else None,
                    "torch_threads": os.environ.get("ADASERVE_TORCH_THREADS"), "worker": worker},
         "capacity": None, "systems": systems, "rates": systems["adaserve"]["rates"]}
     if args.overhead:
         print(f"loadtest: gateway overhead, {args.overhead} requests each way ...", file=sys.stderr, flush=True)
         report["overhead"] = await loadgen.measure_overhead(cfg, worker_url or "", requests=args.overhead)
+    if args.sequential:
+        print(f"loadtest: {args.sequential} requests of each class, one at a time ...", file=sys.stderr, flush=True)
+        report["sequential"] = await loadgen.measure_sequential(cfg, classes, each=args.sequential)
     rates = list(args.rps)
     if args.load is not None:
         capacity = await _capacity(args, cfg, classes, plain_url or url)
@@ -183,9 +196,9 @@ def local_stack(args: argparse.Namespace, port: int, worker_port: int) -> Iterat
     """``adaserve up`` in a child process, ready before the run and stopped (drained) after it; with ``--compare``
     also a plain load balancer in front of its worker, with the same classes: its URL is what this yields."""
     cmd = [sys.executable, "-m", "adaserve", "up", "--port", str(port), "--worker-port", str(worker_port)]
-    for name in ("target", "draft", "budget"):
+    for name in ("target", "draft", "budget", "slo_classes_file"):
         if getattr(args, name) is not None:
-            cmd += [f"--{name}", str(getattr(args, name))]
+            cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     # its banner would mix with the report on stdout; its progress and errors still show on stderr
     url = f"http://127.0.0.1:{port}"
     stack = ServerProcess.start(cmd, url=url, name="`adaserve up`", stdout=subprocess.DEVNULL)

@@ -286,6 +286,61 @@ async def fetch_json(client: httpx.AsyncClient, url: str, headers: dict[str, str
     return dict(r.json())
 
 
+# --- an idle system: one request at a time, the gateway's view against the worker's ------------------------
+
+async def _one_json(client: httpx.AsyncClient, cfg: LoadConfig, req: WorkloadRequest) -> dict[str, Any]:
+    """One non-streamed chat completion and the gateway's record of it: TTFT and verdict at the gateway and at
+    the worker, whether it queued."""
+    body = {"model": cfg.model, "messages": [{"role": "user", "content": req.prompt}], "max_tokens": req.max_tokens,
+            "temperature": 0, "ignore_eos": True}
+    r = await client.post(f"{cfg.url}/v1/chat/completions", json=body,
+                          headers={**cfg.headers(), "X-SLO-Class": req.slo_class})
+    if r.status_code != 200:
+        return {"slo_class": req.slo_class, "status": r.status_code, "refused": r.status_code in (429, 503)}
+    answer = r.json()
+    record = (await client.get(f"{cfg.url}/v1/requests/{answer['id']}", headers=cfg.headers())).json()
+    info = answer.get("adaserve") or {}
+    worker = info.get("metrics") or {}
+    ttft = float(record["ttft_ms"]) if record.get("ttft_ms") else None
+    return {"slo_class": req.slo_class, "status": 200, "refused": False, "tokens": answer["usage"]["completion_tokens"],
+            "queued": record.get("queued") == "1", "gateway_ttft_ms": ttft, "worker_ttft_ms": worker.get("ttft_ms"),
+            "gateway_tpot_ms": float(record["tpot_ms"]) if record.get("tpot_ms") else None,
+            "worker_tpot_ms": worker.get("tpot_ms"), "gateway_slo_met": info.get("slo_met"),
+            "worker_slo_met": info.get("worker_slo_met")}
+
+
+def sequential_report(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per class: refused, queued, the gateway's and the worker's attainment, what the gateway added to TTFT."""
+    out: dict[str, Any] = {}
+    for name in sorted({r["slo_class"] for r in rows}):
+        rs = [r for r in rows if r["slo_class"] == name]
+        done = [r for r in rs if r["status"] == 200]
+        added = [r["gateway_ttft_ms"] - r["worker_ttft_ms"] for r in done
+                 if r["gateway_ttft_ms"] is not None and r["worker_ttft_ms"] is not None]
+        out[name] = {"requests": len(rs), "refused": sum(r["refused"] for r in rs),
+                     "failed": sum(r["status"] != 200 and not r["refused"] for r in rs),
+                     "queued": sum(bool(r.get("queued")) for r in done),
+                     "gateway_attainment": sum(bool(r["gateway_slo_met"]) for r in done) / len(rs),
+                     "worker_attainment": sum(bool(r["worker_slo_met"]) for r in done) / len(rs),
+                     "mean_gateway_ttft_ms": _mean([r["gateway_ttft_ms"] for r in done if r["gateway_ttft_ms"]]),
+                     "mean_worker_ttft_ms": _mean([r["worker_ttft_ms"] for r in done if r["worker_ttft_ms"]]),
+                     "mean_ttft_added_ms": _mean(added), "max_ttft_added_ms": max(added) if added else None,
+                     "mean_worker_tpot_ms": _mean([r["worker_tpot_ms"] for r in done if r["worker_tpot_ms"]])}
+    return {"per_class": out, "requests": list(rows)}
+
+
+async def measure_sequential(cfg: LoadConfig, classes: tuple[SLOClass, ...], *, each: int) -> dict[str, Any]:
+    """``each`` requests of every class of the mix, one at a time (the class's own prompts and lengths)."""
+    mix = cfg.mix or default_mix(classes)
+    pool = build(dataclasses.replace(cfg, duration_s=max(60.0, 10.0 * each)), classes, 10.0)
+    rows = []
+    async with httpx.AsyncClient(timeout=cfg.timeout_s) as client:
+        for name in mix:
+            for req in [r for r in pool if r.slo_class == name][:each]:
+                rows.append(await _one_json(client, cfg, req))
+    return sequential_report(rows)
+
+
 # --- gateway overhead -----------------------------------------------------------------------------------
 
 async def _direct(client: httpx.AsyncClient, worker_url: str, max_tokens: int) -> Timing:

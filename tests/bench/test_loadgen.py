@@ -15,6 +15,7 @@ from adaserve.bench.loadgen import (
     met,
     overhead_report,
     rate_report,
+    sequential_report,
 )
 from adaserve.bench.metrics import RequestResult
 from adaserve.contract.slo import slo_met
@@ -104,3 +105,19 @@ def test_overhead_is_the_difference_of_medians() -> None:
     assert rep["requests_each"] == 3
     assert rep["ttft_ms"] == {"direct": 20.0, "gateway": 25.0, "added": 5.0}
     assert rep["tpot_ms"]["added"] == pytest.approx(0.5)
+
+
+def test_sequential_report_sets_the_gateways_view_beside_the_workers() -> None:
+    def row(cls: str, g: float, w: float, gm: bool, wm: bool, queued: bool = False) -> dict:
+        return {"slo_class": cls, "status": 200, "refused": False, "queued": queued, "gateway_ttft_ms": g,
+                "worker_ttft_ms": w, "gateway_tpot_ms": 30.0, "worker_tpot_ms": 29.0, "gateway_slo_met": gm,
+                "worker_slo_met": wm}
+
+    rows = [row("chat", 120.0, 100.0, True, True), row("chat", 150.0, 90.0, False, True, queued=True),
+            {"slo_class": "chat", "status": 503, "refused": True}, row("coding", 60.0, 50.0, True, True)]
+    rep = sequential_report(rows)
+    chat = rep["per_class"]["chat"]
+    assert (chat["requests"], chat["refused"], chat["failed"], chat["queued"]) == (3, 1, 0, 1)
+    assert chat["gateway_attainment"] == pytest.approx(1 / 3) and chat["worker_attainment"] == pytest.approx(2 / 3)
+    assert chat["mean_ttft_added_ms"] == pytest.approx(40.0) and chat["max_ttft_added_ms"] == 60.0
+    assert rep["per_class"]["coding"]["gateway_attainment"] == 1.0 and rep["requests"] == rows

@@ -169,6 +169,9 @@ class EngineConfig:
     # "goodput": B is a floor, raised each iteration while verifying more raises expected tokens per
     # second (iteration_budget.py); "knee": B exactly, every iteration
     budget_rule: str = "goodput"
+    # what a drafted node is worth to selection: "learned" (acceptance by sibling rank, learnt from
+    # verification, acceptance.py) or "draft" (the draft's own path probability, as the paper)
+    node_value: str = "learned"
     n_max: int = 16  # AdaServe: the most nodes (root included) one request takes in the SLO phase
     smartspec_max_k: int = 8  # SmartSpec: the longest chain it may choose
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
@@ -191,6 +194,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _at_least("EngineConfig", "budget", self.budget, 1)
+        if self.node_value not in ("learned", "draft"):
+            raise ValueError(f"EngineConfig.node_value must be 'learned' or 'draft', got {self.node_value!r}")
         if self.budget_rule not in BUDGET_RULES:
             raise ValueError(f"EngineConfig.budget_rule must be one of {', '.join(BUDGET_RULES)}, "
                              f"got {self.budget_rule!r}")

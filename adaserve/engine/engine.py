@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from adaserve.engine.acceptance import RankAcceptance
 from adaserve.engine.batch import Segment
 from adaserve.engine.config import EngineConfig
 from adaserve.engine.cost_model import CostModel
@@ -118,6 +119,7 @@ class Engine:
         self.target_time = OnlineCostModel(cfg.target_cost or flat, frozen=cfg.target_cost is not None)
         self.draft_time = OnlineCostModel(cfg.draft_cost or CostModel(0.0, 0.0, cfg.initial_forward_s / 4),
                                           frozen=cfg.draft_cost is not None)
+        self.acceptance = RankAcceptance()  # what a drafted node is worth (cfg.node_value == "learned")
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.reserved = [0, 0]  # pages promised to admitted requests (target, draft)
@@ -275,6 +277,7 @@ class Engine:
             # the accepted path stopped short of the tree's deepest level: a rejection
             rejections += tree.size > 1 and res.num_accepted < int(tree.depths().max())
             emitted[req.request_id] = res.tokens
+            self.acceptance.observe(tree, res.accepted_nodes)
         if segments:
             n_ctx = sum(s.prefix_len for s in segments)
             self.target_time.observe(n_ctx, sum(s.num_new for s in segments), t_fwd)
@@ -345,9 +348,11 @@ class Engine:
         t1 = self.clock()
         # steps 2..d each ran n*w draft tokens; step 1 ran the pending chains (not modelled separately)
         self.draft_time.observe(n_ctx, len(decoding) * shape.width, (t1 - t0) / shape.depth)
+        # selection weighs nodes by f(v); "learned": acceptance by sibling rank, not the draft's own guess
+        scored = [self.acceptance.calibrate(c) for c in cands] if self.cfg.node_value == "learned" else cands
         budget = max(self.cfg.budget, len(decoding))
         if self.cfg.budget_rule == "goodput" and is_budgeted(self.policy):
-            budget = goodput_budget(cands, floor=budget, t_spent_s=t1 - t_start,
+            budget = goodput_budget(scored, floor=budget, t_spent_s=t1 - t_start,
                                     t_target=lambda k: self.target_time.predict(n_ctx, k + m.prefill_tokens))
         m.budget = budget
         # A(r): this iteration's tokens land at t_start + t_iter, t_iter = the draft time already spent plus
@@ -356,14 +361,14 @@ class Engine:
         verify = min(budget, sum(c.size for c in cands)) + m.prefill_tokens
         t_iter = (t1 - t_start) + self.target_time.predict(n_ctx, verify)
         ctx = SelectionContext(budget=budget, depth=shape.depth, now_s=t_start, t_iter_s=t_iter)
-        chosen = self.policy.select(cands, decoding, ctx)
+        chosen = self.policy.select(scored, decoding, ctx)
         trees = [c.subtree(sel) for c, sel in zip(cands, chosen, strict=True)]
         m.t_speculate_s, m.t_select_s = t1 - t0, self.clock() - t1
         m.tokens_verified = sum(t.size for t in trees)
         m.per_request_verified = {r.request_id: t.size for r, t in zip(decoding, trees, strict=True)}
         if self.selection_listeners:
             needs = [requirement(r, now_s=ctx.now_s, t_iter_s=ctx.t_iter_s) for r in decoding]
-            record = SelectionRecord(cands, needs, chosen, ctx)
+            record = SelectionRecord(scored, needs, chosen, ctx)
             for listener in self.selection_listeners:
                 listener(record)
         return trees

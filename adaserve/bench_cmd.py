@@ -57,6 +57,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--max-tokens", type=int, default=128, help="cap on output tokens per request")
+    p.add_argument("--max-prompt-tokens", type=int, default=512,
+                   help="prompts longer than this keep their last tokens (the chat template's opening survives)")
     p.add_argument("--clock", choices=["wall", "simulated"], default="wall",
                    help="simulated: real models and tokens, time from --device-profile (deterministic)")
     p.add_argument("--device-profile", default="measured",
@@ -92,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
                           duration_s=args.duration, trace=args.trace,
                           mix=parse_mix(args.mix) if args.mix else None, slo_scale=args.slo_scale,
                           seed=args.seed, device=args.device, budget=args.budget, budgets=args.budgets,
-                          max_tokens_cap=args.max_tokens, baseline_tpot_ms=args.baseline_tpot_ms,
+                          max_tokens_cap=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                          baseline_tpot_ms=args.baseline_tpot_ms,
                           clock=args.clock, device_profile=args.device_profile, sched_ms=args.sched_ms,
                           sweep=args.sweep, values=args.values)
         if args.trace is not None and not args.trace.is_file():

@@ -80,6 +80,8 @@ class BenchConfig:
             raise ValueError("rates must be positive")
         if self.duration_s <= 0:
             raise ValueError("duration must be positive")
+        if self.max_prompt_tokens < 1 or self.max_tokens_cap < 1:
+            raise ValueError("max_prompt_tokens and max_tokens_cap must be >= 1")
         if self.clock not in CLOCKS:
             raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
         if self.sweep not in SWEEPS:

@@ -1,0 +1,75 @@
+"""The micro-benchmarks: the engine's own cost (engine_only.py) and the race against transformers
+(peer_compare.py), on the tiny demo pair; and ``adaserve microbench``'s one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from adaserve.bench.engine_only import IterationTimes, load_pair, run_engine_only, summarize_cell
+from adaserve.bench.microbench_options import EngineOnlyConfig, PeerConfig
+
+
+def test_summary_shares_and_breakdown() -> None:
+    its = [IterationTimes(step=0.10, target_fwd=0.06, draft_fwd=0.02, speculate=0.03, select=0.002, verify=0.065,
+                          tokens=4, cpu_step=0.2, cpu_fwd=0.17),
+           IterationTimes(step=0.30, target_fwd=0.20, draft_fwd=0.04, speculate=0.06, select=0.004, verify=0.22,
+                          tokens=6, cpu_step=0.6, cpu_fwd=0.51)]
+    s = summarize_cell(its)
+    assert s["non_forward_share"] == pytest.approx((0.02 + 0.06) / 0.4)
+    assert s["median_iteration_share"] == pytest.approx((0.2 + 0.2) / 2)
+    assert s["non_forward_share_cpu"] == pytest.approx(1 - 0.68 / 0.8)
+    assert s["speculate_other_ms"] == pytest.approx(1e3 * (0.01 + 0.02) / 2)
+    assert s["verify_other_ms"] == pytest.approx(1e3 * (0.005 + 0.02) / 2)
+    assert s["rest_ms"] == pytest.approx(1e3 * (0.003 + 0.016) / 2)
+    assert s["tokens_per_s"] == pytest.approx(10 / 0.4)
+
+
+@pytest.fixture(scope="module")
+def demo() -> tuple:
+    return load_pair("demo-tiny", "cpu", 64)
+
+
+def test_engine_only_on_the_demo_pair(demo: tuple) -> None:
+    target, draft, tok = demo
+    cfg = EngineOnlyConfig(batches=(1, 3), steps=2, warmup_steps=1, repeats=2, kv_memory_mb=64)
+    report = run_engine_only(target, draft, tok, cfg)
+    cells = {(c["mode"], c["batch"]): c for c in report["cells"]}
+    assert set(cells) == {("spec", 1), ("spec", 3), ("plain", 1), ("plain", 3)}
+    for c in cells.values():
+        assert len(c["repeats"]) == 2
+        assert 0 <= c["non_forward_share_min"] <= c["non_forward_share_median"] <= c["non_forward_share_max"] < 1
+        assert all(r["forward_ms"] > 0 and r["tokens_per_iteration"] >= c["batch"] for r in c["repeats"])
+    assert all(r["speculate_other_ms"] == 0 for r in cells[("plain", 3)]["repeats"])  # no draft without speculation
+
+
+def test_peer_race_on_the_demo_pair(demo: tuple) -> None:
+    from adaserve.bench.hf_peer import HFPeer
+    from adaserve.bench.peer_compare import run_peer, verdict
+    from adaserve.engine.catalog import resolve
+
+    target, draft, tok = demo
+    pair = resolve("demo-tiny", progress=False)
+    hf = HFPeer(pair.target, pair.draft, eos_token_id=target.model.cfg.eos_token_ids[0], pad_token_id=0)
+    cfg = PeerConfig(concurrency=3, max_tokens=6, min_tokens=3, repeats=1, prompt_tokens=32, kv_memory_mb=64)
+    report = run_peer(target, draft, hf, tok, cfg)
+    single, conc = report["single"], report["concurrent"]
+    assert single["variants"] == ["engine-adaserve", "engine-incremental", "hf", "hf-static", "hf-assisted"]
+    assert conc["variants"] == ["engine-adaserve", "engine-incremental", "hf", "hf-static"]
+    for run in (single["repeats"][0], conc["repeats"][0]):
+        assert run["engine-adaserve"]["outputs_equal_reference"] == 1.0  # speculation is lossless
+        assert all(r["throughput_tok_s"] > 0 and r["output_tokens"] > 0 for r in run.values())
+    assert len(conc["caps"]) == 3 and all(3 <= c <= 6 for c in conc["caps"])
+    v = verdict(report)
+    assert v["single_tpot_no_worse"] == (v["single_tpot_engine_over_hf"] <= 1.0)
+
+
+@pytest.mark.parametrize("args", [["--batches", "0"], ["--modes", "fast"], ["--peer", "--min-tokens", "9",
+                                                                             "--max-tokens", "4"]])
+def test_bad_settings_are_one_line_errors(args: list[str]) -> None:
+    res = subprocess.run([sys.executable, "-m", "adaserve", "microbench", "--model", "demo-tiny", *args],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.startswith("adaserve: error:") and len(res.stderr.strip().splitlines()) == 1

@@ -105,6 +105,7 @@ class ClassRecent(_Part):
     attainment: float = Field(ge=0, le=1)
     tpot_ms: float | None = Field(None, ge=0, allow_inf_nan=False)  # mean TPOT of those that had one
     ttft_ms: float | None = Field(None, ge=0, allow_inf_nan=False)  # mean TTFT, from the worker's arrival
+    min_ttft_ms: float | None = Field(None, ge=0, allow_inf_nan=False)  # the least of them
     accepted_per_verification: float | None = Field(None, ge=0, allow_inf_nan=False)
 
 

@@ -1,15 +1,17 @@
 """Admit, queue or refuse: the decision made before a request goes to a worker (``admission="slo"``, the default).
 
 1. Some worker has slack for the request (routing.py: every target on it, this request's included, should still
-   hold if it joined): send it to the one the router picks, at once. An idle worker that can meet the class
-   alone always has slack, so an idle fleet never queues a request of a feasible class.
+   hold if it joined, with ``slo_margin`` to spare): send it to the one the router picks, at once. An idle
+   worker that can meet the class alone always has slack, so an idle fleet never queues a request of a
+   feasible class.
 2. None has, but some have free slots: a sheddable class (priority < 0) is refused at once, 503 + Retry-After,
    so the others keep their pace; any other class waits for slack, up to its wait budget.
 3. No worker has a free slot (or none is ready): wait, up to the wait budget.
 4. The wait budget is ``queue_timeout_s``, shortened for a class with a TTFT target to what that target leaves
-   after the worker's own recent TTFT: a request whose wait has already spent its target is refused then, not
-   served late. At the end of its wait a request still without slack is refused, 503 + Retry-After (or, with
-   ``on_overload="best-effort"``, served late by the router's pick, slowing the batch it joins).
+   after the least TTFT a worker has recently given the class: a request whose wait has already spent its
+   target is refused then, not served late. At the end of its wait a request still without slack is refused,
+   503 + Retry-After (or, with ``on_overload="best-effort"``, served late by the router's pick, slowing the
+   batch it joins).
 5. A class that no worker can meet even for a lone request (routing.feasible_anywhere) is served best effort:
    its own target is left out of its slack, the others' still count (or, ``on_infeasible="refuse"``, 503).
 At most ``max_queued`` requests wait at once; beyond that 503 at once.
@@ -53,14 +55,15 @@ def rank(slo: SloClass, arrival: int) -> tuple[int, float, int]:
 
 
 def worker_ttft_ms(workers: list[WorkerView], slo_class: str) -> float | None:
-    """The quickest recent TTFT of the class among the workers, as they measure it (from their arrival)."""
+    """The least TTFT any worker has recently given the class (from its own arrival): what it adds at best."""
     seen = [w.class_ttft_ms[slo_class] for w in workers if slo_class in w.class_ttft_ms]
     return min(seen) if seen else None
 
 
 def wait_budget_s(slo: SloClass, queue_timeout_s: float, worker_ttft_ms: float | None) -> float:
     """How long a request of the class may wait for slack: ``queue_timeout_s``, or less when the class has a TTFT
-    target: that target minus the TTFT the worker itself adds (0 when it has not said)."""
+    target: that target minus the least TTFT a worker adds (0 when it has not said). Waiting longer would make
+    the target unreachable whatever happens next."""
     if slo.ttft_ms is None:
         return queue_timeout_s
     return max(0.0, min(queue_timeout_s, (slo.ttft_ms - (worker_ttft_ms or 0.0)) / 1e3))
@@ -104,6 +107,11 @@ class Admission:
     def waiting(self) -> int:
         return len(self.queue)
 
+    def target(self, slo_class: str) -> float | None:
+        """What admission holds a class's TPOT to: its target less ``slo_margin``."""
+        tpot = self.catalog.tpot_of(slo_class)
+        return None if tpot is None else tpot * (1.0 - self.settings.slo_margin)
+
     def _refuse(self, message: str, reason: str) -> Refused:
         return Refused(message, reason=reason, retry_after=self.settings.retry_after_s)
 
@@ -115,7 +123,7 @@ class Admission:
     def _can_go(self, w: Waiter, workers: list[WorkerView]) -> bool:
         if self.settings.admission == "none":
             return any(v.free_slots > 0 for v in workers)
-        best = best_slack(workers, w.slo.name, self.catalog.tpot_of, best_effort=w.best_effort)
+        best = best_slack(workers, w.slo.name, self.target, best_effort=w.best_effort)
         return best is not None and best >= 0
 
     def _ahead_can_go(self, me: Waiter, usable: list[WorkerView]) -> bool:
@@ -125,7 +133,7 @@ class Admission:
 
     def infeasible(self, slo: SloClass, workers: list[WorkerView]) -> bool:
         """No worker can meet the class even for a lone request (and some worker says so)."""
-        return bool(workers) and not feasible_anywhere(workers, slo.name, self.catalog.tpot_of)
+        return bool(workers) and not feasible_anywhere(workers, slo.name, self.target)
 
     def _infeasible_refusal(self, slo: SloClass, workers: list[WorkerView]) -> Refused:
         lone = [t for w in workers if (t := lone_tpot_ms(w, slo.name)) is not None]
@@ -139,14 +147,14 @@ class Admission:
         """One look at the workers: (choice, mode) to go now, None to wait; raises Refused to refuse."""
         slo, s = me.slo, self.settings
         if s.admission == "none":
-            choice = self.router.choose(workers, slo.name, self.catalog.tpot_of, keep_targets=False)
+            choice = self.router.choose(workers, slo.name, self.target, keep_targets=False)
             if choice is not None and (over or not self._ahead_can_go(me, usable)):
                 return choice, "plain"
         else:
             me.best_effort = self.infeasible(slo, workers)
             if me.best_effort and s.on_infeasible == "refuse":
                 raise self._infeasible_refusal(slo, workers)
-            choice = self.router.choose(workers, slo.name, self.catalog.tpot_of, best_effort=me.best_effort)
+            choice = self.router.choose(workers, slo.name, self.target, best_effort=me.best_effort)
             if choice is not None and choice.best >= 0:
                 if over or not self._ahead_can_go(me, usable):  # at its deadline it stood aside long enough
                     return choice, "best_effort" if me.best_effort else "slo"

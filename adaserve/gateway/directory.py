@@ -68,7 +68,7 @@ def worker_view(reg: Registration) -> WorkerView:
         class_accepted={c: r.accepted_per_verification for c, r in measured.classes.items()
                         if r.accepted_per_verification is not None},
         pooled_accepted=_pooled_accepted(measured),
-        class_ttft_ms={c: r.ttft_ms for c, r in measured.classes.items() if r.ttft_ms is not None},
+        class_ttft_ms={c: r.min_ttft_ms for c, r in measured.classes.items() if r.min_ttft_ms is not None},
     )
 
 

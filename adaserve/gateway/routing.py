@@ -79,7 +79,7 @@ class WorkerView:
     curve: tuple[CurvePoint, ...] = ()  # ascending requests
     class_accepted: dict[str, float] = field(default_factory=dict)  # accepted per verification, per class
     pooled_accepted: float | None = None  # the same over all classes
-    class_ttft_ms: dict[str, float] = field(default_factory=dict)  # recent TTFT per class, at the worker
+    class_ttft_ms: dict[str, float] = field(default_factory=dict)  # least recent TTFT per class, at the worker
     correction: float = 1.0  # k_w: observed / predicted TPOT, learnt by this gateway
 
     @property

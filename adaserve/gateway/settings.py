@@ -42,6 +42,8 @@ class GatewaySettings(BaseSettings):
     admission: AdmissionMode = Field(
         "slo", description="slo: admit where every target should hold, queue or shed otherwise; none: a plain "
                            "load balancer (any free slot, at once)")
+    slo_margin: float = Field(0.1, ge=0, lt=1, description="admit only where the predicted TPOT is at least this "
+                              "share under the target (the prediction's own noise); feasibility is judged so too")
     queue_timeout_s: float = Field(2.0, ge=0, description="how long a request waits for headroom before 503")
     max_queued: int = Field(64, ge=0, description="requests waiting for headroom at once; beyond it 503 at once")
     on_overload: OnOverload = Field(

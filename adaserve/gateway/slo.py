@@ -81,13 +81,15 @@ def feasibility(tpot_ms: float, *, unloaded_tpot_ms: float | None, max_depth: in
 _RANK = {"plain": 0, "speculation": 1, "infeasible": 2}
 
 
-def class_feasibility(c: SloClass, workers: list[WorkerView]) -> dict[str, Any]:
+def class_feasibility(c: SloClass, workers: list[WorkerView], *, margin: float = 0.0) -> dict[str, Any]:
     """``feasibility`` of the class on its best worker, and the TPOT a lone request of it gets there (as this
-    gateway predicts it: routing.lone_tpot_ms); nulls until a worker reports."""
+    gateway predicts it: routing.lone_tpot_ms); nulls until a worker reports. ``margin``: admission's, so that
+    a lone TPOT within the target but not within the margin counts as infeasible, as admission judges it."""
     found = []
     for w in workers:
         lone = lone_tpot_ms(w, c.name)
-        f = feasibility(c.tpot_ms, unloaded_tpot_ms=w.unloaded_tpot_ms, max_depth=w.draft_steps, lone_tpot_ms=lone)
+        judged = None if lone is None else lone / (1.0 - margin)
+        f = feasibility(c.tpot_ms, unloaded_tpot_ms=w.unloaded_tpot_ms, max_depth=w.draft_steps, lone_tpot_ms=judged)
         if f is not None:
             found.append((_RANK[f], lone if lone is not None else math.inf, f))
     if not found:

@@ -5,8 +5,8 @@ predict each class's TPOT from (docs/gateway.md "Routing and admission"):
   wall time of its last ``steps_per_point`` such iterations, the tree tokens they verified and the tokens a
   decoding request gained per iteration (accepted draft tokens + the bonus token), overall and per SLO class
   (classes accept very differently: a summary of code far less than a chat answer);
-- per SLO class, over its last ``finished_per_class`` finished requests: TPOT, TTFT, attainment, and draft
-  tokens accepted per verification.
+- per SLO class, over its last ``finished_per_class`` finished requests: TPOT, TTFT (mean and least),
+  attainment, and draft tokens accepted per verification.
 
 Fed on the engine thread (``on_step`` is an ``Engine.step_listeners`` entry; ``on_finished`` runs when a
 request ends), read on the event loop (``measured``): windows are copied under a lock, summarised outside it.
@@ -72,6 +72,7 @@ def class_recent(done: Sequence[Finished]) -> ClassRecent:
     return ClassRecent(finished=len(done), met=met, attainment=met / len(done),
                        tpot_ms=_mean([f.tpot_ms for f in done if f.tpot_ms is not None]),
                        ttft_ms=_mean([f.ttft_ms for f in done if f.ttft_ms is not None]),
+                       min_ttft_ms=min((f.ttft_ms for f in done if f.ttft_ms is not None), default=None),
                        accepted_per_verification=_mean(accepted))
 
 

@@ -54,9 +54,9 @@ def test_classes_over_their_last_finished_requests() -> None:
     m.on_finished("coding", met=False, tpot_ms=60.0, ttft_ms=None, accepted=[4])
     got = m.measured().classes
     assert got["chat"].model_dump() == {"finished": 2, "met": 2, "attainment": 1.0, "tpot_ms": 30.0, "ttft_ms": 75.0,
-                                        "accepted_per_verification": 2.0}
+                                        "min_ttft_ms": 50.0, "accepted_per_verification": 2.0}
     assert got["coding"].model_dump() == {"finished": 1, "met": 0, "attainment": 0.0, "tpot_ms": 60.0,
-                                          "ttft_ms": None, "accepted_per_verification": 4.0}
+                                          "ttft_ms": None, "min_ttft_ms": None, "accepted_per_verification": 4.0}
 
 
 def test_what_it_publishes_reads_back_as_a_registration() -> None:

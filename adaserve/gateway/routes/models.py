@@ -40,7 +40,8 @@ async def slo_classes(gw: GatewayDep) -> dict[str, Any]:
     until one reports)."""
     workers = gw.directory.usable()
     return {"default": gw.catalog.default,
-            "data": [{**c.public(), **class_feasibility(c, workers)} for c in gw.catalog.classes.values()]}
+            "data": [{**c.public(), **class_feasibility(c, workers, margin=gw.settings.slo_margin)}
+                     for c in gw.catalog.classes.values()]}
 
 
 @router.get("/v1/requests/{request_id}")

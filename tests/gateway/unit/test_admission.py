@@ -95,9 +95,9 @@ def test_on_overload_best_effort_serves_late_after_the_wait() -> None:
 
 
 def test_a_ttft_target_shortens_the_wait_by_what_the_worker_adds() -> None:
-    # coding's TTFT target is 2 s; the worker's own recent coding TTFT is 1.9 s: 0.1 s left to wait
+    # coding's TTFT target is 2 s; the least TTFT the worker recently gave coding is 1.9 s: 0.1 s left to wait
     ttft = {"measured": {**BUSY["measured"], "classes": {"coding": {"finished": 3, "met": 3, "attainment": 1.0,
-                                                                   "ttft_ms": 1900.0}}}}
+                                                                   "ttft_ms": 2500.0, "min_ttft_ms": 1900.0}}}}
     adm, _, _ = admission([registration("a", **{**BUSY, **ttft})], queue_timeout_s=30.0)
     out, elapsed = run(timed_admit(adm, CODING))
     assert isinstance(out, Refused) and out.reason == "overloaded" and "0.1s" in out.message
@@ -449,3 +449,21 @@ def test_the_idle_rule_keeps_the_routing_policys_pick() -> None:
         assert isinstance(out, Admitted) and not out.queued
         picks.append(out.choice.worker.id)
     assert sorted(picks) == ["a", "a", "b", "b"]
+
+
+def test_admission_keeps_slo_margin_to_spare() -> None:
+    # chat (50 ms) joining a worker holding one chat request: 46 ms each, within the target but not the 10% margin
+    near = {"budget": 16, "measured": curve((1, 30.0, 1.0), (2, 46.0, 1.0))}
+    adm, _, _ = admission([registration("a", **near, active=1, by_class={"chat": 1})])
+    out, _ = run(timed_admit(adm, CHAT))
+    assert isinstance(out, Refused) and out.reason == "overloaded"
+    adm, _, _ = admission([registration("a", **near, active=1, by_class={"chat": 1})], slo_margin=0.0)
+    out, _ = run(timed_admit(adm, CHAT))
+    assert isinstance(out, Admitted) and out.mode == "slo" and not out.queued
+    # a lone request within the target but not the margin: the class counts as infeasible, served best effort
+    adm, _, _ = admission([registration("a", **near)])
+    assert adm.target("chat") == pytest.approx(45.0)
+    lone = {"budget": 16, "measured": curve((1, 48.0, 1.0))}
+    adm, _, _ = admission([registration("a", **lone)], queue_timeout_s=30.0)
+    out, _ = run(timed_admit(adm, CHAT))
+    assert isinstance(out, Admitted) and out.mode == "best_effort" and not out.queued

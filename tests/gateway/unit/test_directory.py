@@ -43,7 +43,7 @@ def test_parse_a_real_registration() -> None:
         curve=(CurvePoint(1, 32, 31.0, 2.2, {"chat": (2.2, 30)}),
                CurvePoint(3, 32, 38.5, 1.9, {"chat": (1.7, 60), "coding": (2.3, 30)})),
         class_accepted={"chat": 1.6, "coding": 2.0}, pooled_accepted=(32 * 1.6 + 12 * 2.0) / 44,
-        class_ttft_ms={"chat": 48.0, "coding": 52.0})
+        class_ttft_ms={"chat": 31.0, "coding": 40.0})
 
 
 def test_the_curve_is_read_in_order_of_requests() -> None:

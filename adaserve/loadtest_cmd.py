@@ -163,9 +163,12 @@ async def _measure(args: argparse.Namespace, url: str, worker_url: str | None,
     cap = report["capacity"]["capacity_rps"] if report["capacity"] else None
     for rate in rates:  # every rate through each system in turn: a slow spell of a shared machine hits both
         for name, system in systems.items():
-            results, wall = await _one_rate(dataclasses.replace(cfg, url=system["url"]), classes, rate, name)
-            system["rates"].append(loadgen.rate_report(rate, results, wall, rule=slo_met, ttft_of=ttft.get,
-                                                       capacity_rps=cap))
+            at = dataclasses.replace(cfg, url=system["url"])
+            ids: list[str] = []
+            results, wall = await _one_rate(at, classes, rate, name, ids)
+            row = loadgen.rate_report(rate, results, wall, rule=slo_met, ttft_of=ttft.get, capacity_rps=cap)
+            row["prediction"] = loadgen.prediction_report(await loadgen.fetch_records(at, ids))
+            system["rates"].append(row)
     return report
 
 
@@ -181,14 +184,14 @@ async def _capacity(args: argparse.Namespace, cfg: Any, classes: Any, url: str) 
                                                            duration_s=args.probe_s)}
 
 
-async def _one_rate(cfg: Any, classes: Any, rate: float, name: str) -> tuple[list[Any], float]:
+async def _one_rate(cfg: Any, classes: Any, rate: float, name: str, ids: list[str]) -> tuple[list[Any], float]:
     from tqdm import tqdm
 
     from adaserve.bench import loadgen
 
     workload = loadgen.build(cfg, classes, rate)
     with tqdm(total=len(workload), desc=f"{name} {rate:.3g} req/s", unit="req", file=sys.stderr) as bar:
-        return await loadgen.run_rate(cfg, workload, on_done=lambda: bar.update(1))
+        return await loadgen.run_rate(cfg, workload, on_done=lambda: bar.update(1), ids=ids)
 
 
 @contextmanager

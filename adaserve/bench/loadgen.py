@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import statistics
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -79,6 +80,7 @@ class Timing:
     first: float | None  # first chunk that carried text
     last: float | None
     tokens: int
+    gateway_id: str | None = None  # the gateway's X-Request-Id, to read its record of the request
 
     def ttft_ms(self) -> float | None:
         return None if self.first is None else 1000 * (self.first - self.sent)
@@ -121,9 +123,10 @@ async def stream_completion(client: httpx.AsyncClient, cfg: LoadConfig, req: Wor
     body = {"model": cfg.model, "messages": [{"role": "user", "content": req.prompt}], "max_tokens": req.max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     headers = {**cfg.headers(), "X-SLO-Class": req.slo_class}
-    sent, first, last, tokens, finish = time.perf_counter(), None, None, 0, "error"
+    sent, first, last, tokens, finish, gid = time.perf_counter(), None, None, 0, "error", None
     try:
         async with client.stream("POST", f"{cfg.url}/v1/chat/completions", json=body, headers=headers) as resp:
+            gid = resp.headers.get("X-Request-Id")
             if resp.status_code in (429, 503):
                 finish = REFUSED
             elif resp.status_code == 200:
@@ -141,27 +144,32 @@ async def stream_completion(client: httpx.AsyncClient, cfg: LoadConfig, req: Wor
                         tokens = int(chunk["usage"]["completion_tokens"])
     except httpx.HTTPError:
         finish = "error"
-    return Timing(sent, first, last, tokens), finish
+    return Timing(sent, first, last, tokens, gid), finish
 
 
-async def complete(client: httpx.AsyncClient, cfg: LoadConfig, req: WorkloadRequest) -> RequestResult:
-    """One request of the workload, as the bench's metrics count it."""
+async def complete(client: httpx.AsyncClient, cfg: LoadConfig, req: WorkloadRequest,
+                   ids: list[str] | None = None) -> RequestResult:
+    """One request of the workload, as the bench's metrics count it; the gateway's id of it goes to ``ids``."""
     timing, finish = await stream_completion(client, cfg, req)
+    if ids is not None and timing.gateway_id and finish != REFUSED:
+        ids.append(timing.gateway_id)
     return RequestResult(request_id=req.request_id, slo_class=req.slo_class, tpot_slo_ms=req.tpot_slo_ms,
                          tokens=timing.tokens, tpot_ms=timing.tpot_ms(), ttft_ms=timing.ttft_ms(),
                          accepted_per_step=(), finish_reason=finish)
 
 
 async def run_rate(cfg: LoadConfig, workload: Sequence[WorkloadRequest],
-                   on_done: Callable[[], None] = lambda: None) -> tuple[list[RequestResult], float]:
-    """Send every request at its arrival time (open loop: a slow answer does not delay the next send)."""
+                   on_done: Callable[[], None] = lambda: None,
+                   ids: list[str] | None = None) -> tuple[list[RequestResult], float]:
+    """Send every request at its arrival time (open loop: a slow answer does not delay the next send); the
+    gateway's ids of those it admitted go to ``ids``."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=cfg.timeout_s, limits=limits) as client:
         start = time.perf_counter()
 
         async def at(req: WorkloadRequest) -> RequestResult:
             await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
-            result = await complete(client, cfg, req)
+            result = await complete(client, cfg, req, ids)
             on_done()
             return result
 
@@ -239,6 +247,48 @@ def build(cfg: LoadConfig, classes: tuple[SLOClass, ...], rate: float) -> list[W
     wl = WorkloadConfig(rate, cfg.duration_s, baseline_tpot_ms=1.0, seed=cfg.seed, mix=mix,
                         classes=tuple(c for c in classes if c.name in mix), max_tokens_cap=cfg.max_tokens_cap)
     return build_workload(wl)
+
+
+async def fetch_records(cfg: LoadConfig, ids: Sequence[str]) -> list[dict[str, Any]]:
+    """The gateway's records of these requests (``GET /v1/requests/{id}``), those it still has."""
+    out = []
+    async with httpx.AsyncClient(timeout=30) as client:
+        for rid in ids:
+            r = await client.get(f"{cfg.url}/v1/requests/{rid}", headers=cfg.headers())
+            if r.status_code == 200:
+                out.append(r.json())
+    return out
+
+
+def _num(x: Any) -> float | None:
+    try:
+        return float(x) if x not in (None, "") else None
+    except (TypeError, ValueError):
+        return None
+
+
+def prediction_report(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """How well the gateway predicted the TPOT of its finished requests (its records): per class, the median of
+    |log(predicted / observed)| before and after its learnt correction, and the requests themselves."""
+    rows = []
+    for rec in records:
+        observed, raw, k = _num(rec.get("tpot_ms")), _num(rec.get("predicted_tpot_ms")), _num(rec.get("correction"))
+        if rec.get("status") == "done" and observed and raw and k:
+            rows.append({"slo_class": rec.get("slo_class"), "observed_ms": observed, "predicted_ms": raw,
+                         "correction": k, "load": _num(rec.get("decoding_load")), "queued": rec.get("queued") == "1",
+                         "admission": rec.get("admission")})
+
+    def err(rs: Sequence[dict[str, Any]], corrected: bool) -> float | None:
+        e = [abs(math.log(r["predicted_ms"] * (r["correction"] if corrected else 1.0) / r["observed_ms"])) for r in rs]
+        return statistics.median(e) if e else None
+
+    per_class = {}
+    for name in sorted({r["slo_class"] for r in rows}):
+        rs = [r for r in rows if r["slo_class"] == name]
+        per_class[name] = {"requests": len(rs), "median_abs_log_error_raw": err(rs, False),
+                           "median_abs_log_error_corrected": err(rs, True)}
+    return {"requests": len(rows), "median_abs_log_error_raw": err(rows, False),
+            "median_abs_log_error_corrected": err(rows, True), "per_class": per_class, "rows": rows}
 
 
 def mean_tokens(cfg: LoadConfig, classes: tuple[SLOClass, ...], *, sample: int = 2000) -> float:

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 import httpx
@@ -70,6 +71,17 @@ def worker_view(reg: Registration) -> WorkerView:
         pooled_accepted=_pooled_accepted(measured),
         class_ttft_ms={c: r.min_ttft_ms for c, r in measured.classes.items() if r.min_ttft_ms is not None},
     )
+
+
+@dataclass(frozen=True)
+class Lesson:
+    """What one finished request taught: the TPOT predicted at the mean load it decoded under (before the
+    correction), that load, and the worker's correction before and after it."""
+
+    predicted_ms: float | None
+    load: float | None
+    before: float
+    after: float
 
 
 class Source(Protocol):
@@ -218,16 +230,17 @@ class Directory:
         return self._tick(worker_id)
 
     def learn(self, worker_id: str, slo_class: str, since: tuple[float, float], *, observed_ms: float | None,
-              tokens: int) -> tuple[float | None, float]:
+              tokens: int) -> Lesson:
         """A request that decoded on the worker from mark ``since`` until now got ``observed_ms`` per token:
-        compare with the TPOT predicted at the mean load it saw, and learn. (predicted, the worker's correction)."""
+        compare with the TPOT predicted at the mean load it saw, and learn."""
         n = mean_level(since, self.mark(worker_id))
+        before = self.calibration.correction(worker_id)
         view = next((v for v in self._views if v.id == worker_id), None)
         if view is None or n is None:
-            return None, self.calibration.correction(worker_id)
+            return Lesson(None, n, before, before)
         predicted = predicted_tpot_ms(view, slo_class, max(1.0, n), acceptance=pooled_acceptance(self._views))
         k = self.calibration.observe(worker_id, predicted_ms=predicted, observed_ms=observed_ms, tokens=tokens)
-        return predicted, k
+        return Lesson(predicted, n, before, k)
 
     def mark_failed(self, worker_id: str) -> None:
         """Skip a worker that just failed a request until its next chance (``suspect_s``)."""

@@ -162,8 +162,7 @@ class Gateway:
         """The request has left its worker: learn from its TPOT (if it finished normally), then release the slot."""
         wid = up.worker.id
         if outcome == "done" and track.decoding_since is not None:
-            predicted, k = self.directory.learn(wid, track.slo.name, track.decoding_since,
+            track.lesson = self.directory.learn(wid, track.slo.name, track.decoding_since,
                                                 observed_ms=track.tpot_ms, tokens=track.tokens)
-            track.predicted_tpot_ms = predicted
-            self.metrics.correction.labels(wid).set(k)
+            self.metrics.correction.labels(wid).set(track.lesson.after)
         self.directory.release(wid, track.slo.name)

@@ -13,6 +13,7 @@ from redis.exceptions import RedisError
 
 from adaserve.contract.slo import mean_tpot_ms, slo_met, ttft_ms
 from adaserve.gateway.admission import Admitted
+from adaserve.gateway.directory import Lesson
 from adaserve.gateway.metrics import GatewayMetrics
 from adaserve.gateway.slo import SloClass
 from adaserve.gateway.state import StateStore
@@ -36,7 +37,7 @@ class Tracker:
     last_s: float | None = None
     ended: bool = False
     decoding_since: tuple[float, float] | None = None  # the worker's load mark at the first token (directory.mark)
-    predicted_tpot_ms: float | None = None  # at the load it decoded under, before the correction
+    lesson: Lesson | None = None  # its TPOT as predicted at the load it decoded under (set as it leaves)
 
     async def _write(self, fields: dict[str, Any], counters: dict[str, int] | None = None) -> None:
         try:
@@ -103,9 +104,12 @@ class Tracker:
         counters = {"finished": 1, "tokens": self.tokens, outcome: 1}
         if met:
             counters["slo_met"] = 1
+        lesson = self.lesson
         await self._write({"status": outcome, "finish_reason": finish, "tokens": self.tokens,
                            "ttft_ms": _round(self.ttft_ms), "tpot_ms": _round(self.tpot_ms), "slo_met": met,
-                           "predicted_tpot_ms": _round(self.predicted_tpot_ms), "ended": time.time()}, counters)
+                           "predicted_tpot_ms": _round(lesson.predicted_ms) if lesson else None,
+                           "decoding_load": _round(lesson.load) if lesson else None,
+                           "correction": _round(lesson.before) if lesson else None, "ended": time.time()}, counters)
         return met
 
 

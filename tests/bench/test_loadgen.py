@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from adaserve.bench.loadgen import (
@@ -14,6 +16,7 @@ from adaserve.bench.loadgen import (
     mean_tokens,
     met,
     overhead_report,
+    prediction_report,
     rate_report,
     sequential_report,
 )
@@ -121,3 +124,19 @@ def test_sequential_report_sets_the_gateways_view_beside_the_workers() -> None:
     assert chat["gateway_attainment"] == pytest.approx(1 / 3) and chat["worker_attainment"] == pytest.approx(2 / 3)
     assert chat["mean_ttft_added_ms"] == pytest.approx(40.0) and chat["max_ttft_added_ms"] == 60.0
     assert rep["per_class"]["coding"]["gateway_attainment"] == 1.0 and rep["requests"] == rows
+
+
+def test_prediction_report_from_the_gateways_records() -> None:
+    records = [{"status": "done", "slo_class": "chat", "tpot_ms": "100.0", "predicted_tpot_ms": "50.0",
+                "correction": "2.0", "decoding_load": "2.5", "queued": "0", "admission": "slo"},
+               {"status": "done", "slo_class": "chat", "tpot_ms": "100.0", "predicted_tpot_ms": "100.0",
+                "correction": "1.0", "decoding_load": "1.0", "queued": "1", "admission": "slo"},
+               {"status": "aborted", "slo_class": "chat", "tpot_ms": "100.0", "predicted_tpot_ms": "10.0",
+                "correction": "1.0"},
+               {"status": "done", "slo_class": "coding", "tpot_ms": "", "predicted_tpot_ms": "10.0", "correction": "1"}]
+    rep = prediction_report(records)
+    assert rep["requests"] == 2 and rep["per_class"]["chat"]["requests"] == 2
+    assert rep["median_abs_log_error_corrected"] == pytest.approx(0.0)
+    assert rep["median_abs_log_error_raw"] == pytest.approx(math.log(2) / 2)
+    assert rep["rows"][0] == {"slo_class": "chat", "observed_ms": 100.0, "predicted_ms": 50.0, "correction": 2.0,
+                              "load": 2.5, "queued": False, "admission": "slo"}

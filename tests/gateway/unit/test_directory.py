@@ -167,9 +167,10 @@ def test_the_correction_learnt_from_finished_requests_reaches_the_views() -> Non
     d.acquire("a", "chat")
     since = d.mark("a")
     time.sleep(0.05)
-    predicted, k = d.learn("a", "chat", since, observed_ms=20.0, tokens=32)  # alone: predicted 10 ms, got 20
-    assert predicted == pytest.approx(10.0, rel=0.05)
-    assert k == pytest.approx(2 ** 0.2, rel=0.02) and by_id(d.usable())["a"].correction == k
+    lesson = d.learn("a", "chat", since, observed_ms=20.0, tokens=32)  # alone: predicted 10 ms, got 20
+    assert lesson.predicted_ms == pytest.approx(10.0, rel=0.05) and lesson.load == pytest.approx(1.0)
+    k = lesson.after
+    assert lesson.before == 1.0 and k == pytest.approx(2 ** 0.2, rel=0.02) and by_id(d.usable())["a"].correction == k
     d.release("a", "chat")
     assert predicted_tpot_ms(by_id(d.usable())["a"], "chat", 1) == pytest.approx(10.0)  # raw: the correction apart
 

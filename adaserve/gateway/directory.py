@@ -20,7 +20,7 @@ import httpx
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from adaserve.contract.registration import CostModel, Load, Measured, Registration, parse_registration
+from adaserve.contract.registration import CostModel, Load, Registration, parse_registration
 from adaserve.contract.registry import read_registrations
 from adaserve.gateway.calibration import Calibration
 from adaserve.gateway.load import OwnLoad, effective, mean_level
@@ -38,14 +38,6 @@ def _per_request(load: Load) -> float | None:
     held = load.running + load.waiting
     tokens = load.context_tokens
     return tokens / held if tokens is not None and held > 0 and tokens > 0 else None
-
-
-def _pooled_accepted(measured: Measured) -> float | None:
-    """Accepted tokens per verification over every class's recent requests, weighted by their count."""
-    rows = [(c.finished, c.accepted_per_verification) for c in measured.classes.values()
-            if c.accepted_per_verification is not None]
-    n = sum(k for k, _ in rows)
-    return sum(k * a for k, a in rows) / n if n else None
 
 
 def worker_view(reg: Registration) -> WorkerView:
@@ -68,7 +60,6 @@ def worker_view(reg: Registration) -> WorkerView:
                     for p in sorted(measured.iterations, key=lambda p: p.requests)),
         class_accepted={c: r.accepted_per_verification for c, r in measured.classes.items()
                         if r.accepted_per_verification is not None},
-        pooled_accepted=_pooled_accepted(measured),
         class_ttft_ms={c: r.min_ttft_ms for c, r in measured.classes.items() if r.min_ttft_ms is not None},
     )
 

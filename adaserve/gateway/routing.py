@@ -6,10 +6,10 @@ For a request of class c that would make ``n`` requests on worker w (this one in
                linear between points, beyond them along the curve's least-squares slope (with one point
                only, in the proportion of the cost-model prior below)
     E_c(n)     tokens a decoding request of class c gains per iteration (accepted draft tokens + the bonus
-               token), from the same curve's per-class figures (classes accept very differently, and AdaServe's
+               token), from the curve's per-class figures (classes accept very differently, and AdaServe's
                selection gives tighter requests bigger trees); beyond their ends, the nearest point's. Where
-               the class has not been measured: the curve's figure over all classes, E(n), as
-               1 + (E(n) - 1) * r_c, r_c = c's accepted tokens per verification over all classes', in [1/2, 2]
+               the class has no such figure: 1 + the draft tokens its finished requests had accepted per
+               verification; failing that, the curve's figure over all classes, E(n)
     TPOT_c(n)  = k_w * T(n) / E_c(n)
 
 k_w is the correction this gateway learns from its own finished requests on w: observed over predicted
@@ -40,7 +40,6 @@ DRAFT_STEPS = 4  # D when the worker reports none: the engine's default d_max (e
 PRIOR_ACCEPTANCE = 0.6  # a before a worker has verified anything
 MIN_STEPS = 4  # iterations a curve point needs before it is trusted
 MIN_DECODES = 4  # request-iterations of a class a curve point needs before its figure for the class is trusted
-CLASS_RATIO = (0.5, 2.0)  # bounds of a class's acceptance over the pooled one
 TIE = 0.1  # slacks this close (share of the target) are equal; fewer requests wins
 
 TpotOf = Callable[[str], float | None]
@@ -78,7 +77,6 @@ class WorkerView:
     lone_tpot_ms: float | None = None  # a lone request's TPOT as served, measured at warm-up
     curve: tuple[CurvePoint, ...] = ()  # ascending requests
     class_accepted: dict[str, float] = field(default_factory=dict)  # accepted per verification, per class
-    pooled_accepted: float | None = None  # the same over all classes
     class_ttft_ms: dict[str, float] = field(default_factory=dict)  # least recent TTFT per class, at the worker
     correction: float = 1.0  # k_w: observed / predicted TPOT, learnt by this gateway
 
@@ -210,19 +208,12 @@ def tokens_at(w: WorkerView, n: float, *, acceptance: float | None = None) -> fl
 
 def class_tokens_at(w: WorkerView, slo_class: str, n: float, *, acceptance: float | None = None) -> float:
     """E_c(n): tokens a decoding request of the class gains per iteration, >= 1."""
-    points = [p for p in trusted(w.curve) if p.tokens_by_class.get(slo_class, (0.0, 0))[1] >= MIN_DECODES]
+    points = [p for p in w.curve if p.tokens_by_class.get(slo_class, (0.0, 0))[1] >= MIN_DECODES]
     if points:
         return max(1.0, _along(points, n, lambda p: p.tokens_by_class[slo_class][0]))
-    e = tokens_at(w, n, acceptance=acceptance)
-    return 1.0 + (e - 1.0) * class_ratio(w, slo_class)
-
-
-def class_ratio(w: WorkerView, slo_class: str) -> float:
-    """r_c: the class's accepted tokens per verification over the pooled figure, within CLASS_RATIO."""
-    mine, pooled = w.class_accepted.get(slo_class), w.pooled_accepted
-    if mine is None or not pooled:
-        return 1.0
-    return min(max(mine / pooled, CLASS_RATIO[0]), CLASS_RATIO[1])
+    if slo_class in w.class_accepted:  # what its finished requests gained per verification, whatever the load
+        return 1.0 + w.class_accepted[slo_class]
+    return tokens_at(w, n, acceptance=acceptance)
 
 
 def predicted_tpot_ms(w: WorkerView, slo_class: str, n: float, *, acceptance: float | None = None) -> float | None:

@@ -3,8 +3,9 @@ predict each class's TPOT from (docs/gateway.md "Routing and admission"):
 
 - its iteration-time curve: for each number of requests an iteration held (decoding + prefilling), the mean
   wall time of its last ``steps_per_point`` such iterations, the tree tokens they verified and the tokens a
-  decoding request gained per iteration (accepted draft tokens + the bonus token), overall and per SLO class
-  (classes accept very differently: a summary of code far less than a chat answer);
+  decoding request gained per iteration (accepted draft tokens + the bonus token); and per SLO class, over its
+  last ``decodes_per_class`` decoding requests in iterations of that size, the same tokens (classes accept
+  very differently: a summary of code far less than a chat answer);
 - per SLO class, over its last ``finished_per_class`` finished requests: TPOT, TTFT (mean and least),
   attainment, and draft tokens accepted per verification.
 
@@ -31,7 +32,6 @@ class Step:
     verified: int
     gained: int  # tokens decoding requests gained: accepted draft tokens + one bonus token each
     decoding: int
-    by_class: tuple[tuple[str, int, int], ...] = ()  # (class, tokens gained, decoding requests) of known classes
 
 
 @dataclass(frozen=True)
@@ -48,21 +48,17 @@ def _mean(xs: Sequence[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def point(requests: int, steps: Sequence[Step]) -> IterationPoint:
-    """The curve's point at ``requests`` from its recent iterations (at least one)."""
+def point(requests: int, steps: Sequence[Step], gained: Mapping[str, Sequence[int]]) -> IterationPoint:
+    """The curve's point at ``requests`` from its recent iterations (at least one) and, per class, the tokens its
+    recent decoding requests gained in iterations of that size (each class its own window, so that one class's
+    burst does not erase another's figure)."""
     decoding = sum(s.decoding for s in steps)
-    gained: dict[str, list[int]] = {}
-    for s in steps:
-        for name, tokens, decodes in s.by_class:
-            g = gained.setdefault(name, [0, 0])
-            g[0] += tokens
-            g[1] += decodes
     return IterationPoint(requests=requests, steps=len(steps),
                           iteration_ms=sum(s.ms for s in steps) / len(steps),
                           tokens_verified=sum(s.verified for s in steps) / len(steps),
                           tokens_per_request=sum(s.gained for s in steps) / decoding if decoding else None,
-                          tokens_by_class={c: ClassTokens(tokens=t / d, decodes=d)
-                                           for c, (t, d) in sorted(gained.items())})
+                          tokens_by_class={c: ClassTokens(tokens=sum(g) / len(g), decodes=len(g))
+                                           for c, g in sorted(gained.items()) if g})
 
 
 def class_recent(done: Sequence[Finished]) -> ClassRecent:
@@ -77,12 +73,14 @@ def class_recent(done: Sequence[Finished]) -> ClassRecent:
 
 
 class Measurements:
-    def __init__(self, *, steps_per_point: int = 32, finished_per_class: int = 32) -> None:
-        if steps_per_point < 1 or finished_per_class < 1:
+    def __init__(self, *, steps_per_point: int = 32, finished_per_class: int = 32, decodes_per_class: int = 64) -> None:
+        if steps_per_point < 1 or finished_per_class < 1 or decodes_per_class < 1:
             raise ValueError("measurement windows must hold at least one entry")
         self.steps_per_point, self.finished_per_class = steps_per_point, finished_per_class
+        self.decodes_per_class = decodes_per_class
         self._lock = threading.Lock()
         self._steps: dict[int, deque[Step]] = {}
+        self._gained: dict[int, dict[str, deque[int]]] = {}  # requests per iteration -> class -> tokens per decode
         self._classes: dict[str, deque[Finished]] = {}
 
     def on_step(self, m: StepMetrics, accepted: Mapping[str, tuple[str, int]] | None = None) -> None:
@@ -91,15 +89,12 @@ class Measurements:
         n = m.n_decode + m.n_prefill
         if n <= 0 or not m.t_step_s > 0:
             return
-        by_class: dict[str, list[int]] = {}
-        for name, k in (accepted or {}).values():
-            g = by_class.setdefault(name, [0, 0])
-            g[0] += k + 1
-            g[1] += 1
-        step = Step(1e3 * m.t_step_s, m.tokens_verified, m.tokens_accepted + m.n_decode, m.n_decode,
-                    tuple((c, t, d) for c, (t, d) in sorted(by_class.items())))
+        step = Step(1e3 * m.t_step_s, m.tokens_verified, m.tokens_accepted + m.n_decode, m.n_decode)
         with self._lock:
             self._steps.setdefault(n, deque(maxlen=self.steps_per_point)).append(step)
+            by_class = self._gained.setdefault(n, {})
+            for name, k in (accepted or {}).values():
+                by_class.setdefault(name, deque(maxlen=self.decodes_per_class)).append(k + 1)
 
     def on_finished(self, slo_class: str, *, met: bool, tpot_ms: float | None, ttft_ms: float | None,
                     accepted: Sequence[int]) -> None:
@@ -110,6 +105,7 @@ class Measurements:
     def measured(self) -> Measured:
         with self._lock:
             steps = {n: list(q) for n, q in self._steps.items()}
+            gained = {n: {c: list(q) for c, q in by.items()} for n, by in self._gained.items()}
             classes = {c: list(q) for c, q in self._classes.items()}
-        return Measured(iterations=[point(n, steps[n]) for n in sorted(steps)],
+        return Measured(iterations=[point(n, steps[n], gained.get(n, {})) for n in sorted(steps)],
                         classes={c: class_recent(done) for c, done in sorted(classes.items())})

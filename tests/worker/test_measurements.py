@@ -28,14 +28,20 @@ def test_the_curve_has_a_point_per_number_of_requests_in_an_iteration() -> None:
         (1, 2, pytest.approx(25.0), 5.0, 2.0), (2, 2, pytest.approx(70.0), 2.0, 2.0)]
 
 
-def test_each_point_says_what_each_class_gained() -> None:
-    m = Measurements()
+def test_each_point_says_what_each_class_gained_over_its_own_window() -> None:
+    m = Measurements(steps_per_point=2, decodes_per_class=3)
     m.on_step(step(3, 30.0, verified=9, accepted=4), {"a": ("chat", 3), "b": ("chat", 1), "c": ("summ", 0)})
     m.on_step(step(3, 30.0, verified=9, accepted=2), {"a": ("chat", 2), "c": ("summ", 0)})  # "d": class unknown
     (p,) = m.measured().iterations
     assert p.tokens_per_request == pytest.approx(12 / 6)
     got = {c: (t.tokens, t.decodes) for c, t in p.tokens_by_class.items()}
     assert got == {"chat": (pytest.approx(9 / 3), 3), "summ": (1.0, 2)}
+    # a burst of chat pushes the oldest iterations out of the point, but not summ's figure
+    for _ in range(3):
+        m.on_step(step(3, 30.0, verified=9, accepted=3), {"a": ("chat", 0), "b": ("chat", 0), "e": ("chat", 0)})
+    (p,) = m.measured().iterations
+    assert p.steps == 2 and p.tokens_per_request == pytest.approx(2.0)
+    assert {c: (t.tokens, t.decodes) for c, t in p.tokens_by_class.items()} == {"chat": (1.0, 3), "summ": (1.0, 2)}
 
 
 def test_each_point_keeps_only_the_recent_iterations() -> None:

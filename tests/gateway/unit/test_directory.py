@@ -42,7 +42,7 @@ def test_parse_a_real_registration() -> None:
         context_per_request=1730 / 3, draft_steps=4, unloaded_tpot_ms=21.5, lone_tpot_ms=14.2,
         curve=(CurvePoint(1, 32, 31.0, 2.2, {"chat": (2.2, 30)}),
                CurvePoint(3, 32, 38.5, 1.9, {"chat": (1.7, 60), "coding": (2.3, 30)})),
-        class_accepted={"chat": 1.6, "coding": 2.0}, pooled_accepted=(32 * 1.6 + 12 * 2.0) / 44,
+        class_accepted={"chat": 1.6, "coding": 2.0},
         class_ttft_ms={"chat": 31.0, "coding": 40.0})
 
 
@@ -50,7 +50,7 @@ def test_the_curve_is_read_in_order_of_requests() -> None:
     points = REGISTRATION["measured"]["iterations"]
     v = view_of(doc(measured={"iterations": points[::-1]}))
     assert v is not None and [p.requests for p in v.curve] == [1, 3]
-    assert v.class_accepted == {} and v.pooled_accepted is None and v.class_ttft_ms == {}
+    assert v.class_accepted == {} and v.class_ttft_ms == {}
 
 
 @pytest.mark.parametrize(("load", "per_request"), [

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from adaserve.gateway.routing import (
-    CLASS_RATIO,
     CONTEXT_TOKENS,
     DRAFT_STEPS,
+    MIN_DECODES,
     MIN_STEPS,
     PRIOR_ACCEPTANCE,
     TIE,
@@ -19,7 +19,6 @@ from adaserve.gateway.routing import (
     WorkerView,
     accepted_per_request,
     best_slack,
-    class_ratio,
     class_tokens_at,
     curve_slope,
     feasible,
@@ -60,7 +59,7 @@ def measured(id: str = "w", **kw: Any) -> WorkerView:
 
 
 def test_constants_the_hand_numbers_assume() -> None:
-    assert (CONTEXT_TOKENS, DRAFT_STEPS, PRIOR_ACCEPTANCE, MIN_STEPS, CLASS_RATIO) == (512, 4, 0.6, 4, (0.5, 2.0))
+    assert (CONTEXT_TOKENS, DRAFT_STEPS, PRIOR_ACCEPTANCE, MIN_STEPS, MIN_DECODES) == (512, 4, 0.6, 4, 4)
 
 
 # ---- the measured curve ---------------------------------------------------------------------------------------
@@ -121,27 +120,17 @@ def test_a_class_measured_on_the_curve_is_predicted_from_its_own_figures() -> No
     # summaries accept little (1.1 tokens per iteration), chat a lot (2.6): same iterations, TPOT 2.4x apart
     curve = (CurvePoint(1, 32, 20.0, 1.0, {"summarization": (1.1, 20)}),
              CurvePoint(3, 32, 40.0, 1.8, {"chat": (2.6, 40), "summarization": (1.2, 40), "rare": (5.0, 3)}))
-    w = measured(curve=curve, class_accepted={"chat": 3.0}, pooled_accepted=1.0)
+    w = measured(curve=curve, class_accepted={"chat": 3.0, "rare": 0.5})
     assert class_tokens_at(w, "summarization", 1) == pytest.approx(1.1)
     assert class_tokens_at(w, "summarization", 2) == pytest.approx(1.15)  # between the points
     assert class_tokens_at(w, "chat", 1) == pytest.approx(2.6)  # the nearest point that measured it
-    assert predicted_tpot_ms(w, "chat", 3) == pytest.approx(40 / 2.6)
-    # too few decodes of "rare" to trust: the pooled figure at n, scaled by its acceptance (unknown here: 1)
-    assert class_tokens_at(w, "rare", 3) == pytest.approx(1.8)
-    # chat at n = 5 beyond the curve's ends: the nearest point's figure; with no curve, the pooled one scaled
     assert class_tokens_at(w, "chat", 5) == pytest.approx(2.6)
-    assert class_tokens_at(measured(class_accepted={"chat": 3.0}, pooled_accepted=1.0), "chat", 2) == \
-        pytest.approx(1 + 0.5 * 2.0)
-
-
-def test_a_class_that_accepts_more_gains_more_tokens_beyond_the_bonus() -> None:
-    w = measured(class_accepted={"tight": 1.5, "relaxed": 0.5, "wild": 9.0}, pooled_accepted=1.0)
-    assert class_ratio(w, "tight") == 1.5 and class_ratio(w, "relaxed") == 0.5
-    assert class_ratio(w, "wild") == CLASS_RATIO[1] and class_ratio(w, "unknown") == 1.0
-    # n = 2: T = 30, E = 1.5; tight gains 1 + 0.5 * 1.5 = 1.75 tokens, relaxed 1 + 0.5 * 0.5 = 1.25
-    assert predicted_tpot_ms(w, "tight", 2) == pytest.approx(30 / 1.75)
-    assert predicted_tpot_ms(w, "relaxed", 2) == pytest.approx(30 / 1.25)
-    assert class_ratio(measured(class_accepted={"tight": 1.0}), "tight") == 1.0  # no pooled figure
+    assert predicted_tpot_ms(w, "chat", 3) == pytest.approx(40 / 2.6)
+    # too few decodes of "rare" on the curve: what its finished requests accepted per verification, plus one
+    assert class_tokens_at(w, "rare", 3) == pytest.approx(1.5)
+    # a class nobody measured: the curve's figure over all classes
+    assert class_tokens_at(w, "unknown", 3) == pytest.approx(1.8)
+    assert class_tokens_at(measured(class_accepted={"chat": 3.0}), "chat", 2) == pytest.approx(4.0)
 
 
 # ---- the prior (a worker that has not served yet) -------------------------------------------------------

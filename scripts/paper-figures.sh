@@ -16,11 +16,11 @@ ALL=incremental,chain:4,specinfer,smartspec,equal-greedy,global-greedy,adaserve
 SOME=chain:4,smartspec,global-greedy,adaserve
 run() {
   case "$1" in
-    rate) "$BIN" bench "${COMMON[@]}" --policies "$ALL" --rps 8,16,24 \
+    rate) "$BIN" bench "${COMMON[@]}" --policies "$ALL" --rps 8,16,24,32,40 \
             --json "$OUT/sim-a100-70b-rate.json" --plot "$IMG/sim-a100-70b-rate.png" > /dev/null ;;
-    urgent-share) "$BIN" bench "${COMMON[@]}" --policies "$SOME" --rps 16 --sweep urgent-share --values 0.2,0.5,0.8 \
+    urgent-share) "$BIN" bench "${COMMON[@]}" --policies "$SOME" --rps 32 --sweep urgent-share --values 0.2,0.5,0.8 \
             --json "$OUT/sim-a100-70b-urgent.json" --plot "$IMG/sim-a100-70b-urgent.png" > /dev/null ;;
-    slo-scale) "$BIN" bench "${COMMON[@]}" --policies "$SOME" --rps 16 --sweep slo-scale --values 0.8,1,1.5 \
+    slo-scale) "$BIN" bench "${COMMON[@]}" --policies "$SOME" --rps 32 --sweep slo-scale --values 0.8,1,1.5 \
             --json "$OUT/sim-a100-70b-slo.json" --plot "$IMG/sim-a100-70b-slo.png" > /dev/null ;;
     *) echo "unknown figure $1: rate, urgent-share or slo-scale" >&2; return 2 ;;
   esac

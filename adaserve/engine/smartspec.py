@@ -41,12 +41,16 @@ class AcceptanceAverage:
     """Moving average of per-step acceptance rates (SmartSpec Algorithm 1, lines 3-8)."""
 
     window: int = 32
-    prior: float = 0.7  # used until the first speculative step is observed
+    prior: float = 0.7  # alone until the first speculative step is observed
+    # the prior counts as this many observed steps. Without it one unlucky first step (0 of 4 accepted)
+    # set alpha = 0, SmartSpec chose k = 0, never speculated again and so never observed anything else:
+    # it served a whole simulated run without speculation while chain:4 halved TPOT (docs/benchmarks.md)
+    prior_weight: float = 2.0
     rates: deque[float] = field(default_factory=deque)
 
     @property
     def alpha(self) -> float:
-        return sum(self.rates) / len(self.rates) if self.rates else self.prior
+        return (sum(self.rates) + self.prior_weight * self.prior) / (len(self.rates) + self.prior_weight)
 
     def observe(self, accepted: int, proposed: int) -> None:
         if proposed <= 0:

@@ -143,3 +143,17 @@ def test_engine_loop_streams_and_aborts_from_another_thread(target_dir: Path, dr
     with pytest.raises(ValueError, match="max_tokens"):
         loop.submit(Request("c", [1], SamplingParams(max_tokens=10_000)), on_event)
     assert loop.error is None and not loop.alive
+
+
+def test_smartspec_recovers_from_an_unlucky_first_step() -> None:
+    from adaserve.engine.smartspec import AcceptanceAverage, best_length
+
+    acc = AcceptanceAverage()
+    acc.observe(0, 4)  # nothing accepted in the first speculative step
+    assert acc.alpha > 0.4  # the prior still counts: speculation is tried again
+
+    def target(ctx: int, k: int) -> float:
+        return 0.025 + 0.0001 * k
+
+    k = best_length(n=1, n_context=0, alpha=acc.alpha, max_k=8, t_target=target, t_draft=lambda c, k: 0.002)
+    assert k > 0

@@ -36,9 +36,11 @@ from dataclasses import dataclass, field
 from adaserve.gateway.directory import Directory
 from adaserve.gateway.errors import ApiError
 from adaserve.gateway.metrics import GatewayMetrics
-from adaserve.gateway.routing import Choice, Router, WorkerView, best_slack, feasible_anywhere, lone_tpot_ms
+from adaserve.gateway.prediction import lone_tpot_ms
+from adaserve.gateway.routing import Choice, Router, best_slack, feasible_anywhere
 from adaserve.gateway.settings import GatewaySettings
 from adaserve.gateway.slo import SloCatalog, SloClass
+from adaserve.gateway.view import WorkerView
 
 
 class Refused(ApiError):

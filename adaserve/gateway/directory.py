@@ -24,7 +24,8 @@ from adaserve.contract.registration import CostModel, Load, Registration, parse_
 from adaserve.contract.registry import read_registrations
 from adaserve.gateway.calibration import Calibration
 from adaserve.gateway.load import OwnLoad, effective, mean_level
-from adaserve.gateway.routing import CurvePoint, WorkerView, pooled_acceptance, predicted_tpot_ms
+from adaserve.gateway.prediction import pooled_acceptance, predicted_tpot_ms
+from adaserve.gateway.view import CurvePoint, WorkerView
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import httpx
 from adaserve.contract.generate import GenerateRequest
 from adaserve.contract.slo import FAILED_END
 from adaserve.gateway.errors import ApiError
-from adaserve.gateway.routing import WorkerView
+from adaserve.gateway.view import WorkerView
 
 
 class WorkerFailed(Exception):

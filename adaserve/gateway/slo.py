@@ -16,7 +16,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from adaserve.contract.slo import SloClassName
-from adaserve.gateway.routing import WorkerView, lone_tpot_ms
+from adaserve.gateway.prediction import lone_tpot_ms
+from adaserve.gateway.view import WorkerView
 
 
 class SloClass(BaseModel):

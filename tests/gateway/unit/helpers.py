@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 from adaserve.gateway.redis_state import RedisStore
-from adaserve.gateway.routing import WorkerView
 from adaserve.gateway.state import MemoryStore, StateStore
+from adaserve.gateway.view import WorkerView
 from tests.redis_prefix import isolated_aredis
 
 T = TypeVar("T")

@@ -13,7 +13,9 @@ import pytest
 
 from adaserve.contract.registration import parse_registration
 from adaserve.gateway.directory import Directory, worker_view
-from adaserve.gateway.routing import CurvePoint, Router, WorkerView, predicted_tpot_ms
+from adaserve.gateway.prediction import predicted_tpot_ms
+from adaserve.gateway.routing import Router
+from adaserve.gateway.view import CurvePoint, WorkerView
 from tests.contract.examples import REGISTRATION
 from tests.gateway.unit.fakes import FakeSource, registration
 from tests.gateway.unit.helpers import run

@@ -15,7 +15,9 @@ import pytest
 from adaserve.contract.registration import parse_registration
 from adaserve.gateway.calibration import Calibration
 from adaserve.gateway.directory import worker_view
-from adaserve.gateway.routing import WorkerView, best_slack, feasible_anywhere, predicted_tpot_ms, slack
+from adaserve.gateway.prediction import predicted_tpot_ms
+from adaserve.gateway.routing import best_slack, feasible_anywhere, slack
+from adaserve.gateway.view import WorkerView
 
 RECORDED = json.loads((Path(__file__).parent / "recorded" / "smollm2-cpu-states.json").read_text())
 # the classes the recorded run served (its --slo-classes-file), and admission's default margin

@@ -1,4 +1,5 @@
-"""routing.py: TPOT predicted from a worker's measured curve, the prior, slack, and each policy of Router.choose."""
+"""prediction.py and routing.py: TPOT predicted from a worker's measured curve, the prior, slack, and each policy
+of Router.choose."""
 
 from __future__ import annotations
 
@@ -7,31 +8,25 @@ from typing import Any
 
 import pytest
 
-from adaserve.gateway.routing import (
+from adaserve.gateway.prediction import (
     CONTEXT_TOKENS,
-    DRAFT_STEPS,
     MIN_DECODES,
     MIN_STEPS,
     PRIOR_ACCEPTANCE,
-    TIE,
-    CurvePoint,
-    Router,
-    WorkerView,
     accepted_per_request,
-    best_slack,
     class_tokens_at,
     curve_slope,
     feasible,
-    feasible_anywhere,
     iteration_ms_at,
     iteration_s,
     lone_tpot_ms,
     pooled_acceptance,
     predicted_tpot_ms,
     prior_tokens,
-    slack,
     tokens_at,
 )
+from adaserve.gateway.routing import TIE, Router, best_slack, feasible_anywhere, slack
+from adaserve.gateway.view import DRAFT_STEPS, CurvePoint, WorkerView
 from tests.gateway.unit.helpers import view
 
 # T = alpha * context + gamma * batched + delta (seconds)

@@ -183,8 +183,8 @@ def test_feasibility_measured_overrules_the_profile() -> None:
 
 
 def test_class_feasibility_takes_the_most_capable_worker() -> None:
-    from adaserve.gateway.routing import CurvePoint
     from adaserve.gateway.slo import class_feasibility
+    from adaserve.gateway.view import CurvePoint
     from tests.gateway.unit.helpers import view
 
     slow = view("slow", unloaded_tpot_ms=100.0, draft_steps=0, curve=(CurvePoint(1, 32, 100.0, 1.0),))

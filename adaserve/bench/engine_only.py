@@ -56,6 +56,7 @@ class ForwardClock:
 
     def __init__(self, module: nn.Module) -> None:
         self.seconds = self.cpu_seconds = 0.0
+        self.calls = 0
         self._t0 = self._c0 = 0.0
         self._cuda = next(module.parameters()).is_cuda
         self._hooks = [module.register_forward_pre_hook(self._start), module.register_forward_hook(self._stop)]
@@ -70,6 +71,7 @@ class ForwardClock:
 
     def _stop(self, *_: Any) -> None:
         self.seconds += self._now() - self._t0
+        self.calls += 1
         self.cpu_seconds += time.process_time() - self._c0
 
     def remove(self) -> None:

@@ -67,9 +67,12 @@ def summarize_run(arrivals: Arrivals) -> dict[str, Any]:
     tokens = sum(len(r.output_ids) for r in reqs)
     tpots = [r.metrics.tpot_ms for r in reqs if r.metrics.tpot_ms is not None]
     ttfts = [r.metrics.ttft_ms for r in reqs if r.metrics.ttft_ms is not None]
+    accepted = [a for r in reqs for a in r.metrics.accepted_per_step]  # the engine's verifications only
     return {"makespan_s": end - start, "output_tokens": tokens, "throughput_tok_s": tokens / (end - start),
             "mean_tpot_ms": statistics.fmean(tpots) if tpots else None,
-            "mean_ttft_ms": statistics.fmean(ttfts) if ttfts else None}
+            "mean_ttft_ms": statistics.fmean(ttfts) if ttfts else None,
+            "verifications": len(accepted),
+            "accepted_per_verification": statistics.fmean(accepted) if accepted else None}
 
 
 def run_engine(target: ModelRunner, draft: ModelRunner, policy: str, arrivals: Arrivals, budget: int) -> None:

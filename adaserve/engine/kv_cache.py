@@ -99,9 +99,11 @@ class PagedKVCache:
         """
         s_all, d_all = [], []
         for seq, src, dst in moves:
-            s, d = np.asarray(src, np.int64), np.asarray(dst, np.int64)
-            if len(s) != len(d):
+            if len(src) != len(dst):
                 raise ValueError("src and dst must have the same length")
+            if src == dst:  # nothing moves (a lone root, or a path along the first nodes)
+                continue
+            s, d = np.asarray(src, np.int64), np.asarray(dst, np.int64)
             keep = s != d
             if keep.any():
                 s_all.append(seq.slots_at(s[keep], self.page_size))

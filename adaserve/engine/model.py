@@ -100,18 +100,22 @@ class CausalLM(nn.Module):
         # iteration (StepMetrics.t_forward_s). A CUDA forward is synchronised before the clock is read.
         self.forward_seconds = 0.0
 
-    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *, backend: AttentionBackend,
                 cache: PagedKVCache, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         t0 = time.perf_counter()
+        logits = self._logits(input_ids, positions, backend, cache, logits_rows)
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)  # the caller reads the logits next anyway
+        self.forward_seconds += time.perf_counter() - t0
+        return logits
+
+    @torch.inference_mode()
+    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+                cache: PagedKVCache, logits_rows: torch.Tensor | None) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, backend, cache)
         if logits_rows is not None:
             x = x[logits_rows]  # only the rows someone reads: prefill chunks need one
-        logits = self.lm_head(self.model.norm(x)).float()  # [R, vocab]
-        if logits.is_cuda:
-            torch.cuda.synchronize(logits.device)  # the caller reads the logits next anyway
-        self.forward_seconds += time.perf_counter() - t0
-        return logits
+        return self.lm_head(self.model.norm(x)).float()  # [R, vocab]

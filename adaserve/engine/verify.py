@@ -47,8 +47,9 @@ def walk_trees(inputs: list[WalkInput]) -> list[WalkResult]:
 
     The token the walk would draw at node v is computed for every node up front (``draw_at_nodes``):
     greedy requests by argmax (per request, with no sync between them) and one copy to the host, sampled
-    requests in one call per sampling setting. The walk visits at most one node per depth and emits one token per node visited, so the
-    draw at a node of depth d uses the request's d-th uniform, exactly as sequential decoding draws it.
+    requests in one call per sampling setting. The walk visits at most one node per depth and emits one
+    token per node visited, so the draw at a node of depth d uses the request's d-th uniform, exactly as
+    sequential decoding draws it.
     """
     drawn, uniforms_before = draw_at_nodes(inputs)
     out = []

@@ -65,6 +65,8 @@ class MaskIndex:
 
     def visible(self, b: torch.Tensor, row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
         """bool, broadcast over the int64 index tensors: may query ``row`` of segment ``b`` see key ``col``?"""
+        if self.anc is None:  # chains only: a query sees every key up to its own index L + c + row
+            return col <= self.prefix[b] + self.cached[b] + row
         p = self.prefix[b]
         rel = col - p  # tree node of the key, when >= 0
         node = self.cached[b] + row

@@ -18,7 +18,9 @@ Variants:
 
 Per run: makespan (first arrival to last token), output tokens, throughput = tokens / makespan, per-token
 latency (mean TPOT, (t_last - t_first) / (n - 1)), mean TTFT, and the share of requests whose tokens equal
-engine-incremental's (greedy: equal up to float differences of batched, padded computation).
+engine-incremental's (greedy: equal up to float differences of batched, padded computation). Also, where
+the time goes: one forward over a tree of m tokens against one token (``forward_ms_by_tokens``), which
+prices what a verification costs on this machine.
 
     python -m adaserve.bench.peer_compare --json docs/results/hf-peer-cpu-smollm2.json
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,12 +39,15 @@ import numpy as np
 from adaserve.bench.engine_only import load_pair, prompts, set_threads, settings, write_report
 from adaserve.bench.hf_peer import HFPeer
 from adaserve.bench.microbench_options import PeerConfig, add_common, add_engine_only, add_peer, peer_config
+from adaserve.engine.batch import Segment
 from adaserve.engine.catalog import resolve
 from adaserve.engine.config import EngineConfig
 from adaserve.engine.engine import Engine
+from adaserve.engine.kv_cache import SequenceKV
 from adaserve.engine.request import Request
 from adaserve.engine.runner import ModelRunner
 from adaserve.engine.sampling import SamplingParams
+from adaserve.engine.tree import TokenTree
 
 ENGINE_POLICIES = {"engine-adaserve": "adaserve", "engine-incremental": "incremental"}
 HF_VARIANTS = {"hf": dict(assisted=False, cache_implementation=None),
@@ -140,12 +146,35 @@ def run_peer(target: ModelRunner, draft: ModelRunner, hf: HFPeer, tokenizer: Any
         run_variant(v, warm, target, draft, hf, cfg.budget)
     engines = list(ENGINE_POLICIES)
     return {
+        # where the time goes: a forward over m tokens against one token, target and draft
+        "forward_ms_by_tokens": {"target": forward_costs(target), "draft": forward_costs(draft)},
         "single": run_scenario("single", [*engines, *HF_VARIANTS], single, target, draft, hf, cfg,
                                progress=progress),
         "concurrent": {"caps": caps, "arrivals_s": offsets,
                        **run_scenario("concurrent", [*engines, "hf", "hf-static"], concurrent, target, draft, hf,
                                       cfg, progress=progress)},
     }
+
+
+def forward_costs(runner: ModelRunner, *, context: int = 200, sizes: tuple[int, ...] = (1, 2, 3, 5, 9, 17),
+                  repeats: int = 7) -> dict[str, float]:
+    """Milliseconds of one forward over a tree of m new tokens (binary, m = 1 is plain decoding) after
+    ``context`` cached tokens, the minimum of ``repeats``: what a verification costs against one token."""
+    seq = SequenceKV()
+    runner.forward([Segment(seq, 0, TokenTree.chain(list(range(100, 100 + context))))], all_logits=[False])
+    runner.cache.truncate(seq, context)
+    out = {}
+    for m in sizes:
+        tree = TokenTree.from_lists(list(range(5, 5 + m)), [-1] + [(i - 1) // 2 for i in range(1, m)])
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runner.forward([Segment(seq, context, tree)], all_logits=[True])
+            times.append(time.perf_counter() - t0)
+            runner.cache.truncate(seq, context)
+        out[str(m)] = 1e3 * min(times)
+    runner.cache.release(seq)
+    return out
 
 
 def verdict(report: dict[str, Any]) -> dict[str, Any]:

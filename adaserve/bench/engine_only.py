@@ -190,8 +190,13 @@ def run_engine_only(target: ModelRunner, draft: ModelRunner, tokenizer: Any, cfg
                     print(f"[{rep + 1}/{cfg.repeats}] {mode:5s} n={n:3d}: non-forward {s['non_forward_share']:.1%} "
                           f"of {s['iteration_ms']:.1f} ms (cpu time {s['non_forward_share_cpu']:.1%}, "
                           f"load {s['load_before']:.1f})", file=sys.stderr)
+    return {"cells": cell_stats(runs)}
+
+
+def cell_stats(runs: dict[tuple[str, int], list[dict[str, float]]]) -> list[dict[str, Any]]:
+    """Per (mode, batch): the median and spread of the repeats' shares, and the repeats themselves."""
     cells = []
-    for (mode, n), reps in runs.items():
+    for (mode, n), reps in sorted(runs.items(), key=lambda kv: (list(MODES).index(kv[0][0]), kv[0][1])):
         shares = [r["non_forward_share"] for r in reps]
         cells.append({
             "mode": mode, "policy": MODES[mode], "batch": n,
@@ -202,7 +207,37 @@ def run_engine_only(target: ModelRunner, draft: ModelRunner, tokenizer: Any, cfg
             "non_forward_ms_median": statistics.median(r["non_forward_ms"] for r in reps),
             "repeats": reps,
         })
-    return {"cells": cells}
+    return cells
+
+
+def combine(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from runs of single cells (made one after another to interleave two code versions)."""
+    runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+    for rep in reports:
+        for c in rep["cells"]:
+            runs.setdefault((c["mode"], c["batch"]), []).extend(c["repeats"])
+    configs = [r["config"] for r in reports]
+    shared = {k: v for k, v in configs[0].items() if all(c.get(k) == v for c in configs)}
+    return {"config": shared, "cells": cell_stats(runs)}
+
+
+def before_after(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, Any]:
+    """The before/after table: per cell, both versions' median shares (wall and CPU time) and spreads."""
+    b, a = combine(before), combine(after)
+    after_cells = {(c["mode"], c["batch"]): c for c in a["cells"]}
+    table = []
+    for cb in b["cells"]:
+        ca = after_cells.get((cb["mode"], cb["batch"]))
+        if ca is None:
+            continue
+        row: dict[str, Any] = {"mode": cb["mode"], "batch": cb["batch"]}
+        for label, c in (("before", cb), ("after", ca)):
+            row[label] = {k: c[k] for k in ("non_forward_share_median", "non_forward_share_min",
+                                            "non_forward_share_max", "non_forward_share_cpu_median",
+                                            "iteration_ms_median", "non_forward_ms_median")}
+            row[label]["repeats"] = len(c["repeats"])
+        table.append(row)
+    return {"table": table, "before": b, "after": a}
 
 
 def source_version() -> str:
@@ -284,8 +319,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m adaserve.bench.engine_only", description=__doc__.splitlines()[0])
     add_common(p)
     add_engine_only(p)
+    p.add_argument("--before", nargs="+", type=Path, help="with --after: combine earlier reports into a "
+                   "before/after table instead of measuring (scripts/engine-only-before-after.sh)")
+    p.add_argument("--after", nargs="+", type=Path)
+    args = p.parse_args(argv)
+    if args.before or args.after:
+        if not (args.before and args.after):
+            p.error("--before and --after go together")
+        load = [[json.loads(f.read_text()) for f in fs] for fs in (args.before, args.after)]
+        write_report({"benchmark": "engine-only, before and after", **before_after(*load)}, args.json)
+        return 0
     try:
-        run_from_args(p.parse_args(argv))
+        run_from_args(args)
     except ValueError as e:
         print(f"engine_only: error: {e}", file=sys.stderr)
         return 2

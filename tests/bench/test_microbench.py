@@ -74,3 +74,20 @@ def test_bad_settings_are_one_line_errors(args: list[str]) -> None:
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
     assert res.stderr.startswith("adaserve: error:") and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_before_after_combines_single_cell_runs() -> None:
+    from adaserve.bench.engine_only import before_after
+
+    def run(share: float, mode: str = "spec", batch: int = 16) -> dict:
+        rep = {"non_forward_share": share, "non_forward_share_cpu": share, "iteration_ms": 100.0,
+               "non_forward_ms": 100 * share}
+        return {"config": {"model": "m", "batches": [batch]}, "cells": [{"mode": mode, "batch": batch,
+                                                                          "repeats": [rep]}]}
+
+    out = before_after([run(0.06), run(0.08), run(0.01, "plain", 1)], [run(0.04), run(0.02), run(0.05)])
+    assert [(r["mode"], r["batch"]) for r in out["table"]] == [("spec", 16)]  # plain 1 was not run after
+    row = out["table"][0]
+    assert row["before"]["non_forward_share_median"] == pytest.approx(0.07)
+    assert row["after"]["non_forward_share_min"] == 0.02 and row["after"]["repeats"] == 3
+    assert out["before"]["config"] == {"model": "m"}  # only the settings every run shared

@@ -81,20 +81,26 @@ def summarize_run(arrivals: Arrivals) -> dict[str, Any]:
             "accepted_per_verification": statistics.fmean(accepted) if accepted else None}
 
 
-def run_engine(target: ModelRunner, draft: ModelRunner, policy: str, arrivals: Arrivals, budget: int) -> None:
+def run_engine(target: ModelRunner, draft: ModelRunner, policy: str, arrivals: Arrivals, budget: int) -> float:
+    """Serve ``arrivals``; returns the engine's own cost over the run: its time outside model forwards as a
+    share of its iterations' wall time (StepMetrics), prefill and admission included."""
     eng = Engine(target, draft if policy != "incremental" else None,
-                 EngineConfig(policy=policy, budget=budget, max_batch=max(64, len(arrivals))))
+                 EngineConfig(policy=policy, budget=budget, max_batch=max(64, len(arrivals)),
+                              history_len=1_000_000))
     eng.run(arrivals)
+    wall = sum(m.t_wall_s for m in eng.history)
+    return 1.0 - sum(m.t_forward_s for m in eng.history) / wall if wall > 0 else 0.0
 
 
 def run_variant(name: str, make: Callable[[], Arrivals], target: ModelRunner, draft: ModelRunner,
                 hf: HFPeer, budget: int) -> tuple[dict[str, Any], dict[str, list[int]]]:
     arrivals = make()
+    own: dict[str, float] = {}
     if name in ENGINE_POLICIES:
-        run_engine(target, draft, ENGINE_POLICIES[name], arrivals, budget)
+        own["non_forward_share"] = run_engine(target, draft, ENGINE_POLICIES[name], arrivals, budget)
     else:
         hf.variant(**HF_VARIANTS[name]).run(arrivals, max_batch=len(arrivals))
-    return summarize_run(arrivals), {r.request_id: r.output_ids for _, r in arrivals}
+    return {**summarize_run(arrivals), **own}, {r.request_id: r.output_ids for _, r in arrivals}
 
 
 def ratio_stats(xs: list[float]) -> dict[str, float]:
@@ -117,9 +123,10 @@ def run_scenario(name: str, variants: list[str], make: Callable[[], Arrivals], t
         for v in variants:
             runs[v]["outputs_equal_reference"] = sum(outputs[v][k] == ref[k] for k in ref) / len(ref)
         repeats.append(runs)
+    keys = ("throughput_tok_s", "mean_tpot_ms", "makespan_s", "mean_ttft_ms", "accepted_per_verification",
+            "non_forward_share")
     medians = {v: {k: statistics.median(r[v][k] for r in repeats)
-                   for k in ("throughput_tok_s", "mean_tpot_ms", "makespan_s", "mean_ttft_ms")
-                   if all(r[v][k] is not None for r in repeats)} for v in variants}
+                   for k in keys if all(r[v].get(k) is not None for r in repeats)} for v in variants}
     hf_names = [v for v in variants if v.startswith("hf")]
     # ratios repeat by repeat, against the best transformers variant of the same repeat
     thr = [r["engine-adaserve"]["throughput_tok_s"] / max(r[h]["throughput_tok_s"] for h in hf_names)

@@ -60,6 +60,7 @@ def test_peer_race_on_the_demo_pair(demo: tuple) -> None:
     assert conc["variants"] == ["engine-adaserve", "engine-incremental", "hf", "hf-static"]
     for run in (single["repeats"][0], conc["repeats"][0]):
         assert run["engine-adaserve"]["outputs_equal_reference"] == 1.0  # speculation is lossless
+        assert 0 < run["engine-adaserve"]["non_forward_share"] < 1
         assert all(r["throughput_tok_s"] > 0 and r["output_tokens"] > 0 for r in run.values())
     assert len(conc["caps"]) == 3 and all(3 <= c <= 6 for c in conc["caps"])
     assert set(report["forward_ms_by_tokens"]["target"]) == {"1", "2", "3", "5", "9", "17"}

@@ -382,8 +382,10 @@ def _draw_report(report: dict, fig: Any, ax1: Any, ax2: Any) -> None:
     ax2.set(xlabel=xlabel, ylabel="goodput (tokens/s)", title="Goodput")
     ax1.legend(fontsize=8)
     name = report["config"].get("model") or Path(report["config"]["target"]).name
-    clock = "simulated " if report.get("clock") == "simulated" else ""
-    fig.suptitle(f"{name} on {clock}{report['device'][:60]}", fontsize=9)
+    device = report["device"]
+    if report.get("clock") == "simulated" and not device.startswith("simulated"):
+        device = f"simulated {device}"
+    fig.suptitle(f"{name} on {device[:70]}", fontsize=9)
 
 
 SWEEP_LABELS = {"rate": "request rate (req/s)", "urgent-share": f"share of urgent ({URGENT}) requests",

@@ -75,9 +75,12 @@ class TorchAttention:
                 row = tok - indptr[g][seg_local]
                 rows = (torch.as_tensor(seg_local, device=dev), torch.as_tensor(row, device=dev))
             # key index k of a segment lives in slot pages[k // page_size] * page_size + k % page_size
-            k_idx = np.minimum(np.arange(k_max)[None, :], np.asarray(layout.kv_lens)[g][:, None] - 1)
-            pages = layout.page_table[g[:, None], k_idx // layout.page_size]
-            key_slots = torch.as_tensor(pages * layout.page_size + k_idx % layout.page_size, device=dev)
+            # (built on the device from the small page table; padding keys repeat the last real one)
+            kv = torch.as_tensor(np.asarray(layout.kv_lens)[g], device=dev)
+            table = torch.as_tensor(layout.page_table[g], device=dev)
+            k_idx = torch.minimum(torch.arange(k_max, device=dev)[None, :], kv[:, None] - 1)
+            ps = layout.page_size
+            key_slots = table.gather(1, k_idx // ps) * ps + k_idx % ps
             mask = padded_mask(index, torch.as_tensor(g, device=dev), q_max, k_max, self.sliding_window)
             self._groups.append(_Group(None if every else torch.as_tensor(tok, device=dev), rows, q_max,
                                        key_slots, mask[:, None]))

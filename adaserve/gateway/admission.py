@@ -8,10 +8,11 @@
    so the others keep their pace; any other class waits for slack, up to its wait budget.
 3. No worker has a free slot (or none is ready): wait, up to the wait budget.
 4. The wait budget is ``queue_timeout_s``, shortened for a class with a TTFT target to what that target leaves
-   after the least TTFT a worker has recently given the class: a request whose wait has already spent its
-   target is refused then, not served late. At the end of its wait a request still without slack is refused,
-   503 + Retry-After (or, with ``on_overload="best-effort"``, served late by the router's pick, slowing the
-   batch it joins).
+   after the time from admission to a first token that this gateway's recent requests of the class took (their
+   75th percentile; before any, the least TTFT a worker has recently given the class): a request whose wait
+   would already break its target is refused then, not served late. At the end of its wait a request still
+   without slack is refused, 503 + Retry-After (or, with ``on_overload="best-effort"``, served late by the
+   router's pick, slowing the batch it joins).
 5. A class that no worker can meet even for a lone request (routing.feasible_anywhere) is served best effort:
    its own target is left out of its slack, the others' still count (or, ``on_infeasible="refuse"``, 503).
 At most ``max_queued`` requests wait at once; beyond that 503 at once.
@@ -175,9 +176,14 @@ class Admission:
         raise self._refuse("overloaded: every worker is at its request limit", "overloaded")
 
     def budget_s(self, slo: SloClass, workers: list[WorkerView]) -> float:
+        """The request's wait budget: what its TTFT target leaves after the time from admission to a first token
+        this gateway's requests of the class have recently taken (calibration.py), else the least a worker has
+        recently given the class."""
         if self.settings.admission == "none":
             return self.settings.queue_timeout_s
-        return wait_budget_s(slo, self.settings.queue_timeout_s, worker_ttft_ms(workers, slo.name))
+        after = self.directory.calibration.ttft_after_admission_ms(slo.name)
+        return wait_budget_s(slo, self.settings.queue_timeout_s,
+                             after if after is not None else worker_ttft_ms(workers, slo.name))
 
     async def admit(self, slo: SloClass, *, model: str | None, exclude: set[str]) -> Admitted:
         me = Waiter(slo, model, exclude, next(self._arrivals))

@@ -8,16 +8,24 @@ requests the worker held while it decoded; the correction moves towards observed
 An exponentially weighted mean in log space, so a request twice as slow as predicted weighs as much as one
 twice as fast; bounded, so one stalled request (a machine busy with something else) cannot switch a worker
 off for good. Requests with fewer than ``MIN_TOKENS`` tokens say too little about per-token time to count.
+
+It also keeps, per class, the time its last ``TTFT_WINDOW`` requests took from admission to their first token
+(their TTFT less their wait): the ``TTFT_QUANTILE`` of those is what a waiting request of the class should
+expect once admitted, so a class with a TTFT target waits only what is left of its target after that.
+Measured here, from this gateway's own requests, it reflects its own admission, not another client's traffic.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 RATE = 0.2
 LIMIT = 4.0
 MIN_TOKENS = 8
+TTFT_WINDOW = 16  # a class's last admitted requests whose TTFT after admission is kept
+TTFT_QUANTILE = 0.75
 
 
 def learn(correction: float, predicted_ms: float, observed_ms: float, *, rate: float = RATE,
@@ -38,6 +46,7 @@ class Calibration:
     min_tokens: int = MIN_TOKENS
     corrections: dict[str, float] = field(default_factory=dict)
     observations: dict[str, int] = field(default_factory=dict)
+    after_admission: dict[str, deque[float]] = field(default_factory=dict)  # class -> ms to the first token
 
     def correction(self, worker_id: str) -> float:
         return self.corrections.get(worker_id, 1.0)
@@ -51,3 +60,12 @@ class Calibration:
         self.corrections[worker_id] = k
         self.observations[worker_id] = self.observations.get(worker_id, 0) + 1
         return k
+
+    def observe_ttft(self, slo_class: str, after_admission_ms: float | None) -> None:
+        if after_admission_ms is not None and after_admission_ms >= 0 and math.isfinite(after_admission_ms):
+            self.after_admission.setdefault(slo_class, deque(maxlen=TTFT_WINDOW)).append(after_admission_ms)
+
+    def ttft_after_admission_ms(self, slo_class: str) -> float | None:
+        """What a request of the class should expect from admission to its first token; None before any."""
+        seen = sorted(self.after_admission.get(slo_class, ()))
+        return seen[min(len(seen) - 1, int(TTFT_QUANTILE * len(seen)))] if seen else None

@@ -165,4 +165,6 @@ class Gateway:
             track.lesson = self.directory.learn(wid, track.slo.name, track.decoding_since,
                                                 observed_ms=track.tpot_ms, tokens=track.tokens)
             self.metrics.correction.labels(wid).set(track.lesson.after)
+        if track.ttft_ms is not None and track.waited_s is not None:
+            self.directory.calibration.observe_ttft(track.slo.name, track.ttft_ms - 1e3 * track.waited_s)
         self.directory.release(wid, track.slo.name)

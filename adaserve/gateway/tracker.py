@@ -38,6 +38,7 @@ class Tracker:
     ended: bool = False
     decoding_since: tuple[float, float] | None = None  # the worker's load mark at the first token (directory.mark)
     lesson: Lesson | None = None  # its TPOT as predicted at the load it decoded under (set as it leaves)
+    waited_s: float | None = None  # in admission, before the worker that served it
 
     async def _write(self, fields: dict[str, Any], counters: dict[str, int] | None = None) -> None:
         try:
@@ -52,6 +53,7 @@ class Tracker:
 
     async def routed(self, worker: str, admitted: Admitted) -> None:
         self.worker, self.attempts = worker, self.attempts + 1
+        self.waited_s = admitted.waited_s + (self.waited_s or 0.0)
         if self.attempts > 1:
             self.metrics.retries.labels(self.slo.name).inc()
         await self._write({"worker": worker, "attempts": self.attempts, "status": "running",

@@ -103,6 +103,9 @@ def test_a_ttft_target_shortens_the_wait_by_what_the_worker_adds() -> None:
     assert isinstance(out, Refused) and out.reason == "overloaded" and "0.1s" in out.message
     assert elapsed >= 0.09
     assert wait_budget_s(CODING, 30.0, 1900.0) == pytest.approx(0.1)
+    # once this gateway has served coding requests, what they took from admission to a first token counts instead
+    adm.directory.calibration.observe_ttft("coding", 1500.0)
+    assert adm.budget_s(CODING, adm.directory.usable()) == pytest.approx(0.5)
     assert wait_budget_s(CODING, 30.0, 2500.0) == 0.0  # its target is spent already: refused on its first look
     assert wait_budget_s(CODING, 1.0, None) == 1.0 and wait_budget_s(CHAT, 5.0, 1900.0) == 5.0
 

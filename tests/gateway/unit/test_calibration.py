@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from adaserve.gateway.calibration import LIMIT, MIN_TOKENS, RATE, Calibration, learn
+from adaserve.gateway.calibration import LIMIT, MIN_TOKENS, RATE, TTFT_WINDOW, Calibration, learn
 from adaserve.gateway.load import OwnLoad, effective, mean_level
 
 
@@ -73,3 +73,16 @@ def test_mean_level_is_the_time_average_of_the_load() -> None:
     end = own.tick(2, now=2.0)  # 3 requests for 1 s
     assert mean_level(start, end) == pytest.approx(2.0)
     assert mean_level(end, end) is None
+
+
+def test_time_from_admission_to_first_token_per_class() -> None:
+    cal = Calibration()
+    assert cal.ttft_after_admission_ms("coding") is None
+    for ms in (100.0, 400.0, 200.0, 300.0):
+        cal.observe_ttft("coding", ms)
+    cal.observe_ttft("coding", None)  # no first token: nothing to learn
+    cal.observe_ttft("coding", -5.0)
+    assert cal.ttft_after_admission_ms("coding") == 400.0  # the 75th percentile of 100..400
+    for _ in range(TTFT_WINDOW):  # only the last TTFT_WINDOW count
+        cal.observe_ttft("coding", 50.0)
+    assert cal.ttft_after_admission_ms("coding") == 50.0 and cal.ttft_after_admission_ms("chat") is None

@@ -14,21 +14,14 @@ from adaserve.bench.device_model import DeviceProfile, ForwardCost
 from adaserve.engine.budget import RooflinePoint, choose_budget
 from adaserve.engine.config import ProfilerConfig
 from adaserve.engine.cost_model import CostModel, fit_cost_model
+from adaserve.engine.profiler import size_grid
 
 SIM_MAX_TOKENS = 1024  # the profiler's largest n on a GPU
 
 
-def _grid(limit: int) -> list[int]:
-    out, n = [], 1
-    while n <= limit:
-        out.append(n)
-        n *= 2
-    return out
-
-
 def profile_cost(cost: ForwardCost, cfg: ProfilerConfig) -> dict[str, Any]:
     """``profile_runner``'s output for one model, priced by ``cost`` (n tokens over min(n, 8) sequences)."""
-    grid = _grid(cfg.max_tokens or SIM_MAX_TOKENS)
+    grid = size_grid(cfg.max_tokens or SIM_MAX_TOKENS)
     contexts = sorted({cfg.context, *cfg.fit_contexts})
     table = {c: {n: cost.seconds(n, min(n, 8) * c) for n in grid} for c in contexts}
     points = [RooflinePoint(n, table[cfg.context][n]) for n in grid]

@@ -201,7 +201,8 @@ def summarise_timings(timings: TimingsIn, *, context: int,
     }
 
 
-def _grid(limit: int) -> list[int]:
+def size_grid(limit: int) -> list[int]:
+    """n = 1, 2, 4, ... up to ``limit``: the sizes the profiler times (and the simulation prices)."""
     out, n = [], 1
     while n <= limit:
         out.append(n)
@@ -228,7 +229,7 @@ def profile_runner(runner: ModelRunner, cfg: ProfilerConfig, *, label: str, prog
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
     timer = timer or forward_timer(runner)
-    grid = _grid(_probe_limit(runner, cfg))
+    grid = size_grid(_probe_limit(runner, cfg))
     probes = [(c, n) for c in sorted({cfg.context, *cfg.fit_contexts}) for n in grid]
     t0 = time.perf_counter()
     best: dict[str, Any] | None = None

@@ -77,6 +77,7 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | N
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = model.rotary.__class__(cfg).to(device)  # buffers are not in checkpoints
+    model.tune_kernels()  # CPU: the fastest product per layer shape for a few rows (few_rows.py)
     return model.eval()
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from adaserve.engine.attention.base import AttentionBackend
+from adaserve.engine.few_rows import FewRowLinear
 from adaserve.engine.kv_cache import PagedKVCache
 from adaserve.engine.model_config import ModelConfig
 from adaserve.engine.rope import Rotary, apply_rotary
@@ -37,10 +38,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer, self.h, self.hkv, self.d = layer, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_proj = FewRowLinear(cfg.hidden_size, self.h * self.d, bias=cfg.qkv_bias)
+        self.k_proj = FewRowLinear(cfg.hidden_size, self.hkv * self.d, bias=cfg.qkv_bias)
+        self.v_proj = FewRowLinear(cfg.hidden_size, self.hkv * self.d, bias=cfg.qkv_bias)
+        self.o_proj = FewRowLinear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
                 cache: PagedKVCache) -> torch.Tensor:
@@ -55,9 +56,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_proj = FewRowLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = FewRowLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = FewRowLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
@@ -92,13 +93,19 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Body(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = FewRowLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # wall seconds spent in ``forward``, summed: the engine's time outside forwards is the rest of an
         # iteration (StepMetrics.t_forward_s). A CUDA forward is synchronised before the clock is read.
         self.forward_seconds = 0.0
+
+    def tune_kernels(self) -> None:
+        """Pick each linear layer's fastest kernels for few rows on this CPU (few_rows.py); after loading."""
+        for module in self.modules():
+            if isinstance(module, FewRowLinear):
+                module.tune_kernels()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *, backend: AttentionBackend,
                 cache: PagedKVCache, logits_rows: torch.Tensor | None = None) -> torch.Tensor:

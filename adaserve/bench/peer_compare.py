@@ -20,7 +20,8 @@ Per run: makespan (first arrival to last token), output tokens, throughput = tok
 latency (mean TPOT, (t_last - t_first) / (n - 1)), mean TTFT, and the share of requests whose tokens equal
 engine-incremental's (greedy: equal up to float differences of batched, padded computation). Also, where
 the time goes: one forward over a tree of m tokens against one token (``forward_ms_by_tokens``), which
-prices what a verification costs on this machine.
+prices what a verification costs on this machine, with the engine's few-row kernels and with F.linear
+everywhere (as transformers computes).
 
     python -m adaserve.bench.peer_compare --json docs/results/hf-peer-cpu-smollm2.json
 """
@@ -43,6 +44,7 @@ from adaserve.engine.batch import Segment
 from adaserve.engine.catalog import resolve
 from adaserve.engine.config import EngineConfig
 from adaserve.engine.engine import Engine
+from adaserve.engine.few_rows import plain_linear
 from adaserve.engine.kv_cache import SequenceKV
 from adaserve.engine.request import Request
 from adaserve.engine.runner import ModelRunner
@@ -154,7 +156,8 @@ def run_peer(target: ModelRunner, draft: ModelRunner, hf: HFPeer, tokenizer: Any
     engines = list(ENGINE_POLICIES)
     return {
         # where the time goes: a forward over m tokens against one token, target and draft
-        "forward_ms_by_tokens": {"target": forward_costs(target), "draft": forward_costs(draft)},
+        "forward_ms_by_tokens": {"target": forward_costs(target), "draft": forward_costs(draft),
+                                 **plain_linear_costs(target, draft)},
         "single": run_scenario("single", [*engines, *HF_VARIANTS], single, target, draft, hf, cfg,
                                progress=progress),
         "concurrent": {"caps": caps, "arrivals_s": offsets,
@@ -181,6 +184,15 @@ def forward_costs(runner: ModelRunner, *, context: int = 200, sizes: tuple[int, 
             runner.cache.truncate(seq, context)
         out[str(m)] = 1e3 * min(times)
     runner.cache.release(seq)
+    return out
+
+
+def plain_linear_costs(target: ModelRunner, draft: ModelRunner) -> dict[str, dict[str, float]]:
+    """The same forwards with F.linear everywhere (what the few-row kernels save, engine/few_rows.py)."""
+    out = {}
+    for name, r in (("target", target), ("draft", draft)):
+        with plain_linear(r.model):
+            out[f"{name}_plain_linear"] = forward_costs(r)
     return out
 
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -119,3 +120,16 @@ class FewRowLinear(nn.Linear):
         assert self._tuned_for is not None
         w, version = self._tuned_for
         return self.weight is w and self.weight._version == version
+
+
+@contextmanager
+def plain_linear(model: nn.Module) -> Iterator[None]:
+    """Inside, every FewRowLinear of ``model`` uses F.linear (to measure what the kernels save)."""
+    saved = [(m, m.kernels) for m in model.modules() if isinstance(m, FewRowLinear)]
+    for m, _ in saved:
+        m.kernels = None
+    try:
+        yield
+    finally:
+        for m, kernels in saved:
+            m.kernels = kernels

@@ -15,21 +15,30 @@ and every M bucket keeps its fastest kernel:
     wxt      (W @ x^T)^T + b
 
 The three compute the same product; only the rounding of the sums differs, as it already does between
-BLAS kernels for different M. Above ``MAX_ROWS`` rows (prefill chunks, large batches) ``F.linear`` is
-used unchanged. ``ADASERVE_FEW_ROW_KERNELS=off`` keeps ``F.linear`` everywhere.
+BLAS kernels for different M. So that every process on a machine rounds alike (a run repeats to the
+byte), a measured plan is kept in the cache directory (``$ADASERVE_CACHE_DIR``, profile_cache.py) per
+shape, dtype, thread count, torch version and CPU, and later processes use it instead of measuring.
+Above ``MAX_ROWS`` rows (prefill chunks, large batches) ``F.linear`` is used unchanged.
+``ADASERVE_FEW_ROW_KERNELS=off`` keeps ``F.linear`` everywhere.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import os
+import platform
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from adaserve.engine.profile_cache import default_cache_dir
 
 KERNELS = ("linear", "xwt", "wxt")
 BUCKETS = (1, 2, 3, 4, 8, 16)  # a product of M rows uses the first bucket >= M
@@ -73,9 +82,49 @@ def _cpu_s(fn: Callable[[], object]) -> float:
     return best
 
 
+def _cpu_name() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.machine())
+
+
+def plan_file() -> Path:
+    return default_cache_dir() / "few-row-kernels.json"
+
+
+def _stored_key(n: int, k: int, dtype: torch.dtype, threads: int) -> str:
+    return f"{n}x{k} {str(dtype).removeprefix('torch.')} threads={threads} torch={torch.__version__} cpu={_cpu_name()}"
+
+
+def _read_plans() -> dict[str, list[str]]:
+    try:
+        data = json.loads(plan_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _store_plan(key: str, plan: tuple[str, ...]) -> None:
+    """Add one plan to the file (written beside, then renamed); a read-only cache only costs a re-measure."""
+    path = plan_file()
+    data = {**_read_plans(), key: list(plan)}
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+
+
 def tune(n: int, k: int, dtype: torch.dtype) -> tuple[str, ...]:
-    """The fastest kernel per bucket for W [n, k] on this CPU (cached per shape, dtype and thread count)."""
+    """The fastest kernel per bucket for W [n, k] on this CPU: measured once, then read from the cache."""
     key = (n, k, dtype, torch.get_num_threads())
+    stored_key = _stored_key(*key)
+    if key not in _plans:
+        stored = _read_plans().get(stored_key)
+        if isinstance(stored, list) and len(stored) == len(BUCKETS) and set(stored) <= set(KERNELS):
+            _plans[key] = tuple(stored)
     if key not in _plans:
         copies = max(1, min(MAX_COPIES, TUNE_BYTES // (n * k * dtype.itemsize)))
         ws = [torch.randn(n, k).to(dtype) for _ in range(copies)]
@@ -91,6 +140,7 @@ def tune(n: int, k: int, dtype: torch.dtype) -> tuple[str, ...]:
             times = {kern: _cpu_s(lambda kern=kern: every_copy(kern)) for kern in KERNELS}  # type: ignore[misc]
             plan.append(min(KERNELS, key=lambda kern: times[kern]))
         _plans[key] = tuple(plan)
+        _store_plan(stored_key, _plans[key])
     return _plans[key]
 
 

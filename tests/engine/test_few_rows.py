@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -52,3 +54,22 @@ def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
     lin = FewRowLinear(8, 8)
     lin.tune_kernels()
     assert lin.kernels is None and lin.weight_t is None
+
+
+def test_a_measured_plan_is_reused_by_later_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every process on a machine rounds alike: the plan measured first is read back, not measured again."""
+    monkeypatch.setenv("ADASERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(few_rows, "_plans", {})
+    first = tune(24, 40, torch.float32)
+    assert few_rows.plan_file().is_file()
+    monkeypatch.setattr(few_rows, "_plans", {})  # a new process: nothing in memory
+
+    def no_timing(fn: object) -> float:
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(few_rows, "_cpu_s", no_timing)
+    assert tune(24, 40, torch.float32) == first
+    few_rows.plan_file().write_text("{not json")  # a corrupt file costs a measurement, not a crash
+    monkeypatch.setattr(few_rows, "_plans", {})
+    monkeypatch.setattr(few_rows, "_cpu_s", lambda fn: 1.0)
+    assert len(tune(24, 40, torch.float32)) == len(BUCKETS)

@@ -19,7 +19,7 @@ Variants:
 Per run: makespan (first arrival to last token), output tokens, throughput = tokens / makespan, per-token
 latency (mean TPOT, (t_last - t_first) / (n - 1)), mean TTFT, and the share of requests whose tokens equal
 engine-incremental's (greedy: equal up to float differences of batched, padded computation). Also, where
-the time goes: one forward over a tree of m tokens against one token (``forward_ms_by_tokens``), which
+the time goes: one forward over a tree of m tokens against one token (``forward_cpu_ms_by_tokens``), which
 prices what a verification costs on this machine, with the engine's few-row kernels and with F.linear
 everywhere (as transformers computes).
 
@@ -169,7 +169,7 @@ def run_peer(target: ModelRunner, draft: ModelRunner, hf: HFPeer, tokenizer: Any
     engines = list(ENGINE_POLICIES)
     return {
         # where the time goes: a forward over m tokens against one token, target and draft
-        "forward_ms_by_tokens": {"target": forward_costs(target), "draft": forward_costs(draft),
+        "forward_cpu_ms_by_tokens": {"target": forward_costs(target), "draft": forward_costs(draft),
                                  **plain_linear_costs(target, draft)},
         "single": run_scenario("single", [*engines, *HF_VARIANTS], single, target, draft, hf, cfg,
                                progress=progress),
@@ -181,8 +181,9 @@ def run_peer(target: ModelRunner, draft: ModelRunner, hf: HFPeer, tokenizer: Any
 
 def forward_costs(runner: ModelRunner, *, context: int = 200, sizes: tuple[int, ...] = (1, 2, 3, 5, 9, 17),
                   repeats: int = 7) -> dict[str, float]:
-    """Milliseconds of one forward over a tree of m new tokens (binary, m = 1 is plain decoding) after
-    ``context`` cached tokens, the minimum of ``repeats``: what a verification costs against one token."""
+    """CPU milliseconds of one forward over a tree of m new tokens (binary, m = 1 is plain decoding) after
+    ``context`` cached tokens, the minimum of ``repeats``: what a verification costs against one token.
+    CPU time, not wall time: with one torch thread it is the forward's own cost, whatever else runs."""
     seq = SequenceKV()
     runner.forward([Segment(seq, 0, TokenTree.chain(list(range(100, 100 + context))))], all_logits=[False])
     runner.cache.truncate(seq, context)
@@ -191,9 +192,9 @@ def forward_costs(runner: ModelRunner, *, context: int = 200, sizes: tuple[int, 
         tree = TokenTree.from_lists(list(range(5, 5 + m)), [-1] + [(i - 1) // 2 for i in range(1, m)])
         times = []
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             runner.forward([Segment(seq, context, tree)], all_logits=[True])
-            times.append(time.perf_counter() - t0)
+            times.append(time.process_time() - t0)
             runner.cache.truncate(seq, context)
         out[str(m)] = 1e3 * min(times)
     runner.cache.release(seq)

@@ -63,7 +63,7 @@ def test_peer_race_on_the_demo_pair(demo: tuple) -> None:
         assert 0 < run["engine-adaserve"]["non_forward_share"] < 1
         assert all(r["throughput_tok_s"] > 0 and r["output_tokens"] > 0 for r in run.values())
     assert len(conc["caps"]) == 3 and all(3 <= c <= 6 for c in conc["caps"])
-    costs = report["forward_ms_by_tokens"]
+    costs = report["forward_cpu_ms_by_tokens"]
     assert set(costs) == {"target", "draft", "target_plain_linear", "draft_plain_linear"}
     assert set(costs["target"]) == {"1", "2", "3", "5", "9", "17"}
     v = verdict(report)

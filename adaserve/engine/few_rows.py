@@ -16,7 +16,7 @@ and every M bucket keeps its fastest kernel:
 
 The three compute the same product; only the rounding of the sums differs, as it already does between
 BLAS kernels for different M. So that every process on a machine rounds alike (a run repeats to the
-byte), a measured plan is kept in the cache directory (``$ADASERVE_CACHE_DIR``, profile_cache.py) per
+byte), a measured plan is kept under the cache directory (``$ADASERVE_CACHE_DIR``, profile_cache.py) per
 shape, dtype, thread count, torch version and CPU, and later processes use it instead of measuring.
 Above ``MAX_ROWS`` rows (prefill chunks, large batches) ``F.linear`` is used unchanged.
 ``ADASERVE_FEW_ROW_KERNELS=off`` keeps ``F.linear`` everywhere.
@@ -91,7 +91,8 @@ def _cpu_name() -> str:
 
 
 def plan_file() -> Path:
-    return default_cache_dir() / "few-row-kernels.json"
+    """Beside the profiles, in a folder of its own (the profile cache's folder holds only profiles)."""
+    return default_cache_dir() / "kernels" / "few-row-kernels.json"
 
 
 def _stored_key(n: int, k: int, dtype: torch.dtype, threads: int) -> str:

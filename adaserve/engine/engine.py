@@ -119,7 +119,8 @@ class Engine:
         self.target_time = OnlineCostModel(cfg.target_cost or flat, frozen=cfg.target_cost is not None)
         self.draft_time = OnlineCostModel(cfg.draft_cost or CostModel(0.0, 0.0, cfg.initial_forward_s / 4),
                                           frozen=cfg.draft_cost is not None)
-        self.acceptance = RankAcceptance()  # what a drafted node is worth (cfg.node_value == "learned")
+        # what a drafted node is worth, learnt only where a policy weighs nodes (the budgeted ones)
+        self.acceptance = (RankAcceptance() if cfg.node_value == "learned" and is_budgeted(policy) else None)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.reserved = [0, 0]  # pages promised to admitted requests (target, draft)
@@ -277,7 +278,8 @@ class Engine:
             # the accepted path stopped short of the tree's deepest level: a rejection
             rejections += tree.size > 1 and res.num_accepted < int(tree.depths().max())
             emitted[req.request_id] = res.tokens
-            self.acceptance.observe(tree, res.accepted_nodes)
+            if self.acceptance is not None:
+                self.acceptance.observe(tree, res.accepted_nodes)
         if segments:
             n_ctx = sum(s.prefix_len for s in segments)
             self.target_time.observe(n_ctx, sum(s.num_new for s in segments), t_fwd)
@@ -349,7 +351,8 @@ class Engine:
         # steps 2..d each ran n*w draft tokens; step 1 ran the pending chains (not modelled separately)
         self.draft_time.observe(n_ctx, len(decoding) * shape.width, (t1 - t0) / shape.depth)
         # selection weighs nodes by f(v); "learned": acceptance by sibling rank, not the draft's own guess
-        scored = [self.acceptance.calibrate(c) for c in cands] if self.cfg.node_value == "learned" else cands
+        acc = self.acceptance
+        scored = cands if acc is None else [acc.calibrate(c) for c in cands]
         budget = max(self.cfg.budget, len(decoding))
         if self.cfg.budget_rule == "goodput" and is_budgeted(self.policy):
             budget = goodput_budget(scored, floor=budget, t_spent_s=t1 - t_start,

@@ -164,11 +164,15 @@ def load_shared(cfg: BenchConfig, *, progress: bool) -> Shared:
     return shared
 
 
+def tree_bounds(shared: Shared) -> AdaptiveConfig:
+    """The adaptive tree bounds a worker on this (possibly simulated) device would use."""
+    return adaptive_for(AdaptiveConfig(), shared.profile.data) if shared.profile else AdaptiveConfig()
+
+
 def make_engine(shared: Shared, variant: Variant) -> Engine:
     prof = shared.profile
-    adaptive = adaptive_for(AdaptiveConfig(), prof.data) if prof else AdaptiveConfig()
     cfg = EngineConfig(policy=variant.policy, budget=variant.budget, budget_rule=variant.budget_rule,
-                       adaptive=adaptive, target_cost=prof.target_cost if prof else None,
+                       adaptive=tree_bounds(shared), target_cost=prof.target_cost if prof else None,
                        draft_cost=prof.draft_cost if prof else None)
     draft = shared.draft if make_policy(cfg.policy, cfg).max_shape is not None else None
     return Engine(shared.target, draft, cfg, clock=SimClock() if shared.simulated else time.perf_counter)
@@ -341,7 +345,7 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
                    "model": cfg.model, "target": str(cfg.target), "draft": str(cfg.draft),
                    # every setting that shaped the numbers besides the above
                    "dtype": str(shared.target.dtype).removeprefix("torch."), "torch_threads": torch.get_num_threads(),
-                   "adaptive": asdict(make_engine(shared, variants[0]).cfg.adaptive),
+                   "adaptive": asdict(tree_bounds(shared)),
                    "budget_rule": EngineConfig().budget_rule,
                    "max_tokens_cap": cfg.max_tokens_cap, "max_prompt_tokens": cfg.max_prompt_tokens,
                    "kv_memory_mb": cfg.kv_memory_mb, "chat_template": has_chat_template(shared.tokenizer)},

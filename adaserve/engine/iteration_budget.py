@@ -33,8 +33,18 @@ def goodput_budget(cands: Sequence[TokenTree], *, floor: int, t_spent_s: float,
     f = np.sort(np.concatenate([np.exp(c.log_probs[1:]) for c in cands]))[::-1]
     if n + len(f) <= floor:  # every candidate fits under the knee: nothing to choose
         return floor
-    ks = np.arange(n, n + len(f) + 1)
-    expected = n + np.concatenate(([0.0], np.cumsum(f)))
-    seconds = np.array([t_spent_s + t_target(int(k)) for k in ks])
-    best = int(ks[int(np.argmax(expected / np.maximum(seconds, 1e-12)))])
-    return max(floor, best)
+    expected = n + np.concatenate(([0.0], np.cumsum(f)))  # E(n + j) = expected[j]
+
+    def rate(j: int) -> float:
+        return float(expected[j]) / max(t_spent_s + t_target(n + j), 1e-12)
+
+    # E is concave (f sorted, highest first) and T non-decreasing and convex (flat, then linear), so E/T
+    # rises to one peak and falls: a binary search for it needs O(log) cost-model calls, not one per k
+    lo, hi = 0, len(f)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if rate(mid + 1) > rate(mid):
+            lo = mid + 1
+        else:
+            hi = mid
+    return max(floor, n + lo)

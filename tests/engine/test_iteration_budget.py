@@ -39,3 +39,22 @@ def test_everything_under_the_floor_needs_no_choice() -> None:
     cands = [chain([0.5])] * 3
     assert goodput_budget(cands, floor=64, t_spent_s=0.0, t_target=lambda k: 1.0) == 64
     assert goodput_budget([], floor=8, t_spent_s=0.0, t_target=lambda k: 1.0) == 8
+
+
+def test_the_search_finds_the_same_peak_as_trying_every_k() -> None:
+    rng = np.random.default_rng(7)
+    for trial in range(50):
+        cands = [chain(list(np.cumprod(rng.uniform(0.05, 0.99, size=int(rng.integers(1, 9))))))
+                 for _ in range(int(rng.integers(1, 30)))]
+        knee, slope, spent = int(rng.integers(1, 64)), float(rng.uniform(1e-5, 1e-3)), float(rng.uniform(0, 0.02))
+
+        def t_target(k: int, knee: int = knee, slope: float = slope) -> float:
+            return 0.02 + slope * max(0, k - knee)  # a roofline: flat to the knee, then linear
+
+        n = len(cands)
+        f = np.sort(np.concatenate([np.exp(c.log_probs[1:]) for c in cands]))[::-1]
+        expected = n + np.concatenate(([0.0], np.cumsum(f)))
+        rate = expected / np.array([spent + t_target(n + j) for j in range(len(f) + 1)])
+        brute = max(n, n + int(np.argmax(rate)))
+        got = goodput_budget(cands, floor=n, t_spent_s=spent, t_target=t_target)
+        assert rate[got - n] == rate[brute - n], trial  # the same peak (ties may pick another k)

@@ -3,8 +3,9 @@
 Selection, the per-iteration budget and A(r) all read f(v), the probability that v is accepted. The
 paper takes f from the draft: the product of the draft's conditional probabilities along v's path, an
 accurate surrogate for a draft distilled to match the target. A draft that is not (ours are small) is
-badly calibrated: on the tiny pair, trees whose draft f summed to ~1.5 tokens had ~3.1 accepted
-(bonus included), so every decision that weighs a token's worth against its cost undervalued trees.
+badly calibrated: on the tiny pair, verified trees' draft f summed to 1.17 tokens where 1.72 were
+emitted (bonus included; docs/results/selection-trace-draft-f.json), so every decision that weighs a
+token's worth against its cost undervalued trees.
 
 Estimate instead, per node, P(accepted | parent accepted) by the node's rank among its siblings (rank 0:
 the draft's favourite child), as Sequoia's positional acceptance vector does, learnt online from every

@@ -44,7 +44,7 @@ class AcceptanceAverage:
     prior: float = 0.7  # alone until the first speculative step is observed
     # the prior counts as this many observed steps. Without it one unlucky first step (0 of 4 accepted)
     # set alpha = 0, SmartSpec chose k = 0, never speculated again and so never observed anything else:
-    # it served a whole simulated run without speculation while chain:4 halved TPOT (docs/benchmarks.md)
+    # (tests/engine/test_policies.py::test_smartspec_recovers_from_an_unlucky_first_step)
     prior_weight: float = 2.0
     rates: deque[float] = field(default_factory=deque)
 

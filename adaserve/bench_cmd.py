@@ -59,6 +59,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="cap on output tokens per request")
     p.add_argument("--max-prompt-tokens", type=int, default=512,
                    help="prompts longer than this keep their last tokens (the chat template's opening survives)")
+    p.add_argument("--max-batch", type=int, default=64,
+                   help="requests running at once (the engine's max_batch); later arrivals wait in its queue")
     p.add_argument("--clock", choices=["wall", "simulated"], default="wall",
                    help="simulated: real models and tokens, time from --device-profile (deterministic)")
     p.add_argument("--device-profile", default="measured",
@@ -95,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
                           mix=parse_mix(args.mix) if args.mix else None, slo_scale=args.slo_scale,
                           seed=args.seed, device=args.device, budget=args.budget, budgets=args.budgets,
                           max_tokens_cap=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                          baseline_tpot_ms=args.baseline_tpot_ms,
+                          max_batch=args.max_batch, baseline_tpot_ms=args.baseline_tpot_ms,
                           clock=args.clock, device_profile=args.device_profile, sched_ms=args.sched_ms,
                           sweep=args.sweep, values=args.values)
         if args.trace is not None and not args.trace.is_file():

@@ -64,6 +64,7 @@ class BenchConfig:
     max_tokens_cap: int = 128
     max_prompt_tokens: int = 512
     kv_memory_mb: int = 512
+    max_batch: int = EngineConfig.max_batch  # requests running at once; the rest wait in the engine's queue
     baseline_tpot_ms: float | None = None  # measured when None
     clock: str = "wall"  # "simulated": time from ``device_profile`` (sim_clock.py)
     device_profile: str = MEASURED  # simulated: "measured" (this machine's profile), a shipped name or a file
@@ -80,8 +81,8 @@ class BenchConfig:
             raise ValueError("rates must be positive")
         if self.duration_s <= 0:
             raise ValueError("duration must be positive")
-        if self.max_prompt_tokens < 1 or self.max_tokens_cap < 1:
-            raise ValueError("max_prompt_tokens and max_tokens_cap must be >= 1")
+        if self.max_prompt_tokens < 1 or self.max_tokens_cap < 1 or self.max_batch < 1:
+            raise ValueError("max_prompt_tokens, max_tokens_cap and max_batch must be >= 1")
         if self.clock not in CLOCKS:
             raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
         if self.sweep not in SWEEPS:
@@ -122,6 +123,7 @@ class Shared:
     hf: HFPeer | None = None
     device: DeviceProfile | None = None  # set for a simulated bench
     sched_s: float | None = None  # simulated: fixed scheduler time per iteration (None: host-measured)
+    max_batch: int = EngineConfig.max_batch
 
     @property
     def simulated(self) -> bool:
@@ -150,7 +152,8 @@ def load_shared(cfg: BenchConfig, *, progress: bool) -> Shared:
     else:
         prof = None
     budget = cfg.budget if cfg.budget is not None else (prof.budget if prof else EngineConfig().budget)
-    shared = Shared(target, draft, load_tokenizer(cfg.target), prof, budget, device=device, sched_s=sched_s)
+    shared = Shared(target, draft, load_tokenizer(cfg.target), prof, budget, device=device, sched_s=sched_s,
+                    max_batch=cfg.max_batch)
     shared.variants = [Variant(p, p, budget) for p in cfg.policies]
     if HF_PEER in cfg.policies:
         eos = shared.target.model.cfg.eos_token_ids
@@ -173,7 +176,7 @@ def make_engine(shared: Shared, variant: Variant) -> Engine:
     prof = shared.profile
     cfg = EngineConfig(policy=variant.policy, budget=variant.budget, budget_rule=variant.budget_rule,
                        adaptive=tree_bounds(shared), target_cost=prof.target_cost if prof else None,
-                       draft_cost=prof.draft_cost if prof else None)
+                       draft_cost=prof.draft_cost if prof else None, max_batch=shared.max_batch)
     draft = shared.draft if make_policy(cfg.policy, cfg).max_shape is not None else None
     return Engine(shared.target, draft, cfg, clock=SimClock() if shared.simulated else time.perf_counter)
 
@@ -348,7 +351,8 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
                    "adaptive": asdict(tree_bounds(shared)),
                    "budget_rule": EngineConfig().budget_rule,
                    "max_tokens_cap": cfg.max_tokens_cap, "max_prompt_tokens": cfg.max_prompt_tokens,
-                   "kv_memory_mb": cfg.kv_memory_mb, "chat_template": has_chat_template(shared.tokenizer)},
+                   "kv_memory_mb": cfg.kv_memory_mb, "max_batch": cfg.max_batch,
+                   "chat_template": has_chat_template(shared.tokenizer)},
         "simulation": _simulation_settings(shared),
         "results": rows,
         "adaserve_vs_best_other": ratios,

@@ -2,7 +2,7 @@
 
 The engine in a simulated run is configured exactly as a worker on that device would be: the same
 grid of sizes and contexts as ``profiler.profile_runner``, timed by the device model instead of a
-clock, the same knee rule for B and the same least-squares fit of ``alpha*N_ctx + gamma*N + delta``.
+clock, the same knee rule for B and the same least-squares fit of ``alpha*N_ctx + gamma*N + delta`` bent at the knee.
 So the engine's own prediction error (a linear fit of a roofline) is part of the simulation.
 """
 
@@ -25,11 +25,12 @@ def profile_cost(cost: ForwardCost, cfg: ProfilerConfig) -> dict[str, Any]:
     contexts = sorted({cfg.context, *cfg.fit_contexts})
     table = {c: {n: cost.seconds(n, min(n, 8) * c) for n in grid} for c in contexts}
     points = [RooflinePoint(n, table[cfg.context][n]) for n in grid]
-    model, report = fit_cost_model([(min(n, 8) * c, n, table[c][n]) for c in contexts for n in grid])
+    budget = choose_budget(points, cfg.knee)
+    model, report = fit_cost_model([(min(n, 8) * c, n, table[c][n]) for c in contexts for n in grid], knee=budget)
     return {
         "table": [{"n_tokens": p.n_tokens, "latency_ms": 1e3 * p.latency_s, "tokens_per_s": p.n_tokens / p.latency_s}
                   for p in points],
-        "budget": choose_budget(points, cfg.knee),
+        "budget": budget,
         "context": cfg.context,
         "cost_model": model.to_dict(),
         "fit": report.to_dict(),

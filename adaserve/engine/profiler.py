@@ -189,11 +189,12 @@ def summarise_timings(timings: TimingsIn, *, context: int,
     # cost-model samples: b = min(n, 8) requests of c cached tokens each -> N_context = b * c
     samples = [(min(p.n_tokens, 8) * c, p.n_tokens, p.latency_s) for c in sorted(timings)
                for p in _roofline(timings[c])]
-    cost, report = fit_cost_model(samples)
+    budget = choose_budget(points, knee)
+    cost, report = fit_cost_model(samples, knee=budget)  # bent at the knee (cost_model.py)
     return {
         "table": [{"n_tokens": p.n_tokens, "latency_ms": 1e3 * p.latency_s, "tokens_per_s": p.n_tokens / p.latency_s,
                    "spread": relative_spread(timings[context][p.n_tokens])} for p in points],
-        "budget": choose_budget(points, knee),
+        "budget": budget,
         "context": context,
         "cost_model": cost.to_dict(),
         "fit": report.to_dict(),

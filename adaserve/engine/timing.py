@@ -27,7 +27,7 @@ Sample = tuple[int, int, float]  # (n_context, n_batched, seconds)
 
 def scaled(model: CostModel, k: float) -> CostModel:
     """k * T_fwd: every coefficient times k (a uniformly faster or slower machine)."""
-    return CostModel(alpha=k * model.alpha, gamma=k * model.gamma, delta=k * model.delta)
+    return model.scaled(k)
 
 
 def median_ratio(model: CostModel, samples: Sequence[Sample]) -> float | None:
@@ -116,7 +116,8 @@ class OnlineCostModel:
 
     def _refit(self, samples: Sequence[Sample]) -> CostModel | None:
         try:
-            model, _ = fit_cost_model(samples)
+            # keep the profile's knee: forwards served rarely span it, the profiler's grid did
+            model, _ = fit_cost_model(samples, knee=self.initial.knee or None)
         except ValueError:  # not enough variation in the samples yet to separate the terms
             return None
         return model

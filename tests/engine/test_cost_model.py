@@ -116,3 +116,49 @@ def test_cost_model_predict_and_dict_round_trip():
         CostModel(alpha=math.nan, gamma=0.0, delta=0.0)
     rep = FitReport(n_samples=3, mean_rel_error=0.01, max_rel_error=0.02, r2=0.99)
     assert json.loads(json.dumps(rep.to_dict())) == rep.to_dict()
+
+
+# ---- bent at the knee: a roofline, flat while weights dominate, then linear in compute ----------------
+
+KNEE, ABOVE = 128, 2.0e-4  # tokens; extra s per batched token past the knee
+
+
+def roofline_samples() -> list[tuple[int, int, float]]:
+    sizes = [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+    return [(min(b, 8) * c, b, ALPHA * min(b, 8) * c + GAMMA * b + DELTA + ABOVE * max(0, b - KNEE))
+            for c in (128, 512, 2048) for b in sizes]
+
+
+def test_a_hinge_at_the_knee_recovers_a_roofline_exactly():
+    model, rep = fit_cost_model(roofline_samples(), knee=KNEE)
+    assert (model.knee, model.gamma_above) == (KNEE, pytest.approx(ABOVE, rel=1e-6))
+    assert (model.alpha, model.gamma, model.delta) == (pytest.approx(ALPHA, rel=1e-6), pytest.approx(GAMMA, rel=1e-6),
+                                                       pytest.approx(DELTA, rel=1e-6))
+    assert rep.max_rel_error < 1e-6
+
+
+def test_a_straight_line_misses_the_roofline_that_the_hinge_follows():
+    line, line_rep = fit_cost_model(roofline_samples())
+    bent, bent_rep = fit_cost_model(roofline_samples(), knee=KNEE)
+    assert line.gamma_above == 0 and line.knee == 0
+    assert line_rep.max_rel_error > 0.2 > 100 * bent_rep.max_rel_error
+    # at the knee the line over-predicts, which is what made the engine shy of the free tokens
+    assert line.predict(8 * 512, KNEE) > 1.1 * bent.predict(8 * 512, KNEE)
+
+
+def test_no_samples_past_the_knee_fit_a_straight_line():
+    below = [s for s in roofline_samples() if s[1] <= KNEE]
+    model, _ = fit_cost_model(below, knee=KNEE)
+    assert (model.gamma_above, model.knee) == (0.0, 0)
+
+
+def test_a_bent_model_scales_and_round_trips_and_a_straight_one_keeps_three_keys():
+    m = CostModel(alpha=ALPHA, gamma=GAMMA, delta=DELTA, gamma_above=ABOVE, knee=KNEE)
+    assert m.predict(0, KNEE + 10) == pytest.approx(GAMMA * (KNEE + 10) + DELTA + ABOVE * 10)
+    assert m.scaled(2.0).predict(100, 300) == pytest.approx(2.0 * m.predict(100, 300))
+    assert CostModel.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    assert set(CostModel(alpha=ALPHA, gamma=GAMMA, delta=DELTA).to_dict()) == {"alpha", "gamma", "delta"}
+    with pytest.raises(ValueError):
+        CostModel(alpha=0.0, gamma=0.0, delta=0.0, gamma_above=-1.0, knee=4)
+    with pytest.raises(ValueError):
+        CostModel(alpha=0.0, gamma=0.0, delta=0.0, knee=-1)

@@ -68,11 +68,20 @@ class GenerateRequest(BaseModel):
     slo_class: SloClassName | None = None
     request_id: RequestId | None = None
     stream: bool = False
+    # A continuation (the gateway's failover, docs/gateway.md): the tokens an earlier worker already sent for
+    # this request. They extend the prompt, are not output (not counted, not streamed again, not in
+    # prompt_tokens), and a seeded request's random stream starts past them, so the continuation draws what
+    # an unbroken run would have drawn. ``max_tokens`` is what is left. ``resume_text`` is the text already
+    # shown from them (the earlier worker may have held a tail back): the stream goes on from there.
+    resume_token_ids: list[TokenId] | None = Field(None, min_length=1)
+    resume_text: str | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
         if sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)) != 1:
             raise ValueError("give exactly one of 'prompt', 'prompt_token_ids' or 'messages'")
+        if self.resume_text is not None and self.resume_token_ids is None:
+            raise ValueError("resume_text needs resume_token_ids")
         return self
 
     @property

@@ -67,6 +67,14 @@ def make_generator(seed: int | None) -> torch.Generator:
     return g
 
 
+def skip_draws(generator: torch.Generator, tokens: int) -> None:
+    """Advance a request's random stream past ``tokens`` emitted tokens (one float64 uniform each, the
+    invariant above), so a request resumed after them draws, at every later position, the uniform an
+    unbroken run would have: with the same seed, the same tokens (greedy requests draw nothing)."""
+    if tokens > 0:
+        torch.rand(tokens, generator=generator, dtype=torch.float64)
+
+
 def draw_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draws, one per row: probs [R, V], uniforms u [R] in [0, 1) -> token ids [R] (int64).
 

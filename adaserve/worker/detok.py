@@ -35,13 +35,25 @@ class IncrementalText:
         self.sent = ""
         self.stopped = False  # a stop string was found in the text
 
-    def push(self, new_ids: list[int], *, finished: bool) -> str:
-        """Add tokens; return the text that can be shown now and was not shown before."""
-        self.ids.extend(new_ids)
+    def resume(self, ids: list[int], shown: str | None) -> None:
+        """Start after ``ids``, an earlier worker's output of which ``shown`` was sent (None: what this class
+        would have sent itself, everything but the tail it holds back)."""
+        self.ids = list(ids)
+        if shown is None:
+            shown = self._visible(finished=False)
+        self.sent = shown
+
+    def _visible(self, *, finished: bool) -> str:
         text, self.stopped = truncate_at_stop(self._decode(self.ids), self._stops)
         if not finished and not self.stopped:
             text = text[: len(text) - _partial_stop_len(text, self._stops)]
             text = text.rstrip("\ufffd")
+        return text
+
+    def push(self, new_ids: list[int], *, finished: bool) -> str:
+        """Add tokens; return the text that can be shown now and was not shown before."""
+        self.ids.extend(new_ids)
+        text = self._visible(finished=finished)
         if not text.startswith(self.sent):  # decoding rewrote shown text; never un-send, only append
             return ""
         delta, self.sent = text[len(self.sent):], text

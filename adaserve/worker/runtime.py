@@ -29,7 +29,8 @@ from adaserve.engine.engine import Engine, StepMetrics, TokenEvent
 from adaserve.engine.loader import load_tokenizer
 from adaserve.engine.loop import EngineLoop
 from adaserve.engine.request import Request
-from adaserve.engine.sampling import SamplingParams
+from adaserve.engine.sampling import SamplingParams, skip_draws
+from adaserve.engine.stop_strings import StopStringMatcher
 from adaserve.worker import published
 from adaserve.worker.measurements import Measurements
 from adaserve.worker.metrics import WorkerMetrics
@@ -66,6 +67,13 @@ class InFlight:
     events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
     met_slo: bool | None = None  # set on the engine thread just before the final event is queued
     done: bool = False
+    resumed: int = 0  # the prompt's last tokens that an earlier worker sent as output (a continuation)
+    resume_text: str | None = None  # the text already shown from them
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The client's prompt: a continuation's earlier output is not prompt."""
+        return len(self.req.prompt_ids) - self.resumed
 
     @property
     def request_id(self) -> str:
@@ -284,8 +292,11 @@ class Runtime:
         slo_class, tpot = self._slo(body, header_class)
         params = self._params(body)
         ids = await self._prompt_ids(body)
+        resumed = list(body.resume_token_ids or ())
         rid = body.request_id or uuid.uuid4().hex
-        req = Request(rid, ids, params, tpot_slo_ms=tpot)
+        req = Request(rid, ids + resumed, params, tpot_slo_ms=tpot)
+        if resumed:
+            self._resume(req, resumed)
         self._check_admitting()  # again: the state may have changed while tokenizing
         if rid in self.active:
             raise RequestRefused(409, f"request_id {rid!r} is already in flight")
@@ -293,7 +304,7 @@ class Runtime:
             self.metrics.rejected.labels("overloaded").inc()
             raise RequestRefused(503, f"overloaded: {len(self.active)} requests in flight",
                                  retry_after=self.settings.retry_after_s)
-        flight = InFlight(req, slo_class, tpot, body.ttft_slo_ms)
+        flight = InFlight(req, slo_class, tpot, body.ttft_slo_ms, resumed=len(resumed), resume_text=body.resume_text)
         self.active[rid] = flight
         self._idle.clear()
         self.metrics.active.labels(slo_class).inc()
@@ -314,6 +325,18 @@ class Runtime:
             return False
         self.loop.abort(request_id)
         return True
+
+    def _resume(self, req: Request, earlier: list[int]) -> None:
+        """Make ``req`` go on as if it had emitted ``earlier`` itself (they end its prompt): its random stream
+        starts past them, and a stop string that began in them is still found when a new token completes it.
+        The stop matcher is primed here with this loop's tokenizer, then handed the engine thread's."""
+        skip_draws(req.generator, len(earlier))
+        engine = self.built.engine if self.built is not None else None
+        if req.params.stop and self.tokenizer is not None and engine is not None and engine.detokenize is not None:
+            matcher = StopStringMatcher(req.params.stop, self.decode)
+            matcher.first_stop(earlier)
+            matcher.decode = engine.detokenize
+            req.stop_matcher = matcher
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""

@@ -4,6 +4,10 @@ Chunk: ``{"id", "token_ids", "text"}``; the final chunk adds ``finish_reason``, 
 ``tpot_slo_ms``, ``ttft_slo_ms``, ``slo_met``, ``prompt_tokens`` and ``metrics`` (the engine's per-request
 metrics).
 ``text`` is None when the model has no tokenizer.
+
+A continuation (``resume_token_ids``) streams only its new tokens, and its text goes on from the text the
+earlier worker had shown (``resume_text``): decoding starts from the earlier tokens, so a character or a stop
+string split across the seam comes out as in an unbroken run. ``prompt_tokens`` is the client's prompt.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from adaserve.worker.runtime import InFlight, Runtime
 
 async def chunks(runtime: Runtime, flight: InFlight) -> AsyncIterator[dict[str, Any]]:
     text = IncrementalText(runtime.decode, flight.req.params.stop) if runtime.tokenizer is not None else None
+    if text is not None and flight.resumed:
+        text.resume(flight.req.prompt_ids[-flight.resumed:], flight.resume_text)
     rid = flight.request_id
     while True:
         ev = await flight.events.get()
@@ -35,7 +41,7 @@ async def chunks(runtime: Runtime, flight: InFlight) -> AsyncIterator[dict[str, 
             "tpot_slo_ms": flight.tpot_slo_ms,
             "ttft_slo_ms": flight.ttft_slo_ms,
             "slo_met": flight.met_slo,
-            "prompt_tokens": len(flight.req.prompt_ids),
+            "prompt_tokens": flight.prompt_tokens,
             "metrics": flight.req.metrics.to_dict(),
         }
         return

@@ -160,6 +160,21 @@ BUDGET_RULES = ("goodput", "knee")
 
 
 @dataclass(frozen=True)
+class MultiDraftConfig:
+    """Several drafts (multi_draft.py, draft_bandit.py); ignored with one draft."""
+
+    slot_iters: int = 4  # a request's verifications per draft slot: how often its draft may change
+    # the profiled forward cost of the drafts after the first (``EngineConfig.draft_cost`` is the first's);
+    # a draft without one learns its cost online
+    extra_costs: tuple[CostModel, ...] = ()
+
+    def __post_init__(self) -> None:
+        _at_least("MultiDraftConfig", "slot_iters", self.slot_iters, 1)
+        if not all(isinstance(c, CostModel) for c in self.extra_costs):
+            raise ValueError("MultiDraftConfig.extra_costs must hold CostModels")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """One engine's configuration. ``build.build_engine`` fills ``budget`` and the costs from the profile."""
 
@@ -187,6 +202,7 @@ class EngineConfig:
     # ---- predicting an iteration's duration (timing.py) ----
     target_cost: CostModel | None = None  # profiled T_fwd of the target; learnt online when None
     draft_cost: CostModel | None = None
+    drafts: MultiDraftConfig = field(default_factory=MultiDraftConfig)
     initial_forward_s: float = 0.02  # flat guess for an unprofiled forward, until measurements arrive
 
     history_len: int = 1024  # recent StepMetrics kept; totals are kept for the whole run

@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -22,7 +22,9 @@ from adaserve.engine.acceptance import RankAcceptance
 from adaserve.engine.batch import Segment
 from adaserve.engine.config import EngineConfig
 from adaserve.engine.cost_model import CostModel
+from adaserve.engine.draft_bandit import make_selector
 from adaserve.engine.iteration_budget import goodput_budget
+from adaserve.engine.multi_draft import DraftPool
 from adaserve.engine.policies import (
     BatchView,
     SelectionContext,
@@ -31,12 +33,13 @@ from adaserve.engine.policies import (
     is_budgeted,
     make_policy,
     requirement,
+    split_policy,
 )
 from adaserve.engine.request import Phase, Request
 from adaserve.engine.runner import ModelRunner
 from adaserve.engine.speculate import DraftInput, beam_search
 from adaserve.engine.stop_strings import StopStringMatcher
-from adaserve.engine.timing import OnlineCostModel
+from adaserve.engine.timing import OnlineCostModel, scaled
 from adaserve.engine.tree import TokenTree
 from adaserve.engine.verify import WalkInput, commit_moves, walk_trees
 
@@ -102,16 +105,21 @@ class RunTotals:
 
 
 class Engine:
-    def __init__(self, target: ModelRunner, draft: ModelRunner | None, cfg: EngineConfig | None = None, *,
-                 clock: Callable[[], float] = time.perf_counter,
+    def __init__(self, target: ModelRunner, draft: ModelRunner | Sequence[ModelRunner] | None,
+                 cfg: EngineConfig | None = None, *, clock: Callable[[], float] = time.perf_counter,
                  detokenize: Callable[[list[int]], str] | None = None) -> None:
+        """``draft``: one draft, none, or several (each request then speculates on one of them at a time,
+        chosen by the policy's draft selector: multi_draft.py)."""
         cfg = cfg or EngineConfig()
         policy = make_policy(cfg.policy, cfg)  # the engine's own: SmartSpec's keeps per-engine state
-        if policy.max_shape is not None and draft is None:
+        drafts = [] if draft is None else [draft] if isinstance(draft, ModelRunner) else list(draft)
+        if policy.max_shape is not None and not drafts:
             raise ValueError(f"policy {policy.name!r} speculates and needs a draft model")
-        if draft is not None and draft.vocab_size != target.vocab_size:
-            raise ValueError(f"draft vocab {draft.vocab_size} != target vocab {target.vocab_size}")
-        self.target, self.draft, self.policy, self.cfg = target, draft, policy, cfg
+        for d in drafts:
+            if d.vocab_size != target.vocab_size:
+                raise ValueError(f"draft vocab {d.vocab_size} != target vocab {target.vocab_size}")
+        self.drafts = drafts
+        self.target, self.draft, self.policy, self.cfg = target, (drafts[0] if drafts else None), policy, cfg
         self.clock = clock
         self.detokenize = detokenize
         self.stop_ids = frozenset(target.model.cfg.eos_token_ids)
@@ -121,20 +129,40 @@ class Engine:
                                           frozen=cfg.draft_cost is not None)
         # what a drafted node is worth, learnt only where a policy weighs nodes (the budgeted ones)
         self.acceptance = (RankAcceptance() if cfg.node_value == "learned" and is_budgeted(policy) else None)
+        self.pool: DraftPool | None = None
+        # one acceptance model per draft: drafts differ in how far their sibling ranks can be trusted
+        self.acceptances = [self.acceptance]
+        if len(drafts) > 1 and policy.max_shape is not None:
+            self.pool = self._draft_pool(cfg)
+            if self.acceptance is not None:
+                self.acceptances += [RankAcceptance() for _ in drafts[1:]]
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.reserved = [0, 0]  # pages promised to admitted requests (target, draft)
+        # pages promised to admitted requests: target, then each draft
+        self.reserved = [0] * (1 + max(1, len(drafts)))
         self.history: deque[StepMetrics] = deque(maxlen=cfg.history_len)
         self.totals = RunTotals()
         self.step_listeners: list[Callable[[StepMetrics], None]] = []
         # called with every speculative iteration's candidates and choice; nothing is recorded without one
         self.selection_listeners: list[Callable[[SelectionRecord], None]] = []
 
+    def _draft_pool(self, cfg: EngineConfig) -> DraftPool:
+        """Several drafts: per-draft cost models (the first is ``draft_time``) and the policy's selector."""
+        extra = cfg.drafts.extra_costs
+        sizes = tuple(float(sum(p.numel() for p in d.model.parameters())) for d in self.drafts)
+        # a draft without a profiled cost starts from the first's scaled by size, and learns online
+        times = [self.draft_time] + [
+            OnlineCostModel(extra[i - 1], frozen=True) if i - 1 < len(extra)
+            else OnlineCostModel(scaled(self.draft_time.model, sizes[i] / sizes[0]))
+            for i in range(1, len(self.drafts))]
+        selector = make_selector(split_policy(cfg.policy)[1] or "ucb", sizes=sizes)
+        return DraftPool(self.drafts, times, selector, slot_iters=cfg.drafts.slot_iters, clock=self.clock)
+
     # ---- requests in and out ----------------------------------------------------------------------
     @property
     def max_context(self) -> int:
-        n = self.target.model.cfg.max_position_embeddings
-        return n if self.draft is None else min(n, self.draft.model.cfg.max_position_embeddings)
+        return min([self.target.model.cfg.max_position_embeddings,
+                    *(d.model.cfg.max_position_embeddings for d in self.drafts)])
 
     def _tree_max(self) -> int:
         shape = self.policy.max_shape
@@ -173,7 +201,7 @@ class Engine:
                 f"the model context of {self.max_context} tokens"
             )
         tgt, drf = self._reservation(req)
-        if tgt > self.target.cache.num_pages or (self.draft is not None and drf > self.draft.cache.num_pages):
+        if tgt > self.target.cache.num_pages or any(drf > d.cache.num_pages for d in self._reserving_drafts()):
             raise ValueError("max_tokens: prompt + max_tokens need more KV cache than the engine has in total")
 
     def add_request(self, req: Request) -> None:
@@ -210,17 +238,23 @@ class Engine:
         c = self.target.cache
         return 1.0 - c.free_pages / c.num_pages
 
+    def _reserving_drafts(self) -> list[ModelRunner]:
+        """The drafts a request reserves KV in: the one draft, or every draft of a pool (a request may
+        run on each in turn and keeps each one's KV)."""
+        return self.drafts if self.pool is not None else self.drafts[:1]
+
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.cfg.max_batch:
             req = self.waiting[0]
             tgt, drf = self._reservation(req)
             if self.reserved[0] + tgt > self.target.cache.num_pages:
                 return
-            if self.draft is not None and self.reserved[1] + drf > self.draft.cache.num_pages:
+            if any(self.reserved[1 + j] + drf > d.cache.num_pages for j, d in enumerate(self._reserving_drafts())):
                 return
             self.waiting.pop(0)
             self.reserved[0] += tgt
-            self.reserved[1] += drf
+            for j in range(len(self._reserving_drafts())):
+                self.reserved[1 + j] += drf
             req.reserved_pages = (tgt, drf)
             req.phase = Phase.PREFILL
             self.running.append(req)
@@ -228,10 +262,13 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         req.phase, req.finish_reason = Phase.FINISHED, reason
         self.target.cache.release(req.target_kv)
-        if self.draft is not None:
+        if self.pool is not None:
+            self.pool.release(req)
+        elif self.draft is not None:
             self.draft.cache.release(req.draft_kv)
         self.reserved[0] -= req.reserved_pages[0]
-        self.reserved[1] -= req.reserved_pages[1]
+        for j in range(len(self._reserving_drafts())):
+            self.reserved[1 + j] -= req.reserved_pages[1]
         req.reserved_pages = (0, 0)
         self.running.remove(req)
 
@@ -279,7 +316,10 @@ class Engine:
             rejections += tree.size > 1 and res.num_accepted < int(tree.depths().max())
             emitted[req.request_id] = res.tokens
             if self.acceptance is not None:
-                self.acceptance.observe(tree, res.accepted_nodes)
+                self.acceptances[req.draft_index].observe(tree, res.accepted_nodes)
+        if self.pool is not None and decoding:
+            self.pool.account(decoding, trees, [len(r.tokens) for r in decoded], t_verify_s=t_fwd,
+                              verify_tokens=sum(s.num_new for s in segments))
         if segments:
             n_ctx = sum(s.prefix_len for s in segments)
             self.target_time.observe(n_ctx, sum(s.num_new for s in segments), t_fwd)
@@ -298,7 +338,7 @@ class Engine:
 
     def _own_time(self) -> tuple[float, float]:
         """(wall clock, wall seconds both models have spent in forwards so far): StepMetrics' own-cost pair."""
-        fwd = self.target.model.forward_seconds + (self.draft.model.forward_seconds if self.draft else 0.0)
+        fwd = self.target.model.forward_seconds + sum(d.model.forward_seconds for d in self.drafts)
         return time.perf_counter(), fwd
 
     def _stop_ids(self, req: Request) -> frozenset[int]:
@@ -319,13 +359,14 @@ class Engine:
             out.append((req, Segment(req.target_kv, done, TokenTree.chain(chunk))))
         return out
 
-    def predict_iteration(self, shape: TreeShape | None, n: int, n_context: int, prefill_tokens: int = 0) -> float:
+    def predict_iteration(self, shape: TreeShape | None, n: int, n_context: int, prefill_tokens: int = 0,
+                          predict_draft: Callable[[int, int], float] | None = None) -> float:
         """Predicted seconds for an iteration: d draft forwards + one target forward over at most B tree
         tokens plus the prefill chunks riding in the same forward."""
         verify = min(self.cfg.budget, n * (1 if shape is None else shape.max_nodes))
         t = self.target_time.predict(n_context, verify + prefill_tokens)
         if shape is not None:
-            t += shape.depth * self.draft_time.predict(n_context, n * max(1, shape.width))
+            t += shape.depth * (predict_draft or self.draft_time.predict)(n_context, n * max(1, shape.width))
         return t
 
     def _speculate_and_select(self, decoding: list[Request], m: StepMetrics, t_start: float) -> list[TokenTree]:
@@ -334,25 +375,33 @@ class Engine:
         if not decoding:
             return roots
         n_ctx = sum(r.target_kv.length for r in decoding)
+        predict_draft = self.draft_time.predict if self.pool is None else self.pool.predict_draft(decoding)
         view = BatchView(n_active=len(decoding), n_context=n_ctx, budget=self.cfg.budget,
-                         predict_target=self.target_time.predict, predict_draft=self.draft_time.predict,
+                         predict_target=self.target_time.predict, predict_draft=predict_draft,
                          prefill_tokens=m.prefill_tokens)
         shape = self.policy.tree_shape(view)
-        m.predicted_iter_s = self.predict_iteration(shape, len(decoding), n_ctx, m.prefill_tokens)
+        m.predicted_iter_s = self.predict_iteration(shape, len(decoding), n_ctx, m.prefill_tokens, predict_draft)
         if shape is None or shape.depth < 1 or self.draft is None:
             m.tokens_verified = len(roots)
             m.per_request_verified = {r.request_id: 1 for r in decoding}
             return roots
         m.depth, m.width = shape.depth, shape.width
         t0 = self.clock()
-        inputs = [DraftInput(r.draft_kv, r.ids_from(r.draft_kv.length)) for r in decoding]
-        cands = beam_search(self.draft, inputs, depth=shape.depth, width=shape.width, expansion=shape.expansion)
-        t1 = self.clock()
-        # steps 2..d each ran n*w draft tokens; step 1 ran the pending chains (not modelled separately)
-        self.draft_time.observe(n_ctx, len(decoding) * shape.width, (t1 - t0) / shape.depth)
+        if self.pool is not None:  # several drafts: each request's own, one beam search per draft
+            self.pool.assign(decoding)
+            cands = self.pool.speculate(decoding, depth=shape.depth, width=shape.width, expansion=shape.expansion,
+                                        max_nodes=shape.max_nodes)
+            t1 = self.clock()
+        else:
+            inputs = [DraftInput(r.draft_kv, r.ids_from(r.draft_kv.length)) for r in decoding]
+            cands = beam_search(self.draft, inputs, depth=shape.depth, width=shape.width, expansion=shape.expansion)
+            t1 = self.clock()
+            # steps 2..d each ran n*w draft tokens; step 1 ran the pending chains (not modelled separately)
+            self.draft_time.observe(n_ctx, len(decoding) * shape.width, (t1 - t0) / shape.depth)
         # selection weighs nodes by f(v); "learned": acceptance by sibling rank, not the draft's own guess
-        acc = self.acceptance
-        scored = cands if acc is None else [acc.calibrate(c) for c in cands]
+        acc = self.acceptances
+        scored = cands if acc[0] is None else [acc[r.draft_index].calibrate(c) for r, c in zip(decoding, cands,
+                                                                                              strict=True)]
         budget = max(self.cfg.budget, len(decoding))
         if self.cfg.budget_rule == "goodput" and is_budgeted(self.policy):
             budget = goodput_budget(scored, floor=budget, t_spent_s=t1 - t_start,

@@ -14,6 +14,11 @@ forward confirms, and for whom.
     global-greedy   adaptive                            globally highest path probability
     adaserve        adaptive                            Algorithm 2: SLO phase, then throughput phase
     beam:D,W        fixed depth D, width W              globally highest path probability
+
+With several drafts, ``POLICY@SELECTOR`` also names how each request's draft is chosen
+(draft_bandit.py: ``ucb``, ``eps``, ``length``, or ``dN`` for draft N alone); a policy without one uses
+``ucb``. Spin's names are aliases: ``spin`` = ``chain:4@ucb``, ``spin-eps`` = ``chain:4@eps``,
+``spin-length`` = ``chain:4@length`` (and ``spin@d1`` = ``chain:4@d1``).
 """
 
 from __future__ import annotations
@@ -277,10 +282,26 @@ def requirement(req: Request, *, now_s: float, t_iter_s: float) -> float:
 
 POLICY_NAMES = ("adaserve", "incremental", "chain:K", "specinfer", "smartspec", "equal-greedy", "global-greedy",
                 "beam:D,W")
+# Spin (docs/architecture.md §14): chain speculation, each request's draft chosen by a selector
+POLICY_ALIASES = {"spin": "chain:4@ucb", "spin-eps": "chain:4@eps", "spin-length": "chain:4@length"}
+DEFAULT_SELECTOR = "ucb"
+
+
+def split_policy(spec: str) -> tuple[str, str | None]:
+    """(tree policy, draft selector or None) of ``POLICY[@SELECTOR]``, Spin's aliases expanded."""
+    head, _, selector = spec.partition("@")
+    if head in POLICY_ALIASES:
+        head, _, own = POLICY_ALIASES[head].partition("@")
+        selector = selector or own
+    return head, selector or None
 
 
 def make_policy(spec: str, cfg: EngineConfig | None = None) -> Policy:
-    """A policy from its name (see the table above), with its knobs from ``cfg``."""
+    """A policy from its name (see the table above), with its knobs from ``cfg``; a ``@SELECTOR`` suffix
+    is checked here and used by the engine (it only matters with several drafts)."""
+    spec, selector = split_policy(spec)
+    if selector is not None and not check_selector(selector):
+        raise ValueError(f"bad draft selector {selector!r} in policy; expected ucb, eps, length or dN")
     name, _, arg = spec.partition(":")
     cfg = cfg or EngineConfig()
     ada = cfg.adaptive
@@ -296,7 +317,8 @@ def make_policy(spec: str, cfg: EngineConfig | None = None) -> Policy:
             raise ValueError
     except ValueError as e:
         detail = f": {e}" if str(e) else ""
-        raise ValueError(f"bad policy {spec!r}{detail}; expected one of {', '.join(POLICY_NAMES)}") from None
+        raise ValueError(f"bad policy {spec!r}{detail}; expected one of {', '.join(POLICY_NAMES)}, "
+                         f"{', '.join(POLICY_ALIASES)}") from None
     simple: dict[str, Callable[[], Policy]] = {
         "adaserve": lambda: AdaServe(adaptive=ada, n_max=cfg.n_max),
         "incremental": Incremental,
@@ -306,5 +328,10 @@ def make_policy(spec: str, cfg: EngineConfig | None = None) -> Policy:
         "global-greedy": lambda: GlobalGreedy(adaptive=ada),
     }
     if name not in simple:
-        raise ValueError(f"unknown policy {spec!r}; available: {', '.join(POLICY_NAMES)}")
+        raise ValueError(f"unknown policy {spec!r}; available: {', '.join(POLICY_NAMES)}, {', '.join(POLICY_ALIASES)}")
     return simple[name]()
+
+
+def check_selector(name: str) -> bool:
+    """Whether ``name`` is a draft selector (draft_bandit.make_selector checks N against the drafts)."""
+    return name in ("ucb", "eps", "length") or (name.startswith("d") and name[1:].isdigit())

@@ -27,6 +27,7 @@ class RequestMetrics:
     num_tokens: int = 0
     accepted_per_step: list[int] = field(default_factory=list)  # draft tokens accepted per verification
     verified_per_step: list[int] = field(default_factory=list)  # tree tokens sent to verification
+    drafts_per_step: list[int] = field(default_factory=list)  # the draft of each verification (several drafts)
 
     @property
     def ttft_ms(self) -> float | None:
@@ -62,7 +63,9 @@ class Request:
     phase: Phase = Phase.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     target_kv: SequenceKV = field(default_factory=SequenceKV)
-    draft_kv: SequenceKV = field(default_factory=SequenceKV)
+    draft_kv: SequenceKV = field(default_factory=SequenceKV)  # the current draft's (``draft_index``)
+    draft_index: int = 0  # which of the engine's drafts speculates for it (multi_draft.py)
+    other_draft_kv: dict[int, SequenceKV] = field(default_factory=dict)  # other drafts' KV, kept for a switch back
     reserved_pages: tuple[int, int] = (0, 0)  # (target, draft) pages reserved at admission
     generator: torch.Generator = field(init=False)
     stop_matcher: StopStringMatcher | None = field(default=None, init=False, repr=False)  # made on first use

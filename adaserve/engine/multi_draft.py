@@ -1,0 +1,183 @@
+"""Several drafts in one engine: per-request draft slots, grouped speculation, switch recompute, accounting.
+
+    per iteration (decoding requests only, and only when the policy speculates):
+      assign     a request whose slot ended (or that has none) asks its selector for a draft; on a switch
+                 the new draft's KV is brought up to the request's tokens so far in one forward per draft
+                 (the recompute Spin charges a switch), timed and charged to the switching requests
+      speculate  requests grouped by draft, one beam search per group (each draft has its own KV cache),
+                 candidates back in the batch's order: selection and the one target verification see
+                 every request's tree as with a single draft
+      account    each request's share of the draft time (by tokens fed) and of the verification time
+                 (by tree tokens), and the tokens it emitted, go into its slot; a slot of ``slot_iters``
+                 verifications ends by reporting a ``SlotResult`` to the selector
+
+A request keeps the KV of every draft it has used, so switching back only feeds the tokens since. Every
+draft reserves the request's worst case at admission, as the single draft does. Outputs never depend
+on the draft: the target's verification decides every token (docs/architecture.md §14).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from adaserve.engine.batch import Segment
+from adaserve.engine.draft_bandit import Choice, DraftSelector, SlotResult
+from adaserve.engine.kv_cache import SequenceKV
+from adaserve.engine.request import Request
+from adaserve.engine.runner import ModelRunner
+from adaserve.engine.speculate import DraftInput, beam_search
+from adaserve.engine.timing import OnlineCostModel
+from adaserve.engine.tree import TokenTree
+
+
+@dataclass
+class Slot:
+    arm: int
+    iters: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    switch_s: float = 0.0
+
+    def result(self) -> SlotResult:
+        return SlotResult(self.arm, self.tokens, self.seconds, self.switch_s)
+
+
+@dataclass
+class DraftUse:
+    """What the drafts did over the run, for reports."""
+
+    switches: int = 0
+    switch_s: float = 0.0
+    switch_tokens: int = 0
+    slots: list[tuple[str, SlotResult]] = field(default_factory=list)  # (request id, slot), in order
+
+
+class DraftPool:
+    def __init__(self, drafts: list[ModelRunner], times: list[OnlineCostModel], selector: DraftSelector, *,
+                 slot_iters: int, clock: Callable[[], float]) -> None:
+        if len(drafts) < 2 or len(times) != len(drafts):
+            raise ValueError("a draft pool needs at least two drafts, each with its cost model")
+        self.drafts, self.times, self.selector = drafts, times, selector
+        self.slot_iters, self.clock = slot_iters, clock
+        self.slots: dict[str, Slot] = {}
+        self.use = DraftUse()
+        self._spec_s: dict[str, float] = {}  # this iteration's draft seconds per request
+
+    # ---- KV per draft ------------------------------------------------------------------------------
+    @staticmethod
+    def kv_of(req: Request, arm: int) -> SequenceKV:
+        return req.draft_kv if arm == req.draft_index else req.other_draft_kv.setdefault(arm, SequenceKV())
+
+    def release(self, req: Request) -> None:
+        for arm, runner in enumerate(self.drafts):
+            runner.cache.release(self.kv_of(req, arm))
+        slot = self.slots.pop(req.request_id, None)
+        if slot is not None and slot.iters:
+            self._report(req.request_id, slot)
+        self.selector.forget(req.request_id)
+
+    # ---- cost prediction ---------------------------------------------------------------------------
+    def predict_draft(self, decoding: list[Request]) -> Callable[[int, int], float]:
+        """Seconds for one draft step of ``k`` tokens over ``n_ctx`` context, as the groups would run it:
+        each draft's share of requests on its own model, one forward per group."""
+        n = max(1, len(decoding))
+        shares = [sum(r.draft_index == j for r in decoding) / n for j in range(len(self.drafts))]
+        if not decoding:
+            shares[0] = 1.0
+
+        def predict(n_ctx: int, k: int) -> float:
+            return sum(t.predict(int(n_ctx * s), max(1, round(k * s))) for t, s in zip(self.times, shares, strict=True)
+                       if s > 0)
+
+        return predict
+
+    # ---- the iteration -----------------------------------------------------------------------------
+    def assign(self, decoding: list[Request]) -> None:
+        """A draft for every request whose slot ended; switched requests' new KV caught up, timed."""
+        catch_up: dict[int, list[Request]] = {}
+        for req in decoding:
+            slot = self.slots.get(req.request_id)
+            if slot is not None and slot.iters < self.slot_iters:
+                continue
+            current = None if slot is None else slot.arm
+            if slot is not None:
+                self._report(req.request_id, slot)
+            n = len(req.prompt_ids) + len(req.output_ids)
+            # predicted recompute per arm: the tokens that arm's KV lacks (all but the root)
+            switch = tuple(self.times[j].predict(0, max(0, n - 1 - self.kv_of(req, j).length))
+                           if current is not None and j != current else 0.0 for j in range(len(self.drafts)))
+            arm = self.selector.choose(Choice(req.request_id, len(req.prompt_ids), current, switch))
+            if current is None:  # the first slot: no draft has seen the request yet
+                req.draft_index = arm
+            elif arm != current:
+                self._switch(req, arm)
+                catch_up.setdefault(arm, []).append(req)
+            self.slots[req.request_id] = Slot(arm)
+        for arm, reqs in catch_up.items():
+            self._recompute(arm, reqs)
+
+    def _switch(self, req: Request, arm: int) -> None:
+        req.other_draft_kv[req.draft_index] = req.draft_kv
+        req.draft_kv = req.other_draft_kv.pop(arm, SequenceKV())
+        req.draft_index = arm
+        self.use.switches += 1
+
+    def _recompute(self, arm: int, reqs: list[Request]) -> None:
+        """One forward of ``arm``'s draft over every switched request's missing tokens (the root stays
+        pending for the beam search); its time goes to each request's slot by its share of tokens."""
+        runner = self.drafts[arm]
+        todo = [(r, r.ids_from(r.draft_kv.length)[:-1]) for r in reqs]
+        todo = [(r, ids) for r, ids in todo if ids]
+        if not todo:
+            return
+        t0 = self.clock()
+        runner.forward([Segment(r.draft_kv, r.draft_kv.length, TokenTree.chain(ids)) for r, ids in todo],
+                       all_logits=[False] * len(todo))
+        for r, ids in todo:
+            runner.cache.truncate(r.draft_kv, r.draft_kv.length + len(ids))
+        dt = self.clock() - t0
+        total = sum(len(ids) for _, ids in todo)
+        self.use.switch_s += dt
+        self.use.switch_tokens += total
+        for r, ids in todo:
+            self.slots[r.request_id].switch_s += dt * len(ids) / total
+
+    def speculate(self, decoding: list[Request], *, depth: int, width: int,
+                  expansion: tuple[int, ...] | None, max_nodes: int) -> list[TokenTree]:
+        """Every request's candidate tree from its own draft, one beam search per draft, in batch order."""
+        out: list[TokenTree | None] = [None] * len(decoding)
+        self._spec_s = {}
+        for arm, runner in enumerate(self.drafts):
+            idx = [i for i, r in enumerate(decoding) if r.draft_index == arm]
+            if not idx:
+                continue
+            inputs = [DraftInput(decoding[i].draft_kv, decoding[i].ids_from(decoding[i].draft_kv.length)) for i in idx]
+            t0 = self.clock()
+            trees = beam_search(runner, inputs, depth=depth, width=width, expansion=expansion)
+            dt = self.clock() - t0
+            n_ctx = sum(decoding[i].target_kv.length for i in idx)
+            self.times[arm].observe(n_ctx, len(idx) * width, dt / depth)
+            # the group's time by tokens fed: the pending chain, then the beams past the first level
+            fed = [len(x.pending) + max_nodes - 1 for x in inputs]
+            for i, t, f in zip(idx, trees, fed, strict=True):
+                out[i] = t
+                self._spec_s[decoding[i].request_id] = dt * f / sum(fed)
+        return [t for t in out if t is not None]
+
+    def account(self, decoding: list[Request], trees: list[TokenTree], emitted: list[int], *, t_verify_s: float,
+                verify_tokens: int) -> None:
+        """Close the iteration: each request's draft share, verification share (by tree size) and tokens."""
+        for req, tree, n in zip(decoding, trees, emitted, strict=True):
+            slot = self.slots.get(req.request_id)
+            if slot is None:
+                continue
+            slot.iters += 1
+            slot.tokens += n
+            slot.seconds += self._spec_s.get(req.request_id, 0.0) + t_verify_s * tree.size / max(1, verify_tokens)
+            req.metrics.drafts_per_step.append(slot.arm)
+
+    def _report(self, request_id: str, slot: Slot) -> None:
+        res = slot.result()
+        self.selector.observe(request_id, res)
+        self.use.slots.append((request_id, res))

@@ -1,0 +1,92 @@
+"""The draft selectors alone: what each chooses from given slot results (no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from adaserve.engine.draft_bandit import (
+    Choice,
+    EpsilonGreedy,
+    PromptLength,
+    SlotResult,
+    UCBDrafts,
+    make_selector,
+)
+from adaserve.engine.policies import make_policy, split_policy
+
+
+def choice(rid: str = "r", prompt_len: int = 10, current: int | None = None, switch=(0.0, 0.0)) -> Choice:
+    return Choice(rid, prompt_len, current, tuple(switch))
+
+
+def test_slot_reward_counts_the_switch() -> None:
+    r = SlotResult(arm=0, tokens=10, seconds=1.0, switch_s=1.0)
+    assert r.steady == 10.0 and r.reward == 5.0
+
+
+def test_ucb_tries_every_arm_then_settles_on_the_better() -> None:
+    ucb = UCBDrafts(2)
+    assert ucb.choose(choice("a")) == 0
+    ucb.observe("a", SlotResult(0, 4, 1.0))
+    assert ucb.choose(choice("b")) == 1  # arm 1 untried anywhere
+    ucb.observe("b", SlotResult(1, 12, 1.0))
+    for i in range(20):  # many requests: arm 1 is three times better
+        arm = ucb.choose(choice(f"x{i}"))
+        ucb.observe(f"x{i}", SlotResult(arm, 12 if arm == 1 else 4, 1.0))
+    assert ucb.choose(choice("new")) == 1
+
+
+def test_ucb_switch_cost_keeps_a_request_on_a_slightly_worse_arm() -> None:
+    ucb = UCBDrafts(2, c=0.0)
+    for arm, tok in ((0, 10), (1, 11)):
+        for i in range(5):
+            ucb.observe(f"p{arm}{i}", SlotResult(arm, tok, 1.0))
+    assert ucb.choose(choice("r", current=0, switch=(0.0, 0.0))) == 1
+    # recomputing the KV would take half a slot: 11 * 1 / 1.5 < 10
+    assert ucb.choose(choice("r", current=0, switch=(0.0, 0.5))) == 0
+
+
+def test_ucb_learns_a_request_that_differs_from_the_pool() -> None:
+    ucb = UCBDrafts(2, c=0.0)
+    for i in range(10):  # the pool: arm 0 better
+        ucb.observe(f"p{i}", SlotResult(0, 10, 1.0))
+        ucb.observe(f"q{i}", SlotResult(1, 5, 1.0))
+    ucb.observe("hard", SlotResult(0, 4, 1.0))  # hard on arm 0: not a reason to leave it
+    assert ucb.choose(choice("hard", current=0)) == 0
+    for _ in range(2):  # this request, on both: a little worse than the pool on arm 0, far better on arm 1
+        ucb.observe("odd", SlotResult(0, 8, 1.0))
+    for _ in range(3):
+        ucb.observe("odd", SlotResult(1, 20, 1.0))
+    assert ucb.choose(choice("odd", current=1)) == 1
+    assert ucb.choose(choice("other")) == 0
+
+
+def test_prompt_length_rule_uses_the_running_median() -> None:
+    rule = PromptLength(sizes=(10.0, 2.0))  # draft 1 is the small one
+    assert rule.choose(choice("a", prompt_len=100)) == 0  # median of [100] is 100: not shorter
+    assert rule.choose(choice("b", prompt_len=10)) == 1
+    assert rule.choose(choice("a", prompt_len=100)) == 0  # decided once per request
+
+
+def test_epsilon_greedy_explores_about_epsilon() -> None:
+    eps = EpsilonGreedy(2, epsilon=0.2, seed=1)
+    eps.observe("a", SlotResult(0, 10, 1.0))
+    eps.observe("b", SlotResult(1, 5, 1.0))
+    picks = [eps.choose(choice(f"r{i}")) for i in range(2000)]
+    assert 0.05 < picks.count(1) / len(picks) < 0.15  # half of the random picks land on the worse arm
+
+
+def test_make_selector_and_policy_names() -> None:
+    assert make_selector("d1", sizes=(1.0, 2.0)).choose(choice()) == 1
+    with pytest.raises(ValueError, match="only 2 drafts"):
+        make_selector("d2", sizes=(1.0, 2.0))
+    with pytest.raises(ValueError, match="unknown draft selector"):
+        make_selector("thompson", sizes=(1.0, 2.0))
+    assert split_policy("spin") == ("chain:4", "ucb")
+    assert split_policy("spin-length") == ("chain:4", "length")
+    assert split_policy("spin@d1") == ("chain:4", "d1")
+    assert split_policy("adaserve@eps") == ("adaserve", "eps")
+    assert split_policy("adaserve") == ("adaserve", None)
+    assert make_policy("spin").name == "chain"
+    with pytest.raises(ValueError, match="bad draft selector"):
+        make_policy("adaserve@best")

@@ -42,7 +42,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"{DEFAULT_MODEL} (default, with its distilled draft), demo-tiny, a .gguf file or a directory")
     p.add_argument("--target", help="target model, overriding --model (same forms)")
-    p.add_argument("--draft", help="draft model (default: the named model's own)")
+    p.add_argument("--draft", action="append",
+                   help="draft model (default: the named model's own); repeat it for several drafts (policies "
+                        "POLICY@ucb|eps|length|dN, spin, spin-eps, spin-length choose among them per request)")
     p.add_argument("--policies", default="adaserve,incremental,chain:4,smartspec,specinfer",
                    help="comma-separated policies (empty with --budgets to sweep budgets only)")
     p.add_argument("--rps", type=floats, default=(1.0,), help="request rates, comma-separated")
@@ -81,18 +83,21 @@ def run(args: argparse.Namespace) -> int:
     from adaserve.bench.runner import BenchConfig, plot_report, run_bench
     from adaserve.bench.workload import parse_mix
     from adaserve.engine.build import EngineBuildError
-    from adaserve.engine.catalog import ModelNotFoundError, resolve
+    from adaserve.engine.catalog import ModelNotFoundError, model_dir, resolve
     from adaserve.engine.model_config import UnsupportedModelError
 
     try:
-        pair = resolve(args.target or args.model, draft=args.draft)
+        drafts = args.draft or []
+        pair = resolve(args.target or args.model, draft=drafts[0] if drafts else None)
+        extra = tuple(model_dir(d) for d in drafts[1:])
     except ModelNotFoundError as e:
         raise CliError(str(e)) from None
     if pair.draft is None:
         raise CliError(f"{pair.name} has no draft of its own: give one with --draft")
     try:
         policies = tuple(p for p in args.policies.split(",") if p)
-        cfg = BenchConfig(target=pair.target, draft=pair.draft, model=pair.name, policies=policies, rates=args.rps,
+        cfg = BenchConfig(target=pair.target, draft=pair.draft, extra_drafts=extra, model=pair.name, policies=policies,
+                          rates=args.rps,
                           duration_s=args.duration, trace=args.trace,
                           mix=parse_mix(args.mix) if args.mix else None, slo_scale=args.slo_scale,
                           seed=args.seed, device=args.device, budget=args.budget, budgets=args.budgets,

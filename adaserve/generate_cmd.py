@@ -24,12 +24,16 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate completions for a JSONL file of prompts")
     p.add_argument("--target", default="smollm2-135m-instruct",
                    help="smollm2-135m-instruct (default, brings its draft), demo-tiny, a .gguf file or a directory")
-    p.add_argument("--draft", help="draft model, same forms; speculative policies need one")
+    p.add_argument("--draft", action="append",
+                   help="draft model, same forms (or smollm2-draft, smollm2-draft-small); speculative policies need "
+                        "one. Repeat it for several drafts: each request's draft is then chosen per slot by the "
+                        "policy's selector (POLICY@ucb|eps|length|dN; spin = chain:4@ucb)")
     p.add_argument("--input", required=True, type=Path, help="JSONL prompts")
     p.add_argument("--output", required=True, type=Path, help="JSONL results, in input order")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--policy", default="adaserve",
-                   help="adaserve (default), incremental, chain:K, specinfer, smartspec, equal-greedy, global-greedy")
+                   help="adaserve (default), incremental, chain:K, specinfer, smartspec, equal-greedy, global-greedy, "
+                        "spin, spin-eps, spin-length; POLICY@SELECTOR with several drafts")
     p.add_argument("--budget", type=int, help="tokens per verification (default: the profiled budget)")
     p.add_argument("--reprofile", action="store_true", help="ignore the cached device profile")
     p.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"])
@@ -98,17 +102,20 @@ def read_input(path: Path) -> list[PromptLine]:
 
 def run(args: argparse.Namespace) -> int:
     from adaserve.engine.build import EngineBuildError, build_engine
-    from adaserve.engine.catalog import ModelNotFoundError, resolve
+    from adaserve.engine.catalog import ModelNotFoundError, model_dir, resolve
     from adaserve.engine.request import Request
     from adaserve.worker.detok import truncate_at_stop
 
     lines = read_input(args.input)
+    drafts = args.draft or []
     try:
-        pair = resolve(args.target, draft=args.draft)
+        pair = resolve(args.target, draft=drafts[0] if drafts else None)
+        extra = [model_dir(d) for d in drafts[1:]]
     except ModelNotFoundError as e:
         raise CliError(str(e)) from None
     try:
-        built = build_engine(target=pair.target, draft=pair.draft, device=args.device, policy=args.policy,
+        built = build_engine(target=pair.target, draft=pair.draft, extra_drafts=extra, device=args.device,
+                             policy=args.policy,
                              budget=args.budget, attention=args.attention, kv_memory_mb=args.kv_memory_mb,
                              force_profile=args.reprofile)
     except EngineBuildError as e:
@@ -141,5 +148,7 @@ def run(args: argparse.Namespace) -> int:
                 reason = "stop" if hit else reason
             row = {"token_ids": req.output_ids, "text": text, "finish_reason": reason,
                    "tpot_slo_ms": req.tpot_slo_ms, **req.metrics.to_dict()}
+            if req.metrics.drafts_per_step:  # several drafts: which one speculated for each verification
+                row["drafts_per_step"] = req.metrics.drafts_per_step
             out.write(json.dumps(row) + "\n")
     return 0

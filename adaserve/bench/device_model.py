@@ -199,6 +199,37 @@ def profile_from_measured(data: Mapping[str, Any], *, name: str = MEASURED, sche
                          source={"device": data.get("device"), "target": data["target"], "draft": data["draft"]})
 
 
+@dataclass(frozen=True)
+class ScaledTable:
+    """A measured table scaled by a constant (a draft of another size on the same machine)."""
+
+    base: ForwardCost
+    factor: float
+
+    def seconds(self, n_new: int, n_context: int) -> float:
+        return self.base.seconds(n_new, n_context) * self.factor
+
+
+def scaled_draft(cost: ForwardCost, *, params_ratio: float, kv_ratio: float) -> ForwardCost:
+    """The profile's draft priced as a draft of another size: a second draft has no profile of its own.
+
+    Roofline: parameters (weights streamed, FLOPs per token) times ``params_ratio``, KV bytes per token
+    times ``kv_ratio`` (through the layer count), the fixed per-forward time unchanged. The ratios are
+    those of the real drafts the bench runs (the second against the first), so a draft half the size
+    of ours is priced as half the profile's draft (device_profiles/README.md). A measured table is
+    scaled by ``params_ratio`` as a whole."""
+    if not (params_ratio > 0 and kv_ratio > 0):
+        raise ValueError("draft size ratios must be positive")
+    if isinstance(cost, Roofline):
+        m = cost.model
+        layers = max(1, round(m.layers * kv_ratio))
+        model = ModelShape(name=f"{m.name} x{params_ratio:.3g}", params=m.params * params_ratio, layers=layers,
+                           hidden=m.hidden, kv_heads=m.kv_heads, head_dim=m.head_dim,
+                           bytes_per_param=m.bytes_per_param)
+        return Roofline(cost.hw, model, cost.tp)
+    return ScaledTable(cost, params_ratio)
+
+
 def builtin_profiles() -> dict[str, Path]:
     """Name -> file of every analytic profile shipped with adaserve (``<hardware>/<model>.json``)."""
     root = resources.files("adaserve.bench") / "device_profiles"

@@ -20,19 +20,29 @@ import torch
 from tqdm import tqdm
 
 from adaserve.bench.budget_use import BudgetUse
-from adaserve.bench.device_model import HOST_MEASURED, MEASURED, DeviceProfile, load_profile_file, profile_from_measured
+from adaserve.bench.device_model import (
+    HOST_MEASURED,
+    MEASURED,
+    DeviceProfile,
+    ForwardCost,
+    load_profile_file,
+    profile_from_measured,
+    scaled_draft,
+)
+from adaserve.bench.draft_report import draft_regret, draft_use, size_of
 from adaserve.bench.hf_peer import HFPeer
 from adaserve.bench.metrics import RequestResult, adaserve_ratios, summarize
 from adaserve.bench.selection_gap import SelectionGap, budgeted
 from adaserve.bench.sim_clock import SimClock, SimTotals, run_simulated
-from adaserve.bench.sim_profile import costs_of, simulated_profile
+from adaserve.bench.sim_profile import costs_of, profile_cost, simulated_profile
 from adaserve.bench.workload import DEFAULT_MIX, WorkloadConfig, WorkloadRequest, build_workload
 from adaserve.engine.build import adaptive_for, resolve_device
 from adaserve.engine.chat import has_chat_template, instruction_ids
-from adaserve.engine.config import AdaptiveConfig, EngineConfig, KVCacheConfig
+from adaserve.engine.config import AdaptiveConfig, EngineConfig, KVCacheConfig, MultiDraftConfig, ProfilerConfig
+from adaserve.engine.cost_model import CostModel
 from adaserve.engine.engine import Engine, TokenEvent
 from adaserve.engine.loader import load_model, load_tokenizer
-from adaserve.engine.policies import make_policy
+from adaserve.engine.policies import make_policy, split_policy
 from adaserve.engine.profiler import Profile, profile_models
 from adaserve.engine.request import Request
 from adaserve.engine.runner import ModelRunner
@@ -50,6 +60,7 @@ URGENT = "coding"  # the class with the tightest SLO: the "urgent" requests of t
 class BenchConfig:
     target: Path
     draft: Path
+    extra_drafts: tuple[Path, ...] = ()  # more drafts: policies choose per request (POLICY@SELECTOR, spin)
     model: str = ""  # the name the pair was asked for (catalog), for the report
     policies: tuple[str, ...] = ("adaserve", "incremental", "chain:4", "smartspec", "specinfer")
     rates: tuple[float, ...] = (1.0,)
@@ -115,7 +126,7 @@ class Variant:
 @dataclass
 class Shared:
     target: ModelRunner
-    draft: ModelRunner
+    draft: ModelRunner  # the first draft
     tokenizer: Any
     profile: Profile | None
     budget: int
@@ -124,10 +135,23 @@ class Shared:
     device: DeviceProfile | None = None  # set for a simulated bench
     sched_s: float | None = None  # simulated: fixed scheduler time per iteration (None: host-measured)
     max_batch: int = EngineConfig.max_batch
+    drafts: list[ModelRunner] = field(default_factory=list)  # every draft, the first included
+    draft_names: list[str] = field(default_factory=list)
+    draft_prices: list[ForwardCost] = field(default_factory=list)  # simulated: each draft's price
+    draft_costs: list[CostModel | None] = field(default_factory=list)  # each draft's profiled cost model
 
     @property
     def simulated(self) -> bool:
         return self.device is not None
+
+    def engine_drafts(self, policy: str) -> list[int]:
+        """Which drafts an engine for ``policy`` gets: every draft, or one (``@dN``, or one draft only)."""
+        selector = split_policy(policy)[1]
+        if selector is not None and selector.startswith("d") and selector[1:].isdigit():
+            if int(selector[1:]) >= len(self.drafts):
+                raise ValueError(f"policy {policy!r}: there are only {len(self.drafts)} drafts")
+            return [int(selector[1:])]
+        return list(range(len(self.drafts)))
 
 
 def load_shared(cfg: BenchConfig, *, progress: bool) -> Shared:
@@ -135,6 +159,7 @@ def load_shared(cfg: BenchConfig, *, progress: bool) -> Shared:
     rc = EngineConfig(kv=KVCacheConfig(memory_bytes=cfg.kv_memory_mb * 2**20))
     target = ModelRunner(load_model(cfg.target, device=dev, progress=progress), rc)
     draft = ModelRunner(load_model(cfg.draft, device=dev, progress=progress), rc)
+    extra = [ModelRunner(load_model(p, device=dev, progress=progress), rc) for p in cfg.extra_drafts]
     device: DeviceProfile | None = None
     sched_s = None if cfg.sched_ms is None or cfg.sched_ms == HOST_MEASURED else float(cfg.sched_ms) / 1e3
     if cfg.clock == "simulated" and cfg.device_profile != MEASURED:
@@ -154,6 +179,7 @@ def load_shared(cfg: BenchConfig, *, progress: bool) -> Shared:
     budget = cfg.budget if cfg.budget is not None else (prof.budget if prof else EngineConfig().budget)
     shared = Shared(target, draft, load_tokenizer(cfg.target), prof, budget, device=device, sched_s=sched_s,
                     max_batch=cfg.max_batch)
+    _add_drafts(shared, [draft, *extra], [cfg.draft, *cfg.extra_drafts])
     shared.variants = [Variant(p, p, budget) for p in cfg.policies]
     if HF_PEER in cfg.policies:
         eos = shared.target.model.cfg.eos_token_ids
@@ -167,6 +193,31 @@ def load_shared(cfg: BenchConfig, *, progress: bool) -> Shared:
     return shared
 
 
+def draft_label(path: Path) -> str:
+    """A draft's name for reports: its directory's, less the cache key a materialised draft carries."""
+    head, _, key = path.name.rpartition("-")
+    return head if head and len(key) == 16 and all(c in "0123456789abcdef" for c in key) else path.name
+
+
+def _add_drafts(shared: Shared, drafts: list[ModelRunner], paths: list[Path]) -> None:
+    """Every draft with its name, its price on a simulated device and its profiled cost model.
+
+    A simulated device prices one draft; another is priced as that draft scaled by the ratio of the real
+    drafts' sizes (device_model.scaled_draft; the profile README states the assumption)."""
+    shared.drafts, shared.draft_names = drafts, [draft_label(p) for p in paths]
+    first = shared.profile.draft_cost if shared.profile else None
+    shared.draft_costs = [first] + [None] * (len(drafts) - 1)
+    if shared.device is None:
+        return
+    p0, kv0 = size_of(drafts[0])
+    shared.draft_prices = [shared.device.draft]
+    for d in drafts[1:]:
+        p, kv = size_of(d)
+        price = scaled_draft(shared.device.draft, params_ratio=p / p0, kv_ratio=kv / kv0)
+        shared.draft_prices.append(price)
+        shared.draft_costs.append(CostModel.from_dict(profile_cost(price, ProfilerConfig())["cost_model"]))
+
+
 def tree_bounds(shared: Shared) -> AdaptiveConfig:
     """The adaptive tree bounds a worker on this (possibly simulated) device would use."""
     return adaptive_for(AdaptiveConfig(), shared.profile.data) if shared.profile else AdaptiveConfig()
@@ -174,11 +225,17 @@ def tree_bounds(shared: Shared) -> AdaptiveConfig:
 
 def make_engine(shared: Shared, variant: Variant) -> Engine:
     prof = shared.profile
+    use = shared.engine_drafts(variant.policy) if shared.drafts else [0]
+    costs = shared.draft_costs or [prof.draft_cost if prof else None]
+    extra = tuple(c for c in (costs[i] for i in use[1:]) if c is not None)
     cfg = EngineConfig(policy=variant.policy, budget=variant.budget, budget_rule=variant.budget_rule,
                        adaptive=tree_bounds(shared), target_cost=prof.target_cost if prof else None,
-                       draft_cost=prof.draft_cost if prof else None, max_batch=shared.max_batch)
-    draft = shared.draft if make_policy(cfg.policy, cfg).max_shape is not None else None
-    return Engine(shared.target, draft, cfg, clock=SimClock() if shared.simulated else time.perf_counter)
+                       draft_cost=costs[use[0]], max_batch=shared.max_batch,
+                       drafts=MultiDraftConfig(extra_costs=extra if len(extra) == len(use) - 1 else ()))
+    drafts = [(shared.drafts or [shared.draft])[i] for i in use]
+    speculates = make_policy(cfg.policy, cfg).max_shape is not None
+    return Engine(shared.target, drafts if speculates else None, cfg,
+                  clock=SimClock() if shared.simulated else time.perf_counter)
 
 
 def serve(shared: Shared, eng: Engine, arrivals: list[tuple[float, Request]],
@@ -188,7 +245,11 @@ def serve(shared: Shared, eng: Engine, arrivals: list[tuple[float, Request]],
         eng.run(arrivals, on_step=on_step)
         return None
     assert isinstance(eng.clock, SimClock)
-    return run_simulated(eng, arrivals, shared.device, eng.clock, sched_s=shared.sched_s, on_step=on_step)
+    prices = None
+    if shared.draft_prices:  # each of the engine's drafts at its own price
+        prices = [shared.draft_prices[next(i for i, d in enumerate(shared.drafts) if d is e)] for e in eng.drafts]
+    return run_simulated(eng, arrivals, shared.device, eng.clock, sched_s=shared.sched_s, on_step=on_step,
+                         draft_costs=prices)
 
 
 def measure_baseline_tpot(shared: Shared, *, tokens: int = 48, runs: int = 5) -> float:
@@ -228,9 +289,11 @@ def run_variant(shared: Shared, variant: Variant, workload: list[WorkloadRequest
     classes = {w.request_id: w.slo_class for w in workload}
     select_s = step_s = 0.0
     # Algorithm 2 (and kin) against Algorithm 1; in simulated runs on every 10th iteration (it is slow)
-    gap = SelectionGap(stride=10 if shared.simulated else 1) if budgeted(variant.policy) else None
-    use = BudgetUse(variant.policy.partition(":")[0], n_max=EngineConfig().n_max)
+    tree_policy = split_policy(variant.policy)[0]
+    gap = SelectionGap(stride=10 if shared.simulated else 1) if budgeted(tree_policy) else None
+    use = BudgetUse(tree_policy.partition(":")[0], n_max=EngineConfig().n_max)
     sim: SimTotals | None = None
+    eng: Engine | None = None
     t0 = time.perf_counter()
     if variant.policy == HF_PEER:
         assert shared.hf is not None
@@ -265,6 +328,9 @@ def run_variant(shared: Shared, variant: Variant, workload: list[WorkloadRequest
         summary["simulated"] = {"target_s": sim.target_s, "draft_s": sim.draft_s, "sched_s": sim.sched_s,
                                 "idle_s": sim.idle_s, "iterations": sim.iterations,
                                 "mean_step_ms": 1e3 * sim.busy_s / max(1, sim.iterations)}
+    if eng is not None and len(shared.drafts) > 1 and eng.drafts:
+        names = [shared.draft_names[next(i for i, d in enumerate(shared.drafts) if d is e)] for e in eng.drafts]
+        summary["drafts"] = draft_use([r for _, r in arrivals], classes, names, eng.pool)
     summary["real_s"] = time.perf_counter() - t0  # wall clock, whatever the run's clock
     return summary, {r.request_id: r.output_ids for _, r in arrivals}
 
@@ -313,6 +379,7 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
     total = sum(len(w) for _, w in points) * len(variants)
     rows: list[dict] = []
     ratios: dict[str, Any] = {}
+    regret: dict[str, Any] = {}
     with tqdm(total=total, desc="bench", unit="req", disable=not progress) as bar:
         for pt, wl in points:
             if not wl:
@@ -332,6 +399,8 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
                              "slo_scale": pt.workload.slo_scale, "mix": dict(pt.workload.mix), "budget": v.budget,
                              "outputs_equal_reference": match, **summary})
             ratios[f"{pt.x:g}"] = adaserve_ratios(by_label)
+            if len(shared.drafts) > 1:
+                regret[f"{pt.x:g}"] = draft_regret(by_label)
     has_incremental = any(v.policy == "incremental" for v in variants)
     engine_rows = [r for r in rows if r["policy"] != HF_PEER]
     return {
@@ -346,6 +415,8 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
                    "sweep": cfg.sweep, "values": list(cfg.values),
                    "seed": cfg.seed, "trace": str(cfg.trace) if cfg.trace else None, "mix": cfg.mix,
                    "model": cfg.model, "target": str(cfg.target), "draft": str(cfg.draft),
+                   "drafts": [str(p) for p in (cfg.draft, *cfg.extra_drafts)],
+                   "draft_names": shared.draft_names,
                    # every setting that shaped the numbers besides the above
                    "dtype": str(shared.target.dtype).removeprefix("torch."), "torch_threads": torch.get_num_threads(),
                    "adaptive": asdict(tree_bounds(shared)),
@@ -356,6 +427,7 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
         "simulation": _simulation_settings(shared),
         "results": rows,
         "adaserve_vs_best_other": ratios,
+        **({"draft_regret": regret} if regret else {}),
     }
 
 
@@ -366,7 +438,10 @@ def _simulation_settings(shared: Shared) -> dict | None:
     return {"device_profile": shared.device.name, "description": shared.device.description,
             "sched_ms": None if shared.sched_s is None else 1e3 * shared.sched_s,
             "sched": "host-measured" if shared.sched_s is None else "fixed",
-            "profile": prof.data if prof else None, "device_source": shared.device.source}
+            "profile": prof.data if prof else None, "device_source": shared.device.source,
+            # every draft's price for one token at context 0; drafts after the first are scaled (scaled_draft)
+            "draft_t1_ms": {n: 1e3 * p.seconds(1, 0) for n, p in zip(shared.draft_names, shared.draft_prices,
+                                                                      strict=False)}}
 
 
 def plot_report(report: dict, path: Path) -> None:

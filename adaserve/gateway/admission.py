@@ -15,6 +15,10 @@
    router's pick, slowing the batch it joins).
 5. A class that no worker can meet even for a lone request (routing.feasible_anywhere) is served best effort:
    its own target is left out of its slack, the others' still count (or, ``on_infeasible="refuse"``, 503).
+6. A request whose workers went away while it waited (it saw a usable worker, or a worker already failed it:
+   a drain, a crash, a restart) and that finds none usable now waits for one, up to ``worker_wait_s`` from its
+   arrival, whatever its budget: refusing it would only move the wait to the client. A request that never
+   saw a worker is refused ``no_workers`` at the end of its budget.
 At most ``max_queued`` requests wait at once; beyond that 503 at once.
 
 ``admission="none"`` is a plain load balancer, for comparison: the router's pick among workers with a free
@@ -81,6 +85,7 @@ class Waiter:
     exclude: set[str]
     arrival: int
     best_effort: bool = False  # its class is infeasible everywhere (as of its last look)
+    saw_workers: bool = False  # some worker was usable for it at one of its looks (rule 6)
     rank: tuple[int, float, int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -195,7 +200,11 @@ class Admission:
                 workers = self._for(me, usable)
                 if deadline is None:
                     deadline = start + self.budget_s(slo, workers)
-                got = self._look(me, workers, usable, over=time.monotonic() >= deadline)
+                me.saw_workers = me.saw_workers or bool(workers)
+                until = deadline
+                if not workers and (me.saw_workers or exclude):  # rule 6: its workers went away; wait for one
+                    until = max(deadline, start + self.settings.worker_wait_s)
+                got = self._look(me, workers, usable, over=time.monotonic() >= until)
                 if got is not None:
                     choice, mode = got
                     return Admitted(choice, time.monotonic() - start, me in self.queue, mode)
@@ -204,7 +213,7 @@ class Admission:
                         raise self._refuse("overloaded: the admission queue is full", "queue_full")
                     self.queue.append(me)
                     self.metrics.queued.set(len(self.queue))
-                await self._sleep(max(0.0, min(deadline - time.monotonic(), self.settings.refresh_s)))
+                await self._sleep(max(0.0, min(until - time.monotonic(), self.settings.refresh_s)))
         finally:  # admitted, refused, timed out or cancelled (client gone): leave, and let the others look again
             if me in self.queue:
                 self.queue.remove(me)

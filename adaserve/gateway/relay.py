@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,8 +15,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from adaserve.contract.generate import GenerateRequest
 from adaserve.contract.slo import FAILED_END
-from adaserve.gateway import dispatch, openai_format
+from adaserve.gateway import dispatch, failover, openai_format
 from adaserve.gateway.errors import ApiError, error_body
 from adaserve.gateway.keys import AuthError
 from adaserve.gateway.openai_format import Kind
@@ -24,6 +26,8 @@ from adaserve.gateway.service import Gateway
 from adaserve.gateway.slo import UnknownClass
 from adaserve.gateway.tracker import Tracker
 
+log = logging.getLogger(__name__)
+
 DISCONNECT_POLL_S = 0.25
 
 
@@ -31,10 +35,15 @@ class Call:
     """What the handler knows about one request once it is admitted to a worker."""
 
     def __init__(self, gw: Gateway, kind: Kind, body: CompletionRequest | ChatRequest, track: Tracker,
-                 up: dispatch.Upstream) -> None:
+                 up: dispatch.Upstream, request: GenerateRequest) -> None:
         self.gw, self.kind, self.body, self.track, self.up = gw, kind, body, track, up
+        self.request = request  # as the first worker got it (seed included): continuations are built from it
         self.created = int(time.time())
-        self.text: list[str] = []
+        self.text: list[str] = []  # every text delta passed on, from every worker
+        self.sent_ids: list[int] = []  # every token id passed on, from every worker
+        self.has_text = True  # the workers send text (a model without a tokenizer sends None)
+        self.held = True  # ``up``'s slot is counted on its worker (Directory.acquire)
+        self.continued = 0  # times the request went on on another worker
         self.finish: str | None = None
         self.prompt_tokens = 0
         self.final: dict[str, Any] = {}
@@ -48,30 +57,77 @@ class Call:
         return openai_format.stream_chunk(self.kind, rid=self.rid, model=self.body.model, created=self.created, **kw)
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
-        """The worker's chunks, recorded as they pass; sets outcome and finish on the final one."""
-        async for c in self.up.chunks():
-            self.track.on_tokens(len(c.get("token_ids") or ()))
-            yield c
-            if "finish_reason" in c:
-                self.final, self.prompt_tokens = c, int(c.get("prompt_tokens") or 0)
-                reason = c["finish_reason"]
-                if reason in FAILED_END:
-                    self.outcome = "failed"
-                    raise dispatch.WorkerLost(f"worker {self.up.worker.id} ended the request: {reason}")
-                self.outcome, self.finish = "done", reason  # stop | length: the worker already speaks OpenAI's words
+        """The answer's chunks, recorded as they pass; sets outcome and finish on the final one. A worker lost
+        mid-answer is replaced (``_continue``): the chunks go on from another. WorkerLost when none can."""
+        while True:
+            try:
+                async for c in self.up.chunks():
+                    ids = c.get("token_ids") or []
+                    if "finish_reason" in c and c["finish_reason"] in FAILED_END:
+                        # its tokens were emitted and go on, not its text: a failed worker's last chunk flushes
+                        # the tail it held back (a stop string's start, half a character), which the next one
+                        # shows in its own time
+                        self._passed(ids, None)
+                        raise dispatch.WorkerLost(f"worker {self.up.worker.id} ended the request: "
+                                                  f"{c['finish_reason']}")
+                    self._passed(ids, c.get("text"))
+                    yield c
+                    if "finish_reason" in c:
+                        self.final, self.prompt_tokens = c, int(c.get("prompt_tokens") or 0)
+                        self.outcome, self.finish = "done", c["finish_reason"]  # stop | length: OpenAI's words
+                        return
+                raise dispatch.WorkerLost(f"worker {self.up.worker.id} ended the stream without a last chunk")
+            except dispatch.WorkerLost as lost:
+                if not await self._continue(lost):
+                    return
+
+    def _passed(self, ids: list[int], text: str | None) -> None:
+        self.sent_ids.extend(ids)
+        self.track.on_tokens(len(ids))
+        if text is None and not self.text and ids:
+            self.has_text = False
+        if text:
+            self.text.append(text)
+
+    async def _continue(self, lost: dispatch.WorkerLost) -> bool:
+        """Go on on another worker from the prompt plus the tokens sent (failover.py); False when nothing was
+        left to generate (the answer is complete: ``length``). Re-raises ``lost`` when it cannot go on."""
+        old = self.up
+        self.gw.spawn(dispatch.abort(self.gw.http, old.worker, self.rid))  # it may be alive but silent
+        await old.close()
+        if self.held:
+            self.held = False
+            self.gw.directory.release(old.worker.id, self.track.slo.name)
+        self.gw.directory.mark_failed(old.worker.id)
+        if self.continued >= self.gw.settings.max_attempts:
+            raise lost
+        request = failover.continuation(self.request, self.sent_ids, "".join(self.text) if self.has_text else None)
+        if request is None:
+            self.outcome, self.finish = "done", "length"
+            return False
+        log.warning("request %s: %s; continuing on another worker after %d tokens", self.rid, lost,
+                    len(self.sent_ids))
+        self.continued += 1
+        waited = self.track.waited_s  # admission's calibration learns from the first wait, not this one
+        self.up = await failover.reopen(self.gw, request, self.track.slo, self.track, failed=old.worker.id)
+        self.held = True
+        self.track.waited_s = waited
+        self.track.decoding_since = None  # its TPOT spans a failover: nothing to learn about either worker
+        return True
 
     async def end(self) -> None:
         """Release the worker, abort there if unfinished, write the record. Runs once, whatever happened."""
         if self.outcome == "aborted":
             await dispatch.abort(self.gw.http, self.up.worker, self.rid)
         await self.up.close()
-        self.gw.done(self.up, self.track, self.outcome)
+        if self.held:
+            self.gw.done(self.up, self.track, self.outcome)
         met = await self.track.finished(self.outcome, self.finish)
         self.final["slo_met"] = met
 
     def extra(self) -> dict[str, Any]:
         return {**openai_format.slo_info(self.final, self.track.slo.name, met=self.final.get("slo_met")),
-                "worker": self.up.worker.id}
+                "worker": self.up.worker.id, "continued": self.continued}
 
 
 async def serve(gw: Gateway, kind: Kind, body: CompletionRequest | ChatRequest, request: Request, *,
@@ -94,8 +150,9 @@ async def serve(gw: Gateway, kind: Kind, body: CompletionRequest | ChatRequest, 
     except ApiError:
         await track.refused("rate_limited", "rate_limit")
         raise
-    up = await gw.open(body.generate_request(gw.settings.max_tokens_default, slo, rid), slo, track)
-    call = Call(gw, kind, body, track, up)
+    sent = failover.with_seed(body.generate_request(gw.settings.max_tokens_default, slo, rid))
+    up = await gw.open(sent, slo, track)
+    call = Call(gw, kind, body, track, up, sent)
     headers = {"X-Request-Id": rid, "X-SLO-Class": slo.name, "X-Adaserve-Worker": up.worker.id}
     if body.stream:
         return StreamingResponse(_sse(call), media_type="text/event-stream",
@@ -108,8 +165,9 @@ def _event(doc: dict[str, Any]) -> str:
 
 
 async def _sse(call: Call) -> AsyncIterator[str]:
-    """Server-sent events. Tokens already sent cannot be taken back, so a worker lost mid-stream ends the
-    stream with an error event that says so (the official client raises it as an APIError)."""
+    """Server-sent events. A worker lost mid-stream is replaced without a seam (Call.chunks); when no worker
+    can go on, tokens already sent cannot be taken back, so the stream ends with an error event that says so
+    (the official client raises it as an APIError)."""
     try:
         if call.kind == "chat":
             yield _event(call.chunk(role=True, text=""))
@@ -134,9 +192,8 @@ async def _sse(call: Call) -> AsyncIterator[str]:
 
 async def _collect(call: Call, request: Request) -> dict[str, Any]:
     async def gather() -> None:
-        async for c in call.chunks():
-            if c.get("text"):
-                call.text.append(c["text"])
+        async for _ in call.chunks():  # Call.chunks keeps the text
+            pass
 
     task = asyncio.ensure_future(gather())
     try:

@@ -52,7 +52,10 @@ class GatewaySettings(BaseSettings):
     on_infeasible: OnOverload = Field(
         "best-effort", description="a class no worker can meet even for a lone request: serve it as fast as a "
                                    "worker can without breaking the others' targets (best-effort), or 503 (refuse)")
-    max_attempts: int = Field(3, ge=1, description="workers tried before the first token (1 = no retry)")
+    max_attempts: int = Field(3, ge=1, description="workers tried before the first token (1 = no retry); also "
+                              "the most times a request is continued on another worker after its worker failed")
+    worker_wait_s: float = Field(30.0, ge=0, description="how long a request whose worker drained or failed waits "
+                                 "for another when none is usable (a restart), before 503")
     retry_after_s: int = Field(1, ge=1)
     refresh_s: float = Field(0.5, gt=0, description="how often the worker list is re-read")
     suspect_s: float = Field(5.0, ge=0, description="how long a worker that failed a request is skipped")

@@ -156,7 +156,8 @@ class Engine:
             else OnlineCostModel(scaled(self.draft_time.model, sizes[i] / sizes[0]))
             for i in range(1, len(self.drafts))]
         selector = make_selector(split_policy(cfg.policy)[1] or "ucb", sizes=sizes)
-        return DraftPool(self.drafts, times, selector, slot_iters=cfg.drafts.slot_iters, clock=self.clock)
+        return DraftPool(self.drafts, times, selector, slot_iters=cfg.drafts.slot_iters, clock=self.clock,
+                         target_time=self.target_time)
 
     # ---- requests in and out ----------------------------------------------------------------------
     @property
@@ -317,9 +318,8 @@ class Engine:
             emitted[req.request_id] = res.tokens
             if self.acceptance is not None:
                 self.acceptances[req.draft_index].observe(tree, res.accepted_nodes)
-        if self.pool is not None and decoding:
-            self.pool.account(decoding, trees, [len(r.tokens) for r in decoded], t_verify_s=t_fwd,
-                              verify_tokens=sum(s.num_new for s in segments))
+        if self.pool is not None and m.depth:
+            self.pool.account(decoding, trees, [len(r.tokens) for r in decoded], depth=m.depth, width=m.width)
         if segments:
             n_ctx = sum(s.prefix_len for s in segments)
             self.target_time.observe(n_ctx, sum(s.num_new for s in segments), t_fwd)
@@ -389,8 +389,7 @@ class Engine:
         t0 = self.clock()
         if self.pool is not None:  # several drafts: each request's own, one beam search per draft
             self.pool.assign(decoding)
-            cands = self.pool.speculate(decoding, depth=shape.depth, width=shape.width, expansion=shape.expansion,
-                                        max_nodes=shape.max_nodes)
+            cands = self.pool.speculate(decoding, depth=shape.depth, width=shape.width, expansion=shape.expansion)
             t1 = self.clock()
         else:
             inputs = [DraftInput(r.draft_kv, r.ids_from(r.draft_kv.length)) for r in decoding]

@@ -7,9 +7,17 @@
       speculate  requests grouped by draft, one beam search per group (each draft has its own KV cache),
                  candidates back in the batch's order: selection and the one target verification see
                  every request's tree as with a single draft
-      account    each request's share of the draft time (by tokens fed) and of the verification time
-                 (by tree tokens), and the tokens it emitted, go into its slot; a slot of ``slot_iters``
-                 verifications ends by reporting a ``SlotResult`` to the selector
+      account    the tokens the request emitted and what its iteration costs on its draft, go into its
+                 slot; a slot of ``slot_iters`` verifications ends by reporting a ``SlotResult``
+
+What an iteration "costs" a request is priced by the cost models, as if it ran alone:
+    cost_r = depth * T_draft_j(ctx_r, width) + T_target(ctx_r, tree_r)
+not by its share of the measured batch time. A share depends on how many requests ran beside it (a
+verification of 50 trees costs little more than one of 5), so drafts explored while the engine was
+quiet and exploited when it was busy would be compared across loads; the priced cost compares drafts
+at equal load, and its ratio between two drafts is the batch's when forwards are memory-bound. The
+tokens are measured. A switch is priced the same way (T_draft_j over the tokens it recomputes); the
+measured recompute time is kept for reports (``DraftUse.switch_s``).
 
 A request keeps the KV of every draft it has used, so switching back only feeds the tokens since. Every
 draft reserves the request's worst case at admission, as the single draft does. Outputs never depend
@@ -55,14 +63,13 @@ class DraftUse:
 
 class DraftPool:
     def __init__(self, drafts: list[ModelRunner], times: list[OnlineCostModel], selector: DraftSelector, *,
-                 slot_iters: int, clock: Callable[[], float]) -> None:
+                 slot_iters: int, clock: Callable[[], float], target_time: OnlineCostModel) -> None:
         if len(drafts) < 2 or len(times) != len(drafts):
             raise ValueError("a draft pool needs at least two drafts, each with its cost model")
         self.drafts, self.times, self.selector = drafts, times, selector
-        self.slot_iters, self.clock = slot_iters, clock
+        self.slot_iters, self.clock, self.target_time = slot_iters, clock, target_time
         self.slots: dict[str, Slot] = {}
         self.use = DraftUse()
-        self._spec_s: dict[str, float] = {}  # this iteration's draft seconds per request
 
     # ---- KV per draft ------------------------------------------------------------------------------
     @staticmethod
@@ -136,18 +143,15 @@ class DraftPool:
                        all_logits=[False] * len(todo))
         for r, ids in todo:
             runner.cache.truncate(r.draft_kv, r.draft_kv.length + len(ids))
-        dt = self.clock() - t0
-        total = sum(len(ids) for _, ids in todo)
-        self.use.switch_s += dt
-        self.use.switch_tokens += total
-        for r, ids in todo:
-            self.slots[r.request_id].switch_s += dt * len(ids) / total
+        self.use.switch_s += self.clock() - t0
+        self.use.switch_tokens += sum(len(ids) for _, ids in todo)
+        for r, ids in todo:  # priced alone, as the slot's other costs (account)
+            self.slots[r.request_id].switch_s += self.times[arm].predict(r.draft_kv.length, len(ids))
 
     def speculate(self, decoding: list[Request], *, depth: int, width: int,
-                  expansion: tuple[int, ...] | None, max_nodes: int) -> list[TokenTree]:
+                  expansion: tuple[int, ...] | None) -> list[TokenTree]:
         """Every request's candidate tree from its own draft, one beam search per draft, in batch order."""
         out: list[TokenTree | None] = [None] * len(decoding)
-        self._spec_s = {}
         for arm, runner in enumerate(self.drafts):
             idx = [i for i, r in enumerate(decoding) if r.draft_index == arm]
             if not idx:
@@ -158,23 +162,21 @@ class DraftPool:
             dt = self.clock() - t0
             n_ctx = sum(decoding[i].target_kv.length for i in idx)
             self.times[arm].observe(n_ctx, len(idx) * width, dt / depth)
-            # the group's time by tokens fed: the pending chain, then the beams past the first level
-            fed = [len(x.pending) + max_nodes - 1 for x in inputs]
-            for i, t, f in zip(idx, trees, fed, strict=True):
+            for i, t in zip(idx, trees, strict=True):
                 out[i] = t
-                self._spec_s[decoding[i].request_id] = dt * f / sum(fed)
         return [t for t in out if t is not None]
 
-    def account(self, decoding: list[Request], trees: list[TokenTree], emitted: list[int], *, t_verify_s: float,
-                verify_tokens: int) -> None:
-        """Close the iteration: each request's draft share, verification share (by tree size) and tokens."""
+    def account(self, decoding: list[Request], trees: list[TokenTree], emitted: list[int], *, depth: int,
+                width: int) -> None:
+        """Close the iteration: each request's tokens, and its cost priced alone on its draft (see above)."""
         for req, tree, n in zip(decoding, trees, emitted, strict=True):
             slot = self.slots.get(req.request_id)
             if slot is None:
                 continue
+            ctx = req.target_kv.length
             slot.iters += 1
             slot.tokens += n
-            slot.seconds += self._spec_s.get(req.request_id, 0.0) + t_verify_s * tree.size / max(1, verify_tokens)
+            slot.seconds += depth * self.times[slot.arm].predict(ctx, width) + self.target_time.predict(ctx, tree.size)
             req.metrics.drafts_per_step.append(slot.arm)
 
     def _report(self, request_id: str, slot: Slot) -> None:

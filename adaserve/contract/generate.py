@@ -7,16 +7,34 @@ so what the gateway accepts at its edge a worker accepts too.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, WithJsonSchema, model_validator
 
 from adaserve.contract.slo import SloClassName
+from adaserve.contract.text import check_encodable
 
 # The gateway's request ids reach workers, and both answer /v1/requests/{id}: one syntax for both.
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 RequestId = Annotated[str, Field(pattern=REQUEST_ID_PATTERN)]
-TokenId = Annotated[StrictInt, Field(ge=0)]  # strict: a bool or a string is not a token id
+
+
+def integral(v: object) -> object:
+    """A JSON number with no fractional part (``2.0``) is an integer, as JSON Schema (and so the OpenAPI
+    document) says; anything else is left for the strict type to refuse by name (a bool, a string, ``2.5``)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def whole(**bounds: int) -> Any:
+    """A strict integer within ``bounds`` (ge, lt, ...) that also takes ``2.0``. The bounds come before the
+    conversion, so the JSON schema declares them (minimum, ...)."""
+    return Annotated[StrictInt, Field(**bounds), BeforeValidator(integral)]
+
+
+Integer = whole()
+Count = whole(ge=1)  # max_tokens and the like
+Seed = whole(ge=0, lt=2**63)
+TokenId = whole(ge=0)  # strict: a bool or a string is not a token id
 MAX_STOPS = 16
 
 
@@ -35,7 +53,9 @@ def stop_list(v: object) -> object:
     return stops
 
 
-StopStrings = Annotated[list[str], BeforeValidator(stop_list)]
+StopStrings = Annotated[list[str], BeforeValidator(stop_list), WithJsonSchema({"anyOf": [
+    {"type": "null"}, {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOPS}]})]
 Role = Literal["system", "user", "assistant", "developer", "tool"]
 
 
@@ -54,11 +74,11 @@ class GenerateRequest(BaseModel):
     prompt: str | None = Field(None, min_length=1)
     prompt_token_ids: list[TokenId] | None = Field(None, min_length=1)
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=1024)
-    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: Count | None = None
     temperature: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = Field(0, ge=0)
-    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
+    top_k: TokenId = 0  # a count, of the same kind
+    seed: Seed | None = None
     stop: StopStrings = Field(default_factory=list)
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = False
@@ -75,6 +95,11 @@ class GenerateRequest(BaseModel):
     # shown from them (the earlier worker may have held a tail back): the stream goes on from there.
     resume_token_ids: list[TokenId] | None = Field(None, min_length=1)
     resume_text: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text(cls, data: Any) -> Any:
+        return check_encodable(data)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:

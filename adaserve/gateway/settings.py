@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from adaserve.body_limit import DEFAULT_MAX_BODY_BYTES
 from adaserve.contract.redis_settings import DEFAULT_PREFIX, RedisPrefix, RedisUrl
 
 Routing = Literal["headroom", "least-loaded", "round-robin"]
@@ -64,6 +65,8 @@ class GatewaySettings(BaseSettings):
     token_timeout_s: float = Field(60.0, gt=0, description="worker silence between tokens")
     record_ttl_s: int = Field(86400, ge=1, description="how long request records stay in the state store")
     max_tokens_default: int = Field(64, ge=1, description="max_tokens of a request that gives none")
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024, description="larger request bodies get 413, "
+                                "refused before they are read in full")
 
     @model_validator(mode="after")
     def _consistent(self) -> GatewaySettings:

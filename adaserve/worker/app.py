@@ -9,12 +9,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from adaserve import __version__
+from adaserve.body_limit import BodyLimit, BodyTooLarge
 from adaserve.error_fields import field_path
 from adaserve.worker.routes import generate, health, metrics, profile, requests
 from adaserve.worker.runtime import RequestRefused, Runtime
@@ -39,7 +43,54 @@ def create_app(runtime: Runtime) -> FastAPI:
         app.include_router(module.router)
     app.add_exception_handler(RequestRefused, _refused)
     app.add_exception_handler(RequestValidationError, _invalid)
+    # outermost: an oversize body is refused before FastAPI reads it into memory
+    app.add_middleware(BodyLimit, max_bytes=runtime.settings.max_body_bytes, render=_too_large)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+class Problem(BaseModel):
+    """Every error this worker answers: ``detail`` names the field; validation errors (422) list them all."""
+
+    detail: str
+    errors: list[dict[str, str]] | None = None
+
+
+# what POST /v1/generate answers besides 200 (docs/worker.md "Errors")
+GENERATE_ERRORS = {"400": "the engine can never serve it (context, vocabulary, KV)", "409": "request_id in flight",
+                   "413": "body over ADASERVE_MAX_BODY_BYTES", "422": "malformed body or field",
+                   "503": "loading, draining or overloaded; Retry-After"}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document with this worker's error shape (``Problem``, not FastAPI's list of errors) and the
+    statuses ``/v1/generate`` answers; ``/metrics`` as text."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        problem = {"$ref": "#/components/schemas/Problem"}
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        schemas["Problem"] = Problem.model_json_schema()
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        for path, ops in doc.get("paths", {}).items():
+            for method, op in ops.items():
+                responses = op.setdefault("responses", {})
+                if path == "/v1/generate" and method == "post":
+                    for status, why in GENERATE_ERRORS.items():
+                        responses[status] = {"description": why}
+                if method == "delete":
+                    responses["404"] = {"description": "no such request in flight"}
+                for status, answer in responses.items():
+                    if status.startswith(("4", "5")):
+                        answer["content"] = {"application/json": {"schema": problem}}
+        if "/metrics" in doc.get("paths", {}):
+            doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {}}
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+def _too_large(exc: BodyTooLarge) -> dict[str, str]:
+    return {"detail": str(exc.detail)}
 
 
 async def _refused(_request: Request, exc: Exception) -> JSONResponse:

@@ -122,6 +122,17 @@ def measure_lone(engine: Engine, prompt_ids: list[int]) -> tuple[float | None, l
     return req.metrics.tpot_ms, steps
 
 
+def longest_token(tokenizer: Any | None) -> int:
+    """The most characters of text one token can stand for: its vocabulary string's length, which for byte-level
+    and SentencePiece vocabularies is at least the characters it covers (0 when it cannot be read)."""
+    if tokenizer is None:
+        return 0
+    try:
+        return max((len(t) for t in tokenizer.get_vocab()), default=0)
+    except Exception:  # a tokenizer without a readable vocabulary: no early check, the exact count still holds
+        return 0
+
+
 class Runtime:
     def __init__(self, settings: WorkerSettings, *, metrics: WorkerMetrics | None = None) -> None:
         self.settings = settings
@@ -133,6 +144,7 @@ class Runtime:
         self.built: BuiltEngine | None = None
         self.loop: EngineLoop | None = None
         self.tokenizer: Any | None = None  # the event loop's own copy: the engine thread uses the other
+        self.max_token_chars = 0  # the most characters one token spans (0: unknown, no early length check)
         self.active: dict[str, InFlight] = {}
         self.registry: Registry | None = None
         self.started_at = time.time()
@@ -162,6 +174,7 @@ class Runtime:
         if self.state is not State.LOADING:  # told to stop while loading
             return
         self.built, self.tokenizer = built, tokenizer
+        self.max_token_chars = longest_token(tokenizer)
         self.lone_tpot_ms, lone_steps = lone
         self.metrics.bind_engine(built.engine)
         for step in lone_steps:  # the curve starts from the lone request's iterations
@@ -291,7 +304,7 @@ class Runtime:
         self._check_admitting()
         slo_class, tpot = self._slo(body, header_class)
         params = self._params(body)
-        ids = await self._prompt_ids(body)
+        ids = await self._prompt_ids(body, params)
         resumed = list(body.resume_token_ids or ())
         rid = body.request_id or uuid.uuid4().hex
         req = Request(rid, ids + resumed, params, tpot_slo_ms=tpot)
@@ -372,22 +385,39 @@ class Runtime:
                               seed=body.seed, stop=body.stops, stop_token_ids=tuple(body.stop_token_ids),
                               ignore_eos=body.ignore_eos)
 
-    async def _prompt_ids(self, body: GenerateRequest) -> list[int]:
+    async def _prompt_ids(self, body: GenerateRequest, params: SamplingParams) -> list[int]:
         if body.prompt_token_ids is not None:
             return list(body.prompt_token_ids)
+        field = "messages" if body.messages is not None else "prompt"
         if self.tokenizer is None:
-            field = "messages" if body.messages is not None else "prompt"
             raise RequestRefused(400, f"{field}: this model has no tokenizer; send prompt_token_ids")
         if body.messages is None:
-            text, special = body.prompt, True
+            text, special = body.prompt or "", True
         else:
             try:
                 text = chat_text(self.tokenizer, [m.model_dump() for m in body.messages])
             except ChatTemplateError as e:  # a template that rejects these turns (say, no system role)
                 raise RequestRefused(400, f"messages: {e}") from None
             special = not has_chat_template(self.tokenizer)  # a template writes its own special tokens
+        self._check_length(field, text, params)
         ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=special)
         return list(ids)
+
+    def _check_length(self, field: str, text: str, params: SamplingParams) -> None:
+        """Refuse, without tokenising it, a text too long to fit the context whatever its tokens: no token spans
+        more than ``max_token_chars`` characters, so a text longer than that many per free position cannot fit.
+        What passes is tokenised (a bounded amount of work) and the engine checks the exact count."""
+        if self.built is None or not self.max_token_chars:
+            return
+        engine = self.built.engine
+        depth = 0 if engine.policy.max_shape is None else engine.policy.max_shape.depth
+        room = engine.max_context - params.max_tokens - depth - 1  # prompt tokens that can fit
+        if len(text) > max(room, 0) * self.max_token_chars:
+            self.metrics.rejected.labels("invalid").inc()
+            raise RequestRefused(400, f"{field}: {len(text)} characters cannot fit the model context of "
+                                 f"{engine.max_context} tokens with max_tokens {params.max_tokens} (at most "
+                                 f"{max(room, 0)} prompt tokens, a token covers at most {self.max_token_chars} "
+                                 "characters)")
 
     # ---- events (engine thread -> event loop) -------------------------------------------------------
     def _on_event(self, flight: InFlight, ev: TokenEvent) -> None:

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from adaserve.body_limit import DEFAULT_MAX_BODY_BYTES
 from adaserve.contract.redis_settings import DEFAULT_PREFIX, RedisPrefix, RedisUrl
 from adaserve.contract.slo import CLASS_NAME, SloClassName
 from adaserve.engine.catalog import DEFAULT_MODEL, NAMES, check_ref, served_name
@@ -54,6 +55,8 @@ class WorkerSettings(BaseSettings):
     retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 503 answers")
     default_max_tokens: int = Field(64, ge=1)
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024, description="larger request bodies get 413, "
+                                "refused before they are read in full")
     slo_classes: dict[str, float] = Field(
         default_factory=dict,
         description='JSON {"class": tpot_ms}; when set, only these classes are accepted and give the default TPOT',

@@ -2,7 +2,10 @@
 
 File (a Kubernetes Secret mounted as a file)::
 
-    {"keys": [{"key": "sk-team-a-...", "name": "team-a", "defaultClass": "chat", "ratePerS": 5, "burst": 10}]}
+    {"keys": [{"key": "sk-team-a-...", "name": "team-a", "defaultClass": "chat", "ratePerS": 5, "burst": 10},
+              {"key": "sk-ops-...", "name": "ops", "admin": true}]}
+
+A request's record (``GET /v1/requests/{id}``) is visible to the key that made it and to ``admin`` keys only.
 
 No file = no authentication and no rate limit, like a local vLLM server.
 """
@@ -25,6 +28,7 @@ class ApiKey(BaseModel):
     default_class: str | None = Field(None, alias="defaultClass")
     rate_per_s: float | None = Field(None, alias="ratePerS", gt=0, allow_inf_nan=False)
     burst: float | None = Field(None, ge=1, allow_inf_nan=False)  # a request takes one token: below 1, never
+    admin: bool = False  # may read every key's request records
 
     @model_validator(mode="after")
     def _bucket(self) -> ApiKey:

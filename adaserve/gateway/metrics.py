@@ -12,10 +12,14 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("adaserve_gateway_requests", "Requests admitted to a worker", ["slo_class"],
-                                registry=r)
-        self.finished = Counter("adaserve_gateway_finished", "Requests ended, by outcome",
-                                ["slo_class", "outcome"], registry=r)
+        self.requests = Counter("adaserve_gateway_requests", "Requests sent to a worker (retries count once)",
+                                ["slo_class"], registry=r)
+        # every request in requests_total is in_flight, then in exactly one outcome (done | aborted | failed |
+        # rejected): requests_total = sum(finished_total) + in_flight, at any scrape
+        self.finished = Counter("adaserve_gateway_finished", "Requests sent to a worker that ended, by outcome "
+                                "(done | aborted | failed | rejected)", ["slo_class", "outcome"], registry=r)
+        self.in_flight = Gauge("adaserve_gateway_in_flight", "Requests sent to a worker and not yet ended",
+                               ["slo_class"], registry=r)
         self.slo = Counter("adaserve_gateway_slo_requests", "Finished requests by SLO outcome (met|missed)",
                            ["slo_class", "outcome"], registry=r)
         self.attainment = Gauge("adaserve_gateway_slo_attainment",
@@ -56,6 +60,7 @@ class GatewayMetrics:
         """Zero series for every class, so dashboards show 0 rather than nothing."""
         for c in classes:
             self.requests.labels(c)
+            self.in_flight.labels(c)
             self.output_tokens.labels(c)
             self.goodput_tokens.labels(c)
             self.retries.labels(c)

@@ -7,13 +7,27 @@ here passes there, and ``generate_request`` builds that request without validati
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
-from adaserve.contract.generate import ChatMessage, GenerateRequest, Role, StopStrings, TokenId
+from adaserve.contract.generate import ChatMessage, Count, GenerateRequest, Integer, Role, Seed, StopStrings, TokenId
 from adaserve.contract.slo import SloClassName
+from adaserve.contract.text import check_encodable
 from adaserve.gateway.slo import SloClass
+
+
+# The OpenAPI document declares what the validators below accept (a client or a fuzzer reading it sees the API's
+# own rules), while the validators keep their messages that say why: "n: only n=1 is supported; ...".
+def _only(*values: Any) -> Any:
+    return WithJsonSchema({"enum": list(values)})
+
+
+PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+]}
 
 
 class StreamOptions(BaseModel):
@@ -25,21 +39,26 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: Count | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # OpenAI's default samples
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = Field(0, ge=0)
-    n: StrictInt = 1
+    top_k: TokenId = 0  # a count, of the same kind
+    n: Annotated[Integer, _only(1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopStrings = Field(default_factory=list)
-    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
+    seed: Seed | None = None
     ignore_eos: bool = False
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: Any = None
+    presence_penalty: Annotated[float, _only(0)] = 0.0
+    frequency_penalty: Annotated[float, _only(0)] = 0.0
+    logprobs: Annotated[Any, _only(None, False, 0)] = None
     slo_class: SloClassName | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text(cls, data: Any) -> Any:
+        return check_encodable(data)  # before anything else: a lone surrogate must never reach a worker
 
     @model_validator(mode="after")
     def _supported(self) -> _Common:
@@ -78,10 +97,10 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[TokenId]
-    echo: bool = False
-    best_of: StrictInt | None = None
-    suffix: str | None = None
+    prompt: Annotated[str | list[str] | list[TokenId], WithJsonSchema(PROMPT_SCHEMA)]
+    echo: Annotated[bool, _only(False)] = False
+    best_of: Annotated[Integer | None, _only(None, 1)] = None
+    suffix: Annotated[str | None, _only(None, "")] = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
@@ -124,7 +143,7 @@ class Message(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: Count | None = None
 
     def prompt_fields(self) -> dict[str, Any]:
         return {"messages": [ChatMessage.model_construct(role=m.role, content=m.text()) for m in self.messages]}

@@ -94,10 +94,19 @@ class Gateway:
 
     # ---- the request path -------------------------------------------------------------------------
     def check_model(self, model: str) -> str:
-        known = [self.settings.model_name] if self.settings.model_name else self.directory.models()
+        """404 for a model no worker serves; 503 ``no_workers`` at once when no worker is registered at all (none
+        ever was, or the last one's registration expired): nothing to wait for, and the model may well be right."""
+        pinned = self.settings.model_name
+        if pinned is not None and model != pinned:
+            raise ApiError(404, f"model {model!r} not found; available: {pinned}", code="model_not_found",
+                           param="model")
+        if not self.directory.all():
+            raise ApiError(503, "no worker is registered to serve any model; retry later", code="no_workers",
+                           retry_after=self.settings.retry_after_s)
+        known = [pinned] if pinned is not None else self.directory.models()
         if model not in known:
-            hint = f"; available: {', '.join(known)}" if known else " (no worker has registered a model yet)"
-            raise ApiError(404, f"model {model!r} not found{hint}", code="model_not_found", param="model")
+            raise ApiError(404, f"model {model!r} not found; available: {', '.join(known)}",
+                           code="model_not_found", param="model")
         return model
 
     async def rate_limit(self, key: ApiKey | None) -> None:
@@ -131,6 +140,9 @@ class Gateway:
                     await track.refused("shed" if e.reason != "no_workers" else "unavailable", e.reason)
                     raise
                 break
+            except asyncio.CancelledError:  # the client left while the request waited
+                self.spawn(track.finished("aborted", None))
+                raise
             w = admitted.choice.worker
             self.directory.acquire(w.id, slo.name)  # before any await: waiters woken now must see this load
             self.metrics.routed.labels(w.id, slo.name, self.router.policy).inc()
@@ -151,8 +163,13 @@ class Gateway:
                 log.warning("request %s: %s; trying another worker", track.request_id, e)
                 tried.add(w.id)
                 failures.append(str(e))
-            except BaseException:
+            except ApiError as e:  # the worker refused the request itself (its 4xx): the caller's to fix
                 self.directory.release(w.id, slo.name)
+                await track.finished("rejected", None, reason=e.message)
+                raise
+            except BaseException as e:  # cancelled (the client left), or a bug: the request still ends once
+                self.directory.release(w.id, slo.name)
+                self.spawn(track.finished("aborted" if isinstance(e, asyncio.CancelledError) else "failed", None))
                 raise
         await track.finished("failed", None)
         raise ApiError(503, f"no worker could start the request: {'; '.join(failures)}", code="workers_failed",

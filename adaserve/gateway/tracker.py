@@ -52,19 +52,26 @@ class Tracker:
                            "api_key": self.api_key, "model": self.model, "created": time.time()})
 
     async def routed(self, worker: str, admitted: Admitted) -> None:
+        """Sent to ``worker``; the first time, the request enters ``requests_total`` (and ``in_flight``) and will
+        leave ``in_flight`` for exactly one terminal outcome (``finished``)."""
         self.worker, self.attempts = worker, self.attempts + 1
         self.waited_s = admitted.waited_s + (self.waited_s or 0.0)
         if self.attempts > 1:
             self.metrics.retries.labels(self.slo.name).inc()
+        else:  # counted before the write: a cancel during it must not leave the request uncounted
+            self.metrics.requests.labels(self.slo.name).inc()
+            self.metrics.in_flight.labels(self.slo.name).inc()
         await self._write({"worker": worker, "attempts": self.attempts, "status": "running",
                            "queued": admitted.queued, "queue_ms": _round(1e3 * admitted.waited_s),
                            "admission": admitted.mode, "slack": _round(admitted.choice.slack)},
                           {"requests": 1} if self.attempts == 1 else {"retries": 1})
-        if self.attempts == 1:
-            self.metrics.requests.labels(self.slo.name).inc()
 
     async def refused(self, status: str, reason: str) -> None:
-        """Never reached a worker: shed, rate limited, no worker."""
+        """Never reached a worker: shed, rate limited, no worker. One that did (``attempts``) is already in
+        ``requests_total``: refused now, it ends there as failed."""
+        if self.attempts:
+            await self.finished("failed", None, reason=reason)
+            return
         self.ended = True
         if status == "shed":
             self.metrics.shed.labels(self.slo.name, reason).inc()
@@ -88,15 +95,21 @@ class Tracker:
     def tpot_ms(self) -> float | None:
         return mean_tpot_ms(self.first_s, self.last_s, self.tokens)
 
-    async def finished(self, outcome: str, finish: str | None) -> bool:
-        """``outcome``: done | aborted (client left) | failed. Returns whether the SLO was met."""
+    async def finished(self, outcome: str, finish: str | None, *, reason: str | None = None) -> bool:
+        """``outcome``: done | aborted (client left) | failed | rejected (the worker refused it: a 4xx). Returns
+        whether the SLO was met. Once per request; a request never sent (the client left while it waited) only
+        gets its record closed, as it was never in ``requests_total``."""
         if self.ended:
             return False
         self.ended = True
+        if self.attempts == 0:
+            await self._write({"status": outcome, "reason": reason, "ended": time.time()})
+            return False
         met = outcome == "done" and slo_met(finish, tpot_ms=self.tpot_ms, ttft_ms=self.ttft_ms,
                                             tpot_target_ms=self.slo.tpot_ms, ttft_target_ms=self.slo.ttft_ms)
         name = self.slo.name
         self.metrics.finished.labels(name, outcome).inc()
+        self.metrics.in_flight.labels(name).dec()
         if self.ttft_ms is not None:
             self.metrics.ttft.labels(name).observe(self.ttft_ms / 1e3)
         if self.tpot_ms is not None:
@@ -107,7 +120,7 @@ class Tracker:
         if met:
             counters["slo_met"] = 1
         lesson = self.lesson
-        await self._write({"status": outcome, "finish_reason": finish, "tokens": self.tokens,
+        await self._write({"status": outcome, "reason": reason, "finish_reason": finish, "tokens": self.tokens,
                            "ttft_ms": _round(self.ttft_ms), "tpot_ms": _round(self.tpot_ms), "slo_met": met,
                            "predicted_tpot_ms": _round(lesson.predicted_ms) if lesson else None,
                            "decoding_load": _round(lesson.load) if lesson else None,

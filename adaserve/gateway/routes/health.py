@@ -15,7 +15,8 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses={503: {"description": "the state store is unreachable or no worker is ready "
+                                                    "(the same body as 200)"}})
 async def readyz(gw: GatewayDep) -> JSONResponse:
     store_ok = await gw.store.ping()
     workers = gw.directory.usable()

@@ -1,0 +1,145 @@
+"""Issue 17's pure parts: where text cannot be encoded, who may read a record, the OpenAPI document the gateway
+serves, and the tracker's one terminal outcome per request (the same against real processes:
+tests/gateway/test_hardening.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from adaserve.contract.generate import GenerateRequest
+from adaserve.contract.text import unencodable
+from adaserve.gateway.app import create_app
+from adaserve.gateway.keys import ApiKey
+from adaserve.gateway.metrics import GatewayMetrics
+from adaserve.gateway.openai_schemas import ChatRequest, CompletionRequest
+from adaserve.gateway.routes.models import may_read
+from adaserve.gateway.service import Gateway
+from adaserve.gateway.settings import GatewaySettings
+from adaserve.gateway.slo import SloClass
+from adaserve.gateway.state import MemoryStore
+from adaserve.gateway.tracker import Tracker
+from tests.gateway.unit.helpers import run
+from tests.gateway.unit.test_tracker import admitted
+
+BAD = "\ud800"
+
+
+@pytest.mark.parametrize(("value", "where"), [
+    ({"prompt": "fine", "stop": ["ok"]}, None),
+    ({"prompt": BAD}, "prompt"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": f"x{BAD}y"}]},
+     "messages[1].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": BAD}]}]}, "messages[0].content[0].text"),
+    ({"stop": ["a", BAD]}, "stop[1]"),
+    ({BAD: 1}, "body (a key)"),
+    ([[[[BAD]]]], "[0][0][0][0]"),
+    ({"prompt_token_ids": list(range(100_000))}, None),
+])
+def test_unencodable_names_where(value: Any, where: str | None) -> None:
+    assert unencodable(value) == where
+
+
+def test_deep_nesting_does_not_recurse() -> None:
+    value: Any = BAD
+    for _ in range(50_000):
+        value = [value]
+    assert unencodable(value) is not None and unencodable([[[]]] * 3) is None
+
+
+@pytest.mark.parametrize("model", [CompletionRequest, ChatRequest, GenerateRequest])
+def test_every_edge_refuses_a_lone_surrogate_by_field(model: Any) -> None:
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": BAD}]} if model is ChatRequest \
+        else {"model": "m", "prompt": BAD}
+    if model is GenerateRequest:
+        body.pop("model")
+    with pytest.raises(ValidationError, match=r"(prompt|messages\[0\]\.content): text is not valid Unicode"):
+        model.model_validate(body)
+
+
+def test_a_record_is_its_own_keys_and_admins() -> None:
+    a, b = ApiKey(key="sk-a-01234567", name="a"), ApiKey(key="sk-b-01234567", name="b")
+    admin = ApiKey(key="sk-o-01234567", name="ops", admin=True)
+    record = {"id": "r", "api_key": "a"}
+    assert may_read(a, record) and may_read(admin, record) and may_read(None, record)
+    assert not may_read(b, record) and not may_read(a, {"id": "r", "api_key": ""})
+
+
+# ---- the OpenAPI document ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def doc() -> dict[str, Any]:
+    app = create_app(Gateway(GatewaySettings(workers=["http://127.0.0.1:9"])))  # connects nothing
+    return app.openapi()
+
+
+def test_openapi_declares_the_statuses_the_gateway_answers(doc: dict[str, Any]) -> None:
+    assert '"422"' not in str(doc).replace("'", '"')
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = doc["paths"][path]["post"]["responses"]
+        assert {"200", "400", "401", "404", "413", "429", "502", "503"} <= set(responses)
+        assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+        error = {"$ref": "#/components/schemas/ErrorResponse"}
+        assert responses["400"]["content"]["application/json"]["schema"] == error
+    assert {"400", "401", "404", "503"} <= set(doc["paths"]["/v1/requests/{request_id}"]["get"]["responses"])
+    assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert "503" in doc["paths"]["/readyz"]["get"]["responses"]
+
+
+def test_openapi_declares_the_fields_rules(doc: dict[str, Any]) -> None:
+    props = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    prompt = props["prompt"]["anyOf"]
+    assert {"type": "string", "minLength": 1} in prompt  # prompt "" is refused, and declared so
+    assert any(p.get("maxItems") == 1 for p in prompt)
+    assert props["n"]["enum"] == [1] and props["presence_penalty"]["enum"] == [0]
+    assert {"type": "string", "minLength": 1} in props["stop"]["anyOf"]
+
+
+# ---- one terminal outcome per request ----------------------------------------------------------------------
+
+
+def _tracker(metrics: GatewayMetrics) -> Tracker:
+    return Tracker(MemoryStore(), metrics, 60, "req-1", SloClass(name="chat", tpot_ms=50), api_key="a", model="m")
+
+
+def _value(metrics: GatewayMetrics, name: str, **labels: str) -> float:
+    got = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if got is None else got
+
+
+def test_a_request_sent_ends_in_exactly_one_outcome() -> None:
+    m = GatewayMetrics()
+
+    async def main() -> None:
+        for outcome in ("done", "aborted", "failed", "rejected"):
+            t = _tracker(m)
+            await t.routed("w1", admitted("w1"))
+            assert _value(m, "adaserve_gateway_in_flight", slo_class="chat") == 1
+            await t.routed("w2", admitted("w2"))  # a retry is the same request
+            await t.finished(outcome, None, reason="because")
+            await t.finished("done", "stop")  # a second end changes nothing
+
+    run(main())
+    assert _value(m, "adaserve_gateway_requests_total", slo_class="chat") == 4
+    for outcome in ("done", "aborted", "failed", "rejected"):
+        assert _value(m, "adaserve_gateway_finished_total", slo_class="chat", outcome=outcome) == 1
+    assert _value(m, "adaserve_gateway_in_flight", slo_class="chat") == 0
+
+
+def test_a_request_never_sent_is_not_counted_but_its_record_is_closed() -> None:
+    m = GatewayMetrics()
+    t = _tracker(m)
+
+    async def main() -> dict[str, str] | None:
+        await t.received()
+        await t.finished("aborted", None)  # the client left while it waited in admission
+        return await t.store.get_record("req-1")
+
+    record = run(main())
+    assert record is not None and record["status"] == "aborted"
+    assert _value(m, "adaserve_gateway_requests_total", slo_class="chat") == 0
+    assert _value(m, "adaserve_gateway_finished_total", slo_class="chat", outcome="aborted") == 0

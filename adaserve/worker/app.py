@@ -103,7 +103,10 @@ async def _refused(_request: Request, exc: Exception) -> JSONResponse:
 async def _invalid(_request: Request, exc: Exception) -> JSONResponse:
     if not isinstance(exc, RequestValidationError):
         raise exc
-    errors = [{"field": field_path(tuple(e.get("loc", ()))) or "body", "message": e.get("msg", ""),
-               "type": e.get("type", "")} for e in exc.errors()]
-    detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors) or "invalid request"
+    errors = [{"field": field_path(tuple(e.get("loc", ()))) or "body",
+               "message": str(e.get("msg", "")).removeprefix("Value error, "), "type": e.get("type", "")}
+              for e in exc.errors()]
+    # a rule over the whole body ("body") names its fields itself
+    detail = "; ".join(f"{e['field']}: {e['message']}" if e["field"] != "body" else e["message"]
+                       for e in errors) or "invalid request"
     return JSONResponse({"detail": detail, "errors": errors}, status_code=422)

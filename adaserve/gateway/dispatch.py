@@ -31,7 +31,8 @@ class WorkerFailed(Exception):
 
 
 class WorkerLost(Exception):
-    """The worker failed after tokens reached the client: the answer is incomplete."""
+    """The worker failed after its first token: the answer goes on on another worker (relay.Call, failover.py),
+    or, when none can take it on, is incomplete."""
 
 
 async def _events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:

@@ -183,6 +183,54 @@ def test_a_seeded_sample_goes_on_as_the_unbroken_run(gateway: GatewayProcess, fl
     assert record(rds, rid)["attempts"] == "2"
 
 
+def test_a_silent_worker_is_left_after_token_timeout_s(rds: tuple[redis.Redis, str], fleet: Fleet,
+                                                      tmp_path: Path) -> None:
+    """A worker that hangs (frozen, its connection open) is given up after ``token_timeout_s``: the answer goes
+    on elsewhere, whole, and the hung worker is told to abort (it does, once it runs again)."""
+    while len(fleet.live()) < 2:
+        fleet.start().wait_ready()
+    classes = tmp_path / "lax.json"
+    classes.write_text("[" + ",".join(c.model_dump_json(by_alias=True, exclude_none=True) for c in LAX) + "]")
+    gw = start_gateway(tmp_path / "gw-hang.log", "--redis-url", REDIS_URL, "--redis-prefix", rds[1],
+                       "--slo-classes-file", str(classes), "--default-slo-class", "chat",
+                       env={"ADASERVE_GATEWAY_TOKEN_TIMEOUT_S": "3"})
+    frozen: Service | None = None
+    try:
+        gw.wait_workers(2)
+        c = client(gw)
+        params = {"max_tokens": LONG, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        want = c.completions.create(model="demo", prompt=PROMPT, **params).choices[0].text
+        for _ in range(3):
+            raw = c.completions.with_raw_response.create(model="demo", prompt=PROMPT, stream=True, **params)
+            rid, wid = raw.headers["X-Request-Id"], raw.headers["X-Adaserve-Worker"]
+            parts: list[str] = []
+            stream = raw.parse()
+            for chunk in stream:
+                parts.append(chunk.choices[0].text if chunk.choices else "")
+                if frozen is None and len("".join(parts)) >= CUT_AFTER_CHARS:
+                    w = fleet.workers[wid]
+                    w.proc.send_signal(signal.SIGSTOP)
+                    time.sleep(0.5)
+                    if rds[0].hget(f"{rds[1]}:requests:{rid}", "status") != "running":
+                        w.proc.send_signal(signal.SIGCONT)  # it had already ended: try again
+                        stream.close()
+                        break
+                    frozen = w
+            if frozen is not None:
+                break
+        assert frozen is not None and "".join(parts) == want
+        rec = record(rds, rid)
+        assert rec["attempts"] == "2" and rec["worker"] != wid and rec["status"] == "done", rec
+        assert "sent nothing for 3s" in gw.logs()
+        frozen.proc.send_signal(signal.SIGCONT)
+        # the abort reaches it once it runs: nothing left in flight there
+        assert wait_for(lambda: metric(scrape(frozen.url), "adaserve_active_requests", slo_class="chat") == 0, 30)
+    finally:
+        if frozen is not None:
+            frozen.proc.send_signal(signal.SIGCONT)
+        assert gw.stop() == 0, gw.logs()[-3000:]
+
+
 def test_a_json_answer_survives_its_workers_kill(gateway: GatewayProcess, fleet: Fleet,
                                                  rds: tuple[redis.Redis, str]) -> None:
     """Not streamed: the gateway has tokens the client has not seen yet; the answer still comes whole."""

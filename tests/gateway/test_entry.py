@@ -18,7 +18,7 @@ COMMANDS = {"module": [sys.executable, "-m", "adaserve.gateway"],
 
 
 def options(command: list[str]) -> list[str]:
-    out = subprocess.run([*command, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([*command, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return sorted(set(re.findall(r"--[a-z][a-z-]+", out.stdout)))
 
@@ -36,7 +36,8 @@ def test_both_commands_take_the_same_options() -> None:
 ])
 def test_bad_settings_are_one_line_and_exit_2(command: str, args: list[str], message: str) -> None:
     env = {"PATH": "/usr/bin:/bin"}  # no ADASERVE_GATEWAY_* from the caller's environment
-    done = subprocess.run([*COMMANDS[command], *args], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    done = subprocess.run([*COMMANDS[command], *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=env)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("adaserve: error: ") and message in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1

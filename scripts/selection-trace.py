@@ -1,7 +1,10 @@
 """Trace adaserve's selection in a simulated overload: what the engine thought its trees were worth
 (f-mass of the verified tree) against what verification accepted, per iteration sample and overall.
 
-    python scripts/selection-trace.py --node-value draft|learned [--rate 20] [--duration 6] --json OUT
+    python scripts/selection-trace.py --node-value draft|learned [--rate 20] [--duration 6] [--max-batch 64] --json OUT
+
+Also what an iteration carried (prefill tokens beside the trees, simulated step time) and each class's
+TPOT against its target: where the time of an overloaded iteration goes.
 
 The tiny pair on the simulated A100 profile of the paper's setting (docs/architecture.md §5, §13).
 """
@@ -29,11 +32,12 @@ def main() -> None:
     p.add_argument("--node-value", choices=["draft", "learned"], required=True)
     p.add_argument("--rate", type=float, default=20.0)
     p.add_argument("--duration", type=float, default=6.0)
+    p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--json", type=Path, required=True)
     a = p.parse_args()
     pair = resolve("demo-tiny")
     cfg = BenchConfig(target=pair.target, draft=pair.draft, policies=("adaserve",), rates=(a.rate,),
-                      duration_s=a.duration, clock="simulated", device_profile=PROFILE)
+                      duration_s=a.duration, clock="simulated", device_profile=PROFILE, max_batch=a.max_batch)
     shared = load_shared(cfg, progress=False)
     base = make_engine(shared, Variant("adaserve", "adaserve", shared.budget))
     eng = Engine(base.target, base.draft, replace(base.cfg, node_value=a.node_value), clock=base.clock)
@@ -54,16 +58,35 @@ def main() -> None:
         sel = (verified >= lo) & (verified <= hi)
         mean = float(acc[sel].mean()) if sel.any() else None
         buckets[f"{lo}-{hi}"] = {"steps": int(sel.sum()), "mean_accepted": mean}
+    by_class: dict[str, dict] = {}
+    for _, q in arrivals:
+        t, slo = q.metrics.tpot_ms, q.tpot_slo_ms
+        c = by_class.setdefault(f"{slo:.1f} ms", {"requests": 0, "met": 0, "tpot_ms": []})
+        c["requests"] += 1
+        c["met"] += t is None or t <= slo
+        if t is not None:
+            c["tpot_ms"].append(t)
+    classes = {k: {"requests": v["requests"], "attainment": v["met"] / v["requests"],
+                   "tpot_ms_p50_p90": [float(np.percentile(v["tpot_ms"], q)) for q in (50, 90)]}
+               for k, v in sorted(by_class.items())}
+    spec = [m for m in steps if m.n_decode]
+    carried = {"iterations_with_prefill_share": float(np.mean([m.prefill_tokens > 0 for m in spec])),
+               "mean_prefill_tokens": float(np.mean([m.prefill_tokens for m in spec])),
+               "mean_verified_tokens": float(np.mean([m.tokens_verified for m in spec])),
+               "mean_budget": float(np.mean([m.budget for m in spec])),
+               "mean_step_ms": float(1e3 * np.mean([m.t_step_s for m in spec])),
+               "mean_predicted_step_ms": float(1e3 * np.mean([m.predicted_iter_s for m in spec]))}
     learnt = eng.acceptance.rates() if isinstance(eng.acceptance, RankAcceptance) else None
     out = {"command": f"python scripts/selection-trace.py --node-value {a.node_value} --rate {a.rate:g} "
-                      f"--duration {a.duration:g}",
+                      f"--duration {a.duration:g} --max-batch {a.max_batch}",
            "device_profile": PROFILE, "model": "demo-tiny", "node_value": a.node_value, "rate_rps": a.rate,
            "duration_s": a.duration, "iterations": len(steps),
            "mean_believed_tokens_per_tree": float(np.mean(believed)) if believed else None,
            "mean_emitted_tokens_per_tree": float(np.mean(acc + 1)) if len(acc) else None,
            "mean_accepted_per_verification": float(acc.mean()) if len(acc) else None,
            "mean_decoding_requests": float(np.mean([m.n_decode for m in steps if m.n_decode])),
-           "accepted_by_verified_size": buckets, "learnt_acceptance_by_sibling_rank": learnt}
+           "accepted_by_verified_size": buckets,
+           "iteration_carried": carried, "by_tpot_target": classes, "learnt_acceptance_by_sibling_rank": learnt}
     a.json.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))
 

@@ -101,7 +101,9 @@ class Gateway:
             raise ApiError(404, f"model {model!r} not found; available: {pinned}", code="model_not_found",
                            param="model")
         if not self.directory.all():
-            raise ApiError(503, "no worker is registered to serve any model; retry later", code="no_workers",
+            why = f" (the worker registry is unreachable: {self.directory.last_error})" \
+                if self.directory.last_error else ""
+            raise ApiError(503, f"no worker is registered to serve any model{why}; retry later", code="no_workers",
                            retry_after=self.settings.retry_after_s)
         known = [pinned] if pinned is not None else self.directory.models()
         if model not in known:

@@ -78,6 +78,9 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                 if path == "/v1/generate" and method == "post":
                     for status, why in GENERATE_ERRORS.items():
                         responses[status] = {"description": why}
+                    # one JSON body, or server-sent events; before OpenAPI 3.2 the schema is each event's
+                    responses["200"].setdefault("content", {})["text/event-stream"] = {"schema": {
+                        "type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}}
                 if method == "delete":
                     responses["404"] = {"description": "no such request in flight"}
                 for status, answer in responses.items():
@@ -85,6 +88,23 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                         answer["content"] = {"application/json": {"schema": problem}}
         if "/metrics" in doc.get("paths", {}):
             doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {}}
+        # this worker's own limits, which the contract's schema cannot know
+        settings = app.state.runtime.settings
+        body = schemas.get("GenerateRequest", {}).get("properties", {})
+        if "max_tokens" in body:
+            body["max_tokens"] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": settings.max_tokens_limit},
+                                            {"type": "null"}]}
+        if body:  # the rules between fields (GenerateRequest._one_prompt) as JSON Schema
+            fields = ("prompt", "prompt_token_ids", "messages")
+            given = {"not": {"type": "null"}}
+            one_prompt = [{"required": [f], "properties": {g: given if g == f else {"type": "null"} for g in fields}}
+                          for f in fields]  # exactly one of the three, the others absent or null
+            resume = [{"properties": {"resume_text": {"type": "null"}}},  # resume_text needs resume_token_ids
+                      {"required": ["resume_token_ids"], "properties": {"resume_token_ids": given}}]
+            schemas["GenerateRequest"]["allOf"] = [{"anyOf": one_prompt}, {"anyOf": resume}]
+        if settings.slo_classes and "slo_class" in body:
+            body["slo_class"] = {"anyOf": [{"enum": sorted({*settings.slo_classes, settings.default_slo_class})},
+                                           {"type": "null"}]}
         app.openapi_schema = doc
     return app.openapi_schema
 

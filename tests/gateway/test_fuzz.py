@@ -30,19 +30,22 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 from adaserve.gateway.app import create_app
 from adaserve.gateway.service import Gateway
 from adaserve.gateway.settings import GatewaySettings
+from adaserve.worker.app import create_app as worker_app
+from adaserve.worker.runtime import Runtime
+from adaserve.worker.settings import WorkerSettings
 from tests.gateway.test_hardening import classes, gateway, rds, worker  # noqa: F401  (fixtures)
-from tests.servers import GatewayProcess
+from tests.servers import GatewayProcess, Service
 
-MAX_EXAMPLES = 40  # per operation and mode
+MAX_EXAMPLES = 40  # per operation and mode, at the gateway
+WORKER_EXAMPLES = 15  # and at the worker, whose valid cases include long prompts of token ids
 MAX_TOKENS = 8  # what a valid generated request may ask the worker for: bounded work per case
 # schemathesis's own positive_data_acceptance statuses (5xx is not_a_server_error's to judge)
 ACCEPTED = {401, 403, 404, 409, 429}
 
 
-def operations() -> list[tuple[str, str, GenerationMode]]:
-    """(method, path, mode) for every operation the gateway's document declares (built in-process: it connects
-    nothing), valid data for each, invalid data for those that take any input."""
-    doc = create_app(Gateway(GatewaySettings(workers=["http://127.0.0.1:9"]))).openapi()
+def operations(doc: dict[str, Any]) -> list[tuple[str, str, GenerationMode]]:
+    """(method, path, mode) for every operation ``doc`` declares: valid data for each, invalid data for those
+    that take any input."""
     out = []
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
@@ -50,6 +53,10 @@ def operations() -> list[tuple[str, str, GenerationMode]]:
             if op.get("parameters") or op.get("requestBody"):
                 out.append((method.upper(), path, GenerationMode.NEGATIVE))
     return out
+
+
+GATEWAY_DOC = create_app(Gateway(GatewaySettings(workers=["http://127.0.0.1:9"]))).openapi()  # connects nothing
+WORKER_DOC = worker_app(Runtime(WorkerSettings(target="demo-tiny", warmup=False))).openapi()  # loads nothing yet
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +106,7 @@ def valid_data_refused_only_by_the_model(case: Any, response: Any) -> None:
                                           f"sent: {case.method} {case.path} {repr(case.body)[:300]}")
 
 
-@pytest.mark.parametrize(("method", "path", "mode"), operations())
+@pytest.mark.parametrize(("method", "path", "mode"), operations(GATEWAY_DOC))
 def test_gateway_answers_generated_requests_as_documented(method: str, path: str, mode: GenerationMode,
                                                           gateway: GatewayProcess,  # noqa: F811
                                                           live_schema: Any, session: requests.Session) -> None:
@@ -120,6 +127,48 @@ def test_gateway_answers_generated_requests_as_documented(method: str, path: str
     try:
         run()
     except hypothesis.errors.Unsatisfiable:  # every input it declares is valid: nothing invalid to send
+        if mode is GenerationMode.POSITIVE:
+            raise
+        pytest.skip(f"{method} {path} declares no input that can be invalid")
+
+
+@pytest.fixture(scope="module")
+def worker_schema(worker: Service) -> Any:  # noqa: F811
+    return schemathesis.openapi.from_url(f"{worker.url}/openapi.json")
+
+
+@pytest.fixture(scope="module")
+def worker_session(worker: Service) -> Iterator[requests.Session]:  # noqa: F811
+    s = requests.Session()
+    s.mount("http://", requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=1, max_retries=0))
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize(("method", "path", "mode"), operations(WORKER_DOC))
+def test_worker_answers_generated_requests_as_documented(method: str, path: str, mode: GenerationMode,
+                                                         worker: Service, worker_schema: Any,  # noqa: F811
+                                                         worker_session: requests.Session) -> None:
+    """The same against the worker's own API. A worker's 400 is always the engine's refusal of a body it can
+    never serve (docs/worker.md), so for valid data it is taken as the model's, like rejected_by_worker above."""
+    operation = worker_schema[path][method]
+
+    @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
+    @hypothesis.settings(max_examples=WORKER_EXAMPLES, deadline=None, derandomize=True, database=None,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    def run(case: Any) -> None:
+        bounded(case)
+        before = connections(worker_session, worker.url)
+        response = case.call_and_validate(base_url=worker.url, session=worker_session, timeout=60,
+                                          excluded_checks=[positive_data_acceptance])
+        if mode is GenerationMode.POSITIVE:
+            assert response.status_code < 400 or response.status_code in {*ACCEPTED, 400} or \
+                response.status_code >= 500, f"valid data refused: {response.status_code} {response.text[:300]}"
+        assert connections(worker_session, worker.url) <= max(before, 1), "the worker dropped the connection"
+
+    try:
+        run()
+    except hypothesis.errors.Unsatisfiable:
         if mode is GenerationMode.POSITIVE:
             raise
         pytest.skip(f"{method} {path} declares no input that can be invalid")

@@ -13,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import statistics
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,33 +94,57 @@ def warm_up(engine: Engine) -> None:
     engine.history.clear()
 
 
-LONE_PROMPT = "Write a Python function that reverses a list."  # the README's coding request
+# One request of each kind the default classes serve. A lone request's speed depends on how well the draft
+# guesses it and on its prompt's length: the README's coding request alone got 26 ms per token on the 2-core
+# CPU where HumanEval prompts alone got 48 ms and long summarization prompts 91 ms
+# (docs/results/loadtest-cpu-smollm2-admission.json, `sequential`), so one prompt's figure made
+# `adaserve up` derive a coding class that no request could meet. The median of the three is published.
+LONE_PROMPTS = (
+    "Write a Python function that reverses a list.",  # the README's coding request
+    "Which planets of the solar system have rings, and what are the rings made of? Answer in a short paragraph.",
+    "Summarize in one sentence: The city council met on Tuesday to discuss the new public library. Members agreed "
+    "that the old building, opened in 1962, no longer meets the needs of a growing population: it has no space "
+    "for computers, its roof leaks, and it cannot be reached by wheelchair. After two hours of debate the council "
+    "voted to build a new library near the central station, paid for by a bond that voters will be asked to "
+    "approve in the spring. Construction could start next year and take about three years.",
+)
 LONE_TOKENS = 32
 
 
-def lone_prompt_ids(engine: Engine, tokenizer: Any | None) -> list[int]:
-    """LONE_PROMPT as a served chat turn (the model's template), or token ids when there is no tokenizer."""
+def lone_prompt_ids(engine: Engine, tokenizer: Any | None) -> list[list[int]]:
+    """LONE_PROMPTS as served chat turns (the model's template), or token ids of their lengths' order when
+    there is no tokenizer."""
     if tokenizer is None:
-        return [i % engine.target.vocab_size for i in range(2, 34)]
+        vocab = engine.target.vocab_size
+        return [[i % vocab for i in range(2, 2 + n)] for n in (16, 32, 128)]
     if has_chat_template(tokenizer):
-        return list(tokenizer.encode(chat_text(tokenizer, [{"role": "user", "content": LONE_PROMPT}]),
-                                     add_special_tokens=False))
-    return list(tokenizer.encode(LONE_PROMPT, add_special_tokens=True))
+        return [list(tokenizer.encode(chat_text(tokenizer, [{"role": "user", "content": text}]),
+                                      add_special_tokens=False)) for text in LONE_PROMPTS]
+    return [list(tokenizer.encode(text, add_special_tokens=True)) for text in LONE_PROMPTS]
 
 
-def measure_lone(engine: Engine, prompt_ids: list[int]) -> tuple[float | None, list[StepMetrics]]:
-    """Serve one request alone, as a client's would be served (speculation included): its mean TPOT in ms, and
-    the iterations it took (they seed the measured iteration-time curve). (None, []) if the engine refuses it."""
-    req = Request("lone", prompt_ids, SamplingParams(max_tokens=LONE_TOKENS, ignore_eos=True))
-    try:
-        engine.check_request(req)
-    except ValueError as e:
-        log.warning("not measuring a lone request: %s", e)
-        return None, []
-    engine.run([(0.0, req)])
-    steps = list(engine.history)
-    engine.history.clear()
-    return req.metrics.tpot_ms, steps
+def measure_lone(engine: Engine, prompts: Sequence[list[int]]) -> tuple[float | None, list[StepMetrics]]:
+    """Serve each prompt alone, as a client's request would be served (speculation included): the median of
+    their mean TPOTs in ms, and the iterations they took (they seed the measured iteration-time curve).
+    (None, []) if the engine refuses every one."""
+    tpots: list[float] = []
+    steps: list[StepMetrics] = []
+    for i, ids in enumerate(prompts):
+        req = Request(f"lone-{i}", ids, SamplingParams(max_tokens=LONE_TOKENS, ignore_eos=True))
+        try:
+            engine.check_request(req)
+        except ValueError as e:
+            log.warning("not measuring a lone request: %s", e)
+            continue
+        engine.run([(0.0, req)])
+        steps += engine.history
+        engine.history.clear()
+        if req.metrics.tpot_ms is not None:
+            tpots.append(req.metrics.tpot_ms)
+    return (statistics.median(tpots) if tpots else None), steps
+
+
+MIN_TEMPERATURE = 1e-300  # smaller positive temperatures are served greedy (Runtime._params)
 
 
 def longest_token(tokenizer: Any | None) -> int:
@@ -380,8 +405,11 @@ class Runtime:
             raise RequestRefused(422, f"max_tokens: must be <= {self.settings.max_tokens_limit}, got {max_tokens}")
         if body.stops and self.tokenizer is None:
             raise RequestRefused(400, "stop: stop strings need a tokenizer, and this model has none")
-        # the schema already holds every field to SamplingParams' own ranges: nothing here can be refused
-        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        # the schema already holds every field to SamplingParams' own ranges: nothing here can be refused.
+        # Below MIN_TEMPERATURE, logits / temperature overflows float64 and the probabilities turn NaN (5e-324 gave
+        # the last token of the vocabulary every time); the distribution there is the argmax anyway: greedy.
+        temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p, top_k=body.top_k,
                               seed=body.seed, stop=body.stops, stop_token_ids=tuple(body.stop_token_ids),
                               ignore_eos=body.ignore_eos)
 

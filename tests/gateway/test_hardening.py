@@ -173,6 +173,18 @@ def test_a_prompt_over_the_context_is_refused_untokenised_and_memory_returns(gat
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]
 
 
+def test_a_vanishing_temperature_is_served_as_greedy(worker: Service) -> None:
+    """A temperature so small that logits / temperature overflows (found by the fuzz test's kind of input) is the
+    argmax anyway; it used to come out as the vocabulary's last token every time."""
+    def tokens(temperature: float) -> list[int]:
+        r = httpx.post(f"{worker.url}/v1/generate", timeout=60,
+                       json={"prompt": "def add(a, b):", "max_tokens": 8, "temperature": temperature, "seed": 1})
+        assert r.status_code == 200, r.text
+        return r.json()["token_ids"]
+
+    assert tokens(5e-324) == tokens(1e-300) == tokens(0.0)
+
+
 # ---- 2. faults: documented 503s -------------------------------------------------------------------------------
 
 

@@ -59,6 +59,16 @@ def test_every_edge_refuses_a_lone_surrogate_by_field(model: Any) -> None:
         model.model_validate(body)
 
 
+def test_whole_floats_are_integers_as_json_schema_says() -> None:
+    """The OpenAPI document declares "integer", which JSON Schema satisfies with 0.0: so does the API."""
+    req = CompletionRequest.model_validate({"model": "m", "prompt": [0.0, 7.0], "max_tokens": 2.0, "seed": 3.0})
+    assert req.prompt == [0, 7] and all(type(t) is int for t in req.prompt) and req.max_tokens == 2
+    for bad in ({"max_tokens": 2.5}, {"max_tokens": True}, {"max_tokens": "2"}, {"prompt": [1.5]}, {"top_k": -1.0}):
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate({"model": "m", "prompt": "x", **bad})
+    assert GenerateRequest.model_validate({"prompt_token_ids": [1.0], "top_k": 4.0}).top_k == 4
+
+
 def test_a_record_is_its_own_keys_and_admins() -> None:
     a, b = ApiKey(key="sk-a-01234567", name="a"), ApiKey(key="sk-b-01234567", name="b")
     admin = ApiKey(key="sk-o-01234567", name="ops", admin=True)

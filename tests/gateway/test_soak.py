@@ -201,8 +201,7 @@ def test_soak(private_redis: PrivateRedis, tmp_path: Path) -> None:
             w.wait_ready()
         classes = tmp_path / "lax.json"
         classes.write_text("[" + ",".join(c.model_dump_json(by_alias=True, exclude_none=True) for c in LAX) + "]")
-        # the model pinned, as a deployment's gateway is: while Redis comes back empty the workers are unknown
-        # for up to a heartbeat, and an unpinned gateway would answer 404 for a model it does not know yet
+        # pinned to the one model served, as a deployment's gateway usually is
         gw = start_gateway(tmp_path / "gateway.log", "--redis-url", private_redis.url, "--redis-prefix", "soak",
                            "--slo-classes-file", str(classes), "--default-slo-class", "chat", "--model-name", "demo")
         gw.wait_workers(2)

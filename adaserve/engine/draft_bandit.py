@@ -58,6 +58,9 @@ class Choice:
     prompt_len: int
     current: int | None  # the arm of the slot that just ended (None: the request's first slot)
     switch_s: tuple[float, ...]  # predicted recompute seconds if the next slot runs on each arm (0 on its own)
+    # per arm: seconds the rest of the batch would wait over the slot if this request alone ran that draft
+    # (a draft group of one adds its d forwards to every request's iteration); 0 where others run it
+    join_s: tuple[float, ...] = ()
 
 
 class DraftSelector(Protocol):
@@ -173,7 +176,7 @@ class UCBDrafts:
         bonus_j   = c * sqrt(ln N / N_j * min(1/4, V_j + sqrt(2 ln N / N_j)))          (UCB1-Tuned)
         d_i       = mean over the request's slots of g_ij / g_j     (how easy it is: the same on every draft)
         e_ij      = (n_ij * (g_ij / g_j) / d_i + k0) / (n_ij + k0)  (its own lean to j, shrunk to 1)
-        score_ij  = (g_j * e_ij / g_max + bonus_j) * S_j / (S_j + switch_ij)
+        score_ij  = (g_j * e_ij / g_max + bonus_j) * S_j / (S_j + switch_ij + join_ij)
 
     N: all slots, n_ij: the request's slots on j, S_j: mean slot seconds on j, switch_ij: predicted
     recompute if the next slot moves to j. An arm no request has tried yet is tried first. Exploration is
@@ -181,7 +184,8 @@ class UCBDrafts:
     as the pool learns (regret O(log N)). A request's difficulty cancels out of the ranking (a hard request
     is hard on every draft); only its lean to one draft, seen once it has run on more than one, moves it
     away from the pool's choice. The switch factor turns a slot's goodput into the reward the slot would
-    get with the recompute counted (SlotResult.reward).
+    get with the recompute counted (SlotResult.reward); ``join_ij`` adds what the other requests would
+    lose if this one opened a draft group of its own (drafts run one after another on one device).
     """
 
     n_arms: int
@@ -220,7 +224,7 @@ class UCBDrafts:
             var = max(0.0, m2 - m1 * m1) / g_max**2
             log_n = math.log(max(n_all, 1))
             bonus = self.c * math.sqrt(log_n / pool.slots * min(0.25, var + math.sqrt(2 * log_n / pool.slots)))
-            switch = c.switch_s[j] if j != c.current else 0.0
+            switch = (c.switch_s[j] if j != c.current else 0.0) + (c.join_s[j] if c.join_s else 0.0)
             slot_s = pool.slot_s
             return (mean * lean[j] + bonus) * (slot_s / (slot_s + switch) if slot_s > 0 else 1.0)
 

@@ -388,7 +388,7 @@ class Engine:
         m.depth, m.width = shape.depth, shape.width
         t0 = self.clock()
         if self.pool is not None:  # several drafts: each request's own, one beam search per draft
-            self.pool.assign(decoding)
+            self.pool.assign(decoding, depth=shape.depth, width=shape.width)
             cands = self.pool.speculate(decoding, depth=shape.depth, width=shape.width, expansion=shape.expansion)
             t1 = self.clock()
         else:

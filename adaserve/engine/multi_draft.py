@@ -100,13 +100,22 @@ class DraftPool:
         return predict
 
     # ---- the iteration -----------------------------------------------------------------------------
-    def assign(self, decoding: list[Request]) -> None:
-        """A draft for every request whose slot ended; switched requests' new KV caught up, timed."""
+    def assign(self, decoding: list[Request], *, depth: int, width: int) -> None:
+        """A draft for every request whose slot ended; switched requests' new KV caught up, timed.
+
+        A request deciding alone to open a draft group makes every other request wait for that group's
+        ``depth`` forwards: its selector sees that as ``join_s`` (others x slot x the group's priced steps)."""
         catch_up: dict[int, list[Request]] = {}
+        deciding = {r.request_id for r in decoding if (s := self.slots.get(r.request_id)) is None
+                    or s.iters >= self.slot_iters}
+        groups = [0] * len(self.drafts)  # requests on each draft whose draft is settled for this iteration
+        for r in decoding:
+            if r.request_id not in deciding:
+                groups[r.draft_index] += 1
         for req in decoding:
-            slot = self.slots.get(req.request_id)
-            if slot is not None and slot.iters < self.slot_iters:
+            if req.request_id not in deciding:
                 continue
+            slot = self.slots.get(req.request_id)
             current = None if slot is None else slot.arm
             if slot is not None:
                 self._report(req.request_id, slot)
@@ -114,7 +123,11 @@ class DraftPool:
             # predicted recompute per arm: the tokens that arm's KV lacks (all but the root)
             switch = tuple(self.times[j].predict(0, max(0, n - 1 - self.kv_of(req, j).length))
                            if current is not None and j != current else 0.0 for j in range(len(self.drafts)))
-            arm = self.selector.choose(Choice(req.request_id, len(req.prompt_ids), current, switch))
+            ctx, others = req.target_kv.length, len(decoding) - 1
+            join = tuple(0.0 if groups[j] else others * self.slot_iters * depth * self.times[j].predict(ctx, width)
+                         for j in range(len(self.drafts)))
+            arm = self.selector.choose(Choice(req.request_id, len(req.prompt_ids), current, switch, join))
+            groups[arm] += 1
             if current is None:  # the first slot: no draft has seen the request yet
                 req.draft_index = arm
             elif arm != current:

@@ -90,3 +90,13 @@ def test_make_selector_and_policy_names() -> None:
     assert make_policy("spin").name == "chain"
     with pytest.raises(ValueError, match="bad draft selector"):
         make_policy("adaserve@best")
+
+
+def test_ucb_does_not_open_a_draft_group_of_one_for_a_small_gain() -> None:
+    """Drafts run one after another: a lone request on the other draft delays every other request."""
+    ucb = UCBDrafts(2, c=0.0)
+    for arm, tok in ((0, 10), (1, 11)):
+        for i in range(5):
+            ucb.observe(f"p{arm}{i}", SlotResult(arm, tok, 1.0))
+    assert ucb.choose(Choice("r", 10, 0, (0.0, 0.0), (0.0, 0.0))) == 1
+    assert ucb.choose(Choice("r", 10, 0, (0.0, 0.0), (0.0, 2.0))) == 0  # 39 others would wait on its group

@@ -43,7 +43,10 @@ class SamplingParams:
 
 def processed_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """logits [N, V] -> probabilities [N, V] after temperature, top-k and top-p (float64 for exact CDFs)."""
-    x = logits.double() / p.temperature
+    x = logits.double()
+    # shift by the max first (softmax is unchanged by it): x / T overflows float64 for a tiny T, and the NaN
+    # probabilities that followed drew the vocabulary's last token; shifted, the max stays 0 and the rest -> -inf
+    x = (x - x.max(dim=-1, keepdim=True).values) / p.temperature
     if p.top_k and p.top_k < x.shape[-1]:
         kth = torch.topk(x, p.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))

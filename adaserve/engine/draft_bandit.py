@@ -185,7 +185,10 @@ class UCBDrafts:
     is hard on every draft); only its lean to one draft, seen once it has run on more than one, moves it
     away from the pool's choice. The switch factor turns a slot's goodput into the reward the slot would
     get with the recompute counted (SlotResult.reward); ``join_ij`` adds what the other requests would
-    lose if this one opened a draft group of its own (drafts run one after another on one device).
+    lose if this one opened a draft group of its own (drafts run one after another on one device). It is
+    waived for the pool's own choice (argmax of g_j / g_max + bonus_j): every request without a lean
+    makes that choice, so the batch moves together, and the pool can still leave a draft that looked
+    better early (without the waiver the first run herded onto the draft that was worse in hindsight).
     """
 
     n_arms: int
@@ -217,16 +220,23 @@ class UCBDrafts:
                 lean = [(mine[j].slots * (mine[j].goodput / g[j]) / d + self.k0) / (mine[j].slots + self.k0)
                         if j in tried else 1.0 for j in range(self.n_arms)]
 
-        def score(j: int) -> float:
+        def bonus(j: int) -> float:
             pool = self.pooled[j]
-            mean = g[j] / g_max
             m1, m2 = self.sr[j] / pool.slots, self.sq[j] / pool.slots  # E[r], E[r^2] over slots
             var = max(0.0, m2 - m1 * m1) / g_max**2
             log_n = math.log(max(n_all, 1))
-            bonus = self.c * math.sqrt(log_n / pool.slots * min(0.25, var + math.sqrt(2 * log_n / pool.slots)))
-            switch = (c.switch_s[j] if j != c.current else 0.0) + (c.join_s[j] if c.join_s else 0.0)
-            slot_s = pool.slot_s
-            return (mean * lean[j] + bonus) * (slot_s / (slot_s + switch) if slot_s > 0 else 1.0)
+            return self.c * math.sqrt(log_n / pool.slots * min(0.25, var + math.sqrt(2 * log_n / pool.slots)))
+
+        # the pool's choice: every request without a lean of its own makes the same one, so moving to it
+        # opens no group of one (the others follow); only a personal deviation from it pays join_s
+        leader = max(range(self.n_arms), key=lambda j: g[j] / g_max + bonus(j))
+
+        def score(j: int) -> float:
+            switch = c.switch_s[j] if j != c.current else 0.0
+            if c.join_s and j != leader:
+                switch += c.join_s[j]
+            slot_s = self.pooled[j].slot_s
+            return (g[j] / g_max * lean[j] + bonus(j)) * (slot_s / (slot_s + switch) if slot_s > 0 else 1.0)
 
         return max(range(self.n_arms), key=score)
 

@@ -93,10 +93,15 @@ def test_make_selector_and_policy_names() -> None:
 
 
 def test_ucb_does_not_open_a_draft_group_of_one_for_a_small_gain() -> None:
-    """Drafts run one after another: a lone request on the other draft delays every other request."""
+    """Drafts run one after another: a lone request on the other draft delays every other request. A
+    personal lean pays that cost; the pool's own choice does not (every request follows it)."""
     ucb = UCBDrafts(2, c=0.0)
-    for arm, tok in ((0, 10), (1, 11)):
-        for i in range(5):
-            ucb.observe(f"p{arm}{i}", SlotResult(arm, tok, 1.0))
+    for i in range(10):  # the pool: arm 0 a little better
+        ucb.observe(f"p{i}", SlotResult(0, 10, 1.0))
+        ucb.observe(f"q{i}", SlotResult(1, 9, 1.0))
+    for _ in range(2):  # this request leans to arm 1
+        ucb.observe("r", SlotResult(0, 8, 1.0))
+        ucb.observe("r", SlotResult(1, 12, 1.0))
     assert ucb.choose(Choice("r", 10, 0, (0.0, 0.0), (0.0, 0.0))) == 1
-    assert ucb.choose(Choice("r", 10, 0, (0.0, 0.0), (0.0, 2.0))) == 0  # 39 others would wait on its group
+    assert ucb.choose(Choice("r", 10, 0, (0.0, 0.0), (0.0, 2.0))) == 0  # the others would wait on its group
+    assert ucb.choose(Choice("new", 10, 1, (0.0, 0.0), (2.0, 0.0))) == 0  # the pool's choice: no join cost

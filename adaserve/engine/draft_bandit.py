@@ -179,7 +179,7 @@ class UCBDrafts:
         score_ij  = (g_j * e_ij / g_max + bonus_j) * S_j / (S_j + switch_ij + join_ij)
 
     N: all slots, n_ij: the request's slots on j, S_j: mean slot seconds on j, switch_ij: predicted
-    recompute if the next slot moves to j. An arm no request has tried yet is tried first. Exploration is
+    recompute if the next slot moves to j. Each arm gets ``min_slots`` slots first. Exploration is
     shared: requests are short (a few slots each), so each alone cannot learn much, and the bonus shrinks
     as the pool learns (regret O(log N)). A request's difficulty cancels out of the ranking (a hard request
     is hard on every draft); only its lean to one draft, seen once it has run on more than one, moves it
@@ -194,6 +194,7 @@ class UCBDrafts:
     n_arms: int
     c: float = 0.7
     k0: float = 2.0
+    min_slots: int = 8  # every draft gets this many slots first, while the engine fills (cheap, and less noisy)
     name: str = "ucb"
     pooled: list[ArmStats] = field(default_factory=list)
     sr: list[float] = field(default_factory=list)  # per arm: sum of slot rewards, and of their squares
@@ -205,9 +206,9 @@ class UCBDrafts:
         self.sr, self.sq = [0.0] * self.n_arms, [0.0] * self.n_arms
 
     def choose(self, c: Choice) -> int:
-        untried = [j for j, s in enumerate(self.pooled) if s.slots == 0]
-        if untried:
-            return c.current if c.current in untried else untried[0]
+        few = [j for j, s in enumerate(self.pooled) if s.slots < self.min_slots]
+        if few:  # one slot's goodput varies by +-40%: a lead taken on two or three slots herds the batch
+            return c.current if c.current in few else min(few, key=lambda j: self.pooled[j].slots)
         g = [s.goodput for s in self.pooled]
         g_max = max(g) or 1.0
         n_all = sum(s.slots for s in self.pooled)

@@ -25,7 +25,7 @@ def test_slot_reward_counts_the_switch() -> None:
 
 
 def test_ucb_tries_every_arm_then_settles_on_the_better() -> None:
-    ucb = UCBDrafts(2)
+    ucb = UCBDrafts(2, min_slots=1)
     assert ucb.choose(choice("a")) == 0
     ucb.observe("a", SlotResult(0, 4, 1.0))
     assert ucb.choose(choice("b")) == 1  # arm 1 untried anywhere
@@ -37,7 +37,7 @@ def test_ucb_tries_every_arm_then_settles_on_the_better() -> None:
 
 
 def test_ucb_switch_cost_keeps_a_request_on_a_slightly_worse_arm() -> None:
-    ucb = UCBDrafts(2, c=0.0)
+    ucb = UCBDrafts(2, c=0.0, min_slots=1)
     for arm, tok in ((0, 10), (1, 11)):
         for i in range(5):
             ucb.observe(f"p{arm}{i}", SlotResult(arm, tok, 1.0))
@@ -47,7 +47,7 @@ def test_ucb_switch_cost_keeps_a_request_on_a_slightly_worse_arm() -> None:
 
 
 def test_ucb_learns_a_request_that_differs_from_the_pool() -> None:
-    ucb = UCBDrafts(2, c=0.0)
+    ucb = UCBDrafts(2, c=0.0, min_slots=1)
     for i in range(10):  # the pool: arm 0 better
         ucb.observe(f"p{i}", SlotResult(0, 10, 1.0))
         ucb.observe(f"q{i}", SlotResult(1, 5, 1.0))
@@ -95,7 +95,7 @@ def test_make_selector_and_policy_names() -> None:
 def test_ucb_does_not_open_a_draft_group_of_one_for_a_small_gain() -> None:
     """Drafts run one after another: a lone request on the other draft delays every other request. A
     personal lean pays that cost; the pool's own choice does not (every request follows it)."""
-    ucb = UCBDrafts(2, c=0.0)
+    ucb = UCBDrafts(2, c=0.0, min_slots=1)
     for i in range(10):  # the pool: arm 0 a little better
         ucb.observe(f"p{i}", SlotResult(0, 10, 1.0))
         ucb.observe(f"q{i}", SlotResult(1, 9, 1.0))
@@ -105,3 +105,13 @@ def test_ucb_does_not_open_a_draft_group_of_one_for_a_small_gain() -> None:
     assert ucb.choose(Choice("r", 10, 0, (0.0, 0.0), (0.0, 0.0))) == 1
     assert ucb.choose(Choice("r", 10, 0, (0.0, 0.0), (0.0, 2.0))) == 0  # the others would wait on its group
     assert ucb.choose(Choice("new", 10, 1, (0.0, 0.0), (2.0, 0.0))) == 0  # the pool's choice: no join cost
+
+
+def test_ucb_gives_every_draft_its_first_slots() -> None:
+    ucb = UCBDrafts(2, min_slots=3)
+    picks = []
+    for i in range(6):
+        arm = ucb.choose(choice(f"r{i}"))
+        picks.append(arm)
+        ucb.observe(f"r{i}", SlotResult(arm, 10 if arm == 0 else 1, 1.0))
+    assert sorted(picks) == [0, 0, 0, 1, 1, 1]  # however bad draft 1 looks after one slot

@@ -133,10 +133,11 @@ class Gateway:
         """Admit and start the request on a worker; another worker if one fails before its first token."""
         tried: set[str] = set()
         failures: list[str] = []
+        model = track.model if self.settings.model_name is None else None
+        code = "workers_failed"
         for _ in range(self.settings.max_attempts):
             try:
-                admitted = await self.admission.admit(slo, model=track.model if self.settings.model_name is None
-                                                      else None, exclude=tried)
+                admitted = await self.admission.admit(slo, model=model, exclude=tried)
             except Refused as e:
                 if not failures:
                     await track.refused("shed" if e.reason != "no_workers" else "unavailable", e.reason)
@@ -165,6 +166,11 @@ class Gateway:
                 log.warning("request %s: %s; trying another worker", track.request_id, e)
                 tried.add(w.id)
                 failures.append(str(e))
+                if not e.busy and all(x.id in tried for x in self.directory.usable(model)):
+                    # the last live worker is gone (its registration outlives it by up to a TTL): say so now,
+                    # 503 no_workers + Retry-After, rather than hold a request nothing was sent for worker_wait_s
+                    code = "no_workers"
+                    break
             except ApiError as e:  # the worker refused the request itself (its 4xx): the caller's to fix
                 self.directory.release(w.id, slo.name)
                 await track.finished("rejected", None, reason=e.message)
@@ -174,7 +180,7 @@ class Gateway:
                 self.spawn(track.finished("aborted" if isinstance(e, asyncio.CancelledError) else "failed", None))
                 raise
         await track.finished("failed", None)
-        raise ApiError(503, f"no worker could start the request: {'; '.join(failures)}", code="workers_failed",
+        raise ApiError(503, f"no worker could start the request: {'; '.join(failures)}", code=code,
                        retry_after=self.settings.retry_after_s)
 
     def done(self, up: dispatch.Upstream, track: Tracker, outcome: str) -> None:

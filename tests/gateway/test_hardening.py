@@ -8,6 +8,7 @@ busy machine; the measured figures are in docs/results/hardening-check.json (scr
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import time
@@ -273,6 +274,24 @@ def dead_registration(r: redis.Redis, prefix: str, wid: str) -> None:
            "measured": {"iterations": curve}, "updated_at": time.time()}
     r.set(f"{prefix}:workers:{wid}", json.dumps(doc), px=600_000)
     r.zadd(f"{prefix}:workers", {wid: int(time.time() * 1000) + 600_000})
+
+
+def test_the_last_worker_dead_but_still_registered_is_503_no_workers_at_once(tmp_path: Path) -> None:
+    """Its registration outlives it by up to a TTL: the gateway tries it, finds nothing listening and, with no
+    other worker, answers 503 no_workers then, not after holding the request for worker_wait_s (30 s)."""
+    with contextlib.contextmanager(isolated_redis)("gw-dead") as (r, prefix):
+        dead_registration(r, prefix, "w-gone")
+        gw = gateway_for(prefix, tmp_path / "gw-dead.log", workers=1)
+        try:
+            t0 = time.monotonic()
+            resp = httpx.post(f"{gw.url}/v1/completions", content=GOOD, headers={"content-type": "application/json"},
+                              timeout=60)
+            took = time.monotonic() - t0
+            assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_workers", resp.text
+            assert int(resp.headers["Retry-After"]) >= 1
+            assert took < 10.0, took  # generous bound on a busy machine; it was worker_wait_s (30 s) before
+        finally:
+            assert gw.stop() == 0
 
 
 def test_every_request_ends_in_exactly_one_outcome(rds: tuple[redis.Redis, str], worker: Service,

@@ -83,9 +83,7 @@ async def reopen(gw: Gateway, request: GenerateRequest, slo: SloClass, track: Tr
                                               first_token_timeout_s=gw.settings.first_token_timeout_s,
                                               token_timeout_s=gw.settings.token_timeout_s)
         except dispatch.WorkerFailed as e:
-            gw.directory.release(w.id, slo.name)
-            if not e.busy:
-                gw.directory.mark_failed(w.id)
+            gw.worker_failed(w.id, slo.name, e)
             log.warning("request %s: continuing failed too: %s", track.request_id, e)
             tried.add(w.id)
             if time.monotonic() >= deadline:

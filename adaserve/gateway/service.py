@@ -160,9 +160,7 @@ class Gateway:
                 track.decoding_since = self.directory.mark(w.id)  # the load it decodes under is measured from here
                 return up
             except dispatch.WorkerFailed as e:
-                self.directory.release(w.id, slo.name)
-                if not e.busy:
-                    self.directory.mark_failed(w.id)
+                self.worker_failed(w.id, slo.name, e)
                 log.warning("request %s: %s; trying another worker", track.request_id, e)
                 tried.add(w.id)
                 failures.append(str(e))
@@ -182,6 +180,13 @@ class Gateway:
         await track.finished("failed", None)
         raise ApiError(503, f"no worker could start the request: {'; '.join(failures)}", code=code,
                        retry_after=self.settings.retry_after_s)
+
+    def worker_failed(self, worker_id: str, slo_class: str, e: dispatch.WorkerFailed) -> None:
+        """A worker failed a request before its answer started: free its slot, and unless it was only busy
+        (a refusal, a drain), keep requests away from it for a while."""
+        self.directory.release(worker_id, slo_class)
+        if not e.busy:
+            self.directory.mark_failed(worker_id)
 
     def done(self, up: dispatch.Upstream, track: Tracker, outcome: str) -> None:
         """The request has left its worker: learn from its TPOT (if it finished normally), then release the slot."""

@@ -81,17 +81,25 @@ class InFlight:
         return self.req.request_id
 
 
+def serve_alone(engine: Engine, req: Request, what: str) -> list[StepMetrics] | None:
+    """Serve ``req`` with nothing else running; the iterations it took (the engine's history is left empty),
+    or None, logged as "not <what>", if the engine refuses it."""
+    try:
+        engine.check_request(req)
+    except ValueError as e:
+        log.warning("not %s: %s", what, e)
+        return None
+    engine.run([(0.0, req)])
+    steps = list(engine.history)
+    engine.history.clear()
+    return steps
+
+
 def warm_up(engine: Engine) -> None:
     """One short speculative request end to end, so the first client does not pay for lazy set-up."""
     vocab = engine.target.vocab_size
     req = Request("warmup", [i % vocab for i in range(2, 18)], SamplingParams(max_tokens=8, ignore_eos=True))
-    try:
-        engine.check_request(req)
-    except ValueError as e:
-        log.warning("skipping warm-up: %s", e)
-        return
-    engine.run([(0.0, req)])
-    engine.history.clear()
+    serve_alone(engine, req, "warming up")
 
 
 # One request of each kind the default classes serve. A lone request's speed depends on how well the draft
@@ -131,14 +139,10 @@ def measure_lone(engine: Engine, prompts: Sequence[list[int]]) -> tuple[float | 
     steps: list[StepMetrics] = []
     for i, ids in enumerate(prompts):
         req = Request(f"lone-{i}", ids, SamplingParams(max_tokens=LONE_TOKENS, ignore_eos=True))
-        try:
-            engine.check_request(req)
-        except ValueError as e:
-            log.warning("not measuring a lone request: %s", e)
+        served = serve_alone(engine, req, "measuring a lone request")
+        if served is None:
             continue
-        engine.run([(0.0, req)])
-        steps += engine.history
-        engine.history.clear()
+        steps += served
         if req.metrics.tpot_ms is not None:
             tpots.append(req.metrics.tpot_ms)
     return (statistics.median(tpots) if tpots else None), steps

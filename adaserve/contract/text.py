@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from adaserve.error_fields import field_path
-
 
 def unencodable(value: Any) -> str | None:
     """Where in ``value`` (parsed JSON: dicts, lists, strings, ...) a string or key cannot be encoded as UTF-8,
@@ -43,7 +41,11 @@ def _path(steps: list[tuple[int, Any]], parent: int, key: Any) -> str:
         parent, k = steps[parent]
         if k is not None:
             keys.append(k)
-    return field_path(tuple(reversed(keys))) or "body"
+    # written out here, not error_fields.field_path: the contract imports nothing outside itself
+    out = ""
+    for k in reversed(keys):
+        out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else str(k))
+    return out or "body"
 
 
 def _encodes(s: str) -> bool:

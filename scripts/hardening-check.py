@@ -210,6 +210,11 @@ def main() -> None:
         out["redis_unreachable"] = {"record": timed("GET", f"{noredis.url}/v1/requests/cmpl-123"),
                                     "completion": timed("POST", f"{noredis.url}/v1/completions", content=GOOD,
                                                         headers={"content-type": "application/json"})}
+        # the last worker dies (kill -9) while its registration is still live: 503 no_workers, not a wait
+        worker.proc.kill()
+        worker.proc.wait(10)
+        out["last_worker_dead"] = timed("POST", f"{g}/v1/completions", content=GOOD,
+                                        headers={"content-type": "application/json"})
         logs = ("worker.log", "gw.log", "gw-keys.log", "gw-empty.log", "gw-noredis.log")
         out["tracebacks_in_logs"] = sum((tmp / f).read_text(errors="replace").count("Traceback") for f in logs)
     finally:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from adaserve.engine.config import EngineConfig, MultiDraftConfig
@@ -19,7 +18,7 @@ from adaserve.engine.request import Request
 from adaserve.engine.sampling import SamplingParams
 from tests.engine.helpers import hf_greedy, runner
 from tests.engine.test_greedy_generation import run_staggered, workload
-from tests.engine.test_sampling_lossless import PROMPT, SMALL, V, chi2_pvalue, exact_joint
+from tests.engine.test_sampling_lossless import PROMPT, SMALL, chi2_pvalue, exact_joint, seeded_pairs
 from tests.models import make_checkpoint
 
 
@@ -130,15 +129,7 @@ def test_sampling_distribution_with_two_switching_drafts(small_models: tuple[Pat
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
     n = 3000
     eng = multi_engine(target, [d1, d2], "beam:2,2", budget=4096, prefill_chunk=8192, max_batch=1024)
-    reqs = [Request(f"s{seed}", PROMPT, SamplingParams(**{**params.__dict__, "seed": seed})) for seed in range(n)]
-    for r in reqs:
-        eng.add_request(r)
-    while eng.has_work:
-        eng.step()
-    counts = np.zeros((V, V), np.int64)
-    for r in reqs:
-        assert len(r.output_ids) == 3
-        counts[r.output_ids[1], r.output_ids[2]] += 1
+    reqs, counts = seeded_pairs(eng, params, n)
     assert eng.pool is not None and eng.pool.use.switches > 0
     assert any(len(set(r.metrics.drafts_per_step)) == 2 for r in reqs)
     assert chi2_pvalue(counts, exact_joint(target, params)) > 1e-3

@@ -17,6 +17,7 @@ import pytest
 import torch
 from scipy import stats
 
+from adaserve.engine.engine import Engine
 from adaserve.engine.request import Request
 from adaserve.engine.sampling import SamplingParams, processed_probs
 from tests.engine.helpers import engine
@@ -56,6 +57,21 @@ def exact_joint(path: Path, params: SamplingParams) -> np.ndarray:
     return joint
 
 
+def seeded_pairs(eng: Engine, params: SamplingParams, n: int) -> tuple[list[Request], np.ndarray]:
+    """Serve ``n`` requests of ``params`` seeded 0..n-1 together: the requests, and counts of their (second,
+    third) output tokens, the joint the exact distribution is compared with."""
+    reqs = [Request(f"s{seed}", PROMPT, SamplingParams(**{**params.__dict__, "seed": seed})) for seed in range(n)]
+    for r in reqs:
+        eng.add_request(r)
+    while eng.has_work:
+        eng.step()
+    counts = np.zeros((V, V), np.int64)
+    for r in reqs:
+        assert len(r.output_ids) == 3
+        counts[r.output_ids[1], r.output_ids[2]] += 1
+    return reqs, counts
+
+
 def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     expected = probs.ravel() * counts.sum()
     observed = counts.ravel().astype(float)
@@ -83,17 +99,7 @@ def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
 def test_speculative_sampling_matches_target_distribution(pair: tuple[Path, Path], params: SamplingParams) -> None:
     target, draft = pair
     eng = engine(target, draft, "beam:2,2", budget=4096, prefill_chunk=8192, max_batch=1024)
-    reqs = []
-    for seed in range(N):
-        p = SamplingParams(**{**params.__dict__, "seed": seed})
-        reqs.append(Request(f"s{seed}", PROMPT, p))
-        eng.add_request(reqs[-1])
-    while eng.has_work:
-        eng.step()
-    counts = np.zeros((V, V), np.int64)
-    for r in reqs:
-        assert len(r.output_ids) == 3
-        counts[r.output_ids[1], r.output_ids[2]] += 1
+    reqs, counts = seeded_pairs(eng, params, N)
     accepted = sum(sum(r.metrics.accepted_per_step) for r in reqs)
     assert 0 < accepted < 2 * N  # both acceptance and rejection happened
 

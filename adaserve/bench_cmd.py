@@ -83,13 +83,11 @@ def run(args: argparse.Namespace) -> int:
     from adaserve.bench.runner import BenchConfig, plot_report, run_bench
     from adaserve.bench.workload import parse_mix
     from adaserve.engine.build import EngineBuildError
-    from adaserve.engine.catalog import ModelNotFoundError, model_dir, resolve
+    from adaserve.engine.catalog import ModelNotFoundError, resolve_drafts
     from adaserve.engine.model_config import UnsupportedModelError
 
     try:
-        drafts = args.draft or []
-        pair = resolve(args.target or args.model, draft=drafts[0] if drafts else None)
-        extra = tuple(model_dir(d) for d in drafts[1:])
+        pair, extra = resolve_drafts(args.target or args.model, args.draft or ())
     except ModelNotFoundError as e:
         raise CliError(str(e)) from None
     if pair.draft is None:

@@ -102,15 +102,13 @@ def read_input(path: Path) -> list[PromptLine]:
 
 def run(args: argparse.Namespace) -> int:
     from adaserve.engine.build import EngineBuildError, build_engine
-    from adaserve.engine.catalog import ModelNotFoundError, model_dir, resolve
+    from adaserve.engine.catalog import ModelNotFoundError, resolve_drafts
     from adaserve.engine.request import Request
     from adaserve.worker.detok import truncate_at_stop
 
     lines = read_input(args.input)
-    drafts = args.draft or []
     try:
-        pair = resolve(args.target, draft=drafts[0] if drafts else None)
-        extra = [model_dir(d) for d in drafts[1:]]
+        pair, extra = resolve_drafts(args.target, args.draft or ())
     except ModelNotFoundError as e:
         raise CliError(str(e)) from None
     try:

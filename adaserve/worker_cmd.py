@@ -22,7 +22,10 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("worker", help="serve the engine over HTTP (a GPU pod's process)")
     p.add_argument("--target", help="target model: smollm2-135m-instruct (default, brings its draft), demo-tiny, "
                    "a .gguf file or a Hugging Face directory [ADASERVE_TARGET]")
-    p.add_argument("--draft", help="draft model, same forms [ADASERVE_DRAFT]")
+    p.add_argument("--draft", action="append",
+                   help="draft model, same forms (or smollm2-draft, smollm2-draft-small) [ADASERVE_DRAFT]; repeat it "
+                        "for several drafts, each request's chosen per slot by the policy's selector (spin, "
+                        "POLICY@ucb|eps|length|dN) [ADASERVE_DRAFTS, a JSON list]")
     p.add_argument("--model-name", help="name clients pass as 'model' [ADASERVE_MODEL_NAME, default: the model's]")
     p.add_argument("--device", choices=["cpu", "cuda"], help="[ADASERVE_DEVICE, default cpu]")
     p.add_argument("--host", help="bind address [ADASERVE_HOST, default 127.0.0.1]")
@@ -49,7 +52,16 @@ def load_settings(args: argparse.Namespace) -> Any:
     from adaserve.worker.settings import WorkerSettings
 
     given = {name: getattr(args, name) for name in (*OPTIONS, "reprofile") if getattr(args, name) is not None}
+    given.update(draft_options(args.draft))
     return load(WorkerSettings, given, options=OPTIONS, env_prefix="ADASERVE_")
+
+
+def draft_options(drafts: list[str] | None) -> dict[str, Any]:
+    """Repeated ``--draft`` as settings: one is ``draft``, several are ``drafts``; either replaces both
+    environment variables (the command line wins), none leaves them."""
+    if not drafts:
+        return {}
+    return {"draft": drafts[0], "drafts": []} if len(drafts) == 1 else {"draft": None, "drafts": drafts}
 
 
 def run(args: argparse.Namespace) -> int:

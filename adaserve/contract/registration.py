@@ -39,7 +39,8 @@ class CostModels(_Part):
 class ModelNames(_Part):
     name: str | None = None  # what clients pass as "model"; None: serves whatever is asked
     target: str | None = None
-    draft: str | None = None
+    draft: str | None = None  # the first (profiled) draft when there are several
+    drafts: list[str] = Field(default_factory=list)  # every draft as configured, in order; [] when one or none
 
 
 class Capacity(_Part):

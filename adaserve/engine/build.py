@@ -109,7 +109,10 @@ def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Pat
         # deeper or wider trees than the defaults need a larger floor under B (budget.speculation_floor)
         cfg = replace(cfg, budget=max(prof.budget, speculation_floor(adaptive)), target_cost=prof.target_cost,
                       draft_cost=prof.draft_cost, adaptive=adaptive)
-    engine = Engine(tgt, [drf, *extra] if drf is not None and extra else drf, cfg)
+    try:
+        engine = Engine(tgt, [drf, *extra] if drf is not None and extra else drf, cfg)
+    except ValueError as e:  # e.g. a draft selector pinning a draft there is not (spin@d2 with two drafts)
+        raise EngineBuildError(str(e)) from None
     tokenizer = None
     if any((target / f).is_file() for f in TOKENIZER_FILES):
         try:

@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +87,15 @@ def resolve(model: str | Path = DEFAULT_MODEL, *, draft: str | Path | None = Non
         if path is not None and not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{role} model directory {path} has no config.json")
     return pair
+
+
+def resolve_drafts(model: str | Path = DEFAULT_MODEL, drafts: Sequence[str | Path] = (), *,
+                   progress: bool = True) -> tuple[ModelPair, tuple[Path, ...]]:
+    """``resolve`` with several drafts: the pair with ``drafts[0]`` as its draft (the model's own when
+    ``drafts`` is empty), and the directories of the other drafts, in order (``build_engine``'s
+    ``extra_drafts``)."""
+    pair = resolve(model, draft=drafts[0] if drafts else None, progress=progress)
+    return pair, tuple(model_dir(str(d), progress=progress) for d in drafts[1:])
 
 
 def check_ref(text: str) -> None:

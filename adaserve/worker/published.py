@@ -68,6 +68,13 @@ def context_tokens(engine: Engine) -> int:
 
 def registration(s: WorkerSettings, *, status: str, built: BuiltEngine | None, active_classes: list[str],
                  metrics: WorkerMetrics, measurements: Measurements, lone_tpot_ms: float | None,
+def model_names(s: WorkerSettings) -> ModelNames:
+    """What the worker serves: the name, the target, and its draft (the first, profiled one) or drafts."""
+    refs = s.draft_refs
+    return ModelNames(name=s.served_model_name, target=str(s.target), draft=refs[0] if refs else None,
+                      drafts=refs if len(refs) > 1 else [])
+
+
                  started_at: float) -> Registration:
     """The document a worker keeps in Redis and serves at ``GET /v1/status``; ``active_classes``: the SLO
     class of each request in flight (Runtime.registration gathers all of this)."""
@@ -79,7 +86,7 @@ def registration(s: WorkerSettings, *, status: str, built: BuiltEngine | None, a
         address=s.address,
         status=status,
         version=__version__,
-        models=ModelNames(name=s.served_model_name, target=str(s.target), draft=str(s.draft) if s.draft else None),
+        models=model_names(s),
         capacity=Capacity(max_active_requests=s.max_active_requests,
                           max_batch=engine.cfg.max_batch if engine else None),
         load=Load(

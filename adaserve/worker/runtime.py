@@ -24,7 +24,7 @@ from adaserve.contract.generate import GenerateRequest
 from adaserve.contract.registration import Profile, Registration
 from adaserve.contract.slo import NORMAL_END
 from adaserve.engine.build import BuiltEngine, EngineBuildError, build_engine
-from adaserve.engine.catalog import ModelNotFoundError, resolve
+from adaserve.engine.catalog import ModelNotFoundError, resolve_drafts
 from adaserve.engine.chat import ChatTemplateError, chat_text, has_chat_template
 from adaserve.engine.engine import Engine, StepMetrics, TokenEvent
 from adaserve.engine.loader import load_tokenizer
@@ -239,11 +239,12 @@ class Runtime:
 
             torch.set_num_threads(s.torch_threads)
         try:
-            pair = resolve(s.target, draft=s.draft, progress=False)  # a GGUF file is converted once, here
+            pair, extra = resolve_drafts(s.target, s.draft_refs, progress=False)  # a GGUF file: converted once, here
         except ModelNotFoundError as e:
             raise EngineBuildError(str(e)) from None
-        built = build_engine(target=pair.target, draft=pair.draft, device=s.device, policy=s.policy, budget=s.budget,
-                             attention=s.attention, kv_memory_mb=s.kv_memory_mb, force_profile=s.reprofile,
+        built = build_engine(target=pair.target, draft=pair.draft, extra_drafts=extra, device=s.device,
+                             policy=s.policy, budget=s.budget, attention=s.attention, kv_memory_mb=s.kv_memory_mb,
+                             force_profile=s.reprofile,
                              dtype=s.dtype, max_depth=s.max_depth, max_width=s.max_width,
                              progress=False)
         lone: tuple[float | None, list[StepMetrics]] = (None, [])

@@ -6,6 +6,7 @@ uses the command line. Both end up here and are validated once, before any model
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import PurePath
 from typing import Literal
@@ -17,6 +18,7 @@ from adaserve.body_limit import DEFAULT_MAX_BODY_BYTES
 from adaserve.contract.redis_settings import DEFAULT_PREFIX, RedisPrefix, RedisUrl
 from adaserve.contract.slo import CLASS_NAME, SloClassName
 from adaserve.engine.catalog import DEFAULT_MODEL, NAMES, check_ref, served_name
+from adaserve.engine.policies import split_policy
 
 
 class WorkerSettings(BaseSettings):
@@ -29,6 +31,10 @@ class WorkerSettings(BaseSettings):
     target: str = Field(DEFAULT_MODEL, description="target model: a name (smollm2-135m-instruct, demo-tiny), a "
                         ".gguf file or a Hugging Face directory; a named model brings its own draft")
     draft: str | None = Field(None, description="draft model (same forms); speculative policies need one")
+    drafts: list[str] = Field(default_factory=list, description="several drafts (same forms, or smollm2-draft, "
+                              "smollm2-draft-small), instead of draft: each request's draft is then chosen per "
+                              "slot by the policy's selector (POLICY@ucb|eps|length|dN, spin); JSON list in "
+                              "ADASERVE_DRAFTS")
     model_name: str | None = Field(None, description="name published to the gateway (default: the model's name, "
                                    "the GGUF file's stem or the directory's name)")
     device: Literal["cpu", "cuda"] = "cpu"
@@ -82,6 +88,20 @@ class WorkerSettings(BaseSettings):
             check_ref(v)  # ModelNotFoundError is a ValueError: a one-line settings error
         return v
 
+    @field_validator("drafts", mode="before")
+    @classmethod
+    def _paths_as_text(cls, v: object) -> object:
+        return [str(d) if isinstance(d, PurePath) else d for d in v] if isinstance(v, list | tuple) else v
+
+    @field_validator("drafts")
+    @classmethod
+    def _draft_refs(cls, v: list[str]) -> list[str]:
+        for d in v:
+            check_ref(d)
+        if len(set(v)) != len(v):
+            raise ValueError("a draft is named twice: each draft may appear once")
+        return v
+
     @field_validator("slo_classes")
     @classmethod
     def _classes(cls, v: dict[str, float]) -> dict[str, float]:
@@ -98,13 +118,25 @@ class WorkerSettings(BaseSettings):
             raise ValueError("registration_ttl_s must be longer than heartbeat_s, or the entry flickers")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens must be <= max_tokens_limit")
-        if self.target not in NAMES and self.draft is None and self.policy != "incremental":
+        if self.draft is not None and self.drafts:
+            raise ValueError("set draft or drafts, not both (drafts lists every draft, the first one included)")
+        if self.target not in NAMES and not self.draft_refs and self.policy != "incremental":
             # refused before loading: a .gguf target would otherwise be converted first, for nothing
             raise ValueError(f"policy {self.policy} speculates and target {self.target} brings no draft: "
-                             "set draft, or policy incremental")
+                             "set draft (or drafts), or policy incremental")
+        pinned = split_policy(self.policy)[1] or ""
+        if len(self.draft_refs) > 1 and re.fullmatch(r"d[0-9]+", pinned) and int(pinned[1:]) >= len(self.draft_refs):
+            raise ValueError(f"policy {self.policy} pins draft {pinned[1:]}, but there are "
+                             f"{len(self.draft_refs)} drafts (d0..d{len(self.draft_refs) - 1})")
         if not self.worker_id:
             self.worker_id = f"{socket.gethostname()}-{self.port}"
         return self
+
+    @property
+    def draft_refs(self) -> list[str]:
+        """Every draft the worker was given, the one it profiles first: ``drafts``, else ``draft``, else none
+        (a named target then brings its own)."""
+        return list(self.drafts) or ([self.draft] if self.draft is not None else [])
 
     @property
     def address(self) -> str:

@@ -11,7 +11,7 @@ REGISTRATION: dict[str, Any] = {
     "address": "http://10.0.3.17:8000/",
     "status": "ready",
     "version": "0.1.0",
-    "models": {"name": "target", "target": "/models/target", "draft": "/models/draft"},
+    "models": {"name": "target", "target": "/models/target", "draft": "/models/draft", "drafts": []},
     "device": "NVIDIA H100 80GB HBM3",
     "device_type": "cuda",
     "budget": 582,

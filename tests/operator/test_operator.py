@@ -26,7 +26,7 @@ import yaml
 from adaserve.operator import builders, names
 from adaserve.operator.config import OperatorConfig
 from adaserve.operator.kube import is_subset, owned_by
-from adaserve.operator.spec import MSG_REDIS_ONE, parse_spec
+from adaserve.operator.spec import MSG_DRAFT_OR_DRAFTS, MSG_REDIS_ONE, parse_spec
 from tests.operator.cluster import Api, Cluster, Operator, eventually, write_kubeconfig
 from tests.operator.schema import EXAMPLE_PATH
 
@@ -368,3 +368,28 @@ async def test_a_foreign_object_holding_a_childs_name_is_left_alone(env: Env) ->
 
         await eventually(ours, what="our ConfigMap")
         await eventually(lambda: _phase(env, "Progressing"), what="phase Progressing once the name is free")
+
+
+async def test_several_drafts_reach_the_worker_pods_and_a_bad_list_is_a_condition(env: Env) -> None:
+    """model.drafts beside model.draft is refused (CEL would; the emulator does not) with the CRD's words in
+    the status; once draft is removed, the worker Deployment gets every draft as ADASERVE_DRAFTS."""
+    drafts = ["/models/llama-3.2-1b-instruct", "/models/llama-3.2-3b-instruct"]
+    async with Operator(CONFIG):
+        body = env.resource(speculation={"policy": "spin"})
+        body["spec"]["model"]["drafts"] = drafts  # and the example's draft: both
+        await env.create(body)
+        st = await eventually(lambda: _phase(env, "Failed"), what="phase Failed")
+        assert _degraded_message(st) == f"spec.model: {MSG_DRAFT_OR_DRAFTS}"
+        assert not any((await env.children()).values())
+
+        await env.api.patch(env.cr, {"spec": {"model": {"draft": None}}})
+
+        async def worker_env() -> dict[str, str]:
+            d = await env.api.get(env.path("apis/apps/v1", "deployments", f"{NAME}-worker"))
+            if d is None:
+                return {}
+            return {e["name"]: e.get("value") for e in d["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+        got = await eventually(worker_env, what="the worker Deployment")
+        assert json.loads(got["ADASERVE_DRAFTS"]) == drafts and "ADASERVE_DRAFT" not in got
+        assert got["ADASERVE_POLICY"] == "spin"

@@ -193,7 +193,8 @@ def summarise_timings(timings: TimingsIn, *, context: int,
     cost, report = fit_cost_model(samples, knee=budget)  # bent at the knee (cost_model.py)
     return {
         "table": [{"n_tokens": p.n_tokens, "latency_ms": 1e3 * p.latency_s, "tokens_per_s": p.n_tokens / p.latency_s,
-                   "spread": relative_spread(timings[context][p.n_tokens])} for p in points],
+                   "spread": relative_spread(timings[context][p.n_tokens]),
+                   "rounds_ms": [1e3 * x for x in timings[context][p.n_tokens]]} for p in points],
         "budget": budget,
         "context": context,
         "cost_model": cost.to_dict(),
@@ -282,6 +283,13 @@ class Profile:
                 "problems": list(self.problems)}
 
 
+def _stored_rounds(table: Sequence[Mapping[str, Any]]) -> dict[int, list[float]] | None:
+    """The rounds a stored table was measured in (seconds per n), when it kept them (older files did not)."""
+    if not all("rounds_ms" in r for r in table):
+        return None
+    return {int(r["n_tokens"]): [float(x) / 1e3 for x in r["rounds_ms"]] for r in table}
+
+
 def _stored_problems(data: Mapping[str, Any], check: TableCheck | None) -> list[str]:
     """Why a stored profile cannot be used: a missing part, or a table that fails the check."""
     problems: list[str] = []
@@ -293,7 +301,7 @@ def _stored_problems(data: Mapping[str, Any], check: TableCheck | None) -> list[
             int(part["budget"])
             CostModel.from_dict(part["cost_model"])
             points = [RooflinePoint(int(r["n_tokens"]), float(r["latency_ms"]) / 1e3) for r in part["table"]]
-            verdict = check_roofline(points, check=check)
+            verdict = check_roofline(points, _stored_rounds(part["table"]), check=check)
         except (KeyError, TypeError, ValueError) as e:
             problems.append(f"{name}: unreadable ({e!r})")
             continue

@@ -16,6 +16,7 @@ from adaserve.engine.budget import (
     check_roofline,
     choose_budget,
     relative_spread,
+    reproducible_dip,
     robust_latency,
     smooth_roofline,
     speculation_floor,
@@ -339,8 +340,56 @@ def test_check_reads_the_spread_of_the_rounds():
     assert relative_spread([1.0, 2.0, 3.0]) == pytest.approx(1.0 / 2.0)  # MAD 1 around median 2
 
 
+# this CPU at context 64 (issue 14): t(n=2) reproducibly ~30% below t(n=1), a faster kernel for two rows
+DIP_MS = [9.0, 6.3, 7.0, 8.1, 10.2, 14.0, 21.5, 35.0, 62.0]
+JITTER = [1.00, 1.03, 0.98, 1.02, 0.99]  # five rounds of a quiet machine
+
+
+def dip_rounds(ms: list[float]) -> dict[int, list[float]]:
+    return {n: [t / 1e3 * j for j in JITTER] for n, t in zip(GRID256, ms, strict=True)}
+
+
+def test_a_dip_every_round_shows_among_few_rows_is_a_kernel_not_noise():
+    """Issue 14: the quiet machine's table was refused (and never cached) for a reproducible dip at n=2."""
+    pts = table_ms(DIP_MS)
+    assert not check_roofline(pts).ok  # without the rounds, a 30% drop is refused as before
+    assert check_roofline(pts, dip_rounds(DIP_MS)).ok  # with them: every round shows it
+    assert choose_budget(pts) >= 8  # the slow n=1 is voted out of the knee (Tukey's end rule)
+
+
+def test_a_dip_the_rounds_do_not_agree_on_is_still_refused():
+    rounds = dip_rounds(DIP_MS)
+    rounds[2] = [6.3e-3, 9.5e-3, 6.2e-3, 9.6e-3, 6.4e-3]  # n=2 cheaper than n=1 in 3 rounds of 5 only
+    rounds[1] = [9.0e-3, 9.0e-3, 9.0e-3, 9.0e-3, 9.0e-3]
+    problems = check_roofline(table_ms(DIP_MS), rounds).problems
+    assert any(p.startswith("t(n=2)") and "below t(n=1)" in p for p in problems)
+    assert reproducible_dip([1, 1, 1, 1, 2], [2, 2, 2, 2, 1])  # one stall in five is allowed
+    assert not reproducible_dip([1, 1, 1, 2, 2], [2, 2, 2, 1, 1])
+    assert not reproducible_dip([1, 1], [2, 2])  # two rounds cannot show a dip repeats
+
+
+def test_a_reproducible_dip_past_few_rows_or_too_deep_is_still_refused():
+    """A deterministic replay is reproducible by construction: only where kernels are chosen per row
+    count, and no deeper than max_dip, does reproducibility excuse a drop."""
+    late = list(QUIET_MS)
+    late[6] = 0.7 * late[5]  # n=64 30% below n=32, in every round
+    problems = check_roofline(table_ms(late), dip_rounds(late)).problems
+    assert [p.startswith("t(n=64)") for p in problems] == [True]
+    deep = list(DIP_MS)
+    deep[1] = 0.4 * deep[0]  # 60% below: not a kernel choice
+    assert not check_roofline(table_ms(deep), dip_rounds(deep)).ok
+    assert check_roofline(table_ms(deep), dip_rounds(deep), TableCheck(max_dip=0.7)).ok
+    assert not check_roofline(table_ms(DIP_MS), dip_rounds(DIP_MS), TableCheck(dip_tokens=1)).ok
+
+
+def test_the_busy_table_fails_even_with_identical_rounds():
+    verdict = check_roofline(table_ms(BUSY_MS), dip_rounds(BUSY_MS))
+    assert any("below" in p for p in verdict.problems) and any("is physical" in p for p in verdict.problems)
+
+
 @pytest.mark.parametrize("kw", [{"max_drop": 1.0}, {"max_drop": -0.1}, {"max_exponent": 0.9},
-                                {"max_spread": math.nan}, {"noise_floor_s": -1.0}])
+                                {"max_spread": math.nan}, {"noise_floor_s": -1.0}, {"max_dip": 1.0},
+                                {"dip_tokens": -1}])
 def test_table_check_validation(kw):
     with pytest.raises(ValueError):
         TableCheck(**kw)

@@ -39,7 +39,7 @@ from adaserve.engine.request import Phase, Request
 from adaserve.engine.runner import ModelRunner
 from adaserve.engine.speculate import DraftInput, beam_search
 from adaserve.engine.stop_strings import StopStringMatcher
-from adaserve.engine.timing import OnlineCostModel, scaled
+from adaserve.engine.timing import ForwardSplitter, OnlineCostModel, scaled
 from adaserve.engine.tree import TokenTree
 from adaserve.engine.verify import WalkInput, commit_moves, walk_trees
 
@@ -393,10 +393,14 @@ class Engine:
             t1 = self.clock()
         else:
             inputs = [DraftInput(r.draft_kv, r.ids_from(r.draft_kv.length)) for r in decoding]
-            cands = beam_search(self.draft, inputs, depth=shape.depth, width=shape.width, expansion=shape.expansion)
+            # each draft forward timed alone, with its own counts: the first also runs the catch-up tokens
+            split = ForwardSplitter(self.clock)
+            split.start()
+            cands = beam_search(self.draft, inputs, depth=shape.depth, width=shape.width, expansion=shape.expansion,
+                                on_forward=lambda rec: split(rec.n_context, rec.n_new))
+            for c, b, y in split.finish():
+                self.draft_time.observe(c, b, y)
             t1 = self.clock()
-            # steps 2..d each ran n*w draft tokens; step 1 ran the pending chains (not modelled separately)
-            self.draft_time.observe(n_ctx, len(decoding) * shape.width, (t1 - t0) / shape.depth)
         # selection weighs nodes by f(v); "learned": acceptance by sibling rank, not the draft's own guess
         acc = self.acceptances
         scored = cands if acc[0] is None else [acc[r.draft_index].calibrate(c) for r, c in zip(decoding, cands,

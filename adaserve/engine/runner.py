@@ -33,6 +33,7 @@ class ModelRunner:
         self.cache = PagedKVCache(model.cfg, cfg.kv, dtype=self.dtype, device=self.device)
         self.backend = make_backend(cfg.attention, model.cfg, self.device)
         self.forward_listeners: list[Callable[[ForwardRecord], None]] = []
+        self.last_forward: ForwardRecord | None = None  # the latest call's counts (the engine times drafts by it)
 
     @property
     def vocab_size(self) -> int:
@@ -59,10 +60,10 @@ class ModelRunner:
         logits = self.model(layout.input_ids, layout.positions, backend=self.backend, cache=self.cache,
                             logits_rows=torch.tensor(rows, device=self.device))
         out = list(torch.split(logits, counts))
-        if self.forward_listeners:
-            rec = ForwardRecord(n_new=sum(s.num_new for s in segments),
-                                n_context=sum(s.prefix_len + s.num_cached for s in segments),
-                                wall_s=time.perf_counter() - t0)
-            for listener in self.forward_listeners:
-                listener(rec)
+        rec = ForwardRecord(n_new=sum(s.num_new for s in segments),
+                            n_context=sum(s.prefix_len + s.num_cached for s in segments),
+                            wall_s=time.perf_counter() - t0)
+        self.last_forward = rec
+        for listener in self.forward_listeners:
+            listener(rec)
         return out

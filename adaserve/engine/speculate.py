@@ -9,6 +9,7 @@ Beam nodes' draft KV is scratch, dropped when speculation ends.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +17,7 @@ import torch
 
 from adaserve.engine.batch import Segment
 from adaserve.engine.kv_cache import SequenceKV
-from adaserve.engine.runner import ModelRunner
+from adaserve.engine.runner import ForwardRecord, ModelRunner
 from adaserve.engine.tree import TokenTree
 
 
@@ -27,7 +28,8 @@ class DraftInput:
 
 
 def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, width: int,
-                expansion: tuple[int, ...] | None = None) -> list[TokenTree]:
+                expansion: tuple[int, ...] | None = None,
+                on_forward: Callable[[ForwardRecord], None] | None = None) -> list[TokenTree]:
     """Candidate trees (root + ``depth`` levels of ``width`` nodes) with draft path log-probs.
 
     With ``expansion`` (SpecInfer's static trees) every node at depth i instead keeps its own top
@@ -36,6 +38,10 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     Every request's tree has the same number of nodes at every level (``width``, or the product of the
     expansions), so a level is one batched step over all requests: one log-softmax and one top-k over
     ``[n, F * V]`` (``[n, F, V]`` for static trees) and one copy of the picks to the host.
+
+    ``on_forward`` is called after each draft forward with what it computed (its ``ForwardRecord``): the
+    first carries every request's catch-up tokens, the others ``n * width`` beam nodes, so a caller that
+    reads its clock there times each forward with its own token and context counts (timing.ForwardSplitter).
     """
     if expansion is not None:
         depth = len(expansion)
@@ -45,6 +51,7 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
         raise ValueError("beam search needs depth >= 1 and width >= 1")
     segs = [Segment(x.seq, x.seq.length, TokenTree.chain(x.pending)) for x in inputs]
     logits = draft.forward(segs, all_logits=[False] * len(segs))
+    _seen(draft, on_forward)
     for x in inputs:  # the pending tokens are real: they stay in the draft KV
         draft.cache.truncate(x.seq, x.seq.length + len(x.pending))
 
@@ -67,10 +74,16 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
         segs = [Segment(x.seq, x.seq.length - 1, TokenTree(toks[r], pars[r], lps[r]), num_cached=m)
                 for r, x in enumerate(inputs)]
         logits = draft.forward(segs, all_logits=[True] * n)
+        _seen(draft, on_forward)
 
     for x in inputs:  # drop the scratch beams
         draft.cache.truncate(x.seq, x.seq.length)
     return [TokenTree(toks[r], pars[r], lps[r]).with_strict_decrease() for r in range(n)]
+
+
+def _seen(draft: ModelRunner, on_forward: Callable[[ForwardRecord], None] | None) -> None:
+    if on_forward is not None and draft.last_forward is not None:
+        on_forward(draft.last_forward)
 
 
 def expand_level(logits: list[torch.Tensor], base: np.ndarray, *, width: int,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +39,46 @@ def median_ratio(model: CostModel, samples: Sequence[Sample]) -> float | None:
 def median_rel_error(model: CostModel, samples: Sequence[Sample]) -> float:
     """median_i |T(c_i, b_i) - y_i| / y_i: a few stalled forwards do not count, a persistent miss does."""
     return float(np.median([abs(model.predict(c, b) - y) / y for c, b, y in samples]))
+
+
+class ForwardSplitter:
+    """Times each of several consecutive forwards on one clock, each with its own token and context counts.
+
+    :meth:`start` before the first forward, :meth:`__call__` (n_context, n_new) right after each one,
+    :meth:`finish` when the last one's caller is done: forward k's seconds run from the end of forward
+    k-1 (or the start) to its own end, and the time after the last forward goes to the last one. So the
+    samples add up to the whole span, and each forward carries the host work that prepared it (on a
+    simulated clock that work costs nothing and each sample is exactly that forward's price).
+
+    Why not the span divided by the number of forwards: the draft's beam search runs every request's
+    catch-up tokens (accepted last iteration, unseen by the draft) in its first forward and n * w beam
+    nodes in each later one. Dividing the span by the depth and calling each part an n * w forward made
+    the draft look 1.2-1.9x dearer per beam step than its profile in the simulated clock, and the online
+    correction rescaled a correct draft cost model by that much (docs/architecture.md §8).
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.samples: list[Sample] = []
+        self._last = 0.0
+
+    def start(self) -> None:
+        self.samples = []
+        self._last = self.clock()
+
+    def __call__(self, n_context: int, n_new: int) -> None:
+        now = self.clock()
+        self.samples.append((n_context, n_new, now - self._last))
+        self._last = now
+
+    def finish(self) -> list[Sample]:
+        """The samples, the time since the last forward added to it."""
+        now = self.clock()
+        if self.samples:
+            c, b, y = self.samples[-1]
+            self.samples[-1] = (c, b, y + (now - self._last))
+        self._last = now
+        return list(self.samples)
 
 
 @dataclass

@@ -114,6 +114,12 @@ def test_beam_search_shapes(target_dir: Path, draft_dir: Path) -> None:
         assert np.bincount(c.depths()).tolist() == [1, 2, 2, 2]
         assert all(c.log_probs[i] < c.log_probs[c.parents[i]] for i in range(1, c.size))
     assert all(x.seq.length == len(x.pending) for x in inputs)  # pending tokens committed, beams dropped
+    seen: list[tuple[int, int]] = []
+    more = [DraftInput(inputs[0].seq, [6, 7]), DraftInput(inputs[1].seq, [10])]
+    beam_search(draft, more, depth=3, width=2, on_forward=lambda rec: seen.append((rec.n_new, rec.n_context)))
+    # one record per draft forward: the catch-up tokens first (2 + 1 over 3 + 1 cached), then n * w beams
+    # over the prefixes before the roots (4 + 1) and each tree's cached nodes (root, then root + level 1)
+    assert seen == [(3, 4), (4, 5 + 2 * 1), (4, 5 + 2 * 3)]
     free_before = draft.cache.free_pages
     static = beam_search(draft, [DraftInput(inputs[1].seq, [11])], depth=0, width=1, expansion=(1, 1, 3, 1))
     assert np.bincount(static[0].depths()).tolist() == [1, 1, 1, 3, 3]

@@ -9,7 +9,7 @@ import pytest
 
 from adaserve.engine.cost_model import CostModel
 from adaserve.engine.profiler import summarise_timings
-from adaserve.engine.timing import OnlineCostModel, median_ratio, median_rel_error, scaled
+from adaserve.engine.timing import ForwardSplitter, OnlineCostModel, median_ratio, median_rel_error, scaled
 
 # this machine's quiet CPU forward, roughly: 6.5 ms fixed, 0.16 ms per new token, 2 us per context token
 TRUE = CostModel(alpha=2e-6, gamma=1.6e-4, delta=6.5e-3)
@@ -117,3 +117,21 @@ def test_unusable_timings_are_ignored(bad: float):
     m = OnlineCostModel(TRUE, frozen=True)
     m.observe(100, 4, bad)
     assert len(m.samples) == 0
+
+
+def test_forward_splitter_gives_each_forward_its_own_time_and_counts():
+    """Issue 14: a beam search's first draft forward also runs the catch-up tokens. Timed alone, each
+    forward is a sample with its own counts; the span divided by the depth was not."""
+    now = [10.0]
+    split = ForwardSplitter(lambda: now[0])
+    split.start()
+    for ctx, new, secs in [(300, 40, 0.009), (340, 8, 0.002), (348, 8, 0.002)]:  # catch-up, then two beam steps
+        now[0] += secs
+        split(ctx, new)
+    now[0] += 0.0005  # host work after the last forward (the last level's expansion)
+    samples = split.finish()
+    assert [(c, b) for c, b, _ in samples] == [(300, 40), (340, 8), (348, 8)]
+    assert [y for _, _, y in samples] == pytest.approx([0.009, 0.002, 0.0025])
+    assert sum(y for _, _, y in samples) == pytest.approx(now[0] - 10.0)  # the span, nothing lost
+    split.start()  # a new search starts empty
+    assert split.finish() == []

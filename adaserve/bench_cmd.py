@@ -63,6 +63,9 @@ def add_parser(sub: Any) -> None:
                    help="prompts longer than this keep their last tokens (the chat template's opening survives)")
     p.add_argument("--max-batch", type=int, default=64,
                    help="requests running at once (the engine's max_batch); later arrivals wait in its queue")
+    p.add_argument("--prefill-rule", choices=["fixed", "slo"], default="fixed",
+                   help="prompt tokens per iteration: the fixed chunk, or shrunk while decoding requests' TPOT "
+                        "SLOs need it (slo; every policy)")
     p.add_argument("--clock", choices=["wall", "simulated"], default="wall",
                    help="simulated: real models and tokens, time from --device-profile (deterministic)")
     p.add_argument("--device-profile", default="measured",
@@ -100,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
                           mix=parse_mix(args.mix) if args.mix else None, slo_scale=args.slo_scale,
                           seed=args.seed, device=args.device, budget=args.budget, budgets=args.budgets,
                           max_tokens_cap=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                          max_batch=args.max_batch, baseline_tpot_ms=args.baseline_tpot_ms,
+                          max_batch=args.max_batch, prefill_rule=args.prefill_rule,
+                          baseline_tpot_ms=args.baseline_tpot_ms,
                           clock=args.clock, device_profile=args.device_profile, sched_ms=args.sched_ms,
                           sweep=args.sweep, values=args.values)
         if args.trace is not None and not args.trace.is_file():

@@ -38,7 +38,14 @@ from adaserve.bench.sim_profile import costs_of, profile_cost, simulated_profile
 from adaserve.bench.workload import DEFAULT_MIX, WorkloadConfig, WorkloadRequest, build_workload
 from adaserve.engine.build import adaptive_for, resolve_device
 from adaserve.engine.chat import has_chat_template, instruction_ids
-from adaserve.engine.config import AdaptiveConfig, EngineConfig, KVCacheConfig, MultiDraftConfig, ProfilerConfig
+from adaserve.engine.config import (
+    PREFILL_RULES,
+    AdaptiveConfig,
+    EngineConfig,
+    KVCacheConfig,
+    MultiDraftConfig,
+    ProfilerConfig,
+)
 from adaserve.engine.cost_model import CostModel
 from adaserve.engine.engine import Engine, TokenEvent
 from adaserve.engine.loader import load_model, load_tokenizer
@@ -76,6 +83,7 @@ class BenchConfig:
     max_prompt_tokens: int = 512
     kv_memory_mb: int = 512
     max_batch: int = EngineConfig.max_batch  # requests running at once; the rest wait in the engine's queue
+    prefill_rule: str = EngineConfig.prefill_rule  # "fixed" or "slo" (prefill_chunk.py), for every policy
     baseline_tpot_ms: float | None = None  # measured when None
     clock: str = "wall"  # "simulated": time from ``device_profile`` (sim_clock.py)
     device_profile: str = MEASURED  # simulated: "measured" (this machine's profile), a shipped name or a file
@@ -94,6 +102,8 @@ class BenchConfig:
             raise ValueError("duration must be positive")
         if self.max_prompt_tokens < 1 or self.max_tokens_cap < 1 or self.max_batch < 1:
             raise ValueError("max_prompt_tokens, max_tokens_cap and max_batch must be >= 1")
+        if self.prefill_rule not in PREFILL_RULES:
+            raise ValueError(f"prefill_rule must be one of {', '.join(PREFILL_RULES)}, got {self.prefill_rule!r}")
         if self.clock not in CLOCKS:
             raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
         if self.sweep not in SWEEPS:
@@ -135,6 +145,7 @@ class Shared:
     device: DeviceProfile | None = None  # set for a simulated bench
     sched_s: float | None = None  # simulated: fixed scheduler time per iteration (None: host-measured)
     max_batch: int = EngineConfig.max_batch
+    prefill_rule: str = EngineConfig.prefill_rule
     drafts: list[ModelRunner] = field(default_factory=list)  # every draft, the first included
     draft_names: list[str] = field(default_factory=list)
     draft_prices: list[ForwardCost] = field(default_factory=list)  # simulated: each draft's price
@@ -178,7 +189,7 @@ def load_shared(cfg: BenchConfig, *, progress: bool) -> Shared:
         prof = None
     budget = cfg.budget if cfg.budget is not None else (prof.budget if prof else EngineConfig().budget)
     shared = Shared(target, draft, load_tokenizer(cfg.target), prof, budget, device=device, sched_s=sched_s,
-                    max_batch=cfg.max_batch)
+                    max_batch=cfg.max_batch, prefill_rule=cfg.prefill_rule)
     _add_drafts(shared, [draft, *extra], [cfg.draft, *cfg.extra_drafts])
     shared.variants = [Variant(p, p, budget) for p in cfg.policies]
     if HF_PEER in cfg.policies:
@@ -230,7 +241,7 @@ def make_engine(shared: Shared, variant: Variant) -> Engine:
     extra = tuple(c for c in (costs[i] for i in use[1:]) if c is not None)
     cfg = EngineConfig(policy=variant.policy, budget=variant.budget, budget_rule=variant.budget_rule,
                        adaptive=tree_bounds(shared), target_cost=prof.target_cost if prof else None,
-                       draft_cost=costs[use[0]], max_batch=shared.max_batch,
+                       draft_cost=costs[use[0]], max_batch=shared.max_batch, prefill_rule=shared.prefill_rule,
                        drafts=MultiDraftConfig(extra_costs=extra if len(extra) == len(use) - 1 else ()))
     drafts = [(shared.drafts or [shared.draft])[i] for i in use]
     speculates = make_policy(cfg.policy, cfg).max_shape is not None
@@ -423,6 +434,7 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
                    "budget_rule": EngineConfig().budget_rule,
                    "max_tokens_cap": cfg.max_tokens_cap, "max_prompt_tokens": cfg.max_prompt_tokens,
                    "kv_memory_mb": cfg.kv_memory_mb, "max_batch": cfg.max_batch,
+                   "prefill_chunk": EngineConfig().prefill_chunk, "prefill_rule": cfg.prefill_rule,
                    "chat_template": has_chat_template(shared.tokenizer)},
         "simulation": _simulation_settings(shared),
         "results": rows,

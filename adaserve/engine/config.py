@@ -5,7 +5,7 @@ own fields when built and raises ValueError naming the field, so nothing downstr
 
     EngineConfig
       policy, budget, n_max, smartspec_max_k      what an iteration verifies, and for whom
-      prefill_chunk, max_batch                    how much work one iteration takes on
+      prefill_chunk, prefill_rule, max_batch      how much work one iteration takes on
       adaptive: AdaptiveConfig                    tree depth and width from the batch size (Eq. 8-9)
       attention, kv: KVCacheConfig                how a forward runs (read when runners are built)
       target_cost, draft_cost, initial_forward_s  predicting an iteration's duration
@@ -157,6 +157,7 @@ class ProfilerConfig:
 
 
 BUDGET_RULES = ("goodput", "knee")
+PREFILL_RULES = ("fixed", "slo")
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,11 @@ class EngineConfig:
 
     # ---- how much an iteration takes on (engine.py) ----
     prefill_chunk: int = 256  # prompt tokens per step across requests (chunked prefill)
+    # "fixed": prefill_chunk every iteration; "slo": the largest of prefill_chunk, /2, ... down to
+    # prefill_min_chunk with which the decoding requests that can meet their TPOT SLO still do
+    # (prefill_chunk.py); a scheduler setting, the same for every policy; "fixed" is the behaviour before it
+    prefill_rule: str = "fixed"
+    prefill_min_chunk: int = 32
     max_batch: int = 64  # requests admitted at once
 
     # ---- how a forward runs (runner.py, kv_cache.py, attention/) ----
@@ -218,6 +224,10 @@ class EngineConfig:
         _at_least("EngineConfig", "n_max", self.n_max, 1)
         _at_least("EngineConfig", "smartspec_max_k", self.smartspec_max_k, 1)
         _at_least("EngineConfig", "prefill_chunk", self.prefill_chunk, 1)
+        if self.prefill_rule not in PREFILL_RULES:
+            raise ValueError(f"EngineConfig.prefill_rule must be one of {', '.join(PREFILL_RULES)}, "
+                             f"got {self.prefill_rule!r}")
+        _at_least("EngineConfig", "prefill_min_chunk", self.prefill_min_chunk, 1)  # capped at prefill_chunk
         _at_least("EngineConfig", "max_batch", self.max_batch, 1)
         _at_least("EngineConfig", "history_len", self.history_len, 1)
         _positive("EngineConfig", "initial_forward_s", self.initial_forward_s)

@@ -35,6 +35,7 @@ from adaserve.engine.policies import (
     requirement,
     split_policy,
 )
+from adaserve.engine.prefill_chunk import DecodingSLO, slo_prefill_chunk
 from adaserve.engine.request import Phase, Request
 from adaserve.engine.runner import ModelRunner
 from adaserve.engine.speculate import DraftInput, beam_search
@@ -345,8 +346,33 @@ class Engine:
         ids = frozenset(req.params.stop_token_ids)
         return ids if req.params.ignore_eos else ids | self.stop_ids
 
+    def _prefill_chunk(self) -> int:
+        """Prompt tokens this iteration may carry: ``prefill_chunk``, or under the "slo" rule the largest chunk
+        with which the decoding requests that can meet their TPOT SLO this iteration still do (prefill_chunk.py).
+
+        The iteration it is charged to is predicted from the recent ones: their draft and scheduler time,
+        plus one target forward over their mean verified tokens and the chunk, at today's context."""
+        cfg = self.cfg
+        if cfg.prefill_rule != "slo" or not any(r.phase is Phase.PREFILL for r in self.running):
+            return cfg.prefill_chunk
+        now = self.clock()
+        decoding = [r for r in self.running if r.phase is Phase.DECODE]
+        slos = [DecodingSLO(now - r.metrics.first_token_s, max(0, len(r.output_ids) - 1), r.tpot_slo_ms / 1e3)
+                for r in decoding if r.tpot_slo_ms is not None and r.metrics.first_token_s is not None]
+        if not slos:
+            return cfg.prefill_chunk
+        recent = [m for m in list(self.history)[-16:] if m.n_decode]
+        n_dec = sum(m.n_decode for m in recent)
+        per_req = 1.0 + (sum(m.tokens_accepted for m in recent) / n_dec if n_dec else 0.0)
+        verify = sum(m.tokens_verified for m in recent) / len(recent) if recent else float(len(decoding))
+        host = sum(m.t_speculate_s + m.t_select_s for m in recent) / len(recent) if recent else 0.0
+        n_ctx = sum(r.target_kv.length for r in decoding)
+        return slo_prefill_chunk(
+            slos, min_chunk=min(cfg.prefill_min_chunk, cfg.prefill_chunk), max_chunk=cfg.prefill_chunk,
+            tokens_per_iter=per_req, t_iter=lambda p: host + self.target_time.predict(n_ctx, round(verify) + p))
+
     def _prefill_segments(self, m: StepMetrics) -> list[tuple[Request, Segment]]:
-        left = self.cfg.prefill_chunk
+        left = self._prefill_chunk()
         out = []
         for req in self.running:
             if req.phase is not Phase.PREFILL or left <= 0:

@@ -66,8 +66,6 @@ def context_tokens(engine: Engine) -> int:
     return sum(len(r.prompt_ids) + len(r.output_ids) for r in [*engine.running, *engine.waiting])
 
 
-def registration(s: WorkerSettings, *, status: str, built: BuiltEngine | None, active_classes: list[str],
-                 metrics: WorkerMetrics, measurements: Measurements, lone_tpot_ms: float | None,
 def model_names(s: WorkerSettings) -> ModelNames:
     """What the worker serves: the name, the target, and its draft (the first, profiled one) or drafts."""
     refs = s.draft_refs
@@ -75,6 +73,8 @@ def model_names(s: WorkerSettings) -> ModelNames:
                       drafts=refs if len(refs) > 1 else [])
 
 
+def registration(s: WorkerSettings, *, status: str, built: BuiltEngine | None, active_classes: list[str],
+                 metrics: WorkerMetrics, measurements: Measurements, lone_tpot_ms: float | None,
                  started_at: float) -> Registration:
     """The document a worker keeps in Redis and serves at ``GET /v1/status``; ``active_classes``: the SLO
     class of each request in flight (Runtime.registration gathers all of this)."""

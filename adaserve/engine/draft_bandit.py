@@ -179,7 +179,16 @@ class UCBDrafts:
         score_ij  = (g_j * e_ij / g_max + bonus_j) * S_j / (S_j + switch_ij + join_ij)
 
     N: all slots, n_ij: the request's slots on j, S_j: mean slot seconds on j, switch_ij: predicted
-    recompute if the next slot moves to j. Each arm gets ``min_slots`` slots first. Exploration is
+    recompute if the next slot moves to j. Each arm gets ``min_slots`` slots first.
+
+    Slots in flight count as pulls (N_j, N and the first slots include the slots chosen and not yet
+    reported; their outcome is taken to be the arm's mean, so g_j and V_j stay the reported slots'). The
+    requests of a batch choose one after another before any of the slots they start reports, so a bandit
+    that counts only reported slots gives the same answer to every one of them: a draft owed its first
+    slots, or whose bonus leads, took every request that chose in the next four iterations (a whole
+    batch, not ``min_slots``), the overshoot of a bandit with delayed feedback. Counting pending pulls in
+    the confidence width is the usual correction (batched UCB, "hallucinated" observations), and it
+    spreads the first slots over both drafts from the first requests on. Exploration is
     shared: requests are short (a few slots each), so each alone cannot learn much, and the bonus shrinks
     as the pool learns (regret O(log N)). A request's difficulty cancels out of the ranking (a hard request
     is hard on every draft); only its lean to one draft, seen once it has run on more than one, moves it
@@ -200,18 +209,43 @@ class UCBDrafts:
     sr: list[float] = field(default_factory=list)  # per arm: sum of slot rewards, and of their squares
     sq: list[float] = field(default_factory=list)
     own: dict[str, list[ArmStats]] = field(default_factory=dict)
+    pending: list[int] = field(default_factory=list)  # per arm: slots chosen and not yet reported
+    _open: dict[str, int] = field(default_factory=dict)  # request -> the arm of its slot in flight
 
     def __post_init__(self) -> None:
         self.pooled = [ArmStats() for _ in range(self.n_arms)]
         self.sr, self.sq = [0.0] * self.n_arms, [0.0] * self.n_arms
+        self.pending = [0] * self.n_arms
+
+    def pulls(self, j: int) -> int:
+        """Slots on arm ``j``, reported or in flight."""
+        return self.pooled[j].slots + self.pending[j]
 
     def choose(self, c: Choice) -> int:
-        few = [j for j, s in enumerate(self.pooled) if s.slots < self.min_slots]
+        self._close(c.request_id)  # a slot chosen before and never reported (not expected: the engine reports)
+        arm = self._choose(c)
+        self._open[c.request_id] = arm
+        self.pending[arm] += 1
+        return arm
+
+    def _close(self, request_id: str) -> None:
+        arm = self._open.pop(request_id, None)
+        if arm is not None:
+            self.pending[arm] -= 1
+
+    def _choose(self, c: Choice) -> int:
+        few = [j for j in range(self.n_arms) if self.pulls(j) < self.min_slots]
         if few:  # one slot's goodput varies by +-40%: a lead taken on two or three slots herds the batch
-            return c.current if c.current in few else min(few, key=lambda j: self.pooled[j].slots)
+            return c.current if c.current in few else min(few, key=self.pulls)
+        known = [j for j in range(self.n_arms) if self.pooled[j].slots]  # a draft's first slots may all be in flight
+        if not known:  # nothing has reported yet: stay, or start on the first draft (the one profiled)
+            return c.current if c.current is not None else 0
+        return self._ucb(c, known)  # among the drafts that have reported
+
+    def _ucb(self, c: Choice, arms: list[int]) -> int:
         g = [s.goodput for s in self.pooled]
         g_max = max(g) or 1.0
-        n_all = sum(s.slots for s in self.pooled)
+        n_all = sum(self.pulls(j) for j in range(self.n_arms))
         mine = self.own.get(c.request_id)
         lean = [1.0] * self.n_arms
         if mine is not None and sum(m.slots for m in mine) > 0:
@@ -222,15 +256,15 @@ class UCBDrafts:
                         if j in tried else 1.0 for j in range(self.n_arms)]
 
         def bonus(j: int) -> float:
-            pool = self.pooled[j]
-            m1, m2 = self.sr[j] / pool.slots, self.sq[j] / pool.slots  # E[r], E[r^2] over slots
+            pool, n_j = self.pooled[j], self.pulls(j)  # pending slots narrow the width, not the mean
+            m1, m2 = self.sr[j] / pool.slots, self.sq[j] / pool.slots  # E[r], E[r^2] over reported slots
             var = max(0.0, m2 - m1 * m1) / g_max**2
             log_n = math.log(max(n_all, 1))
-            return self.c * math.sqrt(log_n / pool.slots * min(0.25, var + math.sqrt(2 * log_n / pool.slots)))
+            return self.c * math.sqrt(log_n / n_j * min(0.25, var + math.sqrt(2 * log_n / n_j)))
 
         # the pool's choice: every request without a lean of its own makes the same one, so moving to it
         # opens no group of one (the others follow); only a personal deviation from it pays join_s
-        leader = max(range(self.n_arms), key=lambda j: g[j] / g_max + bonus(j))
+        leader = max(arms, key=lambda j: g[j] / g_max + bonus(j))
 
         def score(j: int) -> float:
             switch = c.switch_s[j] if j != c.current else 0.0
@@ -239,15 +273,17 @@ class UCBDrafts:
             slot_s = self.pooled[j].slot_s
             return (g[j] / g_max * lean[j] + bonus(j)) * (slot_s / (slot_s + switch) if slot_s > 0 else 1.0)
 
-        return max(range(self.n_arms), key=score)
+        return max(arms, key=score)
 
     def observe(self, request_id: str, result: SlotResult) -> None:
+        self._close(request_id)
         self.pooled[result.arm].add(result)
         self.sr[result.arm] += result.steady
         self.sq[result.arm] += result.steady ** 2
         self.own.setdefault(request_id, [ArmStats() for _ in range(self.n_arms)])[result.arm].add(result)
 
     def forget(self, request_id: str) -> None:
+        self._close(request_id)  # it ended before its slot ran an iteration: that slot will never report
         self.own.pop(request_id, None)
 
 

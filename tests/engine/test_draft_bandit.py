@@ -115,3 +115,37 @@ def test_ucb_gives_every_draft_its_first_slots() -> None:
         picks.append(arm)
         ucb.observe(f"r{i}", SlotResult(arm, 10 if arm == 0 else 1, 1.0))
     assert sorted(picks) == [0, 0, 0, 1, 1, 1]  # however bad draft 1 looks after one slot
+
+
+def test_ucb_counts_slots_in_flight_toward_every_drafts_first_slots() -> None:
+    """A batch's requests choose before any of their slots reports: the first slots are min_slots per draft,
+    spread over both from the first request on, not every request that chose before the first report."""
+    ucb = UCBDrafts(2, min_slots=4)
+    picks = [ucb.choose(choice(f"r{i}")) for i in range(20)]
+    assert picks[:8] == [0, 1] * 4 and picks[8:] == [0] * 12  # then the first draft until one reports
+    assert ucb.pending == [16, 4]
+    for i, arm in enumerate(picks):
+        ucb.observe(f"r{i}", SlotResult(arm, 10, 1.0))
+    assert ucb.pending == [0, 0] and [s.slots for s in ucb.pooled] == [16, 4]
+
+
+def test_ucb_explores_with_a_few_slots_of_a_batch_not_all_of_them() -> None:
+    """Delayed feedback: while a draft's bonus leads, requests choosing before its slots report count them
+    as pulls, so the bonus shrinks as they choose and the rest of the batch stays on the better draft."""
+    def warmed() -> UCBDrafts:
+        ucb = UCBDrafts(2, min_slots=1)
+        for i in range(100):
+            ucb.observe(f"p{i}", SlotResult(0, 10, 1.0))
+        for i in range(4):
+            ucb.observe(f"q{i}", SlotResult(1, 17, 2.0))
+        return ucb
+
+    ucb = warmed()
+    assert ucb.choose(choice("first")) == 1  # little known of draft 1: its bonus leads
+    picks = [ucb.choose(choice(f"r{i}")) for i in range(30)]
+    assert 1 <= picks.count(1) <= 10 and picks[-1] == 0
+    ucb.forget("first")  # a request ending before its slot ran: that slot no longer counts
+    assert ucb.pending == [picks.count(0), picks.count(1)]
+    # counting only reported slots, the whole batch would have followed the bonus
+    without = warmed()
+    assert [without._choose(choice(f"r{i}")) for i in range(30)] == [1] * 30

@@ -59,7 +59,9 @@ def draft_use(requests: list[Request], classes: dict[str, str], names: list[str]
     regret = sum((best - s.reward) * (s.seconds + s.switch_s) for s in slots)
     out.update({"selector": pool.selector.name, "slot_iters": pool.slot_iters, "slots": len(slots),
                 "switches": pool.use.switches, "switch_s": pool.use.switch_s,
-                "switch_tokens": pool.use.switch_tokens, "per_draft": per_arm, "slot_regret_tokens": regret})
+                "switch_tokens": pool.use.switch_tokens, "per_draft": per_arm, "slot_regret_tokens": regret,
+                # the draft of every slot, in the order the slots ended: where exploration went, and when
+                "slot_order": "".join(str(s.arm) for s in slots)})
     return out
 
 

@@ -53,6 +53,7 @@ def test_bench_with_two_drafts_reports_shares_and_regret(tmp_path: Path) -> None
     for label in ("spin", "spin-eps", "spin-length", "adaserve"):
         drafts = rows[label]["drafts"]
         assert drafts["slots"] > 0 and sum(sum(v.values()) for v in drafts["served_by_class"].values()) > 0
+        assert len(drafts["slot_order"]) == drafts["slots"] and set(drafts["slot_order"]) <= {"0", "1"}
     assert all(set(v) == {"target"} for v in rows["spin@d1"]["drafts"]["served_by_class"].values())
     regret = rep["draft_regret"]["6"]
     assert set(regret) == {"spin", "spin-eps", "spin-length"}  # adaserve has no fixed-draft variant here

@@ -3,10 +3,11 @@ distilled draft (or the given model) in a child process, and the gateway in this
 unless ``--redis-url``.
 
 With no classes file, the three default SLO classes are scaled to this machine once the worker has measured
-what a lone request gets (``lone_tpot_ms``, speculation included; ``slo.local_classes``): every default class
-is then feasible on a laptop. Each class is printed with its target and how a lone request of it fares
-(``slo.feasibility``). Ctrl-C (or SIGTERM) stops the gateway,
-then drains and stops the worker.
+what a lone request of each gets (``lone_tpot_ms_by_class``, speculation included, or what the gateway
+predicts for one if that is slower: ``lone_bases``; ``slo.local_classes``): every default class is then
+feasible on a laptop, as the gateway itself judges it. Each class is printed with its target and how a lone request
+of it fares as the gateway judges it (``slo.class_feasibility``, the verdict /v1/slo-classes shows and
+admission acts on). Ctrl-C (or SIGTERM) stops the gateway, then drains and stops the worker.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from adaserve.cli_error import CliError
@@ -88,22 +90,41 @@ Also: {url}/v1/models  {url}/v1/slo-classes  {url}/metrics   (Ctrl-C stops every
 """
 
 
-def class_lines(classes: list[Any], *, unloaded_tpot_ms: float | None, max_depth: int | None,
+def class_lines(classes: list[Any], judged: Mapping[str, Mapping[str, Any]], *, unloaded_tpot_ms: float | None,
                 lone_tpot_ms: float | None = None) -> str:
-    """One line per class: its targets and how a lone request of it fares on this worker."""
-    from adaserve.gateway.slo import feasibility
-
+    """One line per class: its targets and how a lone request of it fares, as the gateway judges it
+    (``judged``: class name -> ``slo.class_feasibility``, what /v1/slo-classes shows and admission acts on)."""
     words = {"plain": "met by plain decoding", "speculation": "needs speculation to be met",
-             "infeasible": "INFEASIBLE on this machine, even for a lone request", None: "not judged"}
+             "infeasible": "INFEASIBLE on this machine, even for a lone request (served best effort)",
+             None: "not judged"}
     base = f"{unloaded_tpot_ms:.1f} ms" if unloaded_tpot_ms else "unknown"
     lone = f", a lone request served: {lone_tpot_ms:.1f} ms" if lone_tpot_ms else ""
     out = [f"adaserve: SLO classes (this machine's per-token latency: one forward {base}{lone}):"]
     for c in classes:
         ttft = f", TTFT {c.ttft_ms:.0f} ms" if c.ttft_ms else ""
-        how = words[feasibility(c.tpot_ms, unloaded_tpot_ms=unloaded_tpot_ms, max_depth=max_depth,
-                                lone_tpot_ms=lone_tpot_ms)]
-        out.append(f"  {c.name:<14} TPOT {c.tpot_ms:.0f} ms{ttft}, priority {c.priority}: {how}")
+        verdict = judged.get(c.name, {})
+        predicted = verdict.get("lone_tpot_ms")
+        alone = f" (alone: {predicted:.0f} ms predicted)" if predicted else ""
+        out.append(f"  {c.name:<14} TPOT {c.tpot_ms:.0f} ms{ttft}, priority {c.priority}: "
+                   f"{words[verdict.get('feasibility')]}{alone}")
     return "\n".join(out)
+
+
+def lone_bases(reg: Any) -> dict[str, float]:
+    """What each default class is scaled from: the slower of the TPOT a lone request of it measurably got at the
+    worker's warm-up and what the gateway predicts for one from the worker's measured curve. The gateway judges
+    feasibility and admits by its prediction, so a target under it would make the class infeasible at once."""
+    from adaserve.gateway.directory import worker_view
+    from adaserve.gateway.prediction import lone_tpot_ms
+    from adaserve.gateway.slo import DEFAULT_CLASSES
+
+    view, measured = worker_view(reg), reg.lone_tpot_ms_by_class or {}
+    out = {}
+    for c in DEFAULT_CLASSES:
+        figures = [f for f in (measured.get(c.name), lone_tpot_ms(view, c.name)) if f is not None]
+        if figures:
+            out[c.name] = max(figures)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -171,9 +192,10 @@ def _check_port_free(host: str, port: int) -> None:
 async def _serve(settings: Any, worker: ServerProcess, *, derive: bool, keys: bool) -> int:
     import httpx
 
+    from adaserve.contract.registration import parse_registration
     from adaserve.gateway.server import make_server
     from adaserve.gateway.service import Gateway
-    from adaserve.gateway.slo import load_catalog, local_classes
+    from adaserve.gateway.slo import class_feasibility, load_catalog, local_classes
 
     try:
         await worker.wait_ready("/readyz", timeout_s=READY_TIMEOUT_S)
@@ -181,15 +203,18 @@ async def _serve(settings: Any, worker: ServerProcess, *, derive: bool, keys: bo
         raise CliError(str(e)) from None
     try:
         async with httpx.AsyncClient(timeout=10.0) as client:
-            profile = (await client.get(f"{worker.url}/v1/profile")).raise_for_status().json()
+            status = (await client.get(f"{worker.url}/v1/status")).raise_for_status().json()
     except (httpx.HTTPError, ValueError) as e:
-        raise CliError(f"the worker was ready but its profile could not be read: {e}") from None
-    unloaded, depth, lone = profile.get("unloaded_tpot_ms"), profile.get("max_depth"), profile.get("lone_tpot_ms")
+        raise CliError(f"the worker was ready but its status could not be read: {e}") from None
+    reg = parse_registration(status)
+    if reg is None:
+        raise CliError("the worker was ready but its status is not a registration document")
+    unloaded, lone = reg.unloaded_tpot_ms, reg.lone_tpot_ms
     # what a lone request measurably gets, speculation included; else one profiled forward (a fixed --budget
     # skips profiling: the latency is then a guess, and the absolute defaults are kept)
-    base = lone or (unloaded if profile.get("budget_source") == "profile" else None)
+    base = lone or (unloaded if reg.budget_source == "profile" else None)
     if derive and base:
-        classes = [c.model_dump(by_alias=True, exclude_none=True) for c in local_classes(base)]
+        classes = [c.model_dump(by_alias=True, exclude_none=True) for c in local_classes(base, lone_bases(reg))]
         # the same three classes as the defaults, so the same default class
         default = settings.default_slo_class or load_catalog(file=None, inline=None, default=None).default
         settings = settings.model_copy(update={"slo_classes": json.dumps(classes), "default_slo_class": default})
@@ -198,13 +223,15 @@ async def _serve(settings: Any, worker: ServerProcess, *, derive: bool, keys: bo
     except ValueError as e:
         raise CliError(str(e)) from None
     catalog = gateway.catalog
-    print(class_lines(list(catalog.classes.values()), unloaded_tpot_ms=unloaded, max_depth=depth, lone_tpot_ms=lone),
-          file=sys.stderr, flush=True)
     server = make_server(gateway)
     serving = asyncio.create_task(server.serve())
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
-    if server.started:
+    if server.started:  # the gateway has read the worker: its own verdicts, the ones admission acts on
+        workers = gateway.directory.usable()
+        judged = {c.name: class_feasibility(c, workers, margin=settings.slo_margin) for c in catalog.classes.values()}
+        print(class_lines(list(catalog.classes.values()), judged, unloaded_tpot_ms=unloaded, lone_tpot_ms=lone),
+              file=sys.stderr, flush=True)
         host, port = server.config.host, server.config.port
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         print(banner(f"http://{shown}:{port}", settings.model_name, list(catalog.classes), catalog.default, keys),

@@ -11,9 +11,11 @@ worker instead of failing for all of them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PositiveMs = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 SCHEMA_VERSION = 1
 
@@ -133,8 +135,10 @@ class Profile(_Part):
     # a lone request's time per token without speculation: one target forward of one token at the profiled
     # context (the profile's measurement, else the cost model's estimate); SLO classes are judged against it
     unloaded_tpot_ms: float | None = None
-    # a lone request's time per token as served (speculation included), measured on a chat prompt at warm-up
+    # a lone request's time per token as served (speculation included), measured at warm-up on one prompt shaped
+    # like each default class's traffic: the median of them, and each class's own
     lone_tpot_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
+    lone_tpot_ms_by_class: dict[str, PositiveMs] | None = None
 
 
 class Registration(Profile):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,11 +51,14 @@ DEFAULT_CLASSES = (
 LOCAL_MULTIPLIERS = {"coding": 1.5, "chat": 2.5, "summarization": 6.0}
 
 
-def local_classes(lone_tpot_ms: float) -> list[SloClass]:
-    """DEFAULT_CLASSES with TPOT targets at ``LOCAL_MULTIPLIERS`` x a lone request's per-token latency here."""
-    if not lone_tpot_ms > 0:
-        raise ValueError(f"per-token latency must be positive, got {lone_tpot_ms}")
-    return [c.model_copy(update={"tpot_ms": float(round(LOCAL_MULTIPLIERS[c.name] * lone_tpot_ms))})
+def local_classes(lone_tpot_ms: float, by_class: Mapping[str, float] | None = None) -> list[SloClass]:
+    """DEFAULT_CLASSES with TPOT targets at ``LOCAL_MULTIPLIERS`` x the per-token latency a lone request of that
+    class gets here (``by_class``, measured on a prompt shaped like the class's traffic), else x ``lone_tpot_ms``."""
+    figures = {c.name: (by_class or {}).get(c.name, lone_tpot_ms) for c in DEFAULT_CLASSES}
+    bad = {name: v for name, v in figures.items() if not v > 0}
+    if bad:
+        raise ValueError(f"per-token latency must be positive, got {bad}")
+    return [c.model_copy(update={"tpot_ms": float(round(LOCAL_MULTIPLIERS[c.name] * figures[c.name]))})
             for c in DEFAULT_CLASSES]
 
 

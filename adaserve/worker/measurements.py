@@ -2,7 +2,9 @@
 predict each class's TPOT from (docs/gateway.md "Routing and admission"):
 
 - its iteration-time curve: for each number of requests an iteration held (decoding + prefilling), the mean
-  wall time of its last ``steps_per_point`` such iterations, the tree tokens they verified and the tokens a
+  wall time of its last ``steps_per_point`` such iterations in which some request decoded (an iteration that
+  only prefills is in nobody's TPOT: a lone request's prefill is its TTFT, so counting it would price a lone
+  request's tokens at its prompt's cost), the tree tokens they verified and the tokens a
   decoding request gained per iteration (accepted draft tokens + the bonus token); and per SLO class, over its
   last ``decodes_per_class`` decoding requests in iterations of that size, the same tokens (classes accept
   very differently: a summary of code far less than a chat answer);
@@ -87,7 +89,7 @@ class Measurements:
         """One iteration; ``accepted``: request id -> (its SLO class, draft tokens it had accepted) for the
         decoding requests whose class is known."""
         n = m.n_decode + m.n_prefill
-        if n <= 0 or not m.t_step_s > 0:
+        if m.n_decode <= 0 or not m.t_step_s > 0:  # prefill only (or nothing): in no request's TPOT
             return
         step = Step(1e3 * m.t_step_s, m.tokens_verified, m.tokens_accepted + m.n_decode, m.n_decode)
         with self._lock:

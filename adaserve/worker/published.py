@@ -20,13 +20,14 @@ from adaserve.contract.registration import (
 from adaserve.engine.build import BuiltEngine
 from adaserve.engine.engine import Engine
 from adaserve.engine.profiler import device_name
+from adaserve.worker.lone import Lone
 from adaserve.worker.measurements import Measurements
 from adaserve.worker.metrics import WorkerMetrics
 from adaserve.worker.settings import WorkerSettings
 
 
-def profile_info(built: BuiltEngine, settings: WorkerSettings, *, lone_tpot_ms: float | None = None) -> Profile:
-    """Budget, cost model and device; ``lone_tpot_ms``: a lone request's TPOT as measured at warm-up."""
+def profile_info(built: BuiltEngine, settings: WorkerSettings, *, lone: Lone | None = None) -> Profile:
+    """Budget, cost model and device; ``lone``: each kind of request's TPOT served alone, measured at warm-up."""
     engine, prof = built.engine, built.profile
     return Profile(
         device=prof.device if prof else device_name(engine.target.device),
@@ -45,7 +46,8 @@ def profile_info(built: BuiltEngine, settings: WorkerSettings, *, lone_tpot_ms: 
         max_depth=engine.policy.max_shape.depth if engine.policy.max_shape is not None else 0,
         max_context=engine.max_context,
         unloaded_tpot_ms=unloaded_tpot_ms(built),
-        lone_tpot_ms=lone_tpot_ms,
+        lone_tpot_ms=lone.median_ms if lone else None,
+        lone_tpot_ms_by_class=dict(lone.by_class) if lone and lone.by_class else None,
     )
 
 
@@ -74,12 +76,12 @@ def model_names(s: WorkerSettings) -> ModelNames:
 
 
 def registration(s: WorkerSettings, *, status: str, built: BuiltEngine | None, active_classes: list[str],
-                 metrics: WorkerMetrics, measurements: Measurements, lone_tpot_ms: float | None,
+                 metrics: WorkerMetrics, measurements: Measurements, lone: Lone | None,
                  started_at: float) -> Registration:
     """The document a worker keeps in Redis and serves at ``GET /v1/status``; ``active_classes``: the SLO
     class of each request in flight (Runtime.registration gathers all of this)."""
     engine = built.engine if built else None
-    profile = profile_info(built, s, lone_tpot_ms=lone_tpot_ms) if built else Profile()
+    profile = profile_info(built, s, lone=lone) if built else Profile()
     return Registration(
         **dict(profile),
         worker_id=s.worker_id,

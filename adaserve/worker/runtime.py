@@ -13,10 +13,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import statistics
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +32,7 @@ from adaserve.engine.request import Request
 from adaserve.engine.sampling import SamplingParams, skip_draws
 from adaserve.engine.stop_strings import StopStringMatcher
 from adaserve.worker import published
+from adaserve.worker.lone import Lone, lone_prompt_ids, measure_lone, serve_alone
 from adaserve.worker.measurements import Measurements
 from adaserve.worker.metrics import WorkerMetrics
 from adaserve.worker.registry import Registry
@@ -81,71 +81,12 @@ class InFlight:
         return self.req.request_id
 
 
-def serve_alone(engine: Engine, req: Request, what: str) -> list[StepMetrics] | None:
-    """Serve ``req`` with nothing else running; the iterations it took (the engine's history is left empty),
-    or None, logged as "not <what>", if the engine refuses it."""
-    try:
-        engine.check_request(req)
-    except ValueError as e:
-        log.warning("not %s: %s", what, e)
-        return None
-    engine.run([(0.0, req)])
-    steps = list(engine.history)
-    engine.history.clear()
-    return steps
-
-
 def warm_up(engine: Engine) -> None:
     """One short speculative request end to end, so the first client does not pay for lazy set-up."""
     vocab = engine.target.vocab_size
     req = Request("warmup", [i % vocab for i in range(2, 18)], SamplingParams(max_tokens=8, ignore_eos=True))
     serve_alone(engine, req, "warming up")
 
-
-# One request of each kind the default classes serve. A lone request's speed depends on how well the draft
-# guesses it and on its prompt's length: the README's coding request alone got 26 ms per token on the 2-core
-# CPU where HumanEval prompts alone got 48 ms and long summarization prompts 91 ms
-# (docs/results/loadtest-cpu-smollm2-admission.json, `sequential`), so one prompt's figure made
-# `adaserve up` derive a coding class that no request could meet. The median of the three is published.
-LONE_PROMPTS = (
-    "Write a Python function that reverses a list.",  # the README's coding request
-    "Which planets of the solar system have rings, and what are the rings made of? Answer in a short paragraph.",
-    "Summarize in one sentence: The city council met on Tuesday to discuss the new public library. Members agreed "
-    "that the old building, opened in 1962, no longer meets the needs of a growing population: it has no space "
-    "for computers, its roof leaks, and it cannot be reached by wheelchair. After two hours of debate the council "
-    "voted to build a new library near the central station, paid for by a bond that voters will be asked to "
-    "approve in the spring. Construction could start next year and take about three years.",
-)
-LONE_TOKENS = 32
-
-
-def lone_prompt_ids(engine: Engine, tokenizer: Any | None) -> list[list[int]]:
-    """LONE_PROMPTS as served chat turns (the model's template), or token ids of their lengths' order when
-    there is no tokenizer."""
-    if tokenizer is None:
-        vocab = engine.target.vocab_size
-        return [[i % vocab for i in range(2, 2 + n)] for n in (16, 32, 128)]
-    if has_chat_template(tokenizer):
-        return [list(tokenizer.encode(chat_text(tokenizer, [{"role": "user", "content": text}]),
-                                      add_special_tokens=False)) for text in LONE_PROMPTS]
-    return [list(tokenizer.encode(text, add_special_tokens=True)) for text in LONE_PROMPTS]
-
-
-def measure_lone(engine: Engine, prompts: Sequence[list[int]]) -> tuple[float | None, list[StepMetrics]]:
-    """Serve each prompt alone, as a client's request would be served (speculation included): the median of
-    their mean TPOTs in ms, and the iterations they took (they seed the measured iteration-time curve).
-    (None, []) if the engine refuses every one."""
-    tpots: list[float] = []
-    steps: list[StepMetrics] = []
-    for i, ids in enumerate(prompts):
-        req = Request(f"lone-{i}", ids, SamplingParams(max_tokens=LONE_TOKENS, ignore_eos=True))
-        served = serve_alone(engine, req, "measuring a lone request")
-        if served is None:
-            continue
-        steps += served
-        if req.metrics.tpot_ms is not None:
-            tpots.append(req.metrics.tpot_ms)
-    return (statistics.median(tpots) if tpots else None), steps
 
 
 MIN_TEMPERATURE = 1e-300  # smaller positive temperatures are served greedy (Runtime._params)
@@ -167,7 +108,7 @@ class Runtime:
         self.settings = settings
         self.metrics = metrics or WorkerMetrics()
         self.measurements = Measurements()
-        self.lone_tpot_ms: float | None = None  # measured at warm-up (measure_lone)
+        self.lone = Lone()  # each kind of request served alone at warm-up (measure_lone)
         self.state = State.LOADING
         self.failure: str | None = None
         self.built: BuiltEngine | None = None
@@ -204,10 +145,10 @@ class Runtime:
             return
         self.built, self.tokenizer = built, tokenizer
         self.max_token_chars = longest_token(tokenizer)
-        self.lone_tpot_ms, lone_steps = lone
+        self.lone = lone
         self.metrics.bind_engine(built.engine)
-        for step in lone_steps:  # the curve starts from the lone request's iterations
-            self.measurements.on_step(step)
+        for step, gained in lone.steps:  # the curve starts from the lone requests' iterations
+            self.measurements.on_step(step, gained)
         built.engine.step_listeners.append(self._measure_step)
         self.metrics.declare_classes([self.settings.default_slo_class, *self.settings.slo_classes])
         self.loop = EngineLoop(built.engine).start()
@@ -232,7 +173,7 @@ class Runtime:
                 accepted[rid] = (flight.slo_class, flight.req.metrics.accepted_per_step[-1])
         self.measurements.on_step(m, accepted)
 
-    def _prepare(self) -> tuple[BuiltEngine, Any | None, tuple[float | None, list[StepMetrics]]]:
+    def _prepare(self) -> tuple[BuiltEngine, Any | None, Lone]:
         s = self.settings
         if s.torch_threads:
             import torch
@@ -247,7 +188,7 @@ class Runtime:
                              force_profile=s.reprofile,
                              dtype=s.dtype, max_depth=s.max_depth, max_width=s.max_width,
                              progress=False)
-        lone: tuple[float | None, list[StepMetrics]] = (None, [])
+        lone = Lone()
         if s.warmup:
             warm_up(built.engine)
             lone = measure_lone(built.engine, lone_prompt_ids(built.engine, built.tokenizer))
@@ -306,13 +247,13 @@ class Runtime:
         return published.registration(self.settings, status=self.state.value, built=self.built,
                                       active_classes=[f.slo_class for f in list(self.active.values())],
                                       metrics=self.metrics, measurements=self.measurements,
-                                      lone_tpot_ms=self.lone_tpot_ms, started_at=self.started_at)
+                                      lone=self.lone, started_at=self.started_at)
 
     def profile(self) -> Profile:
         """``GET /v1/profile``: budget, cost model, device and the lone request's measured TPOT."""
         if self.built is None:
             raise RuntimeError("no engine yet")
-        return published.profile_info(self.built, self.settings, lone_tpot_ms=self.lone_tpot_ms)
+        return published.profile_info(self.built, self.settings, lone=self.lone)
 
     # ---- health -----------------------------------------------------------------------------------
     @property

@@ -25,6 +25,7 @@ REGISTRATION: dict[str, Any] = {
     "max_context": 2048,
     "unloaded_tpot_ms": 21.5,
     "lone_tpot_ms": 14.2,
+    "lone_tpot_ms_by_class": {"coding": 16.8, "chat": 14.2, "summarization": 19.5},
     "capacity": {"max_active_requests": 64, "max_batch": 64},
     "load": {"active": 3, "active_by_class": {"chat": 2, "coding": 1}, "waiting": 0, "running": 3, "kv_usage": 0.12,
              "context_tokens": 1730},

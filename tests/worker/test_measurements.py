@@ -21,11 +21,13 @@ def test_the_curve_has_a_point_per_number_of_requests_in_an_iteration() -> None:
     m.on_step(step(1, 20.0, verified=5, accepted=2))  # one request gained 3 tokens
     m.on_step(step(1, 30.0, verified=5, accepted=0))
     m.on_step(step(1, 40.0, n_prefill=1, verified=4, accepted=1))  # two requests, one prefilling
-    m.on_step(step(0, 100.0, n_prefill=2))  # prefill only: no tokens gained to speak of
+    m.on_step(step(1, 50.0, n_prefill=1, verified=4, accepted=3))
+    m.on_step(step(0, 100.0, n_prefill=2))  # prefill only: in nobody's TPOT, not on the curve
+    m.on_step(step(0, 900.0, n_prefill=1))  # a lone request's prompt: its TTFT, not its tokens' pace
     m.on_step(step(0, 5.0))  # nothing ran (never happens): not a point
     got = m.measured().iterations
     assert [(p.requests, p.steps, p.iteration_ms, p.tokens_verified, p.tokens_per_request) for p in got] == [
-        (1, 2, pytest.approx(25.0), 5.0, 2.0), (2, 2, pytest.approx(70.0), 2.0, 2.0)]
+        (1, 2, pytest.approx(25.0), 5.0, 2.0), (2, 2, pytest.approx(45.0), 4.0, 3.0)]
 
 
 def test_each_point_says_what_each_class_gained_over_its_own_window() -> None:

@@ -158,6 +158,17 @@ def test_local_classes_scale_the_defaults_to_this_machine() -> None:
         local_classes(0.0)
 
 
+def test_local_classes_scale_each_class_by_its_own_lone_request() -> None:
+    from adaserve.gateway.slo import local_classes
+
+    # a HumanEval-shaped prompt alone is slower than the median: coding's target follows its own figure;
+    # a class the worker did not measure falls back on the median
+    local = local_classes(30.0, {"coding": 40.0, "summarization": 70.0})
+    assert [(c.name, c.tpot_ms) for c in local] == [("coding", 60.0), ("chat", 75.0), ("summarization", 420.0)]
+    with pytest.raises(ValueError, match="positive"):
+        local_classes(30.0, {"chat": 0.0})
+
+
 def test_feasibility_of_a_lone_request() -> None:
     from adaserve.gateway.slo import feasibility
 

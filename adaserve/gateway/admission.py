@@ -5,7 +5,11 @@
    worker that can meet the class alone always has slack, so an idle fleet never queues a request of a
    feasible class.
 2. None has, but some have free slots: a sheddable class (priority < 0) is refused at once, 503 + Retry-After,
-   so the others keep their pace; any other class waits for slack, up to its wait budget.
+   so the others keep their pace; any other class waits for slack, up to its wait budget. Sheddable requests
+   use only the headroom the others leave: while a non-sheddable request for the same model waits, and for
+   ``shed_window_s`` after one had to wait or was refused for want of slack, a sheddable request is refused
+   at once even where it would fit (``sheddable_yields``): admitted, it would take the slack the next
+   non-sheddable request needs (under overload a long summary would otherwise hold a slot a chat waits for).
 3. No worker has a free slot (or none is ready): wait, up to the wait budget.
 4. The wait budget is ``queue_timeout_s``, shortened for a class with a TTFT target to what that target leaves
    after the time from admission to a first token that this gateway's recent requests of the class took (their
@@ -76,6 +80,18 @@ def wait_budget_s(slo: SloClass, queue_timeout_s: float, worker_ttft_ms: float |
     return max(0.0, min(queue_timeout_s, (slo.ttft_ms - (worker_ttft_ms or 0.0)) / 1e3))
 
 
+def sheddable_yields(slo: SloClass, model: str | None, queue: list[Waiter], pressed_at: float | None, now: float,
+                     window_s: float) -> bool:
+    """Must a request of ``slo`` stand down for the non-sheddable ones (rule 2)? Only a sheddable class does: while
+    a non-sheddable request for the same model waits, or within ``window_s`` of the last time one had to wait or
+    was refused for want of slack (``pressed_at``, monotonic seconds)."""
+    if not slo.sheddable:
+        return False
+    if any(not w.slo.sheddable and w.model == model for w in queue):
+        return True
+    return pressed_at is not None and now - pressed_at < window_s
+
+
 @dataclass(eq=False)
 class Waiter:
     """One request being admitted; ``arrival`` is its turn number at this gateway."""
@@ -110,6 +126,7 @@ class Admission:
         self.queue: list[Waiter] = []  # waiting now, in arrival order
         self._arrivals = itertools.count()
         self._left = asyncio.Event()  # set (and replaced) whenever a waiter leaves the queue
+        self._pressed_at: float | None = None  # a non-sheddable request last waited or was refused (rule 2)
 
     @property
     def waiting(self) -> int:
@@ -162,6 +179,10 @@ class Admission:
             me.best_effort = self.infeasible(slo, workers)
             if me.best_effort and s.on_infeasible == "refuse":
                 raise self._infeasible_refusal(slo, workers)
+            if workers and sheddable_yields(slo, me.model, self.queue, self._pressed_at, time.monotonic(),
+                                            s.shed_window_s):
+                raise self._refuse(f"overloaded: SLO class {slo.name!r} is sheddable and requests of other classes "
+                                   "are waiting for headroom; retry later", "shed")
             choice = self.router.choose(workers, slo.name, self.target, best_effort=me.best_effort)
             if choice is not None and choice.best >= 0:
                 if over or not self._ahead_can_go(me, usable):  # at its deadline it stood aside long enough
@@ -209,6 +230,8 @@ class Admission:
                     choice, mode = got
                     return Admitted(choice, time.monotonic() - start, me in self.queue, mode)
                 if me not in self.queue:
+                    if not slo.sheddable and workers:  # it must wait for slack: the sheddable stand down
+                        self._pressed_at = time.monotonic()
                     if len(self.queue) >= self.settings.max_queued:
                         raise self._refuse("overloaded: the admission queue is full", "queue_full")
                     self.queue.append(me)
@@ -216,6 +239,8 @@ class Admission:
                 await self._sleep(max(0.0, min(until - time.monotonic(), self.settings.refresh_s)))
         finally:  # admitted, refused, timed out or cancelled (client gone): leave, and let the others look again
             if me in self.queue:
+                if not slo.sheddable:  # it waited until now: the window runs from here
+                    self._pressed_at = time.monotonic()
                 self.queue.remove(me)
                 self.metrics.queued.set(len(self.queue))
                 self._left.set()

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from adaserve.gateway.admission import Admission, Admitted, Refused, rank, wait_budget_s
+from adaserve.gateway.admission import Admission, Admitted, Refused, Waiter, rank, sheddable_yields, wait_budget_s
 from adaserve.gateway.directory import Directory
 from adaserve.gateway.metrics import GatewayMetrics
 from adaserve.gateway.routing import Router
@@ -470,3 +470,42 @@ def test_admission_keeps_slo_margin_to_spare() -> None:
     adm, _, _ = admission([registration("a", **lone)], queue_timeout_s=30.0)
     out, _ = run(timed_admit(adm, CHAT))
     assert isinstance(out, Admitted) and out.mode == "best_effort" and not out.queued
+
+
+def test_sheddable_yields_while_others_wait_and_for_a_window_after() -> None:
+    chat_waits = [Waiter(CHAT, None, set(), 0)]
+    assert not sheddable_yields(CHAT, None, chat_waits, 100.0, 100.0, 5.0)  # only a sheddable class yields
+    assert sheddable_yields(SUMMARIZATION, None, chat_waits, None, 100.0, 5.0)  # a chat waits
+    assert not sheddable_yields(SUMMARIZATION, "other", chat_waits, None, 100.0, 5.0)  # ... for another model
+    shed_waits = [Waiter(SUMMARIZATION, None, set(), 0)]
+    assert not sheddable_yields(SUMMARIZATION, None, shed_waits, None, 100.0, 5.0)
+    assert sheddable_yields(SUMMARIZATION, None, [], 96.0, 100.0, 5.0)  # a chat waited 4 s ago
+    assert not sheddable_yields(SUMMARIZATION, None, [], 94.0, 100.0, 5.0)  # 6 s ago: the window is over
+    assert not sheddable_yields(SUMMARIZATION, None, [], 100.0, 100.0, 0.0)
+
+
+def test_a_sheddable_request_leaves_the_headroom_to_a_waiting_chat() -> None:
+    """Both slots taken by chat; a chat waits. A summary arriving meanwhile, or within shed_window_s after
+    the chat got in, is refused at once (it would take the slot the chats need); after the window it goes in."""
+    async def main() -> list[str]:
+        adm, directory, _ = await full_worker(max_active=2, doc=QUICK_ALONE, shed_window_s=0.3)  # both taken
+        order: list[str] = []
+        chat = asyncio.create_task(take(adm, CHAT, order))
+        await until(lambda: adm.waiting == 1)
+        await take(adm, SUMMARIZATION, order, "summary-while-chat-waits")
+        directory.release("a", "chat")
+        directory.release("a", "chat")  # idle now: the chat goes in
+        await chat
+        await take(adm, SUMMARIZATION, order, "summary-in-window")
+        directory.release("a", "chat")
+        await asyncio.sleep(0.35)
+        await take(adm, SUMMARIZATION, order, "summary-after-window")
+        return order
+
+    assert run(main()) == ["summary-while-chat-waits:shed", "chat", "summary-in-window:shed", "summary-after-window"]
+
+
+def test_an_idle_fleet_admits_a_sheddable_request_at_once() -> None:
+    adm, _, _ = admission([registration("a", **QUICK_ALONE)])
+    out, _ = run(timed_admit(adm, SUMMARIZATION))
+    assert isinstance(out, Admitted) and not out.queued and out.mode == "slo"

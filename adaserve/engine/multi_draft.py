@@ -35,7 +35,7 @@ from adaserve.engine.kv_cache import SequenceKV
 from adaserve.engine.request import Request
 from adaserve.engine.runner import ModelRunner
 from adaserve.engine.speculate import DraftInput, beam_search
-from adaserve.engine.timing import OnlineCostModel
+from adaserve.engine.timing import ForwardSplitter, OnlineCostModel
 from adaserve.engine.tree import TokenTree
 
 
@@ -170,11 +170,13 @@ class DraftPool:
             if not idx:
                 continue
             inputs = [DraftInput(decoding[i].draft_kv, decoding[i].ids_from(decoding[i].draft_kv.length)) for i in idx]
-            t0 = self.clock()
-            trees = beam_search(runner, inputs, depth=depth, width=width, expansion=expansion)
-            dt = self.clock() - t0
-            n_ctx = sum(decoding[i].target_kv.length for i in idx)
-            self.times[arm].observe(n_ctx, len(idx) * width, dt / depth)
+            # each draft forward timed alone, with its own counts (the first also runs the catch-up tokens)
+            split = ForwardSplitter(self.clock)
+            split.start()
+            trees = beam_search(runner, inputs, depth=depth, width=width, expansion=expansion,
+                                on_forward=lambda rec, split=split: split(rec.n_context, rec.n_new))
+            for c, b, y in split.finish():
+                self.times[arm].observe(c, b, y)
             for i, t in zip(idx, trees, strict=True):
                 out[i] = t
         return [t for t in out if t is not None]

@@ -35,3 +35,17 @@ def make_checkpoint(path: Path, arch: str = "llama", *, seed: int = 0, **overrid
                 p.normal_(0, 0.2)
     model.save_pretrained(path)
     return path
+
+
+def smollm2_pair(*, with_draft: bool = True) -> Any:
+    """The default model's catalog pair (converted once, cached); a test fails, naming the fix, when the model
+    package is missing (setup.sh installs it; a bare ``pip install -e .`` does not)."""
+    import pytest
+
+    from adaserve.engine import catalog
+
+    try:
+        catalog.smollm2_gguf()
+    except catalog.ModelNotFoundError as e:
+        pytest.fail(str(e))
+    return catalog.resolve(catalog.DEFAULT_MODEL, with_draft=with_draft, progress=False)

@@ -14,6 +14,7 @@ from adaserve.engine import catalog
 from adaserve.engine.build import build_engine
 from adaserve.engine.request import Request
 from adaserve.engine.sampling import SamplingParams
+from tests.models import smollm2_pair
 
 PROMPTS = ("What is the capital of France?", "Write a Python function that reverses a list.")
 POLICIES = ("incremental", "adaserve", "chain:4", "specinfer", "smartspec", "equal-greedy", "global-greedy")
@@ -22,11 +23,7 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def pair() -> catalog.ModelPair:
-    try:
-        catalog.smollm2_gguf()
-    except catalog.ModelNotFoundError as e:  # setup.sh installs it; a bare `pip install -e .` does not
-        pytest.fail(str(e))
-    return catalog.resolve(catalog.DEFAULT_MODEL, progress=False)
+    return smollm2_pair()
 
 
 @pytest.fixture(scope="module")

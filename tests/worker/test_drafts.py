@@ -18,6 +18,7 @@ from adaserve.engine import catalog
 from adaserve.worker.published import model_names
 from adaserve.worker.settings import WorkerSettings
 from adaserve.worker_cmd import draft_options, load_settings
+from tests.models import smollm2_pair
 from tests.servers import Service, start_worker
 
 DRAFTS = ["smollm2-draft", "smollm2-draft-small"]  # the default model's two, by their catalog names
@@ -98,11 +99,7 @@ NEW_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def pair() -> catalog.ModelPair:
-    try:
-        catalog.smollm2_gguf()
-    except catalog.ModelNotFoundError as e:  # setup.sh installs it; a bare `pip install -e .` does not
-        pytest.fail(str(e))
-    return catalog.resolve(catalog.DEFAULT_MODEL, with_draft=False, progress=False)
+    return smollm2_pair(with_draft=False)
 
 
 @pytest.fixture(scope="module")

@@ -28,8 +28,9 @@ from adaserve.engine.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 # Tokens each lone request generates. A request's pace drifts as it goes (its context grows, and past its answer's
-# natural end the draft guesses worse): HumanEval prompts alone on the 2-core CPU averaged 58 ms per token over 32
-# tokens and 71 ms over 128, so a class scaled from 32 tokens missed its own target alone (loadtest-...-4.json).
+# natural end the draft guesses worse), and client requests run up to 128 tokens: with 32, the derived coding
+# target was one HumanEval requests missed even alone (an engine-only check of six HumanEval prompts on the 2-core
+# CPU, not kept as a result file: median 58 ms per token over 32 tokens, 71 ms over 128).
 LONE_TOKENS = 96
 SUMMARY_CHARS = 2000  # the summarization prompt's document, cut at a line boundary
 

@@ -84,6 +84,10 @@ class ClassTokens(_Part):
 
     tokens: float = Field(ge=0, allow_inf_nan=False)
     decodes: int = Field(ge=1)  # request-iterations the mean is over
+    # mean wall time of the iterations those decodes were in (one per decode): what an iteration of this size
+    # costs with this class in it (a long summary's context costs more than a short question's); None from a
+    # worker that does not measure it
+    iteration_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
 
 
 class IterationPoint(_Part):

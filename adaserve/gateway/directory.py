@@ -57,7 +57,8 @@ def worker_view(reg: Registration) -> WorkerView:
         unloaded_tpot_ms=reg.unloaded_tpot_ms,
         lone_tpot_ms=reg.lone_tpot_ms,
         curve=tuple(CurvePoint(p.requests, p.steps, p.iteration_ms, p.tokens_per_request,
-                               {c: (t.tokens, t.decodes) for c, t in p.tokens_by_class.items()})
+                               {c: (t.tokens, t.decodes) for c, t in p.tokens_by_class.items()},
+                               {c: t.iteration_ms for c, t in p.tokens_by_class.items() if t.iteration_ms is not None})
                     for p in sorted(measured.iterations, key=lambda p: p.requests)),
         class_accepted={c: r.accepted_per_verification for c, r in measured.classes.items()
                         if r.accepted_per_verification is not None},

@@ -2,15 +2,20 @@
 
 For a request of class c on worker w when w holds ``n`` requests (this one included):
 
-    T(n)       iteration time: w's measured curve (``measured.iterations`` in its registration) at n;
-               linear between points, beyond them along the curve's least-squares slope (with one point
-               only, in the proportion of the cost-model prior below)
+    T_c(n)     iteration time: w's measured curve (``measured.iterations`` in its registration) at n, each
+               point's time that of its iterations with a request of class c in them where c has a figure
+               there (a class's context is part of an iteration's cost: on a small model a lone summary's
+               iteration costs more than a lone question's, so one curve for all would misjudge both), the
+               point's time over all classes where it has not; linear between points, beyond them along the
+               least-squares slope (with one point only, in the proportion of the cost-model prior below)
     E_c(n)     tokens a decoding request of class c gains per iteration (accepted draft tokens + the bonus
                token), from the curve's per-class figures (classes accept very differently, and AdaServe's
-               selection gives tighter requests bigger trees); beyond their ends, the nearest point's. Where
-               the class has no such figure: 1 + the draft tokens its finished requests had accepted per
-               verification; failing that, the curve's figure over all classes, E(n)
-    TPOT_c(n)  = k_w * T(n) / E_c(n)
+               selection gives tighter requests bigger trees); beyond their ends, the nearest point's (the
+               worker seeds its one-request point with each class's lone request at warm-up, so a class's
+               lone figure stays its own under load). Where the class has no such figure: 1 + the draft
+               tokens its finished requests had accepted per verification; failing that, the curve's figure
+               over all classes, E(n)
+    TPOT_c(n)  = k_w * T_c(n) / E_c(n)
 
 k_w is the correction this gateway learns from its own finished requests on w: observed over predicted
 TPOT (calibration.py). ``predicted_tpot_ms`` is the prediction before it.
@@ -25,6 +30,7 @@ a: the acceptance rate pooled over workers, else 0.6).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from adaserve.gateway.view import CurvePoint, WorkerView
 
@@ -112,9 +118,22 @@ def _between(lo: CurvePoint, hi: CurvePoint, n: float, y: Callable[[CurvePoint],
     return y(lo) + f * (y(hi) - y(lo))
 
 
-def iteration_ms_at(w: WorkerView, n: float, *, acceptance: float | None = None) -> float | None:
-    """T(n) in ms (``n`` may be fractional: a mean over a request's life); None when nothing predicts it."""
-    points = trusted(w.curve)
+def class_curve(curve: Sequence[CurvePoint], slo_class: str) -> list[CurvePoint]:
+    """The trusted points, each with its time with a request of the class in it where the class has a figure."""
+    def own(p: CurvePoint) -> CurvePoint:
+        ms = p.ms_by_class.get(slo_class)
+        if ms is None or p.tokens_by_class.get(slo_class, (0.0, 0))[1] < MIN_DECODES:
+            return p
+        return replace(p, iteration_ms=ms)
+
+    return [own(p) for p in trusted(curve)]
+
+
+def iteration_ms_at(w: WorkerView, n: float, *, acceptance: float | None = None,
+                    slo_class: str | None = None) -> float | None:
+    """T(n) in ms, or T_c(n) given the class (``n`` may be fractional: a mean over a request's life); None when
+    nothing predicts it."""
+    points = trusted(w.curve) if slo_class is None else class_curve(w.curve, slo_class)
     prior = iteration_s(w, round(n))
     if not points:
         return None if prior is None else 1e3 * prior
@@ -162,7 +181,7 @@ def class_tokens_at(w: WorkerView, slo_class: str, n: float, *, acceptance: floa
 
 def predicted_tpot_ms(w: WorkerView, slo_class: str, n: float, *, acceptance: float | None = None) -> float | None:
     """TPOT_c(n) before the correction k_w; None when the worker has neither curve nor cost model."""
-    t = iteration_ms_at(w, n, acceptance=acceptance)
+    t = iteration_ms_at(w, n, acceptance=acceptance, slo_class=slo_class)
     if t is None:
         return None
     return t / class_tokens_at(w, slo_class, n, acceptance=acceptance)

@@ -17,6 +17,7 @@ class CurvePoint:
     iteration_ms: float
     tokens_per_request: float | None = None
     tokens_by_class: dict[str, tuple[float, int]] = field(default_factory=dict)  # class -> (tokens, decodes)
+    ms_by_class: dict[str, float] = field(default_factory=dict)  # class -> iteration ms with the class in it
 
 
 @dataclass(frozen=True)

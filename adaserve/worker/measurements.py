@@ -7,7 +7,8 @@ predict each class's TPOT from (docs/gateway.md "Routing and admission"):
   request's tokens at its prompt's cost), the tree tokens they verified and the tokens a
   decoding request gained per iteration (accepted draft tokens + the bonus token); and per SLO class, over its
   last ``decodes_per_class`` decoding requests in iterations of that size, the same tokens (classes accept
-  very differently: a summary of code far less than a chat answer);
+  very differently: a summary of code far less than a chat answer) and the wall time of those iterations (a
+  class's context is part of what its iterations cost: a lone summary's ~600 tokens more than a lone question's);
 - per SLO class, over its last ``finished_per_class`` finished requests: TPOT, TTFT (mean and least),
   attainment, and draft tokens accepted per verification.
 
@@ -50,16 +51,17 @@ def _mean(xs: Sequence[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def point(requests: int, steps: Sequence[Step], gained: Mapping[str, Sequence[int]]) -> IterationPoint:
+def point(requests: int, steps: Sequence[Step], gained: Mapping[str, Sequence[tuple[int, float]]]) -> IterationPoint:
     """The curve's point at ``requests`` from its recent iterations (at least one) and, per class, the tokens its
-    recent decoding requests gained in iterations of that size (each class its own window, so that one class's
-    burst does not erase another's figure)."""
+    recent decoding requests gained in iterations of that size and those iterations' wall time, one (tokens, ms)
+    pair per decode (each class its own window, so that one class's burst does not erase another's figure)."""
     decoding = sum(s.decoding for s in steps)
     return IterationPoint(requests=requests, steps=len(steps),
                           iteration_ms=sum(s.ms for s in steps) / len(steps),
                           tokens_verified=sum(s.verified for s in steps) / len(steps),
                           tokens_per_request=sum(s.gained for s in steps) / decoding if decoding else None,
-                          tokens_by_class={c: ClassTokens(tokens=sum(g) / len(g), decodes=len(g))
+                          tokens_by_class={c: ClassTokens(tokens=sum(k for k, _ in g) / len(g), decodes=len(g),
+                                                          iteration_ms=sum(ms for _, ms in g) / len(g))
                                            for c, g in sorted(gained.items()) if g})
 
 
@@ -82,7 +84,8 @@ class Measurements:
         self.decodes_per_class = decodes_per_class
         self._lock = threading.Lock()
         self._steps: dict[int, deque[Step]] = {}
-        self._gained: dict[int, dict[str, deque[int]]] = {}  # requests per iteration -> class -> tokens per decode
+        # requests per iteration -> class -> (tokens gained, the iteration's ms) per decode
+        self._gained: dict[int, dict[str, deque[tuple[int, float]]]] = {}
         self._classes: dict[str, deque[Finished]] = {}
 
     def on_step(self, m: StepMetrics, accepted: Mapping[str, tuple[str, int]] | None = None) -> None:
@@ -96,7 +99,7 @@ class Measurements:
             self._steps.setdefault(n, deque(maxlen=self.steps_per_point)).append(step)
             by_class = self._gained.setdefault(n, {})
             for name, k in (accepted or {}).values():
-                by_class.setdefault(name, deque(maxlen=self.decodes_per_class)).append(k + 1)
+                by_class.setdefault(name, deque(maxlen=self.decodes_per_class)).append((k + 1, step.ms))
 
     def on_finished(self, slo_class: str, *, met: bool, tpot_ms: float | None, ttft_ms: float | None,
                     accepted: Sequence[int]) -> None:

@@ -46,6 +46,17 @@ def test_each_point_says_what_each_class_gained_over_its_own_window() -> None:
     assert {c: (t.tokens, t.decodes) for c, t in p.tokens_by_class.items()} == {"chat": (1.0, 3), "summ": (1.0, 2)}
 
 
+def test_each_class_says_what_the_iterations_it_was_in_cost() -> None:
+    # a lone summary's iterations cost more than a lone chat's: each class keeps its own, one per decode
+    m = Measurements(steps_per_point=4, decodes_per_class=4)
+    m.on_step(step(1, 30.0), {"a": ("chat", 1)})
+    m.on_step(step(1, 50.0), {"b": ("summ", 0)})
+    m.on_step(step(1, 70.0), {"b": ("summ", 0)})
+    (p,) = m.measured().iterations
+    assert p.iteration_ms == pytest.approx(50.0)
+    assert {c: t.iteration_ms for c, t in p.tokens_by_class.items()} == {"chat": 30.0, "summ": pytest.approx(60.0)}
+
+
 def test_each_point_keeps_only_the_recent_iterations() -> None:
     m = Measurements(steps_per_point=3)
     for ms in (100.0, 100.0, 10.0, 20.0, 30.0):

@@ -42,8 +42,9 @@ def test_parse_a_real_registration() -> None:
         target_cost={"alpha": 1.1e-7, "gamma": 2.0e-5, "delta": 0.011},
         draft_cost={"alpha": 2.0e-8, "gamma": 4.0e-6, "delta": 0.002}, acceptance_rate=0.31,
         context_per_request=1730 / 3, draft_steps=4, unloaded_tpot_ms=21.5, lone_tpot_ms=14.2,
-        curve=(CurvePoint(1, 32, 31.0, 2.2, {"chat": (2.2, 30)}),
-               CurvePoint(3, 32, 38.5, 1.9, {"chat": (1.7, 60), "coding": (2.3, 30)})),
+        curve=(CurvePoint(1, 32, 31.0, 2.2, {"chat": (2.2, 30)}, {"chat": 31.0}),
+               CurvePoint(3, 32, 38.5, 1.9, {"chat": (1.7, 60), "coding": (2.3, 30)},
+                          {"chat": 39.0, "coding": 37.5})),
         class_accepted={"chat": 1.6, "coding": 2.0},
         class_ttft_ms={"chat": 31.0, "coding": 40.0})
 

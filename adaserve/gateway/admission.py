@@ -6,10 +6,13 @@
    feasible class.
 2. None has, but some have free slots: a sheddable class (priority < 0) is refused at once, 503 + Retry-After,
    so the others keep their pace; any other class waits for slack, up to its wait budget. Sheddable requests
-   use only the headroom the others leave: while a non-sheddable request for the same model waits, and for
-   ``shed_window_s`` after one had to wait or was refused for want of slack, a sheddable request is refused
-   at once even where it would fit (``sheddable_yields``): admitted, it would take the slack the next
-   non-sheddable request needs (under overload a long summary would otherwise hold a slot a chat waits for).
+   use only the headroom the others leave: while a non-sheddable request for the same model waits that one
+   request fewer on some worker would let in (it is ``near``), and for ``shed_window_s`` after such a request
+   had to wait or was refused for want of slack, a sheddable request is refused at once even where it would
+   fit (``sheddable_yields``): admitted, it would take the place that request needs (under overload a long
+   summary would otherwise hold a slot a chat waits for). A waiter that needs more than one place freed (a
+   coding request that only meets its target nearly alone, on a worker holding five) holds nobody back: it
+   cannot get in within its wait whatever the sheddable do, and refusing them would only lose their tokens.
 3. No worker has a free slot (or none is ready): wait, up to the wait budget.
 4. The wait budget is ``queue_timeout_s``, shortened for a class with a TTFT target to what that target leaves
    after the time from admission to a first token that this gateway's recent requests of the class took (their
@@ -18,7 +21,9 @@
    without slack is refused, 503 + Retry-After (or, with ``on_overload="best-effort"``, served late by the
    router's pick, slowing the batch it joins).
 5. A class that no worker can meet even for a lone request (routing.feasible_anywhere) is served best effort:
-   its own target is left out of its slack, the others' still count (or, ``on_infeasible="refuse"``, 503).
+   held to what a worker gives a lone request of it (plus routing.BEST_EFFORT_ROOM) instead of its target, so
+   it waits for a worker that can serve it about as well as alone; the others' targets still count (or,
+   ``on_infeasible="refuse"``, 503).
 6. A request whose workers went away while it waited (it saw a usable worker, or a worker already failed it:
    a drain, a crash, a restart) and that finds none usable now waits for one, up to ``worker_wait_s`` from its
    arrival, whatever its budget: refusing it would only move the wait to the client. A request that never
@@ -40,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from adaserve.gateway.directory import Directory
 from adaserve.gateway.errors import ApiError
@@ -83,13 +88,19 @@ def wait_budget_s(slo: SloClass, queue_timeout_s: float, worker_ttft_ms: float |
 def sheddable_yields(slo: SloClass, model: str | None, queue: list[Waiter], pressed_at: float | None, now: float,
                      window_s: float) -> bool:
     """Must a request of ``slo`` stand down for the non-sheddable ones (rule 2)? Only a sheddable class does: while
-    a non-sheddable request for the same model waits, or within ``window_s`` of the last time one had to wait or
-    was refused for want of slack (``pressed_at``, monotonic seconds)."""
+    a non-sheddable request for the same model waits that one place freed would let in (``near`` at its last
+    look), or within ``window_s`` of the last time such a request had to wait or was refused for want of slack
+    (``pressed_at``, monotonic seconds)."""
     if not slo.sheddable:
         return False
-    if any(not w.slo.sheddable and w.model == model for w in queue):
+    if any(not w.slo.sheddable and w.model == model and w.near for w in queue):
         return True
     return pressed_at is not None and now - pressed_at < window_s
+
+
+def one_fewer(w: WorkerView) -> WorkerView:
+    """``w`` with one request fewer (of whichever class: which one ends first is not known)."""
+    return replace(w, active=max(0, w.active - 1))
 
 
 @dataclass(eq=False)
@@ -101,6 +112,7 @@ class Waiter:
     exclude: set[str]
     arrival: int
     best_effort: bool = False  # its class is infeasible everywhere (as of its last look)
+    near: bool = False  # without slack, but one request fewer on some worker would give it slack (last look)
     saw_workers: bool = False  # some worker was usable for it at one of its looks (rule 6)
     rank: tuple[int, float, int] = field(init=False)
 
@@ -151,6 +163,11 @@ class Admission:
         best = best_slack(workers, w.slo.name, self.target, best_effort=w.best_effort)
         return best is not None and best >= 0
 
+    def _near(self, w: Waiter, workers: list[WorkerView]) -> bool:
+        """One request fewer on some worker would give ``w`` slack (admission "slo" only)."""
+        best = best_slack([one_fewer(v) for v in workers], w.slo.name, self.target, best_effort=w.best_effort)
+        return best is not None and best >= 0
+
     def _ahead_can_go(self, me: Waiter, usable: list[WorkerView]) -> bool:
         """Some waiter ranked ahead of ``me``, for the same model (so ``usable`` is its list too), could go now."""
         return any(w is not me and w.model == me.model and w.rank < me.rank and self._can_go(w, self._for(w, usable))
@@ -184,6 +201,7 @@ class Admission:
                 raise self._refuse(f"overloaded: SLO class {slo.name!r} is sheddable and requests of other classes "
                                    "are waiting for headroom; retry later", "shed")
             choice = self.router.choose(workers, slo.name, self.target, best_effort=me.best_effort)
+            me.near = not slo.sheddable and (choice is None or choice.best < 0) and self._near(me, workers)
             if choice is not None and choice.best >= 0:
                 if over or not self._ahead_can_go(me, usable):  # at its deadline it stood aside long enough
                     return choice, "best_effort" if me.best_effort else "slo"
@@ -230,7 +248,7 @@ class Admission:
                     choice, mode = got
                     return Admitted(choice, time.monotonic() - start, me in self.queue, mode)
                 if me not in self.queue:
-                    if not slo.sheddable and workers:  # it must wait for slack: the sheddable stand down
+                    if me.near:  # it must wait for a place: the sheddable stand down
                         self._pressed_at = time.monotonic()
                     if len(self.queue) >= self.settings.max_queued:
                         raise self._refuse("overloaded: the admission queue is full", "queue_full")
@@ -239,7 +257,7 @@ class Admission:
                 await self._sleep(max(0.0, min(until - time.monotonic(), self.settings.refresh_s)))
         finally:  # admitted, refused, timed out or cancelled (client gone): leave, and let the others look again
             if me in self.queue:
-                if not slo.sheddable:  # it waited until now: the window runs from here
+                if me.near:  # it waited for a place until now: the window runs from here
                     self._pressed_at = time.monotonic()
                 self.queue.remove(me)
                 self.metrics.queued.set(len(self.queue))

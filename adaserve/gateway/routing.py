@@ -2,10 +2,12 @@
 
 The **slack** of worker w for a request of class c is ``min_k 1 - TPOT_k(n) / target_k`` over c and every class
 already on w, with n the requests w would hold (prediction.py): the relative margin the tightest request there
-keeps if this one joins. Slack >= 0: every target should hold. A class whose target no worker can meet even
-alone (lone TPOT above its target) is served best effort: its own target is left out of its slack; and a class
-already on w that w cannot meet alone holds nobody back there. A worker nothing predicts (neither curve nor
-cost model) is judged by the share of its slots still free.
+keeps if this one joins. Slack >= 0: every target should hold. A class whose target w cannot meet even alone
+(lone TPOT above its target) is served best effort there: held to what a lone request of it gets on w, plus
+``BEST_EFFORT_ROOM``, instead of its target. Served as well as w can serve it, and no worse: leaving its target
+out instead let it join batches of four to eight on a 2-core CPU at twice its lone TPOT, where none met its
+target (docs/results/loadtest-cpu-smollm2-admission-4.json, coding at 2x), though served alone most would have.
+A worker nothing predicts (neither curve nor cost model) is judged by the share of its slots still free.
 
 ``headroom`` (the default policy): among workers with a free slot, those that keep every target; of those within
 ``TIE`` of the best slack, the one with fewer requests. ``least-loaded`` and ``round-robin`` are the fallbacks a
@@ -21,40 +23,48 @@ from dataclasses import dataclass
 
 from adaserve.gateway.prediction import (
     TpotOf,
-    class_tokens_at,
     feasible,
     iteration_ms_at,
+    lone_tpot_ms,
     pooled_acceptance,
     predicted_tpot_ms,
 )
 from adaserve.gateway.view import WorkerView
 
 TIE = 0.1  # slacks this close (share of the target) are equal; fewer requests wins
+BEST_EFFORT_ROOM = 0.1  # a class a worker cannot meet alone is held there to its lone TPOT plus this share
+
+
+def limit_ms(w: WorkerView, slo_class: str, tpot_of: TpotOf, *, acceptance: float | None = None) -> float | None:
+    """What the class's predicted TPOT on ``w`` is held to: its target where ``w`` can meet it alone; where it
+    cannot (best effort), what ``w`` gives a lone request of it, plus ``BEST_EFFORT_ROOM``: served as well as
+    ``w`` can, not slowed further by others. None: the class has no target here."""
+    target = tpot_of(slo_class)
+    if not target:
+        return None
+    lone = lone_tpot_ms(w, slo_class, acceptance=acceptance)
+    return lone * (1.0 + BEST_EFFORT_ROOM) if lone is not None and lone > target else target
 
 
 def slack(w: WorkerView, slo_class: str, tpot_of: TpotOf, *, acceptance: float | None = None,
           best_effort: bool = False) -> float:
-    """min over the classes on ``w`` (this request's included, unless ``best_effort``) of 1 - TPOT / target
-    if this request joined; -inf without a free slot; the free-slot share when nothing predicts TPOT. A class
-    already there that ``w`` cannot meet even alone is served best effort: it holds nobody back."""
+    """min over the classes on ``w``, this request's included, of 1 - TPOT / limit if this request joined: the
+    classes already there each by its ``limit_ms``; this request by its target, or, ``best_effort`` (no worker
+    can meet the class alone), by its ``limit_ms`` here too. -inf without a free slot; the free-slot share when
+    nothing predicts TPOT."""
     if w.free_slots <= 0:
         return -math.inf
     n = w.active + 1
-    t = iteration_ms_at(w, n, acceptance=acceptance)
-    if t is None:
+    if iteration_ms_at(w, n, acceptance=acceptance) is None:
         return (w.free_slots - 1) / w.max_active
-    others = {c for c, k in w.active_by_class.items() if k > 0 and c != slo_class}
-    judged = {c for c in others if feasible(w, c, tpot_of, acceptance=acceptance)}
-    if not best_effort:
-        judged.add(slo_class)
-    elif slo_class in w.active_by_class and feasible(w, slo_class, tpot_of, acceptance=acceptance):
-        judged.add(slo_class)  # infeasible somewhere else, feasible here: those already here keep their target
+    judged = {c for c, k in w.active_by_class.items() if k > 0} | {slo_class}
     worst = 1.0
     for name in sorted(judged):
-        target = tpot_of(name)
-        if target:
-            tpot = w.correction * t / class_tokens_at(w, name, n, acceptance=acceptance)
-            worst = min(worst, 1.0 - tpot / target)
+        own = name == slo_class and not best_effort  # (limit_ms is never below the target: the stricter one)
+        limit = tpot_of(name) if own else limit_ms(w, name, tpot_of, acceptance=acceptance)
+        raw = predicted_tpot_ms(w, name, n, acceptance=acceptance)
+        if limit and raw is not None:
+            worst = min(worst, 1.0 - w.correction * raw / limit)
     return worst
 
 

@@ -200,10 +200,24 @@ def test_best_effort_still_keeps_the_others_targets() -> None:
     adm, _, _ = admission([registration("a", **middling, active=1, by_class={"summarization": 1})])
     out, _ = run(timed_admit(adm, CODING))  # would slow the summarization request to 400 ms: wait, then refuse
     assert isinstance(out, Refused) and out.reason == "overloaded"
-    # a request there whose class the worker cannot meet even alone holds nobody back
+    # nor does it join a request whose class the worker cannot meet alone either (chat, 50 ms): it would slow
+    # that one to four times its lone pace, and itself too; alone, it goes in at once
     adm, _, _ = admission([registration("a", **middling, active=1, by_class={"chat": 1})])
     out, _ = run(timed_admit(adm, CODING))
+    assert isinstance(out, Refused) and out.reason == "overloaded"
+    adm, _, _ = admission([registration("a", **middling)])
+    out, _ = run(timed_admit(adm, CODING))
     assert isinstance(out, Admitted) and out.mode == "best_effort" and not out.queued
+
+
+def test_a_best_effort_request_waits_for_a_worker_that_serves_it_about_as_well_as_alone() -> None:
+    # coding (36 ms with the margin) is met by no lone request: 40 ms on "a", 60 on "b" (summarization: 150)
+    fast = {"budget": 16, "measured": curve((1, 40.0, 1.0), (2, 60.0, 1.0))}
+    slow = {"budget": 16, "measured": curve((1, 60.0, 1.0), (2, 80.0, 1.0))}
+    busy = registration("a", **fast, active=1, by_class={"summarization": 1})
+    adm, _, _ = admission([busy, registration("b", **slow)])
+    out, _ = run(timed_admit(adm, CODING))  # joining "a" makes 60 ms, 1.5x its pace there: the idle "b" (60)
+    assert isinstance(out, Admitted) and out.mode == "best_effort" and out.choice.worker.id == "b"
 
 
 def test_on_infeasible_refuse_names_the_class_and_the_fastest_lone_request() -> None:
@@ -473,29 +487,36 @@ def test_admission_keeps_slo_margin_to_spare() -> None:
 
 
 def test_sheddable_yields_while_others_wait_and_for_a_window_after() -> None:
-    chat_waits = [Waiter(CHAT, None, set(), 0)]
+    chat_waits = [Waiter(CHAT, None, set(), 0, near=True)]
     assert not sheddable_yields(CHAT, None, chat_waits, 100.0, 100.0, 5.0)  # only a sheddable class yields
     assert sheddable_yields(SUMMARIZATION, None, chat_waits, None, 100.0, 5.0)  # a chat waits
     assert not sheddable_yields(SUMMARIZATION, "other", chat_waits, None, 100.0, 5.0)  # ... for another model
-    shed_waits = [Waiter(SUMMARIZATION, None, set(), 0)]
+    # a chat that one place freed would not let in: refusing the summary would not let it in either
+    assert not sheddable_yields(SUMMARIZATION, None, [Waiter(CHAT, None, set(), 0)], None, 100.0, 5.0)
+    shed_waits = [Waiter(SUMMARIZATION, None, set(), 0, near=True)]
     assert not sheddable_yields(SUMMARIZATION, None, shed_waits, None, 100.0, 5.0)
     assert sheddable_yields(SUMMARIZATION, None, [], 96.0, 100.0, 5.0)  # a chat waited 4 s ago
     assert not sheddable_yields(SUMMARIZATION, None, [], 94.0, 100.0, 5.0)  # 6 s ago: the window is over
     assert not sheddable_yields(SUMMARIZATION, None, [], 100.0, 100.0, 0.0)
 
 
+# 30 ms per token alone, 40 with two requests, 400 from three: two chats (45 ms with the margin) fit together
+PAIR = {"budget": 16, "measured": curve((1, 30.0, 1.0), (2, 40.0, 1.0), (3, 400.0, 1.0))}
+
+
 def test_a_sheddable_request_leaves_the_headroom_to_a_waiting_chat() -> None:
-    """Both slots taken by chat; a chat waits. A summary arriving meanwhile, or within shed_window_s after
-    the chat got in, is refused at once (it would take the slot the chats need); after the window it goes in."""
+    """Both slots taken by chat; a chat waits, and one slot freed would let it in. A summary arriving
+    meanwhile, or within shed_window_s after the chat got in, is refused at once (it would take the place the
+    chats need); after the window it goes in."""
     async def main() -> list[str]:
-        adm, directory, _ = await full_worker(max_active=2, doc=QUICK_ALONE, shed_window_s=0.3)  # both taken
+        adm, directory, _ = await full_worker(max_active=2, doc=PAIR, shed_window_s=0.3)  # both taken
         order: list[str] = []
         chat = asyncio.create_task(take(adm, CHAT, order))
         await until(lambda: adm.waiting == 1)
         await take(adm, SUMMARIZATION, order, "summary-while-chat-waits")
-        directory.release("a", "chat")
-        directory.release("a", "chat")  # idle now: the chat goes in
+        directory.release("a", "chat")  # one slot free: the chat goes in
         await chat
+        directory.release("a", "chat")
         await take(adm, SUMMARIZATION, order, "summary-in-window")
         directory.release("a", "chat")
         await asyncio.sleep(0.35)
@@ -503,6 +524,29 @@ def test_a_sheddable_request_leaves_the_headroom_to_a_waiting_chat() -> None:
         return order
 
     assert run(main()) == ["summary-while-chat-waits:shed", "chat", "summary-in-window:shed", "summary-after-window"]
+
+
+def test_a_waiter_that_needs_the_worker_nearly_alone_holds_no_sheddable_request_back() -> None:
+    """Coding (36 ms with the margin) is met only alone on a worker at 30 / 38 / 44 ms per token with one, two,
+    three requests. With two chats there it waits, and one request fewer would not let it in: a summary that
+    fits (the chats' 45 ms hold at three) goes in, its tokens not thrown away for nothing."""
+    trio = {"budget": 16, "measured": curve((1, 30.0, 1.0), (2, 38.0, 1.0), (3, 44.0, 1.0), (4, 400.0, 1.0))}
+
+    async def main() -> list[str]:
+        adm, directory, _ = await full_worker(max_active=4, doc=trio, shed_window_s=5.0)
+        directory.release("a", "chat")
+        directory.release("a", "chat")  # two chats left
+        order: list[str] = []
+        coding = asyncio.create_task(take(adm, CODING, order))
+        await until(lambda: adm.waiting == 1)
+        assert not adm.queue[0].near
+        await take(adm, SUMMARIZATION, order, "summary")
+        for name in ("chat", "chat", "summarization"):  # idle: coding goes in
+            directory.release("a", name)
+        await coding
+        return order
+
+    assert run(main()) == ["summary", "coding"]
 
 
 def test_an_idle_fleet_admits_a_sheddable_request_at_once() -> None:

@@ -25,7 +25,15 @@ from adaserve.gateway.prediction import (
     prior_tokens,
     tokens_at,
 )
-from adaserve.gateway.routing import TIE, Router, best_slack, feasible_anywhere, slack
+from adaserve.gateway.routing import (
+    BEST_EFFORT_ROOM,
+    TIE,
+    Router,
+    best_slack,
+    feasible_anywhere,
+    limit_ms,
+    slack,
+)
 from adaserve.gateway.view import DRAFT_STEPS, CurvePoint, WorkerView
 from tests.gateway.unit.helpers import view
 
@@ -128,6 +136,25 @@ def test_a_class_measured_on_the_curve_is_predicted_from_its_own_figures() -> No
     assert class_tokens_at(measured(class_accepted={"chat": 3.0}), "chat", 2) == pytest.approx(4.0)
 
 
+def test_a_class_is_timed_by_the_iterations_it_was_in_where_it_has_a_figure() -> None:
+    # alone, a summary's iteration costs 60 ms and a chat's 20 ms; the point's mean (40) is neither's
+    curve = (CurvePoint(1, 32, 40.0, 2.0, {"summarization": (1.0, 20), "chat": (3.0, 20), "rare": (2.0, 3)},
+                        {"summarization": 60.0, "chat": 20.0, "rare": 90.0}),
+             CurvePoint(3, 32, 90.0, 1.8, {"chat": (2.0, 40)}, {"chat": 84.0}))
+    w = measured(curve=curve)
+    assert iteration_ms_at(w, 1) == pytest.approx(40.0)
+    assert iteration_ms_at(w, 1, slo_class="summarization") == pytest.approx(60.0)
+    assert predicted_tpot_ms(w, "summarization", 1) == pytest.approx(60.0)
+    assert predicted_tpot_ms(w, "chat", 1) == pytest.approx(20.0 / 3.0)
+    assert iteration_ms_at(w, 2, slo_class="chat") == pytest.approx(52.0)  # between its own figures
+    assert iteration_ms_at(w, 2, slo_class="summarization") == pytest.approx(75.0)  # its own, then the shared
+    assert iteration_ms_at(w, 1, slo_class="rare") == pytest.approx(40.0)  # too few decodes: the shared time
+    # slack judges every class on the worker by its own time
+    busy = measured(curve=curve, active=1, active_by_class={"summarization": 1})
+    assert slack(busy, "chat", {"chat": 30.0, "summarization": 200.0}.get) == pytest.approx(
+        min(1 - 52.0 / 2.5 / 30.0, 1 - 75.0 / 1.0 / 200.0))
+
+
 # ---- the prior (a worker that has not served yet) -------------------------------------------------------
 
 def test_prior_iteration_verifies_the_budget_and_drafts_d_steps() -> None:
@@ -185,22 +212,27 @@ def test_the_correction_scales_every_prediction() -> None:
     assert lone_tpot_ms(w, "chat") == pytest.approx(20.0)
 
 
-def test_best_effort_leaves_the_requests_own_target_out() -> None:
-    assert slack(measured(), "tight", lambda _: 5.0) < 0
-    assert slack(measured(), "tight", lambda _: 5.0, best_effort=True) == 1.0  # nobody else to break
-    busy = measured(active=1, active_by_class={"chat": 1})  # n = 2: TPOT 20 against chat's 50
-    assert slack(busy, "tight", lambda c: 5.0 if c == "tight" else tpot_of(c), best_effort=True) == pytest.approx(0.6)
+def test_a_class_the_worker_cannot_meet_alone_is_held_to_its_lone_pace_there() -> None:
+    # tight (5 ms) is met by no lone request (10 ms): held to 10 * (1 + BEST_EFFORT_ROOM) = 11 ms instead
+    assert limit_ms(measured(), "tight", lambda _: 5.0) == pytest.approx(10.0 * (1 + BEST_EFFORT_ROOM))
+    assert limit_ms(measured(), "tight", lambda _: 30.0) == 30.0  # met alone: its own target
+    assert limit_ms(measured(), "nameless", lambda _: None) is None
+    # served best effort (no worker can meet it alone), it is judged so too; otherwise by its target
+    assert slack(measured(), "tight", lambda _: 5.0, best_effort=True) == pytest.approx(1 - 10 / 11)
+    assert slack(measured(), "tight", lambda _: 5.0) == pytest.approx(1 - 10 / 5)
+    busy = measured(active=1, active_by_class={"chat": 1})  # n = 2: TPOT 20, twice its lone pace
+    tight = {"tight": 5.0, "chat": 50.0}.get
+    assert slack(busy, "tight", tight, best_effort=True) == pytest.approx(1 - 20 / 11)
 
 
-def test_a_class_the_worker_cannot_meet_even_alone_holds_nobody_back() -> None:
-    # tight (30 ms) cannot be met alone at correction 4 (40 ms); chat (50 ms) joining makes 2: 4 * 20 = 80 ms
+def test_a_class_the_worker_cannot_meet_even_alone_holds_others_to_its_lone_pace() -> None:
+    # tight (30 ms) cannot be met alone at correction 4 (40 ms): chat (100 ms) joining makes 2, 4 * 20 = 80 ms
     w = measured(active=1, active_by_class={"tight": 1}, correction=4.0)
     targets = {"tight": 30.0, "chat": 100.0}
     assert feasible(w, "tight", targets.get) is False
-    assert slack(w, "chat", targets.get) == pytest.approx(1 - 80 / 100)  # tight's target is not counted
-    # a feasible class already there is counted, even when the joining one is served best effort
-    w2 = measured(active=1, active_by_class={"chat": 1})
-    assert slack(w2, "tight", lambda c: {"tight": 1.0, "chat": 25.0}[c], best_effort=True) == pytest.approx(0.2)
+    assert slack(w, "chat", targets.get) == pytest.approx(1 - 80 / 44)  # tight's 40 ms alone, plus 10%
+    # without the tight request there the chat would keep its target
+    assert slack(measured(correction=4.0), "chat", targets.get) == pytest.approx(1 - 40 / 100)
 
 
 def test_no_free_slot_is_minus_infinite_slack() -> None:

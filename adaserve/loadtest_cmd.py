@@ -165,8 +165,16 @@ async def _measure(args: argparse.Namespace, url: str, worker_url: str | None,
         for name, system in systems.items():
             at = dataclasses.replace(cfg, url=system["url"])
             ids: list[str] = []
-            results, wall = await _one_rate(at, classes, rate, name, ids)
+            verdicts: list[dict[str, Any]] = []
+            before = await loadgen.fetch_text(at, "/metrics")
+            watch = asyncio.create_task(loadgen.watch_classes(at, verdicts))
+            try:
+                results, wall = await _one_rate(at, classes, rate, name, ids)
+            finally:
+                watch.cancel()
             row = loadgen.rate_report(rate, results, wall, rule=slo_met, ttft_of=ttft.get, capacity_rps=cap)
+            row["refusals"] = loadgen.refusals_between(before, await loadgen.fetch_text(at, "/metrics"))
+            row["verdicts"] = verdicts
             row["prediction"] = loadgen.prediction_report(await loadgen.fetch_records(at, ids))
             system["rates"].append(row)
     return report

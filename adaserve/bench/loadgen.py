@@ -329,6 +329,54 @@ async def probe_capacity(cfg: LoadConfig, classes: tuple[SLOClass, ...], *, url:
             "capacity_rps": tokens / wall / per_request}
 
 
+# --- what the gateway thought during a rate: its class verdicts over time, and why it refused ---------------
+
+async def watch_classes(cfg: LoadConfig, out: list[dict[str, Any]], *, every_s: float = 5.0) -> None:
+    """Until cancelled: every ``every_s`` the gateway's verdict on each class (``/v1/slo-classes``: feasibility
+    and the TPOT it predicts for a lone request), appended to ``out`` with seconds since the watch began. A
+    class judged infeasible is served best effort: when and why a verdict flips is what these show."""
+    start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=5) as client:
+        while True:
+            try:
+                doc = await fetch_json(client, f"{cfg.url}/v1/slo-classes", cfg.headers())
+                out.append({"t_s": round(time.perf_counter() - start, 1),
+                            "classes": {c["name"]: [c.get("feasibility"), c.get("lone_tpot_ms")]
+                                        for c in doc.get("data", [])}})
+            except (httpx.HTTPError, ValueError):
+                pass  # a missed look is only a gap in the timeline
+            await asyncio.sleep(every_s)
+
+
+def refusal_counts(metrics_text: str) -> dict[tuple[str, str], float]:
+    """(class, reason) -> requests the gateway refused for lack of capacity, from its /metrics text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == "adaserve_gateway_shed":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    out[(sample.labels["slo_class"], sample.labels["reason"])] = sample.value
+    return out
+
+
+def refusals_between(before: str, after: str) -> dict[str, dict[str, int]]:
+    """Per class, per reason: the refusals counted between two /metrics scrapes."""
+    was, now = refusal_counts(before), refusal_counts(after)
+    out: dict[str, dict[str, int]] = {}
+    for (name, reason), v in sorted(now.items()):
+        if (d := round(v - was.get((name, reason), 0.0))) > 0:
+            out.setdefault(name, {})[reason] = d
+    return out
+
+
+async def fetch_text(cfg: LoadConfig, path: str) -> str:
+    async with httpx.AsyncClient(timeout=10) as client:
+        r = await client.get(f"{cfg.url}{path}", headers=cfg.headers())
+        return r.text if r.status_code == 200 else ""
+
+
 async def fetch_json(client: httpx.AsyncClient, url: str, headers: dict[str, str]) -> dict[str, Any]:
     r = await client.get(url, headers=headers)
     if r.status_code != 200:

@@ -18,6 +18,7 @@ from adaserve.bench.loadgen import (
     overhead_report,
     prediction_report,
     rate_report,
+    refusals_between,
     sequential_report,
 )
 from adaserve.bench.metrics import RequestResult
@@ -140,3 +141,19 @@ def test_prediction_report_from_the_gateways_records() -> None:
     assert rep["median_abs_log_error_raw"] == pytest.approx(math.log(2) / 2)
     assert rep["rows"][0] == {"slo_class": "chat", "observed_ms": 100.0, "predicted_ms": 50.0, "correction": 2.0,
                               "load": 2.5, "queued": False, "admission": "slo"}
+
+
+def test_refusals_between_two_scrapes_of_the_gateways_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from adaserve.gateway.metrics import GatewayMetrics
+
+    m = GatewayMetrics()
+    m.shed.labels("chat", "overloaded").inc()
+    before = generate_latest(m.registry).decode()
+    m.shed.labels("chat", "overloaded").inc(2)
+    m.shed.labels("summarization", "shed").inc()
+    after = generate_latest(m.registry).decode()
+    assert refusals_between(before, after) == {"chat": {"overloaded": 2}, "summarization": {"shed": 1}}
+    assert refusals_between(after, after) == {}
+    assert refusals_between("", after) == {"chat": {"overloaded": 3}, "summarization": {"shed": 1}}

@@ -287,6 +287,11 @@ class UCBDrafts:
         self.own.pop(request_id, None)
 
 
+def pinned_draft(spec: str) -> int | None:
+    """The draft a selector spec ``dN`` pins (N), or None for any other spec."""
+    return int(spec[1:]) if spec.startswith("d") and spec[1:].isdigit() else None
+
+
 def make_selector(spec: str, *, sizes: tuple[float, ...], seed: int = 0) -> DraftSelector:
     """A selector by name (``SELECTORS``) over ``len(sizes)`` drafts."""
     n = len(sizes)
@@ -296,8 +301,7 @@ def make_selector(spec: str, *, sizes: tuple[float, ...], seed: int = 0) -> Draf
         return EpsilonGreedy(n, seed=seed)
     if spec == "length":
         return PromptLength(sizes)
-    if spec.startswith("d") and spec[1:].isdigit():
-        arm = int(spec[1:])
+    if (arm := pinned_draft(spec)) is not None:
         if arm >= n:
             raise ValueError(f"draft selector {spec!r}: there are only {n} drafts (d0..d{n - 1})")
         return Fixed(arm, name=spec)

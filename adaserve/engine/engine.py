@@ -9,6 +9,7 @@ when requests arrive.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -361,7 +362,7 @@ class Engine:
                 for r in decoding if r.tpot_slo_ms is not None and r.metrics.first_token_s is not None]
         if not slos:
             return cfg.prefill_chunk
-        recent = [m for m in list(self.history)[-16:] if m.n_decode]
+        recent = [m for m in itertools.islice(reversed(self.history), 16) if m.n_decode]  # the last 16
         n_dec = sum(m.n_decode for m in recent)
         per_req = 1.0 + (sum(m.tokens_accepted for m in recent) / n_dec if n_dec else 0.0)
         verify = sum(m.tokens_verified for m in recent) / len(recent) if recent else float(len(decoding))

@@ -6,7 +6,6 @@ uses the command line. Both end up here and are validated once, before any model
 
 from __future__ import annotations
 
-import re
 import socket
 from pathlib import PurePath
 from typing import Literal
@@ -18,6 +17,7 @@ from adaserve.body_limit import DEFAULT_MAX_BODY_BYTES
 from adaserve.contract.redis_settings import DEFAULT_PREFIX, RedisPrefix, RedisUrl
 from adaserve.contract.slo import CLASS_NAME, SloClassName
 from adaserve.engine.catalog import DEFAULT_MODEL, NAMES, check_ref, served_name
+from adaserve.engine.draft_bandit import pinned_draft
 from adaserve.engine.policies import split_policy
 
 
@@ -124,9 +124,9 @@ class WorkerSettings(BaseSettings):
             # refused before loading: a .gguf target would otherwise be converted first, for nothing
             raise ValueError(f"policy {self.policy} speculates and target {self.target} brings no draft: "
                              "set draft (or drafts), or policy incremental")
-        pinned = split_policy(self.policy)[1] or ""
-        if len(self.draft_refs) > 1 and re.fullmatch(r"d[0-9]+", pinned) and int(pinned[1:]) >= len(self.draft_refs):
-            raise ValueError(f"policy {self.policy} pins draft {pinned[1:]}, but there are "
+        pinned = pinned_draft(split_policy(self.policy)[1] or "")
+        if len(self.draft_refs) > 1 and pinned is not None and pinned >= len(self.draft_refs):
+            raise ValueError(f"policy {self.policy} pins draft {pinned}, but there are "
                              f"{len(self.draft_refs)} drafts (d0..d{len(self.draft_refs) - 1})")
         if not self.worker_id:
             self.worker_id = f"{socket.gethostname()}-{self.port}"

@@ -150,7 +150,7 @@ def test_local_classes_scale_the_defaults_to_this_machine() -> None:
     from adaserve.gateway.slo import DEFAULT_CLASSES, local_classes
 
     local = local_classes(64.0)
-    assert [(c.name, c.tpot_ms) for c in local] == [("coding", 96.0), ("chat", 160.0), ("summarization", 384.0)]
+    assert [(c.name, c.tpot_ms) for c in local] == [("coding", 128.0), ("chat", 160.0), ("summarization", 384.0)]
     # only the targets change: priorities, TTFT and sheddability are the defaults'
     for mine, default in zip(local, DEFAULT_CLASSES, strict=True):
         assert (mine.priority, mine.ttft_ms, mine.sheddable) == (default.priority, default.ttft_ms, default.sheddable)
@@ -164,7 +164,7 @@ def test_local_classes_scale_each_class_by_its_own_lone_request() -> None:
     # a HumanEval-shaped prompt alone is slower than the median: coding's target follows its own figure;
     # a class the worker did not measure falls back on the median
     local = local_classes(30.0, {"coding": 40.0, "summarization": 70.0})
-    assert [(c.name, c.tpot_ms) for c in local] == [("coding", 60.0), ("chat", 75.0), ("summarization", 420.0)]
+    assert [(c.name, c.tpot_ms) for c in local] == [("coding", 80.0), ("chat", 75.0), ("summarization", 420.0)]
     with pytest.raises(ValueError, match="positive"):
         local_classes(30.0, {"chat": 0.0})
 

@@ -13,6 +13,8 @@
    summary would otherwise hold a slot a chat waits for). A waiter that needs more than one place freed (a
    coding request that only meets its target nearly alone, on a worker holding five) holds nobody back: it
    cannot get in within its wait whatever the sheddable do, and refusing them would only lose their tokens.
+   Known cost (docs/benchmarks.md, loadtest run 6): under sustained overload a chat that needs two places
+   never gets them while summaries keep filling the gaps; priorities then invert.
 3. No worker has a free slot (or none is ready): wait, up to the wait budget.
 4. The wait budget is ``queue_timeout_s``, shortened for a class with a TTFT target to what that target leaves
    after the time from admission to a first token that this gateway's recent requests of the class took (their

@@ -6,15 +6,16 @@
    feasible class.
 2. None has, but some have free slots: a sheddable class (priority < 0) is refused at once, 503 + Retry-After,
    so the others keep their pace; any other class waits for slack, up to its wait budget. Sheddable requests
-   use only the headroom the others leave: while a non-sheddable request for the same model waits that one
-   request fewer on some worker would let in (it is ``near``), and for ``shed_window_s`` after such a request
-   had to wait or was refused for want of slack, a sheddable request is refused at once even where it would
-   fit (``sheddable_yields``): admitted, it would take the place that request needs (under overload a long
-   summary would otherwise hold a slot a chat waits for). A waiter that needs more than one place freed (a
-   coding request that only meets its target nearly alone, on a worker holding five) holds nobody back: it
-   cannot get in within its wait whatever the sheddable do, and refusing them would only lose their tokens.
-   Known cost (docs/benchmarks.md, loadtest run 6): under sustained overload a chat that needs two places
-   never gets them while summaries keep filling the gaps; priorities then invert.
+   use only the headroom the others leave, by reservation: while a non-sheddable request for the same model
+   waits for slack, and for ``shed_window_s`` after one had to wait or was refused for want of it, its class is
+   *reserved*, and a sheddable request goes only to a worker where, after it joined, one request of each
+   reserved class would still keep every target (``routing.room_for``); elsewhere it is refused at once even
+   where it would fit. So a summary never takes the place a chat needs, nor pushes a worker further from the
+   load a waiting coding request fits in, while it may still fill what the reserved classes cannot use. Two
+   rules came before this one, each measured wrong (docs/benchmarks.md, loadtest runs 4 and 6): refusing every
+   sheddable request while any other waited lost 7 of 11 summaries at 2x for nothing (goodput 70% of the
+   peak); yielding only to a waiter one freed place would let in inverted priorities (at 2x no chat or coding
+   request got in while 7 of 8 summaries did: a chat needing two places never got them).
 3. No worker has a free slot (or none is ready): wait, up to the wait budget.
 4. The wait budget is ``queue_timeout_s``, shortened for a class with a TTFT target to what that target leaves
    after the time from admission to a first token that this gateway's recent requests of the class took (their
@@ -47,13 +48,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from adaserve.gateway.directory import Directory
 from adaserve.gateway.errors import ApiError
 from adaserve.gateway.metrics import GatewayMetrics
 from adaserve.gateway.prediction import lone_tpot_ms
-from adaserve.gateway.routing import Choice, Router, best_slack, feasible_anywhere
+from adaserve.gateway.routing import Choice, Router, best_slack, feasible_anywhere, room_for
 from adaserve.gateway.settings import GatewaySettings
 from adaserve.gateway.slo import SloCatalog, SloClass
 from adaserve.gateway.view import WorkerView
@@ -87,22 +88,13 @@ def wait_budget_s(slo: SloClass, queue_timeout_s: float, worker_ttft_ms: float |
     return max(0.0, min(queue_timeout_s, (slo.ttft_ms - (worker_ttft_ms or 0.0)) / 1e3))
 
 
-def sheddable_yields(slo: SloClass, model: str | None, queue: list[Waiter], pressed_at: float | None, now: float,
-                     window_s: float) -> bool:
-    """Must a request of ``slo`` stand down for the non-sheddable ones (rule 2)? Only a sheddable class does: while
-    a non-sheddable request for the same model waits that one place freed would let in (``near`` at its last
-    look), or within ``window_s`` of the last time such a request had to wait or was refused for want of slack
-    (``pressed_at``, monotonic seconds)."""
-    if not slo.sheddable:
-        return False
-    if any(not w.slo.sheddable and w.model == model and w.near for w in queue):
-        return True
-    return pressed_at is not None and now - pressed_at < window_s
-
-
-def one_fewer(w: WorkerView) -> WorkerView:
-    """``w`` with one request fewer (of whichever class: which one ends first is not known)."""
-    return replace(w, active=max(0, w.active - 1))
+def reserved_classes(pressed: dict[tuple[str | None, str], float], queue: list[Waiter], model: str | None,
+                     now: float, window_s: float) -> set[str]:
+    """The classes sheddable requests for ``model`` must leave room for (rule 2): those of the non-sheddable
+    requests waiting for slack now, and those ``pressed`` (model, class -> monotonic seconds when one last had to
+    wait or was refused for want of slack) less than ``window_s`` ago."""
+    waiting = {w.slo.name for w in queue if w.model == model and w.short}
+    return waiting | {c for (m, c), at in pressed.items() if m == model and now - at < window_s}
 
 
 @dataclass(eq=False)
@@ -114,7 +106,7 @@ class Waiter:
     exclude: set[str]
     arrival: int
     best_effort: bool = False  # its class is infeasible everywhere (as of its last look)
-    near: bool = False  # without slack, but one request fewer on some worker would give it slack (last look)
+    short: bool = False  # non-sheddable, of a class some worker can meet, and no worker had slack (last look)
     saw_workers: bool = False  # some worker was usable for it at one of its looks (rule 6)
     rank: tuple[int, float, int] = field(init=False)
 
@@ -140,7 +132,7 @@ class Admission:
         self.queue: list[Waiter] = []  # waiting now, in arrival order
         self._arrivals = itertools.count()
         self._left = asyncio.Event()  # set (and replaced) whenever a waiter leaves the queue
-        self._pressed_at: float | None = None  # a non-sheddable request last waited or was refused (rule 2)
+        self._pressed: dict[tuple[str | None, str], float] = {}  # (model, class) -> last wait or refusal (rule 2)
 
     @property
     def waiting(self) -> int:
@@ -165,10 +157,10 @@ class Admission:
         best = best_slack(workers, w.slo.name, self.target, best_effort=w.best_effort)
         return best is not None and best >= 0
 
-    def _near(self, w: Waiter, workers: list[WorkerView]) -> bool:
-        """One request fewer on some worker would give ``w`` slack (admission "slo" only)."""
-        best = best_slack([one_fewer(v) for v in workers], w.slo.name, self.target, best_effort=w.best_effort)
-        return best is not None and best >= 0
+    def _press(self, w: Waiter) -> None:
+        """``w`` had to wait or was refused for want of slack: reserve its class (rule 2)."""
+        if w.short:
+            self._pressed[(w.model, w.slo.name)] = time.monotonic()
 
     def _ahead_can_go(self, me: Waiter, usable: list[WorkerView]) -> bool:
         """Some waiter ranked ahead of ``me``, for the same model (so ``usable`` is its list too), could go now."""
@@ -198,12 +190,15 @@ class Admission:
             me.best_effort = self.infeasible(slo, workers)
             if me.best_effort and s.on_infeasible == "refuse":
                 raise self._infeasible_refusal(slo, workers)
-            if workers and sheddable_yields(slo, me.model, self.queue, self._pressed_at, time.monotonic(),
-                                            s.shed_window_s):
-                raise self._refuse(f"overloaded: SLO class {slo.name!r} is sheddable and requests of other classes "
-                                   "are waiting for headroom; retry later", "shed")
+            if slo.sheddable and workers:
+                reserved = reserved_classes(self._pressed, self.queue, me.model, time.monotonic(), s.shed_window_s)
+                workers = room_for(workers, slo.name, reserved, self.target) if reserved else workers
+                if not workers:
+                    raise self._refuse(f"overloaded: SLO class {slo.name!r} is sheddable and the headroom left is "
+                                       f"held for waiting requests of {', '.join(sorted(reserved))}; retry later",
+                                       "shed")
             choice = self.router.choose(workers, slo.name, self.target, best_effort=me.best_effort)
-            me.near = not slo.sheddable and (choice is None or choice.best < 0) and self._near(me, workers)
+            me.short = (not slo.sheddable and not me.best_effort) and (choice is None or choice.best < 0)
             if choice is not None and choice.best >= 0:
                 if over or not self._ahead_can_go(me, usable):  # at its deadline it stood aside long enough
                     return choice, "best_effort" if me.best_effort else "slo"
@@ -250,17 +245,15 @@ class Admission:
                     choice, mode = got
                     return Admitted(choice, time.monotonic() - start, me in self.queue, mode)
                 if me not in self.queue:
-                    if me.near:  # it must wait for a place: the sheddable stand down
-                        self._pressed_at = time.monotonic()
+                    self._press(me)  # it must wait for slack: the sheddable leave room for its class
                     if len(self.queue) >= self.settings.max_queued:
                         raise self._refuse("overloaded: the admission queue is full", "queue_full")
                     self.queue.append(me)
                     self.metrics.queued.set(len(self.queue))
                 await self._sleep(max(0.0, min(until - time.monotonic(), self.settings.refresh_s)))
         finally:  # admitted, refused, timed out or cancelled (client gone): leave, and let the others look again
+            self._press(me)  # still without slack at its last look (refused, gone): the window runs from here
             if me in self.queue:
-                if me.near:  # it waited for a place until now: the window runs from here
-                    self._pressed_at = time.monotonic()
                 self.queue.remove(me)
                 self.metrics.queued.set(len(self.queue))
                 self._left.set()

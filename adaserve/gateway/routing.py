@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from adaserve.gateway.prediction import (
     TpotOf,
@@ -87,6 +87,22 @@ def best_slack(workers: Sequence[WorkerView], slo_class: str, tpot_of: TpotOf, *
     or None when no worker has a free slot. Pure: moves no cursor."""
     rooms = _slacks(_open(workers), slo_class, tpot_of, best_effort)
     return max(rooms.values()) if rooms else None
+
+
+def with_one_more(w: WorkerView, slo_class: str) -> WorkerView:
+    """``w`` as it would be with one more request of the class on it."""
+    by_class = {**w.active_by_class, slo_class: w.active_by_class.get(slo_class, 0) + 1}
+    return replace(w, active=w.active + 1, active_by_class=by_class)
+
+
+def room_for(workers: Sequence[WorkerView], slo_class: str, reserved: set[str], tpot_of: TpotOf) -> list[WorkerView]:
+    """The workers a request of ``slo_class`` may join and still leave room for one request of each ``reserved``
+    class: after it joined, that one request would have slack there. A reserved class a worker cannot meet even
+    alone holds no room on it (it would hold the worker for nothing)."""
+    a = pooled_acceptance(sorted(workers, key=lambda w: w.id))
+    return [w for w in workers
+            if all(slack(with_one_more(w, slo_class), c, tpot_of, acceptance=a) >= 0 for c in sorted(reserved)
+                   if feasible(w, c, tpot_of, acceptance=a) is not False)]
 
 
 def feasible_anywhere(workers: Sequence[WorkerView], slo_class: str, tpot_of: TpotOf) -> bool:

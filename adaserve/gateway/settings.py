@@ -46,9 +46,10 @@ class GatewaySettings(BaseSettings):
     slo_margin: float = Field(0.1, ge=0, lt=1, description="admit only where the predicted TPOT is at least this "
                               "share under the target (the prediction's own noise); feasibility is judged so too")
     queue_timeout_s: float = Field(2.0, ge=0, description="how long a request waits for headroom before 503")
-    shed_window_s: float = Field(5.0, ge=0, description="after a non-sheddable request had to wait or was refused "
-                                 "for want of headroom, sheddable requests are refused for this long, so they do "
-                                 "not take the headroom the others need (0: only while one waits)")
+    shed_window_s: float = Field(30.0, ge=0, description="after a non-sheddable request had to wait or was refused "
+                                 "for want of headroom, its class stays reserved this long: a sheddable request "
+                                 "goes only where one request of that class would still fit beside it (0: only "
+                                 "while one waits)")
     max_queued: int = Field(64, ge=0, description="requests waiting for headroom at once; beyond it 503 at once")
     on_overload: OnOverload = Field(
         "refuse", description="a non-sheddable request still without headroom when its wait is over: refuse it "

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from adaserve.gateway.admission import Admission, Admitted, Refused, Waiter, rank, sheddable_yields, wait_budget_s
+from adaserve.gateway.admission import Admission, Admitted, Refused, Waiter, rank, reserved_classes, wait_budget_s
 from adaserve.gateway.directory import Directory
 from adaserve.gateway.metrics import GatewayMetrics
 from adaserve.gateway.routing import Router
@@ -486,18 +486,14 @@ def test_admission_keeps_slo_margin_to_spare() -> None:
     assert isinstance(out, Admitted) and out.mode == "best_effort" and not out.queued
 
 
-def test_sheddable_yields_while_others_wait_and_for_a_window_after() -> None:
-    chat_waits = [Waiter(CHAT, None, set(), 0, near=True)]
-    assert not sheddable_yields(CHAT, None, chat_waits, 100.0, 100.0, 5.0)  # only a sheddable class yields
-    assert sheddable_yields(SUMMARIZATION, None, chat_waits, None, 100.0, 5.0)  # a chat waits
-    assert not sheddable_yields(SUMMARIZATION, "other", chat_waits, None, 100.0, 5.0)  # ... for another model
-    # a chat that one place freed would not let in: refusing the summary would not let it in either
-    assert not sheddable_yields(SUMMARIZATION, None, [Waiter(CHAT, None, set(), 0)], None, 100.0, 5.0)
-    shed_waits = [Waiter(SUMMARIZATION, None, set(), 0, near=True)]
-    assert not sheddable_yields(SUMMARIZATION, None, shed_waits, None, 100.0, 5.0)
-    assert sheddable_yields(SUMMARIZATION, None, [], 96.0, 100.0, 5.0)  # a chat waited 4 s ago
-    assert not sheddable_yields(SUMMARIZATION, None, [], 94.0, 100.0, 5.0)  # 6 s ago: the window is over
-    assert not sheddable_yields(SUMMARIZATION, None, [], 100.0, 100.0, 0.0)
+def test_classes_are_reserved_while_one_waits_short_and_for_a_window_after() -> None:
+    chat_short = [Waiter(CHAT, None, set(), 0, short=True)]
+    assert reserved_classes({}, chat_short, None, 100.0, 5.0) == {"chat"}  # a chat waits without slack
+    assert reserved_classes({}, chat_short, "other", 100.0, 5.0) == set()  # ... for another model
+    assert reserved_classes({}, [Waiter(CHAT, None, set(), 0)], None, 100.0, 5.0) == set()  # not short (yet)
+    pressed = {(None, "coding"): 96.0, (None, "chat"): 94.0, ("other", "voice"): 99.0}
+    assert reserved_classes(pressed, [], None, 100.0, 5.0) == {"coding"}  # 4 s ago; the chat 6 s ago is over
+    assert reserved_classes(pressed, chat_short, None, 100.0, 0.0) == {"chat"}  # window 0: only while it waits
 
 
 # 30 ms per token alone, 40 with two requests, 400 from three: two chats (45 ms with the margin) fit together
@@ -505,31 +501,50 @@ PAIR = {"budget": 16, "measured": curve((1, 30.0, 1.0), (2, 40.0, 1.0), (3, 400.
 
 
 def test_a_sheddable_request_leaves_the_headroom_to_a_waiting_chat() -> None:
-    """Both slots taken by chat; a chat waits, and one slot freed would let it in. A summary arriving
-    meanwhile, or within shed_window_s after the chat got in, is refused at once (it would take the place the
-    chats need); after the window it goes in."""
+    """Both slots taken by chat; a chat waits. A summary arriving meanwhile is refused at once; after the chat got
+    in, within shed_window_s, a summary is refused while it would take the place the next chat needs (one chat
+    left: a summary beside it leaves a chat three requests, 400 ms), and goes in once it leaves that place (the
+    worker empty: with the summary a chat would be second, 40 ms)."""
     async def main() -> list[str]:
-        adm, directory, _ = await full_worker(max_active=2, doc=PAIR, shed_window_s=0.3)  # both taken
+        adm, directory, _ = await full_worker(max_active=3, doc=PAIR, shed_window_s=60.0)
+        directory.release("a", "chat")  # two chats: a third would be 400 ms
         order: list[str] = []
         chat = asyncio.create_task(take(adm, CHAT, order))
         await until(lambda: adm.waiting == 1)
         await take(adm, SUMMARIZATION, order, "summary-while-chat-waits")
-        directory.release("a", "chat")  # one slot free: the chat goes in
+        directory.release("a", "chat")  # one chat: the waiting chat goes in
         await chat
         directory.release("a", "chat")
-        await take(adm, SUMMARIZATION, order, "summary-in-window")
+        await take(adm, SUMMARIZATION, order, "summary-beside-a-chat")
         directory.release("a", "chat")
-        await asyncio.sleep(0.35)
-        await take(adm, SUMMARIZATION, order, "summary-after-window")
+        await take(adm, SUMMARIZATION, order, "summary-on-an-empty-worker")
         return order
 
-    assert run(main()) == ["summary-while-chat-waits:shed", "chat", "summary-in-window:shed", "summary-after-window"]
+    assert run(main()) == ["summary-while-chat-waits:shed", "chat", "summary-beside-a-chat:shed",
+                           "summary-on-an-empty-worker"]
 
 
-def test_a_waiter_that_needs_the_worker_nearly_alone_holds_no_sheddable_request_back() -> None:
+def test_without_a_window_the_reservation_ends_with_the_wait() -> None:
+    async def main() -> list[str]:
+        adm, directory, _ = await full_worker(max_active=3, doc=PAIR, shed_window_s=0.0)
+        directory.release("a", "chat")
+        order: list[str] = []
+        chat = asyncio.create_task(take(adm, CHAT, order))
+        await until(lambda: adm.waiting == 1)
+        directory.release("a", "chat")
+        await chat
+        directory.release("a", "chat")  # one chat: a summary fits beside it (40 ms), no chat waits now
+        await take(adm, SUMMARIZATION, order, "summary")
+        return order
+
+    assert run(main()) == ["chat", "summary"]
+
+
+def test_a_waiter_that_needs_the_worker_nearly_alone_keeps_summaries_from_filling_it() -> None:
     """Coding (36 ms with the margin) is met only alone on a worker at 30 / 38 / 44 ms per token with one, two,
-    three requests. With two chats there it waits, and one request fewer would not let it in: a summary that
-    fits (the chats' 45 ms hold at three) goes in, its tokens not thrown away for nothing."""
+    three requests. With two chats there it waits. A summary that fits (the chats' 45 ms hold at three) is
+    refused all the same: it would keep the worker from draining to where coding fits (loadtest run 6: letting
+    summaries fill such gaps admitted no chat or coding request at 2x). Once the chats are gone, coding goes in."""
     trio = {"budget": 16, "measured": curve((1, 30.0, 1.0), (2, 38.0, 1.0), (3, 44.0, 1.0), (4, 400.0, 1.0))}
 
     async def main() -> list[str]:
@@ -539,14 +554,38 @@ def test_a_waiter_that_needs_the_worker_nearly_alone_holds_no_sheddable_request_
         order: list[str] = []
         coding = asyncio.create_task(take(adm, CODING, order))
         await until(lambda: adm.waiting == 1)
-        assert not adm.queue[0].near
+        assert adm.queue[0].short
         await take(adm, SUMMARIZATION, order, "summary")
-        for name in ("chat", "chat", "summarization"):  # idle: coding goes in
+        await take(adm, CHAT, order, "chat")  # a non-sheddable class is not held back by the reservation
+        for name in ("chat", "chat", "chat"):  # idle: coding goes in
             directory.release("a", name)
         await coding
         return order
 
-    assert run(main()) == ["summary", "coding"]
+    assert run(main()) == ["summary:shed", "chat", "coding"]
+
+
+def test_a_class_a_worker_cannot_meet_alone_reserves_no_room_there() -> None:
+    """The waiting chat cannot be met on "slow" even alone: a summary goes there though a chat waits."""
+    slow = {"budget": 16, "measured": curve((1, 60.0, 1.0), (2, 70.0, 1.0))}
+    fast = registration("fast", max_active=1, **PAIR)
+    adm, directory, _ = admission([fast, registration("slow", max_active=2, **slow)], queue_timeout_s=5.0,
+                                  refresh_s=10.0, shed_window_s=60.0)
+
+    async def main() -> list[str]:
+        await directory.refresh()
+        directory.acquire("fast", "chat")
+        order: list[str] = []
+        chat = asyncio.create_task(take(adm, CHAT, order))
+        await until(lambda: adm.waiting == 1)
+        out = await adm.admit(SUMMARIZATION, model=None, exclude=set())
+        order.append(f"summary@{out.choice.worker.id}")
+        directory.acquire(out.choice.worker.id, "summarization")
+        directory.release("fast", "chat")
+        await chat
+        return order
+
+    assert run(main()) == ["summary@slow", "chat"]
 
 
 def test_an_idle_fleet_admits_a_sheddable_request_at_once() -> None:

@@ -32,7 +32,9 @@ from adaserve.gateway.routing import (
     best_slack,
     feasible_anywhere,
     limit_ms,
+    room_for,
     slack,
+    with_one_more,
 )
 from adaserve.gateway.view import DRAFT_STEPS, CurvePoint, WorkerView
 from tests.gateway.unit.helpers import view
@@ -338,3 +340,16 @@ def test_best_slack_moves_no_round_robin_cursor() -> None:
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="random"):
         Router("random")
+
+
+def test_room_for_keeps_the_workers_that_still_fit_a_reserved_class_after_the_request_joined() -> None:
+    # on CURVE a tight request (30 ms) is met with up to three requests (29 ms at three, 40 at four)
+    one = measured("one", active=1, active_by_class={"relaxed": 1})
+    two = measured("two", active=2, active_by_class={"relaxed": 2})
+    assert with_one_more(one, "relaxed").active_by_class == {"relaxed": 2}
+    assert [w.id for w in room_for([one, two], "relaxed", {"tight"}, tpot_of)] == ["one"]
+    assert [w.id for w in room_for([one, two], "relaxed", set(), tpot_of)] == ["one", "two"]
+    full = measured("full", active=8, max_active=8)
+    assert room_for([full], "relaxed", {"chat"}, tpot_of) == []  # no place left for the chat
+    # a class the worker cannot meet even alone (10 ms alone against 5) reserves nothing there
+    assert [w.id for w in room_for([two], "relaxed", {"tight"}, {"tight": 5.0, "relaxed": 150.0}.get)] == ["two"]

@@ -34,11 +34,16 @@ class _StepClock:
 
 class HFPeer:
     def __init__(self, target: Path, draft: Path | None, *, eos_token_id: int | None, pad_token_id: int,
-                 assisted: bool = True, cache_implementation: str | None = None) -> None:
+                 assisted: bool = True, cache_implementation: str | None = None,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        """``device`` and ``dtype``: the engine's, so both sides compute on the same hardware in the same
+        precision (a GPU run once left transformers on the host CPU in fp32)."""
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-        self.draft = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval() if draft else None
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(self.device).eval()
+        self.draft = (AutoModelForCausalLM.from_pretrained(draft, dtype=dtype).to(self.device).eval()
+                      if draft else None)
         self.eos, self.pad = eos_token_id, pad_token_id
         self.assisted, self.cache_implementation = assisted, cache_implementation
 
@@ -64,11 +69,11 @@ class HFPeer:
         if self.cache_implementation is not None:
             kwargs["cache_implementation"] = self.cache_implementation
         with torch.no_grad():
-            out = self.model.generate(ids, attention_mask=mask, do_sample=False,
+            out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
                                       max_new_tokens=max(r.params.max_tokens for r in batch),
                                       eos_token_id=self.eos, pad_token_id=self.pad,
                                       stopping_criteria=StoppingCriteriaList([clock]), **kwargs)
-        new = out[:, width:].tolist()
+        new = out[:, width:].tolist()  # on CUDA: waits for the last step
         for r, toks in zip(batch, new, strict=True):
             toks = toks[: r.params.max_tokens]
             if self.eos is not None and self.eos in toks:

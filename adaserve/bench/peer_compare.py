@@ -232,11 +232,13 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     pair = resolve(args.model, progress=False)
     eos = target.model.cfg.eos_token_ids
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
-    hf = HFPeer(pair.target, pair.draft, eos_token_id=eos[0] if eos else None, pad_token_id=pad)
+    hf = HFPeer(pair.target, pair.draft, eos_token_id=eos[0] if eos else None, pad_token_id=pad,
+                device=target.device, dtype=target.dtype)
     results = run_peer(target, draft, hf, tok, cfg, progress=True)
     report = {"benchmark": "hf-peer",
               "config": {**settings(target, cfg, model=args.model, device=args.device),
-                         "hf_dtype": str(hf.model.dtype).removeprefix("torch."), "sampling": "greedy, EOS ends",
+                         "hf_dtype": str(hf.model.dtype).removeprefix("torch."), "hf_device": str(hf.model.device),
+                         "sampling": "greedy, EOS ends",
                          "transformers": _transformers_version()},
               **results}
     report["verdict"] = verdict(report)

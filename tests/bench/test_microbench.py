@@ -71,6 +71,19 @@ def test_peer_race_on_the_demo_pair(demo: tuple) -> None:
     assert v["single_cpu_per_token_engine_over_hf"] > 0 and v["concurrent_tokens_per_cpu_s_engine_over_hf"] > 0
 
 
+def test_peer_loads_where_and_as_the_engine_computes() -> None:
+    """transformers gets the engine's device and dtype (a GPU run once left it on the host CPU in fp32)."""
+    import torch
+
+    from adaserve.bench.hf_peer import HFPeer
+    from adaserve.engine.catalog import resolve
+
+    pair = resolve("demo-tiny", progress=False)
+    hf = HFPeer(pair.target, pair.draft, eos_token_id=1, pad_token_id=0, device="cpu", dtype=torch.bfloat16)
+    assert hf.model.dtype == torch.bfloat16 and hf.model.device.type == "cpu"
+    assert hf.draft is not None and hf.draft.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("args", [["--batches", "0"], ["--modes", "fast"], ["--peer", "--min-tokens", "9",
                                                                              "--max-tokens", "4"]])
 def test_bad_settings_are_one_line_errors(args: list[str]) -> None:

@@ -46,6 +46,9 @@ class WorkerMetrics:
             "Draft tokens accepted in one request's verification (observed when the request ends)",
             registry=r, buckets=(0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16),
         )
+        self.draft_verifications = Counter(
+            "adaserve_draft_verifications", "Per-request tree verifications by the draft that proposed the tree "
+            "(workers with several drafts; counted when the request ends)", ["draft"], registry=r)
         self.requests = Counter("adaserve_requests", "Finished requests", ["slo_class", "finish_reason"], registry=r)
         self.slo_outcomes = Counter("adaserve_slo_requests", "Finished requests by SLO outcome",
                                     ["slo_class", "outcome"], registry=r)
@@ -73,6 +76,7 @@ class WorkerMetrics:
         self.ready = Gauge("adaserve_ready", "1 when serving (profiled, warmed up, not draining)", registry=r)
         self.draining = Gauge("adaserve_draining", "1 while draining after SIGTERM", registry=r)
 
+        self._draft_names: list[str] = []  # by the engine's draft index, when there are several
         self._lock = threading.Lock()
         self._finished: dict[str, int] = defaultdict(int)
         self._met: dict[str, int] = defaultdict(int)
@@ -95,6 +99,12 @@ class WorkerMetrics:
             self.active.labels(name)
             self.output_tokens.labels(name)
             self.goodput_tokens.labels(name)
+
+    def declare_drafts(self, names: list[str]) -> None:
+        """Name the engine's drafts, in its order, so each draft's series exists (at zero) from the start."""
+        self._draft_names = list(names) if len(names) > 1 else []
+        for name in self._draft_names:
+            self.draft_verifications.labels(name)
 
     # ---- feeds (engine thread) ---------------------------------------------------------------------
     def on_step(self, m: StepMetrics) -> None:
@@ -129,6 +139,9 @@ class WorkerMetrics:
             self.tpot.labels(slo_class).observe(req.metrics.tpot_ms / 1e3)
         for a in req.metrics.accepted_per_step:
             self.accepted_per_verification.observe(a)
+        if self._draft_names:
+            for arm in sorted(set(req.metrics.drafts_per_step)):
+                self.draft_verifications.labels(self._draft_names[arm]).inc(req.metrics.drafts_per_step.count(arm))
         with self._lock:
             self._finished[slo_class] += 1
             self._met[slo_class] += int(met)

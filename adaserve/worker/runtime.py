@@ -151,6 +151,7 @@ class Runtime:
             self.measurements.on_step(step, gained)
         built.engine.step_listeners.append(self._measure_step)
         self.metrics.declare_classes([self.settings.default_slo_class, *self.settings.slo_classes])
+        self.metrics.declare_drafts(published.model_names(self.settings).drafts)
         self.loop = EngineLoop(built.engine).start()
         self.state = State.READY
         self.metrics.ready.set(1)

@@ -4,9 +4,12 @@
 #   bash scripts/gpu-checklist.sh [OUT]          (default OUT: gpu-results)
 # flashinfer compiles its kernels on first use (about 8 minutes for the test matrix on 16 cores);
 # FLASHINFER_CUDA_ARCH_LIST="9.0a" limits that to Hopper.
+# A failing step does not stop the others (each result is worth having); the script exits 1 if any failed.
 set -uo pipefail
 OUT=${1:-gpu-results}
 mkdir -p "$OUT"
+failed=0
+trap 'failed=1' ERR
 step() { echo "== $*" >&2; }
 step "flashinfer against the torch backend: logits and greedy output"
 python -m pytest --with-gpu -m gpu tests/engine/test_flashinfer_backend.py -q --junitxml "$OUT/gpu-tests-junit.xml"
@@ -25,3 +28,4 @@ python -m adaserve.bench.peer_compare --device cuda --budget "$B" --json "$OUT/h
 step "the policies under SLO classes, wall clock"
 adaserve bench --device cuda --policies adaserve,incremental,chain:4 --rps 4,16 --duration 20 --seed 0 \
   --json "$OUT/policies-smollm2.json" --plot "$OUT/policies-smollm2.png" > /dev/null
+[ "$failed" = 0 ] || { echo "gpu-checklist: a step failed (see above)" >&2; exit 1; }

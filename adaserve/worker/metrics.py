@@ -140,8 +140,8 @@ class WorkerMetrics:
         for a in req.metrics.accepted_per_step:
             self.accepted_per_verification.observe(a)
         if self._draft_names:
-            for arm in sorted(set(req.metrics.drafts_per_step)):
-                self.draft_verifications.labels(self._draft_names[arm]).inc(req.metrics.drafts_per_step.count(arm))
+            for arm in req.metrics.drafts_per_step:  # the draft index of each of its verifications
+                self.draft_verifications.labels(self._draft_names[arm]).inc()
         with self._lock:
             self._finished[slo_class] += 1
             self._met[slo_class] += int(met)

@@ -19,7 +19,7 @@ from adaserve.worker.published import model_names
 from adaserve.worker.settings import WorkerSettings
 from adaserve.worker_cmd import draft_options, load_settings
 from tests.models import smollm2_pair
-from tests.servers import Service, start_worker
+from tests.servers import Service, metric, scrape, start_worker
 
 DRAFTS = ["smollm2-draft", "smollm2-draft-small"]  # the default model's two, by their catalog names
 
@@ -128,17 +128,11 @@ def test_worker_with_two_catalog_drafts_serves_the_targets_greedy_output(pair: c
         with ThreadPoolExecutor(len(prompts)) as pool:  # together: one batch, drafts chosen per request
             answers = list(pool.map(
                 lambda ids: client.post("/v1/generate", json={**body, "prompt_token_ids": ids}).json(), prompts))
-        metrics = client.get("/metrics").text
-    used = {d: draft_verifications(metrics, d) for d in DRAFTS}
+    samples = scrape(worker.url)
+    used = {d: metric(samples, "adaserve_draft_verifications_total", draft=d) for d in DRAFTS}
     assert all(n > 0 for n in used.values()), used  # each draft proposed some of the trees verified
     model = AutoModelForCausalLM.from_pretrained(str(pair.target), dtype=torch.float32).eval()
     for ids, answer in zip(prompts, answers, strict=True):
         ref = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
                              pad_token_id=0, eos_token_id=None)[0, len(ids):].tolist()
         assert answer["token_ids"] == ref, answer
-
-
-def draft_verifications(metrics: str, draft: str) -> float:
-    """``adaserve_draft_verifications_total{draft=...}`` from a /metrics text."""
-    prefix = f'adaserve_draft_verifications_total{{draft="{draft}"}} '
-    return sum(float(line[len(prefix):]) for line in metrics.splitlines() if line.startswith(prefix))

@@ -59,7 +59,10 @@ def draft_use(requests: list[Request], classes: dict[str, str], names: list[str]
     regret = sum((best - s.reward) * (s.seconds + s.switch_s) for s in slots)
     out.update({"selector": pool.selector.name, "slot_iters": pool.slot_iters, "slots": len(slots),
                 "switches": pool.use.switches, "switch_s": pool.use.switch_s,
-                "switch_tokens": pool.use.switch_tokens, "per_draft": per_arm, "slot_regret_tokens": regret,
+                "switch_tokens": pool.use.switch_tokens,
+                # iterations that ran more than one draft: every request waited for every group's forwards
+                "iterations": pool.use.iterations, "mixed_iterations": pool.use.mixed_iterations,
+                "per_draft": per_arm, "slot_regret_tokens": regret,
                 # the draft of every slot, in the order the slots ended: where exploration went, and when
                 "slot_order": "".join(str(s.arm) for s in slots)})
     return out

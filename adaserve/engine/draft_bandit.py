@@ -58,9 +58,12 @@ class Choice:
     prompt_len: int
     current: int | None  # the arm of the slot that just ended (None: the request's first slot)
     switch_s: tuple[float, ...]  # predicted recompute seconds if the next slot runs on each arm (0 on its own)
-    # per arm: seconds the rest of the batch would wait over the slot if this request alone ran that draft
-    # (a draft group of one adds its d forwards to every request's iteration); 0 where others run it
+    # per arm: this request's share of what that draft's group costs the requests outside it over the slot
+    # (drafts run one after another: a group adds its d forwards to every other request's iteration)
     join_s: tuple[float, ...] = ()
+    # the slot round: the requests of a batch choose together at each round's start (and newcomers during
+    # it); the pool's choice is made once per round. None: a round of its own (a selector used alone)
+    round: int | None = None
 
 
 class DraftSelector(Protocol):
@@ -177,27 +180,27 @@ class UCBDrafts:
         d_i       = mean over the request's slots of g_ij / g_j     (how easy it is: the same on every draft)
         e_ij      = (n_ij * (g_ij / g_j) / d_i + k0) / (n_ij + k0)  (its own lean to j, shrunk to 1)
         score_ij  = (g_j * e_ij / g_max + bonus_j) * S_j / (S_j + switch_ij + join_ij)
+        leader    = argmax_j g_j / g_max + bonus_j            once per round: the pool's choice
 
     N: all slots, n_ij: the request's slots on j, S_j: mean slot seconds on j, switch_ij: predicted
-    recompute if the next slot moves to j. Each arm gets ``min_slots`` slots first.
+    recompute if the next slot moves to j, join_ij: the request's share of what j's draft group costs the
+    requests outside it (0 for the leader). Each arm first gets ``min_slots`` slots.
 
-    Slots in flight count as pulls (N_j, N and the first slots include the slots chosen and not yet
-    reported; their outcome is taken to be the arm's mean, so g_j and V_j stay the reported slots'). The
-    requests of a batch choose one after another before any of the slots they start reports, so a bandit
-    that counts only reported slots gives the same answer to every one of them: a draft owed its first
-    slots, or whose bonus leads, took every request that chose in the next four iterations (a whole
-    batch, not ``min_slots``), the overshoot of a bandit with delayed feedback. Counting pending pulls in
-    the confidence width is the usual correction (batched UCB, "hallucinated" observations), and it
-    spreads the first slots over both drafts from the first requests on. Exploration is
-    shared: requests are short (a few slots each), so each alone cannot learn much, and the bonus shrinks
-    as the pool learns (regret O(log N)). A request's difficulty cancels out of the ranking (a hard request
-    is hard on every draft); only its lean to one draft, seen once it has run on more than one, moves it
-    away from the pool's choice. The switch factor turns a slot's goodput into the reward the slot would
-    get with the recompute counted (SlotResult.reward); ``join_ij`` adds what the other requests would
-    lose if this one opened a draft group of its own (drafts run one after another on one device). It is
-    waived for the pool's own choice (argmax of g_j / g_max + bonus_j): every request without a lean
-    makes that choice, so the batch moves together, and the pool can still leave a draft that looked
-    better early (without the waiver the first run herded onto the draft that was worse in hindsight).
+    *Exploration moves the whole batch.* Drafts run one after another on one device, so a group on a
+    second draft adds its forwards to every request's iteration, however few requests it holds: in the
+    first runs 8-25% of the slots on the small draft had it running in half to three quarters of the
+    iterations. The pool's slots are aligned (every request's slot ends at the same iteration), and the
+    pool's choice, exploration included (the first slots, a draft led by its bonus), is made once per
+    round and taken by every request: a round spent exploring costs the gap between the drafts, not an
+    extra group, and it gives a batch's worth of slots at once. A request leaves the pool's choice only
+    where its own lean pays its share of a separate group (join_ij).
+
+    A request's difficulty cancels out of the ranking (a hard request is hard on every draft); only its
+    lean to one draft, seen once it has run on more than one, moves it away from the pool's choice. The
+    switch factor turns a slot's goodput into the reward the slot would get with the recompute counted
+    (SlotResult.reward). Slots in flight count as pulls (N_j, N and the first slots include the slots chosen
+    and not yet reported, their outcome taken to be the arm's mean: batched UCB's correction for delayed
+    feedback), which matters for newcomers choosing during a round and for a selector used alone.
     """
 
     n_arms: int
@@ -211,6 +214,9 @@ class UCBDrafts:
     own: dict[str, list[ArmStats]] = field(default_factory=dict)
     pending: list[int] = field(default_factory=list)  # per arm: slots chosen and not yet reported
     _open: dict[str, int] = field(default_factory=dict)  # request -> the arm of its slot in flight
+    _round: int | None = None  # the round the pool's choice was made for
+    _leader: int | None = None
+    _first: bool = True  # the round gives a draft its first slots
 
     def __post_init__(self) -> None:
         self.pooled = [ArmStats() for _ in range(self.n_arms)]
@@ -234,18 +240,37 @@ class UCBDrafts:
             self.pending[arm] -= 1
 
     def _choose(self, c: Choice) -> int:
+        if c.round is None or c.round != self._round:
+            self._round = c.round
+            self._leader, self._first = self._pool_choice(c.current)
+        if self._leader is None:  # nothing has reported yet: stay, or start on the first draft (the one profiled)
+            return c.current if c.current is not None else 0
+        return self._leader if self._first else self._ucb(c, self._leader)
+
+    def _pool_choice(self, current: int | None) -> tuple[int | None, bool]:
+        """The draft every request without a lean of its own takes this round (None: no draft has reported
+        yet), and whether it is a draft's first slots (then every request takes it)."""
         few = [j for j in range(self.n_arms) if self.pulls(j) < self.min_slots]
         if few:  # one slot's goodput varies by +-40%: a lead taken on two or three slots herds the batch
-            return c.current if c.current in few else min(few, key=self.pulls)
-        known = [j for j in range(self.n_arms) if self.pooled[j].slots]  # a draft's first slots may all be in flight
-        if not known:  # nothing has reported yet: stay, or start on the first draft (the one profiled)
-            return c.current if c.current is not None else 0
-        return self._ucb(c, known)  # among the drafts that have reported
+            return (current if current in few else min(few, key=self.pulls)), True
+        known = [j for j in range(self.n_arms) if self.pooled[j].slots]  # a draft's first slots may be in flight
+        if not known:
+            return None, False
+        g_max = max(s.goodput for s in self.pooled) or 1.0
+        return max(known, key=lambda j: self.pooled[j].goodput / g_max + self._bonus(j, g_max)), False
 
-    def _ucb(self, c: Choice, arms: list[int]) -> int:
+    def _bonus(self, j: int, g_max: float) -> float:
+        pool, n_j = self.pooled[j], self.pulls(j)  # pending slots narrow the width, not the mean
+        n_all = sum(self.pulls(k) for k in range(self.n_arms))
+        m1, m2 = self.sr[j] / pool.slots, self.sq[j] / pool.slots  # E[r], E[r^2] over reported slots
+        var = max(0.0, m2 - m1 * m1) / g_max**2
+        log_n = math.log(max(n_all, 1))
+        return self.c * math.sqrt(log_n / n_j * min(0.25, var + math.sqrt(2 * log_n / n_j)))
+
+    def _ucb(self, c: Choice, leader: int) -> int:
         g = [s.goodput for s in self.pooled]
         g_max = max(g) or 1.0
-        n_all = sum(self.pulls(j) for j in range(self.n_arms))
+        arms = [j for j in range(self.n_arms) if self.pooled[j].slots]
         mine = self.own.get(c.request_id)
         lean = [1.0] * self.n_arms
         if mine is not None and sum(m.slots for m in mine) > 0:
@@ -255,23 +280,13 @@ class UCBDrafts:
                 lean = [(mine[j].slots * (mine[j].goodput / g[j]) / d + self.k0) / (mine[j].slots + self.k0)
                         if j in tried else 1.0 for j in range(self.n_arms)]
 
-        def bonus(j: int) -> float:
-            pool, n_j = self.pooled[j], self.pulls(j)  # pending slots narrow the width, not the mean
-            m1, m2 = self.sr[j] / pool.slots, self.sq[j] / pool.slots  # E[r], E[r^2] over reported slots
-            var = max(0.0, m2 - m1 * m1) / g_max**2
-            log_n = math.log(max(n_all, 1))
-            return self.c * math.sqrt(log_n / n_j * min(0.25, var + math.sqrt(2 * log_n / n_j)))
-
-        # the pool's choice: every request without a lean of its own makes the same one, so moving to it
-        # opens no group of one (the others follow); only a personal deviation from it pays join_s
-        leader = max(arms, key=lambda j: g[j] / g_max + bonus(j))
-
         def score(j: int) -> float:
             switch = c.switch_s[j] if j != c.current else 0.0
-            if c.join_s and j != leader:
+            if c.join_s and j != leader:  # the leader's group is the batch: it delays nobody
                 switch += c.join_s[j]
             slot_s = self.pooled[j].slot_s
-            return (g[j] / g_max * lean[j] + bonus(j)) * (slot_s / (slot_s + switch) if slot_s > 0 else 1.0)
+            keep = slot_s / (slot_s + switch) if slot_s > 0 else 1.0  # the share of the slot left for tokens
+            return (g[j] / g_max * lean[j] + self._bonus(j, g_max)) * keep
 
         return max(arms, key=score)
 

@@ -149,3 +149,22 @@ def test_ucb_explores_with_a_few_slots_of_a_batch_not_all_of_them() -> None:
     # counting only reported slots, the whole batch would have followed the bonus
     without = warmed()
     assert [without._choose(choice(f"r{i}")) for i in range(30)] == [1] * 30
+
+
+def test_ucb_moves_the_batch_together_within_a_round() -> None:
+    """Drafts run one after another: a few requests on a second draft slow every iteration. In a round the
+    pool's choice is made once, so a draft's first slots (and any exploration) take the whole batch, and a
+    newcomer during the round joins it, where per-request choices would split the batch over both drafts."""
+    ucb = UCBDrafts(2, min_slots=4)
+
+    def batch(round_no: int, current: int | None) -> list[int]:
+        return [ucb.choose(Choice(f"r{i}", 10, current, (0.0, 0.0), (), round_no)) for i in range(10)]
+
+    assert batch(0, None) == [0] * 10  # not [0, 1] * 4 + ...: one group
+    for i in range(10):
+        ucb.observe(f"r{i}", SlotResult(0, 10, 1.0))
+    assert batch(1, 0) == [1] * 10  # the second draft's first slots, again the whole batch
+    for i in range(10):
+        ucb.observe(f"r{i}", SlotResult(1, 5, 1.0))
+    assert batch(2, 1) == [0] * 10  # the better draft, for everyone
+    assert ucb.choose(Choice("newcomer", 10, None, (0.0, 0.0), (), 2)) == 0

@@ -14,6 +14,7 @@ import pytest
 from adaserve.engine.config import EngineConfig, MultiDraftConfig
 from adaserve.engine.draft_bandit import Choice, SlotResult
 from adaserve.engine.engine import Engine
+from adaserve.engine.multi_draft import group_share
 from adaserve.engine.request import Request
 from adaserve.engine.sampling import SamplingParams
 from tests.engine.helpers import hf_greedy, runner
@@ -65,6 +66,8 @@ def test_two_drafts_switching_match_target_greedy(target_dir: Path, draft_dir: P
         assert r.output_ids == references[r.request_id], r.request_id
         assert r.finish_reason == "length"
     assert eng.pool is not None and eng.pool.use.switches > 0
+    # staggered requests switching every slot: some iterations ran both drafts, and the count says which
+    assert 0 < eng.pool.use.mixed_iterations < eng.pool.use.iterations
     # both drafts speculated, and for the same request
     assert any(len(set(r.metrics.drafts_per_step)) == 2 for r in reqs)
     # every draft's KV pages are back, and nothing stays reserved
@@ -101,6 +104,16 @@ def test_every_selector_is_lossless(target_dir: Path, draft_dir: Path, reference
         assert r.output_ids == references[r.request_id], r.request_id
     if selector == "d1":
         assert all(set(r.metrics.drafts_per_step) <= {1} for r in reqs)
+        assert eng.pool.use.iterations > 0 and eng.pool.use.mixed_iterations == 0
+
+
+def test_a_draft_groups_cost_is_shared_by_its_members() -> None:
+    """A group of one pays for every request it delays; each member of a larger group pays its share;
+    a group holding the whole batch delays nobody."""
+    assert group_share(20, 1, 0.01) == pytest.approx(19 * 0.01)
+    assert group_share(20, 2, 0.01) == pytest.approx(18 * 0.01 / 2)
+    assert group_share(20, 10, 0.01) < group_share(20, 2, 0.01) < group_share(20, 1, 0.01)
+    assert group_share(20, 20, 0.01) == 0.0
 
 
 def test_spin_alias_and_single_draft_path(target_dir: Path, draft_dir: Path, references) -> None:

@@ -64,6 +64,7 @@ class Choice:
     # the slot round: the requests of a batch choose together at each round's start (and newcomers during
     # it); the pool's choice is made once per round. None: a round of its own (a selector used alone)
     round: int | None = None
+    batch: int = 1  # requests choosing at this round's start: the slots the pool's choice will take
 
 
 class DraftSelector(Protocol):
@@ -180,7 +181,8 @@ class UCBDrafts:
         d_i       = mean over the request's slots of g_ij / g_j     (how easy it is: the same on every draft)
         e_ij      = (n_ij * (g_ij / g_j) / d_i + k0) / (n_ij + k0)  (its own lean to j, shrunk to 1)
         score_ij  = (g_j * e_ij / g_max + bonus_j) * S_j / (S_j + switch_ij + join_ij)
-        leader    = argmax_j g_j / g_max + bonus_j            once per round: the pool's choice
+        leader    = argmax_j g_j / g_max + bonus_j(N_j + B)   once per round: the pool's choice, each
+                                                              draft's width as if it took the round's B slots
 
     N: all slots, n_ij: the request's slots on j, S_j: mean slot seconds on j, switch_ij: predicted
     recompute if the next slot moves to j, join_ij: the request's share of what j's draft group costs the
@@ -242,14 +244,19 @@ class UCBDrafts:
     def _choose(self, c: Choice) -> int:
         if c.round is None or c.round != self._round:
             self._round = c.round
-            self._leader, self._first = self._pool_choice(c.current)
+            self._leader, self._first = self._pool_choice(c.current, c.batch)
         if self._leader is None:  # nothing has reported yet: stay, or start on the first draft (the one profiled)
             return c.current if c.current is not None else 0
         return self._leader if self._first else self._ucb(c, self._leader)
 
-    def _pool_choice(self, current: int | None) -> tuple[int | None, bool]:
+    def _pool_choice(self, current: int | None, batch: int) -> tuple[int | None, bool]:
         """The draft every request without a lean of its own takes this round (None: no draft has reported
-        yet), and whether it is a draft's first slots (then every request takes it)."""
+        yet), and whether it is a draft's first slots (then every request takes it).
+
+        Each draft is ranked by the index it would have *after* taking the round: its ``batch`` slots
+        counted as pulls, their outcome its mean (the in-flight correction, applied to the round before it
+        is chosen). A round adds a whole batch of slots at once, so a draft whose bonus leads by a little
+        would otherwise take a batch's worth of exploration where one more slot would have settled it."""
         few = [j for j in range(self.n_arms) if self.pulls(j) < self.min_slots]
         if few:  # one slot's goodput varies by +-40%: a lead taken on two or three slots herds the batch
             return (current if current in few else min(few, key=self.pulls)), True
@@ -257,11 +264,12 @@ class UCBDrafts:
         if not known:
             return None, False
         g_max = max(s.goodput for s in self.pooled) or 1.0
-        return max(known, key=lambda j: self.pooled[j].goodput / g_max + self._bonus(j, g_max)), False
+        return max(known, key=lambda j: self.pooled[j].goodput / g_max + self._bonus(j, g_max, batch)), False
 
-    def _bonus(self, j: int, g_max: float) -> float:
-        pool, n_j = self.pooled[j], self.pulls(j)  # pending slots narrow the width, not the mean
-        n_all = sum(self.pulls(k) for k in range(self.n_arms))
+    def _bonus(self, j: int, g_max: float, extra: int = 0) -> float:
+        """UCB1-Tuned's width for draft ``j``, with ``extra`` slots more on it (pending, not yet chosen)."""
+        pool, n_j = self.pooled[j], self.pulls(j) + extra  # pending slots narrow the width, not the mean
+        n_all = sum(self.pulls(k) for k in range(self.n_arms)) + extra
         m1, m2 = self.sr[j] / pool.slots, self.sq[j] / pool.slots  # E[r], E[r^2] over reported slots
         var = max(0.0, m2 - m1 * m1) / g_max**2
         log_n = math.log(max(n_all, 1))

@@ -145,7 +145,8 @@ class DraftPool:
             ctx = req.target_kv.length
             group_s = [self.slot_iters * depth * t.predict(ctx, width) for t in self.times]  # a group's forwards
             join = tuple(group_share(len(decoding), groups[j] + 1, group_s[j]) for j in range(len(self.drafts)))
-            arm = self.selector.choose(Choice(req.request_id, len(req.prompt_ids), current, switch, join, round_no))
+            arm = self.selector.choose(Choice(req.request_id, len(req.prompt_ids), current, switch, join, round_no,
+                                              len(deciding)))
             groups[arm] += 1
             if current is None:  # the first slot: no draft has seen the request yet
                 req.draft_index = arm

@@ -168,3 +168,20 @@ def test_ucb_moves_the_batch_together_within_a_round() -> None:
         ucb.observe(f"r{i}", SlotResult(1, 5, 1.0))
     assert batch(2, 1) == [0] * 10  # the better draft, for everyone
     assert ucb.choose(Choice("newcomer", 10, None, (0.0, 0.0), (), 2)) == 0
+
+
+def test_ucb_explores_with_a_whole_round_only_if_the_draft_would_still_lead_after_it() -> None:
+    """A round gives a batch of slots at once: a draft whose bonus leads by a little is worth one more
+    slot, not thirty. Each draft is ranked as if it had taken the round (its pulls + the batch)."""
+
+    def trained() -> UCBDrafts:
+        ucb = UCBDrafts(2)
+        for i in range(200):
+            ucb.observe(f"a{i}", SlotResult(0, 10, 1.0))
+        for i in range(10):  # the other draft: 15% worse, seen little
+            ucb.observe(f"b{i}", SlotResult(1, 8.5, 1.0))
+        return ucb
+
+    join = (0.0, 0.5)  # a group of its own on draft 1 would cost the others half a slot
+    assert trained().choose(Choice("r", 10, 0, (0.0, 0.0), join, 0, batch=1)) == 1  # its bonus leads: explore
+    assert trained().choose(Choice("r", 10, 0, (0.0, 0.0), join, 0, batch=30)) == 0  # not after 30 more slots

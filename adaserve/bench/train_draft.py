@@ -289,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="train on answer positions only")
     p.add_argument("--max-len", type=int, default=448)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kinds", default="code,chat",
+                   help="train on the answers of these prompt kinds only (a specialised draft: --kinds code); "
+                        "held-out agreement is still reported for every kind")
     # the student's shape (the committed default draft: 4 layers of width 256, 4 heads, 2 KV heads, MLP 1024)
     p.add_argument("--hidden", type=int, default=DraftShape.hidden)
     p.add_argument("--layers", type=int, default=DraftShape.layers)
@@ -320,7 +323,10 @@ def main(argv: list[str] | None = None) -> int:
         rows += new
     if a.teacher_only:
         return 0
-    train = [r for r in rows if not held_out(r["prompt"])]
+    kinds = {k.strip() for k in a.kinds.split(",") if k.strip()}
+    if not kinds <= {"code", "chat"}:
+        p.error(f"--kinds: expected code and/or chat, got {a.kinds!r}")
+    train = [r for r in rows if not held_out(r["prompt"]) and r["kind"] in kinds]
     test = [r for r in rows if held_out(r["prompt"])]
     from safetensors import safe_open
 

@@ -190,7 +190,7 @@ class UCBDrafts:
 
     *Exploration moves the whole batch.* Drafts run one after another on one device, so a group on a
     second draft adds its forwards to every request's iteration, however few requests it holds: in the
-    first runs 8-25% of the slots on the small draft had it running in half to three quarters of the
+    first runs 8-26% of the slots on the small draft had it running in half to three quarters of the
     iterations. The pool's slots are aligned (every request's slot ends at the same iteration), and the
     pool's choice, exploration included (the first slots, a draft led by its bonus), is made once per
     round and taken by every request: a round spent exploring costs the gap between the drafts, not an

@@ -120,7 +120,7 @@ class DraftPool:
 
         A group of one pays it all; a group that holds nearly the whole batch pays nearly nothing. (Charging
         only a group of one let two or three requests keep a group alive at no cost to each: in the
-        first runs the second draft ran in half to three quarters of the iterations on 8-25% of the slots.)"""
+        first runs the second draft ran in half to three quarters of the iterations on 8-26% of the slots.)"""
         catch_up: dict[int, list[Request]] = {}
         # slots are aligned: every request's slot ends at a round's start (a newcomer's first is shorter)
         boundary = self.iteration % self.slot_iters == 0

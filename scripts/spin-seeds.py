@@ -25,6 +25,7 @@ def row(r: dict[str, Any], best: float) -> dict[str, Any]:
             "slo_attainment": r["slo_attainment"], "slo_met_tokens": round(r["goodput_tok_s"] * r["wall_s"]),
             "mean_tpot_ms": r["mean_tpot_ms"], "outputs_equal_reference": r["outputs_equal_reference"],
             "attainment_by_class": {c: v["slo_attainment"] for c, v in sorted(r["per_class"].items())},
+            "served_by_class": drafts.get("served_by_class"),
             "slots": [a["slots"] for a in drafts.get("per_draft", [])] or None,
             "switches": drafts.get("switches"), "mixed_iterations": drafts.get("mixed_iterations"),
             "iterations": drafts.get("iterations")}
@@ -39,6 +40,7 @@ def summarise(paths: list[Path]) -> dict[str, Any]:
         best = max(by[k]["goodput_tok_s"] for k in fixed)
         seed = str(report["config"]["seed"])
         seeds[seed] = {"file": str(p), "best_fixed": max(fixed, key=lambda k: by[k]["goodput_tok_s"]),
+                       "names": report["config"]["draft_names"],
                        "policies": {k: row(by[k], best) for k in by}}
     ratios = {k: [s["policies"][k]["vs_best_fixed"] for s in seeds.values() if k in s["policies"]] for k in SELECTORS}
     return {"seeds": seeds, "vs_best_fixed": {k: {"mean": sum(v) / len(v), "min": min(v), "max": max(v)}
@@ -59,6 +61,23 @@ def table(summary: dict[str, Any]) -> str:
                          f"{v['slo_attainment']:.3f} | {cls['coding']:.2f} / {cls['chat']:.2f} / "
                          f"{cls['summarization']:.2f} | {v['slo_met_tokens']} | {v['mean_tpot_ms']:.2f} | "
                          f"{slots} | {v['switches'] or '-'} | {both} |")
+    return "\n".join(lines)
+
+
+def shares(summary: dict[str, Any]) -> str:
+    """Requests served by each draft (the one that ran most of a request's verifications) per class,
+    summed over the seeds, as a markdown table: ``default / small`` per class."""
+    lines = ["| policy | coding | chat | summarization |", "|---|---|---|---|"]
+    for k in SELECTORS:
+        total: dict[str, list[int]] = {}
+        for seed in summary["seeds"].values():
+            names = seed["names"]
+            for cls, served in (seed["policies"][k]["served_by_class"] or {}).items():
+                row_ = total.setdefault(cls, [0] * len(names))
+                for j, name in enumerate(names):
+                    row_[j] += served.get(name, 0)
+        cells = [" / ".join(map(str, total.get(c, []))) for c in ("coding", "chat", "summarization")]
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -93,6 +112,7 @@ def main(argv: list[str]) -> int:
     Path(argv[0]).write_text(json.dumps(summary, indent=2) + "\n")
     plot(summary, Path(argv[1]))
     print(table(summary))
+    print(shares(summary))
     print(json.dumps(summary["vs_best_fixed"], indent=2))
     return 0
 

@@ -60,7 +60,7 @@ class DraftUse:
     switch_s: float = 0.0
     switch_tokens: int = 0
     slots: list[tuple[str, SlotResult]] = field(default_factory=list)  # (request id, slot), in order
-    iterations: int = 0  # speculative iterations
+    iterations: int = 0  # speculative iterations (also the pool's round clock: a round is slot_iters of them)
     mixed_iterations: int = 0  # of them, those that ran more than one draft (every request waited for each)
 
 
@@ -78,7 +78,6 @@ class DraftPool:
         self.drafts, self.times, self.selector = drafts, times, selector
         self.slot_iters, self.clock, self.target_time = slot_iters, clock, target_time
         self.slots: dict[str, Slot] = {}
-        self.iteration = 0  # speculative iterations so far: a round is ``slot_iters`` of them
         self.use = DraftUse()
 
     # ---- KV per draft ------------------------------------------------------------------------------
@@ -123,9 +122,8 @@ class DraftPool:
         first runs the second draft ran in half to three quarters of the iterations on 8-26% of the slots.)"""
         catch_up: dict[int, list[Request]] = {}
         # slots are aligned: every request's slot ends at a round's start (a newcomer's first is shorter)
-        boundary = self.iteration % self.slot_iters == 0
-        round_no = self.iteration // self.slot_iters
-        self.iteration += 1
+        done = self.use.iterations  # speculative iterations before this one (speculate counts them)
+        boundary, round_no = done % self.slot_iters == 0, done // self.slot_iters
         deciding = {r.request_id for r in decoding if boundary or r.request_id not in self.slots}
         groups = [0] * len(self.drafts)  # requests on each draft whose draft is settled for this iteration
         for r in decoding:

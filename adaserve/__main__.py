@@ -2,6 +2,6 @@
 
 import sys
 
-from adaserve.cli import main
+from adaserve.cli.main import main
 
 sys.exit(main())

@@ -12,7 +12,7 @@ failed=0
 trap 'failed=1' ERR
 step() { echo "== $*" >&2; }
 step "flashinfer against the torch backend: logits and greedy output"
-python -m pytest --with-gpu -m gpu tests/engine/test_flashinfer_backend.py -q --junitxml "$OUT/gpu-tests-junit.xml"
+python -m pytest --with-gpu -m gpu tests/engine/model/test_flashinfer_backend.py -q --junitxml "$OUT/gpu-tests-junit.xml"
 step "greedy equality of speculation against incremental decoding, per dtype and backend"
 python scripts/gpu-lossless.py "$OUT/lossless-demo.json"
 for attn in flashinfer torch; do

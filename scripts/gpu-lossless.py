@@ -21,16 +21,16 @@ from typing import Any
 
 import torch
 
-from adaserve.engine.batch import Segment
-from adaserve.engine.catalog import resolve
-from adaserve.engine.config import EngineConfig, KVCacheConfig
+from adaserve.engine.config import EngineConfig
 from adaserve.engine.engine import Engine
-from adaserve.engine.kv_cache import SequenceKV
-from adaserve.engine.loader import load_model
+from adaserve.engine.loading.catalog import resolve
+from adaserve.engine.loading.loader import load_model
+from adaserve.engine.model.batch import Segment
+from adaserve.engine.model.kv_cache import KVCacheConfig, SequenceKV
+from adaserve.engine.model.runner import ModelRunner
+from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.request import Request
-from adaserve.engine.runner import ModelRunner
-from adaserve.engine.sampling import SamplingParams
-from adaserve.engine.tree import TokenTree
+from adaserve.engine.speculation.sampling import SamplingParams
 
 POLICIES = ("adaserve", "beam:4,2", "chain:4")
 CASES = (("torch", torch.float32), ("torch", torch.bfloat16), ("flashinfer", torch.bfloat16),

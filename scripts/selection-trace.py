@@ -23,9 +23,9 @@ import numpy as np
 
 from adaserve.bench.runner import BenchConfig, Variant, load_shared, make_engine, serve, to_requests
 from adaserve.bench.workload import WorkloadConfig, build_workload
-from adaserve.engine.acceptance import RankAcceptance
-from adaserve.engine.catalog import resolve
 from adaserve.engine.engine import Engine
+from adaserve.engine.loading.catalog import resolve
+from adaserve.engine.speculation.acceptance import RankAcceptance
 
 PROFILE = "a100-80g-tp4/llama-3.1-70b"
 

@@ -42,7 +42,7 @@ def smollm2_pair(*, with_draft: bool = True) -> Any:
     package is missing (setup.sh installs it; a bare ``pip install -e .`` does not)."""
     import pytest
 
-    from adaserve.engine import catalog
+    from adaserve.engine.loading import catalog
 
     try:
         catalog.smollm2_gguf()

@@ -154,7 +154,7 @@ def all_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_function_level_and_relative_imports() -> None:
     edges = graph()
-    assert "adaserve.cli_error" in edges["adaserve.cli"]
+    assert "adaserve.cli_error" in edges["adaserve.cli.main"]
     assert "adaserve.gateway.server" in edges["adaserve.gateway.options"]  # imported inside run()
     assert "adaserve.contract.slo" in edges["adaserve.contract.generate"]
 
@@ -177,11 +177,18 @@ LEAVES = ("adaserve.access_log", "adaserve.error_fields", "adaserve.body_limit")
 ALLOWED = {
     "engine": ("adaserve.engine", "adaserve.plots"),
     "bench": ("adaserve.bench", "adaserve.engine", "adaserve.plots"),
+    "training": ("adaserve.training", "adaserve.engine", "adaserve.bench.workload"),
     "contract": ("adaserve.contract",),
     "worker": ("adaserve.worker", "adaserve.engine", "adaserve.contract", *LEAVES),
     "gateway": ("adaserve.gateway", "adaserve.contract", "adaserve.cli_error", "adaserve.cli_settings", *LEAVES),
     "operator": ("adaserve.operator", "adaserve.contract"),
 }
+
+
+def test_every_package_has_its_arrows() -> None:
+    """A new package must be given its arrows here (the CLI, at the top, may import anything)."""
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert packages == {*ALLOWED, "cli"}
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
@@ -193,3 +200,89 @@ def test_imports_point_one_way(package: str) -> None:
                  for dep in deps
                  if dep != "adaserve" and not any(dep == a or dep.startswith(a + ".") for a in allowed))
     assert not bad, f"adaserve/{package} may import only {allowed}: " + ", ".join(bad)
+
+
+# ---- rooms: the engine and the bench in subpackages by job ---------------------------------------------
+
+# Packages made of rooms: each subpackage is a room; the modules at the package's top are its core.
+# Elsewhere a package is one room (a service's routes belong to the service).
+SPLIT = ("adaserve.engine", "adaserve.bench")
+# The engine's rooms and the rooms each may import (besides itself and the engine's leaves). The core,
+# engine/*.py, imports the rooms; no room imports the core (docs/architecture.md, "The house").
+ENGINE_ROOMS = {
+    "model": (),
+    "loading": ("model",),
+    "speculation": ("model",),
+    "cost": ("model", "speculation"),
+}
+ENGINE_TOP_MAX = 12  # modules at engine/'s top, leaves included: more, and the core wants a room of its own
+
+
+def leaves(edges: dict[str, set[str]]) -> set[str]:
+    """Modules that import nothing from adaserve: they cannot close a cycle, so any room may use them."""
+    return {name for name, deps in edges.items() if not deps - {"adaserve"}}
+
+
+def room_of(name: str, leaf: set[str]) -> str:
+    """The room a module lives in: itself for a leaf or a module at the package root; the subpackage for a
+    module under a SPLIT package (its top-level modules: the package itself); else its top-level package."""
+    if name in leaf:
+        return name
+    parts = name.split(".")
+    is_package = (ROOT.joinpath(*parts) / "__init__.py").exists()
+    package = parts if is_package else parts[:-1]
+    if len(package) == 1:  # adaserve/__init__.py, adaserve/__main__.py, adaserve/server_process.py, ...
+        return name
+    for split in SPLIT:
+        if ".".join(package[:2]) == split:
+            return ".".join(package[:3])
+    return ".".join(package[:2])
+
+
+def room_graph(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    leaf = leaves(edges)
+    out: dict[str, set[str]] = {}
+    for name, deps in edges.items():
+        here = room_of(name, leaf)
+        out.setdefault(here, set()).update(r for d in deps if (r := room_of(d, leaf)) != here)
+    return out
+
+
+def test_room_of() -> None:
+    leaf = {"adaserve.engine.checks"}
+    assert room_of("adaserve.engine.model.attention.base", leaf) == "adaserve.engine.model"
+    assert room_of("adaserve.engine.engine", leaf) == "adaserve.engine"
+    assert room_of("adaserve.engine.checks", leaf) == "adaserve.engine.checks"
+    assert room_of("adaserve.bench.sim.clock", leaf) == "adaserve.bench.sim"
+    assert room_of("adaserve.worker.routes.generate", leaf) == "adaserve.worker"
+    assert room_of("adaserve.server_process", leaf) == "adaserve.server_process"
+
+
+def test_no_cycles_between_rooms() -> None:
+    cycles = all_cycles(room_graph(graph()))
+    assert cycles == [], "rooms that import each other:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_engine_rooms_never_import_the_core() -> None:
+    edges = graph()
+    leaf = leaves(edges)
+    rooms = {p.name for p in (PACKAGE / "engine").iterdir() if (p / "__init__.py").exists()}
+    assert rooms == set(ENGINE_ROOMS), "a new engine room needs its arrows in ENGINE_ROOMS"
+    bad = []
+    for name, deps in edges.items():
+        room = room_of(name, leaf)
+        if name in leaf or not room.startswith("adaserve.engine."):
+            continue
+        allowed = {room, *(f"adaserve.engine.{r}" for r in ENGINE_ROOMS[room.split(".")[2]])}
+        bad += [f"{name} -> {d}" for d in deps if d.startswith("adaserve.engine")
+                and room_of(d, leaf) not in allowed and d not in leaf]
+    assert not bad, "an engine room imports the core or a room above it: " + ", ".join(sorted(bad))
+
+
+def test_engine_top_is_the_core_and_its_leaves() -> None:
+    top = sorted(p.stem for p in (PACKAGE / "engine").glob("*.py") if p.stem != "__init__")
+    assert len(top) <= ENGINE_TOP_MAX, f"engine/ has {len(top)} modules at its top: {top}"
+    edges = graph()
+    used_by_rooms = {d for name, deps in edges.items() if name.count(".") >= 3 and name.startswith("adaserve.engine.")
+                     for d in deps if d.count(".") == 2 and d.startswith("adaserve.engine.")}
+    assert used_by_rooms <= leaves(edges), f"rooms import engine/ modules that are not leaves: {used_by_rooms}"

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from adaserve.engine.policies import SelectionRecord
-from adaserve.engine.selection import adaserve_phases
+from adaserve.engine.speculation.policies import SelectionRecord
+from adaserve.engine.speculation.selection import adaserve_phases
 
 
 @dataclass

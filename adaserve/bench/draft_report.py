@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.multi_draft import DraftPool
-from adaserve.engine.policies import split_policy
 from adaserve.engine.request import Request
-from adaserve.engine.runner import ModelRunner
+from adaserve.engine.speculation.policies import split_policy
 
 
 def size_of(runner: ModelRunner) -> tuple[float, float]:

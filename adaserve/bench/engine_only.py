@@ -40,11 +40,12 @@ from adaserve.bench.microbench_options import (
     add_engine_only,
     engine_only_config,
 )
-from adaserve.engine.config import EngineConfig, KVCacheConfig
+from adaserve.engine.config import EngineConfig
 from adaserve.engine.engine import Engine
+from adaserve.engine.model.kv_cache import KVCacheConfig
+from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.request import Phase, Request
-from adaserve.engine.runner import ModelRunner
-from adaserve.engine.sampling import SamplingParams
+from adaserve.engine.speculation.sampling import SamplingParams
 
 
 class ForwardClock:
@@ -131,7 +132,7 @@ def summarize_cell(its: Sequence[IterationTimes]) -> dict[str, float]:
 def prompts(tokenizer: Any, n: int, max_tokens: int) -> list[list[int]]:
     """``n`` chat-formatted prompts (coding, then chat), each cut to its last ``max_tokens`` tokens."""
     from adaserve.bench.workload import chat_prompts, humaneval_prompts
-    from adaserve.engine.chat import instruction_ids
+    from adaserve.engine.loading.chat import instruction_ids
 
     pool = [*humaneval_prompts()[:64], *chat_prompts()[:64]]
     return [instruction_ids(tokenizer, pool[i % len(pool)])[-max_tokens:] for i in range(n)]
@@ -273,8 +274,8 @@ def host_cpu() -> str:
 
 def load_pair(model: str, device: str, kv_memory_mb: int) -> tuple[ModelRunner, ModelRunner, Any]:
     from adaserve.engine.build import resolve_device
-    from adaserve.engine.catalog import resolve
-    from adaserve.engine.loader import load_model, load_tokenizer
+    from adaserve.engine.loading.catalog import resolve
+    from adaserve.engine.loading.loader import load_model, load_tokenizer
 
     pair = resolve(model, progress=False)
     if pair.draft is None:

@@ -25,8 +25,8 @@ import torch
 from tqdm import tqdm
 
 from adaserve.engine.build import build_engine
-from adaserve.engine.catalog import DEFAULT_MODEL, resolve
-from adaserve.engine.profiler import time_forward
+from adaserve.engine.cost.profiler import time_forward
+from adaserve.engine.loading.catalog import DEFAULT_MODEL, resolve
 
 DTYPES = ("float32", "bfloat16")
 
@@ -83,9 +83,9 @@ def greedy_agreement(model: str, *, dtypes: tuple[str, ...], policies: tuple[str
     same dtype, prompt by prompt? (The six prompts run as one batch through the engine.)"""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from adaserve.engine.chat import instruction_ids
+    from adaserve.engine.loading.chat import instruction_ids
     from adaserve.engine.request import Request
-    from adaserve.engine.sampling import SamplingParams
+    from adaserve.engine.speculation.sampling import SamplingParams
 
     pair = resolve(model, progress=False)
     tok = AutoTokenizer.from_pretrained(str(pair.target))

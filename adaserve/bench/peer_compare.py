@@ -40,16 +40,16 @@ import numpy as np
 from adaserve.bench.engine_only import load_pair, prompts, set_threads, settings, write_report
 from adaserve.bench.hf_peer import HFPeer
 from adaserve.bench.microbench_options import PeerConfig, add_common, add_engine_only, add_peer, peer_config
-from adaserve.engine.batch import Segment
-from adaserve.engine.catalog import resolve
 from adaserve.engine.config import EngineConfig
 from adaserve.engine.engine import Engine
-from adaserve.engine.few_rows import plain_linear
-from adaserve.engine.kv_cache import SequenceKV
+from adaserve.engine.loading.catalog import resolve
+from adaserve.engine.model.batch import Segment
+from adaserve.engine.model.few_rows import plain_linear
+from adaserve.engine.model.kv_cache import SequenceKV
+from adaserve.engine.model.runner import ModelRunner
+from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.request import Request
-from adaserve.engine.runner import ModelRunner
-from adaserve.engine.sampling import SamplingParams
-from adaserve.engine.tree import TokenTree
+from adaserve.engine.speculation.sampling import SamplingParams
 
 ENGINE_POLICIES = {"engine-adaserve": "adaserve", "engine-incremental": "incremental"}
 HF_VARIANTS = {"hf": dict(assisted=False, cache_implementation=None),
@@ -202,7 +202,7 @@ def forward_costs(runner: ModelRunner, *, context: int = 200, sizes: tuple[int, 
 
 
 def plain_linear_costs(target: ModelRunner, draft: ModelRunner) -> dict[str, dict[str, float]]:
-    """The same forwards with F.linear everywhere (what the few-row kernels save, engine/few_rows.py)."""
+    """The same forwards with F.linear everywhere (what the few-row kernels save, engine/model/few_rows.py)."""
     out = {}
     for name, r in (("target", target), ("draft", draft)):
         with plain_linear(r.model):

@@ -20,7 +20,12 @@ import torch
 from tqdm import tqdm
 
 from adaserve.bench.budget_use import BudgetUse
-from adaserve.bench.device_model import (
+from adaserve.bench.draft_report import draft_regret, draft_use, size_of
+from adaserve.bench.hf_peer import HFPeer
+from adaserve.bench.metrics import RequestResult, adaserve_ratios, summarize
+from adaserve.bench.selection_gap import SelectionGap, budgeted
+from adaserve.bench.sim.clock import SimClock, SimTotals, run_simulated
+from adaserve.bench.sim.device_model import (
     HOST_MEASURED,
     MEASURED,
     DeviceProfile,
@@ -29,31 +34,21 @@ from adaserve.bench.device_model import (
     profile_from_measured,
     scaled_draft,
 )
-from adaserve.bench.draft_report import draft_regret, draft_use, size_of
-from adaserve.bench.hf_peer import HFPeer
-from adaserve.bench.metrics import RequestResult, adaserve_ratios, summarize
-from adaserve.bench.selection_gap import SelectionGap, budgeted
-from adaserve.bench.sim_clock import SimClock, SimTotals, run_simulated
-from adaserve.bench.sim_profile import costs_of, profile_cost, simulated_profile
+from adaserve.bench.sim.profile import costs_of, profile_cost, simulated_profile
 from adaserve.bench.workload import DEFAULT_MIX, WorkloadConfig, WorkloadRequest, build_workload
 from adaserve.engine.build import adaptive_for, resolve_device
-from adaserve.engine.chat import has_chat_template, instruction_ids
-from adaserve.engine.config import (
-    PREFILL_RULES,
-    AdaptiveConfig,
-    EngineConfig,
-    KVCacheConfig,
-    MultiDraftConfig,
-    ProfilerConfig,
-)
-from adaserve.engine.cost_model import CostModel
+from adaserve.engine.config import PREFILL_RULES, EngineConfig, MultiDraftConfig
+from adaserve.engine.cost.cost_model import CostModel
+from adaserve.engine.cost.profiler import Profile, ProfilerConfig, profile_models
 from adaserve.engine.engine import Engine, TokenEvent
-from adaserve.engine.loader import load_model, load_tokenizer
-from adaserve.engine.policies import make_policy, split_policy
-from adaserve.engine.profiler import Profile, profile_models
+from adaserve.engine.loading.chat import has_chat_template, instruction_ids
+from adaserve.engine.loading.loader import load_model, load_tokenizer
+from adaserve.engine.model.kv_cache import KVCacheConfig
+from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.request import Request
-from adaserve.engine.runner import ModelRunner
-from adaserve.engine.sampling import SamplingParams
+from adaserve.engine.speculation.adaptive import AdaptiveConfig
+from adaserve.engine.speculation.policies import make_policy, split_policy
+from adaserve.engine.speculation.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

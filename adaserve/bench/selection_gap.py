@@ -2,7 +2,7 @@
 
 Each speculative iteration the engine hands its selection listeners a ``SelectionRecord``: the draft's
 candidate trees, A(r) per request, the budget and what the policy kept. Algorithm 1
-(engine/optimal_trees.py) solves the same problem exactly: keep connected trees holding at most B nodes
+(engine/speculation/optimal_trees.py) solves the same problem exactly: keep connected trees holding at most B nodes
 in all, every request's tree reaching its target, with the most expected accepted tokens sum f(v).
 
 The target is A_cap(r) = min(A(r), d + 1), as Algorithm 2 uses, further capped at the f-mass the
@@ -16,7 +16,7 @@ asks for its whole tree, which is what Algorithm 2 gives it. Per iteration this 
     ceiling    the most sum f(v) B allows with no targets at all (Algorithm 1 with A = 0)
 
 Algorithm 2 equals Algorithm 1 when the optimum exists and nothing else caps it (n_max, tested in
-tests/engine/test_optimal_trees.py); a policy without an SLO phase can exceed ``optimum`` by leaving a
+tests/engine/speculation/test_optimal_trees.py); a policy without an SLO phase can exceed ``optimum`` by leaving a
 target unmet, which ``met`` shows. The records are kept during the run and measured afterwards, so the
 real-time benchmark does not pay for Algorithm 1 inside its iterations.
 """
@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from adaserve.engine.optimal_trees import optimal_trees
-from adaserve.engine.policies import SelectionRecord
+from adaserve.engine.speculation.optimal_trees import optimal_trees
+from adaserve.engine.speculation.policies import SelectionRecord
 
 # Policies that choose within the budget B; the others verify their whole candidate trees, so Algorithm 1
 # at budget B would answer a different question.

@@ -216,7 +216,7 @@ class WorkloadRequest:
     tpot_slo_ms: float
 
     def to_json(self) -> dict[str, object]:
-        """The ``adaserve generate`` input fields (see ``adaserve.generate_cmd.INPUT_FIELDS``)."""
+        """The ``adaserve generate`` input fields (see ``adaserve.cli.generate.INPUT_FIELDS``)."""
         return {"id": self.request_id, "prompt": self.prompt, "max_tokens": self.max_tokens,
                 "tpot_slo_ms": self.tpot_slo_ms, "arrival_s": self.arrival_s}
 

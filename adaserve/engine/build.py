@@ -10,16 +10,16 @@ from typing import Any
 
 import torch
 
-from adaserve.engine.adaptive import bounds_for_device
-from adaserve.engine.budget import speculation_floor
-from adaserve.engine.catalog import TOKENIZER_FILES
-from adaserve.engine.config import AdaptiveConfig, EngineConfig, KVCacheConfig
+from adaserve.engine.config import EngineConfig
+from adaserve.engine.cost.profiler import Profile, profile_models
 from adaserve.engine.engine import Engine
-from adaserve.engine.loader import load_model, load_tokenizer
-from adaserve.engine.model_config import UnsupportedModelError
-from adaserve.engine.policies import make_policy
-from adaserve.engine.profiler import Profile, profile_models
-from adaserve.engine.runner import ModelRunner
+from adaserve.engine.loading.catalog import TOKENIZER_FILES
+from adaserve.engine.loading.loader import load_model, load_tokenizer
+from adaserve.engine.model.config import UnsupportedModelError
+from adaserve.engine.model.kv_cache import KVCacheConfig
+from adaserve.engine.model.runner import ModelRunner
+from adaserve.engine.speculation.adaptive import AdaptiveConfig, bounds_for_device, speculation_floor
+from adaserve.engine.speculation.policies import make_policy
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Pat
         prof = profile_models(tgt, drf, target_path=target, draft_path=drf_path, cfg=cfg.profiler,
                               force=force_profile, progress=progress)
         adaptive = adaptive_for(cfg.adaptive, prof.data, pinned=set(bounds))
-        # deeper or wider trees than the defaults need a larger floor under B (budget.speculation_floor)
+        # deeper or wider trees than the defaults need a larger floor under B (adaptive.speculation_floor)
         cfg = replace(cfg, budget=max(prof.budget, speculation_floor(adaptive)), target_cost=prof.target_cost,
                       draft_cost=prof.draft_cost, adaptive=adaptive)
     try:

@@ -19,31 +19,30 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from adaserve.engine.acceptance import RankAcceptance
-from adaserve.engine.batch import Segment
 from adaserve.engine.config import EngineConfig
-from adaserve.engine.cost_model import CostModel
-from adaserve.engine.draft_bandit import make_selector
-from adaserve.engine.iteration_budget import goodput_budget
+from adaserve.engine.cost.cost_model import CostModel
+from adaserve.engine.cost.timing import ForwardSplitter, OnlineCostModel, scaled
+from adaserve.engine.model.batch import Segment
+from adaserve.engine.model.runner import ModelRunner
+from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.multi_draft import DraftPool
-from adaserve.engine.policies import (
+from adaserve.engine.prefill_chunk import DecodingSLO, slo_prefill_chunk
+from adaserve.engine.request import Phase, Request, requirement
+from adaserve.engine.speculation.acceptance import RankAcceptance
+from adaserve.engine.speculation.draft_bandit import make_selector
+from adaserve.engine.speculation.iteration_budget import goodput_budget
+from adaserve.engine.speculation.policies import (
     BatchView,
     SelectionContext,
     SelectionRecord,
     TreeShape,
     is_budgeted,
     make_policy,
-    requirement,
     split_policy,
 )
-from adaserve.engine.prefill_chunk import DecodingSLO, slo_prefill_chunk
-from adaserve.engine.request import Phase, Request
-from adaserve.engine.runner import ModelRunner
-from adaserve.engine.speculate import DraftInput, beam_search
+from adaserve.engine.speculation.speculate import DraftInput, beam_search
+from adaserve.engine.speculation.verify import WalkInput, commit_moves, walk_trees
 from adaserve.engine.stop_strings import StopStringMatcher
-from adaserve.engine.timing import ForwardSplitter, OnlineCostModel, scaled
-from adaserve.engine.tree import TokenTree
-from adaserve.engine.verify import WalkInput, commit_moves, walk_trees
 
 log = logging.getLogger(__name__)
 
@@ -443,13 +442,13 @@ class Engine:
         verify = min(budget, sum(c.size for c in cands)) + m.prefill_tokens
         t_iter = (t1 - t_start) + self.target_time.predict(n_ctx, verify)
         ctx = SelectionContext(budget=budget, depth=shape.depth, now_s=t_start, t_iter_s=t_iter)
-        chosen = self.policy.select(scored, decoding, ctx)
+        needs = [requirement(r, now_s=ctx.now_s, t_iter_s=ctx.t_iter_s) for r in decoding]  # A(r), §5
+        chosen = self.policy.select(scored, needs, ctx)
         trees = [c.subtree(sel) for c, sel in zip(cands, chosen, strict=True)]
         m.t_speculate_s, m.t_select_s = t1 - t0, self.clock() - t1
         m.tokens_verified = sum(t.size for t in trees)
         m.per_request_verified = {r.request_id: t.size for r, t in zip(decoding, trees, strict=True)}
         if self.selection_listeners:
-            needs = [requirement(r, now_s=ctx.now_s, t_iter_s=ctx.t_iter_s) for r in decoding]
             record = SelectionRecord(scored, needs, chosen, ctx)
             for listener in self.selection_listeners:
                 listener(record)

@@ -30,14 +30,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from adaserve.engine.batch import Segment
-from adaserve.engine.draft_bandit import Choice, DraftSelector, SlotResult
-from adaserve.engine.kv_cache import SequenceKV
+from adaserve.engine.cost.timing import ForwardSplitter, OnlineCostModel
+from adaserve.engine.model.batch import Segment
+from adaserve.engine.model.kv_cache import SequenceKV
+from adaserve.engine.model.runner import ModelRunner
+from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.request import Request
-from adaserve.engine.runner import ModelRunner
-from adaserve.engine.speculate import DraftInput, beam_search
-from adaserve.engine.timing import ForwardSplitter, OnlineCostModel
-from adaserve.engine.tree import TokenTree
+from adaserve.engine.speculation.draft_bandit import Choice, DraftSelector, SlotResult
+from adaserve.engine.speculation.speculate import DraftInput, beam_search
 
 
 @dataclass

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from adaserve.engine.selection import slo_requirement
+from adaserve.engine.speculation.selection import slo_requirement
 
 __all__ = ["DecodingSLO", "chunk_grid", "slo_prefill_chunk"]
 

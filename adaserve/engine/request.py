@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adaserve.engine.kv_cache import SequenceKV
-from adaserve.engine.sampling import SamplingParams, make_generator
+from adaserve.engine.model.kv_cache import SequenceKV
+from adaserve.engine.speculation.sampling import SamplingParams, make_generator
+from adaserve.engine.speculation.selection import slo_requirement
 from adaserve.engine.stop_strings import StopStringMatcher
 
 
@@ -97,3 +98,13 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.phase is Phase.FINISHED
+
+
+def requirement(req: Request, *, now_s: float, t_iter_s: float) -> float:
+    """A(r) for a decoding request; 0 (nothing beyond the bonus token) when it has no TPOT SLO."""
+    first = req.metrics.first_token_s
+    if req.tpot_slo_ms is None or first is None:
+        return 0.0
+    # TPOT counts tokens after the first, over time since the first: o_r = n - 1, l_r = now - t_first
+    return slo_requirement(elapsed_s=max(0.0, now_s - first), tokens_so_far=max(0, len(req.output_ids) - 1),
+                           t_iter_s=t_iter_s, tpot_slo_s=req.tpot_slo_ms / 1e3)

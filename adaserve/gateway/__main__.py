@@ -1,7 +1,7 @@
 """``python -m adaserve.gateway``: the gateway alone (the container's command), configured by
 ``ADASERVE_GATEWAY_*`` and the options of ``adaserve gateway``.
 
-Does not go through ``adaserve.cli``, whose other subcommands import the engine: the gateway image has no torch.
+Does not go through ``adaserve.cli.main``, whose other subcommands import the engine: the gateway image has no torch.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Why the continuation is what an unbroken run gives:
 
 - greedy: every token is the target's argmax given the prompt and the tokens before it, on any worker.
 - sampled: the engine draws token i with the i-th uniform of the request's seeded generator, one uniform per
-  emitted token whatever the speculation did (adaserve/engine/sampling.py). Every sampled request carries a
+  emitted token whatever the speculation did (adaserve/engine/speculation/sampling.py). Every sampled request carries a
   seed (the client's, else one drawn here, ``with_seed``), and the new worker skips the uniforms of the tokens
   already sent, so it draws at every later position what the unbroken run would have drawn: the same tokens,
   and so the target's distribution. (Even without that, a fresh draw of the rest from the target given the

@@ -2,7 +2,7 @@
 gateway from them: the one definition behind ``adaserve gateway`` and ``python -m adaserve.gateway``.
 
 Lives in the gateway package so that the container's command (``__main__``) needs nothing above it but the
-CLI's error contract; ``adaserve/gateway_cmd.py`` only mounts these options as a subcommand.
+CLI's error contract; ``adaserve/cli/gateway.py`` only mounts these options as a subcommand.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ TpotOf = Callable[[str], float | None]
 
 
 def _cost(model: dict[str, float], n_context: int, n_batched: int) -> float:
-    # the worker's roofline fit: T = alpha * context + gamma * batched + delta (engine/cost_model.py)
+    # the worker's roofline fit: T = alpha * context + gamma * batched + delta (engine/cost/cost_model.py)
     return model["alpha"] * n_context + model["gamma"] * n_batched + model["delta"]
 
 

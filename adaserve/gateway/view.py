@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DRAFT_STEPS = 4  # D when the worker reports none: the engine's default d_max (engine/adaptive.py)
+DRAFT_STEPS = 4  # D when the worker reports none: the engine's default d_max (engine/speculation/adaptive.py)
 
 
 @dataclass(frozen=True)

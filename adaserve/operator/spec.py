@@ -17,12 +17,12 @@ from pydantic.alias_generators import to_camel
 
 from adaserve.contract.slo import CLASS_NAME
 
-# adaserve/engine/policies.py make_policy: a name, chain:K or beam[:D,W], or one of Spin's names; with several
-# drafts a @SELECTOR suffix names how each request's draft is chosen (ucb, eps, length, or dN to pin one).
+# adaserve/engine/speculation/policies.py make_policy: a name, chain:K or beam[:D,W], or one of Spin's names;
+# with several drafts a @SELECTOR suffix names how each request's draft is chosen (ucb, eps, length, or dN to pin one).
 POLICY = (r"^(adaserve|incremental|specinfer|smartspec|equal-greedy|global-greedy"
           r"|chain:[1-9][0-9]*|beam(:[1-9][0-9]*,[1-9][0-9]*)?|spin|spin-eps|spin-length)"
           r"(@(ucb|eps|length|d[0-9]))?$")
-# The models the worker image carries by name (adaserve/engine/catalog.py NAMES; a test keeps them equal).
+# The models the worker image carries by name (adaserve/engine/loading/catalog.py NAMES; a test keeps them equal).
 BUILTIN_MODELS = ("smollm2-135m-instruct", "demo-tiny")
 # The drafts it carries for the default model (catalog.py DRAFT_NAMES): model.drafts may name them.
 BUILTIN_DRAFTS = ("smollm2-draft", "smollm2-draft-small")

@@ -20,10 +20,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from adaserve.engine.chat import chat_text, has_chat_template
 from adaserve.engine.engine import Engine, StepMetrics
+from adaserve.engine.loading.chat import chat_text, has_chat_template
 from adaserve.engine.request import Request
-from adaserve.engine.sampling import SamplingParams
+from adaserve.engine.speculation.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from adaserve.contract.registration import (
     Registration,
 )
 from adaserve.engine.build import BuiltEngine
+from adaserve.engine.cost.profiler import device_name
 from adaserve.engine.engine import Engine
-from adaserve.engine.profiler import device_name
 from adaserve.worker.lone import Lone
 from adaserve.worker.measurements import Measurements
 from adaserve.worker.metrics import WorkerMetrics

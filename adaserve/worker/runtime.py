@@ -23,13 +23,13 @@ from adaserve.contract.generate import GenerateRequest
 from adaserve.contract.registration import Profile, Registration
 from adaserve.contract.slo import NORMAL_END
 from adaserve.engine.build import BuiltEngine, EngineBuildError, build_engine
-from adaserve.engine.catalog import ModelNotFoundError, resolve_drafts
-from adaserve.engine.chat import ChatTemplateError, chat_text, has_chat_template
 from adaserve.engine.engine import Engine, StepMetrics, TokenEvent
-from adaserve.engine.loader import load_tokenizer
+from adaserve.engine.loading.catalog import ModelNotFoundError, resolve_drafts
+from adaserve.engine.loading.chat import ChatTemplateError, chat_text, has_chat_template
+from adaserve.engine.loading.loader import load_tokenizer
 from adaserve.engine.loop import EngineLoop
 from adaserve.engine.request import Request
-from adaserve.engine.sampling import SamplingParams, skip_draws
+from adaserve.engine.speculation.sampling import SamplingParams, skip_draws
 from adaserve.engine.stop_strings import StopStringMatcher
 from adaserve.worker import published
 from adaserve.worker.lone import Lone, lone_prompt_ids, measure_lone, serve_alone

@@ -16,9 +16,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from adaserve.body_limit import DEFAULT_MAX_BODY_BYTES
 from adaserve.contract.redis_settings import DEFAULT_PREFIX, RedisPrefix, RedisUrl
 from adaserve.contract.slo import CLASS_NAME, SloClassName
-from adaserve.engine.catalog import DEFAULT_MODEL, NAMES, check_ref, served_name
-from adaserve.engine.draft_bandit import pinned_draft
-from adaserve.engine.policies import split_policy
+from adaserve.engine.loading.catalog import DEFAULT_MODEL, NAMES, check_ref, served_name
+from adaserve.engine.speculation.draft_bandit import pinned_draft
+from adaserve.engine.speculation.policies import split_policy
 
 
 class WorkerSettings(BaseSettings):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from adaserve.bench.device_model import Roofline, load_profile_file, scaled_draft
 from adaserve.bench.runner import draft_label
+from adaserve.bench.sim.device_model import Roofline, load_profile_file, scaled_draft
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "demo"

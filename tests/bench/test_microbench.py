@@ -48,7 +48,7 @@ def test_engine_only_on_the_demo_pair(demo: tuple) -> None:
 def test_peer_race_on_the_demo_pair(demo: tuple) -> None:
     from adaserve.bench.hf_peer import HFPeer
     from adaserve.bench.peer_compare import run_peer, verdict
-    from adaserve.engine.catalog import resolve
+    from adaserve.engine.loading.catalog import resolve
 
     target, draft, tok = demo
     pair = resolve("demo-tiny", progress=False)
@@ -76,7 +76,7 @@ def test_peer_loads_where_and_as_the_engine_computes() -> None:
     import torch
 
     from adaserve.bench.hf_peer import HFPeer
-    from adaserve.engine.catalog import resolve
+    from adaserve.engine.loading.catalog import resolve
 
     pair = resolve("demo-tiny", progress=False)
     hf = HFPeer(pair.target, pair.draft, eos_token_id=1, pad_token_id=0, device="cpu", dtype=torch.bfloat16)

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from adaserve.bench.selection_gap import SelectionGap, budgeted, measure
-from adaserve.engine import selection
-from adaserve.engine.policies import SelectionContext, SelectionRecord
+from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.request import Request
-from adaserve.engine.sampling import SamplingParams
-from adaserve.engine.tree import TokenTree
+from adaserve.engine.speculation import selection
+from adaserve.engine.speculation.policies import SelectionContext, SelectionRecord
+from adaserve.engine.speculation.sampling import SamplingParams
 from tests.engine.helpers import engine
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from adaserve.bench import workload as wl
-from adaserve.generate_cmd import parse_line
+from adaserve.cli.generate import parse_line
 
 # Irregular gaps (s) -> 11 rows over 10 s, observed rate 1/s, mean gap 1 s.
 GAPS = [0.5, 1.5, 0.1, 2.9, 1.0, 2.0, 0.25, 0.75, 0.6, 0.4]

@@ -6,11 +6,12 @@ from pathlib import Path
 
 import torch
 
-from adaserve.engine.config import EngineConfig, KVCacheConfig
+from adaserve.engine.config import EngineConfig
 from adaserve.engine.engine import Engine
-from adaserve.engine.loader import load_model
-from adaserve.engine.policies import make_policy
-from adaserve.engine.runner import ModelRunner
+from adaserve.engine.loading.loader import load_model
+from adaserve.engine.model.kv_cache import KVCacheConfig
+from adaserve.engine.model.runner import ModelRunner
+from adaserve.engine.speculation.policies import make_policy
 
 CPU = torch.device("cpu")
 

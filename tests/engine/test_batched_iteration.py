@@ -13,18 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from adaserve.engine.batch import Segment
-from adaserve.engine.config import KVCacheConfig
-from adaserve.engine.kv_cache import PagedKVCache, SequenceKV
-from adaserve.engine.model_config import ModelConfig
+from adaserve.engine.model.batch import Segment
+from adaserve.engine.model.config import ModelConfig
+from adaserve.engine.model.kv_cache import KVCacheConfig, PagedKVCache, SequenceKV
+from adaserve.engine.model.runner import ModelRunner
+from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.request import Request
-from adaserve.engine.runner import ModelRunner
-from adaserve.engine.sampling import SamplingParams, draw_rows, make_generator, processed_probs
-from adaserve.engine.speculate import DraftInput, beam_search, expand_level
-from adaserve.engine.tree import TokenTree
-from adaserve.engine.verify import WalkInput, commit_moves, walk_trees
+from adaserve.engine.speculation.sampling import SamplingParams, draw_rows, make_generator, processed_probs
+from adaserve.engine.speculation.speculate import DraftInput, beam_search, expand_level
+from adaserve.engine.speculation.verify import WalkInput, commit_moves, walk_trees
 from tests.engine.helpers import runner
-from tests.engine.test_tree_attention import random_tree
+from tests.engine.model.test_tree_attention import random_tree
 
 
 # ---- beam search -----------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from adaserve.engine.request import Request
-from adaserve.engine.sampling import SamplingParams
+from adaserve.engine.speculation.sampling import SamplingParams
 from tests.engine.helpers import engine, hf_greedy
 
 

@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 
 from adaserve.engine.request import Phase, Request
-from adaserve.engine.sampling import SamplingParams
+from adaserve.engine.speculation.sampling import SamplingParams
 from tests.engine.helpers import engine
 
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from adaserve.engine.config import EngineConfig, MultiDraftConfig
-from adaserve.engine.draft_bandit import Choice, SlotResult
 from adaserve.engine.engine import Engine
 from adaserve.engine.multi_draft import group_share
 from adaserve.engine.request import Request
-from adaserve.engine.sampling import SamplingParams
+from adaserve.engine.speculation.draft_bandit import Choice, SlotResult
+from adaserve.engine.speculation.sampling import SamplingParams
 from tests.engine.helpers import hf_greedy, runner
 from tests.engine.test_greedy_generation import run_staggered, workload
 from tests.engine.test_sampling_lossless import PROMPT, SMALL, chi2_pvalue, exact_joint, seeded_pairs

@@ -10,7 +10,7 @@ import pytest
 
 from adaserve.bench.engine_only import ForwardClock
 from adaserve.engine.request import Request
-from adaserve.engine.sampling import SamplingParams
+from adaserve.engine.speculation.sampling import SamplingParams
 from tests.engine.helpers import engine
 
 

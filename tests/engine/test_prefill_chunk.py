@@ -7,7 +7,7 @@ import pytest
 
 from adaserve.engine.config import EngineConfig
 from adaserve.engine.prefill_chunk import DecodingSLO, chunk_grid, slo_prefill_chunk
-from adaserve.engine.selection import slo_requirement
+from adaserve.engine.speculation.selection import slo_requirement
 
 # a forward: 24 ms plus 0.25 ms per prompt token (the simulated A100's target past its knee, roughly)
 T0, PER_TOKEN = 0.024, 0.00025

@@ -9,7 +9,7 @@ import pytest
 
 from adaserve.engine.loop import EngineLoop
 from adaserve.engine.request import Request
-from adaserve.engine.sampling import SamplingParams
+from adaserve.engine.speculation.sampling import SamplingParams
 from tests.engine.helpers import engine
 
 

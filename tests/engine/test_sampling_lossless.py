@@ -19,7 +19,7 @@ from scipy import stats
 
 from adaserve.engine.engine import Engine
 from adaserve.engine.request import Request
-from adaserve.engine.sampling import SamplingParams, processed_probs
+from adaserve.engine.speculation.sampling import SamplingParams, processed_probs
 from tests.engine.helpers import engine
 from tests.models import make_checkpoint
 

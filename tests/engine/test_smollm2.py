@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adaserve.engine import catalog
 from adaserve.engine.build import build_engine
+from adaserve.engine.loading import catalog
 from adaserve.engine.request import Request
-from adaserve.engine.sampling import SamplingParams
+from adaserve.engine.speculation.sampling import SamplingParams
 from tests.models import smollm2_pair
 
 PROMPTS = ("What is the capital of France?", "Write a Python function that reverses a list.")

@@ -255,7 +255,7 @@ def test_unknown_fields_are_refused_by_the_operator(example: dict[str, Any]) -> 
 
 
 def test_builtin_source_names_a_model_the_image_carries(crd: dict[str, Any], example: dict[str, Any]) -> None:
-    from adaserve.engine.catalog import NAMES
+    from adaserve.engine.loading.catalog import NAMES
 
     # the CRD's list, its message, the operator's and the worker's catalog agree
     assert spec.BUILTIN_MODELS == NAMES
@@ -293,7 +293,7 @@ def test_several_drafts_reach_the_workers_as_one_json_list(crd: dict[str, Any], 
 
 
 def test_builtin_source_may_name_the_default_models_two_drafts(crd: dict[str, Any], example: dict[str, Any]) -> None:
-    from adaserve.engine.catalog import DRAFT_NAMES
+    from adaserve.engine.loading.catalog import DRAFT_NAMES
 
     assert spec.BUILTIN_DRAFTS == DRAFT_NAMES  # the operator's list and the worker's catalog agree
     rule = next(r["rule"] for r in _rules(openapi_schema(crd)) if r["message"] == spec.MSG_BUILTIN_DRAFTS)

@@ -14,10 +14,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from adaserve.engine import catalog
+from adaserve.cli.worker import draft_options, load_settings
+from adaserve.engine.loading import catalog
 from adaserve.worker.published import model_names
 from adaserve.worker.settings import WorkerSettings
-from adaserve.worker_cmd import draft_options, load_settings
 from tests.models import smollm2_pair
 from tests.servers import Service, metric, scrape, start_worker
 

@@ -16,8 +16,8 @@ import httpx
 import pytest
 import redis
 
-from adaserve.engine.budget import speculation_floor
-from adaserve.engine.profiler import model_identity
+from adaserve.engine.cost.profiler import model_identity
+from adaserve.engine.speculation.adaptive import speculation_floor
 from tests.redis_prefix import REDIS_URL, isolated_redis
 from tests.servers import Service, demo_pair, sse_events, start_worker, wait_for
 

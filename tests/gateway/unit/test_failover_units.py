@@ -9,7 +9,7 @@ import time
 import torch
 
 from adaserve.contract.generate import GenerateRequest
-from adaserve.engine.sampling import make_generator, skip_draws
+from adaserve.engine.speculation.sampling import make_generator, skip_draws
 from adaserve.gateway.admission import Admitted, Refused
 from adaserve.gateway.failover import continuation, with_seed
 from adaserve.worker.detok import IncrementalText

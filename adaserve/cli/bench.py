@@ -1,0 +1,116 @@
+"""``adaserve bench``: every policy on one arrival schedule, side by side, on the wall clock or a simulated one."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from adaserve.bench.sim.device_model import HOST_MEASURED
+from adaserve.cli.arg_types import floats
+from adaserve.cli.reports import emit_report
+from adaserve.cli_error import CliError
+from adaserve.engine.loading.catalog import DEFAULT_MODEL
+
+
+def _budgets(text: str) -> tuple[int | str, ...]:
+    out: list[int | str] = []
+    for x in text.split(","):
+        if x == "auto":
+            out.append(x)
+        elif x.isdigit() and int(x) > 0:
+            out.append(int(x))
+        else:
+            raise argparse.ArgumentTypeError(f"budgets are positive integers or 'auto', got {x!r}")
+    return tuple(out)
+
+
+def _sched(text: str) -> float | str:
+    if text == HOST_MEASURED:
+        return text
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds or 'measured', got {text!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"scheduler time must be >= 0 ms, got {text!r}")
+    return v
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("bench", help="compare decoding policies on the same multi-SLO workload")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"{DEFAULT_MODEL} (default, with its distilled draft), demo-tiny, a .gguf file or a directory")
+    p.add_argument("--target", help="target model, overriding --model (same forms)")
+    p.add_argument("--draft", action="append",
+                   help="draft model (default: the named model's own); repeat it for several drafts (policies "
+                        "POLICY@ucb|eps|length|dN, spin, spin-eps, spin-length choose among them per request)")
+    p.add_argument("--policies", default="adaserve,incremental,chain:4,smartspec,specinfer",
+                   help="comma-separated policies (empty with --budgets to sweep budgets only)")
+    p.add_argument("--rps", type=floats, default=(1.0,), help="request rates, comma-separated")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per (policy, rate)")
+    p.add_argument("--trace", type=Path, help="arrival trace CSV (Azure format), rescaled to each rate")
+    p.add_argument("--mix", help="class mix, e.g. coding=0.6,chat=0.2,summarization=0.2")
+    p.add_argument("--slo-scale", type=float, default=1.0, help="multiply every class's TPOT SLO")
+    p.add_argument("--budgets", type=_budgets, default=(), help="also run adaserve at these budgets (and 'auto')")
+    p.add_argument("--budget", type=int, help="fixed budget for every policy (default: profiled)")
+    p.add_argument("--baseline-tpot-ms", type=float,
+                   help="unloaded per-token latency the SLOs are multiples of (default: measured now)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--max-tokens", type=int, default=128, help="cap on output tokens per request")
+    p.add_argument("--max-prompt-tokens", type=int, default=512,
+                   help="prompts longer than this keep their last tokens (the chat template's opening survives)")
+    p.add_argument("--max-batch", type=int, default=64,
+                   help="requests running at once (the engine's max_batch); later arrivals wait in its queue")
+    p.add_argument("--prefill-rule", choices=["fixed", "slo"], default="fixed",
+                   help="prompt tokens per iteration: the fixed chunk, or shrunk while decoding requests' TPOT "
+                        "SLOs need it (slo; every policy)")
+    p.add_argument("--clock", choices=["wall", "simulated"], default="wall",
+                   help="simulated: real models and tokens, time from --device-profile (deterministic)")
+    p.add_argument("--device-profile", default="measured",
+                   help="simulated clock's device: 'measured' (this machine's profile), a shipped profile "
+                        "(e.g. a100-80g-tp4/llama-3.1-70b) or a JSON file")
+    p.add_argument("--sched-ms", type=_sched,
+                   help="simulated: scheduler time per iteration in ms, or 'measured' (host time; default for "
+                        "the measured profile, else the profile's figure)")
+    p.add_argument("--sweep", choices=["rate", "urgent-share", "slo-scale"], default="rate",
+                   help="what varies: --rps (rate), or --values at the one --rps")
+    p.add_argument("--values", type=floats, default=(), help="urgent shares or SLO scales for --sweep")
+    p.add_argument("--json", type=Path, help="write the report here")
+    p.add_argument("--plot", type=Path, help="attainment and goodput against rate (PNG)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from adaserve.bench.runner import BenchConfig, plot_report, run_bench
+    from adaserve.bench.workload import parse_mix
+    from adaserve.engine.build import EngineBuildError
+    from adaserve.engine.loading.catalog import ModelNotFoundError, resolve_drafts
+    from adaserve.engine.model.config import UnsupportedModelError
+
+    try:
+        pair, extra = resolve_drafts(args.target or args.model, args.draft or ())
+    except ModelNotFoundError as e:
+        raise CliError(str(e)) from None
+    if pair.draft is None:
+        raise CliError(f"{pair.name} has no draft of its own: give one with --draft")
+    try:
+        policies = tuple(p for p in args.policies.split(",") if p)
+        cfg = BenchConfig(target=pair.target, draft=pair.draft, extra_drafts=extra, model=pair.name, policies=policies,
+                          rates=args.rps,
+                          duration_s=args.duration, trace=args.trace,
+                          mix=parse_mix(args.mix) if args.mix else None, slo_scale=args.slo_scale,
+                          seed=args.seed, device=args.device, budget=args.budget, budgets=args.budgets,
+                          max_tokens_cap=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                          max_batch=args.max_batch, prefill_rule=args.prefill_rule,
+                          baseline_tpot_ms=args.baseline_tpot_ms,
+                          clock=args.clock, device_profile=args.device_profile, sched_ms=args.sched_ms,
+                          sweep=args.sweep, values=args.values)
+        if args.trace is not None and not args.trace.is_file():
+            raise ValueError(f"trace {args.trace} does not exist")
+        report = run_bench(cfg)
+    except (ValueError, FileNotFoundError, UnsupportedModelError, EngineBuildError) as e:
+        raise CliError(str(e)) from None
+    emit_report(report, json_path=args.json, plot_path=args.plot, plot=plot_report)
+    return 0

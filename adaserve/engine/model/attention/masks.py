@@ -1,0 +1,115 @@
+"""The §2 attention mask, evaluated on the device from per-segment vectors (docs/architecture.md §2).
+
+Query row i of segment b is tree node c_b + i (c_b: its cached nodes); it may attend to key index k when
+
+    k < L_b                                               the committed prefix, or
+    0 <= k - L_b < M_b  and  anc_b[c_b + i, k - L_b]      an ancestor in its tree (itself included).
+
+For a chain anc is the lower triangle, so the rule is k - L_b <= c_b + i and no block is stored: only
+trees that are not chains carry their ancestor rows, stacked as [n_trees, Mt, Mt] (Mt: the largest of
+them; verification and beam trees are small). With a sliding window a query at position p keeps keys at
+positions > p - window, positions by depth (``prefix + depth``; for a chain, the key index).
+
+Each backend evaluates the rule on the grid it needs: the torch backend on a padded [b, Qmax, Kmax]
+grid per group of similar segments, flashinfer on the flat per-request [num_new, kv_len] blocks. No
+dense mask is filled on the host, and no request's rows are padded to another group's longest chunk.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from adaserve.engine.model.batch import BatchLayout
+
+
+class MaskIndex:
+    """Per-segment vectors of one layout on ``device``; ``visible`` evaluates the mask on any index grid."""
+
+    def __init__(self, layout: BatchLayout, device: torch.device) -> None:
+        segs = layout.segments
+
+        def t(xs: list[int] | np.ndarray) -> torch.Tensor:
+            return torch.as_tensor(np.asarray(xs, np.int64), device=device)
+
+        self.device = device
+        self.prefix = t([s.prefix_len for s in segs])
+        self.cached = t([s.num_cached for s in segs])
+        self.size = t([s.tree.size for s in segs])
+        self.n_new = t(np.diff(layout.qo_indptr))
+        self.kv_len = t(layout.kv_lens)
+        trees = [b for b, s in enumerate(segs) if not s.tree.is_chain]
+        self.anc: torch.Tensor | None = None
+        self.depth: torch.Tensor | None = None
+        if trees:
+            mt = max(segs[b].tree.size for b in trees)
+            anc = np.zeros((len(trees), mt, mt), bool)
+            depth = np.zeros((len(trees), mt), np.int64)
+            slot = np.full(len(segs), -1, np.int64)
+            for j, b in enumerate(trees):
+                tree = segs[b].tree
+                anc[j, : tree.size, : tree.size] = tree.ancestor_matrix()
+                depth[j, : tree.size] = tree.depths()
+                slot[b] = j
+            self.anc = torch.as_tensor(anc, device=device)
+            self.depth = t(depth)
+            self.tree_slot = t(slot)
+
+    def _node_depth(self, b: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
+        """depth of tree node ``node`` of segment ``b`` (a chain's node index is its depth)."""
+        if self.depth is None:
+            return node
+        slot = self.tree_slot[b]
+        mt = self.depth.shape[-1]
+        return torch.where(slot >= 0, self.depth[slot.clamp(min=0), node.clamp(0, mt - 1)], node)
+
+    def visible(self, b: torch.Tensor, row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+        """bool, broadcast over the int64 index tensors: may query ``row`` of segment ``b`` see key ``col``?"""
+        if self.anc is None:  # chains only: a query sees every key up to its own index L + c + row
+            return col <= self.prefix[b] + self.cached[b] + row
+        p = self.prefix[b]
+        rel = col - p  # tree node of the key, when >= 0
+        node = self.cached[b] + row
+        ancestor = rel <= node  # chains
+        if self.anc is not None:
+            slot = self.tree_slot[b]
+            mt = self.anc.shape[-1]
+            tree_rule = self.anc[slot.clamp(min=0), node.clamp(0, mt - 1), rel.clamp(0, mt - 1)]
+            ancestor = torch.where(slot >= 0, tree_rule, ancestor)
+        return (col < p) | ((rel >= 0) & (rel < self.size[b]) & ancestor)
+
+    def in_window(self, b: torch.Tensor, row: torch.Tensor, col: torch.Tensor, window: int) -> torch.Tensor:
+        """q_pos - k_pos < window, positions by depth (Mistral's convention, applied to trees)."""
+        p = self.prefix[b]
+        q_pos = p + self._node_depth(b, self.cached[b] + row)
+        rel = col - p
+        k_pos = torch.where(rel < 0, col, p + self._node_depth(b, rel.clamp(min=0)))
+        return (q_pos - k_pos) < window
+
+
+def padded_mask(index: MaskIndex, group: torch.Tensor, q_max: int, k_max: int,
+                window: int | None = None) -> torch.Tensor:
+    """[g, Qmax, Kmax] bool for the segments ``group`` (int64 [g]); padded query rows see key 0 only."""
+    dev = index.device
+    b = group[:, None, None]
+    row = torch.arange(q_max, device=dev)[None, :, None]
+    col = torch.arange(k_max, device=dev)[None, None, :]
+    mask = index.visible(b, row, col)
+    if window is not None:
+        mask &= index.in_window(b, row, col, window)
+    real = row < index.n_new[b]
+    return (mask & real) | (~real & (col == 0))
+
+
+def flat_mask(index: MaskIndex, window: int | None = None) -> torch.Tensor:
+    """Per request the row-major ``[num_new, kv_len]`` block of the mask, concatenated (flashinfer's layout)."""
+    dev = index.device
+    sizes = index.n_new * index.kv_len
+    b = torch.repeat_interleave(torch.arange(len(sizes), device=dev), sizes)
+    start = torch.cumsum(sizes, 0) - sizes
+    local = torch.arange(b.shape[0], device=dev) - start[b]
+    row, col = local // index.kv_len[b], local % index.kv_len[b]
+    mask = index.visible(b, row, col)
+    if window is not None:
+        mask &= index.in_window(b, row, col, window)
+    return mask

@@ -1,0 +1,110 @@
+"""The ragged batch: many requests' new tokens in one forward (docs/architecture.md §2).
+
+Each request contributes a *segment*: ``prefix_len`` committed tokens every new token may see, and
+a token tree whose first ``num_cached`` nodes are already in the KV cache (earlier beam-search steps)
+and whose remaining nodes are new in this forward. Prefill chunks are chains, decoding is a lone root,
+verification is a whole tree: one layout serves them all.
+
+    positions   = prefix_len + depth(node)          (RoPE: by depth)
+    KV slots    = prefix_len + node index           (storage: by flat index)
+    mask row i  = [1 ... 1 (prefix) | anc[i, :M]]   (a node sees its ancestors and itself)
+
+The layout holds what every backend reads (ids, positions, write slots, per-segment lengths, the page
+table). The mask is not built here: each attention backend builds the form it reads, on its device,
+from the per-segment vectors (``attention/masks.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from adaserve.engine.model.kv_cache import SequenceKV
+from adaserve.engine.model.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class Segment:
+    seq: SequenceKV
+    prefix_len: int
+    tree: TokenTree
+    num_cached: int = 0
+
+    @property
+    def num_new(self) -> int:
+        return self.tree.size - self.num_cached
+
+    @property
+    def kv_len(self) -> int:
+        return self.prefix_len + self.tree.size
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Everything a forward needs, computed once per step and shared by every layer."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    write_slots: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
+    qo_indptr: list[int]  # [B+1]: request b owns tokens qo_indptr[b]:qo_indptr[b+1]
+    kv_lens: list[int]  # [B]
+    page_table: np.ndarray  # [B, max pages read] int64: the pages covering each kv_len, padded with 0
+    page_size: int
+    segments: tuple[Segment, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def all_chains(self) -> bool:
+        """Every segment is a chain: the mask is causal (key index = position) for every request."""
+        return all(s.tree.is_chain for s in self.segments)
+
+
+def page_table(segments: list[Segment], kv_lens: np.ndarray, page_size: int) -> np.ndarray:
+    """[B, max pages] int64: the first ceil(kv_len / page_size) pages of each sequence, padded with 0."""
+    n_pages = -(-kv_lens // page_size)
+    table = np.zeros((len(segments), int(n_pages.max())), np.int64)
+    for b, (s, n) in enumerate(zip(segments, n_pages.tolist(), strict=True)):
+        if n > len(s.seq.pages):
+            raise ValueError(f"sequence holds {len(s.seq.pages)} pages but {kv_lens[b]} keys need {n}")
+        table[b, :n] = s.seq.pages[:n]
+    return table
+
+
+def build_layout(segments: list[Segment], *, page_size: int, device: torch.device) -> BatchLayout:
+    if not segments:
+        raise ValueError("a batch needs at least one segment")
+    prefix = np.fromiter((s.prefix_len for s in segments), np.int64, len(segments))
+    cached = np.fromiter((s.num_cached for s in segments), np.int64, len(segments))
+    size = np.fromiter((s.tree.size for s in segments), np.int64, len(segments))
+    n_new = size - cached
+    if n_new.min() <= 0:
+        raise ValueError("every segment must contribute at least one new token")
+    kv_lens = prefix + size
+    table = page_table(segments, kv_lens, page_size)
+
+    ids = np.concatenate([s.tree.tokens[s.num_cached:] for s in segments])
+    depth = np.concatenate([s.tree.depths()[s.num_cached:] for s in segments])
+    # token t of segment b (row r of its new tokens) is tree node c_b + r, at token index L_b + c_b + r
+    seg = np.repeat(np.arange(len(segments)), n_new)
+    qo_indptr = np.concatenate([[0], np.cumsum(n_new)])
+    index = prefix[seg] + cached[seg] + (np.arange(len(seg)) - qo_indptr[seg])
+    slots = table[seg, index // page_size] * page_size + index % page_size
+
+    def t(x: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(x, dtype=torch.int64, device=device)
+
+    return BatchLayout(
+        input_ids=t(ids),
+        positions=t(prefix[seg] + depth),
+        write_slots=t(slots),
+        qo_indptr=qo_indptr.tolist(),
+        kv_lens=kv_lens.tolist(),
+        page_table=table,
+        page_size=page_size,
+        segments=tuple(segments),
+    )

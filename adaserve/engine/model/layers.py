@@ -1,0 +1,128 @@
+"""The Llama-family transformer, written for ragged batches over a paged KV cache.
+
+Module names mirror Hugging Face checkpoints (``model.layers.N.self_attn.q_proj`` ...), so a
+safetensors state dict loads without renaming. Every forward takes a flat token batch ``[T]`` with
+explicit positions; attention goes through the backend, which owns the KV layout.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from adaserve.engine.model.attention.base import AttentionBackend
+from adaserve.engine.model.config import ModelConfig
+from adaserve.engine.model.few_rows import FewRowLinear
+from adaserve.engine.model.kv_cache import PagedKVCache
+from adaserve.engine.model.rope import Rotary, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x / rms(x) computed in fp32, then scaled: Hugging Face's order of operations
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer, self.h, self.hkv, self.d = layer, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = FewRowLinear(cfg.hidden_size, self.h * self.d, bias=cfg.qkv_bias)
+        self.k_proj = FewRowLinear(cfg.hidden_size, self.hkv * self.d, bias=cfg.qkv_bias)
+        self.v_proj = FewRowLinear(cfg.hidden_size, self.hkv * self.d, bias=cfg.qkv_bias)
+        self.o_proj = FewRowLinear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+                cache: PagedKVCache) -> torch.Tensor:
+        t = x.shape[0]
+        q = apply_rotary(self.q_proj(x).view(t, self.h, self.d), cos, sin)  # [T, H, D]
+        k = apply_rotary(self.k_proj(x).view(t, self.hkv, self.d), cos, sin)  # [T, Hkv, D]
+        v = self.v_proj(x).view(t, self.hkv, self.d)
+        out = backend.forward(self.layer, q, k, v, cache)
+        return self.o_proj(out.reshape(t, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = FewRowLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = FewRowLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = FewRowLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+                cache: PagedKVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Llama / Qwen2 / Mistral. ``forward`` returns logits only for the rows in ``logits_rows``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Body(cfg)
+        self.lm_head = FewRowLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # wall seconds spent in ``forward``, summed: the engine's time outside forwards is the rest of an
+        # iteration (StepMetrics.t_forward_s). A CUDA forward is synchronised before the clock is read.
+        self.forward_seconds = 0.0
+
+    def tune_kernels(self) -> None:
+        """Pick each linear layer's fastest kernels for few rows on this CPU (few_rows.py); after loading."""
+        for module in self.modules():
+            if isinstance(module, FewRowLinear):
+                module.tune_kernels()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *, backend: AttentionBackend,
+                cache: PagedKVCache, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        t0 = time.perf_counter()
+        logits = self._logits(input_ids, positions, backend, cache, logits_rows)
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)  # the caller reads the logits next anyway
+        self.forward_seconds += time.perf_counter() - t0
+        return logits
+
+    @torch.inference_mode()
+    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+                cache: PagedKVCache, logits_rows: torch.Tensor | None) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, backend, cache)
+        if logits_rows is not None:
+            x = x[logits_rows]  # only the rows someone reads: prefill chunks need one
+        return self.lm_head(self.model.norm(x)).float()  # [R, vocab]

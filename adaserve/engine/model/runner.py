@@ -1,0 +1,79 @@
+"""A model, its KV cache and its attention backend: one ragged forward per call."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from adaserve.engine.model.attention import make_backend
+from adaserve.engine.model.batch import Segment, build_layout
+from adaserve.engine.model.kv_cache import KVCacheConfig, PagedKVCache
+from adaserve.engine.model.layers import CausalLM
+
+
+@dataclass(frozen=True)
+class ForwardRecord:
+    """What one forward did, for whoever listens (the simulated clock prices it by a device model)."""
+
+    n_new: int  # tokens computed
+    n_context: int  # cached tokens they attended to (every segment's prefix and cached tree nodes)
+    wall_s: float  # host time the call took (no device sync: exact on CPU only)
+
+
+class ForwardSettings(Protocol):
+    """What a runner reads of its configuration: ``engine.config.EngineConfig`` is one."""
+
+    @property
+    def attention(self) -> str: ...  # one of attention.ATTENTION_BACKENDS
+
+    @property
+    def kv(self) -> KVCacheConfig: ...
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cfg: ForwardSettings | None = None) -> None:
+        self.model = model
+        self.device = model.lm_head.weight.device
+        self.dtype = model.lm_head.weight.dtype
+        kv = cfg.kv if cfg is not None else KVCacheConfig()
+        self.cache = PagedKVCache(model.cfg, kv, dtype=self.dtype, device=self.device)
+        self.backend = make_backend(cfg.attention if cfg is not None else "auto", model.cfg, self.device)
+        self.forward_listeners: list[Callable[[ForwardRecord], None]] = []
+        self.last_forward: ForwardRecord | None = None  # the latest call's counts (the engine times drafts by it)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.cfg.vocab_size
+
+    def forward(self, segments: list[Segment], *, all_logits: list[bool]) -> list[torch.Tensor]:
+        """Run every segment's new tokens in one forward.
+
+        Returns, per segment, logits ``[num_new, V]`` when ``all_logits[i]`` else ``[1, V]`` (its
+        last new token: enough for a prefill chunk).
+        """
+        t0 = time.perf_counter()
+        for s in segments:
+            self.cache.ensure(s.seq, s.kv_len)
+        layout = build_layout(segments, page_size=self.cache.page_size, device=self.device)
+        rows: list[int] = []
+        counts: list[int] = []
+        for i, want in enumerate(all_logits):
+            lo, hi = layout.qo_indptr[i], layout.qo_indptr[i + 1]
+            picked = range(lo, hi) if want else range(hi - 1, hi)
+            rows.extend(picked)
+            counts.append(len(picked))
+        self.backend.plan(layout, self.cache)
+        logits = self.model(layout.input_ids, layout.positions, backend=self.backend, cache=self.cache,
+                            logits_rows=torch.tensor(rows, device=self.device))
+        out = list(torch.split(logits, counts))
+        rec = ForwardRecord(n_new=sum(s.num_new for s in segments),
+                            n_context=sum(s.prefix_len + s.num_cached for s in segments),
+                            wall_s=time.perf_counter() - t0)
+        self.last_forward = rec
+        for listener in self.forward_listeners:
+            listener(rec)
+        return out

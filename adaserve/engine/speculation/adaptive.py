@@ -1,0 +1,160 @@
+"""Adaptive speculation shape: beam-search depth d and width w from the number of active requests
+(AdaServe section 5.2, Eq. 8-9). Busy batches get shallow, narrow trees; idle ones deep, wide trees.
+The bounds and constants are ``AdaptiveConfig``; ``speculation_floor`` is the least budget they need.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from adaserve.engine.checks import at_least, is_int
+from adaserve.engine.speculation.smartspec import expected_emitted
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    """Bounds and constants of Eq. 8-9 (adaptive.py). The paper tunes c1, c2 by grid search and gives no
+    values; the defaults below are starting points, meant to be overridden from the worker's profile.
+    """
+
+    # d never below 1: one draft step is cheap, and the SLO phase may still send only the root.
+    d_min: int = 1
+    # Every extra level costs a full draft forward before verification can start. With the demo pair on
+    # a CPU (draft only ~4.6x cheaper than the target) d_max=8, w_max=4 lost to chain:4 on SLO attainment
+    # (0.54 vs 0.75 at 2.25 req/s) while d_max=4, w_max=2 reached 0.83 (docs/benchmarks.md). A GPU with
+    # a cheaper draft step can afford deeper trees: raise these there (SpecInfer's static tree is 8 deep).
+    d_max: int = 4
+    w_max: int = 2
+    # B1: verification tokens per iteration, i.e. the profiled budget B (section 5; AdaServe measures
+    # 156 on A100). B1 / (n + c1) is each request's share of the verify budget, and d = share - 1 leaves
+    # room for the root, so drafted depth stays within what selection can afford to verify. The budgeted
+    # policies replace it with the engine's budget every iteration.
+    b1: int = 128
+    # B2: draft tokens per beam-search step (n * w <= B2 + c2 * n): small enough that steps 2..d stay
+    # memory-bound on the draft and the fixed [n*w] shapes are cheap to graph-capture.
+    b2: int = 32
+    c1: int = 1  # > 0 so n + c1 never hits zero, and one request never claims the whole budget
+    c2: int = 0
+    # "goodput": depth by predicted tokens per second (adaptive.goodput_depth), width by Eq. 9;
+    # "eq8": the paper's Eq. 8, depth tied to the budget
+    depth_rule: str = "goodput"
+
+    def __post_init__(self) -> None:
+        if not is_int(self.d_min) or self.d_min < 0 or not is_int(self.d_max) or self.d_max < self.d_min:
+            raise ValueError(f"AdaptiveConfig: need 0 <= d_min <= d_max, got d_min={self.d_min}, d_max={self.d_max}")
+        at_least("AdaptiveConfig", "w_max", self.w_max, 1)
+        at_least("AdaptiveConfig", "b1", self.b1, 1)
+        at_least("AdaptiveConfig", "b2", self.b2, 1)
+        at_least("AdaptiveConfig", "c1", self.c1, 0)
+        if not is_int(self.c2):
+            raise ValueError(f"AdaptiveConfig.c2 must be an int, got {self.c2!r}")
+        if self.depth_rule not in ("goodput", "eq8"):
+            raise ValueError(f"AdaptiveConfig.depth_rule must be 'goodput' or 'eq8', got {self.depth_rule!r}")
+
+
+def speculation_floor(adaptive: AdaptiveConfig | None = None) -> int:
+    """The least B the engine may run with: what one request needs to speculate at full size.
+
+        floor = max(1 + d_max * w_max, (d_max + 1) * (1 + c1))
+
+    1 + d_max * w_max is the largest tree one request can verify under the adaptive policies: beam
+    search keeps at most w_max beams at each of at most d_max levels under one root (Eq. 8-9), and a
+    budgeted policy (adaserve, equal-greedy, global-greedy) verifies at most B tokens per iteration over
+    the whole batch. (d_max + 1) * (1 + c1) is the B at which Eq. 8, with B1 = B, lets a lone request
+    (n = 1) draft d_max levels: d = floor(B / (1 + c1)) - 1.
+
+    Why a floor at all: a knee below it means even a lone request, the cheapest batch there is, cannot
+    have its tree verified. A busy machine once timed a table whose knee was B = 2, and adaserve then
+    verified the root and one drafted token per iteration (0.15 accepted per verification) while chain:4,
+    which ignores B, won every run. A tree of 1 + d_max * w_max tokens is a fraction of a forward's cost
+    wherever drafting that tree pays at all, which is what the bounds are chosen for. Nothing else in the
+    engine needs more: the policies that ignore B (chain, specinfer, smartspec) are unaffected, and the
+    engine already lifts B to the number of roots, max(B, n), for a large batch.
+    """
+    a = AdaptiveConfig() if adaptive is None else adaptive
+    return max(1 + a.d_max * a.w_max, (a.d_max + 1) * (1 + a.c1))
+
+
+def depth_width(n_active: int, cfg: AdaptiveConfig) -> tuple[int, int]:
+    """(d, w) for ``n_active`` requests:
+        d = clip(floor(B1 / (n + c1)) - 1, Dmin, Dmax)     (Eq. 8)
+        w = clip(floor(B2 / n) + c2, 1, Wmax)              (Eq. 9)
+    n = 0 (nothing running) is treated as n = 1: the shape a lone new request would get.
+    """
+    if n_active < 0:
+        raise ValueError(f"n_active must be >= 0, got {n_active}")
+    n = max(n_active, 1)
+    d = min(max(cfg.b1 // (n + cfg.c1) - 1, cfg.d_min), cfg.d_max)
+    w = min(max(cfg.b2 // n + cfg.c2, 1), cfg.w_max)
+    return d, w
+
+
+def bounds_for_device(cfg: AdaptiveConfig, *, t_target_s: float, t_draft_s: float, draft_budget: int) -> AdaptiveConfig:
+    """``cfg`` with d_max, w_max and B2 set from the profiled costs instead of CPU-tuned constants.
+
+    r = t_target(1) / t_draft(1): how many draft forwards one target forward buys.
+        d_max = clip(round(0.75 * r), 2, 8)   the d draft steps before verification stay under ~3/4 of
+                                              the target forward (8: SpecInfer's depth). r = 5.6 for the
+                                              default pair on a CPU gives 4, the depth measured best there.
+        w_max = 4 if r >= 10 else 2           a wide beam needs a draft cheap enough to run its w x tokens
+        B2    = the draft's own knee          draft tokens per beam step that still cost about one token
+    """
+    if not (t_target_s > 0 and t_draft_s > 0):
+        return cfg
+    r = t_target_s / t_draft_s
+    d_max = min(max(round(0.75 * r), 2), 8)
+    w_max = 4 if r >= 10 else 2
+    return replace(cfg, d_max=max(d_max, cfg.d_min), w_max=w_max, b2=max(1, draft_budget))
+
+
+@dataclass
+class PathAcceptance:
+    """alpha of a geometric model of how far down its tree a request's accepted path reaches.
+
+    Each draft level is accepted with probability alpha until the first rejection; the maximum-likelihood
+    alpha is accepted / (accepted + rejections) (a request whose whole path was accepted had no
+    rejection). Summed over a window of recent iterations; ``prior`` until the first one.
+    """
+
+    window: int = 32
+    prior: float = 0.7
+    samples: deque[tuple[int, int]] = field(default_factory=deque)
+
+    @property
+    def alpha(self) -> float:
+        acc = sum(a for a, _ in self.samples)
+        trials = acc + sum(r for _, r in self.samples)
+        return acc / trials if trials else self.prior
+
+    def observe(self, accepted: int, rejections: int) -> None:
+        if accepted + rejections <= 0:
+            return
+        self.samples.append((accepted, rejections))
+        while len(self.samples) > self.window:
+            self.samples.popleft()
+
+
+def goodput_depth(n: int, width: int, *, alpha: float, d_min: int, d_max: int, n_context: int,
+                  extra_tokens: int, t_target: Callable[[int, int], float],
+                  t_draft: Callable[[int, int], float]) -> int:
+    """The depth d in [max(d_min, 1), d_max] with the most expected tokens per second (SmartSpec's rule,
+    for the best path of a beam tree):
+
+        goodput(d) = n * l(alpha, d) / (d * T_draft(N_ctx, n * w) + T_target(N_ctx, n * (d + 1) + extra))
+
+    with l(alpha, d) = (1 - alpha^(d+1)) / (1 - alpha) tokens per request (bonus included). Each beam
+    step runs n * w draft tokens; verification is priced for the best path (the selection may verify
+    more when those tokens pay, iteration_budget.py). ``extra``: prefill tokens in the same forward.
+    Why not Eq. 8 alone: it ties depth to the budget, d = B / (n + c1) - 1, so as a backlog grows the
+    trees shrink, fewer tokens are accepted per forward and the backlog grows faster; chain:4, which
+    ignores B, kept up with a load that collapsed adaserve (docs/benchmarks.md).
+    """
+    best_d, best = max(d_min, 1), -1.0
+    for d in range(max(d_min, 1), max(d_max, 1) + 1):
+        cost = d * t_draft(n_context, n * width) + t_target(n_context, n * (d + 1) + extra_tokens)
+        rate = n * expected_emitted(alpha, d) / max(cost, 1e-12)
+        if rate > best:
+            best_d, best = d, rate
+    return best_d

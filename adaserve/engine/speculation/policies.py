@@ -1,0 +1,335 @@
+"""Decoding policies: AdaServe and every baseline, on the same engine (docs/architecture.md §6).
+
+A policy answers, each iteration: how to speculate (a ``TreeShape`` for the draft's beam search, or
+None for no speculation), and which candidate nodes of each request to verify. Every policy is
+lossless: the verification walk decides the output; a policy only changes how many tokens one target
+forward confirms, and for whom.
+
+    name            shape                               selection
+    incremental     none                                root only
+    chain:K         depth K, width 1                    the whole chain (no budget), like vLLM-Spec(K)
+    specinfer       static expansion <1,1,3,1,1,1,1,1>  the whole tree (no budget)
+    smartspec       chain, K by predicted goodput       the whole chain
+    equal-greedy    adaptive (Eq. 8-9)                  budget split evenly, greedy per request
+    global-greedy   adaptive                            globally highest path probability
+    adaserve        adaptive                            Algorithm 2: SLO phase, then throughput phase
+    beam:D,W        fixed depth D, width W              globally highest path probability
+
+With several drafts, ``POLICY@SELECTOR`` also names how each request's draft is chosen
+(draft_bandit.py: ``ucb``, ``eps``, ``length``, or ``dN`` for draft N alone); a policy without one uses
+``ucb``. Spin's names are aliases: ``spin`` = ``chain:4@ucb``, ``spin-eps`` = ``chain:4@eps``,
+``spin-length`` = ``chain:4@length`` (and ``spin@d1`` = ``chain:4@d1``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from adaserve.engine.model.tree import TokenTree
+from adaserve.engine.speculation.adaptive import AdaptiveConfig, PathAcceptance, depth_width, goodput_depth
+from adaserve.engine.speculation.selection import (
+    SPECINFER_EXPANSION,
+    select_adaserve,
+    select_equal_greedy,
+    select_global_greedy,
+)
+from adaserve.engine.speculation.smartspec import AcceptanceAverage, best_length
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    depth: int
+    width: int = 1
+    expansion: tuple[int, ...] | None = None  # static per-node fan-out (SpecInfer)
+
+    @property
+    def max_nodes(self) -> int:
+        if self.expansion is None:
+            return 1 + self.depth * self.width
+        total, level = 1, 1
+        for k in self.expansion:
+            level *= k
+            total += level
+        return total
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """What a policy sees before speculating."""
+
+    n_active: int  # decoding requests this iteration
+    n_context: int  # tokens already in the target KV across them
+    budget: int  # B
+    predict_target: Callable[[int, int], float]  # seconds for (N_context, N_batched)
+    predict_draft: Callable[[int, int], float]
+    prefill_tokens: int = 0  # prompt tokens riding in the same target forward
+
+
+@dataclass(frozen=True)
+class SelectionContext:
+    budget: int  # tokens one verification may carry, roots included
+    depth: int
+    now_s: float
+    t_iter_s: float  # predicted duration of this iteration
+
+
+@dataclass(frozen=True)
+class SelectionRecord:
+    """One iteration's selection, for whoever measures it (the bench compares it with Algorithm 1)."""
+
+    candidates: list[TokenTree]  # the draft's candidate tree per decoding request
+    requirements: list[float]  # A(r) per request, as ``requirement`` computes it for this iteration
+    selected: list[list[int]]  # the policy's choice: node indices per request
+    ctx: SelectionContext
+
+
+class Policy(Protocol):
+    name: str
+
+    @property
+    def max_shape(self) -> TreeShape | None:
+        """The largest tree this policy can build (sizes KV reservations); None if it never speculates."""
+
+    def tree_shape(self, view: BatchView) -> TreeShape | None: ...
+
+    def select(self, cands: list[TokenTree], needs: list[float], ctx: SelectionContext) -> list[list[int]]: ...
+
+    def observe(self, accepted: int, proposed: int) -> None:
+        """Feedback after verification: draft tokens accepted out of those proposed."""
+
+    def observe_paths(self, accepted: int, rejections: int) -> None:
+        """Feedback after verification: tokens accepted, and requests whose path stopped at a rejection."""
+
+
+def _everything(cands: list[TokenTree]) -> list[list[int]]:
+    return [list(range(c.size)) for c in cands]
+
+
+class _NoFeedback:
+    def observe(self, accepted: int, proposed: int) -> None:
+        return None
+
+    def observe_paths(self, accepted: int, rejections: int) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class Incremental(_NoFeedback):
+    name: str = "incremental"
+
+    @property
+    def max_shape(self) -> TreeShape | None:
+        return None
+
+    def tree_shape(self, view: BatchView) -> TreeShape | None:
+        return None
+
+    def select(self, cands: list[TokenTree], needs: list[float], ctx: SelectionContext) -> list[list[int]]:
+        return [[0] for _ in cands]
+
+
+@dataclass(frozen=True)
+class Chain(_NoFeedback):
+    k: int = 4
+    name: str = "chain"
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError("chain:K needs K >= 1")
+
+    @property
+    def max_shape(self) -> TreeShape | None:
+        return TreeShape(self.k, 1)
+
+    def tree_shape(self, view: BatchView) -> TreeShape | None:
+        return TreeShape(self.k, 1)
+
+    def select(self, cands: list[TokenTree], needs: list[float], ctx: SelectionContext) -> list[list[int]]:
+        return _everything(cands)
+
+
+@dataclass(frozen=True)
+class SpecInfer(_NoFeedback):
+    expansion: tuple[int, ...] = SPECINFER_EXPANSION
+    name: str = "specinfer"
+
+    @property
+    def max_shape(self) -> TreeShape | None:
+        return TreeShape(len(self.expansion), expansion=self.expansion)
+
+    def tree_shape(self, view: BatchView) -> TreeShape | None:
+        return self.max_shape
+
+    def select(self, cands: list[TokenTree], needs: list[float], ctx: SelectionContext) -> list[list[int]]:
+        return _everything(cands)
+
+
+@dataclass
+class SmartSpec:
+    max_k: int = 8
+    acceptance: AcceptanceAverage = field(default_factory=AcceptanceAverage)
+    name: str = "smartspec"
+
+    @property
+    def max_shape(self) -> TreeShape | None:
+        return TreeShape(self.max_k, 1)
+
+    def tree_shape(self, view: BatchView) -> TreeShape | None:
+        k = best_length(n=max(1, view.n_active), n_context=view.n_context, alpha=self.acceptance.alpha,
+                        max_k=self.max_k, t_target=view.predict_target, t_draft=view.predict_draft)
+        return TreeShape(k, 1) if k > 0 else None
+
+    def select(self, cands: list[TokenTree], needs: list[float], ctx: SelectionContext) -> list[list[int]]:
+        return _everything(cands)
+
+    def observe(self, accepted: int, proposed: int) -> None:
+        self.acceptance.observe(accepted, proposed)
+
+    def observe_paths(self, accepted: int, rejections: int) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class _Adaptive(_NoFeedback):
+    """Shared by the budgeted tree policies: width from Eq. 9; depth by predicted goodput (or Eq. 8)."""
+
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    paths: PathAcceptance = field(default_factory=PathAcceptance)  # mutable state in a frozen policy
+
+    @property
+    def max_shape(self) -> TreeShape | None:
+        return TreeShape(self.adaptive.d_max, self.adaptive.w_max)
+
+    def tree_shape(self, view: BatchView) -> TreeShape | None:
+        cfg = replace(self.adaptive, b1=view.budget)
+        d, w = depth_width(view.n_active, cfg)
+        if cfg.depth_rule == "goodput" and d > 0:
+            d = goodput_depth(max(view.n_active, 1), w, alpha=self.paths.alpha, d_min=cfg.d_min, d_max=cfg.d_max,
+                              n_context=view.n_context, extra_tokens=view.prefill_tokens,
+                              t_target=view.predict_target, t_draft=view.predict_draft)
+        return TreeShape(d, w) if d > 0 else None
+
+    def observe_paths(self, accepted: int, rejections: int) -> None:
+        self.paths.observe(accepted, rejections)
+
+
+@dataclass(frozen=True)
+class AdaServe(_Adaptive):
+    n_max: int = 16  # per-request cap in the SLO phase, root included
+    name: str = "adaserve"
+
+    def select(self, cands: list[TokenTree], needs: list[float], ctx: SelectionContext) -> list[list[int]]:
+        return select_adaserve(cands, needs, budget=ctx.budget, depth=ctx.depth, n_max=self.n_max)
+
+
+@dataclass(frozen=True)
+class EqualGreedy(_Adaptive):
+    name: str = "equal-greedy"
+
+    def select(self, cands: list[TokenTree], needs: list[float], ctx: SelectionContext) -> list[list[int]]:
+        return select_equal_greedy(cands, budget=ctx.budget)
+
+
+@dataclass(frozen=True)
+class GlobalGreedy(_Adaptive):
+    name: str = "global-greedy"
+
+    def select(self, cands: list[TokenTree], needs: list[float], ctx: SelectionContext) -> list[list[int]]:
+        return select_global_greedy(cands, budget=ctx.budget)
+
+
+@dataclass(frozen=True)
+class FixedBeam(_NoFeedback):
+    depth: int = 4
+    width: int = 2
+    name: str = "beam"
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.width < 1:
+            raise ValueError("beam:D,W needs D >= 1 and W >= 1")
+
+    @property
+    def max_shape(self) -> TreeShape | None:
+        return TreeShape(self.depth, self.width)
+
+    def tree_shape(self, view: BatchView) -> TreeShape | None:
+        return self.max_shape
+
+    def select(self, cands: list[TokenTree], needs: list[float], ctx: SelectionContext) -> list[list[int]]:
+        return select_global_greedy(cands, budget=ctx.budget)
+
+
+def is_budgeted(policy: Policy) -> bool:
+    """Whether the policy chooses within the budget B (the others verify their whole candidate trees)."""
+    return isinstance(policy, _Adaptive | FixedBeam)
+
+
+POLICY_NAMES = ("adaserve", "incremental", "chain:K", "specinfer", "smartspec", "equal-greedy", "global-greedy",
+                "beam:D,W")
+# Spin (docs/architecture.md §14): chain speculation, each request's draft chosen by a selector
+POLICY_ALIASES = {"spin": "chain:4@ucb", "spin-eps": "chain:4@eps", "spin-length": "chain:4@length"}
+DEFAULT_SELECTOR = "ucb"
+
+
+def split_policy(spec: str) -> tuple[str, str | None]:
+    """(tree policy, draft selector or None) of ``POLICY[@SELECTOR]``, Spin's aliases expanded."""
+    head, _, selector = spec.partition("@")
+    if head in POLICY_ALIASES:
+        head, _, own = POLICY_ALIASES[head].partition("@")
+        selector = selector or own
+    return head, selector or None
+
+
+class PolicyKnobs(Protocol):
+    """What :func:`make_policy` reads of its configuration: ``engine.config.EngineConfig`` is one."""
+
+    @property
+    def adaptive(self) -> AdaptiveConfig: ...
+
+    @property
+    def n_max(self) -> int: ...
+
+    @property
+    def smartspec_max_k(self) -> int: ...
+
+
+def make_policy(spec: str, cfg: PolicyKnobs | None = None) -> Policy:
+    """A policy from its name (see the table above), with its knobs from ``cfg`` (each policy's own defaults
+    without one); a ``@SELECTOR`` suffix is checked here and used by the engine (it only matters with
+    several drafts)."""
+    spec, selector = split_policy(spec)
+    if selector is not None and not check_selector(selector):
+        raise ValueError(f"bad draft selector {selector!r} in policy; expected ucb, eps, length or dN")
+    name, _, arg = spec.partition(":")
+    try:
+        if name == "chain" and arg:
+            return Chain(k=int(arg))
+        if name == "beam":
+            if not arg:
+                return FixedBeam()
+            d, w = (int(x) for x in arg.split(","))
+            return FixedBeam(depth=d, width=w)
+        if arg:
+            raise ValueError
+    except ValueError as e:
+        detail = f": {e}" if str(e) else ""
+        raise ValueError(f"bad policy {spec!r}{detail}; expected one of {', '.join(POLICY_NAMES)}, "
+                         f"{', '.join(POLICY_ALIASES)}") from None
+    simple: dict[str, Callable[[], Policy]] = {
+        "adaserve": lambda: AdaServe(adaptive=cfg.adaptive, n_max=cfg.n_max) if cfg else AdaServe(),
+        "incremental": Incremental,
+        "specinfer": SpecInfer,
+        "smartspec": lambda: SmartSpec(max_k=cfg.smartspec_max_k) if cfg else SmartSpec(),
+        "equal-greedy": lambda: EqualGreedy(adaptive=cfg.adaptive) if cfg else EqualGreedy(),
+        "global-greedy": lambda: GlobalGreedy(adaptive=cfg.adaptive) if cfg else GlobalGreedy(),
+    }
+    if name not in simple:
+        raise ValueError(f"unknown policy {spec!r}; available: {', '.join(POLICY_NAMES)}, {', '.join(POLICY_ALIASES)}")
+    return simple[name]()
+
+
+def check_selector(name: str) -> bool:
+    """Whether ``name`` is a draft selector (draft_bandit.make_selector checks N against the drafts)."""
+    return name in ("ucb", "eps", "length") or (name.startswith("d") and name[1:].isdigit())

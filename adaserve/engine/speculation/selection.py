@@ -1,0 +1,177 @@
+"""Token selection: which candidate nodes each request sends to verification (AdaServe section 4.3).
+
+The draft's beam search gives every request a candidate tree whose node ``v`` carries log f(v), the draft's
+path probability. Selection is pure CPU work over those numbers. It returns, per request, the sorted node
+indices to keep (always 0, closed under parents), ready for ``cand.subtree(selected)``.
+
+The budgeted policies (docs/architecture.md §5-6): ``select_adaserve`` (Algorithm 2),
+``select_global_greedy`` and ``select_equal_greedy``. The policies without a budget (chain:K, SpecInfer,
+SmartSpec) verify the whole candidate tree; SpecInfer's static shape comes from the beam search itself.
+How far Algorithm 2 lands from the optimum on the same candidates is measured against Algorithm 1
+(optimal_trees.py) by the benchmark (bench/selection_gap.py).
+
+Why greedy-by-f keeps trees connected (Appendix B): f(child) < f(parent), so a parent always ranks above
+its child. We make the decrease strict (``TokenTree.with_strict_decrease``) and break the remaining ties
+between unrelated nodes by node index; since ``parents[i] < i`` that tie-break also ranks parents first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from adaserve.engine.model.tree import TokenTree
+
+# SpecInfer's default static tree: a node at depth i keeps its top SPECINFER_EXPANSION[i] children
+# (speculate.beam_search builds it).
+SPECINFER_EXPANSION: tuple[int, ...] = (1, 1, 3, 1, 1, 1, 1, 1)
+
+
+def slo_requirement(*, elapsed_s: float, tokens_so_far: int, t_iter_s: float, tpot_slo_s: float) -> float:
+    """A(r) = (l_r + t_iter) / tpot_r - o_r: tokens r must emit this iteration to be on its TPOT SLO.
+
+    It counts every emitted token, the target's bonus token included (Eq. 2: o_r + acc(T_r) is the token
+    count after the iteration, and acc(T) = sum_{v in T} f(v) with f(root) = 1). Negative when r is ahead.
+    """
+    if tpot_slo_s <= 0:
+        raise ValueError(f"tpot_slo_s must be > 0, got {tpot_slo_s}")
+    if elapsed_s < 0 or t_iter_s < 0:
+        raise ValueError("elapsed_s and t_iter_s must be >= 0")
+    if tokens_so_far < 0:
+        raise ValueError(f"tokens_so_far must be >= 0, got {tokens_so_far}")
+    return (elapsed_s + t_iter_s) / tpot_slo_s - tokens_so_far
+
+
+# ---- helpers ------------------------------------------------------------------------------------------
+def _strict_log_probs(cand: TokenTree) -> np.ndarray:
+    """log f with f(child) < f(parent); ties (e.g. a draft probability of exactly 1) are nudged."""
+    lp = cand.log_probs
+    if cand.size > 1 and not np.all(lp[1:] < lp[cand.parents[1:]]):
+        lp = cand.with_strict_decrease().log_probs
+    return lp
+
+
+def _rank(lp: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+    """``nodes`` sorted by descending f, ties by index (parents first: parents[i] < i)."""
+    return nodes[np.lexsort((nodes, -lp[nodes]))]
+
+
+def _as_lists(chosen: Sequence[np.ndarray]) -> list[list[int]]:
+    return [sorted(int(i) for i in c) for c in chosen]
+
+
+def _check_roots_fit(n: int, budget: int) -> None:
+    # The engine sizes the batch so every root fits; a root cannot be dropped (it is the request's
+    # last token, its KV is written by this very verification), so too small a budget is a caller bug.
+    if budget < n:
+        raise ValueError(f"budget {budget} cannot hold the roots of {n} requests")
+
+
+def _slo_phase(lps: Sequence[np.ndarray], req: np.ndarray, *, budget: int, depth: int,
+               n_max: int) -> list[np.ndarray]:
+    """Algorithm 2 lines 3-17. Returns the chosen node indices per request (root first)."""
+    n = len(lps)
+    chosen = [np.zeros(1, np.int64) for _ in range(n)]
+    left = budget - n  # every root costs 1
+    a_cap = np.minimum(req, depth + 1)  # A_cap(r) = min(A(r), d+1): at most d drafted + 1 bonus
+    for i in np.argsort(-req, kind="stable"):  # largest A(r) first; ties keep batch order
+        order = _rank(lps[i], np.arange(1, len(lps[i])))
+        # n_acc after taking k nodes: 1.0 (root) + f(v_1) + ... + f(v_k), summed in pick order
+        n_acc = np.cumsum(np.concatenate(([1.0], np.exp(lps[i][order]))))
+        need = int(np.searchsorted(n_acc, a_cap[i], side="left"))  # least k with n_acc[k] >= A_cap
+        k = max(0, min(need, n_max - 1, len(order), left))  # |T| <= n_max, budget never exceeded
+        chosen[i] = np.concatenate(([0], order[:k]))
+        left -= k
+    return chosen
+
+
+def _throughput_phase(lps: Sequence[np.ndarray], chosen: Sequence[np.ndarray], *,
+                      budget: int) -> list[np.ndarray]:
+    """Algorithm 2 lines 18-23: spend what is left of ``budget`` on the globally highest-f nodes.
+
+    Works from any connected start: a remaining node's parent is chosen already or remains with a
+    strictly higher f, so it is taken first.
+    """
+    left = budget - sum(len(c) for c in chosen)
+    if left <= 0 or not chosen:
+        return list(chosen)
+    lp_all, req_all, idx_all = [], [], []
+    for i, (lp, c) in enumerate(zip(lps, chosen, strict=True)):
+        rest = np.setdiff1d(np.arange(len(lp)), c)
+        lp_all.append(lp[rest])
+        req_all.append(np.full(len(rest), i))
+        idx_all.append(rest)
+    lp_cat, req_cat, idx_cat = (np.concatenate(x) for x in (lp_all, req_all, idx_all))
+    top = np.lexsort((idx_cat, req_cat, -lp_cat))[:left]  # one global heap, as a sort
+    return [np.concatenate((c, idx_cat[top][req_cat[top] == i])) for i, c in enumerate(chosen)]
+
+
+# ---- policies -----------------------------------------------------------------------------------------
+def select_adaserve(cands: Sequence[TokenTree], requirements: Sequence[float], *, budget: int, depth: int,
+                    n_max: int) -> list[list[int]]:
+    """SLO-customized selection (Algorithm 2): an SLO phase, then a throughput phase.
+
+    Every root costs 1 and counts f = 1.0. Requests in descending A(r) take their own highest-f nodes
+    until n_acc = sum_{v in T} f(v) >= A_cap(r) = min(A(r), d+1), or |T| = n_max, or the budget is gone;
+    then the rest of the budget goes to the highest-f remaining nodes across all requests.
+
+    Departures from the pseudocode: the loops there run while ``B >= 0``, which overspends by one; here
+    the total never exceeds ``budget``. ``budget < len(cands)`` raises ValueError (roots must fit).
+
+    Figure 5 convention. Its caption meets A_cap(r0) = 0.6 with one node of f = 0.7, which under
+    Algorithm 2 (n_acc starts at 1.0 for the root) would be met by the root alone. We keep Algorithm 2:
+    A(r) counts the bonus token, as Eq. 2-5 do (acc(T) = sum f(v) over T, root included) and as the cap
+    d+1 (d drafted tokens + 1 bonus) requires. The figure's 0.6 and 0.8 are then tokens to accept beyond
+    the bonus, i.e. A(r) - 1: Figure 5 is reproduced by A(r0) = 1.6, A(r1) = 1.8
+    (tests/engine/speculation/test_selection.py::test_figure5_worked_example).
+    """
+    _, total = adaserve_phases(cands, requirements, budget=budget, depth=depth, n_max=n_max)
+    return _as_lists(total)
+
+
+def adaserve_phases(cands: Sequence[TokenTree], requirements: Sequence[float], *, budget: int, depth: int,
+                    n_max: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Algorithm 2's two phases apart: the nodes after the SLO phase and after the throughput phase, per
+    request (unsorted). The bench counts how many nodes each phase assigned."""
+    req = _validated(cands, requirements, budget=budget, depth=depth, n_max=n_max)
+    lps = [_strict_log_probs(c) for c in cands]
+    slo = _slo_phase(lps, req, budget=budget, depth=depth, n_max=n_max)
+    return slo, _throughput_phase(lps, slo, budget=budget)
+
+
+def select_global_greedy(cands: Sequence[TokenTree], *, budget: int) -> list[list[int]]:
+    """GlobalGreedy: roots, then the globally highest-f nodes until the budget is spent (no SLO phase)."""
+    _check_roots_fit(len(cands), budget)
+    lps = [_strict_log_probs(c) for c in cands]
+    roots = [np.zeros(1, np.int64) for _ in cands]
+    return _as_lists(_throughput_phase(lps, roots, budget=budget))
+
+
+def select_equal_greedy(cands: Sequence[TokenTree], *, budget: int) -> list[list[int]]:
+    """EqualGreedy: request i gets B // n tokens (the first B % n requests one more), root included, and
+    fills them with its own highest-f nodes. A share larger than the candidate tree is not passed on."""
+    n = len(cands)
+    _check_roots_fit(n, budget)
+    out = []
+    for i, c in enumerate(cands):
+        share = budget // n + (1 if i < budget % n else 0)
+        order = _rank(_strict_log_probs(c), np.arange(1, c.size))
+        out.append(np.concatenate(([0], order[: share - 1])))
+    return _as_lists(out)
+
+
+def _validated(cands: Sequence[TokenTree], requirements: Sequence[float], *, budget: int, depth: int,
+               n_max: int) -> np.ndarray:
+    """Check select_adaserve's arguments; return A(r) as an array."""
+    if depth < 0:
+        raise ValueError(f"depth must be >= 0, got {depth}")
+    if n_max < 1:
+        raise ValueError(f"n_max must be >= 1, got {n_max}")
+    _check_roots_fit(len(cands), budget)
+    req = np.asarray(requirements, np.float64).reshape(-1)
+    if len(req) != len(cands):
+        raise ValueError(f"{len(cands)} candidate trees but {len(req)} requirements")
+    if np.any(np.isnan(req)):
+        raise ValueError("NaN SLO requirement")
+    return req

@@ -1,0 +1,135 @@
+"""Verification: walk a request's token tree against the target's logits (docs/architecture.md §7).
+
+At the current node draw y from the target (argmax when greedy); if y is a child's token, accept that
+child and continue from it; otherwise y is the bonus token and the walk stops. Every emitted token is
+thus a draw from the target's own distribution at its context, whatever the tree holds: the tree
+(built deterministically by beam search) only decides how many draws one forward can confirm. This
+is lossless for greedy and sampling alike.
+
+An emitted stop token (EOS or a stop id) ends the request at once: no bonus after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from adaserve.engine.model.tree import TokenTree
+from adaserve.engine.speculation.sampling import SamplingParams, draw_rows, processed_probs
+
+
+@dataclass(frozen=True)
+class WalkResult:
+    tokens: list[int]  # emitted tokens: accepted draft tokens, then (unless stopped) the bonus
+    accepted_nodes: list[int]  # tree indices of accepted nodes, root first: [0, a_1, ..., a_k]
+
+    @property
+    def num_accepted(self) -> int:
+        """Draft tokens confirmed by the target (the bonus is not counted)."""
+        return len(self.accepted_nodes) - 1
+
+
+@dataclass(frozen=True)
+class WalkInput:
+    """One request's verification: its tree, the target's logits at every node, and how to draw."""
+
+    tree: TokenTree
+    logits: torch.Tensor  # [M, V]
+    params: SamplingParams
+    generator: torch.Generator
+    stop_ids: frozenset[int]
+    budget: int  # tokens still allowed
+
+
+def walk_trees(inputs: list[WalkInput]) -> list[WalkResult]:
+    """Every request's walk; the draws are batched, the walks are host work over them.
+
+    The token the walk would draw at node v is computed for every node up front (``draw_at_nodes``):
+    greedy requests by argmax (per request, with no sync between them) and one copy to the host, sampled
+    requests in one call per sampling setting. The walk visits at most one node per depth and emits one
+    token per node visited, so the draw at a node of depth d uses the request's d-th uniform, exactly as
+    sequential decoding draws it.
+    """
+    drawn, uniforms_before = draw_at_nodes(inputs)
+    out = []
+    for x, y, state in zip(inputs, drawn, uniforms_before, strict=True):
+        res = walk(x.tree, y, stop_ids=x.stop_ids, budget=x.budget)
+        if state is not None:  # consume exactly one uniform per emitted token, as plain decoding does
+            x.generator.set_state(state)
+            torch.rand(len(res.tokens), generator=x.generator, dtype=torch.float64)
+        out.append(res)
+    return out
+
+
+def walk_tree(tree: TokenTree, logits: torch.Tensor, params: SamplingParams, *, generator: torch.Generator,
+              stop_ids: frozenset[int], budget: int) -> WalkResult:
+    """logits [M, V]: the target's logits at every tree node. ``budget``: tokens still allowed."""
+    return walk_trees([WalkInput(tree, logits, params, generator, stop_ids, budget)])[0]
+
+
+def walk(tree: TokenTree, drawn: list[int], *, stop_ids: frozenset[int], budget: int) -> WalkResult:
+    """The walk from the root, given the token drawn at every node (pure host work)."""
+    children = tree.children()
+    tokens: list[int] = []
+    path = [0]
+    node = 0
+    while len(tokens) < budget:
+        y = drawn[node]
+        tokens.append(y)
+        if y in stop_ids:
+            break  # a stop token ends the walk (the engine's finish check sees it)
+        nxt = next((c for c in children[node] if tree.tokens[c] == y), None)
+        if nxt is None:
+            break  # y is the bonus token
+        path.append(nxt)
+        node = nxt
+    return WalkResult(tokens, path)
+
+
+def draw_at_nodes(inputs: list[WalkInput]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    """Per request, the token drawn at each node, and (sampled requests) its generator state before.
+
+    Greedy: argmax. Sampled: node v of depth d takes the request's uniform u_d (drawn here, d = 0 ..
+    max depth; ``walk_trees`` rewinds the generator and consumes only the ones the walk used) and
+    returns the inverse-CDF draw of u_d from the processed distribution at v (``sampling.draw_rows``).
+    """
+    drawn: list[list[int]] = [[] for _ in inputs]
+    states: list[torch.Tensor | None] = [None] * len(inputs)
+    greedy = [i for i, x in enumerate(inputs) if x.params.greedy]
+    if greedy:
+        # per request an argmax queued without a sync (no copy of the logits), one copy to the host
+        ys = torch.cat([inputs[i].logits.argmax(-1) for i in greedy]).tolist()
+        at = 0
+        for i in greedy:
+            m = inputs[i].tree.size
+            drawn[i], at = ys[at : at + m], at + m
+    by_setting: dict[tuple[float, int, float], list[int]] = {}
+    for i, x in enumerate(inputs):
+        if not x.params.greedy:
+            by_setting.setdefault((x.params.temperature, x.params.top_k, x.params.top_p), []).append(i)
+    for members in by_setting.values():
+        us = []
+        for i in members:
+            x = inputs[i]
+            depth = x.tree.depths()
+            states[i] = x.generator.get_state()
+            u = torch.rand(int(depth.max()) + 1, generator=x.generator, dtype=torch.float64)
+            us.append(u[torch.tensor(depth)])  # the uniform each node would use
+        probs = processed_probs(torch.cat([inputs[i].logits for i in members]), inputs[members[0]].params)
+        ys = draw_rows(probs, torch.cat(us).to(probs.device)).tolist()
+        at = 0
+        for i in members:
+            m = inputs[i].tree.size
+            drawn[i], at = ys[at : at + m], at + m
+    return drawn, states
+
+
+def commit_moves(accepted_nodes: list[int], prefix_len: int) -> tuple[list[int], list[int]]:
+    """KV compaction for an accepted path: copy token index ``L + a_j`` to ``L + j`` (ascending j).
+
+    Since a_j >= j and a_j increases with j, no source is overwritten before it is read.
+    """
+    src = [prefix_len + a for a in accepted_nodes]
+    dst = [prefix_len + j for j in range(len(accepted_nodes))]
+    return src, dst

@@ -1,0 +1,164 @@
+"""Fitting the forward-cost model (adaserve.engine.cost.cost_model): recovery, constraints, validation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adaserve.engine.cost.cost_model import CostModel, FitReport, fit_cost_model
+
+ALPHA, GAMMA, DELTA = 2.0e-7, 3.0e-5, 8.0e-3  # s/context token, s/batched token, s
+
+
+def synth_samples(rng: np.random.Generator, n: int, sigma: float) -> list[tuple[int, int, float]]:
+    out = []
+    for _ in range(n):
+        c = int(rng.integers(0, 200_000))
+        b = int(rng.integers(1, 1025))
+        out.append((c, b, (ALPHA * c + GAMMA * b + DELTA) * float(rng.lognormal(0.0, sigma))))
+    return out
+
+
+def test_cost_model_exact_recovery_without_noise():
+    model, rep = fit_cost_model(synth_samples(np.random.default_rng(1), 20, 0.0))
+    assert model.alpha == pytest.approx(ALPHA, rel=1e-9)
+    assert model.gamma == pytest.approx(GAMMA, rel=1e-9)
+    assert model.delta == pytest.approx(DELTA, rel=1e-9)
+    assert rep.max_rel_error < 1e-9 and rep.r2 == pytest.approx(1.0)
+    assert rep.n_samples == 20
+
+
+@given(seed=st.integers(0, 2**32 - 1), weighting=st.sampled_from(["relative", "absolute"]))
+@settings(deadline=None, max_examples=25)
+def test_cost_model_recovers_coefficients_from_noisy_samples(seed, weighting):
+    samples = synth_samples(np.random.default_rng(seed), 200, 0.02)
+    model, rep = fit_cost_model(samples, weighting=weighting)
+    assert model.alpha == pytest.approx(ALPHA, rel=0.10)
+    assert model.gamma == pytest.approx(GAMMA, rel=0.10)
+    assert model.delta == pytest.approx(DELTA, rel=0.10)
+    assert rep.mean_rel_error < 0.03
+    assert rep.max_rel_error < 0.15
+    assert rep.r2 > 0.95
+
+
+def test_cost_model_coefficients_clamped_non_negative():
+    # Data whose unconstrained LS slope in n_context is negative: NNLS pins alpha to 0.
+    rng = np.random.default_rng(3)
+    samples = [(int(c), int(b), 0.01 - 1e-9 * c + 1e-5 * b) for c, b in
+               zip(rng.integers(0, 100_000, 40), rng.integers(1, 512, 40), strict=True)]
+    model, _ = fit_cost_model(samples, weighting="absolute")
+    assert model.alpha == 0.0
+    assert model.gamma > 0 and model.delta > 0
+
+
+@given(seed=st.integers(0, 2**32 - 1))
+@settings(deadline=None, max_examples=25)
+def test_cost_model_matches_scipy_nnls(seed):
+    nnls = pytest.importorskip("scipy.optimize").nnls
+    rng = np.random.default_rng(seed)
+    c, b = rng.integers(0, 50_000, 15), rng.integers(1, 512, 15)
+    y = np.abs(rng.normal(0.0, 1.0, 3)) @ np.stack([c / 5e4, b / 512, np.ones(15)]) * 0.01
+    y = y + rng.normal(0.0, 0.004, 15)
+    y = np.abs(y) + 1e-4  # arbitrary positive targets, some trending downwards
+    samples = [(int(ci), int(bi), float(yi)) for ci, bi, yi in zip(c, b, y, strict=True)]
+    model, _ = fit_cost_model(samples, weighting="absolute")
+    design = np.column_stack([c / 5e4, b / 512, np.ones(15)])
+    ref, ref_res = nnls(design, y)
+    ours = np.array([model.alpha * 5e4, model.gamma * 512, model.delta])
+    ours_res = float(np.linalg.norm(design @ ours - y))
+    assert ours_res <= ref_res * (1 + 1e-7) + 1e-12
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "samples",
+    [
+        [(0, 1, 1.0), (1, 2, 1.0)],  # too few
+        [(100, b, 0.01 + b * 1e-5) for b in range(1, 10)],  # constant context: alpha vs delta unidentifiable
+        [(c, 8, 0.01 + c * 1e-7) for c in range(0, 10_000, 1000)],  # constant batch
+        [(c, 2 * c + 1, 0.01) for c in range(10)],  # collinear
+        [(0, 1, 1.0), (1, 2, 1.0), (2, 5, -1.0)],  # negative time
+        [(0, 1, 1.0), (1, 2, 1.0), (2, 5, math.nan)],
+        [(0, 1, 1.0), (1, 2, 1.0), (-2, 5, 1.0)],
+        [(0, 1, 1.0), (1, 2, 1.0), (2.5, 5, 1.0)],
+        [(0, 1, 1.0), (1, 2, 1.0), (2, 5)],
+    ],
+)
+def test_fit_cost_model_rejects(samples):
+    with pytest.raises(ValueError):
+        fit_cost_model(samples)
+
+
+def test_fit_cost_model_rejects_bad_weighting():
+    with pytest.raises(ValueError):
+        fit_cost_model(synth_samples(np.random.default_rng(0), 10, 0.0), weighting="l1")  # type: ignore[arg-type]
+
+
+def test_cost_model_predict_and_dict_round_trip():
+    m = CostModel(alpha=ALPHA, gamma=GAMMA, delta=DELTA)
+    assert m.predict(10_000, 64) == pytest.approx(ALPHA * 10_000 + GAMMA * 64 + DELTA)
+    assert m.predict(0, 0) == DELTA
+    assert CostModel.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    with pytest.raises(ValueError):
+        m.predict(-1, 3)
+    with pytest.raises(ValueError):
+        CostModel.from_dict({"alpha": 1.0, "gamma": 1.0})
+    with pytest.raises(ValueError):
+        CostModel.from_dict({"alpha": -1.0, "gamma": 1.0, "delta": 0.0})
+    with pytest.raises(ValueError):
+        CostModel.from_dict({"alpha": "1", "gamma": 1.0, "delta": 0.0})
+    with pytest.raises(ValueError):
+        CostModel(alpha=math.nan, gamma=0.0, delta=0.0)
+    rep = FitReport(n_samples=3, mean_rel_error=0.01, max_rel_error=0.02, r2=0.99)
+    assert json.loads(json.dumps(rep.to_dict())) == rep.to_dict()
+
+
+# ---- bent at the knee: a roofline, flat while weights dominate, then linear in compute ----------------
+
+KNEE, ABOVE = 128, 2.0e-4  # tokens; extra s per batched token past the knee
+
+
+def roofline_samples() -> list[tuple[int, int, float]]:
+    sizes = [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+    return [(min(b, 8) * c, b, ALPHA * min(b, 8) * c + GAMMA * b + DELTA + ABOVE * max(0, b - KNEE))
+            for c in (128, 512, 2048) for b in sizes]
+
+
+def test_a_hinge_at_the_knee_recovers_a_roofline_exactly():
+    model, rep = fit_cost_model(roofline_samples(), knee=KNEE)
+    assert (model.knee, model.gamma_above) == (KNEE, pytest.approx(ABOVE, rel=1e-6))
+    assert (model.alpha, model.gamma, model.delta) == (pytest.approx(ALPHA, rel=1e-6), pytest.approx(GAMMA, rel=1e-6),
+                                                       pytest.approx(DELTA, rel=1e-6))
+    assert rep.max_rel_error < 1e-6
+
+
+def test_a_straight_line_misses_the_roofline_that_the_hinge_follows():
+    line, line_rep = fit_cost_model(roofline_samples())
+    bent, bent_rep = fit_cost_model(roofline_samples(), knee=KNEE)
+    assert line.gamma_above == 0 and line.knee == 0
+    assert line_rep.max_rel_error > 0.2 > 100 * bent_rep.max_rel_error
+    # at the knee the line over-predicts, which is what made the engine shy of the free tokens
+    assert line.predict(8 * 512, KNEE) > 1.1 * bent.predict(8 * 512, KNEE)
+
+
+def test_no_samples_past_the_knee_fit_a_straight_line():
+    below = [s for s in roofline_samples() if s[1] <= KNEE]
+    model, _ = fit_cost_model(below, knee=KNEE)
+    assert (model.gamma_above, model.knee) == (0.0, 0)
+
+
+def test_a_bent_model_scales_and_round_trips_and_a_straight_one_keeps_three_keys():
+    m = CostModel(alpha=ALPHA, gamma=GAMMA, delta=DELTA, gamma_above=ABOVE, knee=KNEE)
+    assert m.predict(0, KNEE + 10) == pytest.approx(GAMMA * (KNEE + 10) + DELTA + ABOVE * 10)
+    assert m.scaled(2.0).predict(100, 300) == pytest.approx(2.0 * m.predict(100, 300))
+    assert CostModel.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    assert set(CostModel(alpha=ALPHA, gamma=GAMMA, delta=DELTA).to_dict()) == {"alpha", "gamma", "delta"}
+    with pytest.raises(ValueError):
+        CostModel(alpha=0.0, gamma=0.0, delta=0.0, gamma_above=-1.0, knee=4)
+    with pytest.raises(ValueError):
+        CostModel(alpha=0.0, gamma=0.0, delta=0.0, knee=-1)

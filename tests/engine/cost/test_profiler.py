@@ -1,0 +1,70 @@
+"""Start-up profiling on real forwards: a table, a budget on the grid, a fitted cost model, a cache."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from adaserve.engine.cost.budget import TableCheck
+from adaserve.engine.cost.profile_cache import ProfileCache
+from adaserve.engine.cost.profiler import ProfilerConfig, model_identity, profile_models
+from adaserve.engine.speculation.adaptive import speculation_floor
+from tests.engine.helpers import runner
+
+FAST = ProfilerConfig(max_tokens=32, context=32, fit_contexts=(8, 32), repeats=2, warmup=1)
+# 0.1 ms forwards on a shared 2-core machine: this test is about real forwards and the cache, so it accepts
+# any table; test_profile_robust.py checks the check on recorded tables
+ANY_TABLE = TableCheck(max_drop=0.99, max_exponent=1e3, max_spread=1e3)
+
+
+def test_profile_then_reuse_cache(tmp_path: Path, target_dir: Path, draft_dir: Path) -> None:
+    cache = ProfileCache(tmp_path / "cache")
+    t, d = runner(target_dir), runner(draft_dir)
+    first = profile_models(t, d, target_path=target_dir, draft_path=draft_dir, cfg=FAST, cache=cache,
+                           progress=False, check=ANY_TABLE)
+    assert not first.cached and first.problems == ()
+    assert first.data["target"]["check"]["ok"] and first.data["draft"]["check"]["attempts"] == 1
+    assert all(row["spread"] >= 0 for row in first.data["target"]["table"])
+    grid = [row["n_tokens"] for row in first.data["target"]["table"]]
+    assert grid == [1, 2, 4, 8, 16, 32]
+    assert first.knee in grid and first.budget == max(first.knee, speculation_floor())
+    assert first.draft_cost is not None
+    assert all(row["latency_ms"] > 0 for row in first.data["target"]["table"])
+    assert t.cache.free_pages == t.cache.num_pages  # probing leaves the KV cache empty
+
+    again = profile_models(t, d, target_path=target_dir, draft_path=draft_dir, cfg=FAST, cache=cache,
+                           progress=False, check=ANY_TABLE)
+    assert again.cached and again.budget == first.budget and again.target_cost == first.target_cost
+    forced = profile_models(t, d, target_path=target_dir, draft_path=draft_dir, cfg=FAST, cache=cache,
+                            force=True, progress=False, check=ANY_TABLE)
+    assert not forced.cached
+
+
+def test_model_identity_changes_with_config(tmp_path: Path, target_dir: Path, draft_dir: Path) -> None:
+    assert model_identity(target_dir) != model_identity(draft_dir)
+    assert model_identity(target_dir) == model_identity(target_dir)
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_profile_cli(tmp_path: Path, target_dir: Path, as_json: bool) -> None:
+    env_cmd = [sys.executable, "-m", "adaserve", "profile", "--target", str(target_dir), "--max-tokens", "16",
+               "--context", "16", "--repeats", "2", "--plot", str(tmp_path / "roofline.png")]
+    if as_json:
+        env_cmd.append("--json")
+    res = subprocess.run(env_cmd, capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "ADASERVE_CACHE_DIR": str(tmp_path / "c")})
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "roofline.png").stat().st_size > 1000
+    if as_json:
+        data = json.loads(res.stdout)
+        assert data["target"]["budget"] in [1, 2, 4, 8, 16]
+        keys = set(data["target"]["cost_model"])
+        assert {"alpha", "gamma", "delta"} <= keys <= {"alpha", "gamma", "delta", "gamma_above", "knee"}
+        assert "mean_rel_error" in data["target"]["fit"]
+        assert data["profiling_seconds"] > 0
+    else:
+        assert "budget B =" in res.stdout

@@ -1,0 +1,137 @@
+"""The engine's forward-time predictions heal from the forwards it measures (adaserve.engine.cost.timing)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from adaserve.engine.cost.cost_model import CostModel
+from adaserve.engine.cost.profiler import summarise_timings
+from adaserve.engine.cost.timing import ForwardSplitter, OnlineCostModel, median_ratio, median_rel_error, scaled
+
+# this machine's quiet CPU forward, roughly: 6.5 ms fixed, 0.16 ms per new token, 2 us per context token
+TRUE = CostModel(alpha=2e-6, gamma=1.6e-4, delta=6.5e-3)
+
+
+def forwards(rng: np.random.Generator, count: int, *, model: CostModel = TRUE, sigma: float = 0.05,
+             stall_share: float = 0.0, fixed_shape: bool = False) -> list[tuple[int, int, float]]:
+    """Forwards as the engine times them: 1-8 requests of 50-500 context tokens, 1-10 new tokens each,
+    lognormal noise and an occasional 10x stall."""
+    out = []
+    for _ in range(count):
+        r = 4 if fixed_shape else int(rng.integers(1, 9))
+        c = 4 * 200 if fixed_shape else int(rng.integers(50, 501, r).sum())
+        b = 4 * 5 if fixed_shape else int(rng.integers(1, 11, r).sum())
+        y = model.predict(c, b) * float(rng.lognormal(0.0, sigma))
+        out.append((c, b, y * (10.0 if rng.random() < stall_share else 1.0)))
+    return out
+
+
+def feed(m: OnlineCostModel, samples: list[tuple[int, int, float]]) -> OnlineCostModel:
+    for c, b, y in samples:
+        m.observe(c, b, y)
+    return m
+
+
+def test_helpers():
+    assert scaled(TRUE, 2.0) == CostModel(2 * TRUE.alpha, 2 * TRUE.gamma, 2 * TRUE.delta)
+    samples = [(100, 4, 2 * TRUE.predict(100, 4)), (10, 1, 3 * TRUE.predict(10, 1)), (0, 8, TRUE.predict(0, 8))]
+    assert median_ratio(TRUE, samples) == pytest.approx(2.0)
+    assert median_ratio(CostModel(0.0, 0.0, 0.0), samples) is None  # nothing to compare with
+    assert median_rel_error(TRUE, samples) == pytest.approx(0.5)  # errors |p - y| / y: 1/2, 2/3, 0
+
+
+def test_agreeing_profile_is_left_alone_despite_noise_and_stalls():
+    m = feed(OnlineCostModel(TRUE, frozen=True), forwards(np.random.default_rng(0), 400, stall_share=0.2))
+    assert m.source == "initial" and m.correction == 1.0 and m.model == TRUE
+
+
+@pytest.mark.parametrize("factor", [5.0, 0.25])
+def test_profile_off_by_a_constant_factor_is_scaled(factor: float, caplog: pytest.LogCaptureFixture):
+    """A profile timed on a busier (5x) or quieter (0.25x) machine than the one serving."""
+    rng = np.random.default_rng(1)
+    with caplog.at_level(logging.WARNING, logger="adaserve.engine.cost.timing"):
+        m = feed(OnlineCostModel(scaled(TRUE, factor), frozen=True), forwards(rng, 64, stall_share=0.1))
+    assert m.source == "scaled" and m.correction == pytest.approx(1 / factor, rel=0.05)
+    assert median_rel_error(m.model, forwards(rng, 200, sigma=0.0)) < 0.05
+    assert len(caplog.records) == 1 and "scaled by" in caplog.records[0].getMessage()  # said once
+
+
+def test_no_correction_before_enough_forwards():
+    m = feed(OnlineCostModel(scaled(TRUE, 5.0), frozen=True), forwards(np.random.default_rng(2), 15))
+    assert m.source == "initial" and m.model == scaled(TRUE, 5.0)
+
+
+def test_correction_is_bounded_when_no_refit_is_possible():
+    """Every forward the same shape: the terms cannot be separated, so only the clamped scale is left."""
+    m = OnlineCostModel(scaled(TRUE, 100.0), frozen=True, max_correction=16.0)
+    feed(m, forwards(np.random.default_rng(3), 64, fixed_shape=True))
+    assert m.source == "scaled" and m.correction == pytest.approx(1 / 16)
+
+
+def test_wrong_shape_is_replaced_by_a_refit():
+    """A profile with the wrong shape (all delta, no per-token cost) cannot be fixed by a scale."""
+    flat = CostModel(0.0, 0.0, TRUE.predict(1000, 20))
+    rng = np.random.default_rng(4)
+    m = feed(OnlineCostModel(flat, frozen=True), forwards(rng, 128))
+    assert m.source == "refit"
+    assert median_rel_error(m.model, forwards(rng, 200, sigma=0.0)) < 0.1
+    assert median_rel_error(scaled(flat, median_ratio(flat, forwards(rng, 200)) or 1.0),
+                            forwards(rng, 200, sigma=0.0)) > 0.2  # what the scale alone would have left
+
+
+def test_correction_returns_to_the_profile_when_forwards_agree_again():
+    rng = np.random.default_rng(5)
+    m = feed(OnlineCostModel(TRUE, frozen=True, window=64), forwards(rng, 64, model=scaled(TRUE, 3.0)))
+    assert m.source == "scaled" and m.correction == pytest.approx(3.0, rel=0.05)
+    feed(m, forwards(rng, 64))  # the load is gone
+    assert m.source == "initial" and m.model == TRUE
+
+
+def test_busy_start_heals():
+    """The issue's bad start: the cost model fitted from the busy table, then quiet forwards."""
+    ms = [148, 828, 48, 790, 956, 93, 412, 1204, 556]
+    timings = {c: {2**i: [t / 1e3 * (0.9 if c == 64 else 1.0)] for i, t in enumerate(ms)} for c in (64, 256)}
+    busy = CostModel.from_dict(summarise_timings(timings, context=256)["cost_model"])
+    rng = np.random.default_rng(6)
+    probe = forwards(rng, 200, sigma=0.0)
+    assert median_rel_error(busy, probe) > 5.0  # predicts forwards several times too slow
+    m = feed(OnlineCostModel(busy, frozen=True), forwards(rng, 64, stall_share=0.1))
+    assert m.source in ("scaled", "refit")
+    assert median_rel_error(m.model, probe) < 0.15
+
+
+def test_unprofiled_model_refits_and_scales_its_guess():
+    rng = np.random.default_rng(7)
+    m = feed(OnlineCostModel(CostModel(0.0, 0.0, 0.02)), forwards(rng, 64))
+    assert m.source == "refit" and median_rel_error(m.model, forwards(rng, 200, sigma=0.0)) < 0.1
+    guess = feed(OnlineCostModel(CostModel(0.0, 0.0, 0.1)), forwards(rng, 64, fixed_shape=True))
+    assert guess.source == "scaled"  # no refit possible: the flat guess at least takes the right size
+    assert guess.predict(800, 20) == pytest.approx(TRUE.predict(800, 20), rel=0.05)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_unusable_timings_are_ignored(bad: float):
+    m = OnlineCostModel(TRUE, frozen=True)
+    m.observe(100, 4, bad)
+    assert len(m.samples) == 0
+
+
+def test_forward_splitter_gives_each_forward_its_own_time_and_counts():
+    """Issue 14: a beam search's first draft forward also runs the catch-up tokens. Timed alone, each
+    forward is a sample with its own counts; the span divided by the depth was not."""
+    now = [10.0]
+    split = ForwardSplitter(lambda: now[0])
+    split.start()
+    for ctx, new, secs in [(300, 40, 0.009), (340, 8, 0.002), (348, 8, 0.002)]:  # catch-up, then two beam steps
+        now[0] += secs
+        split(ctx, new)
+    now[0] += 0.0005  # host work after the last forward (the last level's expansion)
+    samples = split.finish()
+    assert [(c, b) for c, b, _ in samples] == [(300, 40), (340, 8), (348, 8)]
+    assert [y for _, _, y in samples] == pytest.approx([0.009, 0.002, 0.0025])
+    assert sum(y for _, _, y in samples) == pytest.approx(now[0] - 10.0)  # the span, nothing lost
+    split.start()  # a new search starts empty
+    assert split.finish() == []

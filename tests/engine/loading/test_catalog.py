@@ -1,0 +1,134 @@
+"""Model names, GGUF/derived-draft directories, and tied checkpoints saved under either name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from adaserve.engine.loading import catalog
+from adaserve.engine.loading.loader import load_model
+from tests.models import make_checkpoint
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("keep", ["lm_head.weight", "model.embed_tokens.weight"])
+def test_tied_checkpoint_loads_whichever_name_it_kept(tmp_path: Path, keep: str) -> None:
+    src = make_checkpoint(tmp_path / "src", tie_word_embeddings=True)
+    state = load_file(str(src / "model.safetensors"))
+    table = state.get("model.embed_tokens.weight", state.get("lm_head.weight"))
+    state = {k: v for k, v in state.items() if k not in ("lm_head.weight", "model.embed_tokens.weight")}
+    state[keep] = table
+    out = tmp_path / keep
+    out.mkdir()
+    save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text((src / "config.json").read_text())
+    model = load_model(out, device=CPU)
+    assert torch.equal(model.model.embed_tokens.weight, table)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_untied_checkpoint_without_embedding_is_refused(tmp_path: Path) -> None:
+    src = make_checkpoint(tmp_path / "src", tie_word_embeddings=False)
+    state = load_file(str(src / "model.safetensors"))
+    del state["model.embed_tokens.weight"]
+    save_file(state, str(src / "model.safetensors"))
+    with pytest.raises(ValueError, match="embed_tokens"):
+        load_model(src, device=CPU)
+
+
+def test_unknown_model_names_what_is_accepted(tmp_path: Path) -> None:
+    with pytest.raises(catalog.ModelNotFoundError, match="smollm2-135m-instruct"):
+        catalog.resolve(str(tmp_path / "nope"))
+    with pytest.raises(catalog.ModelNotFoundError, match="does not exist"):
+        catalog.resolve(str(tmp_path / "missing.gguf"))
+
+
+def test_demo_tiny_is_the_repository_pair() -> None:
+    pair = catalog.resolve(catalog.DEMO_MODEL)
+    assert pair.name == "demo"
+    assert (pair.target / "config.json").is_file() and pair.draft is not None and (pair.draft / "config.json").is_file()
+
+
+def test_directory_with_explicit_draft(target_dir: Path, draft_dir: Path) -> None:
+    pair = catalog.resolve(str(target_dir), draft=str(draft_dir))
+    assert (pair.target, pair.draft, pair.name) == (target_dir, draft_dir, target_dir.name)
+
+
+def test_derived_draft_materialises_once_as_a_plain_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """E_draft = E_target @ P: the materialised directory loads like any checkpoint, with that embedding."""
+    monkeypatch.setenv("ADASERVE_MODEL_CACHE", str(tmp_path / "cache"))
+    target = make_checkpoint(tmp_path / "target", tie_word_embeddings=True)
+    small = make_checkpoint(tmp_path / "small", tie_word_embeddings=True, hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    state = load_file(str(small / "model.safetensors"))
+    for k in ("model.embed_tokens.weight", "lm_head.weight"):
+        state.pop(k, None)
+    proj = torch.randn(64, 32)
+    state["embed_proj"] = proj
+    committed = tmp_path / "committed"
+    committed.mkdir()
+    save_file(state, str(committed / "draft.safetensors"))
+    cfg = json.loads((small / "config.json").read_text())
+    (committed / "config.json").write_text(json.dumps(cfg))
+
+    out = catalog.ensure_draft(committed, target, progress=False)
+    assert out.parent == tmp_path / "cache"
+    drafted = load_model(out, device=CPU)
+    e_target = load_model(target, device=CPU).model.embed_tokens.weight
+    expected = (e_target @ proj).to(torch.bfloat16).float()
+    assert torch.allclose(drafted.model.embed_tokens.weight, expected)
+    stamp = (out / "config.json").stat().st_mtime_ns
+    assert catalog.ensure_draft(committed, target, progress=False) == out
+    assert (out / "config.json").stat().st_mtime_ns == stamp  # reused, not rewritten
+
+
+def test_gguf_conversion_is_keyed_by_content_reused_and_never_half_published(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from adaserve.engine.loading import gguf
+
+    calls: list[Path] = []
+
+    def fake_write(src: Path, out: Path, *, progress: bool) -> None:  # stands in for transformers' dequantising
+        calls.append(out)
+        if src.read_bytes() == b"broken":
+            raise gguf.GGUFError("cannot read")
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(gguf, "write_hf_dir", fake_write)
+    cache = tmp_path / "cache"
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"weights")
+    out = gguf.ensure_converted(src, cache=cache, progress=False)
+    assert out.parent == cache and out.name.startswith("m-") and gguf.is_converted(out)
+    assert gguf.ensure_converted(src, cache=cache, progress=False) == out and len(calls) == 1  # reused
+    renamed = tmp_path / "other-name.gguf"
+    renamed.write_bytes(b"weights")
+    assert gguf.ensure_converted(renamed, cache=cache, progress=False).name.endswith(out.name[len("m"):])
+
+    (out / ".adaserve-converted").unlink()  # as if a run died before finishing
+    assert gguf.ensure_converted(src, cache=cache, progress=False) == out and len(calls) == 3
+    assert gguf.is_converted(out)
+
+    src.write_bytes(b"broken")
+    with pytest.raises(gguf.GGUFError, match="cannot read"):
+        gguf.ensure_converted(src, cache=cache, progress=False)
+    assert sorted(p.name for p in cache.iterdir() if p.name.startswith(".")) == []  # no temp left behind
+
+
+def test_publish_keeps_a_copy_another_process_finished_first(tmp_path: Path) -> None:
+    from adaserve.engine.loading.gguf import publish_dir
+
+    out = tmp_path / "m"
+
+    def theirs_then_ours(tmp: Path) -> None:
+        out.mkdir()  # another process publishes while we write
+        (out / "done").write_text("theirs")
+        (tmp / "done").write_text("ours")
+
+    assert publish_dir(out, theirs_then_ours, done="done") == out
+    assert (out / "done").read_text() == "theirs" and [p.name for p in tmp_path.iterdir()] == ["m"]

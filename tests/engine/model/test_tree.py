@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from adaserve.engine.model.tree import TokenTree
+
+
+def example() -> TokenTree:
+    #      0
+    #    1   2
+    #   3 4   5
+    return TokenTree.from_lists([10, 11, 12, 13, 14, 15], [-1, 0, 0, 1, 1, 2], np.log([1, .6, .3, .4, .1, .2]))
+
+
+def test_depths_and_ancestors() -> None:
+    t = example()
+    assert t.depths().tolist() == [0, 1, 1, 2, 2, 2]
+    anc = t.ancestor_matrix()
+    assert anc[3].tolist() == [True, True, False, True, False, False]
+    assert anc[5].tolist() == [True, False, True, False, False, True]
+    assert anc.diagonal().all()
+    assert t.children() == [[1, 2], [3, 4], [5], [], [], []]
+
+
+def test_subtree_reindexes_and_refuses_orphans() -> None:
+    t = example()
+    s = t.subtree([0, 2, 5])
+    assert s.tokens.tolist() == [10, 12, 15]
+    assert s.parents.tolist() == [-1, 0, 1]
+    with pytest.raises(ValueError, match="without its parent"):
+        t.subtree([0, 3])
+    with pytest.raises(ValueError, match="root"):
+        t.subtree([1, 3])
+
+
+@pytest.mark.parametrize("parents", [[0, 0], [-1, 1], [-1, 0, 5]])
+def test_invalid_topology_rejected(parents: list[int]) -> None:
+    with pytest.raises(ValueError):
+        TokenTree.from_lists(list(range(len(parents))), parents)
+
+
+def test_nan_log_prob_fails_loudly() -> None:
+    with pytest.raises(ValueError, match="NaN"):
+        TokenTree.from_lists([1, 2], [-1, 0], [0.0, float("nan")])
+
+
+def test_strict_decrease_nudges_ties() -> None:
+    t = TokenTree.from_lists([1, 2, 3], [-1, 0, 1], [0.0, 0.0, 0.0]).with_strict_decrease()
+    assert t.log_probs[0] > t.log_probs[1] > t.log_probs[2]
+
+
+def test_chain_and_root() -> None:
+    c = TokenTree.chain([4, 5, 6])
+    assert c.parents.tolist() == [-1, 0, 1]
+    assert c.depths().tolist() == [0, 1, 2]
+    assert TokenTree.root(9).size == 1
+
+
+def naive_depths_and_ancestors(parents: list[int]) -> tuple[list[int], np.ndarray]:
+    m = len(parents)
+    depth, anc = [0] * m, np.zeros((m, m), bool)
+    for i in range(m):
+        if i > 0:
+            depth[i] = depth[parents[i]] + 1
+            anc[i] = anc[parents[i]]
+        anc[i, i] = True
+    return depth, anc
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_vectorised_structure_equals_the_recurrence(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for size in (1, 2, 3, 7, 20, 64):
+        # deep and bushy trees alike: parents drawn near i (deep) or anywhere before i (bushy)
+        near = rng.random() < 0.5
+        parents = [-1] + [int(rng.integers(max(0, i - 2) if near else 0, i)) for i in range(1, size)]
+        lp = np.log(rng.random(size))
+        lp[0] = 0.0
+        t = TokenTree.from_lists(rng.integers(0, 50, size).tolist(), parents, lp)
+        depth, anc = naive_depths_and_ancestors(parents)
+        assert t.depths().tolist() == depth
+        assert np.array_equal(t.ancestor_matrix(), anc)
+        expected = lp.copy()
+        for i in range(1, size):
+            expected[i] = min(expected[i], expected[parents[i]] - 1e-6)
+        assert np.array_equal(t.with_strict_decrease().log_probs, expected)
+        assert t.is_chain == (parents == list(range(-1, size - 1)))
+
+
+def test_chain_structure_and_read_only_caches() -> None:
+    c = TokenTree.chain(list(range(300)))
+    assert c.is_chain and c.depths().tolist() == list(range(300))
+    assert np.array_equal(c.ancestor_matrix(), np.tri(300, dtype=bool))
+    with pytest.raises(ValueError):
+        c.depths()[0] = 5  # cached: a caller must not change it for the next one
+
+
+def test_subtree_of_random_selections_keeps_paths() -> None:
+    rng = np.random.default_rng(3)
+    t = TokenTree.from_lists(list(range(30)), [-1] + [int(rng.integers(0, i)) for i in range(1, 30)])
+    for _ in range(20):
+        leaf = int(rng.integers(0, 30))
+        keep = {0}
+        node = leaf
+        while node > 0:
+            keep.add(node)
+            node = int(t.parents[node])
+        s = t.subtree(sorted(keep, reverse=True))
+        order = sorted(keep)
+        assert s.tokens.tolist() == order  # tokens are the old indices here
+        assert [order[p] if p >= 0 else -1 for p in s.parents.tolist()] == [int(t.parents[o]) for o in order]

@@ -1,0 +1,51 @@
+"""Learnt node values: sibling ranks, acceptance counted from verified trees, calibrated path values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from adaserve.engine.model.tree import TokenTree
+from adaserve.engine.speculation.acceptance import RankAcceptance, sibling_ranks
+
+
+def tree() -> TokenTree:
+    """root -> a (q=0.6), b (q=0.3); a -> c (q=0.5), d (q=0.4)."""
+    q = {1: 0.6, 2: 0.3, 3: 0.5, 4: 0.4}
+    parents = np.array([-1, 0, 0, 1, 1])
+    lp = np.zeros(5)
+    for i in range(1, 5):
+        lp[i] = lp[parents[i]] + np.log(q[i])
+    return TokenTree(np.arange(5, dtype=np.int64), parents, lp)
+
+
+def test_sibling_ranks_order_children_by_the_drafts_conditional_probability() -> None:
+    assert sibling_ranks(tree()).tolist() == [0, 0, 1, 0, 1]
+    assert sibling_ranks(TokenTree.chain([4, 5, 6])).tolist() == [0, 0, 0]
+
+
+def test_without_data_the_value_is_the_drafts_own_path_probability() -> None:
+    t = tree()
+    cal = RankAcceptance().calibrate(t)
+    assert np.allclose(cal.log_probs, t.log_probs)
+
+
+def test_counts_make_favourite_children_worth_what_they_were_accepted() -> None:
+    acc = RankAcceptance(prior_weight=1.0, decay=1.0)
+    for _ in range(99):
+        acc.observe(tree(), [0, 1, 3])  # the favourite child accepted at every level
+    rates = acc.rates()
+    assert rates[0] == pytest.approx(1.0) and rates[1] == pytest.approx(0.0)
+    cal = np.exp(acc.calibrate(tree()).log_probs)
+    # two trials per rank per tree (under the root and under a): rank 0 (198 + q) / 199, rank 1 q / 199
+    assert cal[1] == pytest.approx((198 + 0.6) / 199) and cal[2] == pytest.approx(0.3 / 199)
+    assert cal[3] == pytest.approx(cal[1] * (198 + 0.5) / 199)
+    assert np.all(cal[1:] < cal[tree().parents[1:]])  # still strictly decreasing along paths
+
+
+def test_only_nodes_whose_parent_was_accepted_are_trials() -> None:
+    acc = RankAcceptance(decay=1.0)
+    acc.observe(tree(), [0, 2])  # b accepted: a rejected; c and d under a were never tried
+    assert acc.trials[:2].tolist() == [1.0, 1.0] and acc.hits[:2].tolist() == [0.0, 1.0]
+    acc.observe(TokenTree.root(3), [0])  # nothing drafted: nothing learnt
+    assert acc.trials.sum() == 2.0

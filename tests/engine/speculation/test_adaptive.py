@@ -1,0 +1,102 @@
+"""Eq. 8-9: speculation depth and width from the number of active requests."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adaserve.engine.speculation.adaptive import AdaptiveConfig, depth_width
+
+
+def test_defaults_low_and_high_load():
+    cfg = AdaptiveConfig()
+    assert depth_width(1, cfg) == (cfg.d_max, cfg.w_max)  # idle: deepest, widest
+    assert depth_width(0, cfg) == depth_width(1, cfg)  # nothing running: no division by zero
+    assert depth_width(10_000, cfg) == (cfg.d_min, 1)  # saturated: shallowest chain
+
+
+def test_formula_by_hand():
+    cfg = AdaptiveConfig(d_min=1, d_max=8, w_max=4, b1=128, b2=32, c1=1, c2=0)
+    # n = 16: d = floor(128 / 17) - 1 = 6, w = floor(32 / 16) + 0 = 2
+    assert depth_width(16, cfg) == (6, 2)
+    # n = 32: d = floor(128 / 33) - 1 = 2, w = 1
+    assert depth_width(32, cfg) == (2, 1)
+    # c2 widens every batch by a constant; c1 = 0 works for n = 0 too
+    assert depth_width(16, AdaptiveConfig(d_max=8, w_max=4, b2=32, c2=1)) == (6, 3)
+    assert depth_width(0, AdaptiveConfig(d_max=8, w_max=4, c1=0)) == (8, 4)
+
+
+configs = st.builds(
+    lambda d_min, extra, w_max, b1, b2, c1, c2: AdaptiveConfig(
+        d_min=d_min, d_max=d_min + extra, w_max=w_max, b1=b1, b2=b2, c1=c1, c2=c2),
+    st.integers(0, 4), st.integers(0, 8), st.integers(1, 8), st.integers(1, 1024), st.integers(1, 512),
+    st.integers(0, 8), st.integers(-2, 4),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(configs, st.integers(0, 2000))
+def test_bounds_formula_and_monotone(cfg: AdaptiveConfig, n: int):
+    d, w = depth_width(n, cfg)
+    assert cfg.d_min <= d <= cfg.d_max
+    assert 1 <= w <= cfg.w_max
+    m = max(n, 1)
+    assert d == min(max(cfg.b1 // (m + cfg.c1) - 1, cfg.d_min), cfg.d_max)
+    assert w == min(max(cfg.b2 // m + cfg.c2, 1), cfg.w_max)
+    d2, w2 = depth_width(n + 1, cfg)  # more requests never deepen or widen the trees
+    assert d2 <= d and w2 <= w
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"d_min": -1}, {"d_min": 5, "d_max": 4}, {"w_max": 0}, {"b1": 0}, {"b2": 0}, {"c1": -1},
+])
+def test_config_validates(kwargs: dict):
+    with pytest.raises(ValueError):
+        AdaptiveConfig(**kwargs)
+
+
+def test_negative_n_rejected():
+    with pytest.raises(ValueError):
+        depth_width(-1, AdaptiveConfig())
+
+
+def test_path_acceptance_is_the_geometric_mle() -> None:
+    from adaserve.engine.speculation.adaptive import PathAcceptance
+
+    p = PathAcceptance(window=2, prior=0.5)
+    assert p.alpha == 0.5  # nothing observed yet
+    p.observe(6, 2)  # 6 levels accepted, 2 paths stopped by a rejection
+    assert p.alpha == 0.75
+    p.observe(0, 0)  # no speculation: ignored
+    p.observe(2, 2)
+    p.observe(4, 0)  # the window keeps the last two
+    assert p.alpha == 6 / 8
+
+
+def test_goodput_depth_goes_deep_when_draft_steps_are_cheap_and_shallow_when_not() -> None:
+    from adaserve.engine.speculation.adaptive import goodput_depth
+
+    def target(ctx: int, k: int) -> float:
+        return 0.025 + 0.00016 * max(0, k - 134)  # a roofline: flat to the ridge, then linear
+
+    cheap = lambda ctx, k: 0.0005  # noqa: E731
+    dear = lambda ctx, k: 0.02  # noqa: E731
+    kw = {"alpha": 0.8, "d_min": 1, "d_max": 8, "n_context": 0, "extra_tokens": 0, "t_target": target}
+    assert goodput_depth(1, 2, t_draft=cheap, **kw) == 8
+    assert goodput_depth(1, 2, t_draft=dear, **kw) == 1
+    # a big batch pushes verification past the ridge: deep chains stop paying
+    assert goodput_depth(64, 2, t_draft=cheap, **kw) < goodput_depth(4, 2, t_draft=cheap, **kw)
+    # never below d_min, never above d_max
+    assert goodput_depth(1, 2, t_draft=dear, **{**kw, "d_min": 2}) == 2
+    assert goodput_depth(1, 2, t_draft=cheap, **{**kw, "d_max": 3}) == 3
+
+
+def test_bounds_follow_the_draft_to_target_cost_ratio() -> None:
+    from adaserve.engine.speculation.adaptive import bounds_for_device
+
+    cpu = bounds_for_device(AdaptiveConfig(), t_target_s=0.043, t_draft_s=0.043 / 5.6, draft_budget=16)
+    assert (cpu.d_max, cpu.w_max, cpu.b2) == (4, 2, 16)
+    gpu = bounds_for_device(AdaptiveConfig(), t_target_s=0.0243, t_draft_s=0.0018, draft_budget=128)
+    assert (gpu.d_max, gpu.w_max, gpu.b2) == (8, 4, 128)
+    assert bounds_for_device(AdaptiveConfig(), t_target_s=0.0, t_draft_s=1.0, draft_budget=1) == AdaptiveConfig()

@@ -1,0 +1,60 @@
+"""The per-iteration budget: the knee is a floor, more tokens are verified only when they pay."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from adaserve.engine.model.tree import TokenTree
+from adaserve.engine.speculation.iteration_budget import goodput_budget
+
+
+def chain(probs: list[float]) -> TokenTree:
+    """A chain whose node i has path probability probs[i-1] (the root has 1)."""
+    n = len(probs) + 1
+    lp = np.log(np.array([1.0, *probs]))
+    return TokenTree(np.arange(n, dtype=np.int64), np.arange(-1, n - 1, dtype=np.int64), lp)
+
+
+def test_never_below_the_floor() -> None:
+    cands = [chain([0.1, 0.01])] * 4
+    steep = lambda k: 0.01 * k  # noqa: E731 - every token costs as much as the whole forward
+    assert goodput_budget(cands, floor=6, t_spent_s=0.0, t_target=steep) == 6
+
+
+def test_verifies_every_candidate_when_tokens_are_nearly_free() -> None:
+    cands = [chain([0.9, 0.8, 0.7, 0.6])] * 8  # 40 nodes in all
+    flat = lambda k: 0.02 + 1e-6 * k  # noqa: E731
+    assert goodput_budget(cands, floor=16, t_spent_s=0.005, t_target=flat) == 40
+
+
+def test_stops_where_the_next_token_is_worth_less_than_it_costs() -> None:
+    # 8 requests, path probabilities 0.9 then 0.05: the likely nodes pay for themselves, the unlikely not
+    cands = [chain([0.9, 0.05])] * 8
+    linear = lambda k: 0.01 + 0.001 * k  # noqa: E731 - a token costs 10% of the fixed part
+    # E/T at k = 8 (roots): 8/0.018 = 444; k = 16: 15.2/0.026 = 585; k = 24: 15.6/0.034 = 459
+    assert goodput_budget(cands, floor=4, t_spent_s=0.0, t_target=linear) == 16
+
+
+def test_everything_under_the_floor_needs_no_choice() -> None:
+    cands = [chain([0.5])] * 3
+    assert goodput_budget(cands, floor=64, t_spent_s=0.0, t_target=lambda k: 1.0) == 64
+    assert goodput_budget([], floor=8, t_spent_s=0.0, t_target=lambda k: 1.0) == 8
+
+
+def test_the_search_finds_the_same_peak_as_trying_every_k() -> None:
+    rng = np.random.default_rng(7)
+    for trial in range(50):
+        cands = [chain(list(np.cumprod(rng.uniform(0.05, 0.99, size=int(rng.integers(1, 9))))))
+                 for _ in range(int(rng.integers(1, 30)))]
+        knee, slope, spent = int(rng.integers(1, 64)), float(rng.uniform(1e-5, 1e-3)), float(rng.uniform(0, 0.02))
+
+        def t_target(k: int, knee: int = knee, slope: float = slope) -> float:
+            return 0.02 + slope * max(0, k - knee)  # a roofline: flat to the knee, then linear
+
+        n = len(cands)
+        f = np.sort(np.concatenate([np.exp(c.log_probs[1:]) for c in cands]))[::-1]
+        expected = n + np.concatenate(([0.0], np.cumsum(f)))
+        rate = expected / np.array([spent + t_target(n + j) for j in range(len(f) + 1)])
+        brute = max(n, n + int(np.argmax(rate)))
+        got = goodput_budget(cands, floor=n, t_spent_s=spent, t_target=t_target)
+        assert rate[got - n] == rate[brute - n], trial  # the same peak (ties may pick another k)

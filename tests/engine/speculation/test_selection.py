@@ -1,0 +1,240 @@
+"""Selection policies: Figure 5, and properties over random beam-search candidate trees."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adaserve.engine.model.tree import TokenTree
+from adaserve.engine.speculation import selection
+
+FAST = settings(max_examples=60, deadline=None)
+
+
+# ---- builders -----------------------------------------------------------------------------------------
+def tree(parents: list[int], f: list[float]) -> TokenTree:
+    """A candidate tree from parents and path probabilities f (root f = 1)."""
+    return TokenTree.from_lists(list(range(len(parents))), parents, [math.log(x) for x in f])
+
+
+@st.composite
+def beam_tree(draw: st.DrawFn, max_depth: int = 4, max_width: int = 3) -> TokenTree:
+    """Like the draft's beam search: w nodes per level, each under a node of the level above, with
+    f(child) = f(parent) * q. q = 1 (a draft probability of exactly 1) makes parent/child ties."""
+    depth = draw(st.integers(0, max_depth))
+    width = draw(st.integers(1, max_width))
+    parents, lps, prev = [-1], [0.0], [0]
+    for _ in range(depth):
+        layer = []
+        for _ in range(width):
+            p = draw(st.sampled_from(prev))
+            q = draw(st.one_of(st.sampled_from([1.0, 0.5, 0.25]), st.floats(0.01, 0.99)))
+            parents.append(p)
+            lps.append(lps[p] + math.log(q))
+            layer.append(len(parents) - 1)
+        prev = layer
+    return TokenTree.from_lists(list(range(len(parents))), parents, lps)
+
+
+@st.composite
+def batch(draw: st.DrawFn) -> dict:
+    cands = draw(st.lists(beam_tree(), min_size=1, max_size=4))
+    n, total = len(cands), sum(c.size for c in cands)
+    return {
+        "cands": cands,
+        "requirements": draw(st.lists(st.floats(-1.0, 6.0), min_size=n, max_size=n)),
+        "budget": draw(st.integers(n, total + 2)),
+        "depth": draw(st.integers(0, 5)),
+        "n_max": draw(st.integers(1, 8)),
+    }
+
+
+def slo_phase(cands: list[TokenTree], requirements: list[float], *, budget: int, depth: int,
+              n_max: int) -> list[list[int]]:
+    """Algorithm 2's first phase alone: the step select_adaserve runs before spending the rest of B.
+    Private in the engine (nothing serves with it alone), so reached here through the module."""
+    req = selection._validated(cands, requirements, budget=budget, depth=depth, n_max=n_max)
+    lps = [selection._strict_log_probs(c) for c in cands]
+    return selection._as_lists(selection._slo_phase(lps, req, budget=budget, depth=depth, n_max=n_max))
+
+
+def strict_lp(c: TokenTree) -> np.ndarray:
+    """The f the selection ranks by: ties nudged only where the decrease is not strict."""
+    lp = c.log_probs
+    return lp if c.size == 1 or np.all(lp[1:] < lp[c.parents[1:]]) else c.with_strict_decrease().log_probs
+
+
+def assert_trees(cands: list[TokenTree], sel: list[list[int]]) -> None:
+    """Every selection is sorted, unique, holds its root, is closed under parents."""
+    assert len(sel) == len(cands)
+    for c, s in zip(cands, sel, strict=True):
+        assert s == sorted(set(s)) and s[0] == 0
+        assert all(0 <= v < c.size for v in s)
+        assert all(int(c.parents[v]) in s for v in s[1:])
+        assert c.subtree(s).size == len(s)  # raises if disconnected
+
+
+# ---- Figure 5 -----------------------------------------------------------------------------------------
+# Two candidate trees, d = 3, w = 2, nodes t0 (root) .. t6 in level order. f strictly decreases along paths
+# and each level holds the top-2 of plausible beam expansions.
+#   r0: t1 .7, t2 .2 | t3 .49 (t1), t4 .14 (t1) | t5 .392 (t3), t6 .07 (t4)
+#   r1: t1 .5, t2 .4 | t3 .35 (t1), t4 .24 (t2) | t5 .21 (t3),  t6 .12 (t4)
+FIG5 = [
+    tree([-1, 0, 0, 1, 1, 3, 4], [1.0, 0.7, 0.2, 0.49, 0.14, 0.392, 0.07]),
+    tree([-1, 0, 0, 1, 2, 3, 4], [1.0, 0.5, 0.4, 0.35, 0.24, 0.21, 0.12]),
+]
+
+
+def test_figure5_worked_example():
+    # The caption's A_cap 0.6 / 0.8 count tokens beyond the bonus; A(r) counts the bonus (root f = 1).
+    req = [1.0 + 0.6, 1.0 + 0.8]
+    slo = slo_phase(FIG5, req, budget=8, depth=3, n_max=8)
+    assert slo == [[0, 1], [0, 1, 2]]  # r0: t1 (1.7 >= 1.6); r1: t1, t2 (1.5 < 1.8 <= 1.9)
+    final = selection.select_adaserve(FIG5, req, budget=8, depth=3, n_max=8)
+    # remaining budget 8 - 2 roots - 3 = 3 -> t3(0) .49, t5(0) .392, t3(1) .35
+    assert final == [[0, 1, 3, 5], [0, 1, 2, 3]]
+    assert sum(map(len, final)) == 8
+    assert_trees(FIG5, final)
+
+
+def test_figure5_literal_caption_values_are_met_by_roots():
+    # Read literally under Algorithm 2 (n_acc starts at 1.0), 0.6 and 0.8 are met by the roots alone:
+    # why the caption's numbers must be A(r) - 1.
+    slo = slo_phase(FIG5, [0.6, 0.8], budget=8, depth=3, n_max=8)
+    assert slo == [[0], [0]]
+
+
+# ---- select_adaserve properties -----------------------------------------------------------------------
+@FAST
+@given(batch())
+def test_adaserve_budget_connectivity_and_phases(b: dict):
+    cands, req = b["cands"], b["requirements"]
+    kw = {"budget": b["budget"], "depth": b["depth"], "n_max": b["n_max"]}
+    slo = slo_phase(cands, req, **kw)
+    final = selection.select_adaserve(cands, req, **kw)
+    assert_trees(cands, slo)
+    assert_trees(cands, final)
+
+    # budget: never exceeded, and spent whenever there are nodes to spend it on
+    total = sum(c.size for c in cands)
+    assert sum(map(len, final)) == min(b["budget"], total)
+    assert sum(map(len, slo)) <= b["budget"]
+
+    lps = [strict_lp(c) for c in cands]
+    for c, lp, s, fin in zip(cands, lps, slo, final, strict=True):
+        assert set(s) <= set(fin)
+        assert len(s) <= max(1, b["n_max"])  # n_max caps the SLO phase
+        # the SLO phase takes the request's own top-|s| nodes by f
+        rest = [v for v in range(1, c.size) if v not in s]
+        if len(s) > 1 and rest:
+            assert lp[s[1:]].min() >= lp[rest].max()
+
+    # throughput phase: its picks rank above every node left out, across all requests
+    picked = [lp[v] for lp, s, fin in zip(lps, slo, final, strict=True) for v in set(fin) - set(s)]
+    left_out = [lp[v] for c, lp, fin in zip(cands, lps, final, strict=True)
+                for v in range(c.size) if v not in fin]
+    if picked and left_out:
+        assert min(picked) >= max(left_out)
+
+
+@FAST
+@given(batch())
+def test_adaserve_serves_larger_requirement_first(b: dict):
+    cands, req, d, n_max = b["cands"], b["requirements"], b["depth"], b["n_max"]
+    slo = slo_phase(cands, req, budget=b["budget"], depth=d, n_max=n_max)
+    tol = 1e-9
+    for j, (c, s) in enumerate(zip(cands, slo, strict=True)):
+        a_cap = min(req[j], d + 1)
+        n_acc = float(np.exp(strict_lp(c)[s]).sum())
+        if len(s) > 1:  # minimal: without its last (lowest-f) node the request fell short
+            assert n_acc - float(np.exp(strict_lp(c)[s]).min()) < a_cap + tol
+        done = n_acc >= a_cap - tol or len(s) >= n_max or len(s) == c.size
+        if not done:
+            # j stopped for lack of budget: nothing left for anyone with a smaller A(r)
+            assert sum(map(len, slo)) == b["budget"]
+            for i, si in enumerate(slo):
+                if req[i] < req[j]:
+                    assert si == [0]
+
+
+def test_adaserve_scarce_budget_prefers_larger_requirement():
+    chain = tree([-1, 0, 1, 2], [1.0, 0.9, 0.8, 0.7])
+    # budget 4 = 2 roots + 2: the request needing more takes both spare tokens
+    assert selection.select_adaserve([chain, chain], [1.5, 3.0], budget=4, depth=3, n_max=8) == [
+        [0], [0, 1, 2]]
+    assert selection.select_adaserve([chain, chain], [3.0, 1.5], budget=4, depth=3, n_max=8) == [
+        [0, 1, 2], [0]]
+
+
+def test_adaserve_caps_requirement_at_depth_and_n_max():
+    chain = tree([-1, 0, 1, 2, 3, 4], [1.0, 0.9, 0.8, 0.7, 0.6, 0.5])
+    # A = 100 is capped at d+1: d = 1 -> 2 (1.9 < 2 <= 2.7), d = 2 -> 3 (2.7 < 3 <= 3.4)
+    assert slo_phase([chain], [100.0], budget=10, depth=1, n_max=8) == [[0, 1, 2]]
+    assert slo_phase([chain], [100.0], budget=10, depth=2, n_max=8) == [[0, 1, 2, 3]]
+    assert slo_phase([chain], [100.0], budget=10, depth=5, n_max=2) == [[0, 1]]
+
+
+def test_ties_do_not_orphan_nodes():
+    # q = 1 twice: parent, child and grandchild share f; a sibling elsewhere ties too
+    t = tree([-1, 0, 1, 2, 0], [1.0, 0.5, 0.5, 0.5, 0.5])
+    for budget in range(1, 6):
+        sel = selection.select_adaserve([t], [0.0], budget=budget, depth=3, n_max=8)
+        assert_trees([t], sel)
+        assert len(sel[0]) == budget
+
+
+def test_adaserve_rejects_bad_arguments():
+    t = FIG5[0]
+    with pytest.raises(ValueError):
+        selection.select_adaserve([t, t], [1.0, 1.0], budget=1, depth=3, n_max=4)
+    with pytest.raises(ValueError):
+        selection.select_adaserve([t], [1.0, 1.0], budget=4, depth=3, n_max=4)
+    with pytest.raises(ValueError):
+        selection.select_adaserve([t], [float("nan")], budget=4, depth=3, n_max=4)
+    with pytest.raises(ValueError):
+        selection.select_adaserve([t], [1.0], budget=4, depth=3, n_max=0)
+    assert selection.select_adaserve([], [], budget=4, depth=3, n_max=4) == []
+
+
+def test_slo_requirement():
+    # 1.0 s in, 0.05 s iteration, 50 ms TPOT: 21 tokens due; 18 emitted -> 3 owed this iteration
+    a = selection.slo_requirement(elapsed_s=1.0, tokens_so_far=18, t_iter_s=0.05, tpot_slo_s=0.05)
+    assert a == pytest.approx(3.0)
+    assert selection.slo_requirement(elapsed_s=0.0, tokens_so_far=5, t_iter_s=0.01, tpot_slo_s=0.1) < 0
+    with pytest.raises(ValueError):
+        selection.slo_requirement(elapsed_s=1.0, tokens_so_far=1, t_iter_s=0.05, tpot_slo_s=0.0)
+    with pytest.raises(ValueError):
+        selection.slo_requirement(elapsed_s=-1.0, tokens_so_far=1, t_iter_s=0.05, tpot_slo_s=0.1)
+
+
+# ---- baselines ----------------------------------------------------------------------------------------
+@FAST
+@given(st.lists(beam_tree(), min_size=1, max_size=4), st.integers(0, 30))
+def test_global_greedy_is_adaserve_without_slo_phase(cands: list[TokenTree], extra: int):
+    budget = len(cands) + extra
+    sel = selection.select_global_greedy(cands, budget=budget)
+    assert_trees(cands, sel)
+    assert sum(map(len, sel)) == min(budget, sum(c.size for c in cands))
+    # requirements <= 1 are met by the roots, so Algorithm 2 reduces to its global phase
+    zero = [0.0] * len(cands)
+    assert sel == selection.select_adaserve(cands, zero, budget=budget, depth=4, n_max=8)
+
+
+@FAST
+@given(st.lists(beam_tree(), min_size=1, max_size=4), st.integers(0, 30))
+def test_equal_greedy_splits_budget(cands: list[TokenTree], extra: int):
+    n, budget = len(cands), len(cands) + extra
+    sel = selection.select_equal_greedy(cands, budget=budget)
+    assert_trees(cands, sel)
+    assert sum(map(len, sel)) <= budget
+    for i, (c, s) in enumerate(zip(cands, sel, strict=True)):
+        share = budget // n + (1 if i < budget % n else 0)
+        assert len(s) == min(share, c.size)
+        lp = strict_lp(c)
+        rest = [v for v in range(c.size) if v not in s]
+        if rest:
+            assert lp[s].min() >= lp[rest].max()

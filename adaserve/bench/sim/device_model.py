@@ -14,12 +14,14 @@ the target and the draft, plus the scheduler's own time per iteration. Two kinds
 
   Attention FLOPs over the context are left out: for decoding and small trees they are a few percent of
   the matmuls; the KV read they need is in ``t_mem``.
-- ``Table``, measured: this machine's own start-up profile (``adaserve profile``), the latency of
-  ``n`` new tokens at the profiler's reference context interpolated in ``n``, plus the fitted
-  per-context-token cost ``alpha`` for context beyond that reference.
+- ``Table``, measured: the latency of ``n`` new tokens interpolated in ``n``, plus a cost ``alpha``
+  per context token beyond a reference context. Either this machine's own start-up profile
+  (``adaserve profile``: its reference context and fitted alpha), or a table measured elsewhere and
+  shipped as a profile file (``"kind": "table"``, e.g. ``artifact/llama-3.1-70b``, the AdaServe
+  artifact's batch-to-latency table; alpha as the file states it, 0 when the table has no context cost).
 
-Pure: no model, no torch. ``device_profiles/`` holds the analytic profiles as data, each with its
-derivation next to it.
+Pure: no model, no torch. ``device_profiles/`` holds the shipped profiles as data, each with its
+derivation or source next to it.
 """
 
 from __future__ import annotations
@@ -168,11 +170,31 @@ def _roofline(d: Mapping[str, Any], hw_by_name: Mapping[str, Mapping[str, Any]])
     return Roofline(_hardware(hw), shape, tp)
 
 
+def _table(d: Mapping[str, Any]) -> Table:
+    """A forward priced by a published table: ``latency_ms`` as ``[n_tokens, ms]`` rows, interpolated in n,
+    plus ``context_ms_per_token`` for every cached token (absent: the table carries no context cost)."""
+    rows = d["latency_ms"]
+    return Table(tuple(int(n) for n, _ in rows), tuple(float(ms) / 1e3 for _, ms in rows),
+                 context_per_sequence=0, alpha=float(d.get("context_ms_per_token", 0.0)) / 1e3)
+
+
+def _forward_cost(d: Mapping[str, Any], hw_by_name: Mapping[str, Mapping[str, Any]]) -> ForwardCost:
+    """One model's price from its JSON part: ``"kind": "table"`` (measured) or, by default, a roofline."""
+    kind = d.get("kind", "roofline")
+    if kind == "table":
+        return _table(d)
+    if kind != "roofline":
+        raise ValueError(f"kind {kind!r}: expected 'roofline' or 'table'")
+    return _roofline(d, hw_by_name)
+
+
 def profile_from_dict(d: Mapping[str, Any]) -> DeviceProfile:
-    """An analytic device profile from its JSON form (see device_profiles/*.json)."""
+    """A shipped device profile from its JSON form (see device_profiles/*.json): each of target and draft
+    an analytic roofline or a measured table."""
     try:
-        hw = {h["name"]: h for h in d["hardware"]}
-        prof = DeviceProfile(name=str(d["name"]), target=_roofline(d["target"], hw), draft=_roofline(d["draft"], hw),
+        hw = {h["name"]: h for h in d.get("hardware", [])}
+        prof = DeviceProfile(name=str(d["name"]), target=_forward_cost(d["target"], hw),
+                             draft=_forward_cost(d["draft"], hw),
                              sched_s=float(d["sched_ms"]) / 1e3, description=str(d.get("description", "")),
                              source=dict(d))
     except (KeyError, TypeError, ValueError) as e:
@@ -231,7 +253,7 @@ def scaled_draft(cost: ForwardCost, *, params_ratio: float, kv_ratio: float) -> 
 
 
 def builtin_profiles() -> dict[str, Path]:
-    """Name -> file of every analytic profile shipped with adaserve (``<hardware>/<model>.json``)."""
+    """Name -> file of every profile shipped with adaserve (``<hardware or source>/<model>.json``)."""
     root = resources.files("adaserve.bench.sim") / "device_profiles"
     out = {}
     for hw_dir in sorted(root.iterdir(), key=lambda p: p.name):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -82,3 +83,36 @@ def test_measured_profile_needs_the_draft_table() -> None:
     assert prof.unloaded_tpot_s(64) == pytest.approx(0.006)
     with pytest.raises(ValueError, match="draft"):
         profile_from_measured({"target": part}, sched_s=0.0)
+
+
+# The AdaServe artifact's batch-to-latency table for Llama-3.1-70B (exps/test.sh), n = 1 from its baseline latency
+ARTIFACT_TABLE_MS = {1: 30.0, 128: 55.0, 256: 85.0, 512: 125.0, 1024: 205.0}
+
+
+def test_artifact_profile_reproduces_its_table_and_the_papers_draft_step() -> None:
+    prof = load_profile_file("artifact/llama-3.1-70b")
+    assert prof.name == "artifact/llama-3.1-70b" and "artifact/llama-3.1-70b" in builtin_profiles()
+    for n, ms in ARTIFACT_TABLE_MS.items():
+        assert 1e3 * prof.target.seconds(n, 0) == pytest.approx(ms)
+        assert 1e3 * prof.target.seconds(n, 100_000) == pytest.approx(ms)  # the table has no context cost
+    assert 1e3 * prof.target.seconds(64, 0) == pytest.approx(30 + 63 * 25 / 127)  # linear between 1 and 128
+    ts = [prof.target.seconds(n, 0) for n in range(1, 2049)]
+    assert all(b >= a for a, b in itertools.pairwise(ts))  # monotone in n, past the table's end too
+    assert 1e3 * prof.draft.seconds(1, 0) == pytest.approx(5.0, abs=0.1)  # paper 6.3: ~5 ms per step
+    assert 1e3 * prof.draft.seconds(96, 0) == pytest.approx(5.0, abs=0.1)  # the artifact's largest draft step
+    assert prof.sched_s == 0.0  # the 30 ms baseline is the whole system's per-token latency
+    assert prof.unloaded_tpot_s(0) == pytest.approx(0.030)
+    assert simulated_profile(prof)["target"]["budget"] == 128  # the knee rule on the table (README)
+
+
+def test_a_profile_part_may_be_a_table_and_other_kinds_are_refused(tmp_path: Path) -> None:
+    part = {"kind": "table", "latency_ms": [[1, 10.0], [64, 20.0]], "context_ms_per_token": 0.001}
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"name": "t", "sched_ms": 0, "target": part, "draft": {**part, "latency_ms": [[1, 1.0],
+                                                                                                      [8, 2.0]]}}))
+    prof = load_profile_file(str(f))
+    assert prof.target.seconds(1, 1000) == pytest.approx(0.011)  # 10 ms + 1000 context tokens at 1 us
+    assert prof.draft.seconds(8, 0) == pytest.approx(0.002)
+    f.write_text(json.dumps({"name": "t", "sched_ms": 0, "target": {**part, "kind": "abacus"}, "draft": part}))
+    with pytest.raises(ValueError, match="abacus"):
+        load_profile_file(str(f))

@@ -214,6 +214,7 @@ class WorkloadRequest:
     prompt: str
     max_tokens: int
     tpot_slo_ms: float
+    ignore_eos: bool = False  # a fixed output length: decode all max_tokens, past end-of-sequence (trace-json)
 
     def to_json(self) -> dict[str, object]:
         """The ``adaserve generate`` input fields (see ``adaserve.cli.generate.INPUT_FIELDS``)."""

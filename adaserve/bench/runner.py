@@ -1,7 +1,8 @@
 """The side-by-side benchmark: one arrival schedule, every policy, the same engine and hardware, one run.
 
     for each point of the sweep (a rate, a share of urgent requests, an SLO scale):
-        workload = build_workload(point)                       (same prompts, SLOs, arrival times)
+        workload = build_workload(point), or the --trace-json file's requests (emission_trace.py)
+                                                               (same prompts, SLOs, arrival times)
         for each policy:   run it on a fresh Engine over the shared model runners,
                            on the wall clock or the simulated one (sim_clock.py, a device profile)
                            summarize(requests) -> attainment, goodput, TPOT, TTFT, acceptance ...
@@ -21,6 +22,7 @@ from tqdm import tqdm
 
 from adaserve.bench.budget_use import BudgetUse
 from adaserve.bench.draft_report import draft_regret, draft_use, size_of
+from adaserve.bench.emission_trace import ARTIFACT_BASELINE_TPOT_MS, TraceWorkload, read_emission_trace
 from adaserve.bench.hf_peer import HFPeer
 from adaserve.bench.metrics import RequestResult, adaserve_ratios, summarize
 from adaserve.bench.selection_gap import SelectionGap, budgeted
@@ -68,18 +70,19 @@ class BenchConfig:
     rates: tuple[float, ...] = (1.0,)
     duration_s: float = 30.0
     trace: Path | None = None
+    trace_json: Path | None = None  # the artifact's workload file: arrivals, prompts, SLOs, output lengths
     mix: dict[str, float] | None = None
     slo_scale: float = 1.0
     seed: int = 0
     device: str = "cpu"
     budget: int | None = None  # None: the profiled budget
     budgets: tuple[int | str, ...] = ()  # a sweep of adaserve budgets ("auto" = profiled)
-    max_tokens_cap: int = 128
-    max_prompt_tokens: int = 512
+    max_tokens_cap: int | None = 128  # None (trace_json only): the trace's output lengths as given
+    max_prompt_tokens: int | None = 512  # None: as many as the models' context leaves (always at most that)
     kv_memory_mb: int = 512
     max_batch: int = EngineConfig.max_batch  # requests running at once; the rest wait in the engine's queue
     prefill_rule: str = EngineConfig.prefill_rule  # "fixed" or "slo" (prefill_chunk.py), for every policy
-    baseline_tpot_ms: float | None = None  # measured when None
+    baseline_tpot_ms: float | None = None  # None: measured, or with trace_json the artifact's 30 ms
     clock: str = "wall"  # "simulated": time from ``device_profile`` (sim_clock.py)
     device_profile: str = MEASURED  # simulated: "measured" (this machine's profile), a shipped name or a file
     # simulated: scheduler time per iteration, ms, or "measured" (host time); None: the analytic profile's
@@ -95,8 +98,17 @@ class BenchConfig:
             raise ValueError("rates must be positive")
         if self.duration_s <= 0:
             raise ValueError("duration must be positive")
-        if self.max_prompt_tokens < 1 or self.max_tokens_cap < 1 or self.max_batch < 1:
+        if any(v is not None and v < 1 for v in (self.max_prompt_tokens, self.max_tokens_cap)) or self.max_batch < 1:
             raise ValueError("max_prompt_tokens, max_tokens_cap and max_batch must be >= 1")
+        if self.max_tokens_cap is None and self.trace_json is None:
+            raise ValueError("max_tokens_cap may only be left open with trace_json (its output lengths)")
+        if self.trace_json is not None:
+            if self.trace is not None or self.mix is not None:
+                raise ValueError("a trace-json file sets the arrivals and classes: give no trace or mix with it")
+            if self.sweep == "urgent-share":
+                raise ValueError("a trace-json file fixes the classes' shares: it cannot sweep urgent-share")
+            if HF_PEER in self.policies:
+                raise ValueError("the hf peer stops at end-of-sequence: a trace-json file's outputs are fixed lengths")
         if self.prefill_rule not in PREFILL_RULES:
             raise ValueError(f"prefill_rule must be one of {', '.join(PREFILL_RULES)}, got {self.prefill_rule!r}")
         if self.clock not in CLOCKS:
@@ -277,20 +289,53 @@ def measure_baseline_tpot(shared: Shared, *, tokens: int = 48, runs: int = 5) ->
     return min(out)
 
 
+def context_room(shared: Shared) -> int:
+    """Tokens a prompt and its output may fill in every engine of the bench: the models' shortest context
+    less the deepest tree any policy may write past them (``Engine.check_request``'s rule)."""
+    knobs = EngineConfig(adaptive=tree_bounds(shared))
+    shapes = [make_policy(v.policy, knobs).max_shape for v in shared.variants if v.policy != HF_PEER]
+    depth = max((s.depth for s in shapes if s is not None), default=0)
+    return min(r.model.cfg.max_position_embeddings for r in [shared.target, *shared.drafts]) - depth - 1
+
+
+def prompt_limit(w: WorkloadRequest, room: int, max_prompt_tokens: int | None) -> int:
+    """The most prompt tokens ``w`` may keep: ``min(max_prompt_tokens, room - max_tokens)``."""
+    limit = room - w.max_tokens if max_prompt_tokens is None else min(max_prompt_tokens, room - w.max_tokens)
+    if limit < 1:
+        raise ValueError(f"{w.request_id}: {w.max_tokens} output tokens leave no room for a prompt in the models' "
+                         f"context ({room} tokens past the deepest tree)")
+    return limit
+
+
+def prompt_ids(shared: Shared, w: WorkloadRequest, limit: int) -> tuple[list[int], bool]:
+    """``w``'s prompt tokens, cut from the left to ``limit``, and whether it was cut. The tail keeps the chat
+    template's opening of the assistant turn."""
+    ids = instruction_ids(shared.tokenizer, w.prompt)
+    return ids[-limit:], len(ids) > limit
+
+
 def to_requests(workload: list[WorkloadRequest], shared: Shared, cfg: BenchConfig) -> list[tuple[float, Request]]:
+    room = context_room(shared)
     out = []
     for w in workload:
-        # the tail keeps the chat template's opening of the assistant turn when a prompt is cut
-        ids = instruction_ids(shared.tokenizer, w.prompt)[-cfg.max_prompt_tokens:]
-        req = Request(w.request_id, ids, SamplingParams(max_tokens=w.max_tokens, seed=cfg.seed),
+        ids, _ = prompt_ids(shared, w, prompt_limit(w, room, cfg.max_prompt_tokens))
+        req = Request(w.request_id, ids, SamplingParams(max_tokens=w.max_tokens, seed=cfg.seed,
+                                                        ignore_eos=w.ignore_eos),
                       tpot_slo_ms=w.tpot_slo_ms)
         out.append((w.arrival_s, req))
     return out
 
 
+def truncated_prompts(workload: list[WorkloadRequest], shared: Shared, cfg: BenchConfig) -> int:
+    """How many of ``workload``'s prompts ``to_requests`` cuts."""
+    room = context_room(shared)
+    return sum(prompt_ids(shared, w, prompt_limit(w, room, cfg.max_prompt_tokens))[1] for w in workload)
+
+
 def run_variant(shared: Shared, variant: Variant, workload: list[WorkloadRequest], cfg: BenchConfig,
-                bar: tqdm) -> tuple[dict, dict[str, list[int]]]:
-    """One (variant, workload) run: its summary and every request's output tokens."""
+                bar: tqdm, *, duration_s: float | None = None) -> tuple[dict, dict[str, list[int]]]:
+    """One (variant, workload) run: its summary and every request's output tokens. Rates are per second of
+    the run, at least ``duration_s`` (default ``cfg.duration_s``), the span the arrivals were spread over."""
     arrivals = to_requests(workload, shared, cfg)
     classes = {w.request_id: w.slo_class for w in workload}
     select_s = step_s = 0.0
@@ -325,7 +370,8 @@ def run_variant(shared: Shared, variant: Variant, workload: list[WorkloadRequest
                       r.metrics.tpot_ms, r.metrics.ttft_ms, tuple(r.metrics.accepted_per_step), r.finish_reason)
         for _, r in arrivals
     ]
-    summary = summarize(results, wall_s=max(wall, cfg.duration_s), select_s=select_s, step_s=step_s)
+    span = cfg.duration_s if duration_s is None else duration_s
+    summary = summarize(results, wall_s=max(wall, span), select_s=select_s, step_s=step_s)
     if gap is not None:
         summary["selection_vs_optimal"] = gap.summary()
     if variant.policy != HF_PEER:
@@ -349,7 +395,11 @@ def same_outputs(ours: dict[str, list[int]], reference: dict[str, list[int]]) ->
 @dataclass(frozen=True)
 class SweepPoint:
     x: float  # the swept value: a rate, a share of urgent requests or an SLO scale
-    workload: WorkloadConfig
+    workload: WorkloadConfig | TraceWorkload  # generated, or a trace-json file's (both give rate, mix, slo_scale)
+
+    def requests(self) -> list[WorkloadRequest]:
+        w = self.workload
+        return w.build() if isinstance(w, TraceWorkload) else build_workload(w)
 
 
 def urgent_mix(share: float, base: dict[str, float] | None = None) -> dict[str, float]:
@@ -362,11 +412,22 @@ def urgent_mix(share: float, base: dict[str, float] | None = None) -> dict[str, 
 
 
 def sweep_points(cfg: BenchConfig, baseline_tpot_ms: float) -> list[SweepPoint]:
+    if cfg.trace_json is not None:  # the file is the workload: one point at its rate, or one per SLO scale
+        trace = read_emission_trace(cfg.trace_json)
+
+        def tw(scale: float) -> TraceWorkload:
+            return TraceWorkload(trace, baseline_tpot_ms, slo_scale=scale, max_tokens_cap=cfg.max_tokens_cap)
+
+        if cfg.sweep == "slo-scale":
+            return [SweepPoint(v, tw(v)) for v in cfg.values]
+        return [SweepPoint(trace.rate_rps, tw(cfg.slo_scale))]
+
     def wc(rate: float, **kw: Any) -> WorkloadConfig:
         args: dict[str, Any] = {"mix": cfg.mix} if cfg.mix else {}
         args.update({"slo_scale": cfg.slo_scale, **kw})
         return WorkloadConfig(rate, cfg.duration_s, baseline_tpot_ms=baseline_tpot_ms, seed=cfg.seed,
-                              max_tokens_cap=cfg.max_tokens_cap, trace=cfg.trace, **args)
+                              max_tokens_cap=cfg.max_tokens_cap or WorkloadConfig.max_tokens_cap, trace=cfg.trace,
+                              **args)
 
     if cfg.sweep == "rate":
         return [SweepPoint(r, wc(r)) for r in cfg.rates]
@@ -378,8 +439,9 @@ def sweep_points(cfg: BenchConfig, baseline_tpot_ms: float) -> list[SweepPoint]:
 
 def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
     shared = load_shared(cfg, progress=progress)
-    baseline = cfg.baseline_tpot_ms or measure_baseline_tpot(shared)
-    points = [(pt, build_workload(pt.workload)) for pt in sweep_points(cfg, baseline)]
+    # a trace's relative SLOs are multiples of the artifact's own baseline, not of this machine's
+    baseline = cfg.baseline_tpot_ms or (ARTIFACT_BASELINE_TPOT_MS if cfg.trace_json else measure_baseline_tpot(shared))
+    points = [(pt, pt.requests()) for pt in sweep_points(cfg, baseline)]
     # the target's own greedy output (incremental decoding) is the reference every policy must reproduce
     variants = sorted(shared.variants, key=lambda v: v.policy != "incremental")
     total = sum(len(w) for _, w in points) * len(variants)
@@ -391,11 +453,12 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
             if not wl:
                 log.warning("rate %.3g over %.0fs gives no requests: skipped", pt.workload.rate, cfg.duration_s)
                 continue
+            cut = truncated_prompts(wl, shared, cfg)
             by_label = {}
             reference: dict[str, list[int]] | None = None
             for v in variants:
                 bar.set_postfix_str(f"{v.label} @ {cfg.sweep}={pt.x:g}")
-                summary, outputs = run_variant(shared, v, wl, cfg, bar)
+                summary, outputs = run_variant(shared, v, wl, cfg, bar, duration_s=pt.workload.duration_s)
                 # greedy everywhere: every engine policy must reproduce the reference's tokens exactly
                 if v.policy != HF_PEER:
                     reference = reference or outputs
@@ -403,7 +466,7 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
                 by_label[v.label] = summary
                 rows.append({"policy": v.label, "sweep": cfg.sweep, "x": pt.x, "rate_rps": pt.workload.rate,
                              "slo_scale": pt.workload.slo_scale, "mix": dict(pt.workload.mix), "budget": v.budget,
-                             "outputs_equal_reference": match, **summary})
+                             "outputs_equal_reference": match, "prompts_truncated": cut, **summary})
             ratios[f"{pt.x:g}"] = adaserve_ratios(by_label)
             if len(shared.drafts) > 1:
                 regret[f"{pt.x:g}"] = draft_regret(by_label)
@@ -420,6 +483,7 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
                    "rates_rps": list(cfg.rates), "duration_s": cfg.duration_s, "slo_scale": cfg.slo_scale,
                    "sweep": cfg.sweep, "values": list(cfg.values),
                    "seed": cfg.seed, "trace": str(cfg.trace) if cfg.trace else None, "mix": cfg.mix,
+                   "trace_json": str(cfg.trace_json) if cfg.trace_json else None,
                    "model": cfg.model, "target": str(cfg.target), "draft": str(cfg.draft),
                    "drafts": [str(p) for p in (cfg.draft, *cfg.extra_drafts)],
                    "draft_names": shared.draft_names,
@@ -432,6 +496,8 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
                    "prefill_chunk": EngineConfig().prefill_chunk, "prefill_rule": cfg.prefill_rule,
                    "chat_template": has_chat_template(shared.tokenizer)},
         "simulation": _simulation_settings(shared),
+        # the trace-json file as run: name, sha256, rate, classes and their SLOs (before any slo_scale)
+        "trace_json": next((p.workload.describe() for p, _ in points if isinstance(p.workload, TraceWorkload)), None),
         "results": rows,
         "adaserve_vs_best_other": ratios,
         **({"draft_regret": regret} if regret else {}),

@@ -47,20 +47,27 @@ def add_parser(sub: Any) -> None:
                         "POLICY@ucb|eps|length|dN, spin, spin-eps, spin-length choose among them per request)")
     p.add_argument("--policies", default="adaserve,incremental,chain:4,smartspec,specinfer",
                    help="comma-separated policies (empty with --budgets to sweep budgets only)")
-    p.add_argument("--rps", type=floats, default=(1.0,), help="request rates, comma-separated")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per (policy, rate)")
+    p.add_argument("--rps", type=floats, help="request rates, comma-separated (default 1)")
+    p.add_argument("--duration", type=float, help="seconds of arrivals per (policy, rate) (default 30)")
     p.add_argument("--trace", type=Path, help="arrival trace CSV (Azure format), rescaled to each rate")
+    p.add_argument("--trace-json", type=Path,
+                   help="the AdaServe artifact's workload file (a JSON list of emission_time_ms, input_length, "
+                        "output_length, prompt, slo_ratio): its arrivals, prompts, SLO classes and fixed output "
+                        "lengths, in place of --rps, --duration, --mix and --trace")
     p.add_argument("--mix", help="class mix, e.g. coding=0.6,chat=0.2,summarization=0.2")
     p.add_argument("--slo-scale", type=float, default=1.0, help="multiply every class's TPOT SLO")
     p.add_argument("--budgets", type=_budgets, default=(), help="also run adaserve at these budgets (and 'auto')")
     p.add_argument("--budget", type=int, help="fixed budget for every policy (default: profiled)")
     p.add_argument("--baseline-tpot-ms", type=float,
-                   help="unloaded per-token latency the SLOs are multiples of (default: measured now)")
+                   help="unloaded per-token latency the SLOs are multiples of (default: measured now; with "
+                        "--trace-json 30, the artifact's BASELINE_LATENCY_PER_TOKEN_MS for Llama-3.1-70B)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--max-tokens", type=int, default=128, help="cap on output tokens per request")
-    p.add_argument("--max-prompt-tokens", type=int, default=512,
-                   help="prompts longer than this keep their last tokens (the chat template's opening survives)")
+    p.add_argument("--max-tokens", type=int,
+                   help="cap on output tokens per request (default 128; with --trace-json none: its lengths)")
+    p.add_argument("--max-prompt-tokens", type=int,
+                   help="prompts longer than this keep their last tokens (the chat template's opening survives; "
+                        "default 512; with --trace-json as many as the models' context leaves, always at most that)")
     p.add_argument("--max-batch", type=int, default=64,
                    help="requests running at once (the engine's max_batch); later arrivals wait in its queue")
     p.add_argument("--prefill-rule", choices=["fixed", "slo"], default="fixed",
@@ -82,13 +89,33 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
+def check_trace_json(args: argparse.Namespace) -> None:
+    """A trace-json file must be readable and whole before any model loads, and sets what these options would."""
+    from adaserve.bench.emission_trace import read_emission_trace
+
+    clash = [flag for flag, v in (("--rps", args.rps), ("--duration", args.duration), ("--mix", args.mix),
+                                  ("--trace", args.trace)) if v is not None]
+    if clash:
+        raise CliError(f"{', '.join(clash)} cannot be combined with --trace-json: the trace sets arrivals and classes")
+    try:
+        read_emission_trace(args.trace_json)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.trace_json is not None:
+        check_trace_json(args)
     from adaserve.bench.runner import BenchConfig, plot_report, run_bench
     from adaserve.bench.workload import parse_mix
     from adaserve.engine.build import EngineBuildError
     from adaserve.engine.loading.catalog import ModelNotFoundError, resolve_drafts
     from adaserve.engine.model.config import UnsupportedModelError
 
+    # without a trace-json file, the generated workload's defaults; with one, the trace's own lengths
+    free = args.trace_json is not None
+    max_tokens = args.max_tokens if args.max_tokens is not None or free else 128
+    max_prompt_tokens = args.max_prompt_tokens if args.max_prompt_tokens is not None or free else 512
     try:
         pair, extra = resolve_drafts(args.target or args.model, args.draft or ())
     except ModelNotFoundError as e:
@@ -98,11 +125,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         policies = tuple(p for p in args.policies.split(",") if p)
         cfg = BenchConfig(target=pair.target, draft=pair.draft, extra_drafts=extra, model=pair.name, policies=policies,
-                          rates=args.rps,
-                          duration_s=args.duration, trace=args.trace,
+                          rates=(1.0,) if args.rps is None else args.rps,
+                          duration_s=30.0 if args.duration is None else args.duration, trace=args.trace,
+                          trace_json=args.trace_json,
                           mix=parse_mix(args.mix) if args.mix else None, slo_scale=args.slo_scale,
                           seed=args.seed, device=args.device, budget=args.budget, budgets=args.budgets,
-                          max_tokens_cap=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                          max_tokens_cap=max_tokens, max_prompt_tokens=max_prompt_tokens,
                           max_batch=args.max_batch, prefill_rule=args.prefill_rule,
                           baseline_tpot_ms=args.baseline_tpot_ms,
                           clock=args.clock, device_profile=args.device_profile, sched_ms=args.sched_ms,

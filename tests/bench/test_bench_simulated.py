@@ -3,6 +3,7 @@ workloads they name."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from adaserve.bench.runner import BenchConfig, sweep_points, urgent_mix
+from adaserve.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "demo"
@@ -80,3 +82,35 @@ def test_sweep_points_vary_one_thing() -> None:
         BenchConfig(target=DEMO, draft=DEMO, policies=("hf",), clock="simulated")
     with pytest.raises(ValueError, match="clock"):
         BenchConfig(target=DEMO, draft=DEMO, clock="sundial")
+
+
+@pytest.mark.skipif(not (DEMO / "target" / "config.json").is_file(), reason="demo pair not in this checkout")
+def test_artifact_trace_on_the_artifact_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The paper's workload format on the artifact's measured cost, end to end: per-class results, the file's
+    sha256, fixed output lengths, and every policy still the target's own tokens."""
+    prompts = {1.2: "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n",
+               -50.0: "What does the json module do?",
+               -150.0: "Please summarize the following document.\n\nimport os\nimport sys\n\ndef main():\n    pass\n"}
+    rows = [{"emission_time_ms": 100.0 * i, "input_length": 10, "output_length": 6 + i % 3, "prompt": prompts[r],
+             "slo_ratio": r} for i, r in enumerate([1.2, -50.0, -150.0, 1.2, -50.0, -150.0])]
+    trace = tmp_path / "emission_tiny.json"
+    trace.write_text(json.dumps(rows))
+    out = tmp_path / "r.json"
+    monkeypatch.setenv("ADASERVE_FEW_ROW_KERNELS", "off")  # no kernel timing: seconds, not minutes, on a cold cache
+    code = main(["bench", "--model", "demo-tiny", "--clock", "simulated", "--device-profile", "artifact/llama-3.1-70b",
+                 "--policies", "incremental,adaserve", "--trace-json", str(trace), "--json", str(out)])
+    assert code == 0
+    rep = json.loads(out.read_text())
+    assert rep["lossless"] is True and rep["baseline_tpot_ms"] == 30.0
+    info = rep["trace_json"]
+    assert info["file"] == "emission_tiny.json" and info["sha256"] == hashlib.sha256(trace.read_bytes()).hexdigest()
+    assert info["requests"] == 6 and info["window_s"] == 0.5 and info["outputs_capped"] == 0
+    assert {k: v["tpot_slo_ms"] for k, v in info["classes"].items()} == {
+        "coding": pytest.approx(36.0), "chat": 50.0, "summarization": 150.0}
+    assert rep["simulation"]["device_profile"] == "artifact/llama-3.1-70b"
+    for r in rep["results"]:
+        assert r["requests"] == 6 and r["prompts_truncated"] == 0 and r["rate_rps"] == 12.0
+        assert set(r["per_class"]) == {"coding", "chat", "summarization"}
+        assert r["per_class"]["chat"]["tpot_slo_ms"] == 50.0
+        # fixed lengths, EOS ignored: every output token of the trace was produced
+        assert r["throughput_tok_s"] * r["wall_s"] == pytest.approx(sum(row["output_length"] for row in rows))

@@ -37,7 +37,14 @@ from adaserve.bench.sim.device_model import (
     scaled_draft,
 )
 from adaserve.bench.sim.profile import costs_of, profile_cost, simulated_profile
-from adaserve.bench.workload import DEFAULT_MIX, WorkloadConfig, WorkloadRequest, build_workload
+from adaserve.bench.workload import (
+    DEFAULT_CLASSES,
+    DEFAULT_MIX,
+    PAPER_CLASSES,
+    WorkloadConfig,
+    WorkloadRequest,
+    build_workload,
+)
 from adaserve.engine.build import adaptive_for, resolve_device
 from adaserve.engine.config import PREFILL_RULES, EngineConfig, MultiDraftConfig
 from adaserve.engine.cost.cost_model import CostModel
@@ -57,6 +64,8 @@ log = logging.getLogger(__name__)
 HF_PEER = "hf"  # not an engine policy: Hugging Face transformers serving the same arrivals
 CLOCKS = ("wall", "simulated")
 SWEEPS = ("rate", "urgent-share", "slo-scale")
+# the generated workload's SLOs: every class relative to the baseline, or the paper's Table 2 (50 and 150 ms absolute)
+SLO_CLASSES = {"relative": DEFAULT_CLASSES, "paper": PAPER_CLASSES}
 URGENT = "coding"  # the class with the tightest SLO: the "urgent" requests of the paper's Figure 10
 
 
@@ -72,6 +81,8 @@ class BenchConfig:
     trace: Path | None = None
     trace_json: Path | None = None  # the artifact's workload file: arrivals, prompts, SLOs, output lengths
     mix: dict[str, float] | None = None
+    slo_classes: str = "relative"  # a key of SLO_CLASSES
+    output_tokens: int | None = None  # every output exactly this long, EOS ignored (the paper's 256); None: drawn
     slo_scale: float = 1.0
     seed: int = 0
     device: str = "cpu"
@@ -102,9 +113,16 @@ class BenchConfig:
             raise ValueError("max_prompt_tokens, max_tokens_cap and max_batch must be >= 1")
         if self.max_tokens_cap is None and self.trace_json is None:
             raise ValueError("max_tokens_cap may only be left open with trace_json (its output lengths)")
+        if self.slo_classes not in SLO_CLASSES:
+            raise ValueError(f"slo_classes must be one of {', '.join(SLO_CLASSES)}, got {self.slo_classes!r}")
+        if self.output_tokens is not None and self.output_tokens < 1:
+            raise ValueError("output_tokens must be >= 1")
         if self.trace_json is not None:
             if self.trace is not None or self.mix is not None:
                 raise ValueError("a trace-json file sets the arrivals and classes: give no trace or mix with it")
+            if self.output_tokens is not None or self.slo_classes != "relative":
+                raise ValueError("a trace-json file sets the output lengths and SLOs: give no output_tokens or "
+                                 "slo_classes with it")
             if self.sweep == "urgent-share":
                 raise ValueError("a trace-json file fixes the classes' shares: it cannot sweep urgent-share")
             if HF_PEER in self.policies:
@@ -427,7 +445,7 @@ def sweep_points(cfg: BenchConfig, baseline_tpot_ms: float) -> list[SweepPoint]:
         args.update({"slo_scale": cfg.slo_scale, **kw})
         return WorkloadConfig(rate, cfg.duration_s, baseline_tpot_ms=baseline_tpot_ms, seed=cfg.seed,
                               max_tokens_cap=cfg.max_tokens_cap or WorkloadConfig.max_tokens_cap, trace=cfg.trace,
-                              **args)
+                              classes=SLO_CLASSES[cfg.slo_classes], fixed_output_tokens=cfg.output_tokens, **args)
 
     if cfg.sweep == "rate":
         return [SweepPoint(r, wc(r)) for r in cfg.rates]
@@ -484,6 +502,7 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
                    "sweep": cfg.sweep, "values": list(cfg.values),
                    "seed": cfg.seed, "trace": str(cfg.trace) if cfg.trace else None, "mix": cfg.mix,
                    "trace_json": str(cfg.trace_json) if cfg.trace_json else None,
+                   "slo_classes": cfg.slo_classes, "output_tokens": cfg.output_tokens,
                    "model": cfg.model, "target": str(cfg.target), "draft": str(cfg.draft),
                    "drafts": [str(p) for p in (cfg.draft, *cfg.extra_drafts)],
                    "draft_names": shared.draft_names,

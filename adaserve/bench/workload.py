@@ -21,7 +21,9 @@ deterministic under ``WorkloadConfig.seed``, so every policy sees the same reque
    summarization 0.2) and then a prompt uniformly, with replacement, from that class's source.
 3. Output lengths. From the trace's ``GeneratedTokens`` of the same row when a trace is given, else
    ``U{lo, hi}`` per class; either way clipped to ``[min_tokens, max_tokens_cap]``. The trace's
-   ``ContextTokens`` is not used: prompts come from the class's source, as in the paper.
+   ``ContextTokens`` is not used: prompts come from the class's source, as in the paper. With
+   ``fixed_output_tokens`` every request decodes exactly that many, end-of-sequence ignored, as the
+   paper's traces do (256); the cap does not apply.
 4. SLOs. ``tpot_slo_ms = slo_scale * (tpot_ms if the class sets one, else multiplier * baseline_tpot_ms)``
    where ``baseline_tpot_ms`` is the target's measured unloaded per-token latency on the device.
 
@@ -172,6 +174,7 @@ class WorkloadConfig:
     output_tokens: Mapping[str, tuple[int, int]] = field(default_factory=lambda: dict(DEFAULT_OUTPUT_TOKENS))
     trace: Path | None = None
     max_prompt_chars: int | None = None
+    fixed_output_tokens: int | None = None  # every output exactly this long, EOS ignored (the paper's traces)
 
     def __post_init__(self) -> None:
         _positive("rate", self.rate)
@@ -198,6 +201,10 @@ class WorkloadConfig:
                 raise ValueError(f"output_tokens has no range for class {name!r}")
             if lo_hi is not None and not (len(lo_hi) == 2 and 1 <= lo_hi[0] <= lo_hi[1]):
                 raise ValueError(f"output_tokens[{name!r}] must be (lo, hi) with 1 <= lo <= hi, got {lo_hi}")
+        if self.fixed_output_tokens is not None and not (
+                isinstance(self.fixed_output_tokens, int) and self.fixed_output_tokens >= 1):
+            raise ValueError(f"fixed_output_tokens must be a positive integer or None, "
+                             f"got {self.fixed_output_tokens!r}")
         if self.max_prompt_chars is not None and not (
                 isinstance(self.max_prompt_chars, int) and self.max_prompt_chars >= 1):
             raise ValueError(f"max_prompt_chars must be a positive integer or None, got {self.max_prompt_chars!r}")
@@ -507,6 +514,9 @@ def build_workload(cfg: WorkloadConfig) -> list[WorkloadRequest]:
     else:
         lengths = trace_lengths
     lengths = np.clip(lengths, cfg.min_tokens, cfg.max_tokens_cap)
+    fixed = cfg.fixed_output_tokens
+    if fixed is not None:  # drawn all the same, so the random streams stay where they were
+        lengths = np.full(n, fixed)
     slos = {k: cfg.slo_class(k).tpot_slo_ms(cfg.baseline_tpot_ms, slo_scale=cfg.slo_scale) for k in names}
     reqs = []
     for i in range(n):
@@ -515,7 +525,8 @@ def build_workload(cfg: WorkloadConfig) -> list[WorkloadRequest]:
         prompt = pool[min(int(prompt_u[i] * len(pool)), len(pool) - 1)]
         reqs.append(WorkloadRequest(
             request_id=f"req-{i:05d}", arrival_s=float(times[i]), slo_class=name,
-            prompt=_truncate(prompt, cfg.max_prompt_chars), max_tokens=int(lengths[i]), tpot_slo_ms=slos[name]))
+            prompt=_truncate(prompt, cfg.max_prompt_chars), max_tokens=int(lengths[i]), tpot_slo_ms=slos[name],
+            ignore_eos=fixed is not None))
     return reqs
 
 

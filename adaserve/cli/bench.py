@@ -56,6 +56,12 @@ def add_parser(sub: Any) -> None:
                         "lengths, in place of --rps, --duration, --mix and --trace")
     p.add_argument("--mix", help="class mix, e.g. coding=0.6,chat=0.2,summarization=0.2")
     p.add_argument("--slo-scale", type=float, default=1.0, help="multiply every class's TPOT SLO")
+    p.add_argument("--slo-classes", choices=["relative", "paper"],
+                   help="generated workload's SLOs: 1.2x / 2x / 6x the baseline (relative, default), or the paper's "
+                        "Table 2, 1.2x the baseline / 50 ms / 150 ms (paper)")
+    p.add_argument("--output-tokens", type=int,
+                   help="every request decodes exactly this many tokens, end-of-sequence ignored, as the paper's "
+                        "traces do (256); default: drawn per class, or from --trace, capped by --max-tokens")
     p.add_argument("--budgets", type=_budgets, default=(), help="also run adaserve at these budgets (and 'auto')")
     p.add_argument("--budget", type=int, help="fixed budget for every policy (default: profiled)")
     p.add_argument("--baseline-tpot-ms", type=float,
@@ -94,9 +100,10 @@ def check_trace_json(args: argparse.Namespace) -> None:
     from adaserve.bench.emission_trace import read_emission_trace
 
     clash = [flag for flag, v in (("--rps", args.rps), ("--duration", args.duration), ("--mix", args.mix),
-                                  ("--trace", args.trace)) if v is not None]
+                                  ("--trace", args.trace), ("--slo-classes", args.slo_classes),
+                                  ("--output-tokens", args.output_tokens)) if v is not None]
     if clash:
-        raise CliError(f"{', '.join(clash)} cannot be combined with --trace-json: the trace sets arrivals and classes")
+        raise CliError(f"{', '.join(clash)} cannot be combined with --trace-json: the trace sets the workload")
     try:
         read_emission_trace(args.trace_json)
     except ValueError as e:
@@ -129,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
                           duration_s=30.0 if args.duration is None else args.duration, trace=args.trace,
                           trace_json=args.trace_json,
                           mix=parse_mix(args.mix) if args.mix else None, slo_scale=args.slo_scale,
+                          slo_classes=args.slo_classes or "relative", output_tokens=args.output_tokens,
                           seed=args.seed, device=args.device, budget=args.budget, budgets=args.budgets,
                           max_tokens_cap=max_tokens, max_prompt_tokens=max_prompt_tokens,
                           max_batch=args.max_batch, prefill_rule=args.prefill_rule,

@@ -76,6 +76,14 @@ def test_sweep_points_vary_one_thing() -> None:
     pts = sweep_points(cfg, baseline_tpot_ms=20.0)
     assert [p.workload.slo_scale for p in pts] == [0.5, 2.0]
     assert {p.workload.rate for p in pts} == {3.0}
+    paper = BenchConfig(target=DEMO, draft=DEMO, policies=("adaserve",), rates=(2.6,), duration_s=360.0,
+                        slo_classes="paper", output_tokens=256, clock="simulated")
+    (pt,) = sweep_points(paper, baseline_tpot_ms=30.0)
+    assert pt.workload.fixed_output_tokens == 256
+    assert {c.name: c.tpot_slo_ms(30.0) for c in pt.workload.classes} == {
+        "coding": pytest.approx(36.0), "chat": 50.0, "summarization": 150.0}
+    with pytest.raises(ValueError, match="slo_classes"):
+        BenchConfig(target=DEMO, draft=DEMO, slo_classes="strict")
     with pytest.raises(ValueError, match="exactly one rate"):
         BenchConfig(target=DEMO, draft=DEMO, rates=(1.0, 2.0), sweep="slo-scale", values=(1.0,))
     with pytest.raises(ValueError, match="wall clock only"):

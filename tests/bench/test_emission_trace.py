@@ -112,7 +112,8 @@ def test_a_trace_sets_arrivals_and_classes_so_the_bench_refuses_what_would_contr
     for bad, match in (({"trace": tmp_path / "a.csv"}, "no trace or mix"),
                        ({"mix": {"coding": 1.0}}, "no trace or mix"),
                        ({"sweep": "urgent-share", "values": (0.5,)}, "urgent-share"),
-                       ({"policies": ("incremental", "hf")}, "end-of-sequence")):
+                       ({"policies": ("incremental", "hf")}, "end-of-sequence"),
+                       ({"output_tokens": 64}, "output lengths"), ({"slo_classes": "paper"}, "output lengths")):
         with pytest.raises(ValueError, match=match):
             BenchConfig(**{**base, **bad})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="left open"):

@@ -262,3 +262,16 @@ def test_config_is_frozen_and_mix_normalised() -> None:
     with pytest.raises(AttributeError):
         cfg.rate = 3.0  # type: ignore[misc]
     assert replace(cfg, seed=9).seed == 9
+
+
+def test_fixed_output_tokens_ignore_eos_and_leave_the_rest_of_the_schedule_alone(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "t.csv")
+    for kw in ({}, {"trace": path}):
+        drawn = wl.build_workload(config(rate=2.2, duration_s=5.0, **kw))
+        fixed = wl.build_workload(config(rate=2.2, duration_s=5.0, fixed_output_tokens=256, **kw))
+        assert {r.max_tokens for r in fixed} == {256} and all(r.ignore_eos for r in fixed)  # past the 128 cap too
+        assert not any(r.ignore_eos for r in drawn)
+        assert [(r.arrival_s, r.slo_class, r.prompt) for r in fixed] == [(r.arrival_s, r.slo_class, r.prompt)
+                                                                         for r in drawn]
+    with pytest.raises(ValueError, match="fixed_output_tokens"):
+        config(fixed_output_tokens=0)

@@ -9,6 +9,11 @@
 
 The forward time is taken by forward hooks on the models, not by anything the engine reports, so the
 same module measures any version of the engine (the before/after table in docs/benchmarks.md).
+
+After the timed iterations, ``count_steps`` more run under ``host_sync.HostSync``, which counts per
+iteration every call that on a GPU makes the host wait for the device (``h2d``, ``d2h``, ``data_shape``,
+``sync``) or copies without waiting (``async_copy``), with the code location of each. Counting runs every
+torch call through Python, so it has its own iterations and never touches the timed ones.
 Speculation on is the ``adaserve`` policy (adaptive depth and width, Eq. 8-9) at a fixed budget; off is
 ``incremental`` (continuous batching). Greedy, ``ignore_eos``: every request keeps decoding.
 
@@ -42,6 +47,7 @@ from adaserve.bench.microbench_options import (
 )
 from adaserve.engine.config import EngineConfig
 from adaserve.engine.engine import Engine
+from adaserve.engine.model.host_sync import BLOCKING, KINDS, HostSync
 from adaserve.engine.model.kv_cache import KVCacheConfig
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.request import Phase, Request
@@ -139,11 +145,12 @@ def prompts(tokenizer: Any, n: int, max_tokens: int) -> list[list[int]]:
 
 
 def run_cell(target: ModelRunner, draft: ModelRunner, prompt_ids: list[list[int]], *, mode: str,
-             cfg: EngineOnlyConfig) -> list[IterationTimes]:
-    """Decode ``len(prompt_ids)`` requests together; time ``cfg.steps`` iterations after prefill and warm-up."""
+             cfg: EngineOnlyConfig) -> tuple[list[IterationTimes], dict[str, Any]]:
+    """Decode ``len(prompt_ids)`` requests together; time ``cfg.steps`` iterations after prefill and warm-up,
+    then count host-device crossings over ``cfg.count_steps`` more (:func:`count_crossings`)."""
     ecfg = EngineConfig(policy=MODES[mode], budget=cfg.budget, max_batch=max(64, len(prompt_ids)))
     eng = Engine(target, draft if mode == "spec" else None, ecfg)
-    longest = (cfg.warmup_steps + cfg.steps + 2) * (ecfg.adaptive.d_max + 1)
+    longest = (cfg.warmup_steps + cfg.steps + cfg.count_steps + 2) * (ecfg.adaptive.d_max + 1)
     for i, ids in enumerate(prompt_ids):
         eng.add_request(Request(f"r{i}", ids, SamplingParams(max_tokens=longest, ignore_eos=True)))
     while eng.waiting or any(r.phase is not Phase.DECODE for r in eng.running):
@@ -167,9 +174,26 @@ def run_cell(target: ModelRunner, draft: ModelRunner, prompt_ids: list[list[int]
     finally:
         for c in clocks:
             c.remove()
+    try:
+        crossings = count_crossings(eng, cfg.count_steps)
+    finally:
         for r in list(eng.running):
             eng.abort(r.request_id)
-    return out
+    return out, crossings
+
+
+def count_crossings(eng: Engine, steps: int) -> dict[str, Any]:
+    """Per iteration, over ``steps`` iterations: host-device crossings of each kind (host_sync.py), the
+    blocking ones together, and where in the code each comes from (calls per iteration)."""
+    if steps < 1:
+        return {}
+    with HostSync() as hs:
+        for _ in range(steps):
+            eng.step()
+    per = {f"{k}_per_iteration": hs.counts[k] / steps for k in KINDS}
+    per["blocking_per_iteration"] = sum(hs.counts[k] for k in BLOCKING) / steps
+    per["where_per_iteration"] = {w: n / steps for w, n in hs.where.most_common()}
+    return per
 
 
 def run_engine_only(target: ModelRunner, draft: ModelRunner, tokenizer: Any, cfg: EngineOnlyConfig, *,
@@ -181,10 +205,10 @@ def run_engine_only(target: ModelRunner, draft: ModelRunner, tokenizer: Any, cfg
         for mode in cfg.modes:
             for n in cfg.batches:
                 load = os.getloadavg()[0]
-                its = run_cell(target, draft, ids[:n], mode=mode, cfg=cfg)
+                its, crossings = run_cell(target, draft, ids[:n], mode=mode, cfg=cfg)
                 # the machine's 1-minute load average before and after the cell: other work on a shared
                 # machine inflates forwards (threads waiting on each other) and Python alike
-                runs.setdefault((mode, n), []).append({**summarize_cell(its), "load_before": load,
+                runs.setdefault((mode, n), []).append({**summarize_cell(its), **crossings, "load_before": load,
                                                        "load_after": os.getloadavg()[0]})
                 if progress:
                     s = runs[(mode, n)][-1]
@@ -194,7 +218,10 @@ def run_engine_only(target: ModelRunner, draft: ModelRunner, tokenizer: Any, cfg
     return {"cells": cell_stats(runs)}
 
 
-def cell_stats(runs: dict[tuple[str, int], list[dict[str, float]]]) -> list[dict[str, Any]]:
+CROSSING_KEYS = (*(f"{k}_per_iteration" for k in KINDS), "blocking_per_iteration")
+
+
+def cell_stats(runs: dict[tuple[str, int], list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Per (mode, batch): the median and spread of the repeats' shares, and the repeats themselves."""
     cells = []
     for (mode, n), reps in sorted(runs.items(), key=lambda kv: (list(MODES).index(kv[0][0]), kv[0][1])):
@@ -206,6 +233,8 @@ def cell_stats(runs: dict[tuple[str, int], list[dict[str, float]]]) -> list[dict
             "non_forward_share_cpu_median": statistics.median(r["non_forward_share_cpu"] for r in reps),
             "iteration_ms_median": statistics.median(r["iteration_ms"] for r in reps),
             "non_forward_ms_median": statistics.median(r["non_forward_ms"] for r in reps),
+            # counts hardly vary between repeats (the trees do); the median of each kind
+            **{k: statistics.median(r[k] for r in reps) for k in CROSSING_KEYS if all(k in r for r in reps)},
             "repeats": reps,
         })
     return cells
@@ -235,7 +264,8 @@ def before_after(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> d
         for label, c in (("before", cb), ("after", ca)):
             row[label] = {k: c[k] for k in ("non_forward_share_median", "non_forward_share_min",
                                             "non_forward_share_max", "non_forward_share_cpu_median",
-                                            "iteration_ms_median", "non_forward_ms_median")}
+                                            "iteration_ms_median", "non_forward_ms_median", *CROSSING_KEYS)
+                          if k in c}
             row[label]["repeats"] = len(c["repeats"])
         table.append(row)
     return {"table": table, "before": b, "after": a}

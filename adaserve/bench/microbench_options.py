@@ -19,6 +19,7 @@ class EngineOnlyConfig:
     prompt_tokens: int = 128  # each prompt's tail, at most this many tokens
     warmup_steps: int = 3
     steps: int = 16  # timed iterations per cell
+    count_steps: int = 2  # untimed iterations after them whose host-device crossings are counted (0: none)
     repeats: int = 3  # cells run this many times, interleaved (the machine is shared: report the spread)
     budget: int = 32  # B; the profiled knee of the default pair on the development CPU
     kv_memory_mb: int = 512
@@ -33,6 +34,8 @@ class EngineOnlyConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.warmup_steps < 0:
             raise ValueError("warmup_steps must be >= 0")
+        if self.count_steps < 0:
+            raise ValueError("count_steps must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,8 @@ def add_engine_only(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default=",".join(d.modes), help="spec (adaserve), plain (incremental), or both")
     p.add_argument("--steps", type=int, default=d.steps, help="timed iterations per cell")
     p.add_argument("--warmup", type=int, default=d.warmup_steps, help="untimed iterations after prefill")
+    p.add_argument("--count-steps", type=int, default=d.count_steps,
+                   help="iterations after the timed ones whose host-device crossings are counted (0: none)")
     p.add_argument("--repeats", type=int, default=d.repeats, help="runs of every cell (or scenario), interleaved")
     p.add_argument("--prompt-tokens", type=int, help=f"tokens per prompt (default {d.prompt_tokens}; "
                    f"{PeerConfig().prompt_tokens} with --peer)")
@@ -97,7 +102,8 @@ def engine_only_config(args: argparse.Namespace) -> EngineOnlyConfig:
     d = EngineOnlyConfig()
     return EngineOnlyConfig(batches=tuple(args.batches), modes=tuple(m for m in args.modes.split(",") if m),
                             prompt_tokens=args.prompt_tokens or d.prompt_tokens, warmup_steps=args.warmup,
-                            steps=args.steps, repeats=args.repeats, budget=args.budget)
+                            steps=args.steps, count_steps=getattr(args, "count_steps", d.count_steps),
+                            repeats=args.repeats, budget=args.budget)
 
 
 def peer_config(args: argparse.Namespace) -> PeerConfig:

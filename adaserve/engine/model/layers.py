@@ -16,6 +16,7 @@ from torch import nn
 from adaserve.engine.model.attention.base import AttentionBackend
 from adaserve.engine.model.config import ModelConfig
 from adaserve.engine.model.few_rows import FewRowLinear
+from adaserve.engine.model.host_sync import synchronize
 from adaserve.engine.model.kv_cache import PagedKVCache
 from adaserve.engine.model.rope import Rotary, apply_rotary
 
@@ -111,8 +112,7 @@ class CausalLM(nn.Module):
                 cache: PagedKVCache, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         t0 = time.perf_counter()
         logits = self._logits(input_ids, positions, backend, cache, logits_rows)
-        if logits.is_cuda:
-            torch.cuda.synchronize(logits.device)  # the caller reads the logits next anyway
+        synchronize(logits.device)  # the caller reads the logits next anyway (host_sync.py counts it)
         self.forward_seconds += time.perf_counter() - t0
         return logits
 

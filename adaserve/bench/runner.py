@@ -389,7 +389,8 @@ def run_variant(shared: Shared, variant: Variant, workload: list[WorkloadRequest
         for _, r in arrivals
     ]
     span = cfg.duration_s if duration_s is None else duration_s
-    summary = summarize(results, wall_s=max(wall, span), select_s=select_s, step_s=step_s)
+    # goodput over the makespan (the drain may end past the window) and over the arrival window (the paper's)
+    summary = summarize(results, wall_s=max(wall, span), select_s=select_s, step_s=step_s, window_s=span)
     if gap is not None:
         summary["selection_vs_optimal"] = gap.summary()
     if variant.policy != HF_PEER:

@@ -35,3 +35,18 @@ def test_ratios_against_best_other() -> None:
     assert r["goodput_vs_best"] == pytest.approx(1.5) and r["best_goodput_policy"] == "incremental"
     assert r["violation_reduction_vs_best"] == pytest.approx(2.0)
     assert adaserve_ratios({"adaserve": by["adaserve"]}) is None
+
+
+def test_goodput_over_the_window_and_the_makespan() -> None:
+    # 30 SLO-met tokens; the drain ran 5 s past a 3 s arrival window
+    rs = [res("a", "coding", 10, 8, tokens=12), res("b", "coding", 10, 12, tokens=7),
+          res("c", "chat", 50, 49, tokens=18)]
+    s = summarize(rs, wall_s=8.0, window_s=3.0)
+    assert s["goodput_tok_s"] == pytest.approx(30 / 8)
+    assert s["goodput_window_tok_s"] == pytest.approx(30 / 3)
+    assert s["window_s"] == 3.0
+    assert s["per_class"]["coding"]["goodput_window_tok_s"] == pytest.approx(12 / 3)
+    assert s["per_class"]["chat"]["goodput_tok_s"] == pytest.approx(18 / 8)
+    assert s["per_class"]["chat"]["goodput_window_tok_s"] == pytest.approx(18 / 3)
+    none = summarize(rs, wall_s=8.0)  # no window given: no window goodput
+    assert none["goodput_window_tok_s"] is None and none["per_class"]["chat"]["goodput_window_tok_s"] is None

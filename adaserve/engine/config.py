@@ -6,7 +6,8 @@ when built, raising ValueError naming the field, so nothing downstream re-checks
 
     EngineConfig                                  (this module)
       policy, budget, n_max, smartspec_max_k      what an iteration verifies, and for whom
-      prefill_chunk, prefill_rule, max_batch      how much work one iteration takes on
+      prefill_chunk, prefill_rule, prefill_mode,  how much work one iteration takes on
+      max_batch
       adaptive: AdaptiveConfig                    tree depth and width from the batch size (Eq. 8-9;
                                                   speculation/adaptive.py)
       attention, kv: KVCacheConfig                how a forward runs (model/attention, model/kv_cache.py)
@@ -34,6 +35,7 @@ from adaserve.engine.speculation.adaptive import AdaptiveConfig
 
 BUDGET_RULES = ("goodput", "knee")
 PREFILL_RULES = ("fixed", "slo")
+PREFILL_MODES = ("mixed", "separate")
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,11 @@ class EngineConfig:
     # (prefill_chunk.py); a scheduler setting, the same for every policy; "fixed" is the behaviour before it
     prefill_rule: str = "fixed"
     prefill_min_chunk: int = 32
+    # "mixed": prefill chunks ride in the decoding iterations' forward (chunked prefill); "separate": an
+    # iteration with requests to prefill prefills whole prompts (first come first served, while their sum is
+    # at most prefill_chunk; the first always, however long) and decodes nothing, as vLLM v0 without
+    # chunked prefill; prefill_rule must then be "fixed"
+    prefill_mode: str = "mixed"
     max_batch: int = 64  # requests admitted at once
 
     # ---- how a forward runs (runner.py, kv_cache.py, attention/) ----
@@ -104,6 +111,12 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.prefill_rule must be one of {', '.join(PREFILL_RULES)}, "
                              f"got {self.prefill_rule!r}")
         at_least("EngineConfig", "prefill_min_chunk", self.prefill_min_chunk, 1)  # capped at prefill_chunk
+        if self.prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"EngineConfig.prefill_mode must be one of {', '.join(PREFILL_MODES)}, "
+                             f"got {self.prefill_mode!r}")
+        if self.prefill_mode == "separate" and self.prefill_rule != "fixed":
+            raise ValueError("EngineConfig.prefill_mode 'separate' prefills whole prompts: prefill_rule must be "
+                             f"'fixed', got {self.prefill_rule!r}")
         at_least("EngineConfig", "max_batch", self.max_batch, 1)
         at_least("EngineConfig", "history_len", self.history_len, 1)
         positive("EngineConfig", "initial_forward_s", self.initial_forward_s)

@@ -281,7 +281,9 @@ class Engine:
         self._admit()
         m = StepMetrics(budget=self.cfg.budget)
         prefill = self._prefill_segments(m)
-        decoding = [r for r in self.running if r.phase is Phase.DECODE]
+        # "separate" (vLLM v0 without chunked prefill): an iteration that prefills decodes nothing
+        separate = prefill and self.cfg.prefill_mode == "separate"
+        decoding = [] if separate else [r for r in self.running if r.phase is Phase.DECODE]
         trees = self._speculate_and_select(decoding, m, t_start)
 
         t0 = self.clock()
@@ -372,13 +374,18 @@ class Engine:
             tokens_per_iter=per_req, t_iter=lambda p: host + self.target_time.predict(n_ctx, round(verify) + p))
 
     def _prefill_segments(self, m: StepMetrics) -> list[tuple[Request, Segment]]:
+        """This iteration's prompt chunks: "mixed", up to ``_prefill_chunk()`` tokens, the last prompt cut;
+        "separate", whole prompts in admission order while they fit in ``prefill_chunk`` (the first always)."""
+        whole = self.cfg.prefill_mode == "separate"
         left = self._prefill_chunk()
         out = []
         for req in self.running:
             if req.phase is not Phase.PREFILL or left <= 0:
                 continue
             done = req.target_kv.length
-            chunk = req.prompt_ids[done : done + left]
+            if whole and out and len(req.prompt_ids) - done > left:
+                break  # first come first served: a prompt that does not fit waits, and so do those behind it
+            chunk = req.prompt_ids[done:] if whole else req.prompt_ids[done : done + left]
             left -= len(chunk)
             m.prefill_tokens += len(chunk)
             m.n_prefill += 1

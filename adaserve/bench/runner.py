@@ -25,6 +25,7 @@ from adaserve.bench.draft_report import draft_regret, draft_use, size_of
 from adaserve.bench.emission_trace import ARTIFACT_BASELINE_TPOT_MS, TraceWorkload, read_emission_trace
 from adaserve.bench.hf_peer import HFPeer
 from adaserve.bench.metrics import RequestResult, adaserve_ratios, summarize
+from adaserve.bench.presets import Preset, resolve
 from adaserve.bench.selection_gap import SelectionGap, budgeted
 from adaserve.bench.sim.clock import SimClock, SimTotals, run_simulated
 from adaserve.bench.sim.device_model import (
@@ -147,15 +148,22 @@ class BenchConfig:
             raise ValueError("the hf peer runs on the wall clock only: drop it from a simulated bench")
         for p in self.policies:
             if p != HF_PEER:
-                make_policy(p)  # raises ValueError naming the bad policy
+                resolve(p)  # raises ValueError naming the bad policy or bench system (presets.py)
 
 
 @dataclass
 class Variant:
     label: str
-    policy: str
+    policy: str  # the engine's policy (a preset's, for a named system)
     budget: int
     budget_rule: str = "goodput"
+    preset: Preset | None = None  # a named system's settings over the bench's (presets.py)
+
+
+def variant(name: str, budget: int) -> Variant:
+    """The variant a ``--policies`` name runs: a named system (presets.py) or an engine policy."""
+    preset = None if name == HF_PEER else resolve(name)
+    return Variant(name, name if preset is None else preset.policy, budget, preset=preset)
 
 
 @dataclass
@@ -216,7 +224,7 @@ def load_shared(cfg: BenchConfig, *, progress: bool) -> Shared:
     shared = Shared(target, draft, load_tokenizer(cfg.target), prof, budget, device=device, sched_s=sched_s,
                     max_batch=cfg.max_batch, prefill_rule=cfg.prefill_rule)
     _add_drafts(shared, [draft, *extra], [cfg.draft, *cfg.extra_drafts])
-    shared.variants = [Variant(p, p, budget) for p in cfg.policies]
+    shared.variants = [variant(p, budget) for p in cfg.policies]
     if HF_PEER in cfg.policies:
         eos = shared.target.model.cfg.eos_token_ids
         pad = shared.tokenizer.pad_token_id if shared.tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
@@ -268,6 +276,8 @@ def make_engine(shared: Shared, variant: Variant) -> Engine:
                        adaptive=tree_bounds(shared), target_cost=prof.target_cost if prof else None,
                        draft_cost=costs[use[0]], max_batch=shared.max_batch, prefill_rule=shared.prefill_rule,
                        drafts=MultiDraftConfig(extra_costs=extra if len(extra) == len(use) - 1 else ()))
+    if variant.preset is not None:  # a named system: its own admission, prefill and tree settings
+        cfg = variant.preset.engine_config(cfg)
     drafts = [(shared.drafts or [shared.draft])[i] for i in use]
     speculates = make_policy(cfg.policy, cfg).max_shape is not None
     return Engine(shared.target, drafts if speculates else None, cfg,
@@ -311,7 +321,9 @@ def context_room(shared: Shared) -> int:
     """Tokens a prompt and its output may fill in every engine of the bench: the models' shortest context
     less the deepest tree any policy may write past them (``Engine.check_request``'s rule)."""
     knobs = EngineConfig(adaptive=tree_bounds(shared))
-    shapes = [make_policy(v.policy, knobs).max_shape for v in shared.variants if v.policy != HF_PEER]
+    configs = [v.preset.engine_config(knobs) if v.preset else knobs for v in shared.variants if v.policy != HF_PEER]
+    shapes = [make_policy(v.policy, c).max_shape
+              for v, c in zip([v for v in shared.variants if v.policy != HF_PEER], configs, strict=True)]
     depth = max((s.depth for s in shapes if s is not None), default=0)
     return min(r.model.cfg.max_position_embeddings for r in [shared.target, *shared.drafts]) - depth - 1
 
@@ -485,6 +497,8 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
                 by_label[v.label] = summary
                 rows.append({"policy": v.label, "sweep": cfg.sweep, "x": pt.x, "rate_rps": pt.workload.rate,
                              "slo_scale": pt.workload.slo_scale, "mix": dict(pt.workload.mix), "budget": v.budget,
+                             # a named system's own settings (presets.py); None: the bench's, in "config"
+                             "system": v.preset.describe() if v.preset else None,
                              "outputs_equal_reference": match, "prompts_truncated": cut, **summary})
             ratios[f"{pt.x:g}"] = adaserve_ratios(by_label)
             if len(shared.drafts) > 1:

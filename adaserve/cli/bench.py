@@ -46,7 +46,11 @@ def add_parser(sub: Any) -> None:
                    help="draft model (default: the named model's own); repeat it for several drafts (policies "
                         "POLICY@ucb|eps|length|dN, spin, spin-eps, spin-length choose among them per request)")
     p.add_argument("--policies", default="adaserve,incremental,chain:4,smartspec,specinfer",
-                   help="comma-separated policies (empty with --budgets to sweep budgets only)")
+                   help="comma-separated policies (empty with --budgets to sweep budgets only): engine policies, or "
+                        "the paper's systems with their own admission and prefill: vllm, sarathi, vllm-spec:K, "
+                        "adaserve (the paper's configuration; = adaserve-paper), adaserve+goodput-budget, "
+                        "adaserve+slo-prefill, adaserve+learned-values, adaserve+goodput-depth, adaserve+ours "
+                        "(the engine's defaults; the bench's adaserve before issue 29); docs/benchmarks.md")
     p.add_argument("--rps", type=floats, help="request rates, comma-separated (default 1)")
     p.add_argument("--duration", type=float, help="seconds of arrivals per (policy, rate) (default 30)")
     p.add_argument("--trace", type=Path, help="arrival trace CSV (Azure format), rescaled to each rate")

@@ -1,0 +1,132 @@
+"""The bench's named systems: each a policy plus the scheduler settings its system ran with (issue 29).
+
+The paper's baselines keep their own admission and prefill rule, and the paper's AdaServe its own
+configuration, so every line of a plot is the system its name says. A preset is a bench-only object: the
+engine's own defaults (``EngineConfig``, what ``adaserve worker --policy adaserve`` serves) are untouched.
+
+    bench name        engine policy  running  prefill                               speculation
+    vllm              incremental    512      whole prompts, prefill-only iterations
+    sarathi           incremental    2048     chunks of 2048 beside the decodes
+    vllm-spec:K       chain:K        512      as vllm                               K draft tokens, K >= 1
+    adaserve          adaserve       64       chunks of 1024 (fixed)                d 4-8, w 3, Eq. 8 depth,
+    (= adaserve-paper)                                                              fixed B, draft values
+    adaserve+...      the paper's adaserve with one of our refinements (ADASERVE_REFINEMENTS)
+    adaserve+ours     adaserve       the bench's own settings (--max-batch, --prefill-rule) and the
+                                     engine's defaults: what the bench's ``adaserve`` was before issue 29
+
+Where each setting comes from in the artifact: docs/benchmarks.md, issue 29's section. Any other name is an
+engine policy (policies.make_policy) run with the bench's own settings, as before. A ``@SELECTOR`` suffix
+(several drafts) carries over: ``vllm-spec:4@ucb`` is ``chain:4@ucb`` under vLLM's admission.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from adaserve.engine.config import EngineConfig
+from adaserve.engine.speculation.policies import make_policy, split_policy
+
+# vLLM v0 without chunked prefill batches prompts up to max_num_batched_tokens = max(max_model_len, 2048)
+# tokens per prefill iteration: 131072 for Llama-3.1-70B-Instruct's context, i.e. no limit in practice
+VLLM_PREFILL_TOKENS = 131072
+VLLM_SPEC = "vllm-spec"
+
+
+@dataclass(frozen=True)
+class TreeBounds:
+    """AdaServe's tree: depth between ``d_min`` and ``d_max``, at most ``w_max`` wide, depth by ``depth_rule``."""
+
+    d_min: int
+    d_max: int
+    w_max: int
+    depth_rule: str
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named system: its engine policy and the EngineConfig fields it sets (None: the bench's own)."""
+
+    name: str
+    policy: str
+    max_batch: int | None = None
+    prefill_chunk: int | None = None
+    prefill_mode: str | None = None
+    prefill_rule: str | None = None
+    budget_rule: str | None = None
+    node_value: str | None = None
+    tree: TreeBounds | None = None
+
+    def engine_config(self, base: EngineConfig) -> EngineConfig:
+        """``base`` (the bench's settings for this variant) with this preset's fields, policy included."""
+        fields = {k: v for k in ("max_batch", "prefill_chunk", "prefill_mode", "prefill_rule", "budget_rule",
+                                 "node_value") if (v := getattr(self, k)) is not None}
+        adaptive = base.adaptive if self.tree is None else replace(
+            base.adaptive, d_min=self.tree.d_min, d_max=self.tree.d_max, w_max=self.tree.w_max,
+            depth_rule=self.tree.depth_rule)
+        return replace(base, policy=self.policy, adaptive=adaptive, **fields)
+
+    def describe(self) -> dict:
+        """The settings this preset fixes, for the report (the others are the bench's)."""
+        out = {k: v for k, v in vars(self).items() if v is not None and k != "tree"}
+        if self.tree is not None:
+            out["tree"] = vars(self.tree)
+        return out
+
+
+# exps/fig8,9/run_llama_rps.sh, ADASERVE: MAX_REQUESTS_PER_BATCH=64, CHUNK_SIZE=1024, MIN_TREE_DEPTH=4,
+# MAX_TREE_DEPTH=8, MAX_TREE_WIDTH=3; the paper's section 5: a fixed profiled B, Eq. 8, draft path probability
+PAPER_TREE = TreeBounds(d_min=4, d_max=8, w_max=3, depth_rule="eq8")
+ADASERVE_PAPER = Preset("adaserve", "adaserve", max_batch=64, prefill_chunk=1024, prefill_mode="mixed",
+                        prefill_rule="fixed", budget_rule="knee", node_value="draft", tree=PAPER_TREE)
+# our refinements, one at a time on the paper's configuration
+ADASERVE_REFINEMENTS = {
+    "adaserve+goodput-budget": {"budget_rule": "goodput"},
+    "adaserve+slo-prefill": {"prefill_rule": "slo"},
+    "adaserve+learned-values": {"node_value": "learned"},
+    "adaserve+goodput-depth": {"tree": replace(PAPER_TREE, depth_rule="goodput")},
+}
+OURS = "adaserve+ours"
+
+PRESETS: dict[str, Preset] = {
+    # exps/test.sh, ENABLE_VLLM_SERVER_BENCHMARK: --enable-chunked-prefill False, MAX_REQUESTS_PER_BATCH=512
+    "vllm": Preset("vllm", "incremental", max_batch=512, prefill_chunk=VLLM_PREFILL_TOKENS,
+                   prefill_mode="separate", prefill_rule="fixed"),
+    # exps/test.sh, ENABLE_VLLM_SARATHI_SERVE: --enable-chunked-prefill True, MAX_REQUESTS_PER_BATCH=2048,
+    # MAX_NUM_BATCHED_TOKENS=2048
+    "sarathi": Preset("sarathi", "incremental", max_batch=2048, prefill_chunk=2048, prefill_mode="mixed",
+                      prefill_rule="fixed"),
+    "adaserve": ADASERVE_PAPER,
+    "adaserve-paper": replace(ADASERVE_PAPER, name="adaserve-paper"),
+    **{name: replace(ADASERVE_PAPER, name=name, **kw) for name, kw in ADASERVE_REFINEMENTS.items()},
+    OURS: Preset(OURS, "adaserve"),
+}
+NAMES = (*PRESETS, f"{VLLM_SPEC}:K")
+
+
+def vllm_spec(k: int) -> Preset:
+    """exps/test.sh, ENABLE_VLLM_SPEC_INFER: vLLM's admission (as ``vllm``) with K speculative tokens
+    (NUM_SPEC_TOKENS; exps/fig8,9/run_llama_rps.sh runs 4, 6, 8)."""
+    return replace(PRESETS["vllm"], name=f"{VLLM_SPEC}:{k}", policy=f"chain:{k}")
+
+
+def resolve(name: str) -> Preset | None:
+    """The preset a bench name names, with its ``@SELECTOR`` carried to its policy; None for a plain engine
+    policy (checked here too). Raises ValueError, one line, for a bad name."""
+    base, selector = split_policy(name)
+    if base.startswith(VLLM_SPEC + ":"):
+        arg = base.removeprefix(VLLM_SPEC + ":")
+        if not arg.isdigit() or int(arg) < 1:
+            raise ValueError(f"bad policy {name!r}: {VLLM_SPEC}:K takes a number of draft tokens K >= 1, got {arg!r}")
+        preset: Preset | None = vllm_spec(int(arg))
+    else:
+        preset = PRESETS.get(base)
+    if preset is not None and selector is not None:
+        preset = replace(preset, policy=f"{preset.policy}@{selector}")
+    if preset is not None:
+        make_policy(preset.policy)  # raises ValueError naming a bad selector
+        return preset
+    try:
+        make_policy(name)
+    except ValueError as e:
+        raise ValueError(f"{e}; or a bench system: {', '.join(NAMES)}") from None
+    return None

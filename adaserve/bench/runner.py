@@ -160,7 +160,7 @@ class Variant:
     preset: Preset | None = None  # a named system's settings over the bench's (presets.py)
 
 
-def variant(name: str, budget: int) -> Variant:
+def named_variant(name: str, budget: int) -> Variant:
     """The variant a ``--policies`` name runs: a named system (presets.py) or an engine policy."""
     preset = None if name == HF_PEER else resolve(name)
     return Variant(name, name if preset is None else preset.policy, budget, preset=preset)
@@ -224,7 +224,7 @@ def load_shared(cfg: BenchConfig, *, progress: bool) -> Shared:
     shared = Shared(target, draft, load_tokenizer(cfg.target), prof, budget, device=device, sched_s=sched_s,
                     max_batch=cfg.max_batch, prefill_rule=cfg.prefill_rule)
     _add_drafts(shared, [draft, *extra], [cfg.draft, *cfg.extra_drafts])
-    shared.variants = [variant(p, budget) for p in cfg.policies]
+    shared.variants = [named_variant(p, budget) for p in cfg.policies]
     if HF_PEER in cfg.policies:
         eos = shared.target.model.cfg.eos_token_ids
         pad = shared.tokenizer.pad_token_id if shared.tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
@@ -321,9 +321,8 @@ def context_room(shared: Shared) -> int:
     """Tokens a prompt and its output may fill in every engine of the bench: the models' shortest context
     less the deepest tree any policy may write past them (``Engine.check_request``'s rule)."""
     knobs = EngineConfig(adaptive=tree_bounds(shared))
-    configs = [v.preset.engine_config(knobs) if v.preset else knobs for v in shared.variants if v.policy != HF_PEER]
-    shapes = [make_policy(v.policy, c).max_shape
-              for v, c in zip([v for v in shared.variants if v.policy != HF_PEER], configs, strict=True)]
+    engines = [v for v in shared.variants if v.policy != HF_PEER]  # a named system's own tree bounds count
+    shapes = [make_policy(v.policy, v.preset.engine_config(knobs) if v.preset else knobs).max_shape for v in engines]
     depth = max((s.depth for s in shapes if s is not None), default=0)
     return min(r.model.cfg.max_position_embeddings for r in [shared.target, *shared.drafts]) - depth - 1
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from adaserve.bench.presets import PRESETS, VLLM_PREFILL_TOKENS, resolve
-from adaserve.bench.runner import BenchConfig, variant
+from adaserve.bench.runner import BenchConfig, named_variant
 from adaserve.cli.main import main
 from adaserve.engine.config import EngineConfig
 
@@ -71,11 +71,11 @@ def test_ours_is_the_engines_defaults() -> None:
 def test_engine_policies_keep_their_meaning() -> None:
     for name in ("specinfer", "incremental", "chain:4", "smartspec", "beam:3,2"):
         assert resolve(name) is None
-        v = variant(name, 32)
+        v = named_variant(name, 32)
         assert (v.label, v.policy, v.preset) == (name, name, None)
-    v = variant("vllm-spec:4", 32)
+    v = named_variant("vllm-spec:4", 32)
     assert (v.label, v.policy, v.preset.name) == ("vllm-spec:4", "chain:4", "vllm-spec:4")
-    assert variant("hf", 32).preset is None
+    assert named_variant("hf", 32).preset is None
     assert all(resolve(n) is not None for n in PRESETS)
 
 

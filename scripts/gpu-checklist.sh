@@ -26,6 +26,6 @@ python -m adaserve.bench.engine_only --device cuda --budget "$B" --json "$OUT/en
 step "against transformers' generate on the same device and dtype"
 python -m adaserve.bench.peer_compare --device cuda --budget "$B" --json "$OUT/hf-peer-smollm2.json" > /dev/null
 step "the policies under SLO classes, wall clock"
-adaserve bench --device cuda --policies adaserve,incremental,chain:4 --rps 4,16 --duration 20 --seed 0 \
+adaserve bench --device cuda --policies adaserve+ours,incremental,chain:4 --rps 4,16 --duration 20 --seed 0 \
   --json "$OUT/policies-smollm2.json" --plot "$OUT/policies-smollm2.png" > /dev/null
 [ "$failed" = 0 ] || { echo "gpu-checklist: a step failed (see above)" >&2; exit 1; }

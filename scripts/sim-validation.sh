@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 BIN=${ADASERVE_BIN:-.venv/bin/adaserve}
 OUT=${1:-docs/results}
 export OMP_NUM_THREADS=1
-COMMON=(--model demo-tiny --policies incremental,chain:4,adaserve --rps 4 --duration 20 --seed 0 --max-tokens 96
+COMMON=(--model demo-tiny --policies incremental,chain:4,adaserve+ours --rps 4 --duration 20 --seed 0 --max-tokens 96
         --max-prompt-tokens 256)
 for i in 1 2; do
   echo "round $i, load average $(cut -d' ' -f1-3 /proc/loadavg)" >&2

@@ -320,3 +320,25 @@ def test_hub_drafts_are_hub_ids_and_all_downloaded(crd: dict[str, Any], example:
     assert validate(example, crd) == [f"spec.model: {spec.MSG_TARGET_HUB}"]
     with pytest.raises(SpecError, match=r"spec\.model\.drafts\[1\]: with source hub"):
         parse_spec(s)
+
+
+def test_the_sheddable_field_documents_the_status_the_gateway_sends(crd: dict[str, Any]) -> None:
+    """The CRD told users a shed request gets 429 while the gateway sends 503 (issue 32): the description
+    must name the gateway's own status and code for a shed request, and not the rate limit's 429."""
+    from adaserve.gateway.admission import Refused
+
+    shed = Refused("x", reason="shed", retry_after=1)
+    text = json.dumps(openapi_schema(crd))
+    described = [d for d in _descriptions(openapi_schema(crd)) if "refused under overload" in d]
+    assert len(described) == 1, text[:200]
+    assert f"{shed.status} with code {shed.code}" in described[0]
+    assert "(429)" not in text
+
+
+def _descriptions(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        own = [node["description"]] if isinstance(node.get("description"), str) else []
+        return own + [d for v in node.values() for d in _descriptions(v)]
+    if isinstance(node, list):
+        return [d for v in node for d in _descriptions(v)]
+    return []

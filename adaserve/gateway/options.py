@@ -17,7 +17,7 @@ from adaserve.gateway.settings import GatewaySettings
 # option -> settings field of the same name; every other field comes from the environment only
 OPTIONS = ("host", "port", "redis_url", "redis_prefix", "workers", "model_name", "slo_classes_file",
            "default_slo_class", "api_keys_file", "routing", "admission", "on_overload", "on_infeasible",
-           "queue_timeout_s", "max_attempts", "log_level")
+           "queue_timeout_s", "max_attempts", "rate_limit_fail_open", "log_level")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="classes no worker can meet even alone [default best-effort]")
     p.add_argument("--queue-timeout-s", type=float, help="wait for headroom before 503")
     p.add_argument("--max-attempts", type=int, help="workers tried before the first token")
+    p.add_argument("--rate-limit-fail-open", action="store_const", const=True,
+                   help="with Redis unreachable, serve rate-limited API keys unchecked instead of 503 "
+                        "[ADASERVE_GATEWAY_RATE_LIMIT_FAIL_OPEN, default off: fail closed]")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
 
 

@@ -116,9 +116,15 @@ class Gateway:
             return
         try:
             wait = await self.store.take_token(key.name, rate_per_s=key.rate_per_s, burst=key.bucket_size)
-        except (RedisError, OSError) as e:  # fail open: an outage of the record keeper is not the caller's fault
-            log.warning("rate limit of %s not checked, state store unreachable: %s", key.name, e)
-            return
+        except (RedisError, OSError) as e:
+            # fail closed by default: a limit nobody can check is not a limit (rate_limit_fail_open serves anyway)
+            if self.settings.rate_limit_fail_open:
+                log.warning("rate limit of %s not checked, state store unreachable: %s", key.name, e)
+                return
+            log.warning("rate-limited key %s refused, state store unreachable: %s", key.name, e)
+            raise ApiError(503, f"the rate limit of API key {key.name!r} cannot be checked: the state store is "
+                           "unreachable; retry later", code="state_store_unavailable",
+                           retry_after=self.settings.retry_after_s) from None
         if wait > 0:
             self.metrics.rate_limited.labels(key.name).inc()
             raise ApiError(429, f"rate limit of API key {key.name!r} exceeded ({key.rate_per_s:g} requests/s, "

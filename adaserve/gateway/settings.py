@@ -62,6 +62,8 @@ class GatewaySettings(BaseSettings):
     worker_wait_s: float = Field(30.0, ge=0, description="how long a request whose worker drained or failed waits "
                                  "for another when none is usable (a restart), before 503")
     retry_after_s: int = Field(1, ge=1)
+    rate_limit_fail_open: bool = Field(False, description="with the state store unreachable, serve rate-limited keys "
+                                       "unchecked; default: refuse them, 503 state_store_unavailable")
     refresh_s: float = Field(0.5, gt=0, description="how often the worker list is re-read")
     suspect_s: float = Field(5.0, ge=0, description="how long a worker that failed a request is skipped")
     connect_timeout_s: float = Field(2.0, gt=0)

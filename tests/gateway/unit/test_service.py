@@ -36,3 +36,32 @@ def test_workers_gauge_counts_the_usable_workers_not_one_requests_view() -> None
         return seen
 
     assert run(main()) == [0, 2, 2, 1, 3]
+
+
+def test_rate_limit_fails_closed_when_the_state_store_is_unreachable() -> None:
+    """Nothing listens at the Redis address: a rate-limited key gets 503 state_store_unavailable (a limit nobody
+    can check is no limit) unless rate_limit_fail_open; a key without a limit never needs the store."""
+    import pytest
+
+    from adaserve.gateway.errors import ApiError
+    from adaserve.gateway.keys import ApiKey
+
+    limited = ApiKey(key="sk-limited-0123", name="limited", ratePerS=5)
+    free = ApiKey(key="sk-free-012345", name="free")
+
+    def gateway(**kw: object) -> Gateway:
+        return Gateway(GatewaySettings(redis_url="redis://127.0.0.1:1/0", workers=["http://x"], **kw))
+
+    async def check(gw: Gateway, key: ApiKey) -> None:
+        try:
+            await gw.rate_limit(key)
+        finally:
+            await gw.http.aclose()
+
+    closed = gateway()
+    with pytest.raises(ApiError) as refused:
+        run(check(closed, limited))
+    assert (refused.value.status, refused.value.code, refused.value.retry_after) == (503, "state_store_unavailable", 1)
+    assert "limited" in refused.value.message
+    run(check(gateway(), free))
+    run(check(gateway(rate_limit_fail_open=True), limited))  # the documented switch: served unchecked

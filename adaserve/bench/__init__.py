@@ -1,10 +1,12 @@
 """The benchmark: workloads, the side-by-side run of every policy, load over HTTP (docs/benchmarks.md).
 
-Holds the request schedules (workload.py), the in-process side-by-side benchmark (runner.py) and its
-metrics and reports (metrics.py, budget_use.py, draft_report.py, selection_gap.py), the Hugging Face
-peer (hf_peer.py, peer_compare.py), the engine-only micro-benchmarks (engine_only.py, model_costs.py,
-microbench_options.py), and load through the gateway (loadgen.py). The simulated clock is its own room,
-``bench/sim/``; training the shipped models is ``adaserve.training``.
+Holds the request schedules (workload.py, and the AdaServe artifact's trace files, emission_trace.py),
+the in-process side-by-side benchmark (runner.py) with the systems it names (presets.py: vllm, sarathi,
+vllm-spec:K, the paper's adaserve and our variants), its metrics and reports (metrics.py, budget_use.py,
+draft_report.py, selection_gap.py), the Hugging Face peer (hf_peer.py, peer_compare.py), the engine-only
+micro-benchmarks (engine_only.py, model_costs.py, microbench_options.py), and load through the gateway
+(loadgen.py). The simulated clock is its own room, ``bench/sim/``; training the shipped models is
+``adaserve.training``.
 
 May import: the engine and ``adaserve.plots``. Nothing but the CLI and the training scripts imports it.
 """

@@ -85,12 +85,18 @@ class Gateway:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def stop(self) -> None:
+    async def stop(self, *, step_timeout_s: float = 5.0) -> None:
+        """Finish the clean-ups, then close the worker list, the HTTP client and the store, each within
+        ``step_timeout_s``: a close that hangs (a Redis connection stuck mid-command) must not hold SIGTERM's
+        exit until the pod is killed; it is logged and left."""
         if self._tasks:
-            await asyncio.wait(self._tasks, timeout=5.0)
-        await self.directory.stop()
-        await self.http.aclose()
-        await self.store.close()
+            await asyncio.wait(self._tasks, timeout=step_timeout_s)
+        for name, close in (("worker list", self.directory.stop), ("HTTP client", self.http.aclose),
+                            ("state store", self.store.close)):
+            try:
+                await asyncio.wait_for(close(), step_timeout_s)
+            except TimeoutError:
+                log.warning("closing the %s took over %.0f s at shutdown: left open", name, step_timeout_s)
 
     # ---- the request path -------------------------------------------------------------------------
     def check_model(self, model: str) -> str:

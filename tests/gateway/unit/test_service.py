@@ -65,3 +65,30 @@ def test_rate_limit_fails_closed_when_the_state_store_is_unreachable() -> None:
     assert "limited" in refused.value.message
     run(check(gateway(), free))
     run(check(gateway(rate_limit_fail_open=True), limited))  # the documented switch: served unchecked
+
+
+def test_stop_is_bounded_when_a_close_hangs() -> None:
+    """A close that never returns (seen once as a gateway stuck at 'Waiting for application shutdown' until
+    SIGKILL) is given up after its step timeout, and the other closes still run."""
+    import asyncio
+    import time
+
+    gw = Gateway(GatewaySettings(workers=["http://x"]))
+    closed: list[str] = []
+
+    async def hang() -> None:
+        await asyncio.sleep(3600)
+
+    async def store_close() -> None:
+        closed.append("store")
+
+    gw.directory.source.close = hang  # type: ignore[method-assign]
+    gw.store.close = store_close  # type: ignore[method-assign]
+
+    async def main() -> float:
+        t0 = time.perf_counter()
+        await gw.stop(step_timeout_s=0.2)
+        return time.perf_counter() - t0
+
+    took = run(main())
+    assert took < 2.0 and closed == ["store"]

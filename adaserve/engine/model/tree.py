@@ -41,6 +41,17 @@ class TokenTree:
             raise ValueError("NaN path probability in token tree: the draft produced invalid log-probs")
 
     # ---- constructors -------------------------------------------------------------------------
+    @classmethod
+    def trusted(cls, tokens: np.ndarray, parents: np.ndarray, log_probs: np.ndarray) -> TokenTree:
+        """A tree from arrays whose invariants hold by construction (a subtree of a valid tree, a builder
+        that appends children after their parents): the checks of ``__post_init__`` are skipped, which
+        matters where thousands of trees are built per second (the replay clock, bench/sim/replay.py)."""
+        tree = object.__new__(cls)
+        object.__setattr__(tree, "tokens", tokens)
+        object.__setattr__(tree, "parents", parents)
+        object.__setattr__(tree, "log_probs", log_probs)
+        return tree
+
     @staticmethod
     def root(token: int) -> TokenTree:
         return TokenTree(np.array([token], np.int64), np.array([-1], np.int64), np.zeros(1))
@@ -129,7 +140,7 @@ class TokenTree:
             raise ValueError(f"node {old} selected without its parent {int(self.parents[old])}: "
                              "tree would be disconnected")
         parents = np.concatenate([[-1], new_index[old_parents]])
-        return TokenTree(self.tokens[keep], parents, self.log_probs[keep])
+        return TokenTree.trusted(self.tokens[keep], parents, self.log_probs[keep])  # checked above
 
     def with_strict_decrease(self, eps: float = STRICT_DECREASE_EPS) -> TokenTree:
         """Nudge ties so every child's path probability is strictly below its parent's."""

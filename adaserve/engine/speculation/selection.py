@@ -68,22 +68,43 @@ def _check_roots_fit(n: int, budget: int) -> None:
         raise ValueError(f"budget {budget} cannot hold the roots of {n} requests")
 
 
+def _padded(lps: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """([n, M] log f with -inf past each tree's size, sizes [n]): one array for the whole batch."""
+    sizes = np.fromiter((len(lp) for lp in lps), np.int64, len(lps))
+    m = int(sizes.max(initial=1))
+    if np.all(sizes == m):
+        return np.stack(lps) if lps else np.zeros((0, m)), sizes
+    out = np.full((len(lps), m), -np.inf)
+    for i, lp in enumerate(lps):
+        out[i, : len(lp)] = lp
+    return out, sizes
+
+
 def _slo_phase(lps: Sequence[np.ndarray], req: np.ndarray, *, budget: int, depth: int,
                n_max: int) -> list[np.ndarray]:
-    """Algorithm 2 lines 3-17. Returns the chosen node indices per request (root first)."""
+    """Algorithm 2 lines 3-17. Returns the chosen node indices per request (root first).
+
+    Vectorised over the batch: each request's wish k(r) (its own highest-f nodes until n_acc >= A_cap(r),
+    at most n_max - 1) is computed for all at once; the budget then goes to them in descending A(r):
+    request i gets min(k(i), what the requests before it left), a clipped running sum.
+    """
     n = len(lps)
-    chosen = [np.zeros(1, np.int64) for _ in range(n)]
-    left = budget - n  # every root costs 1
+    if n == 0:
+        return []
+    lp, sizes = _padded(lps)
+    # each request's drafted nodes by descending f, ties by index (parents first); padding sorts last
+    order = np.argsort(-lp[:, 1:], axis=1, kind="stable") + 1
+    f = np.exp(np.take_along_axis(lp, order, axis=1))
+    # n_acc after taking k nodes: 1.0 (root) + f(v_1) + ... + f(v_k); need = least k with n_acc[k] >= A_cap
+    n_acc = 1.0 + np.concatenate([np.zeros((n, 1)), np.cumsum(f, axis=1)], axis=1)
     a_cap = np.minimum(req, depth + 1)  # A_cap(r) = min(A(r), d+1): at most d drafted + 1 bonus
-    for i in np.argsort(-req, kind="stable"):  # largest A(r) first; ties keep batch order
-        order = _rank(lps[i], np.arange(1, len(lps[i])))
-        # n_acc after taking k nodes: 1.0 (root) + f(v_1) + ... + f(v_k), summed in pick order
-        n_acc = np.cumsum(np.concatenate(([1.0], np.exp(lps[i][order]))))
-        need = int(np.searchsorted(n_acc, a_cap[i], side="left"))  # least k with n_acc[k] >= A_cap
-        k = max(0, min(need, n_max - 1, len(order), left))  # |T| <= n_max, budget never exceeded
-        chosen[i] = np.concatenate(([0], order[:k]))
-        left -= k
-    return chosen
+    need = np.sum(n_acc < a_cap[:, None], axis=1)
+    want = np.maximum(0, np.minimum(np.minimum(need, n_max - 1), sizes - 1))  # |T| <= n_max
+    by_need = np.argsort(-req, kind="stable")  # largest A(r) first; ties keep batch order
+    before = np.cumsum(want[by_need]) - want[by_need]
+    k = np.empty(n, np.int64)
+    k[by_need] = np.clip(budget - n - before, 0, want[by_need])  # every root costs 1; never over budget
+    return [np.concatenate(([0], order[i, : k[i]])) for i in range(n)]
 
 
 def _throughput_phase(lps: Sequence[np.ndarray], chosen: Sequence[np.ndarray], *,
@@ -91,20 +112,20 @@ def _throughput_phase(lps: Sequence[np.ndarray], chosen: Sequence[np.ndarray], *
     """Algorithm 2 lines 18-23: spend what is left of ``budget`` on the globally highest-f nodes.
 
     Works from any connected start: a remaining node's parent is chosen already or remains with a
-    strictly higher f, so it is taken first.
+    strictly higher f, so it is taken first. Ties go to the earlier request, then the lower index.
     """
     left = budget - sum(len(c) for c in chosen)
     if left <= 0 or not chosen:
         return list(chosen)
-    lp_all, req_all, idx_all = [], [], []
-    for i, (lp, c) in enumerate(zip(lps, chosen, strict=True)):
-        rest = np.setdiff1d(np.arange(len(lp)), c)
-        lp_all.append(lp[rest])
-        req_all.append(np.full(len(rest), i))
-        idx_all.append(rest)
-    lp_cat, req_cat, idx_cat = (np.concatenate(x) for x in (lp_all, req_all, idx_all))
-    top = np.lexsort((idx_cat, req_cat, -lp_cat))[:left]  # one global heap, as a sort
-    return [np.concatenate((c, idx_cat[top][req_cat[top] == i])) for i, c in enumerate(chosen)]
+    lp, _ = _padded(lps)
+    m = lp.shape[1]
+    free = np.isfinite(lp)
+    for i, c in enumerate(chosen):
+        free[i, c] = False
+    flat = np.flatnonzero(free)  # row-major: by request, then node index
+    top = flat[np.argsort(-lp.reshape(-1)[flat], kind="stable")[:left]]  # one global heap, as a sort
+    req_of, node_of = np.divmod(top, m)
+    return [np.concatenate((c, node_of[req_of == i])) for i, c in enumerate(chosen)]
 
 
 # ---- policies -----------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ the in-process side-by-side benchmark (runner.py) with the systems it names (pre
 vllm-spec:K, the paper's adaserve and our variants), its metrics and reports (metrics.py, budget_use.py,
 draft_report.py, selection_gap.py), the Hugging Face peer (hf_peer.py, peer_compare.py), the engine-only
 micro-benchmarks (engine_only.py, model_costs.py, microbench_options.py), and load through the gateway
-(loadgen.py). The simulated clock is its own room, ``bench/sim/``; training the shipped models is
+(loadgen.py), and the paper's figures on the replay clock (replay_sweep.py: traces x systems x seeds in
+parallel processes). The simulated and replay clocks are their own room, ``bench/sim/``; training the shipped models is
 ``adaserve.training``.
 
 May import: the engine and ``adaserve.plots``. Nothing but the CLI and the training scripts imports it.

@@ -15,7 +15,7 @@ from adaserve.cli_error import EXIT_USAGE, CliError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from adaserve.cli import bench, gateway, generate, loadtest, microbench, profile, up, worker
+    from adaserve.cli import bench, gateway, generate, loadtest, microbench, profile, replay, up, worker
 
     parser = argparse.ArgumentParser(prog="adaserve", description="SLO-customized speculative decoding")
     parser.add_argument("--version", action="version", version=f"adaserve {__version__}")
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_parser(sub)
     loadtest.add_parser(sub)
     microbench.add_parser(sub)
+    replay.add_parser(sub)
     return parser
 
 

@@ -9,10 +9,23 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 
 from adaserve.engine.model.config import ModelConfig
 from adaserve.engine.model.layers import CausalLM
+from adaserve.engine.model.quant import (
+    KINDS,
+    QuantLinear,
+    check_weights,
+    dequantize_stored,
+    from_stored,
+    quantizable_linears,
+    quantize_linear,
+    stored_kind,
+    stored_prefixes,
+    swap_module,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +59,20 @@ def read_config(path: Path) -> ModelConfig:
 
 
 def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | None = None,
-               progress: bool = False) -> CausalLM:
+               progress: bool = False, weights: str = "float") -> CausalLM:
+    """The model in ``path`` on ``device``; ``weights`` says how its decoder linear layers are served:
+
+    - ``float``: in ``dtype`` (a stored quantized layer is dequantized, one layer at a time);
+    - ``int8`` / ``int4``: weight-only quantized (quant.py), each layer quantized as it is read (never a
+      float copy of the whole model), or re-quantized from a stored layer of the other kind;
+    - ``auto``: as stored: a quantized layer stays as it is (a GGUF model's, see gguf.py), float stays float.
+
+    The embedding, the norms and the LM head are always float (quant.py says why).
+    """
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")
+    check_weights(weights)
     cfg = read_config(path)
     dtype = dtype or default_dtype(device)
     with torch.device("meta"):
@@ -57,16 +80,48 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | N
     expected = set(model.state_dict().keys())
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
+    linears = set(quantizable_linears(model))
     state: dict[str, torch.Tensor] = {}
     found: dict[str, torch.Tensor] = {}  # tensors the model does not name directly (see the tied pair below)
+    stored: dict[str, torch.Tensor] = {}  # quantized layers' tensors, by name (quant.py's stored form)
+    swapped: dict[str, QuantLinear] = {}
     files = weight_files(path)
     for f in tqdm(files, desc=f"loading {path.name}", disable=not progress, unit="shard"):
         with safe_open(str(f), framework="pt", device="cpu") as fh:
-            for name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name in expected:
-                    state[name] = fh.get_tensor(name).to(device=device, dtype=dtype)
+            names = set(fh.keys())
+            prefixes = stored_prefixes(names)
+            for name in sorted(names):
+                prefix = name.rpartition(".")[0]
+                if prefix in prefixes and not name.endswith(".bias"):
+                    stored[name] = fh.get_tensor(name)
+                elif name in expected:
+                    t = fh.get_tensor(name)
+                    if weights in KINDS and prefix in linears and name.endswith(".weight"):
+                        layer = quantize_linear(t.to(device), None, weights, dtype=dtype)
+                        if layer is not None:  # a shape the kind cannot take stays float
+                            swapped[prefix] = layer
+                            continue
+                    state[name] = t.to(device=device, dtype=dtype)
                 elif name == "lm_head.weight":
                     found[name] = fh.get_tensor(name).to(device=device, dtype=dtype)
+    for prefix in stored_prefixes(set(stored)):
+        kind = stored_kind(stored, prefix)
+        want = kind if weights == "auto" else weights
+        if want == kind:
+            swapped[prefix] = from_stored(stored, prefix, None, dtype=dtype, device=device)
+            continue
+        w = dequantize_stored(stored, prefix).to(device)
+        layer = None if want == "float" else quantize_linear(w, None, want, dtype=dtype)
+        if layer is None:
+            state[f"{prefix}.weight"] = w.to(dtype)
+        else:
+            swapped[prefix] = layer
+    for prefix, layer in swapped.items():
+        swap_module(model, prefix, layer)
+        expected.discard(f"{prefix}.weight")
+        if f"{prefix}.bias" in state:
+            layer.bias = nn.Parameter(state.pop(f"{prefix}.bias"), requires_grad=False)
+            expected.discard(f"{prefix}.bias")
     # A tied pair may be saved under either name (safetensors' save_model keeps only lm_head.weight).
     if cfg.tie_word_embeddings and "model.embed_tokens.weight" not in state and "lm_head.weight" in found:
         state["model.embed_tokens.weight"] = found["lm_head.weight"]

@@ -1,0 +1,277 @@
+"""Weight-only quantized linear layers on torch's packed kernels: int8 per output row, int4 group-wise.
+
+y = x W^T + b with W kept in integers and expanded inside the kernel (the activations stay in the model's
+float dtype). The kernels are torch's own (the layout gpt-fast uses), so there is no new runtime:
+
+    int8   W = s[n] * q[n, k],             q int8,  one scale per output row
+           torch.ops.aten._weight_int8pack_mm(x, q, s)                       CPU and CUDA
+    int4   W = d[n, g] * q[n, k] + m[n, g],  q in 0..15, g = k // group    (GGUF Q4_1's block form)
+           CPU:  _convert_weight_to_int4pack_for_cpu / _weight_int4pack_mm_for_cpu
+           CUDA: _convert_weight_to_int4pack / _weight_int4pack_mm (bfloat16 activations)
+
+Both kernels run on bfloat16 activations, on CPU as on CUDA: layer inputs are rounded to bfloat16,
+outputs come back in bfloat16 and are widened to the model's dtype. On the development CPU (AVX512-BF16,
+one thread, SmolLM2's 1536x576 MLP product at one row) float32 ``x @ W^T`` takes ~0.4-0.7 ms, int4 on
+bfloat16 0.14 ms and int8 0.21 ms, while the same kernels on float32 activations take 3.8 and 1.4 ms
+(an unvectorised fallback). The kernels' rows are independent: a row's result is bitwise the same
+whatever the number of rows M and the thread count (checked in the tests), so decode, prefill chunks
+and verification trees see one function, as losslessness needs.
+
+The int4 kernels compute ``(q - 8) * scale + zero`` per group, from a ``[K/group, N, 2]`` table of
+(scale, zero). A block ``d * q + m`` is that with ``scale = d`` and ``zero = m + 8 d`` (GGUF Q4_0,
+``d * (q - 8)``, is ``m = -8 d``, zero 0); ``tests/engine/model/test_quant.py`` checks the identity
+against the dequantized weight. The table is held in bfloat16 (the kernel takes x's dtype), so a
+quantized layer equals its dequantized float twin only within bfloat16's tolerance (about 1% of the
+largest output, stated in the test), never bitwise: losslessness is stated against the *quantized*
+target, which serves every path (decode, prefill, verification) with the same modules.
+
+Stored form (what the conversion cache writes for a GGUF model, and ``stored_tensors`` returns):
+
+    int8   ``P.qweight`` int8 [N, K], ``P.scales`` float32 [N]
+    int4   ``P.qweight`` uint8 [N, K/2] (two codes a byte, the even column in the low nibble),
+           ``P.d`` and ``P.m`` [N, K/group] (float16 straight from a GGUF Q4 block, float32 otherwise)
+
+It is portable: the kernels' packed layouts depend on the device (and the CPU one on its ISA), so
+packing happens at load. Which layers: every linear layer of the decoder blocks (attention q/k/v/o and
+the MLP). The token embedding and the LM head stay in float: the embedding is a row lookup (no product
+to speed up), and the LM head is tied to it in the default model (SmolLM2), so one float table serves
+both; an untied head is kept in float too, as the widest product whose rounding decides every token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+WEIGHTS = ("float", "int8", "int4", "auto")  # "auto": the precision the file holds
+KINDS = ("int8", "int4")
+INT4_GROUP = 32  # GGUF's block size; the int4 kernels take 32, 64, 128 or 256
+_INT4_GROUPS = (32, 64, 128, 256)
+_CUDA_INNER_K_TILES = (8, 4, 2)
+KERNEL_DTYPE = torch.bfloat16  # the activations' dtype inside both kernels (see the module docstring)
+
+
+def check_weights(weights: str) -> str:
+    if weights not in WEIGHTS:
+        raise ValueError(f"unknown weights {weights!r}: use {', '.join(WEIGHTS)}")
+    return weights
+
+
+def quantizable_linears(model: nn.Module) -> list[str]:
+    """Names of the linear layers a quantized model keeps in integers: every ``nn.Linear`` of the decoder
+    blocks (not the LM head, see the module docstring)."""
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in f".{name}"]
+
+
+def swap_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+class QuantLinear(nn.Module):
+    """A weight-only quantized ``nn.Linear``: ``in_features``, ``out_features``, an optional float ``bias``."""
+
+    kind = ""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] contiguous
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self.product(x.reshape(-1, self.in_features).contiguous())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """W as float32 [N, K]: the reference the kernel is checked against."""
+        raise NotImplementedError
+
+    def stored_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int8Linear(QuantLinear):
+    """int8 weights, one scale per output row (``_weight_int8pack_mm``)."""
+
+    kind = "int8"
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 dtype: torch.dtype = torch.float32) -> None:
+        n, k = qweight.shape
+        super().__init__(k, n, None if bias is None else bias.to(dtype))
+        if qweight.dtype != torch.int8 or scales.shape != (n,):
+            raise ValueError(f"int8 layer needs int8 [N, K] codes and [N] scales, got {qweight.dtype} "
+                             f"{tuple(qweight.shape)} and {tuple(scales.shape)}")
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scales", scales.to(KERNEL_DTYPE).contiguous())  # the kernel wants x's dtype
+        self.scales32 = scales.float()
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.qweight, self.scales).to(x.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales32.to(self.qweight.device)[:, None]
+
+    def stored_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.qweight": self.qweight.cpu(), f"{prefix}.scales": self.scales32.cpu()}
+
+
+class Int4Linear(QuantLinear):
+    """int4 weights in groups of ``group`` along K, ``W = d * q + m`` per group (q in 0..15)."""
+
+    kind = "int4"
+
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 dtype: torch.dtype = torch.float32, keep_source: bool = False) -> None:
+        """``keep_source``: also keep the codes and (d, m) as given, for ``dequantized`` and
+        ``stored_tensors`` (tests, writing); a served layer holds only the kernel's packed form."""
+        n, k = codes.shape
+        if k % d.shape[1] or d.shape != m.shape or d.shape[0] != n:
+            raise ValueError(f"int4 layer: codes {tuple(codes.shape)} do not match d {tuple(d.shape)} "
+                             f"and m {tuple(m.shape)}")
+        group = k // d.shape[1]
+        if group not in _INT4_GROUPS:
+            raise ValueError(f"int4 group size {group} is not one the kernels take ({_INT4_GROUPS})")
+        super().__init__(k, n, None if bias is None else bias.to(dtype))
+        self.group = group
+        self.source = (pack_nibbles(codes), d, m) if keep_source else None
+        dev = codes.device
+        self.cuda = dev.type == "cuda"
+        # (scale, zero) per group for ``(q - 8) * scale + zero``: zero = m + 8 d, computed in float32
+        sz = torch.stack([d.float(), m.float() + 8 * d.float()], dim=-1)  # [N, G, 2]
+        self.register_buffer("scales_and_zeros", sz.transpose(0, 1).contiguous().to(KERNEL_DTYPE))
+        if self.cuda:
+            tiles = next((t for t in _CUDA_INNER_K_TILES if k % (t * 16) == 0), None)
+            if tiles is None or n % 8:
+                raise ValueError(f"int4 on CUDA needs K a multiple of 32 and N of 8, got K={k}, N={n}")
+            packed = torch.ops.aten._convert_weight_to_int4pack(self.packed_codes, tiles)
+        else:
+            if n % 16:
+                raise ValueError(f"int4 on CPU needs N a multiple of 16, got N={n}")
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+        self.register_buffer("packed", packed)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        mm = torch.ops.aten._weight_int4pack_mm if self.cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
+        return mm(x.to(KERNEL_DTYPE), self.packed, self.group, self.scales_and_zeros).to(x.dtype)
+
+    def _source(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.source is None:
+            raise ValueError("this int4 layer kept only its packed form (build it with keep_source=True)")
+        return self.source
+
+    def dequantized(self) -> torch.Tensor:
+        packed, d, m = self._source()
+        return dequantize_int4(unpack_nibbles(packed), d, m)
+
+    def stored_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        packed, d, m = self._source()
+        return {f"{prefix}.qweight": packed.cpu(), f"{prefix}.d": d.cpu(), f"{prefix}.m": m.cpu()}
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes [N, K] (0..15) two a byte, the even column in the low nibble: [N, K/2] uint8."""
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], 2 * packed.shape[1])
+
+
+def dequantize_int4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``d * q + m`` per group, in float32 [N, K]."""
+    group = codes.shape[1] // d.shape[1]
+    return d.float().repeat_interleave(group, dim=1) * codes.float() + m.float().repeat_interleave(group, dim=1)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: codes and float32 scales (``amax / 127``) for a float W [N, K]."""
+    w = w.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4 (Q4_1's form): codes 0..15 [N, K] and float32 d, m [N, K/group],
+    ``d = (max - min) / 15``, ``m = min`` per group."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    d = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round((g - lo[..., None]) / d[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(n, k), d, lo
+
+
+def can_int4(n: int, k: int, group: int = INT4_GROUP) -> bool:
+    return n % 16 == 0 and k % group == 0  # the CPU packing takes N in 16s (CUDA in 8s)
+
+
+def quantize_linear(w: torch.Tensor, bias: torch.Tensor | None, kind: str, *, dtype: torch.dtype = torch.float32,
+                    keep_source: bool = False) -> QuantLinear | None:
+    """A quantized layer for a float weight, or None where ``kind`` cannot take its shape (it stays float)."""
+    if kind == "int8":
+        return Int8Linear(*quantize_int8(w), bias, dtype=dtype)
+    if kind == "int4" and can_int4(*w.shape):
+        return Int4Linear(*quantize_int4(w), bias, dtype=dtype, keep_source=keep_source)
+    return None
+
+
+def from_stored(tensors: dict[str, torch.Tensor], prefix: str, bias: torch.Tensor | None, *,
+                dtype: torch.dtype, device: torch.device) -> QuantLinear:
+    """The layer for ``prefix``'s stored tensors (see the module docstring)."""
+    q = tensors[f"{prefix}.qweight"].to(device)
+    if q.dtype == torch.int8:
+        return Int8Linear(q, tensors[f"{prefix}.scales"].to(device), bias, dtype=dtype)
+    return Int4Linear(unpack_nibbles(q), tensors[f"{prefix}.d"].to(device), tensors[f"{prefix}.m"].to(device), bias,
+                      dtype=dtype)
+
+
+def stored_kind(tensors: dict[str, torch.Tensor], prefix: str) -> str:
+    return "int8" if tensors[f"{prefix}.qweight"].dtype == torch.int8 else "int4"
+
+
+def dequantize_stored(tensors: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    """A stored quantized layer's weight in float32 [N, K]."""
+    q = tensors[f"{prefix}.qweight"]
+    if q.dtype == torch.int8:
+        return q.float() * tensors[f"{prefix}.scales"].float()[:, None]
+    return dequantize_int4(unpack_nibbles(q), tensors[f"{prefix}.d"], tensors[f"{prefix}.m"])
+
+
+def stored_prefixes(names: set[str]) -> set[str]:
+    """Layers stored quantized among a checkpoint's tensor names."""
+    return {n.removesuffix(".qweight") for n in names if n.endswith(".qweight")}
+
+
+def quantize_model(model: nn.Module, kind: str) -> nn.Module:
+    """Replace every decoder linear layer of a loaded float model by its ``kind`` twin (post-load swap)."""
+    for name in quantizable_linears(model):
+        lin = model.get_submodule(name)
+        assert isinstance(lin, nn.Linear)
+        new = quantize_linear(lin.weight.detach(), None if lin.bias is None else lin.bias.detach(), kind,
+                              dtype=lin.weight.dtype)
+        if new is not None:
+            swap_module(model, name, new)
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's parameters and buffers hold (quantized layers included), tied tensors once."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() not in seen and t.device.type != "meta":
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+

@@ -1,0 +1,194 @@
+"""Weight-only int8 / int4 layers (quant.py): the kernels against the dequantized weight, rows independent of
+the batch, the loader's ``weights`` option, and losslessness with the quantized model as the target."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from adaserve.engine.config import EngineConfig
+from adaserve.engine.engine import Engine
+from adaserve.engine.loading.loader import load_model
+from adaserve.engine.model.kv_cache import KVCacheConfig
+from adaserve.engine.model.quant import (
+    KERNEL_DTYPE,
+    Int4Linear,
+    Int8Linear,
+    QuantLinear,
+    dequantize_stored,
+    quantize_linear,
+    weight_bytes,
+)
+from adaserve.engine.model.runner import ModelRunner
+from adaserve.engine.request import Request
+from adaserve.engine.speculation.sampling import SamplingParams
+
+CPU = torch.device("cpu")
+# The kernels take bfloat16 activations and (int4) a bfloat16 scale/zero table, and return bfloat16: against
+# x @ W_deq^T in float32 a layer is off by bfloat16's rounding of its input, table and output, about 2^-8 of
+# the output's size. Stated bound: 1% of the largest |output|.
+REL_TOL = 1e-2
+
+
+def within_tolerance(layer: QuantLinear, x: torch.Tensor) -> tuple[float, float]:
+    ref = x @ layer.dequantized().t()
+    return (layer(x) - ref).abs().max().item(), REL_TOL * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (96, 128), (1536, 576), (576, 1536)])
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_layer_matches_dequantized_reference(shape: tuple[int, int], kind: str) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(*shape) * 0.2
+    layer = quantize_linear(w, torch.randn(shape[0]), kind, keep_source=True)
+    assert isinstance(layer, Int8Linear if kind == "int8" else Int4Linear)
+    x = torch.randn(7, shape[1])
+    ref = x @ layer.dequantized().t() + layer.bias
+    err, tol = (layer(x) - ref).abs().max().item(), REL_TOL * ref.abs().max().item()
+    assert err <= tol, (kind, shape, err, tol)
+    # and the dequantized weight is the float weight within one quantisation step
+    step = w.abs().max().item() / 127 if kind == "int8" else (w.max() - w.min()).item() / 15
+    assert (layer.dequantized() - w).abs().max().item() <= step
+
+
+def test_q4_1_block_maps_to_the_kernels_scale_and_zero() -> None:
+    """GGUF Q4_1 keeps float16 (d, m) per 32 weights, w = d q + m; the kernel computes (q - 8) scale + zero
+    with scale = d, zero = m + 8 d. Q4_0 (w = d (q - 8)) is m = -8 d."""
+    torch.manual_seed(1)
+    n, k = 48, 96
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    d = (torch.rand(n, k // 32) * 0.05 + 0.001).half()
+    for m in ((torch.randn(n, k // 32) * 0.2).half(), -8 * d):
+        layer = Int4Linear(codes, d, m, keep_source=True)
+        exact = d.float().repeat_interleave(32, 1) * codes.float() + m.float().repeat_interleave(32, 1)
+        assert torch.equal(layer.dequantized(), exact)
+        err, tol = within_tolerance(layer, torch.randn(5, k))
+        assert err <= tol
+    # the (scale, zero) table the kernel reads: [K/32, N, 2]
+    assert layer.scales_and_zeros.shape == (k // 32, n, 2) and layer.scales_and_zeros.dtype == KERNEL_DTYPE
+    assert torch.equal(layer.scales_and_zeros[..., 1].float(), torch.zeros(k // 32, n))  # Q4_0: zero is 0
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_rows_do_not_depend_on_the_batch_or_threads(kind: str) -> None:
+    """Decode (1 row), prefill chunks and verification trees (many rows) must see one function."""
+    torch.manual_seed(2)
+    layer = quantize_linear(torch.randn(96, 128) * 0.2, None, kind)
+    assert layer is not None
+    x = torch.randn(33, 128)
+    full = layer(x)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for m in (1, 2, 3, 5, 8, 16, 17):
+                assert torch.equal(layer(x[:m]), full[:m]), (kind, t, m)
+            assert torch.equal(torch.cat([layer(x[i:i + 1]) for i in range(33)]), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_shapes_the_int4_kernel_cannot_take_stay_float() -> None:
+    assert quantize_linear(torch.randn(97, 64), None, "int4") is None  # N not a multiple of 16
+    assert quantize_linear(torch.randn(64, 48), None, "int4") is None  # K not a multiple of the group
+    assert isinstance(quantize_linear(torch.randn(97, 48), None, "int8"), Int8Linear)
+
+
+@pytest.mark.parametrize("weights", ["float", "auto", "int8", "int4"])
+def test_loader_weights_option_on_a_float_checkpoint(target_dir: Path, weights: str) -> None:
+    model = load_model(target_dir, device=CPU, weights=weights)
+    kinds = {type(m).__name__ for m in model.modules() if isinstance(m, QuantLinear)}
+    assert kinds == ({"Int8Linear"} if weights == "int8" else {"Int4Linear"} if weights == "int4" else set())
+    assert not isinstance(model.lm_head, QuantLinear)  # the LM head stays float
+    if weights in ("int8", "int4"):
+        assert weight_bytes(model) < weight_bytes(load_model(target_dir, device=CPU))
+
+
+def write_stored(src: Path, out: Path, kind: str) -> Path:
+    """``src`` as a checkpoint that stores its decoder layers quantized (as the GGUF conversion writes them)."""
+    import shutil
+
+    model = load_model(src, device=CPU)
+    tied = model.cfg.tie_word_embeddings
+    tensors = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" or not tied}
+    for name, mod in list(model.named_modules()):
+        if ".layers." in name and isinstance(mod, torch.nn.Linear):
+            layer = quantize_linear(mod.weight.detach(), None, kind, keep_source=True)
+            assert layer is not None
+            del tensors[f"{name}.weight"]
+            tensors.update(layer.stored_tensors(name))
+    out.mkdir()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    shutil.copy(src / "config.json", out / "config.json")
+    return out
+
+
+def test_stored_quantized_layers_load_as_stored_or_as_asked(target_dir: Path, tmp_path: Path) -> None:
+    stored = write_stored(target_dir, tmp_path / "int4", "int4")
+    auto = load_model(stored, device=CPU, weights="auto")
+    at_load = load_model(target_dir, device=CPU, weights="int4")  # the same codes, quantized while loading
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        a, b = auto.get_submodule(name), at_load.get_submodule(name)
+        assert isinstance(a, Int4Linear) and isinstance(b, Int4Linear)
+        y = torch.randn(3, a.in_features)
+        assert torch.equal(a(y), b(y))
+    floated = load_model(stored, device=CPU, weights="float")
+    from safetensors import safe_open
+
+    with safe_open(str(stored / "model.safetensors"), framework="pt") as fh:
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - safe_open is not a mapping
+    w = floated.get_submodule("model.layers.0.mlp.up_proj").weight
+    assert torch.equal(w, dequantize_stored(tensors, "model.layers.0.mlp.up_proj"))
+    assert isinstance(load_model(stored, device=CPU, weights="int8").get_submodule("model.layers.0.mlp.up_proj"),
+                      Int8Linear)
+
+
+# ---- losslessness: the quantized model is the target ------------------------------------------------------
+
+def quantized_runner(path: Path, weights: str) -> ModelRunner:
+    cfg = EngineConfig(attention="torch", kv=KVCacheConfig(page_size=4, num_pages=4000))
+    return ModelRunner(load_model(path, device=CPU, weights=weights), cfg)
+
+
+def workload(n: int, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    return [Request(f"r{i}", [rng.randrange(2, 97) for _ in range(rng.randrange(1, 30))],
+                    SamplingParams(max_tokens=rng.randrange(2, 30), ignore_eos=True)) for i in range(n)]
+
+
+def own_greedy(target: Path, weights: str, reqs: list[Request]) -> dict[str, list[int]]:
+    """The quantized target's greedy output without speculation, one request at a time, prefill unchunked."""
+    out = {}
+    for r in reqs:
+        eng = Engine(quantized_runner(target, weights), None, EngineConfig(policy="incremental"))
+        req = Request(r.request_id, list(r.prompt_ids), r.params)
+        eng.add_request(req)
+        while eng.has_work:
+            eng.step()
+        out[r.request_id] = req.output_ids
+    return out
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+@pytest.mark.parametrize("policy", ["adaserve", "chain:4", "specinfer"])
+@pytest.mark.parametrize("draft", ["random", "self"])
+def test_speculation_is_lossless_against_the_quantized_target(target_dir: Path, draft_dir: Path, weights: str,
+                                                               policy: str, draft: str) -> None:
+    reqs = workload(8, 5)
+    ref = own_greedy(target_dir, weights, reqs)
+    drf = quantized_runner(target_dir if draft == "self" else draft_dir, weights)
+    eng = Engine(quantized_runner(target_dir, weights), drf,
+                 EngineConfig(policy=policy, budget=20, prefill_chunk=12))
+    queue = list(reqs)
+    while queue or eng.has_work:  # arrivals while others are mid-generation
+        if queue:
+            eng.add_request(queue.pop(0))
+        eng.step()
+    for r in reqs:
+        assert r.output_ids == ref[r.request_id], (weights, policy, draft, r.request_id)
+    if draft == "self":  # the quantized target drafting for itself: every verification agrees with it
+        assert sum(m.tokens_accepted for m in eng.history) > 0

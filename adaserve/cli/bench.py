@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from adaserve.bench.sim.device_model import HOST_MEASURED
-from adaserve.cli.arg_types import floats
+from adaserve.cli.arg_types import add_weights_option, floats
 from adaserve.cli.reports import emit_report
 from adaserve.cli_error import CliError
 from adaserve.engine.loading.catalog import DEFAULT_MODEL
@@ -42,6 +42,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"{DEFAULT_MODEL} (default, with its distilled draft), demo-tiny, a .gguf file or a directory")
     p.add_argument("--target", help="target model, overriding --model (same forms)")
+    add_weights_option(p)  # here: which conversion of a GGUF model is served; directory models run as stored
     p.add_argument("--draft", action="append",
                    help="draft model (default: the named model's own); repeat it for several drafts (policies "
                         "POLICY@ucb|eps|length|dN, spin, spin-eps, spin-length choose among them per request)")
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     max_tokens = args.max_tokens if args.max_tokens is not None or free else 128
     max_prompt_tokens = args.max_prompt_tokens if args.max_prompt_tokens is not None or free else 512
     try:
-        pair, extra = resolve_drafts(args.target or args.model, args.draft or ())
+        pair, extra = resolve_drafts(args.target or args.model, args.draft or (), weights=args.weights)
     except ModelNotFoundError as e:
         raise CliError(str(e)) from None
     if pair.draft is None:

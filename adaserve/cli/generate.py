@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from adaserve.cli.arg_types import add_weights_option
 from adaserve.cli_error import CliError
 from adaserve.engine.speculation.sampling import SamplingParams
 
@@ -38,6 +39,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--reprofile", action="store_true", help="ignore the cached device profile")
     p.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"])
     p.add_argument("--kv-memory-mb", type=int, default=256, help="KV cache memory per model")
+    add_weights_option(p)
     p.set_defaults(func=run)
 
 
@@ -108,14 +110,14 @@ def run(args: argparse.Namespace) -> int:
 
     lines = read_input(args.input)
     try:
-        pair, extra = resolve_drafts(args.target, args.draft or ())
+        pair, extra = resolve_drafts(args.target, args.draft or (), weights=args.weights)
     except ModelNotFoundError as e:
         raise CliError(str(e)) from None
     try:
         built = build_engine(target=pair.target, draft=pair.draft, extra_drafts=extra, device=args.device,
                              policy=args.policy,
                              budget=args.budget, attention=args.attention, kv_memory_mb=args.kv_memory_mb,
-                             force_profile=args.reprofile)
+                             force_profile=args.reprofile, weights=args.weights)
     except EngineBuildError as e:
         raise CliError(str(e)) from None
     tok = built.tokenizer

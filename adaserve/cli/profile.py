@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from adaserve.cli.arg_types import add_weights_option
 from adaserve.cli_error import CliError
 
 
@@ -25,6 +26,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the full profile as JSON")
     p.add_argument("--plot", type=Path, help="draw latency and tokens/s against n with the knee (PNG)")
     p.add_argument("--kv-memory-mb", type=int, default=512)
+    add_weights_option(p)
     p.set_defaults(func=run)
 
 
@@ -39,12 +41,13 @@ def run(args: argparse.Namespace) -> int:
     from adaserve.engine.model.runner import ModelRunner
 
     try:
-        pair = resolve(args.target, draft=args.draft)
+        pair = resolve(args.target, draft=args.draft, weights=args.weights)
         cfg = ProfilerConfig(max_tokens=args.max_tokens, context=args.context, repeats=args.repeats)
         dev = resolve_device(args.device)
         rc = EngineConfig(attention=args.attention, kv=KVCacheConfig(memory_bytes=args.kv_memory_mb * 2**20))
-        target = ModelRunner(load_model(pair.target, device=dev, progress=True), rc)
-        draft = ModelRunner(load_model(pair.draft, device=dev, progress=True), rc) if pair.draft else None
+        target = ModelRunner(load_model(pair.target, device=dev, progress=True, weights=args.weights), rc)
+        draft = (ModelRunner(load_model(pair.draft, device=dev, progress=True, weights=args.weights), rc)
+                 if pair.draft else None)
     except (ValueError, FileNotFoundError, UnsupportedModelError, EngineBuildError, ModelNotFoundError) as e:
         raise CliError(str(e)) from None
     prof = profile_models(target, draft, target_path=pair.target, draft_path=pair.draft, cfg=cfg, force=args.force)

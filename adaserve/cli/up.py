@@ -22,6 +22,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from adaserve.cli.arg_types import add_weights_option
 from adaserve.cli_error import CliError
 from adaserve.engine.loading.catalog import DEFAULT_MODEL, NAMES, ModelNotFoundError, check_ref, served_name
 from adaserve.server_process import NotReady, ServerProcess, free_port
@@ -42,6 +43,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--policy", default="adaserve")
     p.add_argument("--budget", type=int, help="fixed token budget (default: profiled)")
+    add_weights_option(p)  # the worker loads, profiles and serves them: the derived classes come from them too
     p.add_argument("--redis-url", help="keep request records in this Redis (default: in-process)")
     p.add_argument("--slo-classes-file", help="JSON list of SLO classes (default: coding, "
                    "chat and summarization scaled to this machine's per-token latency)")
@@ -154,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
 
     cmd = [sys.executable, "-m", "adaserve", "worker", "--target", ref, "--model-name", model, "--host", "127.0.0.1",
            "--port", str(worker_port), "--device", args.device, "--policy", args.policy, "--log-level", "warning",
-           "--worker-id", "local-worker"]
+           "--worker-id", "local-worker", "--weights", args.weights]
     if draft is not None:
         cmd += ["--draft", draft]
     if args.budget is not None:

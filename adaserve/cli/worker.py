@@ -10,12 +10,13 @@ import argparse
 import logging
 from typing import Any
 
+from adaserve.cli.arg_types import add_weights_option
 from adaserve.cli_error import CliError
 
 # command-line option -> settings field; everything else comes from the environment
 OPTIONS = ("target", "draft", "model_name", "device", "host", "port", "redis_url", "policy", "budget", "attention",
-           "kv_memory_mb", "dtype", "max_depth", "max_width", "worker_id", "advertise_url", "max_active_requests",
-           "drain_grace_s", "log_level")
+           "kv_memory_mb", "dtype", "weights", "max_depth", "max_width", "worker_id", "advertise_url",
+           "max_active_requests", "drain_grace_s", "log_level")
 
 
 def add_parser(sub: Any) -> None:
@@ -36,6 +37,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--attention", choices=["auto", "torch", "flashinfer"], help="[ADASERVE_ATTENTION]")
     p.add_argument("--kv-memory-mb", type=int, help="KV cache memory per model [ADASERVE_KV_MEMORY_MB]")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], help="[ADASERVE_DTYPE]")
+    add_weights_option(p, env="ADASERVE_WEIGHTS")
     p.add_argument("--max-depth", type=int, help="deepest draft tree [ADASERVE_MAX_DEPTH, default 4]")
     p.add_argument("--max-width", type=int, help="widest beam [ADASERVE_MAX_WIDTH, default 2]")
     p.add_argument("--reprofile", action="store_true", default=None, help="ignore the cached profile")

@@ -17,6 +17,7 @@ from adaserve.engine.loading.catalog import TOKENIZER_FILES
 from adaserve.engine.loading.loader import load_model, load_tokenizer
 from adaserve.engine.model.config import UnsupportedModelError
 from adaserve.engine.model.kv_cache import KVCacheConfig
+from adaserve.engine.model.quant import WEIGHTS
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.speculation.adaptive import AdaptiveConfig, bounds_for_device, speculation_floor
 from adaserve.engine.speculation.policies import make_policy
@@ -71,7 +72,8 @@ def resolve_dtype(name: str) -> torch.dtype | None:
 def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Path] = (), device: str = "cpu",
                  policy: str = "adaserve",
                  budget: int | None = None, attention: str = "auto", kv_memory_mb: int = 256,
-                 dtype: str = "auto", max_depth: int | None = None, max_width: int | None = None,
+                 dtype: str = "auto", weights: str = "auto", max_depth: int | None = None,
+                 max_width: int | None = None,
                  profile: bool = True, force_profile: bool = False, progress: bool = True) -> BuiltEngine:
     """Load models, profile (or reuse the cached profile) unless ``budget`` is given, build the engine.
 
@@ -79,9 +81,14 @@ def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Pat
     ``extra_drafts``: more drafts beside ``draft``; each request then speculates on one of them at a time,
     chosen by the policy's draft selector (``POLICY@SELECTOR``, default ucb; multi_draft.py). Only the
     first draft is profiled; the others start from its cost scaled by their size and learn online.
+    ``weights`` (float, int8, int4, auto): how every model's decoder layers are served (loader.load_model;
+    ``auto``, the default, serves what the directories hold: pass the same option to ``catalog.resolve``,
+    which converts a GGUF model for it); the profile is measured on the models as served.
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype)
+    if weights not in WEIGHTS:
+        raise EngineBuildError(f"unknown weights {weights!r}: use {', '.join(WEIGHTS)}")
     try:  # every option is checked here, before the slow part
         bounds = {k: v for k, v in (("d_max", max_depth), ("w_max", max_width)) if v is not None}
         cfg = EngineConfig(policy=policy, attention=attention, kv=KVCacheConfig(memory_bytes=kv_memory_mb * 2**20),
@@ -92,12 +99,13 @@ def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Pat
     if speculates and draft is None:
         raise EngineBuildError(f"policy {policy!r} speculates: give a draft model with --draft")
     try:
-        tgt = ModelRunner(load_model(target, device=dev, dtype=dt, progress=progress), cfg)
+        tgt = ModelRunner(load_model(target, device=dev, dtype=dt, progress=progress, weights=weights), cfg)
         drf = None
         extra: list[ModelRunner] = []
         if draft is not None and speculates:
-            drf = ModelRunner(load_model(draft, device=dev, dtype=dt, progress=progress), cfg)
-            extra = [ModelRunner(load_model(p, device=dev, dtype=dt, progress=progress), cfg) for p in extra_drafts]
+            drf = ModelRunner(load_model(draft, device=dev, dtype=dt, progress=progress, weights=weights), cfg)
+            extra = [ModelRunner(load_model(p, device=dev, dtype=dt, progress=progress, weights=weights), cfg)
+                     for p in extra_drafts]
     except (FileNotFoundError, UnsupportedModelError, ValueError) as e:
         raise EngineBuildError(str(e)) from None
     prof = None

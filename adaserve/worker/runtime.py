@@ -181,13 +181,14 @@ class Runtime:
 
             torch.set_num_threads(s.torch_threads)
         try:
-            pair, extra = resolve_drafts(s.target, s.draft_refs, progress=False)  # a GGUF file: converted once, here
+            # a GGUF file: converted once, here, to the weights it will be served in
+            pair, extra = resolve_drafts(s.target, s.draft_refs, progress=False, weights=s.weights)
         except ModelNotFoundError as e:
             raise EngineBuildError(str(e)) from None
         built = build_engine(target=pair.target, draft=pair.draft, extra_drafts=extra, device=s.device,
                              policy=s.policy, budget=s.budget, attention=s.attention, kv_memory_mb=s.kv_memory_mb,
                              force_profile=s.reprofile,
-                             dtype=s.dtype, max_depth=s.max_depth, max_width=s.max_width,
+                             dtype=s.dtype, weights=s.weights, max_depth=s.max_depth, max_width=s.max_width,
                              progress=False)
         lone = Lone()
         if s.warmup:

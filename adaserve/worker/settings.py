@@ -39,6 +39,9 @@ class WorkerSettings(BaseSettings):
                                    "the GGUF file's stem or the directory's name)")
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    weights: Literal["float", "int8", "int4", "auto"] = Field(
+        "float", description="how the decoder's linear layers are served: float, int8 or int4 weight-only, or auto "
+        "(a GGUF model's own precision: Q4 blocks as int4, Q8_0 as int8); docs/models.md")
     policy: str = "adaserve"
     max_depth: int | None = Field(None, ge=1, le=32, description="deepest draft tree (adaptive policies)")
     max_width: int | None = Field(None, ge=1, le=16, description="widest beam (adaptive policies)")

@@ -56,6 +56,7 @@ from adaserve.engine.cost.cost_model import CostModel, fit_cost_model
 from adaserve.engine.cost.profile_cache import ProfileCache, ProfileKey
 from adaserve.engine.model.batch import Segment
 from adaserve.engine.model.kv_cache import SequenceKV
+from adaserve.engine.model.quant import served_weights
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.speculation.adaptive import speculation_floor
@@ -366,6 +367,9 @@ def profile_models(target: ModelRunner, draft: ModelRunner | None, *, target_pat
     floor = speculation_floor() if min_budget is None else min_budget
     dev = device_name(target.device)
     ident = model_identity(target_path) + ("+" + model_identity(draft_path) if draft_path else "")
+    served = [served_weights(r.model) for r in (target, draft) if r is not None]
+    if any(w != "float" for w in served):  # one checkpoint quantized at load is another model (quant.py)
+        ident += ":weights=" + "/".join(served)
     knee = f"{cfg.knee.criterion}:{cfg.knee.max_elasticity}:{cfg.knee.eps}"
     key = ProfileKey(device=dev, model=ident + f":ctx{cfg.context}:max{cfg.max_tokens}:knee={knee}",
                      dtype=str(target.dtype).removeprefix("torch."), engine_version=__version__)

@@ -67,20 +67,23 @@ def smollm2_gguf() -> Path:
 
 
 def resolve(model: str | Path = DEFAULT_MODEL, *, draft: str | Path | None = None, with_draft: bool = True,
-            progress: bool = True) -> ModelPair:
-    """The pair to load for ``model``; a named model brings its own draft unless ``draft`` is given."""
+            progress: bool = True, weights: str = "float") -> ModelPair:
+    """The pair to load for ``model``; a named model brings its own draft unless ``draft`` is given.
+
+    ``weights`` (float, int8, int4, auto) picks a GGUF model's conversion (gguf.py): the directory holds
+    the layers as they will be served; a directory model is quantized by the loader instead."""
     text = str(model)
     if text == DEMO_MODEL:
         pair = ModelPair("demo", committed_models() / "demo" / "target", committed_models() / "demo" / "draft")
     elif text == DEFAULT_MODEL:
-        target = _convert(smollm2_gguf(), progress)
+        target = _convert(smollm2_gguf(), progress, weights)
         own = with_draft and draft is None
         pair = ModelPair(DEFAULT_MODEL, target,
                          ensure_draft(committed_models() / "smollm2-draft", target, progress=progress) if own else None)
     else:
-        pair = ModelPair(served_name(text), model_dir(text, progress=progress), None)
+        pair = ModelPair(served_name(text), model_dir(text, progress=progress, weights=weights), None)
     if draft is not None:
-        pair = ModelPair(pair.name, pair.target, model_dir(str(draft), progress=progress))
+        pair = ModelPair(pair.name, pair.target, model_dir(str(draft), progress=progress, weights=weights))
     if not with_draft:
         pair = ModelPair(pair.name, pair.target, None)
     for role, path in (("target", pair.target), ("draft", pair.draft)):
@@ -90,12 +93,12 @@ def resolve(model: str | Path = DEFAULT_MODEL, *, draft: str | Path | None = Non
 
 
 def resolve_drafts(model: str | Path = DEFAULT_MODEL, drafts: Sequence[str | Path] = (), *,
-                   progress: bool = True) -> tuple[ModelPair, tuple[Path, ...]]:
+                   progress: bool = True, weights: str = "float") -> tuple[ModelPair, tuple[Path, ...]]:
     """``resolve`` with several drafts: the pair with ``drafts[0]`` as its draft (the model's own when
     ``drafts`` is empty), and the directories of the other drafts, in order (``build_engine``'s
     ``extra_drafts``)."""
-    pair = resolve(model, draft=drafts[0] if drafts else None, progress=progress)
-    return pair, tuple(model_dir(str(d), progress=progress) for d in drafts[1:])
+    pair = resolve(model, draft=drafts[0] if drafts else None, progress=progress, weights=weights)
+    return pair, tuple(model_dir(str(d), progress=progress, weights=weights) for d in drafts[1:])
 
 
 def check_ref(text: str) -> None:
@@ -129,25 +132,25 @@ def served_name(text: str) -> str:
     return path.stem if path.suffix == ".gguf" else path.resolve().name
 
 
-def model_dir(text: str, *, progress: bool = True) -> Path:
+def model_dir(text: str, *, progress: bool = True, weights: str = "float") -> Path:
     """A directory for a name, a ``.gguf`` file or a directory path (used for --target and --draft)."""
     if text in NAMES:
-        return resolve(text, with_draft=False, progress=progress).target
+        return resolve(text, with_draft=False, progress=progress, weights=weights).target
     if text in DRAFT_NAMES:  # one of the default model's drafts, materialised against it
-        target = resolve(DEFAULT_MODEL, with_draft=False, progress=progress).target
+        target = resolve(DEFAULT_MODEL, with_draft=False, progress=progress, weights=weights).target
         return ensure_draft(committed_models() / text, target, progress=progress)
     path = Path(text).expanduser()
     if path.suffix == ".gguf":
-        return _convert(path, progress)
+        return _convert(path, progress, weights)
     if not path.is_dir():
         raise ModelNotFoundError(
             f"model {text!r} not found: give a directory, a .gguf file, or one of {', '.join(NAMES)}")
     return path
 
 
-def _convert(gguf: Path, progress: bool) -> Path:
+def _convert(gguf: Path, progress: bool, weights: str = "float") -> Path:
     try:
-        return ensure_converted(gguf, progress=progress)
+        return ensure_converted(gguf, progress=progress, weights=weights)
     except GGUFError as e:
         raise ModelNotFoundError(str(e)) from None
 

@@ -8,8 +8,19 @@ generation config and the tokenizer files (with the chat template from the GGUF 
 model, so the files are written here directly. The directory appears atomically (written beside it,
 then renamed), so an interrupted conversion is redone rather than half-used, and later starts find it.
 
-The weights are stored in float32: the dequantised values are exact in float32, and the loader casts to
-whatever dtype the engine runs in.
+With ``weights="float"`` (the default) the weights are stored in float32: the dequantised values are exact
+in float32, and the loader casts to whatever dtype the engine runs in. With ``int8``, ``int4`` or ``auto``
+the decoder's linear layers are written in quant.py's stored form instead, read block by block from the
+file with the ``gguf`` package (one tensor at a time: no float32 copy of the model), into
+``<stem>-<sha256[:16]>-<weights>``; the cache holds what is served:
+
+- ``auto`` keeps the file's precision: Q4_0 / Q4_1 become int4 with their own 32-wide block scales and
+  minimums (exact: ``d q + m``); Q8_0 becomes int8 with one scale per row (the int8 kernel takes no
+  blocks: each row is re-scaled from its exact values, one rounding); any other type (float, K-quants)
+  is dequantised to float;
+- ``int4`` / ``int8``: every decoder linear layer in that kind (Q4 blocks kept as they are for int4;
+  anything else dequantised, one tensor at a time, and quantised);
+- the embedding, the norms and the LM head are dequantised to float32 in every case (quant.py says why).
 """
 
 from __future__ import annotations
@@ -23,11 +34,13 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 MODEL_CACHE_ENV = "ADASERVE_MODEL_CACHE"
 _DONE = ".adaserve-converted"  # written last: a directory without it is not trusted
+WEIGHTS = ("float", "int8", "int4", "auto")  # quant.WEIGHTS, spelled here so that this module needs no torch
 
 
 class GGUFError(ValueError):
@@ -55,21 +68,29 @@ def is_converted(directory: Path) -> bool:
     return (directory / _DONE).is_file() and (directory / "config.json").is_file()
 
 
-def ensure_converted(gguf: Path, *, cache: Path | None = None, progress: bool = True) -> Path:
-    """The Hugging Face directory for ``gguf`` (keyed by the file's content), converting it on first use."""
+def ensure_converted(gguf: Path, *, cache: Path | None = None, progress: bool = True,
+                     weights: str = "float") -> Path:
+    """The Hugging Face directory for ``gguf`` (keyed by the file's content and ``weights``), converting it
+    on first use."""
     gguf = Path(gguf)
+    if weights not in WEIGHTS:
+        raise GGUFError(f"unknown weights {weights!r}: use {', '.join(WEIGHTS)}")
     if not gguf.is_file():
         raise GGUFError(f"GGUF file {gguf} does not exist")
     digest = file_digest(gguf)
-    out = (cache or model_cache_dir()) / f"{gguf.stem}-{digest[:16]}"
+    out = (cache or model_cache_dir()) / (f"{gguf.stem}-{digest[:16]}" + ("" if weights == "float" else f"-{weights}"))
     if is_converted(out):
         return out
     if progress:
-        print(f"adaserve: converting {gguf.name} to a Hugging Face directory (once) -> {out}", file=sys.stderr)
+        print(f"adaserve: converting {gguf.name} to a Hugging Face directory (once, weights {weights}) -> {out}",
+              file=sys.stderr)
 
     def write(tmp: Path) -> None:
-        write_hf_dir(gguf, tmp, progress=progress)
-        (tmp / _DONE).write_text(json.dumps({"source": str(gguf.resolve()), "sha256": digest}))
+        if weights == "float":
+            write_hf_dir(gguf, tmp, progress=progress)
+        else:
+            write_quantized_dir(gguf, tmp, weights=weights, progress=progress)
+        (tmp / _DONE).write_text(json.dumps({"source": str(gguf.resolve()), "sha256": digest, "weights": weights}))
 
     return publish_dir(out, write, done=_DONE)
 
@@ -130,3 +151,123 @@ def write_hf_dir(gguf: Path, out: Path, *, progress: bool = True) -> None:
     save_model(model, str(out / "model.safetensors"))
     tokenizer.save_pretrained(str(out))
     log.info("converted %s -> %s", gguf, out)
+
+
+# ---- quantized tensors kept as they are ------------------------------------------------------------------
+_LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_SKIPPED = ("rope_freqs",)  # recomputed from the config
+_ARCHITECTURES = ("llama", "qwen2")  # GGUF names; llama.cpp stores Mistral as llama
+
+
+def hf_name(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``);
+    None for tensors we recompute."""
+    base, _, suffix = name.rpartition(".")
+    if base in _SKIPPED:
+        return None
+    if base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{suffix}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    raise GGUFError(f"GGUF tensor {name} has no place in a Llama-family model")
+
+
+def _row_order(name: str, rows: int, heads: int, kv_heads: int, arch: str) -> Any:
+    """llama.cpp stores a Llama's q/k rows permuted for its rotary layout; the row order that undoes it
+    (as transformers' GGUF loader does), or None."""
+    import numpy as np
+
+    if arch != "llama" or not (".attn_q." in name or ".attn_k." in name):
+        return None
+    n = heads if ".attn_q." in name else kv_heads
+    return np.arange(rows).reshape(n, rows // n // 2, 2).swapaxes(2, 1).reshape(rows)
+
+
+def q4_blocks(data: Any, qtype: Any) -> tuple[Any, Any, Any]:
+    """Codes [N, K] (0..15) and float16 (d, m) [N, K/32] of a Q4_0 / Q4_1 tensor's raw blocks, ``w = d q + m``.
+
+    A block is d (float16), for Q4_1 m (float16), then 16 bytes: byte j holds element j in its low nibble
+    and element j + 16 in its high one. Q4_0 is ``d (q - 8)``: m = -8 d (exact in float16)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    rows = data.shape[0]
+    head = 4 if qtype == Q.Q4_1 else 2
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, head + 16)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0] if qtype == Q.Q4_1 else (-8 * d).astype(np.float16)
+    qs = blocks[..., head:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1)
+    return codes, d, m
+
+
+def write_quantized_dir(gguf: Path, out: Path, *, weights: str, progress: bool = True) -> None:
+    """Config, tokenizer and weights of ``gguf`` into ``out``, the decoder's linear layers in quant.py's
+    stored form as ``weights`` says (module docstring); one tensor in float at a time."""
+    try:
+        import gguf as gg
+        import numpy as np
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError as e:  # pragma: no cover - the package's dependencies
+        raise GGUFError(f"reading GGUF needs transformers and gguf: {e}") from None
+    from adaserve.engine.model.quant import pack_nibbles, quantize_linear
+
+    try:
+        reader = gg.GGUFReader(str(gguf))
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except (ValueError, OSError, KeyError, RuntimeError) as e:
+        raise GGUFError(f"cannot read GGUF file {gguf}: {e}") from None
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+    if arch not in _ARCHITECTURES:
+        raise GGUFError(f"GGUF architecture {arch!r} cannot be served quantized (only {', '.join(_ARCHITECTURES)}); "
+                        "use --weights float")
+    heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads or config.num_attention_heads)
+    Q = gg.GGMLQuantizationType
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        prefix = name.removesuffix(".weight")
+        linear = name.startswith("model.layers.") and ".weight" in name and "layernorm" not in name
+        order = _row_order(t.name, int(t.shape[-1]) if len(t.shape) > 1 else 0, heads, kv_heads, arch)
+        if linear and t.tensor_type in (Q.Q4_0, Q.Q4_1) and weights in ("auto", "int4"):
+            codes, d, m = q4_blocks(t.data, t.tensor_type)
+            if order is not None:
+                codes, d, m = codes[order], d[order], m[order]
+            tensors[f"{prefix}.qweight"] = pack_nibbles(torch.from_numpy(np.ascontiguousarray(codes)))
+            tensors[f"{prefix}.d"] = torch.from_numpy(np.ascontiguousarray(d))
+            tensors[f"{prefix}.m"] = torch.from_numpy(np.ascontiguousarray(m))
+            continue
+        w = gg.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        if order is not None:
+            w = w[order]
+        w32 = torch.from_numpy(np.ascontiguousarray(w))
+        want = weights if weights != "auto" else ("int8" if t.tensor_type == Q.Q8_0 else "float")
+        layer = quantize_linear(w32, None, want, keep_source=True) if linear and want != "float" else None
+        if layer is None:
+            tensors[name] = w32
+        else:
+            tensors.update(layer.stored_tensors(prefix))
+    if "lm_head.weight" not in tensors and not config.tie_word_embeddings:
+        raise GGUFError(f"GGUF file {gguf} has no output tensor and does not tie it to the embedding")
+    cfg = config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        cfg.pop(key, None)
+    cfg["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    cfg["adaserve_weights"] = weights  # for people: the loader reads each layer's stored form
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
+    GenerationConfig.from_model_config(config).to_json_file(str(out / "generation_config.json"))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    tokenizer.save_pretrained(str(out))
+    log.info("converted %s -> %s (weights %s)", gguf, out, weights)

@@ -59,13 +59,14 @@ def read_config(path: Path) -> ModelConfig:
 
 
 def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | None = None,
-               progress: bool = False, weights: str = "float") -> CausalLM:
+               progress: bool = False, weights: str = "auto") -> CausalLM:
     """The model in ``path`` on ``device``; ``weights`` says how its decoder linear layers are served:
 
     - ``float``: in ``dtype`` (a stored quantized layer is dequantized, one layer at a time);
     - ``int8`` / ``int4``: weight-only quantized (quant.py), each layer quantized as it is read (never a
       float copy of the whole model), or re-quantized from a stored layer of the other kind;
-    - ``auto``: as stored: a quantized layer stays as it is (a GGUF model's, see gguf.py), float stays float.
+    - ``auto`` (the default): as stored: a quantized layer stays as it is (a GGUF model converted for
+      ``int8``, ``int4`` or ``auto``, see gguf.py), float stays float.
 
     The embedding, the norms and the LM head are always float (quant.py says why).
     """

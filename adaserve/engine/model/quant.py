@@ -265,6 +265,12 @@ def quantize_model(model: nn.Module, kind: str) -> nn.Module:
     return model
 
 
+def served_weights(model: nn.Module) -> str:
+    """How a model's linear layers are served: ``float``, ``int8``, ``int4``, or a mix (``int4+int8``)."""
+    kinds = sorted({m.kind for m in model.modules() if isinstance(m, QuantLinear)})
+    return "+".join(kinds) if kinds else "float"
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes the model's parameters and buffers hold (quantized layers included), tied tensors once."""
     seen: set[int] = set()

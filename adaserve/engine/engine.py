@@ -41,7 +41,7 @@ from adaserve.engine.speculation.policies import (
     split_policy,
 )
 from adaserve.engine.speculation.speculate import DraftInput, beam_search
-from adaserve.engine.speculation.verify import WalkInput, commit_moves, walk_trees
+from adaserve.engine.speculation.verify import WalkInput, commit_moves, draw_at_nodes, walk_trees
 from adaserve.engine.stop_strings import StopStringMatcher
 
 log = logging.getLogger(__name__)
@@ -291,7 +291,6 @@ class Engine:
         segments += [Segment(r.target_kv, r.target_kv.length, t) for r, t in zip(decoding, trees, strict=True)]
         want_all = [False] * len(prefill) + [True] * len(decoding)
         logits = self.target.forward(segments, all_logits=want_all) if segments else []
-        t_fwd = self.clock() - t0
         emitted: dict[str, list[int]] = {}
         first: list[tuple[Request, TokenTree, torch.Tensor]] = []  # last prefill chunks: their logits give token 1
         for (req, seg), lg in zip(prefill, logits[: len(prefill)], strict=True):
@@ -299,9 +298,12 @@ class Engine:
             if req.target_kv.length == len(req.prompt_ids):
                 first.append((req, TokenTree.root(req.prompt_ids[-1]), lg))
         walks = [*first, *zip(decoding, trees, logits[len(prefill) :], strict=True)]
-        # one batched draw for every walk (verify.walk_trees), then host work per request
-        results = walk_trees([WalkInput(t, lg, r.params, r.generator, self._stop_ids(r), r.remaining)
-                              for r, t, lg in walks])
+        walk_inputs = [WalkInput(t, lg, r.params, r.generator, self._stop_ids(r), r.remaining) for r, t, lg in walks]
+        # one batched draw for every walk, and its one copy to the host: on a GPU that copy is what waits for
+        # the forward (which is queued, not synchronised), so the forward is timed up to it
+        draws = draw_at_nodes(walk_inputs)
+        t_fwd = self.clock() - t0
+        results = walk_trees(walk_inputs, draws)  # then host work per request
         for (req, _, _), res in zip(first, results, strict=False):
             req.phase = Phase.DECODE
             emitted[req.request_id] = res.tokens

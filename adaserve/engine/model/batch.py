@@ -11,7 +11,9 @@ verification is a whole tree: one layout serves them all.
 
 The layout holds what every backend reads (ids, positions, write slots, per-segment lengths, the page
 table). The mask is not built here: each attention backend builds the form it reads, on its device,
-from the per-segment vectors (``attention/masks.py``).
+from the per-segment vectors (``attention/masks.py``). The device arrays are not sent one by one: the
+layout puts its host arrays in a ``HostStage`` (staging.py), where the backend and the runner add theirs,
+and the first read sends them all in one non-blocking copy.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 
 from adaserve.engine.model.kv_cache import SequenceKV
+from adaserve.engine.model.staging import HostStage
 from adaserve.engine.model.tree import TokenTree
 
 
@@ -43,20 +46,41 @@ class Segment:
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """Everything a forward needs, computed once per step and shared by every layer."""
+    """Everything a forward needs, computed once per step and shared by every layer.
 
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    write_slots: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
+    The host arrays are the layout; ``input_ids``, ``positions`` and ``write_slots`` are their device
+    copies, sent with everything else staged for the forward (``stage``).
+    """
+
+    ids: np.ndarray  # [T] int64
+    position_ids: np.ndarray  # [T] int64
+    slots: np.ndarray  # [T] int64: cache slot each new token's K/V is written to
     qo_indptr: list[int]  # [B+1]: request b owns tokens qo_indptr[b]:qo_indptr[b+1]
     kv_lens: list[int]  # [B]
     page_table: np.ndarray  # [B, max pages read] int64: the pages covering each kv_len, padded with 0
     page_size: int
     segments: tuple[Segment, ...]
+    stage: HostStage
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.stage.get("ids")
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.stage.get("positions")
+
+    @property
+    def write_slots(self) -> torch.Tensor:
+        return self.stage.get("write_slots")
+
+    @property
+    def device(self) -> torch.device:
+        return self.stage.device
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
+        return int(self.ids.shape[0])
 
     @property
     def all_chains(self) -> bool:
@@ -95,16 +119,19 @@ def build_layout(segments: list[Segment], *, page_size: int, device: torch.devic
     index = prefix[seg] + cached[seg] + (np.arange(len(seg)) - qo_indptr[seg])
     slots = table[seg, index // page_size] * page_size + index % page_size
 
-    def t(x: np.ndarray) -> torch.Tensor:
-        return torch.as_tensor(x, dtype=torch.int64, device=device)
-
+    positions = prefix[seg] + depth
+    stage = HostStage(torch.device(device))
+    stage.put("ids", ids)
+    stage.put("positions", positions)
+    stage.put("write_slots", slots)
     return BatchLayout(
-        input_ids=t(ids),
-        positions=t(prefix[seg] + depth),
-        write_slots=t(slots),
+        ids=ids,
+        position_ids=positions,
+        slots=slots,
         qo_indptr=qo_indptr.tolist(),
         kv_lens=kv_lens.tolist(),
         page_table=table,
         page_size=page_size,
         segments=tuple(segments),
+        stage=stage,
     )

@@ -19,6 +19,7 @@ import torch
 
 from adaserve.engine.checks import at_least
 from adaserve.engine.model.config import ModelConfig
+from adaserve.engine.model.staging import HostStage
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,9 @@ class PagedKVCache:
                 d_all.append(seq.slots_at(d[keep], self.page_size))
         if not s_all:
             return
-        s_idx = torch.as_tensor(np.concatenate(s_all), device=self.k.device)
-        d_idx = torch.as_tensor(np.concatenate(d_all), device=self.k.device)
+        stage = HostStage(self.k.device)  # sources and destinations in one non-blocking copy
+        stage.put("src", np.concatenate(s_all))
+        stage.put("dst", np.concatenate(d_all))
+        s_idx, d_idx = stage.get("src"), stage.get("dst")
         self.k[:, d_idx] = self.k[:, s_idx]
         self.v[:, d_idx] = self.v[:, s_idx]

@@ -7,16 +7,14 @@ explicit positions; attention goes through the backend, which owns the KV layout
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from adaserve.engine.model.attention.base import AttentionBackend
 from adaserve.engine.model.config import ModelConfig
+from adaserve.engine.model.device_timer import DeviceTimer
 from adaserve.engine.model.few_rows import FewRowLinear
-from adaserve.engine.model.host_sync import synchronize
 from adaserve.engine.model.kv_cache import PagedKVCache
 from adaserve.engine.model.rope import Rotary, apply_rotary
 
@@ -98,9 +96,13 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(cfg)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # wall seconds spent in ``forward``, summed: the engine's time outside forwards is the rest of an
-        # iteration (StepMetrics.t_forward_s). A CUDA forward is synchronised before the clock is read.
-        self.forward_seconds = 0.0
+        # seconds spent in ``forward``, summed: the engine's time outside forwards is the rest of an
+        # iteration (StepMetrics.t_forward_s). CUDA forwards are timed by events, never synchronised.
+        self.timer = DeviceTimer()
+
+    @property
+    def forward_seconds(self) -> float:
+        return self.timer.seconds
 
     def tune_kernels(self) -> None:
         """Pick each linear layer's fastest kernels for few rows on this CPU (few_rows.py); after loading."""
@@ -110,11 +112,8 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *, backend: AttentionBackend,
                 cache: PagedKVCache, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
-        t0 = time.perf_counter()
-        logits = self._logits(input_ids, positions, backend, cache, logits_rows)
-        synchronize(logits.device)  # the caller reads the logits next anyway (host_sync.py counts it)
-        self.forward_seconds += time.perf_counter() - t0
-        return logits
+        with self.timer.region(input_ids.device):
+            return self._logits(input_ids, positions, backend, cache, logits_rows)
 
     @torch.inference_mode()
     def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,

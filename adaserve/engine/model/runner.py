@@ -66,9 +66,10 @@ class ModelRunner:
             picked = range(lo, hi) if want else range(hi - 1, hi)
             rows.extend(picked)
             counts.append(len(picked))
+        layout.stage.put("logits_rows", rows)  # sent with the layout's and the backend's arrays, in one copy
         self.backend.plan(layout, self.cache)
         logits = self.model(layout.input_ids, layout.positions, backend=self.backend, cache=self.cache,
-                            logits_rows=torch.tensor(rows, device=self.device))
+                            logits_rows=layout.stage.get("logits_rows"))
         out = list(torch.split(logits, counts))
         rec = ForwardRecord(n_new=sum(s.num_new for s in segments),
                             n_context=sum(s.prefix_len + s.num_cached for s in segments),

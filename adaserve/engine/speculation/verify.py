@@ -42,7 +42,10 @@ class WalkInput:
     budget: int  # tokens still allowed
 
 
-def walk_trees(inputs: list[WalkInput]) -> list[WalkResult]:
+Draws = tuple[list[list[int]], list[torch.Tensor | None]]  # draw_at_nodes: tokens per node, generator states
+
+
+def walk_trees(inputs: list[WalkInput], draws: Draws | None = None) -> list[WalkResult]:
     """Every request's walk; the draws are batched, the walks are host work over them.
 
     The token the walk would draw at node v is computed for every node up front (``draw_at_nodes``):
@@ -50,8 +53,11 @@ def walk_trees(inputs: list[WalkInput]) -> list[WalkResult]:
     requests in one call per sampling setting. The walk visits at most one node per depth and emits one
     token per node visited, so the draw at a node of depth d uses the request's d-th uniform, exactly as
     sequential decoding draws it.
+
+    ``draws``: ``draw_at_nodes(inputs)`` already taken (the engine times the target forward up to it:
+    on a GPU its copy to the host is what waits for the forward).
     """
-    drawn, uniforms_before = draw_at_nodes(inputs)
+    drawn, uniforms_before = draws if draws is not None else draw_at_nodes(inputs)
     out = []
     for x, y, state in zip(inputs, drawn, uniforms_before, strict=True):
         res = walk(x.tree, y, stop_ids=x.stop_ids, budget=x.budget)
@@ -87,23 +93,22 @@ def walk(tree: TokenTree, drawn: list[int], *, stop_ids: frozenset[int], budget:
     return WalkResult(tokens, path)
 
 
-def draw_at_nodes(inputs: list[WalkInput]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+def draw_at_nodes(inputs: list[WalkInput]) -> Draws:
     """Per request, the token drawn at each node, and (sampled requests) its generator state before.
 
     Greedy: argmax. Sampled: node v of depth d takes the request's uniform u_d (drawn here, d = 0 ..
     max depth; ``walk_trees`` rewinds the generator and consumes only the ones the walk used) and
     returns the inverse-CDF draw of u_d from the processed distribution at v (``sampling.draw_rows``).
+    Every draw is queued on the device without a sync, and all of them reach the host in one copy.
     """
-    drawn: list[list[int]] = [[] for _ in inputs]
     states: list[torch.Tensor | None] = [None] * len(inputs)
+    order: list[int] = []  # requests in the order their draws are concatenated
+    parts: list[torch.Tensor] = []
     greedy = [i for i, x in enumerate(inputs) if x.params.greedy]
     if greedy:
-        # per request an argmax queued without a sync (no copy of the logits), one copy to the host
-        ys = torch.cat([inputs[i].logits.argmax(-1) for i in greedy]).tolist()
-        at = 0
-        for i in greedy:
-            m = inputs[i].tree.size
-            drawn[i], at = ys[at : at + m], at + m
+        # one argmax over every greedy request's rows (no copy of the logits)
+        parts.append(torch.cat([inputs[i].logits for i in greedy]).argmax(-1))
+        order += greedy
     by_setting: dict[tuple[float, int, float], list[int]] = {}
     for i, x in enumerate(inputs):
         if not x.params.greedy:
@@ -117,11 +122,14 @@ def draw_at_nodes(inputs: list[WalkInput]) -> tuple[list[list[int]], list[torch.
             u = torch.rand(int(depth.max()) + 1, generator=x.generator, dtype=torch.float64)
             us.append(u[torch.tensor(depth)])  # the uniform each node would use
         probs = processed_probs(torch.cat([inputs[i].logits for i in members]), inputs[members[0]].params)
-        ys = draw_rows(probs, torch.cat(us).to(probs.device)).tolist()
-        at = 0
-        for i in members:
-            m = inputs[i].tree.size
-            drawn[i], at = ys[at : at + m], at + m
+        parts.append(draw_rows(probs, torch.cat(us).to(probs.device, non_blocking=True)))
+        order += members
+    ys = torch.cat(parts).tolist() if parts else []  # the one copy back
+    drawn: list[list[int]] = [[] for _ in inputs]
+    at = 0
+    for i in order:
+        m = inputs[i].tree.size
+        drawn[i], at = ys[at : at + m], at + m
     return drawn, states
 
 

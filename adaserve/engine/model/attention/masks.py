@@ -24,23 +24,27 @@ from adaserve.engine.model.batch import BatchLayout
 
 
 class MaskIndex:
-    """Per-segment vectors of one layout on ``device``; ``visible`` evaluates the mask on any index grid."""
+    """Per-segment vectors of one layout on its device; ``visible`` evaluates the mask on any index grid.
 
-    def __init__(self, layout: BatchLayout, device: torch.device) -> None:
+    The vectors travel in the layout's ``HostStage`` (``stage`` puts them there, the constructor reads
+    them): a backend that stages its own arrays first gets everything in one copy.
+    """
+
+    _VECTORS = ("prefix", "cached", "size", "n_new", "kv_len")
+
+    @staticmethod
+    def stage(layout: BatchLayout) -> None:
+        """Queue this layout's mask vectors for the device (once; later calls do nothing)."""
+        stage = layout.stage
+        if "mask.prefix" in stage:
+            return
         segs = layout.segments
-
-        def t(xs: list[int] | np.ndarray) -> torch.Tensor:
-            return torch.as_tensor(np.asarray(xs, np.int64), device=device)
-
-        self.device = device
-        self.prefix = t([s.prefix_len for s in segs])
-        self.cached = t([s.num_cached for s in segs])
-        self.size = t([s.tree.size for s in segs])
-        self.n_new = t(np.diff(layout.qo_indptr))
-        self.kv_len = t(layout.kv_lens)
+        stage.put("mask.prefix", np.fromiter((s.prefix_len for s in segs), np.int64, len(segs)))
+        stage.put("mask.cached", np.fromiter((s.num_cached for s in segs), np.int64, len(segs)))
+        stage.put("mask.size", np.fromiter((s.tree.size for s in segs), np.int64, len(segs)))
+        stage.put("mask.n_new", np.diff(layout.qo_indptr))
+        stage.put("mask.kv_len", np.asarray(layout.kv_lens, np.int64))
         trees = [b for b, s in enumerate(segs) if not s.tree.is_chain]
-        self.anc: torch.Tensor | None = None
-        self.depth: torch.Tensor | None = None
         if trees:
             mt = max(segs[b].tree.size for b in trees)
             anc = np.zeros((len(trees), mt, mt), bool)
@@ -51,9 +55,25 @@ class MaskIndex:
                 anc[j, : tree.size, : tree.size] = tree.ancestor_matrix()
                 depth[j, : tree.size] = tree.depths()
                 slot[b] = j
-            self.anc = torch.as_tensor(anc, device=device)
-            self.depth = t(depth)
-            self.tree_slot = t(slot)
+            stage.put("mask.anc", anc, torch.bool)
+            stage.put("mask.depth", depth)
+            stage.put("mask.tree_slot", slot)
+
+    def __init__(self, layout: BatchLayout, device: torch.device | None = None) -> None:
+        if device is not None and torch.device(device) != layout.device:
+            raise ValueError(f"layout staged for {layout.device}, mask asked on {device}")
+        MaskIndex.stage(layout)
+        stage = layout.stage
+        self.device = layout.device
+        self.flat_size = int(np.dot(np.diff(layout.qo_indptr), layout.kv_lens))  # sum_b num_new_b * kv_len_b
+        self.prefix, self.cached, self.size, self.n_new, self.kv_len = (
+            stage.get(f"mask.{v}") for v in self._VECTORS)
+        self.anc: torch.Tensor | None = None
+        self.depth: torch.Tensor | None = None
+        if "mask.anc" in stage:
+            self.anc = stage.get("mask.anc")
+            self.depth = stage.get("mask.depth")
+            self.tree_slot = stage.get("mask.tree_slot")
 
     def _node_depth(self, b: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
         """depth of tree node ``node`` of segment ``b`` (a chain's node index is its depth)."""
@@ -105,7 +125,7 @@ def flat_mask(index: MaskIndex, window: int | None = None) -> torch.Tensor:
     """Per request the row-major ``[num_new, kv_len]`` block of the mask, concatenated (flashinfer's layout)."""
     dev = index.device
     sizes = index.n_new * index.kv_len
-    b = torch.repeat_interleave(torch.arange(len(sizes), device=dev), sizes)
+    b = torch.repeat_interleave(torch.arange(len(sizes), device=dev), sizes, output_size=index.flat_size)
     start = torch.cumsum(sizes, 0) - sizes
     local = torch.arange(b.shape[0], device=dev) - start[b]
     row, col = local // index.kv_len[b], local % index.kv_len[b]

@@ -57,33 +57,39 @@ class TorchAttention:
         self._groups: list[_Group] = []
 
     def plan(self, layout: BatchLayout, cache: PagedKVCache) -> None:
-        dev = layout.input_ids.device
-        index = MaskIndex(layout, dev)
+        """Every group's index arrays are staged on the host with the layout's, then sent in one copy."""
+        stage = layout.stage
+        MaskIndex.stage(layout)
         indptr = np.asarray(layout.qo_indptr)
         n_new = np.diff(indptr)
+        kv_lens = np.asarray(layout.kv_lens, np.int64)
         groups = group_segments(n_new.tolist())
-        self._groups = []
-        for members in groups:
+        shapes = []
+        ps = layout.page_size
+        for j, members in enumerate(groups):
             g = np.asarray(members)
-            q_max, k_max = int(n_new[g].max()), int(np.asarray(layout.kv_lens)[g].max())
-            ranges = [np.arange(indptr[b], indptr[b + 1]) for b in members]
-            tok = np.concatenate(ranges)
+            q_max, k_max = int(n_new[g].max()), int(kv_lens[g].max())
+            tok = np.concatenate([np.arange(indptr[b], indptr[b + 1]) for b in members])
             every = len(groups) == 1 and len(members) == len(n_new)  # one group: tokens already in order
-            rows = None
             if len(members) > 1:
                 seg_local = np.repeat(np.arange(len(members)), n_new[g])
-                row = tok - indptr[g][seg_local]
-                rows = (torch.as_tensor(seg_local, device=dev), torch.as_tensor(row, device=dev))
-            # key index k of a segment lives in slot pages[k // page_size] * page_size + k % page_size
-            # (built on the device from the small page table; padding keys repeat the last real one)
-            kv = torch.as_tensor(np.asarray(layout.kv_lens)[g], device=dev)
-            table = torch.as_tensor(layout.page_table[g], device=dev)
-            k_idx = torch.minimum(torch.arange(k_max, device=dev)[None, :], kv[:, None] - 1)
-            ps = layout.page_size
-            key_slots = table.gather(1, k_idx // ps) * ps + k_idx % ps
-            mask = padded_mask(index, torch.as_tensor(g, device=dev), q_max, k_max, self.sliding_window)
-            self._groups.append(_Group(None if every else torch.as_tensor(tok, device=dev), rows, q_max,
-                                       key_slots, mask[:, None]))
+                stage.put(f"sdpa.{j}.seg", seg_local)
+                stage.put(f"sdpa.{j}.row", tok - indptr[g][seg_local])
+            # key index k of a segment lives in slot pages[k // page_size] * page_size + k % page_size;
+            # padding keys repeat the last real one
+            k_idx = np.minimum(np.arange(k_max)[None, :], kv_lens[g][:, None] - 1)
+            stage.put(f"sdpa.{j}.key_slots", np.take_along_axis(layout.page_table[g], k_idx // ps, 1) * ps + k_idx % ps)
+            stage.put(f"sdpa.{j}.group", g)
+            if not every:
+                stage.put(f"sdpa.{j}.tok", tok)
+            shapes.append((len(members), every, q_max, k_max))
+        index = MaskIndex(layout)  # the first read: one copy of everything staged above
+        self._groups = []
+        for j, (size, every, q_max, k_max) in enumerate(shapes):
+            rows = (stage.get(f"sdpa.{j}.seg"), stage.get(f"sdpa.{j}.row")) if size > 1 else None
+            mask = padded_mask(index, stage.get(f"sdpa.{j}.group"), q_max, k_max, self.sliding_window)
+            self._groups.append(_Group(None if every else stage.get(f"sdpa.{j}.tok"), rows, q_max,
+                                       stage.get(f"sdpa.{j}.key_slots"), mask[:, None]))
         self._layout = layout
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

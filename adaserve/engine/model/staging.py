@@ -1,0 +1,65 @@
+"""Host arrays bound for the device, sent together in one non-blocking copy (issue 30).
+
+A forward needs a dozen small index arrays on the device (token ids, positions, write slots, the mask's
+per-segment vectors, key slots, the logits rows). Each ``torch.as_tensor(x, device=cuda)`` is a blocking
+copy; a ``HostStage`` collects them as numpy arrays instead, packs them into one int64 buffer (pinned on
+CUDA) and sends it with one ``to(device, non_blocking=True)``. Each array comes back as a view of the
+device buffer, in its own dtype and shape.
+
+Reading any array sends whatever is pending, so a caller that reads early still gets a correct (if
+extra) copy; the runner puts everything first and reads after, which makes one copy per forward.
+
+May import: numpy, torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class HostStage:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pending: list[tuple[str, np.ndarray, torch.dtype]] = []
+        self._sent: dict[str, torch.Tensor] = {}
+        self.copies = 0  # transfers made (one per forward when used as meant)
+
+    def put(self, name: str, array: np.ndarray | list[int], dtype: torch.dtype = torch.int64) -> None:
+        """Queue ``array`` (integers or bools) for the device under ``name``; it arrives as ``dtype``."""
+        if name in self._sent or any(n == name for n, _, _ in self._pending):
+            raise ValueError(f"{name!r} is already staged")
+        self._pending.append((name, np.asarray(array), dtype))
+
+    def get(self, name: str) -> torch.Tensor:
+        """The device tensor for ``name`` (sends every pending array first if it is one of them)."""
+        if name not in self._sent:
+            self.send()
+        return self._sent[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._sent or any(n == name for n, _, _ in self._pending)
+
+    def send(self) -> None:
+        """One copy of every pending array to the device, not waited for."""
+        if not self._pending:
+            return
+        total = sum(a.size for _, a, _ in self._pending)
+        pinned = self.device.type == "cuda"
+        host = torch.empty(max(total, 1), dtype=torch.int64, pin_memory=pinned)
+        flat = host.numpy()
+        at = 0
+        for _, a, _ in self._pending:
+            flat[at : at + a.size] = a.ravel()
+            at += a.size
+        # The pinned host buffer stays referenced by ``self`` until the stage is dropped, after the forward
+        # that reads it has been queued behind the copy on the same stream.
+        self._host = host
+        dev = host.to(self.device, non_blocking=True)
+        self.copies += 1
+        at = 0
+        for name, a, dtype in self._pending:
+            part = dev[at : at + a.size].view(a.shape)
+            self._sent[name] = part if dtype == torch.int64 else part.to(dtype)
+            at += a.size
+        self._pending = []

@@ -10,7 +10,7 @@ when built, raising ValueError naming the field, so nothing downstream re-checks
       max_batch
       adaptive: AdaptiveConfig                    tree depth and width from the batch size (Eq. 8-9;
                                                   speculation/adaptive.py)
-      attention, kv: KVCacheConfig                how a forward runs (model/attention, model/kv_cache.py)
+      attention, kv: KVCacheConfig, static_shapes how a forward runs (model/attention, kv_cache.py, static.py)
       target_cost, draft_cost, initial_forward_s  predicting an iteration's duration
       drafts: MultiDraftConfig                    several drafts (this module; multi_draft.py)
       history_len                                 how many per-step metrics are kept
@@ -87,6 +87,9 @@ class EngineConfig:
     # ---- how a forward runs (runner.py, kv_cache.py, attention/) ----
     attention: str = "auto"  # one of ATTENTION_BACKENDS
     kv: KVCacheConfig = field(default_factory=KVCacheConfig)
+    # forwards of at most 32 new tokens per request on padded, persistent buffers: a CUDA graph per shape
+    # bucket on a GPU, the same function eagerly on a CPU (model/static.py)
+    static_shapes: bool = False
 
     # ---- predicting an iteration's duration (timing.py) ----
     target_cost: CostModel | None = None  # profiled T_fwd of the target; learnt online when None

@@ -16,15 +16,18 @@ from adaserve.engine.speculation.policies import make_policy
 CPU = torch.device("cpu")
 
 
-def runner(path: Path, *, page_size: int = 4, num_pages: int = 4000) -> ModelRunner:
-    cfg = EngineConfig(attention="torch", kv=KVCacheConfig(page_size=page_size, num_pages=num_pages))
+def runner(path: Path, *, page_size: int = 4, num_pages: int = 4000, static_shapes: bool = False) -> ModelRunner:
+    cfg = EngineConfig(attention="torch", kv=KVCacheConfig(page_size=page_size, num_pages=num_pages),
+                       static_shapes=static_shapes)
     return ModelRunner(load_model(path, device=CPU), cfg)
 
 
-def engine(target: Path, draft: Path | None, policy: str, **cfg: int | str) -> Engine:
+def engine(target: Path, draft: Path | None, policy: str, **cfg: int | str | bool) -> Engine:
+    """``static_shapes=True`` runs both models' decode-sized forwards on the static path (model/static.py)."""
     config = EngineConfig(policy=policy, **cfg)
-    drf = runner(draft) if draft and make_policy(policy, config).max_shape is not None else None
-    return Engine(runner(target), drf, config)
+    st = config.static_shapes
+    drf = runner(draft, static_shapes=st) if draft and make_policy(policy, config).max_shape is not None else None
+    return Engine(runner(target, static_shapes=st), drf, config)
 
 
 def hf_greedy(path: Path, prompt: list[int], max_new: int, *, eos: int | None = None) -> list[int]:

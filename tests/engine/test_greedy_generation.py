@@ -39,8 +39,10 @@ def run_staggered(eng, reqs: list[Request]) -> None:
 
 
 @pytest.mark.parametrize("policy", ["beam:4,2", "beam:3,3", "beam:2,1", "incremental"])
-def test_random_draft_matches_target_greedy(target_dir: Path, draft_dir: Path, references, policy: str) -> None:
-    eng = engine(target_dir, draft_dir, policy, budget=24, prefill_chunk=16)
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_random_draft_matches_target_greedy(target_dir: Path, draft_dir: Path, references, policy: str,
+                                            static: bool) -> None:
+    eng = engine(target_dir, draft_dir, policy, budget=24, prefill_chunk=16, static_shapes=static)
     reqs = workload(10)
     run_staggered(eng, reqs)
     for r in reqs:

@@ -107,13 +107,14 @@ def test_speculative_sampling_matches_target_distribution(pair: tuple[Path, Path
     assert chi2_pvalue(counts, exact_joint(draft, params)) < 1e-6  # the test can tell distributions apart
 
 
-def test_seeded_sampling_equals_plain_decoding(pair: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_seeded_sampling_equals_plain_decoding(pair: tuple[Path, Path], static: bool) -> None:
     """Each emitted token is one draw from the target with the request's generator, so a seeded
-    speculative run reproduces a seeded non-speculative run exactly."""
+    speculative run reproduces a seeded non-speculative run exactly (``static``: both on model/static.py)."""
     target, draft = pair
     outs = {}
     for policy in ["incremental", "beam:3,2"]:
-        eng = engine(target, draft, policy, budget=64)
+        eng = engine(target, draft, policy, budget=64, static_shapes=static)
         reqs = [Request(f"{s}", PROMPT, SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True))
                 for s in range(16)]
         for r in reqs:

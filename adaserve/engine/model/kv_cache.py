@@ -1,8 +1,9 @@
 """The paged KV cache the engine owns, and the page accounting that keeps it from leaking.
 
-Storage is one tensor per K and V, ``[num_layers, num_pages * page_size, kv_heads, head_dim]``: a
-token's *slot* is ``page * page_size + offset``. Viewed per layer as ``[num_pages, page_size, ...]``
-it is the paged layout flashinfer reads.
+Storage is one tensor per K and V, ``[num_layers, (num_pages + 1) * page_size, kv_heads, head_dim]``: a
+token's *slot* is ``page * page_size + offset``. Viewed per layer as ``[num_pages + 1, page_size, ...]``
+it is the paged layout flashinfer reads. The last page is scratch, outside the accounting: padded rows of
+a static-shape forward write their K/V there.
 
 Accounting per sequence: ``length`` tokens hold committed KV; pages cover ``allocated`` >= length
 slots. A verification step may write a whole tree past ``length``; afterwards the engine calls
@@ -66,10 +67,18 @@ class PagedKVCache:
         self.page_size = cfg.page_size
         per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype.itemsize
         self.num_pages = cfg.num_pages or max(1, cfg.memory_bytes // (per_token * cfg.page_size))
-        shape = (model.num_layers, self.num_pages * self.page_size, model.num_kv_heads, model.head_dim)
+        # one page past the accounted ones is scratch: padded rows of a static-shape forward write there
+        # (static.py), and no sequence ever owns it
+        self.scratch_page = self.num_pages
+        shape = (model.num_layers, (self.num_pages + 1) * self.page_size, model.num_kv_heads, model.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
+
+    @property
+    def scratch_slot(self) -> int:
+        """A slot no sequence owns: where padding writes its K/V."""
+        return self.scratch_page * self.page_size
 
     # ---- accounting -----------------------------------------------------------------------------
     @property

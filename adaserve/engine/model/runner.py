@@ -13,6 +13,7 @@ from adaserve.engine.model.attention import make_backend
 from adaserve.engine.model.batch import Segment, build_layout
 from adaserve.engine.model.kv_cache import KVCacheConfig, PagedKVCache
 from adaserve.engine.model.layers import CausalLM
+from adaserve.engine.model.static import StaticForward
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class ForwardSettings(Protocol):
     @property
     def kv(self) -> KVCacheConfig: ...
 
+    @property
+    def static_shapes(self) -> bool: ...  # decode-sized forwards on padded static buffers (static.py)
+
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cfg: ForwardSettings | None = None) -> None:
@@ -42,6 +46,8 @@ class ModelRunner:
         kv = cfg.kv if cfg is not None else KVCacheConfig()
         self.cache = PagedKVCache(model.cfg, kv, dtype=self.dtype, device=self.device)
         self.backend = make_backend(cfg.attention if cfg is not None else "auto", model.cfg, self.device)
+        # static shapes: CUDA graphs replayed on a GPU, the same function called eagerly on a CPU
+        self.static = StaticForward(model, self.cache) if cfg is not None and cfg.static_shapes else None
         self.forward_listeners: list[Callable[[ForwardRecord], None]] = []
         self.last_forward: ForwardRecord | None = None  # the latest call's counts (the engine times drafts by it)
 
@@ -66,10 +72,14 @@ class ModelRunner:
             picked = range(lo, hi) if want else range(hi - 1, hi)
             rows.extend(picked)
             counts.append(len(picked))
-        layout.stage.put("logits_rows", rows)  # sent with the layout's and the backend's arrays, in one copy
-        self.backend.plan(layout, self.cache)
-        logits = self.model(layout.input_ids, layout.positions, backend=self.backend, cache=self.cache,
-                            logits_rows=layout.stage.get("logits_rows"))
+        shape = self.static.bucket(layout) if self.static is not None else None
+        if self.static is not None and shape is not None:
+            logits = self.static.forward(layout, rows, shape)
+        else:
+            layout.stage.put("logits_rows", rows)  # sent with the layout's and the backend's arrays, in one copy
+            self.backend.plan(layout, self.cache)
+            logits = self.model(layout.input_ids, layout.positions, backend=self.backend, cache=self.cache,
+                                logits_rows=layout.stage.get("logits_rows"))
         out = list(torch.split(logits, counts))
         rec = ForwardRecord(n_new=sum(s.num_new for s in segments),
                             n_context=sum(s.prefix_len + s.num_cached for s in segments),

@@ -46,9 +46,12 @@ def test_policy_names_all_resolve() -> None:
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("draft", ["random", "self"])
-def test_every_policy_is_lossless_with_arrivals_and_aborts(policy: str, draft: str, target_dir: Path,
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_every_policy_is_lossless_with_arrivals_and_aborts(policy: str, draft: str, static: bool, target_dir: Path,
                                                            draft_dir: Path, references) -> None:
-    eng = engine(target_dir, target_dir if draft == "self" else draft_dir, policy, budget=20, prefill_chunk=24)
+    """``static``: both models' decode-sized forwards on padded static buffers (model/static.py)."""
+    eng = engine(target_dir, target_dir if draft == "self" else draft_dir, policy, budget=20, prefill_chunk=24,
+                 static_shapes=static)
     reqs = mixed_workload(12, 3)
     queue = list(reqs)
     aborted: set[str] = set()

@@ -174,7 +174,7 @@ class FlashInferAttention:
                 cache: PagedKVCache) -> torch.Tensor:
         assert self._wrapper is not None and self._write_slots is not None, "plan() must run before forward()"
         write_kv(layer, k, v, cache, self._write_slots)
-        paged = (cache.num_pages, cache.page_size, self.num_kv_heads, self.head_dim)
+        paged = (cache.k.shape[1] // cache.page_size, cache.page_size, self.num_kv_heads, self.head_dim)  # + scratch
         kv = (cache.k[layer].view(paged), cache.v[layer].view(paged))
         out = self._wrapper.run(q.to(self._dtype).contiguous(), kv)  # [T, H, D]
         return out.to(q.dtype)

@@ -1,0 +1,226 @@
+"""The static-shape forward: persistent buffers per shape bucket, a CUDA graph per bucket on a GPU, and
+the very same function called eagerly on a CPU, so every CPU test runs the path a GPU replays (issue 30).
+
+A forward whose segments each bring at most ``max_rows`` new tokens (decoding, beam steps, verification
+trees; not prefill chunks) is laid out on a grid ``[G, Q]``: segment b's new token i is grid row
+``b * Q + i``, with G the batch and Q the most new tokens of a segment, each rounded up to a bucket. Keys
+are read from a ``[G, K]`` table of cache slots, K the longest key length rounded up to a power of two.
+Padding (rows past a segment's new tokens, segments past the batch) writes its K/V into the cache's
+scratch page and sees key 0 only; nothing real reads the scratch page, and attention, norms and linear
+layers are row-wise, so padded rows cannot change a real row's logits (the poison test holds them to
+bit-identity).
+
+Per forward the host builds the grid's index arrays, sends them in one non-blocking copy with the mask's
+per-segment vectors (staging.py), builds the mask on the device, copies everything into the bucket's
+buffers (whose ``data_ptr`` never changes) and replays. The graph covers the model: embedding, layers,
+KV writes, attention over the grid, the head. Planning (grid, mask) and picking the wanted logits rows
+stay eager, outside the graph.
+
+The model is nano-vllm's ``capture_cudagraph``: static buffers, one graph per batch bucket, padding to the
+next bucket, one memory pool for every graph. Here the buckets also cover the rows per segment (trees) and
+the key length, because the torch attention reads a dense key grid instead of a paged kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from adaserve.engine.model.attention.base import write_kv
+from adaserve.engine.model.attention.masks import MaskIndex, padded_mask
+from adaserve.engine.model.batch import BatchLayout
+from adaserve.engine.model.kv_cache import PagedKVCache
+from adaserve.engine.model.layers import CausalLM
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+MIN_KEYS = 64
+
+
+def round_up(x: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket >= x, or None when x is past the largest."""
+    return next((b for b in buckets if b >= x), None)
+
+
+def pow2(x: int, lowest: int = 1) -> int:
+    return max(lowest, 1 << (max(1, x) - 1).bit_length())
+
+
+@dataclass
+class Grid:
+    """One bucket's persistent buffers; on CUDA its graph, whose output is ``logits``."""
+
+    g: int
+    q: int
+    k: int
+    ids: torch.Tensor  # [G*Q] int64
+    positions: torch.Tensor  # [G*Q] int64
+    write_slots: torch.Tensor  # [G*Q] int64
+    key_slots: torch.Tensor  # [G, K] int64
+    mask: torch.Tensor  # [G, 1, Q, K] bool
+    logits: torch.Tensor | None = None  # [G*Q, V] float32, written by each run
+    graph: torch.cuda.CUDAGraph | None = None
+
+    def data_ptrs(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in (self.ids, self.positions, self.write_slots, self.key_slots, self.mask))
+
+
+class GridAttention:
+    """Attention over a grid's buffers: no per-forward state, so a captured graph replays it as is."""
+
+    name = "grid"
+
+    def __init__(self, grid: Grid, *, head_dim: int) -> None:
+        self.grid = grid
+        self.scale = head_dim**-0.5
+
+    def plan(self, layout: BatchLayout, cache: PagedKVCache) -> None:  # the grid is filled by StaticForward
+        pass
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cache: PagedKVCache) -> torch.Tensor:
+        g = self.grid
+        write_kv(layer, k, v, cache, g.write_slots)
+        kp = cache.k[layer][g.key_slots].to(q.dtype)  # [G, K, Hkv, D]
+        vp = cache.v[layer][g.key_slots].to(q.dtype)
+        qp = q.view(g.g, g.q, *q.shape[1:])
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
+            attn_mask=g.mask, scale=self.scale, enable_gqa=True,
+        ).transpose(1, 2)  # [G, Q, H, D]
+        return out.reshape(q.shape)
+
+
+class StaticForward:
+    """Static-shape forwards of one model over its cache; ``graphs`` (CUDA only) captures each bucket once."""
+
+    def __init__(self, model: CausalLM, cache: PagedKVCache, *, max_batch: int = 256, max_rows: int = 32,
+                 graphs: bool | None = None) -> None:
+        self.model, self.cache = model, cache
+        self.device = model.lm_head.weight.device
+        self.batch_buckets = (*(b for b in BATCH_BUCKETS if b < max_batch), max_batch)
+        self.max_rows = max_rows
+        self.max_keys = pow2(model.cfg.max_position_embeddings, MIN_KEYS)
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        if self.graphs and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self._grids: dict[tuple[int, int, int], Grid] = {}
+        self._pool: tuple[int, int] | None = None  # the graphs' shared memory pool
+        # poison test only: fills padded rows, padded segments' masks and the scratch page with garbage
+        self.poison: np.random.Generator | None = None
+
+    def bucket(self, layout: BatchLayout) -> tuple[int, int, int] | None:
+        """(G, Q, K) for this layout, or None when it does not fit a static shape (eager then)."""
+        n_new = int(np.diff(layout.qo_indptr).max())
+        g = round_up(len(layout.segments), self.batch_buckets)
+        if g is None or n_new > self.max_rows or max(layout.kv_lens) > self.max_keys:
+            return None
+        return g, pow2(n_new), min(self.max_keys, pow2(max(layout.kv_lens), MIN_KEYS))
+
+    def grid(self, shape: tuple[int, int, int]) -> Grid:
+        grid = self._grids.get(shape)
+        if grid is None:
+            g, q, k = shape
+            dev = self.device
+
+            def ints(*size: int) -> torch.Tensor:
+                return torch.zeros(size, dtype=torch.int64, device=dev)
+
+            grid = Grid(g, q, k, ints(g * q), ints(g * q), ints(g * q), ints(g, k),
+                        torch.zeros((g, 1, q, k), dtype=torch.bool, device=dev))
+            self._grids[shape] = grid
+        return grid
+
+    def forward(self, layout: BatchLayout, rows: list[int], shape: tuple[int, int, int]) -> torch.Tensor:
+        """Logits ``[len(rows), V]`` of the layout's flat token rows ``rows``, through the bucket ``shape``."""
+        grid = self.grid(shape)
+        self._fill(grid, layout, rows)
+        run = self._runner(grid)
+        with self.model.timer.region(self.device):
+            run()
+        assert grid.logits is not None
+        return grid.logits[layout.stage.get("static.rows")]  # a new tensor: the next run may overwrite
+
+    # ---- filling the buffers (eager, before the replay) ----------------------------------------------
+    def _fill(self, grid: Grid, layout: BatchLayout, rows: list[int]) -> None:
+        b_real = len(layout.segments)
+        indptr = np.asarray(layout.qo_indptr)
+        n_new = np.diff(indptr)
+        kv_lens = np.asarray(layout.kv_lens, np.int64)
+        seg = np.repeat(np.arange(b_real), n_new)
+        at = seg * grid.q + np.arange(indptr[-1]) - indptr[seg]  # grid row of each real token
+        ids = np.zeros(grid.g * grid.q, np.int64)
+        pos = np.zeros(grid.g * grid.q, np.int64)
+        slots = np.full(grid.g * grid.q, self.cache.scratch_slot, np.int64)
+        if self.poison is not None:
+            ids = self.poison.integers(0, self.model.cfg.vocab_size, ids.shape)
+            pos = self.poison.integers(0, self.model.cfg.max_position_embeddings, pos.shape)
+            slots = self.cache.scratch_slot + self.poison.integers(0, self.cache.page_size, slots.shape)
+        ids[at], pos[at], slots[at] = layout.ids, layout.position_ids, layout.slots
+        # key k of a real segment: its cache slot (keys past kv_len repeat the last real one, masked)
+        ps = layout.page_size
+        k_idx = np.minimum(np.arange(grid.k)[None, :], kv_lens[:, None] - 1)
+        keys = np.full((grid.g, grid.k), self.cache.scratch_slot, np.int64)
+        keys[:b_real] = np.take_along_axis(layout.page_table, k_idx // ps, 1) * ps + k_idx % ps
+        stage = layout.stage
+        for name, arr in (("ids", ids), ("positions", pos), ("write_slots", slots), ("keys", keys),
+                          ("rows", at[np.asarray(rows, np.int64)]), ("group", np.arange(b_real))):
+            stage.put(f"static.{name}", arr)
+        MaskIndex.stage(layout)
+        index = MaskIndex(layout)  # the first read: one copy of everything staged
+        mask = padded_mask(index, stage.get("static.group"), grid.q, grid.k, self.model.cfg.sliding_window)
+        grid.ids.copy_(stage.get("static.ids"))
+        grid.positions.copy_(stage.get("static.positions"))
+        grid.write_slots.copy_(stage.get("static.write_slots"))
+        grid.key_slots.copy_(stage.get("static.keys"))
+        grid.mask[:b_real, 0].copy_(mask)
+        if b_real < grid.g:  # padded segments see key 0 only
+            grid.mask[b_real:].zero_()
+            grid.mask[b_real:, :, :, 0] = True
+        if self.poison is not None:
+            garbage = torch.rand(grid.mask[b_real:].shape, generator=torch.Generator().manual_seed(0)) < 0.5
+            grid.mask[b_real:].copy_(garbage)
+            scratch = slice(self.cache.scratch_slot, self.cache.scratch_slot + self.cache.page_size)
+            self.cache.k[:, scratch].normal_()
+            self.cache.v[:, scratch].normal_()
+
+    # ---- running: the function, eagerly or as a captured graph ---------------------------------------
+    def _function(self, grid: Grid) -> Callable[[], torch.Tensor]:
+        attention = GridAttention(grid, head_dim=self.model.cfg.head_dim)
+
+        def run() -> torch.Tensor:
+            return self.model._logits(grid.ids, grid.positions, attention, self.cache, None)
+
+        return run
+
+    def _runner(self, grid: Grid) -> Callable[[], None]:
+        fn = self._function(grid)
+        if not self.graphs:
+            def eager() -> None:
+                grid.logits = fn()
+            return eager
+        if grid.graph is None:
+            self._capture(grid, fn)
+        graph = grid.graph
+        assert graph is not None
+        return graph.replay
+
+    def _capture(self, grid: Grid, fn: Callable[[], torch.Tensor]) -> None:
+        """Warm up on a side stream (lazy initialisations must not be captured), then capture ``fn``.
+
+        The warm-up runs on the buffers already filled for this forward, so its KV writes are the ones the
+        replay makes again: the same values in the same slots.
+        """
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            grid.logits = fn()
+        self._pool = graph.pool()
+        grid.graph = graph

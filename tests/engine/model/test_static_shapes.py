@@ -1,0 +1,152 @@
+"""The static-shape forward (model/static.py), checked on a CPU where it runs the function a GPU captures.
+
+- poison: garbage in padded rows, padded segments, their masks and the scratch page leaves the real rows'
+  logits bit-identical;
+- it agrees with the eager forward on decode, beam and tree batches;
+- its buffers keep their data_ptr across forwards of one bucket;
+- capture safety: the function a graph captures makes no host-device crossing at all, and a whole decode or
+  verification forward (planning included) makes one non-blocking copy and nothing the host waits on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from adaserve.engine.model.batch import Segment, build_layout
+from adaserve.engine.model.host_sync import HostSync
+from adaserve.engine.model.kv_cache import SequenceKV
+from adaserve.engine.model.runner import ModelRunner
+from adaserve.engine.model.static import Grid, StaticForward, round_up
+from adaserve.engine.model.tree import TokenTree
+from tests.engine.helpers import runner
+
+
+def prefilled(r: ModelRunner, lengths: list[int], seed: int = 0) -> list[SequenceKV]:
+    """Sequences with ``lengths`` committed tokens (prefilled eagerly)."""
+    rng = np.random.default_rng(seed)
+    seqs = [SequenceKV() for _ in lengths]
+    segs = [Segment(s, 0, TokenTree.chain(rng.integers(2, 90, n).tolist())) for s, n in zip(seqs, lengths, strict=True)]
+    for s in segs:
+        r.cache.ensure(s.seq, s.kv_len)
+    r.forward(segs, all_logits=[False] * len(segs))
+    for s, n in zip(seqs, lengths, strict=True):
+        r.cache.truncate(s, n)
+    return seqs
+
+
+def tree() -> TokenTree:
+    return TokenTree(np.array([5, 6, 7, 8, 9]), np.array([-1, 0, 0, 1, 1]), np.zeros(5))
+
+
+def batches(seqs: list[SequenceKV]) -> dict[str, list[Segment]]:
+    a, b, c = seqs
+    beam = TokenTree(np.array([5, 6, 7, 8, 9]), np.array([-1, 0, 0, 1, 2]), np.zeros(5))
+    return {
+        "decode": [Segment(s, s.length, TokenTree.root(11 + i)) for i, s in enumerate(seqs)],
+        "verify": [Segment(a, a.length, tree()), Segment(b, b.length, TokenTree.root(3)),
+                   Segment(c, c.length, TokenTree.chain([4, 5, 6]))],
+        "beam": [Segment(s, s.length - 1, beam, num_cached=3) for s in seqs],
+    }
+
+
+@pytest.fixture
+def static_runner(target_dir: Path) -> ModelRunner:
+    return runner(target_dir, static_shapes=True)
+
+
+def bucket_of(r: ModelRunner, segs: list[Segment]) -> Grid:
+    """The grid a forward of ``segs`` runs on (after it ran)."""
+    assert r.static is not None
+    shape = r.static.bucket(build_layout(segs, page_size=r.cache.page_size, device=r.device))
+    assert shape is not None
+    return r.static.grid(shape)
+
+
+def forward_static(r: ModelRunner, segs: list[Segment]) -> list[torch.Tensor]:
+    for s in segs:
+        r.cache.ensure(s.seq, s.kv_len)
+    bucket_of(r, segs)  # it fits a static shape
+    return r.forward(segs, all_logits=[True] * len(segs))
+
+
+@pytest.mark.parametrize("kind", ["decode", "verify", "beam"])
+def test_poison_in_padding_leaves_real_logits_bit_identical(static_runner: ModelRunner, kind: str) -> None:
+    r = static_runner
+    segs = batches(prefilled(r, [7, 12, 3]))[kind]  # 3 segments: the batch bucket 4 pads one
+    clean = forward_static(r, segs)
+    grid = bucket_of(r, segs)
+    assert r.static is not None and grid.logits is not None and grid.g == 4
+    padded_clean = grid.logits[3 * grid.q :].clone()  # the padded segment's rows
+    r.static.poison = np.random.default_rng(1)
+    poisoned = forward_static(r, segs)
+    assert not torch.equal(grid.logits[3 * grid.q :], padded_clean)  # the garbage did reach the padding
+    for x, y in zip(clean, poisoned, strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("kind", ["decode", "verify", "beam"])
+def test_static_agrees_with_eager(target_dir: Path, kind: str) -> None:
+    eager, static = runner(target_dir), runner(target_dir, static_shapes=True)
+    got = [forward_static(static, batches(prefilled(static, [7, 12, 3]))[kind])]
+    want = [eager.forward(s := batches(prefilled(eager, [7, 12, 3]))[kind], all_logits=[True] * len(s))]
+    for x, y in zip(got[0], want[0], strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+        assert torch.equal(x.argmax(-1), y.argmax(-1))
+
+
+def test_buffers_keep_their_addresses_across_forwards(static_runner: ModelRunner) -> None:
+    r = static_runner
+    assert r.static is not None
+    seqs = prefilled(r, [7, 12, 3])
+    forward_static(r, batches(seqs)["decode"])
+    grid = bucket_of(r, batches(seqs)["decode"])
+    ptrs, n_grids = grid.data_ptrs(), len(r.static._grids)
+    for s in seqs:
+        r.cache.truncate(s, s.length + 1)
+    forward_static(r, batches(seqs)["decode"])
+    assert bucket_of(r, batches(seqs)["decode"]) is grid and len(r.static._grids) == n_grids
+    assert grid.data_ptrs() == ptrs
+
+
+def test_prefill_sized_forwards_stay_eager(static_runner: ModelRunner) -> None:
+    r = static_runner
+    assert r.static is not None
+    seq = SequenceKV()
+    seg = Segment(seq, 0, TokenTree.chain(list(range(2, 2 + r.static.max_rows + 1))))
+    r.cache.ensure(seq, seg.kv_len)
+    assert r.static.bucket(build_layout([seg], page_size=r.cache.page_size, device=r.device)) is None
+
+
+def test_buckets_round_up() -> None:
+    assert [round_up(x, (1, 2, 4, 8)) for x in (1, 3, 8, 9)] == [1, 4, 8, None]
+
+
+@pytest.mark.parametrize("kind", ["decode", "verify"])
+def test_captured_function_crosses_nothing(static_runner: ModelRunner, kind: str) -> None:
+    """What a CUDA graph would hold (model, KV writes, grid attention) makes no host-device crossing."""
+    r = static_runner
+    segs = batches(prefilled(r, [7, 12, 3]))[kind]
+    forward_static(r, segs)
+    assert isinstance(r.static, StaticForward)
+    grid = bucket_of(r, segs)
+    with HostSync(forbid=True) as hs:
+        r.static._function(grid)()
+    assert not hs.counts
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("kind", ["decode", "verify", "beam"])
+def test_a_forward_waits_on_nothing(target_dir: Path, static: bool, kind: str) -> None:
+    """Eager or static, a decode-sized forward (planning included) makes one non-blocking copy and nothing
+    the host waits on: no synchronize, no copy back, no data-dependent shape."""
+    r = runner(target_dir, static_shapes=static)
+    segs = batches(prefilled(r, [7, 12, 3]))[kind]
+    for s in segs:
+        r.cache.ensure(s.seq, s.kv_len)
+    with HostSync(forbid=True) as hs:
+        r.forward(segs, all_logits=[True] * len(segs))
+    assert dict(hs.counts) == {"async_copy": 1}

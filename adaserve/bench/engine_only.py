@@ -302,7 +302,8 @@ def host_cpu() -> str:
     return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "unknown")
 
 
-def load_pair(model: str, device: str, kv_memory_mb: int) -> tuple[ModelRunner, ModelRunner, Any]:
+def load_pair(model: str, device: str, kv_memory_mb: int,
+              static_shapes: bool = False) -> tuple[ModelRunner, ModelRunner, Any]:
     from adaserve.engine.build import resolve_device
     from adaserve.engine.loading.catalog import resolve
     from adaserve.engine.loading.loader import load_model, load_tokenizer
@@ -311,7 +312,7 @@ def load_pair(model: str, device: str, kv_memory_mb: int) -> tuple[ModelRunner, 
     if pair.draft is None:
         raise ValueError(f"{model} has no draft of its own")
     dev = resolve_device(device)
-    rc = EngineConfig(kv=KVCacheConfig(memory_bytes=kv_memory_mb * 2**20))
+    rc = EngineConfig(kv=KVCacheConfig(memory_bytes=kv_memory_mb * 2**20), static_shapes=static_shapes)
     target = ModelRunner(load_model(pair.target, device=dev, progress=False), rc)
     draft = ModelRunner(load_model(pair.draft, device=dev, progress=False), rc)
     return target, draft, load_tokenizer(pair.target)
@@ -321,7 +322,7 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Raises ValueError for bad settings (the CLI turns it into a one-line error)."""
     cfg = engine_only_config(args)
     set_threads(args.threads)
-    target, draft, tok = load_pair(args.model, args.device, cfg.kv_memory_mb)
+    target, draft, tok = load_pair(args.model, args.device, cfg.kv_memory_mb, cfg.static_shapes)
     report = {"benchmark": "engine-only",
               "config": {**settings(target, cfg, model=args.model, device=args.device),
                          "sampling": "greedy, ignore_eos"},

@@ -23,6 +23,7 @@ class EngineOnlyConfig:
     repeats: int = 3  # cells run this many times, interleaved (the machine is shared: report the spread)
     budget: int = 32  # B; the profiled knee of the default pair on the development CPU
     kv_memory_mb: int = 512
+    static_shapes: bool = False  # both models' decode-sized forwards on padded static buffers (model/static.py)
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) < 1:
@@ -86,6 +87,8 @@ def add_engine_only(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, help=f"tokens per prompt (default {d.prompt_tokens}; "
                    f"{PeerConfig().prompt_tokens} with --peer)")
     p.add_argument("--budget", type=int, default=d.budget, help="tokens per verification (B)")
+    p.add_argument("--static-shapes", action="store_true",
+                   help="decode-sized forwards on padded static buffers (CUDA graphs on a GPU)")
 
 
 def add_peer(p: argparse.ArgumentParser) -> None:
@@ -103,7 +106,8 @@ def engine_only_config(args: argparse.Namespace) -> EngineOnlyConfig:
     return EngineOnlyConfig(batches=tuple(args.batches), modes=tuple(m for m in args.modes.split(",") if m),
                             prompt_tokens=args.prompt_tokens or d.prompt_tokens, warmup_steps=args.warmup,
                             steps=args.steps, count_steps=getattr(args, "count_steps", d.count_steps),
-                            repeats=args.repeats, budget=args.budget)
+                            repeats=args.repeats, budget=args.budget,
+                            static_shapes=getattr(args, "static_shapes", d.static_shapes))
 
 
 def peer_config(args: argparse.Namespace) -> PeerConfig:

@@ -138,9 +138,7 @@ class StaticForward:
         """Logits ``[len(rows), V]`` of the layout's flat token rows ``rows``, through the bucket ``shape``."""
         grid = self.grid(shape)
         self._fill(grid, layout, rows)
-        run = self._runner(grid)
-        with self.model.timer.region(self.device):
-            run()
+        self._runner(grid)()
         assert grid.logits is not None
         return grid.logits[layout.stage.get("static.rows")]  # a new tensor: the next run may overwrite
 
@@ -189,6 +187,7 @@ class StaticForward:
 
     # ---- running: the function, eagerly or as a captured graph ---------------------------------------
     def _function(self, grid: Grid) -> Callable[[], torch.Tensor]:
+        """What a graph captures: the model over the grid's buffers (untimed: the replay is timed)."""
         attention = GridAttention(grid, head_dim=self.model.cfg.head_dim)
 
         def run() -> torch.Tensor:
@@ -197,16 +196,24 @@ class StaticForward:
         return run
 
     def _runner(self, grid: Grid) -> Callable[[], None]:
-        fn = self._function(grid)
+        """The eager call goes through the module (its timer, and any hooks on it); a replay is timed alone."""
         if not self.graphs:
+            attention = GridAttention(grid, head_dim=self.model.cfg.head_dim)
+
             def eager() -> None:
-                grid.logits = fn()
+                grid.logits = self.model(grid.ids, grid.positions, backend=attention, cache=self.cache)
+
             return eager
         if grid.graph is None:
-            self._capture(grid, fn)
+            self._capture(grid, self._function(grid))
         graph = grid.graph
         assert graph is not None
-        return graph.replay
+
+        def replay() -> None:
+            with self.model.timer.region(self.device):
+                graph.replay()
+
+        return replay
 
     def _capture(self, grid: Grid, fn: Callable[[], torch.Tensor]) -> None:
         """Warm up on a side stream (lazy initialisations must not be captured), then capture ``fn``.

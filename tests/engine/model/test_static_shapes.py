@@ -150,3 +150,53 @@ def test_a_forward_waits_on_nothing(target_dir: Path, static: bool, kind: str) -
     with HostSync(forbid=True) as hs:
         r.forward(segs, all_logits=[True] * len(segs))
     assert dict(hs.counts) == {"async_copy": 1}
+
+
+# ---- on a GPU: the captured graphs (run with --with-gpu) ------------------------------------------------
+def cuda_runner(path: Path, *, static: bool) -> ModelRunner:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from adaserve.engine.config import EngineConfig
+    from adaserve.engine.loading.loader import load_model
+    from adaserve.engine.model.kv_cache import KVCacheConfig
+
+    cfg = EngineConfig(attention="torch", kv=KVCacheConfig(page_size=4, num_pages=2000), static_shapes=static)
+    return ModelRunner(load_model(path, device=torch.device("cuda"), dtype=torch.float32), cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["decode", "verify", "beam"])
+def test_graph_replay_agrees_with_eager_on_cuda(target_dir: Path, kind: str) -> None:
+    static, eager = cuda_runner(target_dir, static=True), cuda_runner(target_dir, static=False)
+    assert static.static is not None and static.static.graphs
+    for _ in range(2):  # the first call captures, the second replays the captured graph
+        segs = batches(prefilled(static, [7, 12, 3]))[kind]
+        got = forward_static(static, segs)
+        assert bucket_of(static, segs).graph is not None
+        want_segs = batches(prefilled(eager, [7, 12, 3]))[kind]
+        want = eager.forward(want_segs, all_logits=[True] * len(want_segs))
+        for x, y in zip(got, want, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-3)
+            assert torch.equal(x.argmax(-1), y.argmax(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["incremental", "adaserve", "chain:3", "specinfer"])
+def test_graphs_keep_greedy_output_on_cuda(target_dir: Path, draft_dir: Path, policy: str) -> None:
+    from adaserve.engine.config import EngineConfig
+    from adaserve.engine.engine import Engine
+    from adaserve.engine.speculation.policies import make_policy
+    from tests.engine.speculation.test_policies import mixed_workload
+
+    outs = []
+    for static in (False, True):
+        config = EngineConfig(policy=policy, budget=20, prefill_chunk=24, static_shapes=static)
+        drf = cuda_runner(draft_dir, static=static) if make_policy(policy, config).max_shape else None
+        eng = Engine(cuda_runner(target_dir, static=static), drf, config)
+        reqs = mixed_workload(12, 3)
+        for r in reqs:
+            eng.add_request(r)
+        while eng.has_work:
+            eng.step()
+        outs.append([r.output_ids for r in reqs])
+    assert outs[0] == outs[1]

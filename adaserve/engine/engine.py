@@ -31,6 +31,7 @@ from adaserve.engine.request import Phase, Request, requirement
 from adaserve.engine.speculation.acceptance import RankAcceptance
 from adaserve.engine.speculation.draft_bandit import make_selector
 from adaserve.engine.speculation.iteration_budget import goodput_budget
+from adaserve.engine.speculation.logits_processors import process_tree_logits
 from adaserve.engine.speculation.policies import (
     BatchView,
     SelectionContext,
@@ -193,6 +194,10 @@ class Engine:
             raise ValueError(f"prompt_ids: prompt token ids must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t in req.params.stop_token_ids):
             raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t, _ in req.params.logit_bias):
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
+        if not 0 <= req.resumed <= len(req.prompt_ids):
+            raise ValueError("resumed: must be between 0 and the prompt's length")
         # A(r) divides by the target every iteration: a zero or NaN here would fail mid-batch
         if req.tpot_slo_ms is not None and not (math.isfinite(req.tpot_slo_ms) and req.tpot_slo_ms > 0):
             raise ValueError(f"tpot_slo_ms: must be a finite number > 0, got {req.tpot_slo_ms!r}")
@@ -298,7 +303,8 @@ class Engine:
             if req.target_kv.length == len(req.prompt_ids):
                 first.append((req, TokenTree.root(req.prompt_ids[-1]), lg))
         walks = [*first, *zip(decoding, trees, logits[len(prefill) :], strict=True)]
-        walk_inputs = [WalkInput(t, lg, r.params, r.generator, self._stop_ids(r), r.remaining) for r, t, lg in walks]
+        walk_inputs = [WalkInput(t, self._processed(r, t, lg), r.params, r.generator, self._stop_ids(r), r.remaining)
+                       for r, t, lg in walks]
         # one batched draw for every walk, and its one copy to the host: on a GPU that copy is what waits for
         # the forward (which is queued, not synchronised), so the forward is timed up to it
         draws = draw_at_nodes(walk_inputs)
@@ -345,6 +351,14 @@ class Engine:
         """(wall clock, wall seconds both models have spent in forwards so far): StepMetrics' own-cost pair."""
         fwd = self.target.model.forward_seconds + sum(d.model.forward_seconds for d in self.drafts)
         return time.perf_counter(), fwd
+
+    def _processed(self, req: Request, tree: TokenTree, logits: torch.Tensor) -> torch.Tensor:
+        """The target's logits at every node of ``tree`` as the request's logits processors leave them, each node
+        with its own path as output so far (logits_processors.py): the rows plain decoding would draw from."""
+        if not req.params.processes_logits:
+            return logits
+        return process_tree_logits(logits, tree, req.params, prompt_ids=req.prompt_ids, output_ids=req.history(),
+                                   emitted=len(req.output_ids), stop_ids=self._stop_ids(req))
 
     def _stop_ids(self, req: Request) -> frozenset[int]:
         ids = frozenset(req.params.stop_token_ids)

@@ -61,6 +61,9 @@ class Request:
     tpot_slo_ms: float | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_s=0.0))
     output_ids: list[int] = field(default_factory=list)
+    # the prompt's last tokens that an earlier worker emitted as output (a continuation): the penalties count
+    # them as output (logits_processors.py)
+    resumed: int = 0
     phase: Phase = Phase.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     target_kv: SequenceKV = field(default_factory=SequenceKV)
@@ -90,6 +93,11 @@ class Request:
         if start >= n:
             return self.output_ids[start - n :]
         return self.prompt_ids[start:] + self.output_ids
+
+    def history(self) -> list[int]:
+        """The output the penalties see: a continuation's earlier tokens, then this engine's output."""
+        earlier = self.prompt_ids[len(self.prompt_ids) - self.resumed :] if self.resumed else []
+        return earlier + self.output_ids
 
     @property
     def remaining(self) -> int:

@@ -8,6 +8,7 @@ outputs match plain sampling token for token, not only in distribution.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # logits processors (logits_processors.py), applied before temperature, top-k and top-p, at every tree node
+    # with that node's own path as output so far: the processed distribution is the target's, speculated or not
+    min_tokens: int = 0  # stop tokens (end-of-sequence and stop_token_ids) are masked until this many are out
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -35,10 +43,24 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if not all(math.isfinite(x) for x in (self.presence_penalty, self.frequency_penalty, self.repetition_penalty)):
+            raise ValueError("penalties must be finite")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if any(t < 0 or not math.isfinite(b) for t, b in self.logit_bias):
+            raise ValueError("logit_bias: token ids must be >= 0 and biases finite")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any logits processor changes the model's logits (logits_processors.py)."""
+        return bool(self.min_tokens or self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
 
 def processed_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

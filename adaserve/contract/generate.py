@@ -57,15 +57,47 @@ StopStrings = Annotated[list[str], BeforeValidator(stop_list), WithJsonSchema({"
     {"type": "null"}, {"type": "string", "minLength": 1},
     {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOPS}]})]
 Role = Literal["system", "user", "assistant", "developer", "tool"]
+# logit_bias as OpenAI sends it: token ids as JSON object keys (decimal, no leading zero), biases in [-100, 100]
+TOKEN_KEY_PATTERN = r"^(0|[1-9][0-9]{0,8})$"
+MAX_LOGIT_BIAS = 1024
+Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=TOKEN_KEY_PATTERN)], Bias], Field(max_length=MAX_LOGIT_BIAS),
+                      WithJsonSchema({"type": "object", "propertyNames": {"pattern": TOKEN_KEY_PATTERN},
+                                      "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                                      "maxProperties": MAX_LOGIT_BIAS})]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]  # OpenAI's range, as vLLM's
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)]
+MAX_TOOL_CALLS = 128
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it; the worker parses it for chat templates that want an object
+
+
+class ToolCall(BaseModel):
+    """A tool call of an earlier assistant turn, as OpenAI's messages carry it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class ChatMessage(BaseModel):
-    """One turn of a conversation; the worker renders the turns with the model's chat template."""
+    """One turn of a conversation; the worker renders the turns with the model's chat template, tool calls and
+    tool results included (adaserve/engine/loading/chat.py), or refuses them with 400 when it cannot."""
 
     model_config = ConfigDict(extra="forbid")
 
     role: Role
     content: str
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOL_CALLS)  # an assistant turn's
+    tool_call_id: str | None = None  # a tool turn's: the call it answers
 
 
 class GenerateRequest(BaseModel):
@@ -82,6 +114,14 @@ class GenerateRequest(BaseModel):
     stop: StopStrings = Field(default_factory=list)
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = False
+    # logits processors (adaserve/engine/speculation/logits_processors.py): vLLM's meaning, lossless under
+    # speculation. min_tokens counts this worker's output (a continuation's is what is left, as max_tokens);
+    # a min_tokens over max_tokens is refused with 400.
+    min_tokens: TokenId = 0  # a count, of the same kind
+    logit_bias: LogitBias = Field(default_factory=dict)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
     tpot_slo_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     # the gateway sends its class's TTFT target, so the worker's SLO verdict and metrics use it too
     ttft_slo_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)

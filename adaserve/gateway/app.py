@@ -62,5 +62,10 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         for name in ("CompletionRequest", "ChatRequest"):
             if "slo_class" in schemas.get(name, {}).get("properties", {}):
                 schemas[name]["properties"]["slo_class"] = one_of_ours
+        # unknown fields: accepted and ignored (the schemas say additionalProperties: true), or refused
+        strict = app.state.gateway.settings.strict_openai_fields
+        for schema in schemas.values():
+            if schema.get("additionalProperties") is True:
+                schema["additionalProperties"] = not strict
         app.openapi_schema = doc
     return app.openapi_schema

@@ -51,7 +51,9 @@ def continuation(request: GenerateRequest, sent_ids: list[int], shown: str | Non
     left = (request.max_tokens or 0) - len(sent_ids)
     if left <= 0:
         return None
-    return request.model_copy(update={"resume_token_ids": list(sent_ids), "resume_text": shown, "max_tokens": left})
+    # min_tokens, like max_tokens, is what is left: the earlier tokens already count towards it
+    return request.model_copy(update={"resume_token_ids": list(sent_ids), "resume_text": shown, "max_tokens": left,
+                                      "min_tokens": max(0, (request.min_tokens or 0) - len(sent_ids))})
 
 
 async def reopen(gw: Gateway, request: GenerateRequest, slo: SloClass, track: Tracker, *,

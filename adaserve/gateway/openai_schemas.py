@@ -1,5 +1,11 @@
 """Request bodies of ``/v1/completions`` and ``/v1/chat/completions``: OpenAI's fields, plus ``slo_class``
-and vLLM's ``top_k`` / ``ignore_eos``. Parameters adaserve cannot honour are refused by name, never ignored.
+and vLLM's ``top_k``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids`` and ``repetition_penalty``. Parameters
+adaserve knows but cannot honour (``n`` > 1, ``logprobs``, ...) are refused by name, never ignored.
+
+A field adaserve does not know is accepted and ignored, as vLLM does (the official SDKs and agent frameworks
+send ``store``, ``metadata``, ``parallel_tool_calls``): ``ignored_fields`` names them, and the answer says so in
+its ``X-Ignored-Fields`` header and the gateway's log. A gateway run with ``--strict-openai-fields`` refuses
+them with 400 instead (relay.py).
 
 Fields that reach a worker have the types of its own request (adaserve/contract/generate.py): what passes
 here passes there, and ``generate_request`` builds that request without validating it again.
@@ -11,7 +17,22 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
-from adaserve.contract.generate import ChatMessage, Count, GenerateRequest, Integer, Role, Seed, StopStrings, TokenId
+from adaserve.contract.generate import (
+    MAX_TOOL_CALLS,
+    ChatMessage,
+    Count,
+    GenerateRequest,
+    Integer,
+    LogitBias,
+    Penalty,
+    RepetitionPenalty,
+    Role,
+    Seed,
+    StopStrings,
+    TokenId,
+    ToolCall,
+    ToolCallFunction,
+)
 from adaserve.contract.slo import SloClassName
 from adaserve.contract.text import check_encodable
 from adaserve.gateway.slo import SloClass
@@ -30,13 +51,34 @@ PROMPT_SCHEMA = {"anyOf": [
 ]}
 
 
+# unknown fields are kept (``model_extra``) so that the answer can name them; none reaches a worker
+OPEN = ConfigDict(extra="allow")
+
+
+def ignored_fields(model: BaseModel, at: str = "") -> list[str]:
+    """The unknown fields of ``model`` and of every model inside it, by path (``store``,
+    ``messages[1].foo``), in the order they were sent."""
+    out = [f"{at}{name}" for name in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        out += _ignored_in(getattr(model, name), f"{at}{name}")
+    return out
+
+
+def _ignored_in(value: Any, at: str) -> list[str]:
+    if isinstance(value, BaseModel):
+        return ignored_fields(value, f"{at}.")
+    if isinstance(value, list):
+        return [f for i, v in enumerate(value) for f in _ignored_in(v, f"{at}[{i}]")]
+    return []
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = OPEN
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = OPEN
 
     model: str = Field(min_length=1)
     max_tokens: Count | None = None
@@ -50,8 +92,12 @@ class _Common(BaseModel):
     seed: Seed | None = None
     ignore_eos: bool = False
     user: str | None = None
-    presence_penalty: Annotated[float, _only(0)] = 0.0
-    frequency_penalty: Annotated[float, _only(0)] = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0  # vLLM's
+    logit_bias: LogitBias | None = None
+    min_tokens: TokenId = 0  # vLLM's: stop tokens held back until this many are out (at most max_tokens)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)  # vLLM's
     logprobs: Annotated[Any, _only(None, False, 0)] = None
     slo_class: SloClassName | None = None
 
@@ -64,9 +110,6 @@ class _Common(BaseModel):
     def _supported(self) -> _Common:
         if self.n != 1:
             raise ValueError("n: only n=1 is supported; send several requests")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty / frequency_penalty are not supported (they would change the "
-                             "target model's distribution that speculative decoding preserves)")
         if self.logprobs not in (None, False, 0):
             raise ValueError("logprobs: not supported")
         return self
@@ -75,7 +118,9 @@ class _Common(BaseModel):
         """The worker's sampling fields (POST /v1/generate)."""
         return {"max_tokens": self.max_tokens or default_max_tokens, "temperature": self.temperature,
                 "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed, "stop": self.stop,
-                "ignore_eos": self.ignore_eos}
+                "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
+                "logit_bias": self.logit_bias or {}, "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty}
 
     def prompt_fields(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -123,15 +168,30 @@ class CompletionRequest(_Common):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = OPEN
     type: Literal["text"]
     text: str
 
 
+class FunctionCall(ToolCallFunction):
+    model_config = OPEN
+
+
+class MessageToolCall(ToolCall):
+    model_config = OPEN
+    function: FunctionCall
+
+
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id ...: accepted, not used
+    """One turn. ``name``, an assistant's ``tool_calls`` and a tool turn's ``tool_call_id`` go to the worker,
+    which renders them with the model's chat template or refuses the request (400) when it cannot."""
+
+    model_config = OPEN
     role: Role
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(None, max_length=MAX_TOOL_CALLS)
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -140,13 +200,27 @@ class Message(BaseModel):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def turn(self) -> dict[str, Any]:
+        """The worker's ChatMessage fields: the known ones only (an unknown field is ignored, not passed on)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls is not None:
+            out["tool_calls"] = [ToolCall.model_construct(
+                id=c.id, type=c.type, function=ToolCallFunction.model_construct(name=c.function.name,
+                                                                                arguments=c.function.arguments))
+                for c in self.tool_calls]
+        return out
+
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Count | None = None
 
     def prompt_fields(self) -> dict[str, Any]:
-        return {"messages": [ChatMessage.model_construct(role=m.role, content=m.text()) for m in self.messages]}
+        return {"messages": [ChatMessage.model_construct(**m.turn()) for m in self.messages]}
 
     def sampling(self, default_max_tokens: int) -> dict[str, Any]:
         out = super().sampling(default_max_tokens)

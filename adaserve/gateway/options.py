@@ -17,7 +17,7 @@ from adaserve.gateway.settings import GatewaySettings
 # option -> settings field of the same name; every other field comes from the environment only
 OPTIONS = ("host", "port", "redis_url", "redis_prefix", "workers", "model_name", "slo_classes_file",
            "default_slo_class", "api_keys_file", "routing", "admission", "on_overload", "on_infeasible",
-           "queue_timeout_s", "max_attempts", "rate_limit_fail_open", "log_level")
+           "queue_timeout_s", "max_attempts", "rate_limit_fail_open", "strict_openai_fields", "log_level")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate-limit-fail-open", action="store_const", const=True,
                    help="with Redis unreachable, serve rate-limited API keys unchecked instead of 503 "
                         "[ADASERVE_GATEWAY_RATE_LIMIT_FAIL_OPEN, default off: fail closed]")
+    p.add_argument("--strict-openai-fields", action="store_const", const=True,
+                   help="refuse request bodies with fields adaserve does not know with 400 "
+                        "[ADASERVE_GATEWAY_STRICT_OPENAI_FIELDS, default off: ignore them and name them in the "
+                        "X-Ignored-Fields header]")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
 
 

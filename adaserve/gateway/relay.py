@@ -21,7 +21,7 @@ from adaserve.gateway import dispatch, failover, openai_format
 from adaserve.gateway.errors import ApiError, error_body
 from adaserve.gateway.keys import AuthError
 from adaserve.gateway.openai_format import Kind
-from adaserve.gateway.openai_schemas import ChatRequest, CompletionRequest
+from adaserve.gateway.openai_schemas import ChatRequest, CompletionRequest, ignored_fields
 from adaserve.gateway.service import Gateway
 from adaserve.gateway.slo import UnknownClass
 from adaserve.gateway.tracker import Tracker
@@ -29,6 +29,16 @@ from adaserve.gateway.tracker import Tracker
 log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.25
+IGNORED_HEADER = "X-Ignored-Fields"
+MAX_IGNORED_HEADER = 1024  # characters: a body of a thousand unknown fields must not make a header of them all
+
+
+def ignored_header(fields: list[str]) -> str:
+    """The unknown fields of a request, comma-separated, for the ``X-Ignored-Fields`` header: latin-1 as headers
+    are (a field name that is not is escaped), and cut at MAX_IGNORED_HEADER characters with ``...``."""
+    text = ", ".join(fields).encode("latin-1", "backslashreplace").decode("latin-1")
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text if len(text) <= MAX_IGNORED_HEADER else text[: MAX_IGNORED_HEADER - 3] + "..."
 
 
 class Call:
@@ -132,6 +142,10 @@ class Call:
 
 async def serve(gw: Gateway, kind: Kind, body: CompletionRequest | ChatRequest, request: Request, *,
                 authorization: str | None, header_class: str | None) -> Any:
+    ignored = ignored_fields(body)
+    if ignored and gw.settings.strict_openai_fields:  # the schema's own 400, as before the fields were ignored
+        raise ApiError(400, f"{', '.join(ignored)}: unknown field(s); this gateway refuses fields it does not know "
+                       "(--strict-openai-fields)", code="unknown_field", param=ignored[0])
     try:
         key = gw.keys.authenticate(authorization)
     except AuthError as e:
@@ -154,6 +168,9 @@ async def serve(gw: Gateway, kind: Kind, body: CompletionRequest | ChatRequest, 
     up = await gw.open(sent, slo, track)
     call = Call(gw, kind, body, track, up, sent)
     headers = {"X-Request-Id": rid, "X-SLO-Class": slo.name, "X-Adaserve-Worker": up.worker.id}
+    if ignored:
+        headers[IGNORED_HEADER] = ignored_header(ignored)
+        log.warning("request %s: ignored unknown field(s): %s", rid, headers[IGNORED_HEADER])
     if body.stream:
         return StreamingResponse(_sse(call), media_type="text/event-stream",
                                  headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

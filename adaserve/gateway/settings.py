@@ -64,6 +64,9 @@ class GatewaySettings(BaseSettings):
     retry_after_s: int = Field(1, ge=1)
     rate_limit_fail_open: bool = Field(False, description="with the state store unreachable, serve rate-limited keys "
                                        "unchecked; default: refuse them, 503 state_store_unavailable")
+    strict_openai_fields: bool = Field(False, description="refuse a request body with a field adaserve does not "
+                                       "know with 400; default: accept it, ignore the field and name it in the "
+                                       "X-Ignored-Fields header, as vLLM does")
     refresh_s: float = Field(0.5, gt=0, description="how often the worker list is re-read")
     suspect_s: float = Field(5.0, ge=0, description="how long a worker that failed a request is skipped")
     connect_timeout_s: float = Field(2.0, gt=0)

@@ -280,7 +280,7 @@ class Runtime:
         ids = await self._prompt_ids(body, params)
         resumed = list(body.resume_token_ids or ())
         rid = body.request_id or uuid.uuid4().hex
-        req = Request(rid, ids + resumed, params, tpot_slo_ms=tpot)
+        req = Request(rid, ids + resumed, params, tpot_slo_ms=tpot, resumed=len(resumed))
         if resumed:
             self._resume(req, resumed)
         self._check_admitting()  # again: the state may have changed while tokenizing
@@ -353,13 +353,18 @@ class Runtime:
             raise RequestRefused(422, f"max_tokens: must be <= {self.settings.max_tokens_limit}, got {max_tokens}")
         if body.stops and self.tokenizer is None:
             raise RequestRefused(400, "stop: stop strings need a tokenizer, and this model has none")
-        # the schema already holds every field to SamplingParams' own ranges: nothing here can be refused.
+        if body.min_tokens > max_tokens:
+            raise RequestRefused(400, f"min_tokens: must be <= max_tokens ({max_tokens}), got {body.min_tokens}")
+        # the schema already holds every other field to SamplingParams' own ranges: nothing else can be refused.
         # Below MIN_TEMPERATURE, logits / temperature overflows float64 and the probabilities turn NaN (5e-324 gave
         # the last token of the vocabulary every time); the distribution there is the argmax anyway: greedy.
         temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p, top_k=body.top_k,
                               seed=body.seed, stop=body.stops, stop_token_ids=tuple(body.stop_token_ids),
-                              ignore_eos=body.ignore_eos)
+                              ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                              logit_bias=tuple((int(t), b) for t, b in body.logit_bias.items()),
+                              presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                              repetition_penalty=body.repetition_penalty)
 
     async def _prompt_ids(self, body: GenerateRequest, params: SamplingParams) -> list[int]:
         if body.prompt_token_ids is not None:
@@ -371,7 +376,7 @@ class Runtime:
             text, special = body.prompt or "", True
         else:
             try:
-                text = chat_text(self.tokenizer, [m.model_dump() for m in body.messages])
+                text = chat_text(self.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages])
             except ChatTemplateError as e:  # a template that rejects these turns (say, no system role)
                 raise RequestRefused(400, f"messages: {e}") from None
             special = not has_chat_template(self.tokenizer)  # a template writes its own special tokens

@@ -30,6 +30,12 @@ def test_a_continuation_sends_the_tokens_as_ids_and_counts_them_against_max_toke
     assert REQ.max_tokens == 10 and getattr(REQ, "resume_token_ids", None) is None  # the original is untouched
 
 
+def test_a_continuation_counts_the_tokens_sent_against_min_tokens() -> None:
+    req = REQ.model_copy(update={"min_tokens": 5})
+    assert continuation(req, [5, 6, 7], "abc").min_tokens == 2  # type: ignore[union-attr]
+    assert continuation(req, list(range(8)), "abc").min_tokens == 0  # type: ignore[union-attr]
+
+
 def test_sampled_requests_get_a_seed_greedy_and_seeded_ones_are_left_alone() -> None:
     assert with_seed(REQ) is REQ
     seeded = REQ.model_copy(update={"temperature": 0.7, "seed": 3})

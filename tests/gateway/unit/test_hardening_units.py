@@ -105,8 +105,24 @@ def test_openapi_declares_the_fields_rules(doc: dict[str, Any]) -> None:
     prompt = props["prompt"]["anyOf"]
     assert {"type": "string", "minLength": 1} in prompt  # prompt "" is refused, and declared so
     assert any(p.get("maxItems") == 1 for p in prompt)
-    assert props["n"]["enum"] == [1] and props["presence_penalty"]["enum"] == [0]
+    assert props["n"]["enum"] == [1]
+    assert (props["presence_penalty"]["minimum"], props["presence_penalty"]["maximum"]) == (-2.0, 2.0)
+    assert props["repetition_penalty"]["exclusiveMinimum"] == 0.0 and props["min_tokens"]["minimum"] == 0
+    bias = next(s for s in props["logit_bias"]["anyOf"] if s.get("type") == "object")
+    assert bias["propertyNames"] == {"pattern": "^(0|[1-9][0-9]{0,8})$"}  # token ids, as JSON object keys
+    assert bias["additionalProperties"] == {"type": "number", "minimum": -100, "maximum": 100}
     assert {"type": "string", "minLength": 1} in props["stop"]["anyOf"]
+
+
+def test_openapi_says_unknown_fields_are_ignored_or_refused_in_strict_mode() -> None:
+    def schemas(strict: bool) -> dict[str, Any]:
+        settings = GatewaySettings(workers=["http://127.0.0.1:9"], strict_openai_fields=strict)
+        return create_app(Gateway(settings)).openapi()["components"]["schemas"]
+
+    for strict in (False, True):
+        docs = schemas(strict)
+        for name in ("CompletionRequest", "ChatRequest", "Message", "StreamOptions", "MessageToolCall"):
+            assert docs[name]["additionalProperties"] is (not strict), (name, strict)
 
 
 # ---- one terminal outcome per request ----------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from adaserve.contract.generate import ChatMessage, GenerateRequest
-from adaserve.gateway.openai_schemas import ChatRequest, CompletionRequest
+from adaserve.gateway.openai_schemas import ChatRequest, CompletionRequest, ignored_fields
 from adaserve.gateway.slo import SloClass
 
 USER = [{"role": "user", "content": "hi"}]
@@ -25,8 +25,14 @@ def chat(**kw: Any) -> ChatRequest:
 @pytest.mark.parametrize("make", [completion, chat])
 @pytest.mark.parametrize(("fields", "message"), [
     ({"n": 2}, "only n=1 is supported"),
-    ({"presence_penalty": 0.5}, "presence_penalty / frequency_penalty are not supported"),
-    ({"frequency_penalty": -1.0}, "presence_penalty / frequency_penalty are not supported"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3.0}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": {"12": 101}}, "logit_bias"),
+    ({"logit_bias": {"token": 1}}, "logit_bias"),
+    ({"logit_bias": {"007": 1}}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"logprobs": True}, "logprobs: not supported"),
     ({"logprobs": 3}, "logprobs: not supported"),
     ({"temperature": 2.5}, "temperature"),
@@ -37,7 +43,6 @@ def chat(**kw: Any) -> ChatRequest:
     ({"stop": [f"s{i}" for i in range(17)]}, "at most 16 stop strings"),
     ({"stop": 5}, "stop"),
     ({"slo_class": "two words"}, "slo_class"),
-    ({"top_logprobs": 2}, "top_logprobs"),  # an unknown field is refused, never ignored
 ])
 def test_unsupported_parameters_are_refused_by_name(make: Any, fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
@@ -48,6 +53,36 @@ def test_unsupported_parameters_are_refused_by_name(make: Any, fields: dict[str,
 def test_harmless_values_of_unsupported_parameters_pass(make: Any) -> None:
     req = make(n=1, logprobs=False, presence_penalty=0.0, frequency_penalty=0)
     assert req.n == 1
+
+
+@pytest.mark.parametrize("make", [completion, chat])
+def test_unknown_fields_are_accepted_and_named(make: Any) -> None:
+    req = make(store=True, metadata={"a": "b"}, parallel_tool_calls=False, stream_options={"include_usage": True,
+                                                                                          "continuous": 1})
+    assert ignored_fields(req) == ["store", "metadata", "parallel_tool_calls", "stream_options.continuous"]
+    sent = req.generate_request(64, CODING, "cmpl-1").model_dump(mode="json", exclude_none=True)
+    assert not {"store", "metadata", "parallel_tool_calls"} & set(sent)  # nothing unknown reaches a worker
+    assert ignored_fields(make()) == []
+
+
+def test_unknown_fields_inside_messages_are_named_by_path() -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}], "x": 1},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "index": 0, "function": {"name": "f", "arguments": "{}",
+                                                                                "strict": True}}]}]
+    assert ignored_fields(chat(messages=messages)) == [
+        "messages[0].x", "messages[0].content[0].cache_control", "messages[1].tool_calls[0].index",
+        "messages[1].tool_calls[0].function.strict"]
+
+
+def test_logits_processor_fields_reach_the_worker() -> None:
+    req = completion(presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2, min_tokens=3,
+                     stop_token_ids=[7], logit_bias={"12": -100, "0": 2.5})
+    sampling = req.sampling(64)
+    assert {k: sampling[k] for k in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                                     "stop_token_ids", "logit_bias")} == {
+        "presence_penalty": 0.5, "frequency_penalty": -1.0, "repetition_penalty": 1.2, "min_tokens": 3,
+        "stop_token_ids": [7], "logit_bias": {"12": -100.0, "0": 2.5}}
 
 
 @pytest.mark.parametrize("prompt", [["one", "two"], ["a", "b", "c"]])
@@ -81,13 +116,17 @@ def test_defaults_sample_like_openai() -> None:
     req = completion()
     assert req.temperature == 1.0 and req.top_p == 1.0 and not req.stream and req.slo_class is None
     assert req.sampling(64) == {"max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None,
-                                "stop": [], "ignore_eos": False}
+                                "stop": [], "stop_token_ids": [], "ignore_eos": False, "min_tokens": 0,
+                                "logit_bias": {}, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                                "repetition_penalty": 1.0}
 
 
 def test_sampling_passes_the_request_fields() -> None:
     req = completion(max_tokens=9, temperature=0.0, top_p=0.9, top_k=40, seed=7, stop="###", ignore_eos=True)
     assert req.sampling(64) == {"max_tokens": 9, "temperature": 0.0, "top_p": 0.9, "top_k": 40, "seed": 7,
-                                "stop": ["###"], "ignore_eos": True}
+                                "stop": ["###"], "stop_token_ids": [], "ignore_eos": True, "min_tokens": 0,
+                                "logit_bias": {}, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                                "repetition_penalty": 1.0}
 
 
 @pytest.mark.parametrize(("fields", "max_tokens"), [
@@ -117,13 +156,27 @@ def test_chat_messages_as_text() -> None:
                 {"role": "assistant", "content": None, "name": "bot"}]
     assert chat(messages=messages, slo_class="coding").prompt_fields() == {"messages": [
         ChatMessage(role="system", content="be brief"), ChatMessage(role="user", content="two parts"),
-        ChatMessage(role="assistant", content="")]}
+        ChatMessage(role="assistant", content="", name="bot")]}
+
+
+def test_tool_messages_reach_the_worker() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]
+    sent = chat(messages=messages).generate_request(64, CODING, "c-1").model_dump(mode="json", exclude_none=True)
+    assert sent["messages"] == [{"role": "user", "content": "weather?"},
+                                {"role": "assistant", "content": "", "tool_calls": [call]},
+                                {"role": "tool", "content": "rain", "tool_call_id": "call_1"}]
+    assert GenerateRequest.model_validate(sent).model_dump(mode="json", exclude_none=True) == sent
 
 
 @pytest.mark.parametrize("messages", [
     [],
     [{"role": "robot", "content": "x"}],
     [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}],
+    [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": {"a": 1}}}]}],
+    [{"role": "assistant", "tool_calls": [{"id": "c", "type": "code", "function": {"name": "f", "arguments": ""}}]}],
 ])
 def test_bad_messages_are_refused(messages: list[dict[str, Any]]) -> None:
     with pytest.raises(ValidationError):
@@ -137,6 +190,8 @@ CODING = SloClass(name="coding", tpot_ms=40, ttft_ms=2000)
     completion(prompt=[1, 2, 3], max_tokens=9, temperature=0.0, top_p=0.9, top_k=40, seed=7, stop="###",
                ignore_eos=True),
     completion(prompt=["hello"]),
+    completion(prompt="x", presence_penalty=1, frequency_penalty=-2, repetition_penalty=1.5, min_tokens=2,
+               stop_token_ids=[3], logit_bias={"5": 1, "6": -100}, store=True),
     chat(messages=[{"role": "system", "content": "be brief"},
                    {"role": "user", "content": [{"type": "text", "text": "two "}, {"type": "text", "text": "parts"}]}],
          max_completion_tokens=5),

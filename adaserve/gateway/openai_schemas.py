@@ -13,6 +13,7 @@ here passes there, and ``generate_request`` builds that request without validati
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
@@ -57,11 +58,18 @@ OPEN = ConfigDict(extra="allow")
 
 def ignored_fields(model: BaseModel, at: str = "") -> list[str]:
     """The unknown fields of ``model`` and of every model inside it, by path (``store``,
-    ``messages[1].foo``), in the order they were sent."""
-    out = [f"{at}{name}" for name in (model.model_extra or {})]
+    ``messages[1].foo``), in the order they were sent. A name that is not plain printable ASCII without
+    spaces, commas or quotes (``""``, ``"a b"``, ``"é"``) is written as a JSON string, ASCII-escaped: the
+    paths go in a header, whose value may not end in a space nor hold a control character."""
+    out = [f"{at}{_shown(name)}" for name in (model.model_extra or {})]
     for name in type(model).model_fields:
         out += _ignored_in(getattr(model, name), f"{at}{name}")
     return out
+
+
+def _shown(name: str) -> str:
+    plain = name and all(c.isascii() and c.isprintable() and c not in ' ,"' for c in name)
+    return name if plain else json.dumps(name)
 
 
 def _ignored_in(value: Any, at: str) -> list[str]:

@@ -172,3 +172,17 @@ def test_worker_answers_generated_requests_as_documented(method: str, path: str,
         if mode is GenerationMode.POSITIVE:
             raise
         pytest.skip(f"{method} {path} declares no input that can be invalid")
+
+
+PROCESSORS = {"logit_bias", "min_tokens", "stop_token_ids", "presence_penalty", "frequency_penalty",
+              "repetition_penalty"}
+
+
+def test_the_fuzzed_documents_declare_the_logits_processors_and_tool_turns() -> None:
+    """What the runs above generate comes from these documents: they cover issue 33's fields only if declared."""
+    bodies = ((GATEWAY_DOC, "CompletionRequest"), (GATEWAY_DOC, "ChatRequest"), (WORKER_DOC, "GenerateRequest"))
+    for doc, name in bodies:
+        assert set(doc["components"]["schemas"][name]["properties"]) >= PROCESSORS, name
+    for doc, name in ((GATEWAY_DOC, "Message"), (WORKER_DOC, "ChatMessage")):
+        assert {"name", "tool_calls", "tool_call_id"} <= set(doc["components"]["schemas"][name]["properties"]), name
+    assert GATEWAY_DOC["components"]["schemas"]["ChatRequest"]["additionalProperties"] is True  # unknown: ignored

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import h11
 import pytest
 from pydantic import ValidationError
 
 from adaserve.contract.generate import ChatMessage, GenerateRequest
 from adaserve.gateway.openai_schemas import ChatRequest, CompletionRequest, ignored_fields
+from adaserve.gateway.relay import ignored_header
 from adaserve.gateway.slo import SloClass
 
 USER = [{"role": "user", "content": "hi"}]
@@ -63,6 +65,14 @@ def test_unknown_fields_are_accepted_and_named(make: Any) -> None:
     sent = req.generate_request(64, CODING, "cmpl-1").model_dump(mode="json", exclude_none=True)
     assert not {"store", "metadata", "parallel_tool_calls"} & set(sent)  # nothing unknown reaches a worker
     assert ignored_fields(make()) == []
+
+
+def test_odd_unknown_field_names_are_quoted_so_that_a_header_can_carry_them() -> None:
+    req = completion(**{"": 1, "0": 2, " a": 3, "é": 4, "x\ny": 5, 'q"': 6})
+    fields = ignored_fields(req)
+    assert fields == ['""', "0", '" a"', '"\\u00e9"', '"x\\ny"', '"q\\""']
+    h11.Response(status_code=200, headers=[("X-Ignored-Fields", ignored_header(fields))])  # a legal header
+    assert ignored_header(["f" * 600, "g" * 600]).endswith("...") and len(ignored_header(["f" * 2000])) == 1024
 
 
 def test_unknown_fields_inside_messages_are_named_by_path() -> None:

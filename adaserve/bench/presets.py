@@ -9,7 +9,8 @@ engine's own defaults (``EngineConfig``, what ``adaserve worker --policy adaserv
     sarathi           incremental    2048     chunks of 2048 beside the decodes
     vllm-spec:K       chain:K        512      as vllm                               K draft tokens, K >= 1
     adaserve          adaserve       64       chunks of 1024 (fixed)                d 4-8, w 3, Eq. 8 depth,
-    (= adaserve-paper)                                                              fixed B, draft values
+    (= adaserve-paper)                                                              fixed B, draft values,
+                                                                                    SLO phase smallest need first
     adaserve+...      the paper's adaserve with one of our refinements (ADASERVE_REFINEMENTS)
     adaserve+ours     adaserve       the bench's own settings (--max-batch, --prefill-rule) and the
                                      engine's defaults: what the bench's ``adaserve`` was before issue 29
@@ -54,12 +55,13 @@ class Preset:
     prefill_rule: str | None = None
     budget_rule: str | None = None
     node_value: str | None = None
+    slo_order: str | None = None
     tree: TreeBounds | None = None
 
     def engine_config(self, base: EngineConfig) -> EngineConfig:
         """``base`` (the bench's settings for this variant) with this preset's fields, policy included."""
         fields = {k: v for k in ("max_batch", "prefill_chunk", "prefill_mode", "prefill_rule", "budget_rule",
-                                 "node_value") if (v := getattr(self, k)) is not None}
+                                 "node_value", "slo_order") if (v := getattr(self, k)) is not None}
         adaptive = base.adaptive if self.tree is None else replace(
             base.adaptive, d_min=self.tree.d_min, d_max=self.tree.d_max, w_max=self.tree.w_max,
             depth_rule=self.tree.depth_rule)
@@ -74,16 +76,20 @@ class Preset:
 
 
 # exps/fig8,9/run_llama_rps.sh, ADASERVE: MAX_REQUESTS_PER_BATCH=64, CHUNK_SIZE=1024, MIN_TREE_DEPTH=4,
-# MAX_TREE_DEPTH=8, MAX_TREE_WIDTH=3; the paper's section 5: a fixed profiled B, Eq. 8, draft path probability
+# MAX_TREE_DEPTH=8, MAX_TREE_WIDTH=3; the paper's section 5: a fixed profiled B, Eq. 8, draft path probability;
+# the SLO phase's order as the artifact's scheduler sorts (selection.SLO_ORDERS)
 PAPER_TREE = TreeBounds(d_min=4, d_max=8, w_max=3, depth_rule="eq8")
 ADASERVE_PAPER = Preset("adaserve", "adaserve", max_batch=64, prefill_chunk=1024, prefill_mode="mixed",
-                        prefill_rule="fixed", budget_rule="knee", node_value="draft", tree=PAPER_TREE)
+                        prefill_rule="fixed", budget_rule="knee", node_value="draft", slo_order="smallest-need",
+                        tree=PAPER_TREE)
 # our refinements, one at a time on the paper's configuration
 ADASERVE_REFINEMENTS = {
     "adaserve+goodput-budget": {"budget_rule": "goodput"},
     "adaserve+slo-prefill": {"prefill_rule": "slo"},
     "adaserve+learned-values": {"node_value": "learned"},
     "adaserve+goodput-depth": {"tree": replace(PAPER_TREE, depth_rule="goodput")},
+    # not a refinement: Algorithm 2's order as the paper's text gives it (largest A(r) first)
+    "adaserve+text-order": {"slo_order": "largest-need"},
 }
 OURS = "adaserve+ours"
 

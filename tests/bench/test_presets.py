@@ -111,3 +111,13 @@ def test_the_systems_on_a_simulated_bench(tmp_path: Path, monkeypatch: pytest.Mo
     for r in rep["results"]:
         assert r["outputs_equal_reference"] == 1.0 and r["requests"] == 8
         assert r["goodput_window_tok_s"] is not None
+
+
+def test_the_paper_preset_orders_its_slo_phase_as_the_artifacts_scheduler() -> None:
+    from adaserve.bench.presets import resolve
+    from adaserve.engine.config import EngineConfig
+
+    assert resolve("adaserve").engine_config(EngineConfig()).slo_order == "smallest-need"
+    assert resolve("adaserve+text-order").engine_config(EngineConfig()).slo_order == "largest-need"
+    with pytest.raises(ValueError, match="slo_order"):
+        EngineConfig(slo_order="random")

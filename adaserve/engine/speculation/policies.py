@@ -218,10 +218,12 @@ class _Adaptive(_NoFeedback):
 @dataclass(frozen=True)
 class AdaServe(_Adaptive):
     n_max: int = 16  # per-request cap in the SLO phase, root included
+    slo_order: str = "smallest-need"  # selection.SLO_ORDERS: whom the SLO phase serves first
     name: str = "adaserve"
 
     def select(self, cands: list[TokenTree], needs: list[float], ctx: SelectionContext) -> list[list[int]]:
-        return select_adaserve(cands, needs, budget=ctx.budget, depth=ctx.depth, n_max=self.n_max)
+        return select_adaserve(cands, needs, budget=ctx.budget, depth=ctx.depth, n_max=self.n_max,
+                               order=self.slo_order)
 
 
 @dataclass(frozen=True)
@@ -294,6 +296,9 @@ class PolicyKnobs(Protocol):
     @property
     def smartspec_max_k(self) -> int: ...
 
+    @property
+    def slo_order(self) -> str: ...
+
 
 def make_policy(spec: str, cfg: PolicyKnobs | None = None) -> Policy:
     """A policy from its name (see the table above), with its knobs from ``cfg`` (each policy's own defaults
@@ -318,7 +323,8 @@ def make_policy(spec: str, cfg: PolicyKnobs | None = None) -> Policy:
         raise ValueError(f"bad policy {spec!r}{detail}; expected one of {', '.join(POLICY_NAMES)}, "
                          f"{', '.join(POLICY_ALIASES)}") from None
     simple: dict[str, Callable[[], Policy]] = {
-        "adaserve": lambda: AdaServe(adaptive=cfg.adaptive, n_max=cfg.n_max) if cfg else AdaServe(),
+        "adaserve": lambda: (AdaServe(adaptive=cfg.adaptive, n_max=cfg.n_max, slo_order=cfg.slo_order) if cfg
+                             else AdaServe()),
         "incremental": Incremental,
         "specinfer": SpecInfer,
         "smartspec": lambda: SmartSpec(max_k=cfg.smartspec_max_k) if cfg else SmartSpec(),

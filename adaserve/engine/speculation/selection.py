@@ -27,6 +27,14 @@ from adaserve.engine.model.tree import TokenTree
 # (speculate.beam_search builds it).
 SPECINFER_EXPANSION: tuple[int, ...] = (1, 1, 3, 1, 1, 1, 1, 1)
 
+# The order in which the SLO phase serves requests. The paper's text (section 4.3) serves the largest A(r)
+# first, the requests furthest behind; the artifact's scheduler (flexflow-serve, branch specscheduler,
+# RequestManager::prune_token_tree) sorts by A(r) ascending, the requests nearest their target first. Under
+# a budget that binds the two differ: the furthest behind often need more than one iteration can give
+# (A(r) of 70-120 tokens), and taking whole trees for them starves requests a few tokens would save
+# (docs/benchmarks.md, issue 29's traces).
+SLO_ORDERS = ("smallest-need", "largest-need")
+
 
 def slo_requirement(*, elapsed_s: float, tokens_so_far: int, t_iter_s: float, tpot_slo_s: float) -> float:
     """A(r) = (l_r + t_iter) / tpot_r - o_r: tokens r must emit this iteration to be on its TPOT SLO.
@@ -81,30 +89,31 @@ def _padded(lps: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _slo_phase(lps: Sequence[np.ndarray], req: np.ndarray, *, budget: int, depth: int,
-               n_max: int) -> list[np.ndarray]:
+               n_max: int, order: str = "largest-need") -> list[np.ndarray]:
     """Algorithm 2 lines 3-17. Returns the chosen node indices per request (root first).
 
     Vectorised over the batch: each request's wish k(r) (its own highest-f nodes until n_acc >= A_cap(r),
-    at most n_max - 1) is computed for all at once; the budget then goes to them in descending A(r):
-    request i gets min(k(i), what the requests before it left), a clipped running sum.
+    at most n_max - 1) is computed for all at once; the budget then goes to them in ``order`` of A(r)
+    (SLO_ORDERS): request i gets min(k(i), what the requests before it left), a clipped running sum.
     """
     n = len(lps)
     if n == 0:
         return []
     lp, sizes = _padded(lps)
     # each request's drafted nodes by descending f, ties by index (parents first); padding sorts last
-    order = np.argsort(-lp[:, 1:], axis=1, kind="stable") + 1
-    f = np.exp(np.take_along_axis(lp, order, axis=1))
+    ranked = np.argsort(-lp[:, 1:], axis=1, kind="stable") + 1
+    f = np.exp(np.take_along_axis(lp, ranked, axis=1))
     # n_acc after taking k nodes: 1.0 (root) + f(v_1) + ... + f(v_k); need = least k with n_acc[k] >= A_cap
     n_acc = 1.0 + np.concatenate([np.zeros((n, 1)), np.cumsum(f, axis=1)], axis=1)
     a_cap = np.minimum(req, depth + 1)  # A_cap(r) = min(A(r), d+1): at most d drafted + 1 bonus
     need = np.sum(n_acc < a_cap[:, None], axis=1)
     want = np.maximum(0, np.minimum(np.minimum(need, n_max - 1), sizes - 1))  # |T| <= n_max
-    by_need = np.argsort(-req, kind="stable")  # largest A(r) first; ties keep batch order
+    # largest (or smallest) A(r) first; ties keep batch order
+    by_need = np.argsort(-req if order == "largest-need" else req, kind="stable")
     before = np.cumsum(want[by_need]) - want[by_need]
     k = np.empty(n, np.int64)
     k[by_need] = np.clip(budget - n - before, 0, want[by_need])  # every root costs 1; never over budget
-    return [np.concatenate(([0], order[i, : k[i]])) for i in range(n)]
+    return [np.concatenate(([0], ranked[i, : k[i]])) for i in range(n)]
 
 
 def _throughput_phase(lps: Sequence[np.ndarray], chosen: Sequence[np.ndarray], *,
@@ -130,7 +139,7 @@ def _throughput_phase(lps: Sequence[np.ndarray], chosen: Sequence[np.ndarray], *
 
 # ---- policies -----------------------------------------------------------------------------------------
 def select_adaserve(cands: Sequence[TokenTree], requirements: Sequence[float], *, budget: int, depth: int,
-                    n_max: int) -> list[list[int]]:
+                    n_max: int, order: str = "largest-need") -> list[list[int]]:
     """SLO-customized selection (Algorithm 2): an SLO phase, then a throughput phase.
 
     Every root costs 1 and counts f = 1.0. Requests in descending A(r) take their own highest-f nodes
@@ -147,17 +156,19 @@ def select_adaserve(cands: Sequence[TokenTree], requirements: Sequence[float], *
     the bonus, i.e. A(r) - 1: Figure 5 is reproduced by A(r0) = 1.6, A(r1) = 1.8
     (tests/engine/speculation/test_selection.py::test_figure5_worked_example).
     """
-    _, total = adaserve_phases(cands, requirements, budget=budget, depth=depth, n_max=n_max)
+    _, total = adaserve_phases(cands, requirements, budget=budget, depth=depth, n_max=n_max, order=order)
     return _as_lists(total)
 
 
 def adaserve_phases(cands: Sequence[TokenTree], requirements: Sequence[float], *, budget: int, depth: int,
-                    n_max: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+                    n_max: int, order: str = "largest-need") -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Algorithm 2's two phases apart: the nodes after the SLO phase and after the throughput phase, per
     request (unsorted). The bench counts how many nodes each phase assigned."""
     req = _validated(cands, requirements, budget=budget, depth=depth, n_max=n_max)
     lps = [_strict_log_probs(c) for c in cands]
-    slo = _slo_phase(lps, req, budget=budget, depth=depth, n_max=n_max)
+    if order not in SLO_ORDERS:
+        raise ValueError(f"SLO order must be one of {', '.join(SLO_ORDERS)}, got {order!r}")
+    slo = _slo_phase(lps, req, budget=budget, depth=depth, n_max=n_max, order=order)
     return slo, _throughput_phase(lps, slo, budget=budget)
 
 

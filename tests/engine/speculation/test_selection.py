@@ -238,3 +238,17 @@ def test_equal_greedy_splits_budget(cands: list[TokenTree], extra: int):
         rest = [v for v in range(c.size) if v not in s]
         if rest:
             assert lp[s].min() >= lp[rest].max()
+
+
+def test_the_slo_phase_order_decides_who_a_binding_budget_serves() -> None:
+    """Two requests whose trees both fit the budget alone but not together: "largest-need" (the paper's
+    text) serves the one furthest behind first, "smallest-need" (the artifact's scheduler) the nearer one."""
+    a = tree([-1, 0, 1, 2], [1.0, 0.9, 0.8, 0.7])
+    b = tree([-1, 0, 1, 2], [1.0, 0.9, 0.8, 0.7])
+    needs = [1.9, 3.5]  # a needs one drafted node, b all three
+    largest = selection.select_adaserve([a, b], needs, budget=2 + 3, depth=3, n_max=16, order="largest-need")
+    smallest = selection.select_adaserve([a, b], needs, budget=2 + 3, depth=3, n_max=16, order="smallest-need")
+    assert largest == [[0], [0, 1, 2, 3]]  # b takes the whole budget
+    assert smallest == [[0, 1], [0, 1, 2]]  # a is served, b gets what is left
+    with pytest.raises(ValueError, match="SLO order"):
+        selection.select_adaserve([a], [1.0], budget=4, depth=3, n_max=16, order="random")

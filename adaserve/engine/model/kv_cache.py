@@ -13,6 +13,7 @@ therefore cannot keep pages alive.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,6 +75,7 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
+        self.move_listeners: list[Callable[[np.ndarray, np.ndarray], None]] = []
 
     @property
     def scratch_slot(self) -> int:
@@ -136,9 +138,16 @@ class PagedKVCache:
                 d_all.append(seq.slots_at(d[keep], self.page_size))
         if not s_all:
             return
+        self.move_slot_arrays(np.concatenate(s_all), np.concatenate(d_all))
+
+    def move_slot_arrays(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy KV of cache slots ``src`` to ``dst`` (int64) in every layer; every listener hears of it first
+        (a tensor-parallel rank 0 sends the move to the other ranks' shards, parallel.py)."""
+        for listener in self.move_listeners:
+            listener(src, dst)
         stage = HostStage(self.k.device)  # sources and destinations in one non-blocking copy
-        stage.put("src", np.concatenate(s_all))
-        stage.put("dst", np.concatenate(d_all))
+        stage.put("src", src)
+        stage.put("dst", dst)
         s_idx, d_idx = stage.get("src"), stage.get("dst")
         self.k[:, d_idx] = self.k[:, s_idx]
         self.v[:, d_idx] = self.v[:, s_idx]

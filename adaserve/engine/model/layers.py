@@ -3,9 +3,15 @@
 Module names mirror Hugging Face checkpoints (``model.layers.N.self_attn.q_proj`` ...), so a
 safetensors state dict loads without renaming. Every forward takes a flat token batch ``[T]`` with
 explicit positions; attention goes through the backend, which owns the KV layout.
+
+Under tensor parallelism (parallel.py) a rank builds this same model from its *local* configuration
+(its share of the heads, KV heads and MLP columns); the only difference is ``reduce`` after ``o_proj`` and
+``down_proj``, an all-reduce that sums the ranks' partial outputs.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +23,11 @@ from adaserve.engine.model.device_timer import DeviceTimer
 from adaserve.engine.model.few_rows import FewRowLinear
 from adaserve.engine.model.kv_cache import PagedKVCache
 from adaserve.engine.model.rope import Rotary, apply_rotary
+
+
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    """One process holds every head and every MLP column: its output is already the whole sum."""
+    return x
 
 
 class RMSNorm(nn.Module):
@@ -41,6 +52,7 @@ class Attention(nn.Module):
         self.k_proj = FewRowLinear(cfg.hidden_size, self.hkv * self.d, bias=cfg.qkv_bias)
         self.v_proj = FewRowLinear(cfg.hidden_size, self.hkv * self.d, bias=cfg.qkv_bias)
         self.o_proj = FewRowLinear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _whole  # tensor parallel: the sum over ranks
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
                 cache: PagedKVCache) -> torch.Tensor:
@@ -49,7 +61,7 @@ class Attention(nn.Module):
         k = apply_rotary(self.k_proj(x).view(t, self.hkv, self.d), cos, sin)  # [T, Hkv, D]
         v = self.v_proj(x).view(t, self.hkv, self.d)
         out = backend.forward(self.layer, q, k, v, cache)
-        return self.o_proj(out.reshape(t, self.h * self.d))
+        return self.reduce(self.o_proj(out.reshape(t, self.h * self.d)))
 
 
 class MLP(nn.Module):
@@ -58,9 +70,10 @@ class MLP(nn.Module):
         self.gate_proj = FewRowLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = FewRowLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = FewRowLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _whole  # tensor parallel: the sum over ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        return self.reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))  # SwiGLU
 
 
 class DecoderLayer(nn.Module):

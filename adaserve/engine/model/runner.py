@@ -51,6 +51,18 @@ class ModelRunner:
         self.forward_listeners: list[Callable[[ForwardRecord], None]] = []
         self.last_forward: ForwardRecord | None = None  # the latest call's counts (the engine times drafts by it)
 
+    def compute(self, segments: list[Segment], rows: list[int]) -> torch.Tensor:
+        """One forward over ``segments`` (their pages already allocated): logits ``[len(rows), V]`` of the
+        flat token rows ``rows``. A tensor-parallel worker rank calls this with the rows it is sent (none)."""
+        layout = build_layout(segments, page_size=self.cache.page_size, device=self.device)
+        shape = self.static.bucket(layout) if self.static is not None else None
+        if self.static is not None and shape is not None:
+            return self.static.forward(layout, rows, shape)
+        layout.stage.put("logits_rows", rows)  # sent with the layout's and the backend's arrays, in one copy
+        self.backend.plan(layout, self.cache)
+        return self.model(layout.input_ids, layout.positions, backend=self.backend, cache=self.cache,
+                          logits_rows=layout.stage.get("logits_rows"))
+
     @property
     def vocab_size(self) -> int:
         return self.model.cfg.vocab_size
@@ -64,22 +76,16 @@ class ModelRunner:
         t0 = time.perf_counter()
         for s in segments:
             self.cache.ensure(s.seq, s.kv_len)
-        layout = build_layout(segments, page_size=self.cache.page_size, device=self.device)
         rows: list[int] = []
         counts: list[int] = []
-        for i, want in enumerate(all_logits):
-            lo, hi = layout.qo_indptr[i], layout.qo_indptr[i + 1]
-            picked = range(lo, hi) if want else range(hi - 1, hi)
+        start = 0
+        for s, want in zip(segments, all_logits, strict=True):
+            end = start + s.num_new
+            picked = range(start, end) if want else range(end - 1, end)
             rows.extend(picked)
             counts.append(len(picked))
-        shape = self.static.bucket(layout) if self.static is not None else None
-        if self.static is not None and shape is not None:
-            logits = self.static.forward(layout, rows, shape)
-        else:
-            layout.stage.put("logits_rows", rows)  # sent with the layout's and the backend's arrays, in one copy
-            self.backend.plan(layout, self.cache)
-            logits = self.model(layout.input_ids, layout.positions, backend=self.backend, cache=self.cache,
-                                logits_rows=layout.stage.get("logits_rows"))
+            start = end
+        logits = self.compute(segments, rows)
         out = list(torch.split(logits, counts))
         rec = ForwardRecord(n_new=sum(s.num_new for s in segments),
                             n_context=sum(s.prefix_len + s.num_cached for s in segments),

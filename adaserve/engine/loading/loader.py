@@ -12,8 +12,9 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from adaserve.engine.model.config import ModelConfig
+from adaserve.engine.model.config import ModelConfig, UnsupportedModelError
 from adaserve.engine.model.layers import CausalLM
+from adaserve.engine.model.parallel import TensorParallel, install_all_reduce, local_config, read_tensor
 from adaserve.engine.model.quant import (
     KINDS,
     QuantLinear,
@@ -59,7 +60,7 @@ def read_config(path: Path) -> ModelConfig:
 
 
 def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | None = None,
-               progress: bool = False, weights: str = "auto") -> CausalLM:
+               progress: bool = False, weights: str = "auto", tp: TensorParallel | None = None) -> CausalLM:
     """The model in ``path`` on ``device``; ``weights`` says how its decoder linear layers are served:
 
     - ``float``: in ``dtype`` (a stored quantized layer is dequantized, one layer at a time);
@@ -69,12 +70,16 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | N
       ``int8``, ``int4`` or ``auto``, see gguf.py), float stays float.
 
     The embedding, the norms and the LM head are always float (quant.py says why).
+
+    ``tp``: load rank ``tp.rank``'s shard of a tensor-parallel model (parallel.py), reading only its slices.
     """
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")
     check_weights(weights)
-    cfg = read_config(path)
+    full_cfg = read_config(path)
+    tp = tp or TensorParallel()
+    cfg = local_config(full_cfg, tp)
     dtype = dtype or default_dtype(device)
     with torch.device("meta"):
         model = CausalLM(cfg)
@@ -91,12 +96,15 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | N
         with safe_open(str(f), framework="pt", device="cpu") as fh:
             names = set(fh.keys())
             prefixes = stored_prefixes(names)
+            if prefixes and tp.enabled:
+                raise UnsupportedModelError(f"{path}: tensor parallelism over a checkpoint stored quantized is "
+                                            "not supported yet; convert it to float (or serve it on one rank)")
             for name in sorted(names):
                 prefix = name.rpartition(".")[0]
                 if prefix in prefixes and not name.endswith(".bias"):
                     stored[name] = fh.get_tensor(name)
                 elif name in expected:
-                    t = fh.get_tensor(name)
+                    t = read_tensor(fh, name, full_cfg, tp)  # the whole tensor without tensor parallelism
                     if weights in KINDS and prefix in linears and name.endswith(".weight"):
                         layer = quantize_linear(t.to(device), None, weights, dtype=dtype)
                         if layer is not None:  # a shape the kind cannot take stays float
@@ -133,6 +141,7 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | N
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = model.rotary.__class__(cfg).to(device)  # buffers are not in checkpoints
+    install_all_reduce(model, tp)
     model.tune_kernels()  # CPU: the fastest product per layer shape for a few rows (few_rows.py)
     return model.eval()
 

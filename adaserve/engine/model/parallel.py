@@ -200,9 +200,11 @@ class Channel:
         self.sent = 0  # commands broadcast (rank 0)
 
     def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.to(self.device)
+        """Rank 0's ``t`` on every rank: the receivers' copy comes back to the host (they build the layout
+        from it), the sender's never does (no wait on rank 0)."""
+        t = t.to(self.device, non_blocking=True)
         dist.broadcast(t, src=0, group=self.tp.group)
-        return t.cpu()
+        return t if self.tp.rank == 0 else t.cpu()
 
     def send(self, command: int, payload: np.ndarray, segments: int = 0) -> None:
         assert self.tp.rank == 0

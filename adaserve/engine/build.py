@@ -19,6 +19,7 @@ from adaserve.engine.model.config import UnsupportedModelError
 from adaserve.engine.model.kv_cache import KVCacheConfig
 from adaserve.engine.model.quant import WEIGHTS
 from adaserve.engine.model.runner import ModelRunner
+from adaserve.engine.ranks import start_target
 from adaserve.engine.speculation.adaptive import AdaptiveConfig, bounds_for_device, speculation_floor
 from adaserve.engine.speculation.policies import make_policy
 
@@ -74,7 +75,8 @@ def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Pat
                  budget: int | None = None, attention: str = "auto", kv_memory_mb: int = 256,
                  dtype: str = "auto", weights: str = "auto", max_depth: int | None = None,
                  max_width: int | None = None,
-                 profile: bool = True, force_profile: bool = False, progress: bool = True) -> BuiltEngine:
+                 profile: bool = True, force_profile: bool = False, progress: bool = True,
+                 tensor_parallel_size: int = 1) -> BuiltEngine:
     """Load models, profile (or reuse the cached profile) unless ``budget`` is given, build the engine.
 
     ``max_depth`` / ``max_width`` bound the adaptive tree shape (Eq. 8-9) of the policies that use it.
@@ -84,6 +86,8 @@ def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Pat
     ``weights`` (float, int8, int4, auto): how every model's decoder layers are served (loader.load_model;
     ``auto``, the default, serves what the directories hold: pass the same option to ``catalog.resolve``,
     which converts a GGUF model for it); the profile is measured on the models as served.
+    ``tensor_parallel_size`` > 1 shards the target over that many ranks, this process rank 0 and the others
+    child processes (ranks.py, model/parallel.py); the drafts run whole on rank 0.
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype)
@@ -96,10 +100,16 @@ def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Pat
         speculates = make_policy(policy, cfg).max_shape is not None
     except ValueError as e:
         raise EngineBuildError(str(e)) from None
+    if tensor_parallel_size < 1:
+        raise EngineBuildError(f"tensor parallel size must be at least 1, got {tensor_parallel_size}")
     if speculates and draft is None:
         raise EngineBuildError(f"policy {policy!r} speculates: give a draft model with --draft")
     try:
-        tgt = ModelRunner(load_model(target, device=dev, dtype=dt, progress=progress, weights=weights), cfg)
+        if tensor_parallel_size > 1:
+            tgt: ModelRunner = start_target(target, tensor_parallel_size, device=dev, settings=cfg, dtype=dt,
+                                            weights=weights, progress=progress)
+        else:
+            tgt = ModelRunner(load_model(target, device=dev, dtype=dt, progress=progress, weights=weights), cfg)
         drf = None
         extra: list[ModelRunner] = []
         if draft is not None and speculates:

@@ -370,6 +370,8 @@ def profile_models(target: ModelRunner, draft: ModelRunner | None, *, target_pat
     served = [served_weights(r.model) for r in (target, draft) if r is not None]
     if any(w != "float" for w in served):  # one checkpoint quantized at load is another model (quant.py)
         ident += ":weights=" + "/".join(served)
+    if target.tensor_parallel_size > 1:  # a sharded target is another engine: its own B and cost model
+        ident += f":tp={target.tensor_parallel_size}"
     knee = f"{cfg.knee.criterion}:{cfg.knee.max_elasticity}:{cfg.knee.eps}"
     key = ProfileKey(device=dev, model=ident + f":ctx{cfg.context}:max{cfg.max_tokens}:knee={knee}",
                      dtype=str(target.dtype).removeprefix("torch."), engine_version=__version__)

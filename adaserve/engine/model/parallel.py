@@ -40,6 +40,7 @@ May import: numpy, torch, safetensors, engine.model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -171,7 +172,9 @@ def init_rank(rank: int, size: int, *, port: int, device: torch.device, host: st
     is long; a rank that dies is noticed by the process that started the ranks, not by this timeout."""
     if device.type == "cuda":
         torch.cuda.set_device(rank)
-    if size > 1 and not dist.is_initialized():
+    if size > 1 and dist.is_initialized():
+        raise RuntimeError("this process is already a rank of a process group (one tensor-parallel target each)")
+    if size > 1:
         dist.init_process_group(backend_for(device), init_method=f"tcp://{host}:{port}", rank=rank,
                                 world_size=size, timeout=timedelta(seconds=timeout_s))
     return TensorParallel(rank, size)
@@ -267,6 +270,11 @@ class TensorParallelRunner(ModelRunner):
         self.channel = Channel(tp, self.device)
         self.cache.move_listeners.append(self.channel.send_move)
         self.closed = False
+        self.after_close: list[Callable[[], None]] = []
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.tp.size
 
     def compute(self, segments: list[Segment], rows: list[int]) -> torch.Tensor:
         if self.closed:
@@ -275,10 +283,15 @@ class TensorParallelRunner(ModelRunner):
         return super().compute(segments, rows)
 
     def close(self) -> None:
-        """Stop the other ranks' ``serve`` loops (once)."""
-        if not self.closed:
-            self.closed = True
+        """Stop the other ranks' ``serve`` loops (once), then run ``after_close`` (joining their processes)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
             self.channel.send_stop()
+        finally:
+            for hook in self.after_close:
+                hook()
 
 
 def serve(runner: ModelRunner, tp: TensorParallel) -> int:

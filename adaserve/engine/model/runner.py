@@ -63,6 +63,14 @@ class ModelRunner:
         return self.model(layout.input_ids, layout.positions, backend=self.backend, cache=self.cache,
                           logits_rows=layout.stage.get("logits_rows"))
 
+    def close(self) -> None:
+        """Nothing to stop here; a tensor-parallel runner stops its other ranks (parallel.py)."""
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks the model is sharded over (parallel.py); 1 here."""
+        return 1
+
     @property
     def vocab_size(self) -> int:
         return self.model.cfg.vocab_size

@@ -190,3 +190,35 @@ def test_tp2_greedy_equals_tp1_for_every_policy(case_dirs: list[tuple[Path, Path
         target, draft = case_dirs[i]
         want = generate(ModelRunner(load_model(target, device=CPU), config(static)), draft, policy)
         assert got[f"{i} {policy} {static}"] == want, (CASES[i].name, policy, static)
+
+
+# ---- the engine builder starts the ranks -------------------------------------------------------------
+def test_build_engine_starts_and_stops_the_ranks(case_dirs: list[tuple[Path, Path]]) -> None:
+    """build_engine(tensor_parallel_size=2): this process is rank 0, one child process is rank 1; output as
+    TP=1; close() stops the child."""
+    from adaserve.engine.build import build_engine
+
+    target, draft = case_dirs[0]
+    outputs = []
+    for n in (1, 2):
+        built = build_engine(target=target, draft=draft, policy="chain:4", budget=16, attention="torch",
+                             profile=False, progress=False, tensor_parallel_size=n)
+        eng = built.engine
+        reqs = workload()
+        for r in reqs:
+            eng.add_request(r)
+        while eng.has_work:
+            eng.step()
+        outputs.append([r.output_ids for r in reqs])
+        eng.target.close()
+        assert eng.target.tensor_parallel_size == n
+    assert outputs[0] == outputs[1]
+    assert not [p for p in mp.active_children() if p.name.startswith("adaserve-tp-rank")]
+
+
+def test_build_engine_refuses_a_size_that_does_not_divide(case_dirs: list[tuple[Path, Path]]) -> None:
+    from adaserve.engine.build import EngineBuildError, build_engine
+
+    with pytest.raises(EngineBuildError, match="tensor parallel size 3 does not divide num_attention_heads=4"):
+        build_engine(target=case_dirs[0][0], draft=None, policy="incremental", budget=16, profile=False,
+                     progress=False, tensor_parallel_size=3)

@@ -39,6 +39,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--reprofile", action="store_true", help="ignore the cached device profile")
     p.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"])
     p.add_argument("--kv-memory-mb", type=int, default=256, help="KV cache memory per model")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the target over N ranks, one process per device (CPU: gloo; the draft stays whole)")
     add_weights_option(p)
     p.set_defaults(func=run)
 
@@ -117,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
         built = build_engine(target=pair.target, draft=pair.draft, extra_drafts=extra, device=args.device,
                              policy=args.policy,
                              budget=args.budget, attention=args.attention, kv_memory_mb=args.kv_memory_mb,
-                             force_profile=args.reprofile, weights=args.weights)
+                             force_profile=args.reprofile, weights=args.weights,
+                             tensor_parallel_size=args.tensor_parallel_size)
     except EngineBuildError as e:
         raise CliError(str(e)) from None
     tok = built.tokenizer
@@ -136,7 +139,10 @@ def run(args: argparse.Namespace) -> int:
             built.engine.check_request(req)
     except ValueError as e:
         raise CliError(str(e)) from None
-    built.engine.run(requests)
+    try:
+        built.engine.run(requests)
+    finally:
+        built.engine.target.close()  # a tensor-parallel target stops its other ranks
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with args.output.open("w") as out:
         for _, req in requests:

@@ -1,6 +1,6 @@
 """The model configuration the engine needs, read from a Hugging Face ``config.json``.
 
-One typed object for the whole Llama family (Llama 2/3, Qwen2, Mistral). Anything the project's
+One typed object for the whole Llama family (Llama 2/3, Qwen2, Qwen3 dense, Mistral). Anything the project's
 model code does not implement is refused here with a clear message, never silently mis-served.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -36,6 +36,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: an RMSNorm over head_dim on every query and key head, before RoPE
     sliding_window: int | None = None
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
@@ -82,8 +83,8 @@ class ModelConfig:
         sliding_window = None
         if model_type == "mistral":
             sliding_window = cfg.get("sliding_window")
-        elif model_type == "qwen2" and cfg.get("use_sliding_window"):
-            raise UnsupportedModelError("qwen2 with use_sliding_window=true is not supported")
+        elif model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+            raise UnsupportedModelError(f"{model_type} with use_sliding_window=true is not supported")
 
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -105,6 +106,7 @@ class ModelConfig:
             # Llama's attention_bias covers o_proj too; Qwen2 has bias on q/k/v only.
             o_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
             sliding_window=int(sliding_window) if sliding_window else None,
             rope_scaling=rope,
             eos_token_ids=eos_ids,

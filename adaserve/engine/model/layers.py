@@ -53,12 +53,20 @@ class Attention(nn.Module):
         self.v_proj = FewRowLinear(cfg.hidden_size, self.hkv * self.d, bias=cfg.qkv_bias)
         self.o_proj = FewRowLinear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _whole  # tensor parallel: the sum over ranks
+        if cfg.qk_norm:  # Qwen3: each head's query and key normalised over head_dim, before RoPE
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
                 cache: PagedKVCache) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(t, self.h, self.d), cos, sin)  # [T, H, D]
-        k = apply_rotary(self.k_proj(x).view(t, self.hkv, self.d), cos, sin)  # [T, Hkv, D]
+        q = self.q_proj(x).view(t, self.h, self.d)
+        k = self.k_proj(x).view(t, self.hkv, self.d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, cos, sin)  # [T, H, D]
+        k = apply_rotary(k, cos, sin)  # [T, Hkv, D]
         v = self.v_proj(x).view(t, self.hkv, self.d)
         out = backend.forward(self.layer, q, k, v, cache)
         return self.reduce(self.o_proj(out.reshape(t, self.h * self.d)))
@@ -99,7 +107,7 @@ class Body(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Llama / Qwen2 / Mistral. ``forward`` returns logits only for the rows in ``logits_rows``."""
+    """Llama / Qwen2 / Qwen3 / Mistral. ``forward`` returns logits only for the rows in ``logits_rows``."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

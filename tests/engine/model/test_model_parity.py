@@ -24,6 +24,8 @@ CASES = {
     "llama-tied-llama3-rope": ("llama", {"tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE}),
     "llama-mha-bias": ("llama", {"num_key_value_heads": 4, "attention_bias": True, "mlp_bias": True}),
     "qwen2-qkv-bias": ("qwen2", {"tie_word_embeddings": False}),
+    # Qwen3: q/k norms, and a head_dim (32) that is not hidden_size / heads (16): q is 128 wide, hidden 64
+    "qwen3-qk-norm-wide-heads": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
     "mistral-sliding-window": ("mistral", {"sliding_window": 16}),
     "llama-linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
 }

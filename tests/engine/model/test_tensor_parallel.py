@@ -49,6 +49,7 @@ CASES = (
     Case("qwen2-tied", "qwen2", (("tie_word_embeddings", True),)),  # q/k/v bias, tied embedding and head
     Case("mistral", "mistral", (("num_key_value_heads", 4), ("attention_bias", False))),
     Case("llama-bias", "llama", (("attention_bias", True), ("mlp_bias", True))),  # o_proj/down_proj bias: once
+    Case("qwen3", "qwen3", (("head_dim", 32), ("tie_word_embeddings", True))),  # q/k norms (replicated), wide heads
 )
 
 

@@ -45,6 +45,20 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class DeviceNodes:
+    """A forward's new tokens already on the device (beam search's picks, never copied to the host).
+
+    The segments' trees then give the layout its shape only: sizes and depths, from which positions, slots
+    and the page table follow (they do not depend on which tokens were picked); their tokens and parents
+    are placeholders. ``ids`` [T] int64: the new tokens in layout order. ``ancestors`` [B, M, M] bool:
+    every segment's ancestor matrix (every tree of one size M, none a chain), or None when all are chains.
+    """
+
+    ids: torch.Tensor
+    ancestors: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class BatchLayout:
     """Everything a forward needs, computed once per step and shared by every layer.
 
@@ -52,7 +66,7 @@ class BatchLayout:
     copies, sent with everything else staged for the forward (``stage``).
     """
 
-    ids: np.ndarray  # [T] int64
+    ids: np.ndarray | None  # [T] int64; None when the ids are on the device only (DeviceNodes)
     position_ids: np.ndarray  # [T] int64
     slots: np.ndarray  # [T] int64: cache slot each new token's K/V is written to
     qo_indptr: list[int]  # [B+1]: request b owns tokens qo_indptr[b]:qo_indptr[b+1]
@@ -80,7 +94,7 @@ class BatchLayout:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.ids.shape[0])
+        return int(self.position_ids.shape[0])
 
     @property
     def all_chains(self) -> bool:
@@ -99,7 +113,8 @@ def page_table(segments: list[Segment], kv_lens: np.ndarray, page_size: int) -> 
     return table
 
 
-def build_layout(segments: list[Segment], *, page_size: int, device: torch.device) -> BatchLayout:
+def build_layout(segments: list[Segment], *, page_size: int, device: torch.device,
+                 on_device: DeviceNodes | None = None) -> BatchLayout:
     if not segments:
         raise ValueError("a batch needs at least one segment")
     prefix = np.fromiter((s.prefix_len for s in segments), np.int64, len(segments))
@@ -111,7 +126,7 @@ def build_layout(segments: list[Segment], *, page_size: int, device: torch.devic
     kv_lens = prefix + size
     table = page_table(segments, kv_lens, page_size)
 
-    ids = np.concatenate([s.tree.tokens[s.num_cached:] for s in segments])
+    ids = None if on_device is not None else np.concatenate([s.tree.tokens[s.num_cached:] for s in segments])
     depth = np.concatenate([s.tree.depths()[s.num_cached:] for s in segments])
     # token t of segment b (row r of its new tokens) is tree node c_b + r, at token index L_b + c_b + r
     seg = np.repeat(np.arange(len(segments)), n_new)
@@ -121,7 +136,11 @@ def build_layout(segments: list[Segment], *, page_size: int, device: torch.devic
 
     positions = prefix[seg] + depth
     stage = HostStage(torch.device(device))
-    stage.put("ids", ids)
+    if on_device is None:
+        assert ids is not None
+        stage.put("ids", ids)
+    else:
+        _bind_device_nodes(stage, on_device, segments, int(qo_indptr[-1]))
     stage.put("positions", positions)
     stage.put("write_slots", slots)
     return BatchLayout(
@@ -135,3 +154,21 @@ def build_layout(segments: list[Segment], *, page_size: int, device: torch.devic
         segments=tuple(segments),
         stage=stage,
     )
+
+
+def _bind_device_nodes(stage: HostStage, nodes: DeviceNodes, segments: list[Segment], n_tokens: int) -> None:
+    """The device's ids (and ancestor rows, which ``masks.MaskIndex`` then reads) join the stage uncopied."""
+    if tuple(nodes.ids.shape) != (n_tokens,):
+        raise ValueError(f"device ids of shape {tuple(nodes.ids.shape)} for a layout of {n_tokens} tokens")
+    stage.bind("ids", nodes.ids)
+    if nodes.ancestors is None:
+        if not all(s.tree.is_chain for s in segments):
+            raise ValueError("trees that are not chains need their ancestor rows on the device")
+        return
+    m = segments[0].tree.size
+    if any(s.tree.size != m or s.tree.is_chain for s in segments):
+        raise ValueError("device ancestor rows need every tree of one size, none a chain")
+    if tuple(nodes.ancestors.shape) != (len(segments), m, m):
+        raise ValueError(f"device ancestor rows of shape {tuple(nodes.ancestors.shape)}, "
+                         f"expected {(len(segments), m, m)}")
+    stage.bind("mask.anc", nodes.ancestors)

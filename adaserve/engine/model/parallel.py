@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from adaserve.engine.model.batch import Segment
+from adaserve.engine.model.batch import DeviceNodes, Segment
 from adaserve.engine.model.config import ModelConfig, UnsupportedModelError
 from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.layers import CausalLM, DecoderLayer
@@ -276,7 +276,9 @@ class TensorParallelRunner(ModelRunner):
     def tensor_parallel_size(self) -> int:
         return self.tp.size
 
-    def compute(self, segments: list[Segment], rows: list[int]) -> torch.Tensor:
+    def compute(self, segments: list[Segment], rows: list[int], on_device: DeviceNodes | None = None) -> torch.Tensor:
+        if on_device is not None:  # the sharded model is the target: beam levels run on the unsharded draft
+            raise ValueError("a tensor-parallel runner takes its tokens from the host")
         if self.closed:
             raise RuntimeError("the tensor-parallel ranks were stopped")
         self.channel.send_forward(segments)  # pages are allocated: forward() ensured them

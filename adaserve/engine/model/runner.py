@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 
 from adaserve.engine.model.attention import make_backend
-from adaserve.engine.model.batch import Segment, build_layout
+from adaserve.engine.model.batch import DeviceNodes, Segment, build_layout
 from adaserve.engine.model.kv_cache import KVCacheConfig, PagedKVCache
 from adaserve.engine.model.layers import CausalLM
 from adaserve.engine.model.static import StaticForward
@@ -51,10 +51,11 @@ class ModelRunner:
         self.forward_listeners: list[Callable[[ForwardRecord], None]] = []
         self.last_forward: ForwardRecord | None = None  # the latest call's counts (the engine times drafts by it)
 
-    def compute(self, segments: list[Segment], rows: list[int]) -> torch.Tensor:
+    def compute(self, segments: list[Segment], rows: list[int], on_device: DeviceNodes | None = None) -> torch.Tensor:
         """One forward over ``segments`` (their pages already allocated): logits ``[len(rows), V]`` of the
-        flat token rows ``rows``. A tensor-parallel worker rank calls this with the rows it is sent (none)."""
-        layout = build_layout(segments, page_size=self.cache.page_size, device=self.device)
+        flat token rows ``rows``. A tensor-parallel worker rank calls this with the rows it is sent (none).
+        ``on_device``: the new tokens' ids and ancestor rows already on the device (beam levels)."""
+        layout = build_layout(segments, page_size=self.cache.page_size, device=self.device, on_device=on_device)
         shape = self.static.bucket(layout) if self.static is not None else None
         if self.static is not None and shape is not None:
             return self.static.forward(layout, rows, shape)
@@ -75,11 +76,13 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model.cfg.vocab_size
 
-    def forward(self, segments: list[Segment], *, all_logits: list[bool]) -> list[torch.Tensor]:
+    def forward(self, segments: list[Segment], *, all_logits: list[bool],
+                on_device: DeviceNodes | None = None) -> list[torch.Tensor]:
         """Run every segment's new tokens in one forward.
 
         Returns, per segment, logits ``[num_new, V]`` when ``all_logits[i]`` else ``[1, V]`` (its
-        last new token: enough for a prefill chunk).
+        last new token: enough for a prefill chunk). With ``on_device`` the new tokens' ids (and the trees'
+        ancestor rows) are read from the device, and the segments' trees give only their shape.
         """
         t0 = time.perf_counter()
         for s in segments:
@@ -93,7 +96,7 @@ class ModelRunner:
             rows.extend(picked)
             counts.append(len(picked))
             start = end
-        logits = self.compute(segments, rows)
+        logits = self.compute(segments, rows, on_device)
         out = list(torch.split(logits, counts))
         rec = ForwardRecord(n_new=sum(s.num_new for s in segments),
                             n_context=sum(s.prefix_len + s.num_cached for s in segments),

@@ -6,6 +6,9 @@ copy; a ``HostStage`` collects them as numpy arrays instead, packs them into one
 CUDA) and sends it with one ``to(device, non_blocking=True)``. Each array comes back as a view of the
 device buffer, in its own dtype and shape.
 
+A tensor the device already holds (``bind``) joins the stage without a copy: a forward whose inputs were
+computed on the device (the beam levels, speculate.py) is laid out without bringing them to the host.
+
 Reading any array sends whatever is pending, so a caller that reads early still gets a correct (if
 extra) copy; the runner puts everything first and reads after, which makes one copy per forward.
 
@@ -30,6 +33,14 @@ class HostStage:
         if name in self._sent or any(n == name for n, _, _ in self._pending):
             raise ValueError(f"{name!r} is already staged")
         self._pending.append((name, np.asarray(array), dtype))
+
+    def bind(self, name: str, tensor: torch.Tensor) -> None:
+        """Serve ``name`` from a tensor already on the device (beam search's picks): nothing is copied."""
+        if name in self:
+            raise ValueError(f"{name!r} is already staged")
+        if tensor.device != self.device:
+            raise ValueError(f"{name!r} is on {tensor.device}, the stage sends to {self.device}")
+        self._sent[name] = tensor
 
     def get(self, name: str) -> torch.Tensor:
         """The device tensor for ``name`` (sends every pending array first if it is one of them)."""

@@ -157,7 +157,9 @@ class StaticForward:
             ids = self.poison.integers(0, self.model.cfg.vocab_size, ids.shape)
             pos = self.poison.integers(0, self.model.cfg.max_position_embeddings, pos.shape)
             slots = self.cache.scratch_slot + self.poison.integers(0, self.cache.page_size, slots.shape)
-        ids[at], pos[at], slots[at] = layout.ids, layout.position_ids, layout.slots
+        pos[at], slots[at] = layout.position_ids, layout.slots
+        if layout.ids is not None:  # else the ids are on the device only (beam levels): scattered there below
+            ids[at] = layout.ids
         # key k of a real segment: its cache slot (keys past kv_len repeat the last real one, masked)
         ps = layout.page_size
         k_idx = np.minimum(np.arange(grid.k)[None, :], kv_lens[:, None] - 1)
@@ -167,10 +169,14 @@ class StaticForward:
         for name, arr in (("ids", ids), ("positions", pos), ("write_slots", slots), ("keys", keys),
                           ("rows", at[np.asarray(rows, np.int64)]), ("group", np.arange(b_real))):
             stage.put(f"static.{name}", arr)
+        if layout.ids is None:
+            stage.put("static.at", at)
         MaskIndex.stage(layout)
         index = MaskIndex(layout)  # the first read: one copy of everything staged
         mask = padded_mask(index, stage.get("static.group"), grid.q, grid.k, self.model.cfg.sliding_window)
         grid.ids.copy_(stage.get("static.ids"))
+        if layout.ids is None:
+            grid.ids.index_copy_(0, stage.get("static.at"), layout.input_ids)
         grid.positions.copy_(stage.get("static.positions"))
         grid.write_slots.copy_(stage.get("static.write_slots"))
         grid.key_slots.copy_(stage.get("static.keys"))

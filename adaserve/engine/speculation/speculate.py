@@ -5,6 +5,12 @@ iteration, ending with the root) and keeps the root's top-w children. Steps 2..d
 beams of every request; each beam attends to its request's context and its own ancestors (tree
 mask), and the top-w of the w*V extensions by cumulative log-probability form the next level.
 Beam nodes' draft KV is scratch, dropped when speculation ends.
+
+The levels never visit the host (issue 30): the beam state (tokens, parents, log path probabilities),
+the top-k and the next level's inputs stay on the device. A level's layout needs no picks: positions and
+slots depend only on the level and its width (each segment's tree is a placeholder of the right shape),
+the picked ids feed the forward as they are, and the ancestor rows grow on the device (a new node's row
+is its parent's plus itself). The whole candidate tree comes to the host in one copy at the end.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from adaserve.engine.model.batch import Segment
+from adaserve.engine.model.batch import DeviceNodes, Segment
 from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.runner import ForwardRecord, ModelRunner
 from adaserve.engine.model.tree import TokenTree
@@ -37,13 +43,14 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
 
     Every request's tree has the same number of nodes at every level (``width``, or the product of the
     expansions), so a level is one batched step over all requests: one log-softmax and one top-k over
-    ``[n, F * V]`` (``[n, F, V]`` for static trees) and one copy of the picks to the host.
+    ``[n, F * V]`` (``[n, F, V]`` for static trees), on the device; the trees reach the host in one copy.
 
-    ``on_forward`` is called after each draft forward with what it computed (its ``ForwardRecord``): the
-    first carries every request's catch-up tokens, the others ``n * width`` beam nodes, so a caller that
+    ``on_forward`` is called right after each draft forward with what it computed (its ``ForwardRecord``):
+    the first carries every request's catch-up tokens, the others ``n * width`` beam nodes, so a caller that
     reads its clock there times each forward with its own token and context counts (timing.ForwardSplitter).
-    It is called once the level's picks have reached the host: on a GPU the forward is queued, not done,
-    when ``forward`` returns, and the copy of the picks is what waits for it.
+    On a CPU (and on a simulated clock) a forward is done when it returns, so the split is exact; on a GPU
+    the forwards are only queued then, and the one copy at the end waits for all of them, so the wait lands
+    on the last forward's sample (the span stays exact).
     """
     if expansion is not None:
         depth = len(expansion)
@@ -53,40 +60,84 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
         raise ValueError("beam search needs depth >= 1 and width >= 1")
     segs = [Segment(x.seq, x.seq.length, TokenTree.chain(x.pending)) for x in inputs]
     logits = draft.forward(segs, all_logits=[False] * len(segs))
+    _seen(draft, on_forward)
     for x in inputs:  # the pending tokens are real: they stay in the draft KV
         draft.cache.truncate(x.seq, x.seq.length + len(x.pending))
 
-    # [n, M] per request: tokens, parents, log path probabilities of the tree so far; node 0 is the root
     n = len(inputs)
-    toks = np.asarray([[x.pending[-1]] for x in inputs], np.int64)
-    pars = np.full((n, 1), -1, np.int64)
-    lps = np.zeros((n, 1))
-    # the frontier's log path probabilities stay on the device from one level to the next: no copy back
-    base = torch.zeros((n, 1), dtype=torch.float64, device=logits[0].device)
+    dev = logits[0].device
+    # on the device, per level: tokens, parents (tree index), log path probabilities, each [n, k]
+    levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    checks: list[torch.Tensor] = []
+    base = torch.zeros((n, 1), dtype=torch.float64, device=dev)  # the frontier's log path probabilities
+    anc = torch.ones((n, 1, 1), dtype=torch.bool, device=dev)  # ancestor rows of the tree so far
+    shape = [-1]  # the placeholder tree's parents: each level hangs off the previous level's first node
+    m = 1  # nodes so far; the frontier is the last F of them
     for step in range(depth):
-        m = toks.shape[1]
-        frontier = m - len(logits[0])  # the frontier is the last F nodes of every tree
+        frontier = m - logits[0].shape[0]
         k = None if expansion is None else expansion[step]
-        tok, parent, value, base = _expand(logits, base, width=width, per_node=k)
-        _seen(draft, on_forward)  # the forward that made ``logits`` is done: its picks are on the host
-        toks = np.concatenate([toks, tok], axis=1)
-        pars = np.concatenate([pars, frontier + parent], axis=1)
-        lps = np.concatenate([lps, value], axis=1)
+        tok, parent, value, check = _expand_on_device(logits, base, width=width, per_node=k)
+        parent = parent + frontier
+        levels.append((tok, parent, value))
+        checks.append(check)
+        base = value
         if step == depth - 1:
             break
+        added = tok.shape[1]
+        shape += [frontier] * added
+        placeholder = TokenTree.trusted(np.zeros(m + added, np.int64), np.asarray(shape, np.int64),
+                                        np.zeros(m + added))
+        chain = placeholder.is_chain  # one node per level so far: every tree is a chain, no rows needed
+        anc = _grow_ancestors(anc, parent)
         # root sits at the last committed slot; earlier beams are cached, the new level is new
-        segs = [Segment(x.seq, x.seq.length - 1, TokenTree(toks[r], pars[r], lps[r]), num_cached=m)
-                for r, x in enumerate(inputs)]
-        logits = draft.forward(segs, all_logits=[True] * n)
+        segs = [Segment(x.seq, x.seq.length - 1, placeholder, num_cached=m) for x in inputs]
+        logits = draft.forward(segs, all_logits=[True] * n,
+                               on_device=DeviceNodes(tok.reshape(-1), None if chain else anc))
+        _seen(draft, on_forward)
+        m += added
 
     for x in inputs:  # drop the scratch beams
         draft.cache.truncate(x.seq, x.seq.length)
+    toks, pars, lps = _to_host(levels, checks)
+    roots = np.asarray([x.pending[-1] for x in inputs], np.int64)[:, None]
+    toks = np.concatenate([roots, toks], axis=1)
+    pars = np.concatenate([np.full((n, 1), -1, np.int64), pars], axis=1)
+    lps = np.concatenate([np.zeros((n, 1)), lps], axis=1)
     return [TokenTree(toks[r], pars[r], lps[r]).with_strict_decrease() for r in range(n)]
 
 
 def _seen(draft: ModelRunner, on_forward: Callable[[ForwardRecord], None] | None) -> None:
     if on_forward is not None and draft.last_forward is not None:
         on_forward(draft.last_forward)
+
+
+def _grow_ancestors(anc: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
+    """[n, m, m] ancestor rows and a new level's parents [n, k] -> [n, m + k, m + k]: a new node's row is
+    its parent's row plus itself (on the device: no parent is read on the host)."""
+    n, m, _ = anc.shape
+    k = parent.shape[1]
+    out = torch.zeros((n, m + k, m + k), dtype=torch.bool, device=anc.device)
+    out[:, :m, :m] = anc
+    out[:, m:, :m] = torch.gather(anc, 1, parent[:, :, None].expand(n, k, m))
+    out[:, m:, m:] = torch.eye(k, dtype=torch.bool, device=anc.device)
+    return out
+
+
+def _to_host(levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+             checks: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every level's (tokens, parents, log path probabilities) in one copy, each [n, nodes]; raises when a
+    level's logits were not all finite."""
+    tok = torch.cat([t for t, _, _ in levels], dim=1)
+    par = torch.cat([p for _, p, _ in levels], dim=1)
+    val = torch.cat([v for _, _, v in levels], dim=1)
+    n, k = tok.shape
+    # one float64 buffer: the integers are exact (< 2**53)
+    host = torch.cat([val.flatten(), tok.flatten().double(), par.flatten().double(), *checks]).cpu().numpy()
+    if not np.isfinite(host[3 * n * k :]).all():
+        raise FloatingPointError("draft produced non-finite log-probs: refusing to build a tree")
+    return (host[n * k : 2 * n * k].astype(np.int64).reshape(n, k),
+            host[2 * n * k : 3 * n * k].astype(np.int64).reshape(n, k),
+            host[: n * k].reshape(n, k))
 
 
 def expand_level(logits: list[torch.Tensor], base: np.ndarray | torch.Tensor, *, width: int,
@@ -103,13 +154,15 @@ def expand_level(logits: list[torch.Tensor], base: np.ndarray | torch.Tensor, *,
     The reductions run once over ``[n, F, V]``; the picks reach the host in one copy.
     Returns (tokens, frontier index of the parent, log path probability), each [n, k].
     """
-    tok, parent, value, _ = _expand(logits, base, width=width, per_node=per_node)
-    return tok, parent, value
+    tok, parent, value, check = _expand_on_device(logits, base, width=width, per_node=per_node)
+    return _to_host([(tok, parent, value)], [check])
 
 
-def _expand(logits: list[torch.Tensor], base: np.ndarray | torch.Tensor, *, width: int,
-            per_node: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, torch.Tensor]:
-    """``expand_level``, and the level's log path probabilities left on the device (the next level's base)."""
+def _expand_on_device(logits: list[torch.Tensor], base: np.ndarray | torch.Tensor, *, width: int,
+                      per_node: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``expand_level`` left on the device: tokens, frontier index of the parent, log path probabilities
+    (each [n, k]) and a [1] float64 that is finite iff every logit is."""
     n, f = base.shape
     if any(lg.shape[0] != f for lg in logits) or len(logits) != n:
         raise ValueError(f"expected {n} requests' logits of {f} rows each (one per frontier node)")
@@ -130,9 +183,4 @@ def _expand(logits: list[torch.Tensor], base: np.ndarray | torch.Tensor, *, widt
         values, flat = score.view(n, -1), flat.view(n, -1)
     lo, hi = torch.aminmax(x)  # both finite iff every logit is (NaN propagates)
     check = (lo.double() + hi.double()).reshape(1)
-    host = torch.cat([values.flatten(), flat.flatten().double(), check]).cpu().numpy()
-    if not np.isfinite(host[-1]):
-        raise FloatingPointError("draft produced non-finite log-probs: refusing to build a tree")
-    k = values.shape[1]
-    picked = host[n * k : 2 * n * k].astype(np.int64).reshape(n, k)  # exact: indices < 2**53
-    return picked % v, picked // v, host[: n * k].reshape(n, k), values
+    return flat % v, flat // v, values, check

@@ -47,15 +47,19 @@ class MaskIndex:
         trees = [b for b, s in enumerate(segs) if not s.tree.is_chain]
         if trees:
             mt = max(segs[b].tree.size for b in trees)
-            anc = np.zeros((len(trees), mt, mt), bool)
+            # bound by the layout: the rows are on the device already (batch.DeviceNodes: beam levels)
+            on_device = "mask.anc" in stage
+            anc = np.zeros((0 if on_device else len(trees), mt, mt), bool)
             depth = np.zeros((len(trees), mt), np.int64)
             slot = np.full(len(segs), -1, np.int64)
             for j, b in enumerate(trees):
                 tree = segs[b].tree
-                anc[j, : tree.size, : tree.size] = tree.ancestor_matrix()
+                if not on_device:
+                    anc[j, : tree.size, : tree.size] = tree.ancestor_matrix()
                 depth[j, : tree.size] = tree.depths()
                 slot[b] = j
-            stage.put("mask.anc", anc, torch.bool)
+            if not on_device:
+                stage.put("mask.anc", anc, torch.bool)
             stage.put("mask.depth", depth)
             stage.put("mask.tree_slot", slot)
 

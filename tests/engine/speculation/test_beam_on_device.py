@@ -1,0 +1,141 @@
+"""Beam search with its levels on the device (issue 30): the same trees, bit for bit, as the implementation
+that copied each level's picks to the host and laid the next level out from them, and one copy in all.
+
+``host_beam_search`` below is that implementation, kept as the reference: each level's tokens, parents and
+log path probabilities come to the host (``expand_level``), and the next forward is laid out from real
+trees (host ids, host ancestor rows). The device version must give identical tokens, parents and float64
+log-probs on the eager and the static path, with the torch attention's grouping and the static grid alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from adaserve.engine.model.batch import BatchLayout, DeviceNodes, Segment, build_layout
+from adaserve.engine.model.host_sync import HostSync
+from adaserve.engine.model.kv_cache import SequenceKV
+from adaserve.engine.model.runner import ModelRunner
+from adaserve.engine.model.tree import TokenTree
+from adaserve.engine.speculation.speculate import DraftInput, _grow_ancestors, beam_search, expand_level
+from tests.engine.helpers import runner
+
+
+def host_beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, width: int,
+                     expansion: tuple[int, ...] | None = None) -> list[TokenTree]:
+    """The reference: every level's picks on the host, the next level laid out from the real trees."""
+    if expansion is not None:
+        depth = len(expansion)
+    segs = [Segment(x.seq, x.seq.length, TokenTree.chain(x.pending)) for x in inputs]
+    logits = draft.forward(segs, all_logits=[False] * len(segs))
+    for x in inputs:
+        draft.cache.truncate(x.seq, x.seq.length + len(x.pending))
+    n = len(inputs)
+    toks = np.asarray([[x.pending[-1]] for x in inputs], np.int64)
+    pars = np.full((n, 1), -1, np.int64)
+    lps = np.zeros((n, 1))
+    base = np.zeros((n, 1))
+    for step in range(depth):
+        m = toks.shape[1]
+        frontier = m - len(logits[0])
+        k = None if expansion is None else expansion[step]
+        tok, parent, value = expand_level(logits, base, width=width, per_node=k)
+        base = value
+        toks = np.concatenate([toks, tok], axis=1)
+        pars = np.concatenate([pars, frontier + parent], axis=1)
+        lps = np.concatenate([lps, value], axis=1)
+        if step == depth - 1:
+            break
+        segs = [Segment(x.seq, x.seq.length - 1, TokenTree(toks[r], pars[r], lps[r]), num_cached=m)
+                for r, x in enumerate(inputs)]
+        logits = draft.forward(segs, all_logits=[True] * n)
+    for x in inputs:
+        draft.cache.truncate(x.seq, x.seq.length)
+    return [TokenTree(toks[r], pars[r], lps[r]).with_strict_decrease() for r in range(n)]
+
+
+def contexts(draft: ModelRunner, prompts: list[list[int]], pending: list[list[int]]) -> list[DraftInput]:
+    """Fresh draft sequences holding ``prompts``, with ``pending`` tokens not yet seen."""
+    out = []
+    for p, q in zip(prompts, pending, strict=True):
+        s = SequenceKV()
+        draft.forward([Segment(s, 0, TokenTree.chain(p))], all_logits=[False])
+        draft.cache.truncate(s, len(p))
+        out.append(DraftInput(s, list(q)))
+    return out
+
+
+SHAPES = [(1, 1, None), (2, 1, None), (3, 2, None), (4, 3, None), (5, 4, None), (0, 1, (1, 1, 3, 1)),
+          (0, 1, (2, 2, 1)), (0, 1, (1, 1, 1))]
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_device_levels_give_the_host_levels_trees_bit_for_bit(draft_dir: Path, static: bool) -> None:
+    draft = runner(draft_dir, static_shapes=static)
+    rng = np.random.default_rng(7)
+    for depth, width, expansion in SHAPES:
+        n = int(rng.integers(1, 7))
+        prompts = [rng.integers(2, 97, int(rng.integers(1, 20))).tolist() for _ in range(n)]
+        pending = [rng.integers(2, 97, int(rng.integers(1, 4))).tolist() for _ in range(n)]
+        ref_in, got_in = contexts(draft, prompts, pending), contexts(draft, prompts, pending)
+        ref = host_beam_search(draft, ref_in, depth=depth, width=width, expansion=expansion)
+        got = beam_search(draft, got_in, depth=depth, width=width, expansion=expansion)
+        for g, r in zip(got, ref, strict=True):
+            assert np.array_equal(g.tokens, r.tokens), (depth, width, expansion)
+            assert np.array_equal(g.parents, r.parents), (depth, width, expansion)
+            assert np.array_equal(g.log_probs, r.log_probs), (depth, width, expansion)  # float64, exact
+        for x in got_in:
+            assert x.seq.length == len(prompts[got_in.index(x)]) + len(x.pending)
+        for x in (*ref_in, *got_in):
+            draft.cache.release(x.seq)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_beam_search_waits_on_the_device_once(draft_dir: Path, static: bool) -> None:
+    draft = runner(draft_dir, static_shapes=static)
+    inputs = contexts(draft, [[5, 6, 7], [8]], [[9], [10, 11]])
+    with HostSync() as sync:
+        trees = beam_search(draft, inputs, depth=4, width=3)
+    assert sync.counts["d2h"] == 1, sync.counts  # the whole candidate tree, in one copy
+    assert sync.counts["sync"] == sync.counts["h2d"] == sync.counts["data_shape"] == 0
+    assert sync.counts["async_copy"] == 4  # one non-blocking copy per forward: the levels' layouts
+    assert all(t.size == 1 + 4 * 3 for t in trees)
+
+
+def test_grown_ancestor_rows_are_the_trees_matrices() -> None:
+    rng = np.random.default_rng(3)
+    n, parents = 3, np.full((3, 1), -1)
+    anc = torch.ones((n, 1, 1), dtype=torch.bool)
+    for k in (2, 3, 1, 4):
+        m = parents.shape[1]
+        new = rng.integers(0, m, (n, k))
+        parents = np.concatenate([parents, new], axis=1)
+        anc = _grow_ancestors(anc, torch.from_numpy(new))
+        for r in range(n):
+            tree = TokenTree(np.zeros(m + k, np.int64), parents[r], np.zeros(m + k))
+            assert np.array_equal(anc[r].numpy(), tree.ancestor_matrix())
+
+
+def test_device_nodes_are_checked_against_the_layout(draft_dir: Path) -> None:
+    draft = runner(draft_dir)
+    s = SequenceKV()
+    draft.cache.ensure(s, 8)
+    tree = TokenTree.from_lists([0, 0, 0], [-1, 0, 0])
+    seg = Segment(s, 4, tree, num_cached=1)
+    page = draft.cache.page_size
+
+    def layout(nodes: DeviceNodes) -> BatchLayout:
+        return build_layout([seg], page_size=page, device=draft.device, on_device=nodes)
+
+    with pytest.raises(ValueError, match="device ids of shape"):
+        layout(DeviceNodes(torch.zeros(3, dtype=torch.long)))
+    with pytest.raises(ValueError, match="need their ancestor rows"):
+        layout(DeviceNodes(torch.zeros(2, dtype=torch.long)))
+    with pytest.raises(ValueError, match="expected"):
+        layout(DeviceNodes(torch.zeros(2, dtype=torch.long), torch.ones((1, 2, 2), dtype=torch.bool)))
+    lay = layout(DeviceNodes(torch.tensor([5, 6]), torch.tensor(tree.ancestor_matrix()[None])))
+    assert lay.ids is None and lay.input_ids.tolist() == [5, 6] and lay.num_tokens == 2
+    assert lay.position_ids.tolist() == [5, 5]

@@ -13,6 +13,28 @@ def floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def fraction(text: str) -> float:
+    """A number in (0, 1]: ``--kv-memory-fraction 0.9``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return value
+
+
+def add_kv_memory_options(p: argparse.ArgumentParser, *, env: bool = False) -> None:
+    """``--kv-memory-mb`` (a fixed size per model) and ``--kv-memory-fraction`` (from the device's memory)."""
+    mb, frac = (" [ADASERVE_KV_MEMORY_MB]", " [ADASERVE_KV_MEMORY_FRACTION]") if env else ("", "")
+    p.add_argument("--kv-memory-mb", type=int, help="KV cache memory per model, in MiB (default 256)" + mb)
+    p.add_argument("--kv-memory-fraction", type=fraction,
+                   help="size the KV caches from the device's memory instead, as vLLM's gpu_memory_utilization: on "
+                        "CUDA this fraction of the total less what the device holds after loading and a profiling "
+                        "forward; on CPU this fraction of available RAM, at most 16 GiB; wins over --kv-memory-mb"
+                        + frac)
+
+
 WEIGHTS = ("float", "int8", "int4", "auto")  # engine.model.quant.WEIGHTS (the CLI imports no torch to parse)
 
 

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from adaserve.cli.arg_types import add_weights_option
+from adaserve.cli.arg_types import add_kv_memory_options, add_weights_option
 from adaserve.cli_error import CliError
 from adaserve.engine.loading.catalog import DEFAULT_MODEL, NAMES, ModelNotFoundError, check_ref, served_name
 from adaserve.server_process import NotReady, ServerProcess, free_port
@@ -43,6 +43,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--policy", default="adaserve")
     p.add_argument("--budget", type=int, help="fixed token budget (default: profiled)")
+    add_kv_memory_options(p)
     add_weights_option(p)  # the worker loads, profiles and serves them: the derived classes come from them too
     p.add_argument("--redis-url", help="keep request records in this Redis (default: in-process)")
     p.add_argument("--slo-classes-file", help="JSON list of SLO classes (default: coding, "
@@ -161,6 +162,10 @@ def run(args: argparse.Namespace) -> int:
         cmd += ["--draft", draft]
     if args.budget is not None:
         cmd += ["--budget", str(args.budget)]
+    if args.kv_memory_mb is not None:
+        cmd += ["--kv-memory-mb", str(args.kv_memory_mb)]
+    if args.kv_memory_fraction is not None:
+        cmd += ["--kv-memory-fraction", repr(args.kv_memory_fraction)]
     env = {**os.environ, "ADASERVE_DEFAULT_SLO_CLASS": catalog.default}
     if not derive:  # derived classes are known only once the worker has profiled; requests carry their targets
         env["ADASERVE_SLO_CLASSES"] = json.dumps({c.name: c.tpot_ms for c in catalog.classes.values()})
@@ -212,6 +217,8 @@ async def _serve(settings: Any, worker: ServerProcess, *, derive: bool, keys: bo
     if reg is None:
         raise CliError("the worker was ready but its status is not a registration document")
     unloaded, lone = reg.unloaded_tpot_ms, reg.lone_tpot_ms
+    if reg.kv_capacity_tokens is not None:
+        print(f"adaserve: the KV cache holds {reg.kv_capacity_tokens} tokens", file=sys.stderr, flush=True)
     # what a lone request measurably gets, speculation included; else one profiled forward (a fixed --budget
     # skips profiling: the latency is then a guess, and the absolute defaults are kept)
     base = lone or (unloaded if reg.budget_source == "profile" else None)

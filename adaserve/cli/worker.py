@@ -10,13 +10,13 @@ import argparse
 import logging
 from typing import Any
 
-from adaserve.cli.arg_types import add_weights_option
+from adaserve.cli.arg_types import add_kv_memory_options, add_weights_option
 from adaserve.cli_error import CliError
 
 # command-line option -> settings field; everything else comes from the environment
 OPTIONS = ("target", "draft", "model_name", "device", "host", "port", "redis_url", "policy", "budget", "attention",
-           "kv_memory_mb", "dtype", "weights", "max_depth", "max_width", "worker_id", "advertise_url",
-           "max_active_requests", "drain_grace_s", "log_level")
+           "kv_memory_mb", "kv_memory_fraction", "dtype", "weights", "max_depth", "max_width", "worker_id",
+           "advertise_url", "max_active_requests", "drain_grace_s", "log_level")
 
 
 def add_parser(sub: Any) -> None:
@@ -35,7 +35,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--policy", help="decoding policy [ADASERVE_POLICY, default adaserve]")
     p.add_argument("--budget", type=int, help="fixed token budget, skips profiling [ADASERVE_BUDGET]")
     p.add_argument("--attention", choices=["auto", "torch", "flashinfer"], help="[ADASERVE_ATTENTION]")
-    p.add_argument("--kv-memory-mb", type=int, help="KV cache memory per model [ADASERVE_KV_MEMORY_MB]")
+    add_kv_memory_options(p, env=True)
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], help="[ADASERVE_DTYPE]")
     add_weights_option(p, env="ADASERVE_WEIGHTS")
     p.add_argument("--max-depth", type=int, help="deepest draft tree [ADASERVE_MAX_DEPTH, default 4]")
@@ -53,7 +53,7 @@ def load_settings(args: argparse.Namespace) -> Any:
     from adaserve.cli_settings import load
     from adaserve.worker.settings import WorkerSettings
 
-    given = {name: getattr(args, name) for name in (*OPTIONS, "reprofile") if getattr(args, name) is not None}
+    given = {name: getattr(args, name) for name in (*OPTIONS, "reprofile") if getattr(args, name, None) is not None}
     given.update(draft_options(args.draft))
     return load(WorkerSettings, given, options=OPTIONS, env_prefix="ADASERVE_")
 

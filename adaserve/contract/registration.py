@@ -136,6 +136,7 @@ class Profile(_Part):
     policy: str | None = None
     max_depth: int | None = None  # D, draft steps per iteration at most (0: no speculation)
     max_context: int | None = None
+    kv_capacity_tokens: int | None = None  # tokens the KV cache holds (every model's the same), sized at start
     # a lone request's time per token without speculation: one target forward of one token at the profiled
     # context (the profile's measurement, else the cost model's estimate); SLO classes are judged against it
     unloaded_tpot_ms: float | None = None

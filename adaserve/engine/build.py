@@ -16,7 +16,9 @@ from adaserve.engine.engine import Engine
 from adaserve.engine.loading.catalog import TOKENIZER_FILES
 from adaserve.engine.loading.loader import load_model, load_tokenizer
 from adaserve.engine.model.config import UnsupportedModelError
-from adaserve.engine.model.kv_cache import KVCacheConfig
+from adaserve.engine.model.kv_cache import KVCacheConfig, bytes_per_token
+from adaserve.engine.model.kv_sizing import KVSizingError, device_memory, kv_budget_bytes, pages_for_budget
+from adaserve.engine.model.layers import CausalLM
 from adaserve.engine.model.quant import WEIGHTS
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.ranks import start_target
@@ -37,6 +39,41 @@ def adaptive_for(cfg: AdaptiveConfig, data: dict[str, Any], *, pinned: set[str] 
     t_draft = float(data["draft"]["table"][0]["latency_ms"]) / 1e3
     tuned = bounds_for_device(cfg, t_target_s=t_target, t_draft_s=t_draft, draft_budget=int(data["draft"]["budget"]))
     return replace(tuned, **{k: getattr(cfg, k) for k in pinned})
+
+
+def kv_from_memory(models: Sequence[CausalLM], cfg: EngineConfig, fraction: float,
+                   device: torch.device) -> KVCacheConfig:
+    """The caches' size from what the device has left (model/kv_sizing.py): after the models are loaded and,
+    on CUDA, after a profiling forward of the most tokens one forward takes, whose peak is set aside."""
+    peak = max((activation_peak(m, cfg, device) for m in models), default=0)
+    free, total = device_memory(device)
+    budget = kv_budget_bytes(fraction, device_type=device.type, total=total, free=free, activation_peak=peak)
+    per_token = [bytes_per_token(m.cfg, m.lm_head.weight.dtype) for m in models]  # the runner's cache dtype
+    return replace(cfg.kv, num_pages=pages_for_budget(budget, per_token, cfg.kv.page_size))
+
+
+def activation_peak(model: CausalLM, cfg: EngineConfig, device: torch.device) -> int:
+    """Bytes a forward of the most tokens one forward takes (a prefill chunk, or a verification of the
+    budget) allocates at its peak beyond what is held before it; 0 on a CPU (not measured there)."""
+    if device.type != "cuda":
+        return 0
+    from adaserve.engine.model.batch import Segment
+    from adaserve.engine.model.kv_cache import SequenceKV
+    from adaserve.engine.model.tree import TokenTree
+
+    tokens = max(cfg.prefill_chunk, cfg.budget)
+    probe = ModelRunner(model, replace(cfg, kv=replace(cfg.kv, num_pages=-(-tokens // cfg.kv.page_size)),
+                                       static_shapes=False))
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.inference_mode():
+        probe.forward([Segment(SequenceKV(), 0, TokenTree.chain([0] * tokens))], all_logits=[True])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del probe
+    torch.cuda.empty_cache()
+    return max(0, int(peak))
 
 
 class EngineBuildError(Exception):
@@ -73,6 +110,7 @@ def resolve_dtype(name: str) -> torch.dtype | None:
 def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Path] = (), device: str = "cpu",
                  policy: str = "adaserve",
                  budget: int | None = None, attention: str = "auto", kv_memory_mb: int = 256,
+                 kv_memory_fraction: float | None = None,
                  dtype: str = "auto", weights: str = "auto", max_depth: int | None = None,
                  max_width: int | None = None,
                  profile: bool = True, force_profile: bool = False, progress: bool = True,
@@ -88,6 +126,8 @@ def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Pat
     which converts a GGUF model for it); the profile is measured on the models as served.
     ``tensor_parallel_size`` > 1 shards the target over that many ranks, this process rank 0 and the others
     child processes (ranks.py, model/parallel.py); the drafts run whole on rank 0.
+    ``kv_memory_fraction`` (instead of ``kv_memory_mb`` per model): the caches are sized from the device's
+    memory once the models are loaded, one token capacity for every model (model/kv_sizing.py).
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype)
@@ -104,20 +144,34 @@ def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Pat
         raise EngineBuildError(f"tensor parallel size must be at least 1, got {tensor_parallel_size}")
     if speculates and draft is None:
         raise EngineBuildError(f"policy {policy!r} speculates: give a draft model with --draft")
+    if kv_memory_fraction is not None and not 0 < kv_memory_fraction <= 1:
+        raise EngineBuildError(f"the KV memory fraction must be in (0, 1], got {kv_memory_fraction}")
     try:
+        draft_paths = [draft, *extra_drafts] if draft is not None and speculates else []
         if tensor_parallel_size > 1:
-            tgt: ModelRunner = start_target(target, tensor_parallel_size, device=dev, settings=cfg, dtype=dt,
-                                            weights=weights, progress=progress)
+            if kv_memory_fraction is not None:
+                raise EngineBuildError("a KV memory fraction is not supported with tensor parallelism yet: give the "
+                                       "KV memory in MiB")
+            runners: list[ModelRunner] = [start_target(target, tensor_parallel_size, device=dev, settings=cfg,
+                                                       dtype=dt, weights=weights, progress=progress)]
+            runners += [ModelRunner(load_model(p, device=dev, dtype=dt, progress=progress, weights=weights), cfg)
+                        for p in draft_paths]
         else:
-            tgt = ModelRunner(load_model(target, device=dev, dtype=dt, progress=progress, weights=weights), cfg)
-        drf = None
-        extra: list[ModelRunner] = []
-        if draft is not None and speculates:
-            drf = ModelRunner(load_model(draft, device=dev, dtype=dt, progress=progress, weights=weights), cfg)
-            extra = [ModelRunner(load_model(p, device=dev, dtype=dt, progress=progress, weights=weights), cfg)
-                     for p in extra_drafts]
+            models = [load_model(p, device=dev, dtype=dt, progress=progress, weights=weights)
+                      for p in [target, *draft_paths]]
+            if kv_memory_fraction is not None:
+                cfg = replace(cfg, kv=kv_from_memory(models, cfg, kv_memory_fraction, dev))
+            runners = [ModelRunner(m, cfg) for m in models]
+    except KVSizingError as e:
+        raise EngineBuildError(str(e)) from None
     except (FileNotFoundError, UnsupportedModelError, ValueError) as e:
         raise EngineBuildError(str(e)) from None
+    tgt, drf, extra = runners[0], (runners[1] if len(runners) > 1 else None), runners[2:]
+    cache = tgt.cache
+    log.info("KV cache: %d tokens per model (%d pages of %d; %.1f MiB for the target, %d model(s)%s)",
+             cache.capacity_tokens, cache.num_pages, cache.page_size, cache.k.nbytes * 2 / 2**20, len(runners),
+             f", sized from {kv_memory_fraction:g} of the {dev.type} memory" if kv_memory_fraction is not None
+             else f", {kv_memory_mb} MiB each")
     prof = None
     if budget is None and profile:
         drf_path = draft if drf is not None else None

@@ -61,7 +61,7 @@ def slo_configmap(spec: DeploymentSpec, *, name: str, namespace: str) -> Manifes
 
 
 def worker_env(spec: DeploymentSpec, *, name: str, namespace: str) -> list[dict[str, Any]]:
-    m, sp = spec.model, spec.speculation
+    m, sp, r = spec.model, spec.speculation, spec.resources
     env: list[dict[str, Any]] = [
         _env("ADASERVE_TARGET", _model_path(spec, m.target)),
         *([_env("ADASERVE_DRAFT", _model_path(spec, m.draft))] if m.draft is not None else []),
@@ -75,6 +75,8 @@ def worker_env(spec: DeploymentSpec, *, name: str, namespace: str) -> list[dict[
         *([_env("ADASERVE_BUDGET", str(sp.budget))] if sp.budget != "auto" else []),
         _env("ADASERVE_MAX_DEPTH", str(sp.max_depth)),
         _env("ADASERVE_MAX_WIDTH", str(sp.max_width)),
+        *([_env("ADASERVE_KV_MEMORY_FRACTION", repr(r.kv_memory_fraction))]
+          if r.kv_memory_fraction is not None else []),
         _env("ADASERVE_HOST", "0.0.0.0"),
         _env("ADASERVE_PORT", str(names.WORKER_PORT)),
         {"name": "ADASERVE_WORKER_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},

@@ -117,6 +117,8 @@ class ModelSource(_Model):
 
 class Resources(_Model):
     gpus_per_worker: int = Field(1, ge=0)
+    # the worker's --kv-memory-fraction (its KV caches sized from the device's memory); unset: its fixed default
+    kv_memory_fraction: float | None = Field(None, gt=0, le=1)
     memory: Quantity | None = None
     cpu: Quantity | None = None
 

@@ -45,6 +45,7 @@ def profile_info(built: BuiltEngine, settings: WorkerSettings, *, lone: Lone | N
         # D: draft steps per iteration at most (0: no speculation); the gateway's iteration-time estimate
         max_depth=engine.policy.max_shape.depth if engine.policy.max_shape is not None else 0,
         max_context=engine.max_context,
+        kv_capacity_tokens=engine.target.cache.capacity_tokens,
         unloaded_tpot_ms=unloaded_tpot_ms(built),
         lone_tpot_ms=lone.median_ms if lone else None,
         lone_tpot_ms_by_class=dict(lone.by_class) if lone and lone.by_class else None,

@@ -187,6 +187,7 @@ class Runtime:
             raise EngineBuildError(str(e)) from None
         built = build_engine(target=pair.target, draft=pair.draft, extra_drafts=extra, device=s.device,
                              policy=s.policy, budget=s.budget, attention=s.attention, kv_memory_mb=s.kv_memory_mb,
+                             kv_memory_fraction=s.kv_memory_fraction,
                              force_profile=s.reprofile,
                              dtype=s.dtype, weights=s.weights, max_depth=s.max_depth, max_width=s.max_width,
                              progress=False)

@@ -48,6 +48,10 @@ class WorkerSettings(BaseSettings):
     budget: int | None = Field(None, ge=1, description="fixed tokens per verification; skips profiling")
     attention: Literal["auto", "torch", "flashinfer"] = "auto"
     kv_memory_mb: int = Field(256, ge=1, description="KV cache memory per model")
+    kv_memory_fraction: float | None = Field(
+        None, gt=0, le=1, description="size the KV caches from the device's memory instead of kv_memory_mb: on CUDA "
+        "this fraction of the device's total memory less what it holds after loading and a profiling forward; on CPU "
+        "this fraction of available RAM, at most 16 GiB (as vLLM's gpu_memory_utilization)")
     reprofile: bool = Field(False, description="ignore the cached profile and measure again")
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's own)")
     warmup: bool = True

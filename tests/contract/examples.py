@@ -23,6 +23,7 @@ REGISTRATION: dict[str, Any] = {
     "policy": "adaserve",
     "max_depth": 4,
     "max_context": 2048,
+    "kv_capacity_tokens": 1_048_576,
     "unloaded_tpot_ms": 21.5,
     "lone_tpot_ms": 14.2,
     "lone_tpot_ms_by_class": {"coding": 16.8, "chat": 14.2, "summarization": 19.5},

@@ -12,7 +12,7 @@ import yaml
 
 from adaserve.operator import builders
 from adaserve.operator.kube import is_subset
-from adaserve.operator.spec import DeploymentSpec, parse_spec
+from adaserve.operator.spec import DeploymentSpec, SpecError, parse_spec
 from tests.operator.schema import EXAMPLE_PATH
 
 NS, NAME = "serving", "llama"
@@ -324,3 +324,14 @@ def test_builders_do_not_share_state(spec: DeploymentSpec) -> None:
     a = builders.children(spec, name=NAME, namespace=NS)
     a[3]["spec"]["template"]["spec"]["containers"][0]["env"].clear()
     assert builders.children(spec, name=NAME, namespace=NS) != a
+
+
+def test_kv_memory_fraction_reaches_the_worker(raw: dict[str, Any]) -> None:
+    assert "ADASERVE_KV_MEMORY_FRACTION" not in env_of(builders.worker_deployment(parse_spec(raw), name=NAME,
+                                                                                    namespace=NS))
+    raw.setdefault("resources", {})["kvMemoryFraction"] = 0.85
+    env = env_of(builders.worker_deployment(parse_spec(raw), name=NAME, namespace=NS))
+    assert env["ADASERVE_KV_MEMORY_FRACTION"] == "0.85"
+    raw["resources"]["kvMemoryFraction"] = 1.5
+    with pytest.raises(SpecError, match="kvMemoryFraction"):
+        parse_spec(raw)

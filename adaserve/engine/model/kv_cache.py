@@ -62,11 +62,16 @@ class SequenceKV:
         return np.asarray(self.pages, np.int64)[index // page_size] * page_size + index % page_size
 
 
+def bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
+    """K and V of one token in every layer."""
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype.itemsize
+
+
 class PagedKVCache:
     def __init__(self, model: ModelConfig, cfg: KVCacheConfig, *, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.page_size = cfg.page_size
-        per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype.itemsize
+        per_token = bytes_per_token(model, dtype)
         self.num_pages = cfg.num_pages or max(1, cfg.memory_bytes // (per_token * cfg.page_size))
         # one page past the accounted ones is scratch: padded rows of a static-shape forward write there
         # (static.py), and no sequence ever owns it

@@ -26,6 +26,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the full profile as JSON")
     p.add_argument("--plot", type=Path, help="draw latency and tokens/s against n with the knee (PNG)")
     p.add_argument("--kv-memory-mb", type=int, default=512)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="profile the target sharded over N ranks (CPU: gloo): its own budget and cost model")
     add_weights_option(p)
     p.set_defaults(func=run)
 
@@ -39,18 +41,28 @@ def run(args: argparse.Namespace) -> int:
     from adaserve.engine.model.config import UnsupportedModelError
     from adaserve.engine.model.kv_cache import KVCacheConfig
     from adaserve.engine.model.runner import ModelRunner
+    from adaserve.engine.ranks import check_size, start_target
 
     try:
+        check_size(args.target, args.tensor_parallel_size)  # before a GGUF model is converted
         pair = resolve(args.target, draft=args.draft, weights=args.weights)
         cfg = ProfilerConfig(max_tokens=args.max_tokens, context=args.context, repeats=args.repeats)
         dev = resolve_device(args.device)
         rc = EngineConfig(attention=args.attention, kv=KVCacheConfig(memory_bytes=args.kv_memory_mb * 2**20))
-        target = ModelRunner(load_model(pair.target, device=dev, progress=True, weights=args.weights), rc)
+        if args.tensor_parallel_size != 1:  # the sharded engine is measured, cached under its size
+            target: ModelRunner = start_target(pair.target, args.tensor_parallel_size, device=dev, settings=rc,
+                                               progress=True, weights=args.weights)
+        else:
+            target = ModelRunner(load_model(pair.target, device=dev, progress=True, weights=args.weights), rc)
         draft = (ModelRunner(load_model(pair.draft, device=dev, progress=True, weights=args.weights), rc)
                  if pair.draft else None)
     except (ValueError, FileNotFoundError, UnsupportedModelError, EngineBuildError, ModelNotFoundError) as e:
         raise CliError(str(e)) from None
-    prof = profile_models(target, draft, target_path=pair.target, draft_path=pair.draft, cfg=cfg, force=args.force)
+    try:
+        prof = profile_models(target, draft, target_path=pair.target, draft_path=pair.draft, cfg=cfg,
+                              force=args.force)
+    finally:
+        target.close()  # a tensor-parallel target stops its other ranks
     if args.plot:
         plot_profile(prof.data, args.plot)
     if args.json:

@@ -41,6 +41,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8080, help="gateway port (default 8080)")
     p.add_argument("--worker-port", type=int, default=0, help="worker port (default: any free port)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="the worker shards the target over N ranks, one process per device (CPU: gloo)")
     p.add_argument("--policy", default="adaserve")
     p.add_argument("--budget", type=int, help="fixed token budget (default: profiled)")
     add_kv_memory_options(p)
@@ -64,6 +66,13 @@ def resolve_models(args: argparse.Namespace) -> tuple[str, str | None, str]:
     if ref not in NAMES and args.draft is None and args.policy != "incremental":
         raise CliError(f"policy {args.policy} speculates and {ref} brings no draft: give --draft, "
                        "or --policy incremental")
+    if args.tensor_parallel_size != 1:  # a size the model cannot take, refused before a worker starts
+        from adaserve.engine.ranks import check_size
+
+        try:
+            check_size(ref, args.tensor_parallel_size)
+        except ValueError as e:
+            raise CliError(str(e)) from None
     return ref, args.draft, args.model_name or served_name(ref)
 
 
@@ -157,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
 
     cmd = [sys.executable, "-m", "adaserve", "worker", "--target", ref, "--model-name", model, "--host", "127.0.0.1",
            "--port", str(worker_port), "--device", args.device, "--policy", args.policy, "--log-level", "warning",
-           "--worker-id", "local-worker", "--weights", args.weights]
+           "--worker-id", "local-worker", "--weights", args.weights,
+           "--tensor-parallel-size", str(args.tensor_parallel_size)]
     if draft is not None:
         cmd += ["--draft", draft]
     if args.budget is not None:

@@ -16,7 +16,7 @@ from adaserve.cli_error import CliError
 # command-line option -> settings field; everything else comes from the environment
 OPTIONS = ("target", "draft", "model_name", "device", "host", "port", "redis_url", "policy", "budget", "attention",
            "kv_memory_mb", "kv_memory_fraction", "dtype", "weights", "max_depth", "max_width", "worker_id",
-           "advertise_url", "max_active_requests", "drain_grace_s", "log_level")
+           "advertise_url", "max_active_requests", "drain_grace_s", "log_level", "tensor_parallel_size")
 
 
 def add_parser(sub: Any) -> None:
@@ -29,6 +29,8 @@ def add_parser(sub: Any) -> None:
                         "POLICY@ucb|eps|length|dN) [ADASERVE_DRAFTS, a JSON list]")
     p.add_argument("--model-name", help="name clients pass as 'model' [ADASERVE_MODEL_NAME, default: the model's]")
     p.add_argument("--device", choices=["cpu", "cuda"], help="[ADASERVE_DEVICE, default cpu]")
+    p.add_argument("--tensor-parallel-size", type=int, metavar="N", help="shard the target over N ranks, one "
+                   "process per device (CUDA: NCCL; CPU: gloo) [ADASERVE_TENSOR_PARALLEL_SIZE, default 1]")
     p.add_argument("--host", help="bind address [ADASERVE_HOST, default 127.0.0.1]")
     p.add_argument("--port", type=int, help="[ADASERVE_PORT, default 8000]")
     p.add_argument("--redis-url", help="register in this Redis [ADASERVE_REDIS_URL]; unset: local mode")

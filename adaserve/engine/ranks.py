@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from adaserve.engine.loading.catalog import local_dir
 from adaserve.engine.loading.loader import load_model, read_config
 from adaserve.engine.model import parallel
 from adaserve.engine.model.runner import ForwardSettings, ModelRunner
@@ -45,6 +46,17 @@ def _rank_main(rank: int, size: int, port: int, target: str, device: str, dtype:
     runner = ModelRunner(load_model(Path(target), device=dev, dtype=dtype, weights=weights, tp=tp), settings)
     served = parallel.serve(runner, tp)
     log.info("tensor-parallel rank %d stopped after %d forwards", rank, served)
+
+
+def check_size(ref: str | Path, size: int) -> None:
+    """Refuse ``size`` ranks before anything starts: below 1, or for a model whose attention heads, KV heads or
+    MLP width it does not divide (read from its config.json alone). ``ref`` is a model reference; one that is
+    converted at load (a .gguf file, the default model) is checked by ``start_target`` once converted."""
+    if size < 1:
+        raise ValueError(f"tensor parallel size must be at least 1, got {size}")
+    directory = local_dir(str(ref))
+    if size > 1 and directory is not None:
+        parallel.local_config(read_config(directory), parallel.TensorParallel(0, size))
 
 
 def start_target(target: Path, size: int, *, device: torch.device, settings: ForwardSettings,

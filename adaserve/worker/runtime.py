@@ -103,6 +103,13 @@ def longest_token(tokenizer: Any | None) -> int:
         return 0
 
 
+def _close_target(built: BuiltEngine) -> None:
+    try:
+        built.engine.target.close()
+    except Exception as e:  # a rank already gone (the engine failed on it): nothing left to tell it
+        log.warning("stopping the tensor-parallel ranks: %s", e)
+
+
 class Runtime:
     def __init__(self, settings: WorkerSettings, *, metrics: WorkerMetrics | None = None) -> None:
         self.settings = settings
@@ -190,7 +197,7 @@ class Runtime:
                              kv_memory_fraction=s.kv_memory_fraction,
                              force_profile=s.reprofile,
                              dtype=s.dtype, weights=s.weights, max_depth=s.max_depth, max_width=s.max_width,
-                             progress=False)
+                             progress=False, tensor_parallel_size=s.tensor_parallel_size)
         lone = Lone()
         if s.warmup:
             warm_up(built.engine)
@@ -244,6 +251,8 @@ class Runtime:
             for rid in list(self.active):  # EngineLoop.stop finishes what it holds: make that quick
                 self.loop.abort(rid)
             await asyncio.to_thread(self.loop.stop)
+        if self.built is not None:  # a tensor-parallel target stops its other ranks (after the loop's last forward)
+            await asyncio.to_thread(_close_target, self.built)
 
     def registration(self) -> Registration:
         """What this worker publishes about itself now (Redis and ``GET /v1/status``)."""

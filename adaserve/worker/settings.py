@@ -10,7 +10,7 @@ import socket
 from pathlib import PurePath
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from adaserve.body_limit import DEFAULT_MAX_BODY_BYTES
@@ -38,6 +38,8 @@ class WorkerSettings(BaseSettings):
     model_name: str | None = Field(None, description="name published to the gateway (default: the model's name, "
                                    "the GGUF file's stem or the directory's name)")
     device: Literal["cpu", "cuda"] = "cpu"
+    tensor_parallel_size: int = Field(1, ge=1, description="shard the target over N ranks, one process per device "
+                                      "(CUDA: devices 0..N-1, NCCL; CPU: gloo); the drafts run whole on rank 0")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     weights: Literal["float", "int8", "int4", "auto"] = Field(
         "float", description="how the decoder's linear layers are served: float, int8 or int4 weight-only, or auto "
@@ -93,6 +95,16 @@ class WorkerSettings(BaseSettings):
     def _model_ref(cls, v: str | None) -> str | None:
         if v is not None:
             check_ref(v)  # ModelNotFoundError is a ValueError: a one-line settings error
+        return v
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _tensor_parallel(cls, v: int, info: ValidationInfo) -> int:
+        target = info.data.get("target")
+        if v > 1 and target is not None:
+            from adaserve.engine.ranks import check_size
+
+            check_size(target, v)  # the model's heads must divide: refused before anything loads
         return v
 
     @field_validator("drafts", mode="before")

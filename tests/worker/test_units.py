@@ -124,3 +124,30 @@ def test_worker_exits_2_when_the_engine_cannot_be_built(tmp_path: Path) -> None:
     assert res.returncode == 2, res.stderr
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("adaserve: error:")]
     assert len(errors) == 1 and "unsupported architecture" in errors[0]
+
+
+@pytest.mark.parametrize(("size", "words"), [
+    ("0", "greater than or equal to 1"),
+    ("-2", "greater than or equal to 1"),
+    # demo-tiny: 4 attention heads, 2 KV heads
+    ("3", "tensor parallel size 3 does not divide num_attention_heads=4"),
+    ("8", "tensor parallel size 8 does not divide num_attention_heads=4"),
+])
+def test_worker_refuses_a_tensor_parallel_size_the_model_cannot_take(size: str, words: str) -> None:
+    """Before anything loads, in one line, exit 2: a size below 1 or one the model's heads do not divide."""
+    res = subprocess.run([sys.executable, "-m", "adaserve", "worker", "--target", "demo-tiny",
+                          "--tensor-parallel-size", size, "--port", str(free_port())],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith("adaserve: error: tensor_parallel_size (--tensor-parallel-size or "
+                                 "ADASERVE_TENSOR_PARALLEL_SIZE): "), res.stderr
+    assert words in res.stderr and "Traceback" not in res.stderr
+
+
+def test_tensor_parallel_size_comes_from_the_environment_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ADASERVE_TENSOR_PARALLEL_SIZE", "2")
+    assert WorkerSettings(target="demo-tiny").tensor_parallel_size == 2
+    assert WorkerSettings(target="demo-tiny", tensor_parallel_size=1).tensor_parallel_size == 1  # the option wins
+    monkeypatch.setenv("ADASERVE_TENSOR_PARALLEL_SIZE", "3")
+    with pytest.raises(ValidationError, match="does not divide"):
+        WorkerSettings(target="demo-tiny")

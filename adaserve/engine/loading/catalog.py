@@ -122,6 +122,15 @@ def check_ref(text: str) -> None:
                              f"or one of {', '.join(NAMES)}")
 
 
+def local_dir(text: str) -> Path | None:
+    """The directory a reference names without converting anything: demo-tiny's or a directory path; None for
+    a name or a .gguf file that is converted at load (for settings checks that read config.json)."""
+    if text == DEMO_MODEL:
+        return committed_models() / "demo" / "target"
+    path = Path(text).expanduser()
+    return path if text not in NAMES and (path / "config.json").is_file() else None
+
+
 def served_name(text: str) -> str:
     """What clients call a model by default: its catalog name, a GGUF file's stem, or the directory's name."""
     if text == DEMO_MODEL:

@@ -25,6 +25,10 @@ API_KEYS_DIR = "/etc/adaserve/api-keys"
 STARTUP_PERIOD_S, STARTUP_FAILURES = 10, 180
 TERMINATION_GRACE_S = 45  # > ADASERVE_DRAIN_GRACE_S (30): in-flight requests finish before SIGKILL
 DRAIN_GRACE_S = 30
+# A tensor-parallel worker's /dev/shm (emptyDir, medium Memory) unless resources.shmSize says: NCCL's buffers between
+# ranks of one pod live there, and a container runtime's default (64Mi) is too small for them.
+DEFAULT_SHM_SIZE = "1Gi"
+SHM_DIR = "/dev/shm"
 
 
 def children(spec: DeploymentSpec, *, name: str, namespace: str) -> list[Manifest]:
@@ -107,6 +111,12 @@ def worker_deployment(spec: DeploymentSpec, *, name: str, namespace: str) -> Man
     mounts: list[dict[str, Any]] = [{"name": "cache", "mountPath": CACHE_DIR}]
     volumes: list[dict[str, Any]] = [{"name": "cache", "emptyDir": {}}]
     init: list[dict[str, Any]] = []
+    command = ["adaserve", "worker"]
+    if r.ranks > 1:  # one rank per GPU (the spec's rule), talking over shared memory
+        command += ["--tensor-parallel-size", str(r.ranks)]
+        mounts.append({"name": "shm", "mountPath": SHM_DIR})
+        shm = str(r.shm_size or DEFAULT_SHM_SIZE)
+        volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}})
     if m.source == "pvc" and m.pvc is not None:
         mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": m.pvc.read_only})
         volumes.append({"name": "models",
@@ -119,7 +129,7 @@ def worker_deployment(spec: DeploymentSpec, *, name: str, namespace: str) -> Man
     container: dict[str, Any] = {
         "name": "worker",
         "image": spec.image,
-        "command": ["adaserve", "worker"],
+        "command": command,
         "ports": [{"name": "http", "containerPort": names.WORKER_PORT, "protocol": "TCP"}],
         "env": worker_env(spec, name=name, namespace=namespace),
         "resources": {"requests": requests, "limits": limits},

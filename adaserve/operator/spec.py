@@ -53,6 +53,7 @@ MSG_BUILTIN_DRAFTS = ("with source builtin, drafts may only name the drafts the 
                       "smollm2-135m-instruct (smollm2-draft, smollm2-draft-small)")
 MSG_UNIQUE_DRAFTS = "model.drafts must not name a draft twice"
 MSG_PINNED_DRAFT = "a policy ending in @dN pins draft N: N must be below the number of model.drafts"
+MSG_TENSOR_PARALLEL = "tensorParallelSize must equal gpusPerWorker when the worker has GPUs (one rank per GPU)"
 
 
 class SpecError(ValueError):
@@ -119,8 +120,15 @@ class Resources(_Model):
     gpus_per_worker: int = Field(1, ge=0)
     # the worker's --kv-memory-fraction (its KV caches sized from the device's memory); unset: its fixed default
     kv_memory_fraction: float | None = Field(None, gt=0, le=1)
+    tensor_parallel_size: int | None = Field(None, ge=1, le=16)  # unset: 1
+    shm_size: Quantity | None = None  # the /dev/shm of a tensor-parallel worker (builders.DEFAULT_SHM_SIZE)
     memory: Quantity | None = None
     cpu: Quantity | None = None
+
+    @property
+    def ranks(self) -> int:
+        """The worker's tensor-parallel size: ``tensorParallelSize``, else 1."""
+        return self.tensor_parallel_size or 1
 
 
 class SloClass(_Model):
@@ -211,6 +219,9 @@ def _check_rules(s: DeploymentSpec) -> None:
             raise SpecError(f"spec.model.{field}", MSG_TARGET_HUB)
         if m.source != "hub" and not value.startswith("/"):
             raise SpecError(f"spec.model.{field}", MSG_TARGET_PATH)
+    r = s.resources
+    if r.tensor_parallel_size is not None and r.gpus_per_worker > 0 and r.tensor_parallel_size != r.gpus_per_worker:
+        raise SpecError("spec.resources.tensorParallelSize", MSG_TENSOR_PARALLEL)
     for i, c in enumerate(s.slo_classes):
         if c.tpot_ms <= 0:
             raise SpecError(f"spec.sloClasses[{i}].tpotMs", MSG_TPOT)

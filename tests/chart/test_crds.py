@@ -4,8 +4,11 @@ that --peering requires."""
 from __future__ import annotations
 
 import pytest
+import yaml
 
+from adaserve.operator.spec import MSG_TENSOR_PARALLEL
 from tests.chart.helpers import CHART, ROOT, Render, only
+from tests.operator.schema import EXAMPLE_PATH, validate
 
 # the repository's crds/ is the source; the chart carries copies because Helm reads only the chart directory
 CRD_FILES = ["adaserve.io_adaservedeployments.yaml", "kopf.dev_peerings.yaml"]
@@ -37,3 +40,16 @@ def test_install_creates_the_adaserve_and_kopf_peering_crds(render: Render) -> N
 def test_crds_are_not_templates(render: Render) -> None:
     # templates/ would put them under the release: uninstall would delete every AdaServeDeployment with them
     assert only(render(), "CustomResourceDefinition") == []
+
+
+def test_the_installed_crd_refuses_more_ranks_than_gpus(render: Render) -> None:
+    """The CRD as helm installs it checks tensorParallelSize against gpusPerWorker (the API server's own rule)."""
+    crd = next(d for d in only(render(crds=True), "CustomResourceDefinition")
+               if d["metadata"]["name"] == "adaservedeployments.adaserve.io")
+    body = yaml.safe_load(EXAMPLE_PATH.read_text())
+    body["spec"]["resources"].update(gpusPerWorker=2, tensorParallelSize=4)
+    assert validate(body, crd) == [f"spec.resources.tensorParallelSize: {MSG_TENSOR_PARALLEL}"]
+    body["spec"]["resources"].update(gpusPerWorker=4)
+    assert validate(body, crd) == []
+    body["spec"]["resources"].update(tensorParallelSize=0)
+    assert validate(body, crd) == ["spec.resources.tensorParallelSize: 0 is less than the minimum of 1"]

@@ -152,6 +152,10 @@ CEL_CASES = [
     (_drafts("/models/a", "/models/b", policy="spin@d2"), f"spec.speculation.policy: {spec.MSG_PINNED_DRAFT}"),
     (_builtin(drafts=["smollm2-draft", "/models/x"]), f"spec.model: {spec.MSG_BUILTIN_DRAFTS}"),
     (_builtin(target="demo-tiny", drafts=["smollm2-draft"]), f"spec.model: {spec.MSG_BUILTIN_DRAFTS}"),
+    # one rank per GPU: more ranks than GPUs (the example has one), or fewer, which would leave GPUs idle
+    (_set("resources.tensorParallelSize", 4), f"spec.resources.tensorParallelSize: {spec.MSG_TENSOR_PARALLEL}"),
+    (_set("resources", {"gpusPerWorker": 4, "tensorParallelSize": 2}),
+     f"spec.resources.tensorParallelSize: {spec.MSG_TENSOR_PARALLEL}"),
 ]
 
 
@@ -175,6 +179,9 @@ SCHEMA_CASES = [
     (_set("speculation.policy", "fast"), "spec.speculation.policy", "does not match"),
     (_set("sloClasses[0].name", "no spaces"), "spec.sloClasses[0].name", "does not match"),
     (_set("resources.memory", "lots"), "spec.resources.memory", "does not match"),
+    (_set("resources.tensorParallelSize", 0), "spec.resources.tensorParallelSize", "less than the minimum of 1"),
+    (_set("resources.tensorParallelSize", 17), "spec.resources.tensorParallelSize", "greater than the maximum of 16"),
+    (_set("resources.shmSize", "lots"), "spec.resources.shmSize", "does not match"),
     (_set("redis", {"url": "http://r"}), "spec.redis.url", "does not match"),
     (_set("gateway.serviceType", "Ingress"), "spec.gateway.serviceType", "is not one of"),
     (_set("sloClasses", []), "spec.sloClasses", "should be non-empty"),
@@ -342,3 +349,24 @@ def _descriptions(node: Any) -> list[str]:
     if isinstance(node, list):
         return [d for v in node for d in _descriptions(v)]
     return []
+
+
+@pytest.mark.parametrize("resources", [
+    {"gpusPerWorker": 4, "tensorParallelSize": 4, "shmSize": "4Gi"},
+    {"gpusPerWorker": 0, "tensorParallelSize": 2},  # CPU ranks (gloo): no GPU to match
+    {"gpusPerWorker": 2},  # unset is one rank, as before the field existed
+])
+def test_tensor_parallel_sizes_the_crd_and_the_operator_accept(crd: dict[str, Any], example: dict[str, Any],
+                                                               resources: dict[str, Any]) -> None:
+    example["spec"]["resources"] = resources
+    assert validate(example, crd) == []
+    r = parse_spec(example["spec"]).resources
+    assert r.ranks == resources.get("tensorParallelSize", 1)
+    pod = worker_deployment(parse_spec(example["spec"]), name="m", namespace="ns")["spec"]["template"]["spec"]
+    command = pod["containers"][0]["command"]
+    shm = [v for v in pod["volumes"] if v["name"] == "shm"]
+    if r.ranks > 1:
+        assert command == ["adaserve", "worker", "--tensor-parallel-size", str(r.ranks)]
+        assert shm == [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": resources.get("shmSize", "1Gi")}}]
+    else:
+        assert command == ["adaserve", "worker"] and shm == []

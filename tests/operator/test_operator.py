@@ -26,7 +26,7 @@ import yaml
 from adaserve.operator import builders, names
 from adaserve.operator.config import OperatorConfig
 from adaserve.operator.kube import is_subset, owned_by
-from adaserve.operator.spec import MSG_DRAFT_OR_DRAFTS, MSG_REDIS_ONE, parse_spec
+from adaserve.operator.spec import MSG_DRAFT_OR_DRAFTS, MSG_REDIS_ONE, MSG_TENSOR_PARALLEL, parse_spec
 from tests.operator.cluster import Api, Cluster, Operator, eventually, write_kubeconfig
 from tests.operator.schema import EXAMPLE_PATH
 
@@ -393,3 +393,43 @@ async def test_several_drafts_reach_the_worker_pods_and_a_bad_list_is_a_conditio
         got = await eventually(worker_env, what="the worker Deployment")
         assert json.loads(got["ADASERVE_DRAFTS"]) == drafts and "ADASERVE_DRAFT" not in got
         assert got["ADASERVE_POLICY"] == "spin"
+
+
+async def test_a_tensor_parallel_worker_pod_gets_its_gpus_shared_memory_and_flag(env: Env) -> None:
+    """tensorParallelSize 4 on the example's one GPU is refused in the status (CEL would; the emulator does not);
+    with gpusPerWorker 4 the worker pod asks for 4 GPUs, mounts a memory-backed /dev/shm and runs
+    --tensor-parallel-size 4; back to one rank, the flag and the volume go (the children are replaced whole)."""
+    worker = env.path("apis/apps/v1", "deployments", f"{NAME}-worker")
+
+    async def pod(ranks: int) -> dict[str, Any]:
+        d = await env.api.get(worker)
+        spec = (d or {}).get("spec", {}).get("template", {}).get("spec", {})
+        flag = "--tensor-parallel-size" in spec.get("containers", [{}])[0].get("command", [])
+        return spec if d is not None and flag == (ranks > 1) else {}
+
+    async with Operator(CONFIG):
+        body = env.resource()
+        body["spec"]["resources"]["tensorParallelSize"] = 4
+        await env.create(body)
+        st = await eventually(lambda: _phase(env, "Failed"), what="phase Failed")
+        assert _degraded_message(st) == f"spec.resources.tensorParallelSize: {MSG_TENSOR_PARALLEL}"
+        assert not any((await env.children()).values())
+
+        await env.api.patch(env.cr, {"spec": {"resources": {"gpusPerWorker": 4, "shmSize": "8Gi"}}})
+        spec = await eventually(lambda: pod(4), what="the four-rank worker Deployment")
+        container = spec["containers"][0]
+        assert container["command"] == ["adaserve", "worker", "--tensor-parallel-size", "4"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == "4"
+        assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+        assert {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in spec["volumes"]
+        assert {"name": "ADASERVE_DEVICE", "value": "cuda"} in container["env"]
+        await eventually(lambda: _phase(env, "Progressing"), what="phase Progressing after the fix")
+
+        await env.api.patch(env.cr, {"spec": {"resources": {"gpusPerWorker": 1, "tensorParallelSize": None}}})
+        spec = await eventually(lambda: pod(1), what="the one-rank worker Deployment")
+        container = spec["containers"][0]
+        assert container["command"] == ["adaserve", "worker"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert all(v["name"] != "shm" for v in spec["volumes"])
+        assert all(m["name"] != "shm" for m in container["volumeMounts"])

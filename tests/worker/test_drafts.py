@@ -14,7 +14,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from adaserve.cli.worker import draft_options, load_settings
+from adaserve.cli.worker import OPTIONS, draft_options, load_settings
 from adaserve.engine.loading import catalog
 from adaserve.worker.published import model_names
 from adaserve.worker.settings import WorkerSettings
@@ -76,11 +76,8 @@ def test_repeated_draft_option_is_drafts_and_wins_over_the_environment(
     assert draft_options(None) == {} and draft_options([d0]) == {"draft": d0, "drafts": []}
     assert draft_options([d0, d1]) == {"draft": None, "drafts": [d0, d1]}
     monkeypatch.setenv("ADASERVE_DRAFTS", json.dumps([d1, d0]))
-    args = argparse.Namespace(**{name: None for name in ("target", "draft", "model_name", "device", "host", "port",
-                                                          "redis_url", "policy", "budget", "attention",
-                                                          "kv_memory_mb", "dtype", "max_depth", "max_width",
-                                                          "worker_id", "advertise_url", "max_active_requests",
-                                                          "drain_grace_s", "log_level", "reprofile")})
+    # every option unset (the parser's None), so that a new option cannot break this test
+    args = argparse.Namespace(**{name: None for name in (*OPTIONS, "draft", "reprofile")})
     args.target, args.draft = target, [d0]
     s = load_settings(args)
     assert (s.draft, s.drafts) == (d0, [])  # one --draft replaces the environment's list

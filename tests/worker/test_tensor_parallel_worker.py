@@ -1,6 +1,7 @@
 """A worker with ``--tensor-parallel-size 2`` (gloo on the CPU) serving through the gateway, over real HTTP on
 loopback, to the official ``openai`` client: its greedy output equals a one-rank worker's, and its other rank
-is gone once it stops.
+is gone once it stops. A rank that dies takes its worker down: the next forward fails on the closed
+connection, the request ends with an error, the worker leaves the registry and exits 2.
 
 The demo pair's target has 4 attention heads and 2 KV heads: each rank holds 2 heads and 1 KV head; the draft
 runs whole on rank 0. Both workers take a fixed budget (no profiling) and one torch thread per rank.
@@ -9,14 +10,20 @@ runs whole on rank 0. Both workers take a fixed budget (no profiling) and one to
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import redis
 
+from adaserve.contract.registry import worker_key
 from adaserve.gateway.slo import DEFAULT_CLASSES
+from tests.redis_prefix import REDIS_URL, isolated_redis
 from tests.servers import GatewayProcess, Service, demo_pair, start_gateway, start_worker, wait_for
 
 PROMPTS = ("Write a Python function that reverses a list.", "What is the capital of France?")
@@ -111,3 +118,35 @@ def test_stopping_the_two_rank_worker_stops_its_other_rank(gateway: GatewayProce
     assert ranks, "the two-rank worker started no rank process"
     assert worker.stop() == 0, worker.logs()[-3000:]
     assert wait_for(lambda: not any(_running(p) for p in ranks), timeout=30), worker.logs()[-3000:]
+
+
+@pytest.fixture
+def rds() -> Iterator[tuple[redis.Redis, str]]:
+    yield from isolated_redis("tp-dead")
+
+
+def test_a_dead_rank_takes_the_worker_down_and_out_of_the_registry(tmp_path: Path,
+                                                                   rds: tuple[redis.Redis, str]) -> None:
+    target, draft = demo_pair()
+    client, prefix = rds
+    key = worker_key(prefix, "tp-dead")
+    worker = start_worker(target, draft, tmp_path / "tp-dead.log", "--budget", "8", "--worker-id", "tp-dead",
+                          "--tensor-parallel-size", "2", "--redis-url", REDIS_URL,
+                          env={"ADASERVE_REDIS_PREFIX": prefix, "ADASERVE_HEARTBEAT_S": "0.5",
+                               "ADASERVE_REGISTRATION_TTL_S": "30"})  # expiry cannot explain its absence
+    try:
+        worker.wait_ready()
+        assert wait_for(lambda: client.exists(key), timeout=10), worker.logs()[-2000:]
+        ranks = [p for p in _children(worker.proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(ranks) == 1, ranks  # rank 1 (rank 0 is the worker itself)
+        os.kill(ranks[0], signal.SIGKILL)
+        start = time.monotonic()
+        r = httpx.post(f"{worker.url}/v1/generate", json={"prompt": "hello", "max_tokens": 8}, timeout=60)
+        assert r.status_code >= 500 or r.json()["finish_reason"] == "error", r.text
+        assert worker.proc.wait(timeout=60) == 2, worker.logs()[-3000:]
+        assert time.monotonic() - start < 60
+        assert "engine loop stopped" in worker.logs()
+        assert not client.exists(key)  # deregistered, not left to expire
+    finally:
+        if worker.proc.poll() is None:
+            worker.stop()

@@ -17,10 +17,12 @@ tokenizer), not a re-tokenisation: the replay runs no model.
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
 import os
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -80,7 +82,10 @@ def replay_requests(trace: EmissionTrace, pool: AgreementPool, *, baseline_tpot_
         c = classes[r.slo_ratio]
         rec = own.get(prompt_sha(r.prompt))
         if rec is None:
-            recs = pool.for_class(c.name)
+            # Figure 11's files give the coding class other ratios (0.6x ... 1.6x): a positive ratio is the
+            # artifact's relative (coding) class, so it replays coding's recordings
+            name = c.name if c.name in pool.traces or r.slo_ratio <= 0 or "coding" not in pool.traces else "coding"
+            recs = pool.for_class(name)
             rec = recs[int(rng.integers(len(recs)))]
         n_prompt = rec.prompt_len if prompt_lengths == "recorded" and rec.prompt_len else r.input_length
         out.append(ReplayRequest(f"req-{i:05d}", c.name, r.emission_s, max(1, n_prompt), r.output_length,
@@ -123,6 +128,16 @@ def _cell(args: tuple[str, str, int, SweepSettings]) -> dict[str, Any]:
     return run_cell(*args)
 
 
+X_AXES = {"rate": "request rate (req/s)", "prop": "share of coding (urgent) requests", "slo": "coding SLO (x baseline)"}
+
+
+def x_of(trace_name: str, rate: float) -> tuple[str, float]:
+    """A point's x: the artifact's file names say what a figure sweeps (``..._prop0.6.json``: Figure 10's
+    urgent share, ``..._slo1.2_...``: Figure 11's SLO scale); otherwise the trace's rate (Figures 8-9)."""
+    m = re.search(r"_(prop|slo)([0-9]+(?:\.[0-9]+)?)", trace_name)
+    return (m.group(1), float(m.group(2))) if m else ("rate", rate)
+
+
 def aggregate(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (trace, system): mean, min and max over seeds of attainment, window goodput and per-class attainment."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -133,7 +148,8 @@ def aggregate(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         def spread(xs: list[float]) -> dict[str, float]:
             return {"mean": float(np.mean(xs)), "min": float(np.min(xs)), "max": float(np.max(xs))}
 
-        row = {"trace": trace, "rate_rps": cs[0]["rate_rps"], "system": system, "seeds": len(cs),
+        axis, x = x_of(trace, cs[0]["rate_rps"])
+        row = {"trace": trace, "rate_rps": cs[0]["rate_rps"], "axis": axis, "x": x, "system": system, "seeds": len(cs),
                "slo_attainment": spread([c["slo_attainment"] for c in cs]),
                "goodput_window_tok_s": spread([c["goodput_window_tok_s"] or 0.0 for c in cs]),
                "per_class_attainment": {k: spread([c["per_class"][k]["slo_attainment"] for c in cs])
@@ -143,8 +159,10 @@ def aggregate(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def sweep(traces: Sequence[str], systems: Sequence[str], seeds: Sequence[int], s: SweepSettings, *,
-          jobs: int = 1, progress: bool = True) -> dict[str, Any]:
-    """Every cell, ``jobs`` processes at once; the result (see the module docstring)."""
+          jobs: int = 1, progress: bool = True,
+          on_cell: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
+    """Every cell, ``jobs`` processes at once; the result (see the module docstring). ``on_cell`` sees the
+    cells finished so far after each one (the CLI keeps a partial file, so a long sweep cut short keeps them)."""
     for name in systems:
         resolve(name)  # a bad name fails before any cell runs
     AgreementPool.load(Path(s.pool))
@@ -158,18 +176,25 @@ def sweep(traces: Sequence[str], systems: Sequence[str], seeds: Sequence[int], s
         for a in args:
             cells.append(_cell(a))
             bar.update()
+            if on_cell is not None:
+                on_cell(cells)
     else:
         ctx = mp.get_context("spawn")
         with ctx.Pool(jobs) as pool:
             for c in pool.imap_unordered(_cell, args):
                 cells.append(c)
                 bar.update()
+                if on_cell is not None:
+                    on_cell(cells)
     bar.close()
-    cells.sort(key=lambda c: (c["rate_rps"], c["trace"], list(systems).index(c["system"]), c["seed"]))
+    cells.sort(key=lambda c: (x_of(c["trace"], c["rate_rps"]), c["trace"], list(systems).index(c["system"]), c["seed"]))
     pool_meta = AgreementPool.load(Path(s.pool))
+    pool_sha = hashlib.sha256(Path(s.pool).read_bytes()).hexdigest()
+    points = sorted(aggregate(cells), key=lambda p: (p["axis"], p["x"], list(systems).index(p["system"])))
     return {"settings": {**vars(replace(s)), "cpu_count": os.cpu_count(), "jobs": jobs},
-            "pool": {"file": Path(s.pool).name, "meta": pool_meta.meta, "summary": pool_meta.summary()},
-            "sweep_wall_s": time.perf_counter() - t0, "cells": cells, "points": aggregate(cells)}
+            "pool": {"file": Path(s.pool).name, "sha256": pool_sha, "meta": pool_meta.meta,
+                     "summary": pool_meta.summary()},
+            "sweep_wall_s": time.perf_counter() - t0, "cells": cells, "points": points}
 
 
 
@@ -222,19 +247,21 @@ def record_pool(model: str, trace_path: str, out: Path, *, per_class: int = 40, 
 
 
 def plot_points(points: Sequence[dict[str, Any]], path: Path) -> None:
-    """Attainment and window goodput against rate, a line per system, the spread over seeds as a band."""
+    """Attainment and window goodput against the sweep's x (rate, urgent share or SLO scale), a line per
+    system, the spread over seeds as a band."""
     from adaserve.plots import panels
 
     systems = list(dict.fromkeys(p["system"] for p in points))
+    axis = points[0]["axis"] if points else "rate"
     with panels(path, 2) as (_, axes):
         for metric, ax, label in (("slo_attainment", axes[0], "SLO attainment"),
                                   ("goodput_window_tok_s", axes[1], "goodput over the window (tok/s)")):
             for name in systems:
-                rows = sorted((p for p in points if p["system"] == name), key=lambda p: p["rate_rps"])
-                x = [p["rate_rps"] for p in rows]
+                rows = sorted((p for p in points if p["system"] == name), key=lambda p: p["x"])
+                x = [p["x"] for p in rows]
                 ax.plot(x, [p[metric]["mean"] for p in rows], marker="o", label=name)
                 ax.fill_between(x, [p[metric]["min"] for p in rows], [p[metric]["max"] for p in rows], alpha=0.2)
-            ax.set_xlabel("request rate (req/s)")
+            ax.set_xlabel(X_AXES[axis])
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
         axes[0].legend(fontsize=7)

@@ -84,13 +84,21 @@ def run_sweep(args: argparse.Namespace) -> int:
                              baseline_tpot_ms=args.baseline_tpot_ms, max_batch=args.max_batch,
                              prefill_chunk=args.prefill_chunk, prefill_rule=args.prefill_rule,
                              prompt_lengths=args.prompt_lengths)
+    partial = args.json.with_suffix(".partial.json") if args.json else None
+
+    def keep(cells: list[dict[str, Any]]) -> None:  # a sweep cut short keeps its finished cells
+        if partial is not None:
+            partial.write_text(json.dumps({"partial": True, "cells": cells}))
+
     try:
-        result = sweep([str(p) for p in args.trace_json], systems, seeds, settings, jobs=args.jobs)
+        result = sweep([str(p) for p in args.trace_json], systems, seeds, settings, jobs=args.jobs, on_cell=keep)
     except (ValueError, FileNotFoundError) as e:
         raise CliError(str(e)) from None
     text = json.dumps(result, indent=1)
     if args.json:
         args.json.write_text(text)
+        if partial is not None:
+            partial.unlink(missing_ok=True)
     else:
         sys.stdout.write(text + "\n")
     if args.plot:
@@ -99,7 +107,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         plot_points(result["points"], args.plot)
     for row in result["points"]:
         att, good = row["slo_attainment"], row["goodput_window_tok_s"]
-        print(f"{row['trace']:>28} {row['rate_rps']:5.2f} req/s {row['system']:>24}: attainment "
+        print(f"{row['trace']:>28} {row['axis']} {row['x']:5.2f} {row['system']:>24}: attainment "
               f"{att['mean']:.3f} [{att['min']:.3f}, {att['max']:.3f}]  goodput {good['mean']:7.1f} tok/s",
               file=sys.stderr)
     return 0

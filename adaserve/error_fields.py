@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 # FastAPI's first element says where the value came from; the field's own name is what a client knows
@@ -16,3 +17,16 @@ def field_path(loc: tuple[Any, ...]) -> str:
     for p in parts:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
     return out
+
+
+def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """Pydantic's errors as one message naming every field (``max_tokens: ...; top_p: ...``) and the first
+    field's path (None for a rule over the whole body, which names its fields itself): OpenAI's ``message`` and
+    ``param`` of a 400, at the gateway and at a worker's OpenAI routes."""
+    parts = []
+    for e in errors:
+        where = field_path(tuple(e.get("loc", ())))
+        msg = str(e.get("msg", "")).removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}" if where and where != "body" else msg)
+    param = field_path(tuple(errors[0].get("loc", ()))) if errors else None
+    return "; ".join(parts) or "invalid request", (None if param == "body" else param) or None

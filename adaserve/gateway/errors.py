@@ -16,14 +16,12 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adaserve.body_limit import BodyTooLarge
-from adaserve.error_fields import field_path
+from adaserve.contract.openai_format import ERROR_TYPES, error_body
+from adaserve.error_fields import validation_message
 
 log = logging.getLogger("adaserve.gateway")
 
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
-         422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 502: "server_error",
-         504: "server_error"}
+TYPES = ERROR_TYPES  # the shape is the contract's: a worker's own OpenAI routes answer in it too
 
 
 class ApiError(Exception):
@@ -36,10 +34,6 @@ class ApiError(Exception):
         return error_body(self.status, self.message, code=self.code, param=self.param)
 
 
-def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": TYPES.get(status, "server_error"), "param": param, "code": code}}
-
-
 async def api_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
     headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
@@ -49,17 +43,8 @@ async def api_error(_request: Request, exc: Exception) -> JSONResponse:
 async def invalid_request(_request: Request, exc: Exception) -> JSONResponse:
     """Validation errors as 400 (OpenAI answers 400 for a malformed body, not 422) naming every field."""
     assert isinstance(exc, RequestValidationError)
-    errors = exc.errors()
-    parts = []
-    for e in errors:
-        where = field_path(tuple(e.get("loc", ())))
-        msg = str(e.get("msg", "")).removeprefix("Value error, ")
-        # a rule over the whole body names its fields itself
-        parts.append(f"{where}: {msg}" if where and where != "body" else msg)
-    param = field_path(tuple(errors[0].get("loc", ()))) if errors else None
-    param = None if param == "body" else param
-    return JSONResponse(error_body(400, "; ".join(parts) or "invalid request", param=param or None,
-                                   code="invalid_request"), status_code=400)
+    message, param = validation_message(exc.errors())
+    return JSONResponse(error_body(400, message, param=param, code="invalid_request"), status_code=400)
 
 
 async def http_error(_request: Request, exc: Exception) -> JSONResponse:

@@ -15,13 +15,20 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from adaserve.contract import openai_format
 from adaserve.contract.generate import GenerateRequest
+from adaserve.contract.openai import (
+    IGNORED_HEADER,
+    ChatRequest,
+    CompletionRequest,
+    ignored_fields,
+    ignored_header,
+)
+from adaserve.contract.openai_format import Kind
 from adaserve.contract.slo import FAILED_END
-from adaserve.gateway import dispatch, failover, openai_format
+from adaserve.gateway import dispatch, failover
 from adaserve.gateway.errors import ApiError, error_body
 from adaserve.gateway.keys import AuthError
-from adaserve.gateway.openai_format import Kind
-from adaserve.gateway.openai_schemas import ChatRequest, CompletionRequest, ignored_fields
 from adaserve.gateway.service import Gateway
 from adaserve.gateway.slo import UnknownClass
 from adaserve.gateway.tracker import Tracker
@@ -29,17 +36,6 @@ from adaserve.gateway.tracker import Tracker
 log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.25
-IGNORED_HEADER = "X-Ignored-Fields"
-MAX_IGNORED_HEADER = 1024  # characters: a body of a thousand unknown fields must not make a header of them all
-
-
-def ignored_header(fields: list[str]) -> str:
-    """The unknown fields of a request (``ignored_fields``: printable ASCII, odd names quoted), comma-separated
-    for the ``X-Ignored-Fields`` header, cut at MAX_IGNORED_HEADER characters with ``...``."""
-    text = ", ".join(fields)
-    return text if len(text) <= MAX_IGNORED_HEADER else text[: MAX_IGNORED_HEADER - 3] + "..."
-
-
 class Call:
     """What the handler knows about one request once it is admitted to a worker."""
 

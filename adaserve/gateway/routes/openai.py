@@ -6,9 +6,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from adaserve.contract.openai import ChatRequest, CompletionRequest
 from adaserve.gateway import relay
 from adaserve.gateway.errors import declared
-from adaserve.gateway.openai_schemas import ChatRequest, CompletionRequest
 from adaserve.gateway.routes.deps import AuthorizationHeader, GatewayDep, SloClassHeader
 
 router = APIRouter(tags=["openai"])

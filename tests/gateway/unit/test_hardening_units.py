@@ -10,11 +10,11 @@ import pytest
 from pydantic import ValidationError
 
 from adaserve.contract.generate import GenerateRequest
+from adaserve.contract.openai import ChatRequest, CompletionRequest
 from adaserve.contract.text import unencodable
 from adaserve.gateway.app import create_app
 from adaserve.gateway.keys import ApiKey
 from adaserve.gateway.metrics import GatewayMetrics
-from adaserve.gateway.openai_schemas import ChatRequest, CompletionRequest
 from adaserve.gateway.routes.models import may_read
 from adaserve.gateway.service import Gateway
 from adaserve.gateway.settings import GatewaySettings

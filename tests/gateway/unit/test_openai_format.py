@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from adaserve.gateway.openai_format import full_response, slo_info, stream_chunk, usage, usage_chunk
+from adaserve.contract.openai_format import full_response, slo_info, stream_chunk, usage, usage_chunk
 
 META = {"rid": "cmpl-1", "model": "m", "created": 1700000000}
 

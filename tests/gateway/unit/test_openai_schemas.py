@@ -9,8 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from adaserve.contract.generate import ChatMessage, GenerateRequest
-from adaserve.gateway.openai_schemas import ChatRequest, CompletionRequest, ignored_fields
-from adaserve.gateway.relay import ignored_header
+from adaserve.contract.openai import ChatRequest, CompletionRequest, ignored_fields, ignored_header
 from adaserve.gateway.slo import SloClass
 
 USER = [{"role": "user", "content": "hi"}]

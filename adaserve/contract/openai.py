@@ -1,11 +1,16 @@
-"""Request bodies of ``/v1/completions`` and ``/v1/chat/completions``: OpenAI's fields, plus ``slo_class``
+"""Request bodies of ``/v1/completions`` and ``/v1/chat/completions``, at the gateway and at a worker alike:
+OpenAI's fields, plus ``slo_class``
 and vLLM's ``top_k``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids`` and ``repetition_penalty``. Parameters
 adaserve knows but cannot honour (``n`` > 1, ``logprobs``, ...) are refused by name, never ignored.
 
 A field adaserve does not know is accepted and ignored, as vLLM does (the official SDKs and agent frameworks
 send ``store``, ``metadata``, ``parallel_tool_calls``): ``ignored_fields`` names them, and the answer says so in
-its ``X-Ignored-Fields`` header and the gateway's log. A gateway run with ``--strict-openai-fields`` refuses
-them with 400 instead (relay.py).
+its ``X-Ignored-Fields`` header and the server's log. A gateway run with ``--strict-openai-fields`` refuses
+them with 400 instead (gateway/relay.py).
+
+A worker's own OpenAI routes (worker/routes/openai.py) take the same bodies plus the explicit targets of
+``/v1/generate`` (``tpot_slo_ms``, ``ttft_slo_ms``: ``WorkerCompletionRequest``, ``WorkerChatRequest``), which
+the gateway does not take: it sets the targets from its classes.
 
 Fields that reach a worker have the types of its own request (adaserve/contract/generate.py): what passes
 here passes there, and ``generate_request`` builds that request without validating it again.
@@ -14,7 +19,7 @@ here passes there, and ``generate_request`` builds that request without validati
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
@@ -36,7 +41,19 @@ from adaserve.contract.generate import (
 )
 from adaserve.contract.slo import SloClassName
 from adaserve.contract.text import check_encodable
-from adaserve.gateway.slo import SloClass
+
+
+class SloTargets(Protocol):
+    """What ``generate_request`` reads of an SLO class: the gateway's ``SloClass``, or a worker's own."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def tpot_ms(self) -> float | None: ...
+
+    @property
+    def ttft_ms(self) -> float | None: ...
 
 
 # The OpenAPI document declares what the validators below accept (a client or a fuzzer reading it sees the API's
@@ -65,6 +82,17 @@ def ignored_fields(model: BaseModel, at: str = "") -> list[str]:
     for name in type(model).model_fields:
         out += _ignored_in(getattr(model, name), f"{at}{name}")
     return out
+
+
+IGNORED_HEADER = "X-Ignored-Fields"  # the answer names the unknown fields it ignored
+MAX_IGNORED_HEADER = 1024  # characters: a body of a thousand unknown fields must not make a header of them all
+
+
+def ignored_header(fields: list[str]) -> str:
+    """The unknown fields of a request (``ignored_fields``: printable ASCII, odd names quoted), comma-separated
+    for the ``X-Ignored-Fields`` header, cut at MAX_IGNORED_HEADER characters with ``...``."""
+    text = ", ".join(fields)
+    return text if len(text) <= MAX_IGNORED_HEADER else text[: MAX_IGNORED_HEADER - 3] + "..."
 
 
 def _shown(name: str) -> str:
@@ -133,8 +161,9 @@ class _Common(BaseModel):
     def prompt_fields(self) -> dict[str, Any]:
         raise NotImplementedError
 
-    def generate_request(self, default_max_tokens: int, slo: SloClass, request_id: str) -> GenerateRequest:
-        """What the gateway sends a worker for this body (streamed: the gateway reads every worker's stream).
+    def generate_request(self, default_max_tokens: int, slo: SloTargets, request_id: str) -> GenerateRequest:
+        """What the gateway sends a worker for this body (streamed: the gateway reads every worker's stream);
+        on a worker, what its OpenAI route submits to its engine.
 
         ``model_construct``: this body was validated at the gateway's edge, with the worker's own field types,
         and the worker validates what it receives at its edge; a request only the worker refuses (more turns
@@ -235,3 +264,23 @@ class ChatRequest(_Common):
         if self.max_completion_tokens is not None:
             out["max_tokens"] = self.max_completion_tokens
         return out
+
+
+TargetMs = Annotated[float | None, Field(gt=0.0, allow_inf_nan=False)]
+
+
+class _WorkerTargets(BaseModel):
+    """A worker's OpenAI routes also take ``/v1/generate``'s explicit targets (the gateway sets them itself)."""
+
+    model_config = OPEN
+
+    tpot_slo_ms: TargetMs = None
+    ttft_slo_ms: TargetMs = None
+
+
+class WorkerCompletionRequest(CompletionRequest, _WorkerTargets):
+    pass
+
+
+class WorkerChatRequest(ChatRequest, _WorkerTargets):
+    pass

@@ -1,4 +1,5 @@
-"""Worker chunks as OpenAI responses: pure functions, one per shape.
+"""Worker chunks as OpenAI responses, and OpenAI's error body: pure functions, one per shape, used by the
+gateway (gateway/relay.py) and by a worker's own OpenAI routes (worker/routes/openai.py) alike.
 
 A worker chunk is ``{"id", "token_ids", "text"}``; the last one adds ``finish_reason``,
 ``prompt_tokens`` and the SLO outcome (adaserve/worker/stream.py).
@@ -55,3 +56,16 @@ def full_response(kind: Kind, *, rid: str, model: str, created: int, text: str, 
         obj = "chat.completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
             "usage": usage(prompt_tokens, completion_tokens), "adaserve": extra}
+
+
+# OpenAI's error ``type`` per status: the official client turns these into typed exceptions (BadRequestError, ...)
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+               422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+               502: "server_error", 504: "server_error"}
+
+
+def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    """``{"error": {"message", "type", "param", "code"}}``, as OpenAI's API shapes every error."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": code}}

@@ -12,15 +12,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adaserve import __version__
 from adaserve.body_limit import BodyLimit, BodyTooLarge
-from adaserve.error_fields import field_path
-from adaserve.worker.routes import generate, health, metrics, profile, requests
+from adaserve.contract.openai_format import error_body
+from adaserve.error_fields import field_path, validation_message
+from adaserve.worker.routes import generate, health, metrics, openai, profile, requests
+from adaserve.worker.routes.openai import OPENAI_PATHS
 from adaserve.worker.runtime import RequestRefused, Runtime
 
 
@@ -39,10 +43,11 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     app = FastAPI(title="adaserve worker", version=__version__, lifespan=lifespan)
     app.state.runtime = runtime
-    for module in (generate, requests, health, profile, metrics):
+    for module in (generate, openai, requests, health, profile, metrics):
         app.include_router(module.router)
     app.add_exception_handler(RequestRefused, _refused)
     app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     # outermost: an oversize body is refused before FastAPI reads it into memory
     app.add_middleware(BodyLimit, max_bytes=runtime.settings.max_body_bytes, render=_too_large)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
@@ -62,14 +67,38 @@ GENERATE_ERRORS = {"400": "the engine can never serve it (context, vocabulary, K
                    "503": "loading, draining or overloaded; Retry-After"}
 
 
+# what POST /v1/completions and /v1/chat/completions answer besides 200, in OpenAI's shape
+OPENAI_ERRORS = {"400": "a malformed body or field (named), an unknown slo_class, a prompt the engine can never "
+                        "serve", "404": "model is not the one this worker serves",
+                 "409": "request id in flight", "413": "body over ADASERVE_MAX_BODY_BYTES",
+                 "500": "the engine ended the request with an error",
+                 "503": "loading, draining or overloaded; Retry-After"}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body (adaserve/contract/openai_format.py ``error_body``)."""
+
+    error: ErrorDetail
+
+
 def _openapi(app: FastAPI) -> dict[str, Any]:
     """FastAPI's document with this worker's error shape (``Problem``, not FastAPI's list of errors) and the
     statuses ``/v1/generate`` answers; ``/metrics`` as text."""
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         problem = {"$ref": "#/components/schemas/Problem"}
+        openai_error = {"$ref": "#/components/schemas/ErrorResponse"}
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         schemas["Problem"] = Problem.model_json_schema()
+        schemas.update(ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}").pop("$defs"))
+        schemas["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
         for name in ("HTTPValidationError", "ValidationError"):
             schemas.pop(name, None)
         for path, ops in doc.get("paths", {}).items():
@@ -81,11 +110,18 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                     # one JSON body, or server-sent events; before OpenAPI 3.2 the schema is each event's
                     responses["200"].setdefault("content", {})["text/event-stream"] = {"schema": {
                         "type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}}
+                if path in OPENAI_PATHS and method == "post":
+                    for status, why in OPENAI_ERRORS.items():
+                        responses[status] = {"description": why}
+                    responses.pop("422", None)
+                    responses["200"].setdefault("content", {})["text/event-stream"] = {"schema": {
+                        "type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}}
                 if method == "delete":
                     responses["404"] = {"description": "no such request in flight"}
                 for status, answer in responses.items():
                     if status.startswith(("4", "5")):
-                        answer["content"] = {"application/json": {"schema": problem}}
+                        shape = openai_error if path in OPENAI_PATHS else problem
+                        answer["content"] = {"application/json": {"schema": shape}}
         if "/metrics" in doc.get("paths", {}):
             doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {}}
         # this worker's own limits, which the contract's schema cannot know
@@ -109,20 +145,43 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-def _too_large(exc: BodyTooLarge) -> dict[str, str]:
-    return {"detail": str(exc.detail)}
+def _too_large(exc: BodyTooLarge) -> dict[str, Any]:
+    """Answered before the route is known: both shapes, ``detail`` and OpenAI's ``error``."""
+    return {"detail": str(exc.detail), **error_body(413, str(exc.detail), code="body_too_large")}
 
 
-async def _refused(_request: Request, exc: Exception) -> JSONResponse:
+def _openai(request: Request) -> bool:
+    """The OpenAI routes answer errors in OpenAI's shape, and a malformed body with 400, as the gateway does."""
+    return request.url.path in OPENAI_PATHS
+
+
+async def _refused(request: Request, exc: Exception) -> JSONResponse:
     if not isinstance(exc, RequestRefused):
         raise exc
     headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+    if _openai(request):
+        status = 400 if exc.status == 422 else exc.status
+        return JSONResponse(error_body(status, exc.message, code=exc.code, param=exc.param), status_code=status,
+                            headers=headers)
     return JSONResponse({"detail": exc.message}, status_code=exc.status, headers=headers)
 
 
-async def _invalid(_request: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> Any:
+    if not isinstance(exc, StarletteHTTPException):
+        raise exc
+    if _openai(request):
+        code = "body_too_large" if isinstance(exc, BodyTooLarge) else None
+        return JSONResponse(error_body(exc.status_code, str(exc.detail), code=code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+    return await http_exception_handler(request, exc)
+
+
+async def _invalid(request: Request, exc: Exception) -> JSONResponse:
     if not isinstance(exc, RequestValidationError):
         raise exc
+    if _openai(request):
+        message, param = validation_message(exc.errors())
+        return JSONResponse(error_body(400, message, param=param, code="invalid_request"), status_code=400)
     errors = [{"field": field_path(tuple(e.get("loc", ()))) or "body",
                "message": str(e.get("msg", "")).removeprefix("Value error, "), "type": e.get("type", "")}
               for e in exc.errors()]

@@ -52,9 +52,11 @@ class State(enum.Enum):
 class RequestRefused(Exception):
     """A request the worker will not take; ``status`` is the HTTP answer."""
 
-    def __init__(self, status: int, message: str, *, retry_after: int | None = None) -> None:
+    def __init__(self, status: int, message: str, *, retry_after: int | None = None, code: str | None = None,
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.retry_after = status, message, retry_after
+        self.code, self.param = code, param  # OpenAI's error fields, for the OpenAI routes (routes/openai.py)
 
 
 @dataclass

@@ -38,9 +38,9 @@ async def generate(body: GenerateRequest, runtime: RuntimeDep, request: Request,
             _sse(runtime, flight), media_type="text/event-stream",
             headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             # runs after the stream ends or the client disconnects, even if the body never started
-            background=BackgroundTask(_abort_unfinished, runtime, flight),
+            background=BackgroundTask(abort_unfinished, runtime, flight),
         )
-    return JSONResponse(await _wait(runtime, flight, request), headers=headers)
+    return JSONResponse(await wait_whole(runtime, flight, request), headers=headers)
 
 
 async def _sse(runtime: Runtime, flight: InFlight) -> AsyncIterator[str]:
@@ -49,10 +49,10 @@ async def _sse(runtime: Runtime, flight: InFlight) -> AsyncIterator[str]:
             yield f"data: {json.dumps(chunk)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
-        _abort_unfinished(runtime, flight)
+        abort_unfinished(runtime, flight)
 
 
-async def _wait(runtime: Runtime, flight: InFlight, request: Request) -> dict[str, Any]:
+async def wait_whole(runtime: Runtime, flight: InFlight, request: Request) -> dict[str, Any]:
     """The whole answer, aborting the request if the client disconnects while it waits."""
     task = asyncio.ensure_future(stream.collect(runtime, flight))
     try:
@@ -64,11 +64,11 @@ async def _wait(runtime: Runtime, flight: InFlight, request: Request) -> dict[st
                 runtime.abort(flight.request_id)
                 return await task  # the abort event arrives within a step
     finally:
-        _abort_unfinished(runtime, flight)
+        abort_unfinished(runtime, flight)
         if not task.done():
             task.cancel()
 
 
-def _abort_unfinished(runtime: Runtime, flight: InFlight) -> None:
+def abort_unfinished(runtime: Runtime, flight: InFlight) -> None:
     if not flight.done:
         runtime.abort(flight.request_id)

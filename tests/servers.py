@@ -134,7 +134,15 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def metric(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+    """The sample of ``name`` with exactly ``labels``; 0 when there is none. A worker's ``model_name`` label (on
+    every series of it) need not be given: unless asked for, it is not compared."""
+    want = tuple(sorted(labels.items()))
+    if "model_name" in labels:
+        return samples.get((name, want), 0.0)
+    for (n, got), value in samples.items():
+        if n == name and tuple(kv for kv in got if kv[0] != "model_name") == want:
+            return value
+    return 0.0
 
 
 def wait_for(predicate: Any, timeout: float = 30.0, interval: float = 0.1) -> Any:

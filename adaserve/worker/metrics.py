@@ -1,26 +1,60 @@
 """Prometheus metrics of one worker, in a registry of its own (``adaserve_*``, docs/worker.md "Metrics").
 
-Fed from two places: ``Engine.step_listeners`` (one call per iteration, on the engine thread) and
-request completions (also on the engine thread). Gauges that describe the engine's state now (queue
-length, KV use) are read when scraped, so an abort between iterations shows at once.
+Fed from three places, all on the engine thread: ``Engine.step_listeners`` (one call per iteration), each
+request's token events (inter-token latency) and request completions. Gauges that describe the engine's
+state now (queue length, KV use) are read when scraped, so an abort between iterations shows at once.
+
+Every series carries a ``model_name`` label (the served name): the metrics live in an inner registry, and
+the one scraped adds the label to each sample (``_WithModelName``), so no metric can forget it. The queue,
+running and KV gauges are also exported under vLLM's names, which the Gateway API Inference Extension's
+model-server protocol and the usual KEDA/HPA recipes read (``VLLM_ALIASES``; the mapping is in docs/worker.md).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict, deque
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from adaserve.contract.slo import slo_met
 from adaserve.engine.engine import Engine, StepMetrics
 from adaserve.engine.request import Request
 
+# The GIE model-server protocol's metrics (docs/proposals/003-model-server-protocol) under the names its endpoint
+# picker and the usual recipes read by default: vLLM's. Each is the adaserve_* gauge of the same meaning.
+VLLM_ALIASES = {
+    "vllm:num_requests_waiting": "adaserve_queue_length",  # TotalQueuedRequests
+    "vllm:num_requests_running": "adaserve_running_requests",  # TotalRunningRequests
+    "vllm:gpu_cache_usage_perc": "adaserve_kv_cache_usage_ratio",  # KVCacheUtilization (vLLM v0's name)
+    "vllm:kv_cache_usage_perc": "adaserve_kv_cache_usage_ratio",  # the same, vLLM v1's name
+}
+LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class _WithModelName(Collector):
+    """Every series of ``inner`` with ``model_name="<name>"`` added, as vLLM labels its own."""
+
+    def __init__(self, inner: CollectorRegistry, model_name: str) -> None:
+        self.inner, self.model_name = inner, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.inner.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels={**s.labels, "model_name": self.model_name}) for s in family.samples]
+            yield out
+
 
 class WorkerMetrics:
-    def __init__(self, *, acceptance_window: int = 64) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
+    def __init__(self, *, model_name: str = "unknown", acceptance_window: int = 64) -> None:
+        self.model_name = model_name
+        r = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry(auto_describe=True)  # what /metrics serves: r's series, labelled
+        self.registry.register(_WithModelName(r, model_name))
         self.iterations = Counter("adaserve_iterations", "Engine iterations (steps)", registry=r)
         self.iteration_seconds = Histogram(
             "adaserve_iteration_seconds", "Wall time of one engine iteration", registry=r,
@@ -36,8 +70,15 @@ class WorkerMetrics:
             "adaserve_budget_used_ratio", "Tree tokens verified / budget, per iteration with decoding",
             registry=r, buckets=(0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 1.5, 2.0),
         )
-        self.tokens_verified = Counter("adaserve_tokens_verified", "Tree tokens sent to verification", registry=r)
+        self.tokens_verified = Counter("adaserve_tokens_verified", "Tree tokens sent to verification, one root per "
+                                       "request included (not the denominator of acceptance: see "
+                                       "adaserve_spec_draft_tokens)", registry=r)
         self.tokens_accepted = Counter("adaserve_tokens_accepted", "Draft tokens the target accepted", registry=r)
+        # acceptance = accepted / drafted, as vLLM's spec_decode_num_accepted_tokens / num_draft_tokens
+        self.spec_draft_tokens = Counter("adaserve_spec_draft_tokens", "Draft tokens proposed for verification: "
+                                         "every tree node but the roots", registry=r)
+        self.spec_accepted_tokens = Counter("adaserve_spec_accepted_tokens", "Draft tokens the target accepted "
+                                            "(of adaserve_spec_draft_tokens)", registry=r)
         self.tokens_emitted = Counter("adaserve_tokens_emitted", "Output tokens emitted", registry=r)
         self.prefill_tokens = Counter("adaserve_prefill_tokens", "Prompt tokens prefilled", registry=r)
         self.verifications = Counter("adaserve_verifications", "Per-request tree verifications", registry=r)
@@ -64,6 +105,23 @@ class WorkerMetrics:
         self.tpot = Histogram("adaserve_tpot_seconds", "Mean time per output token after the first",
                               ["slo_class"], registry=r,
                               buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5))
+        self.inter_token_latency = Histogram(
+            "adaserve_inter_token_latency_seconds", "Time between output tokens: an iteration's time since the "
+            "request's last tokens, shared by the tokens it gave (one observation per token after the first)",
+            ["slo_class"], registry=r,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5))
+        self.e2e_latency = Histogram(
+            "adaserve_e2e_request_latency_seconds", "From the engine's arrival to the end, per finished request",
+            ["slo_class"], registry=r, buckets=(0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0))
+        self.queue_time = Histogram(
+            "adaserve_request_queue_time_seconds", "From the engine's arrival to the start of the first iteration "
+            "it ran in (waiting for KV admission)", ["slo_class"], registry=r,
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0))
+        self.prompt_tokens = Histogram("adaserve_request_prompt_tokens", "Prompt tokens per finished request (a "
+                                       "continuation's earlier output not included)", ["slo_class"], registry=r,
+                                       buckets=LENGTH_BUCKETS)
+        self.generation_tokens = Histogram("adaserve_request_generation_tokens", "Output tokens per finished "
+                                           "request", ["slo_class"], registry=r, buckets=LENGTH_BUCKETS)
         self.active = Gauge("adaserve_active_requests", "Requests admitted by the worker and not finished",
                             ["slo_class"], registry=r)
         self.rejected = Counter("adaserve_rejected_requests", "Requests refused before reaching the engine",
@@ -75,12 +133,21 @@ class WorkerMetrics:
         self.kv_total_pages = Gauge("adaserve_kv_cache_pages", "Target KV cache pages in total", registry=r)
         self.ready = Gauge("adaserve_ready", "1 when serving (profiled, warmed up, not draining)", registry=r)
         self.draining = Gauge("adaserve_draining", "1 while draining after SIGTERM", registry=r)
+        self.vllm = {name: Gauge(name, f"vLLM's name of {ours} (the GIE model-server protocol)", registry=r)
+                     for name, ours in VLLM_ALIASES.items()}
 
         self._draft_names: list[str] = []  # by the engine's draft index, when there are several
         self._lock = threading.Lock()
         self._finished: dict[str, int] = defaultdict(int)
         self._met: dict[str, int] = defaultdict(int)
         self._recent: deque[tuple[int, int, int]] = deque(maxlen=acceptance_window)  # accepted, verifs, proposed
+        # per request in flight, on the engine thread: its class, its last tokens' time, whether it was admitted
+        self._clock: Callable[[], float] = time.perf_counter
+        self._engine: Engine | None = None
+        self._classes: dict[str, str] = {}
+        self._last_token: dict[str, float] = {}
+        self._admitted: set[str] = set()
+        self._last_step_end: float | None = None
 
     def bind_engine(self, engine: Engine) -> None:
         """Start reading engine state at scrape time and listening to its iterations."""
@@ -91,14 +158,20 @@ class WorkerMetrics:
         self.kv_used_pages.set_function(lambda: cache.num_pages - cache.free_pages)
         self.queue_length.set_function(lambda: len(engine.waiting))
         self.running.set_function(lambda: len(engine.running))
+        reads = {"adaserve_queue_length": lambda: len(engine.waiting),
+                 "adaserve_running_requests": lambda: len(engine.running),
+                 "adaserve_kv_cache_usage_ratio": engine.kv_usage}
+        for name, ours in VLLM_ALIASES.items():
+            self.vllm[name].set_function(reads[ours])
+        self._clock, self._engine = engine.clock, engine
         engine.step_listeners.append(self.on_step)
 
     def declare_classes(self, names: list[str]) -> None:
         """Create the per-class series up front so dashboards see zeros, not gaps."""
         for name in names:
-            self.active.labels(name)
-            self.output_tokens.labels(name)
-            self.goodput_tokens.labels(name)
+            for labelled in (self.active, self.output_tokens, self.goodput_tokens, self.inter_token_latency,
+                             self.e2e_latency, self.queue_time, self.prompt_tokens, self.generation_tokens):
+                labelled.labels(name)
 
     def declare_drafts(self, names: list[str]) -> None:
         """Name the engine's drafts, in its order, so each draft's series exists (at zero) from the start."""
@@ -107,7 +180,37 @@ class WorkerMetrics:
             self.draft_verifications.labels(name)
 
     # ---- feeds (engine thread) ---------------------------------------------------------------------
+    def track(self, request_id: str, slo_class: str) -> None:
+        """A request about to reach the engine (event loop): its class, for the series observed before it ends."""
+        self._classes[request_id] = slo_class
+
+    def forget(self, request_id: str) -> None:
+        """A tracked request the engine refused: it will never finish."""
+        self._classes.pop(request_id, None)
+
+    def on_tokens(self, request_id: str, n: int) -> None:
+        """A request's ``n`` new tokens, as the engine emits them: after its first, each token is one
+        observation of inter-token latency, the time since its previous tokens shared by the ``n``."""
+        if n <= 0:
+            return
+        now = self._clock()
+        last = self._last_token.get(request_id)
+        self._last_token[request_id] = now
+        if last is not None:
+            h = self.inter_token_latency.labels(self._classes.get(request_id, "unknown"))
+            for _ in range(n):
+                h.observe((now - last) / n)
+
     def on_step(self, m: StepMetrics) -> None:
+        now = self._clock()
+        if self._engine is not None:  # a request's first iteration ends its queue time
+            start = now - m.t_step_s
+            for req in self._engine.running:
+                if req.request_id in self._classes and req.request_id not in self._admitted:
+                    self._admitted.add(req.request_id)
+                    self.queue_time.labels(self._classes[req.request_id]).observe(
+                        max(0.0, start - req.metrics.arrival_s))
+        self._last_step_end = now
         self.iterations.inc()
         self.iteration_seconds.observe(m.t_step_s)
         if m.t_wall_s > 0:
@@ -119,6 +222,8 @@ class WorkerMetrics:
             self.tokens_verified.inc(m.tokens_verified)
             self.tokens_accepted.inc(m.tokens_accepted)
             self.verifications.inc(m.n_decode)
+            self.spec_draft_tokens.inc(m.tokens_verified - m.n_decode)  # each decoding request's tree has one root
+            self.spec_accepted_tokens.inc(m.tokens_accepted)
             with self._lock:
                 self._recent.append((m.tokens_accepted, m.n_decode, m.tokens_verified - m.n_decode))
 
@@ -128,6 +233,7 @@ class WorkerMetrics:
         met = slo_met(reason, tpot_ms=req.metrics.tpot_ms, ttft_ms=req.metrics.ttft_ms, tpot_target_ms=tpot_slo_ms,
                       ttft_target_ms=ttft_slo_ms)
         n = len(req.output_ids)
+        self._finished_request(req, slo_class)
         self.requests.labels(slo_class, reason or "error").inc()
         self.slo_outcomes.labels(slo_class, "met" if met else "missed").inc()
         self.output_tokens.labels(slo_class).inc(n)
@@ -147,6 +253,22 @@ class WorkerMetrics:
             self._met[slo_class] += int(met)
             self.slo_attainment.labels(slo_class).set(self._met[slo_class] / self._finished[slo_class])
         return met
+
+    def _finished_request(self, req: Request, slo_class: str) -> None:
+        """Latency and length histograms of a request the engine is done with; forgets its per-request state."""
+        rid = req.request_id
+        now = self._clock()
+        if rid not in self._admitted and req.metrics.first_token_s is not None:
+            # admitted and finished within one iteration, before on_step saw it: that iteration began about when
+            # the one before it ended (or at its arrival, if the engine was idle)
+            start = max(req.metrics.arrival_s, self._last_step_end or req.metrics.arrival_s)
+            self.queue_time.labels(slo_class).observe(max(0.0, start - req.metrics.arrival_s))
+        self.e2e_latency.labels(slo_class).observe(max(0.0, now - req.metrics.arrival_s))
+        self.prompt_tokens.labels(slo_class).observe(len(req.prompt_ids) - req.resumed)
+        self.generation_tokens.labels(slo_class).observe(len(req.output_ids))
+        self._classes.pop(rid, None)
+        self._last_token.pop(rid, None)
+        self._admitted.discard(rid)
 
     # ---- summaries for the registration ------------------------------------------------------------
     def recent_acceptance(self) -> dict[str, float | int]:

@@ -115,7 +115,7 @@ def _close_target(built: BuiltEngine) -> None:
 class Runtime:
     def __init__(self, settings: WorkerSettings, *, metrics: WorkerMetrics | None = None) -> None:
         self.settings = settings
-        self.metrics = metrics or WorkerMetrics()
+        self.metrics = metrics or WorkerMetrics(model_name=settings.served_model_name)
         self.measurements = Measurements()
         self.lone = Lone()  # each kind of request served alone at warm-up (measure_lone)
         self.state = State.LOADING
@@ -306,13 +306,16 @@ class Runtime:
         self.active[rid] = flight
         self._idle.clear()
         self.metrics.active.labels(slo_class).inc()
+        self.metrics.track(rid, slo_class)
         try:
             self._engine_loop().submit(req, lambda ev: self._on_event(flight, ev))
         except ValueError as e:  # Engine.check_request: this engine could never serve it
+            self.metrics.forget(rid)
             self._forget(flight)
             self.metrics.rejected.labels("invalid").inc()
             raise RequestRefused(400, str(e)) from None
         except RuntimeError as e:  # the loop is stopping
+            self.metrics.forget(rid)
             self._forget(flight)
             raise RequestRefused(503, str(e), retry_after=self.settings.retry_after_s) from None
         return flight
@@ -414,6 +417,7 @@ class Runtime:
 
     # ---- events (engine thread -> event loop) -------------------------------------------------------
     def _on_event(self, flight: InFlight, ev: TokenEvent) -> None:
+        self.metrics.on_tokens(flight.request_id, len(ev.new_tokens))
         if ev.finished:  # the engine is done with the request: its metrics are final
             flight.met_slo = self.metrics.on_finished(flight.req, slo_class=flight.slo_class,
                                                       tpot_slo_ms=flight.tpot_slo_ms, ttft_slo_ms=flight.ttft_slo_ms,

@@ -220,7 +220,8 @@ def test_metrics_parse_with_prometheus_parser(worker: Service, client: httpx.Cli
     assert metric(samples, "adaserve_budget_tokens") == int(BUDGET)
     assert metric(samples, "adaserve_iterations_total") > 0
     # metric() reads a missing series as 0: the gauge must exist, and be met / finished of the class
-    attainment = samples.get(("adaserve_slo_attainment", (("slo_class", "coding"),)))
+    attainment = next((v for (n, labels), v in samples.items()
+                       if n == "adaserve_slo_attainment" and ("slo_class", "coding") in labels), None)
     assert attainment is not None, sorted(k for k in samples if k[0] == "adaserve_slo_attainment")
     met = metric(samples, "adaserve_slo_requests_total", slo_class="coding", outcome="met")
     missed = metric(samples, "adaserve_slo_requests_total", slo_class="coding", outcome="missed")

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.servers import Service, demo_pair, start_worker
+from tests.servers import Service, demo_pair, metric, scrape, start_worker
 
 CLASSES = {"coding": 40.0, "summarization": 400.0}
 MODEL = "demo"
@@ -172,3 +172,43 @@ def test_openapi_declares_the_openai_routes(http: httpx.Client) -> None:
     assert "/v1/models" in doc["paths"]
 
 
+
+
+# ---- metrics, scraped as the Gateway API Inference Extension's endpoint picker and Prometheus would -----------
+
+def test_metrics_as_gie_scrapes_them(worker: Service, client: openai.OpenAI) -> None:
+    before = scrape(worker.url)
+    list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "def f(x):"}],
+                                        max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True},
+                                        extra_headers={"X-SLO-Class": "coding"}))
+    after = scrape(worker.url)
+    # every series of the worker names its model, as vLLM's do
+    unlabelled = sorted({name for name, labels in after if ("model_name", MODEL) not in labels})
+    assert unlabelled == [], unlabelled
+    # the model-server protocol's gauges, under the names GIE's endpoint picker reads by default
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:gpu_cache_usage_perc",
+                 "vllm:kv_cache_usage_perc"):
+        assert (name, (("model_name", MODEL),)) in after, name
+    assert metric(after, "vllm:num_requests_waiting") == metric(after, "adaserve_queue_length") == 0
+    assert metric(after, "vllm:kv_cache_usage_perc") == metric(after, "adaserve_kv_cache_usage_ratio")
+
+    def moved(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    coding = {"slo_class": "coding"}
+    assert moved("adaserve_inter_token_latency_seconds_count", **coding) == 11  # 12 tokens: 11 gaps
+    assert moved("adaserve_inter_token_latency_seconds_sum", **coding) > 0
+    for name in ("adaserve_e2e_request_latency_seconds_count", "adaserve_request_queue_time_seconds_count",
+                 "adaserve_request_prompt_tokens_count", "adaserve_request_generation_tokens_count"):
+        assert moved(name, **coding) == 1, name
+    assert moved("adaserve_request_generation_tokens_sum", **coding) == 12
+    assert moved("adaserve_request_prompt_tokens_sum", **coding) > 3
+    assert moved("adaserve_request_generation_tokens_bucket", le="10.0", **coding) == 0
+    assert moved("adaserve_request_generation_tokens_bucket", le="20.0", **coding) == 1
+    # acceptance = accepted / drafted: drafted counts tree nodes without their roots, so it is at most 1
+    drafted, accepted = moved("adaserve_spec_draft_tokens_total"), moved("adaserve_spec_accepted_tokens_total")
+    verified, verifications = moved("adaserve_tokens_verified_total"), moved("adaserve_verifications_total")
+    assert drafted == verified - verifications and drafted > 0
+    assert accepted == moved("adaserve_tokens_accepted_total") and 0 <= accepted <= drafted
+    # the old names stay
+    assert ("adaserve_queue_length", (("model_name", MODEL),)) in after

@@ -108,6 +108,20 @@ def _ignored_in(value: Any, at: str) -> list[str]:
     return []
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body (openai_format.error_body), as the gateway's and the worker's OpenAPI documents
+    declare it."""
+
+    error: ErrorDetail
+
+
 class StreamOptions(BaseModel):
     model_config = OPEN
     include_usage: bool = False

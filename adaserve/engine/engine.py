@@ -106,6 +106,9 @@ class RunTotals:
         self.t_step_s += m.t_step_s
 
 
+MIN_TPOT_SLO_MS = 1e-3  # the least TPOT target a request may ask for (1 microsecond)
+
+
 class Engine:
     def __init__(self, target: ModelRunner, draft: ModelRunner | Sequence[ModelRunner] | None,
                  cfg: EngineConfig | None = None, *, clock: Callable[[], float] = time.perf_counter,
@@ -198,9 +201,10 @@ class Engine:
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
         if not 0 <= req.resumed <= len(req.prompt_ids):
             raise ValueError("resumed: must be between 0 and the prompt's length")
-        # A(r) divides by the target every iteration: a zero or NaN here would fail mid-batch
-        if req.tpot_slo_ms is not None and not (math.isfinite(req.tpot_slo_ms) and req.tpot_slo_ms > 0):
-            raise ValueError(f"tpot_slo_ms: must be a finite number > 0, got {req.tpot_slo_ms!r}")
+        # A(r) divides by the target every iteration: a zero, NaN or denormal here (5e-324 ms is 0 s once
+        # divided by 1000) would fail mid-batch; no device serves a token in under a microsecond
+        if req.tpot_slo_ms is not None and not (math.isfinite(req.tpot_slo_ms) and req.tpot_slo_ms >= MIN_TPOT_SLO_MS):
+            raise ValueError(f"tpot_slo_ms: must be a finite number >= {MIN_TPOT_SLO_MS} ms, got {req.tpot_slo_ms!r}")
         depth = 0 if self.policy.max_shape is None else self.policy.max_shape.depth
         if len(req.prompt_ids) + req.params.max_tokens + depth + 1 > self.max_context:
             raise ValueError(

@@ -12,10 +12,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adaserve.body_limit import BodyTooLarge
+from adaserve.contract.openai import ErrorResponse
 from adaserve.contract.openai_format import ERROR_TYPES, error_body
 from adaserve.error_fields import validation_message
 
@@ -77,17 +77,6 @@ async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
 
 
 # ---- what the OpenAPI document declares (app.py removes FastAPI's 422, which this API never answers) ----------
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
 
 
 WHEN = {

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adaserve import __version__
 from adaserve.body_limit import BodyLimit, BodyTooLarge
+from adaserve.contract.openai import ErrorResponse
 from adaserve.contract.openai_format import error_body
 from adaserve.error_fields import field_path, validation_message
 from adaserve.worker.routes import generate, health, metrics, openai, profile, requests
@@ -73,19 +74,6 @@ OPENAI_ERRORS = {"400": "a malformed body or field (named), an unknown slo_class
                  "409": "request id in flight", "413": "body over ADASERVE_MAX_BODY_BYTES",
                  "500": "the engine ended the request with an error",
                  "503": "loading, draining or overloaded; Retry-After"}
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI's error body (adaserve/contract/openai_format.py ``error_body``)."""
-
-    error: ErrorDetail
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

@@ -25,6 +25,7 @@ BAD = [
     ("stop_token_ids", {"params": SamplingParams(max_tokens=4, stop_token_ids=(-1,))}),
     ("tpot_slo_ms", {"tpot_slo_ms": 0.0}),
     ("tpot_slo_ms", {"tpot_slo_ms": float("nan")}),
+    ("tpot_slo_ms", {"tpot_slo_ms": 5e-324}),  # a denormal: 0 s once divided by 1000 (the fuzz test found it)
     ("max_tokens", {"params": SamplingParams(max_tokens=10**6)}),
 ]
 

@@ -469,7 +469,8 @@ class Engine:
         verify = min(budget, sum(c.size for c in cands)) + m.prefill_tokens
         t_iter = (t1 - t_start) + self.target_time.predict(n_ctx, verify)
         ctx = SelectionContext(budget=budget, depth=shape.depth, now_s=t_start, t_iter_s=t_iter)
-        needs = [requirement(r, now_s=ctx.now_s, t_iter_s=ctx.t_iter_s) for r in decoding]  # A(r), §5
+        # A(r) (§5) plus the margin the SLO phase aims above it
+        needs = [requirement(r, now_s=ctx.now_s, t_iter_s=ctx.t_iter_s, margin=self.cfg.slo_margin) for r in decoding]
         chosen = self.policy.select(scored, needs, ctx)
         trees = [c.subtree(sel) for c, sel in zip(cands, chosen, strict=True)]
         m.t_speculate_s, m.t_select_s = t1 - t0, self.clock() - t1

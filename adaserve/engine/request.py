@@ -108,11 +108,12 @@ class Request:
         return self.phase is Phase.FINISHED
 
 
-def requirement(req: Request, *, now_s: float, t_iter_s: float) -> float:
-    """A(r) for a decoding request; 0 (nothing beyond the bonus token) when it has no TPOT SLO."""
+def requirement(req: Request, *, now_s: float, t_iter_s: float, margin: float = 0.0) -> float:
+    """A(r) + ``margin`` for a decoding request with a TPOT SLO (the SLO phase's target, EngineConfig.slo_margin);
+    0 (nothing beyond the bonus token) when it has none."""
     first = req.metrics.first_token_s
     if req.tpot_slo_ms is None or first is None:
         return 0.0
     # TPOT counts tokens after the first, over time since the first: o_r = n - 1, l_r = now - t_first
-    return slo_requirement(elapsed_s=max(0.0, now_s - first), tokens_so_far=max(0, len(req.output_ids) - 1),
-                           t_iter_s=t_iter_s, tpot_slo_s=req.tpot_slo_ms / 1e3)
+    return margin + slo_requirement(elapsed_s=max(0.0, now_s - first), tokens_so_far=max(0, len(req.output_ids) - 1),
+                                    t_iter_s=t_iter_s, tpot_slo_s=req.tpot_slo_ms / 1e3)

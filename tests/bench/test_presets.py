@@ -121,3 +121,16 @@ def test_the_paper_preset_orders_its_slo_phase_as_the_artifacts_scheduler() -> N
     assert resolve("adaserve+text-order").engine_config(EngineConfig()).slo_order == "largest-need"
     with pytest.raises(ValueError, match="slo_order"):
         EngineConfig(slo_order="random")
+
+
+def test_the_slo_margin_is_ours_not_the_papers() -> None:
+    from adaserve.bench.presets import resolve
+    from adaserve.engine.config import EngineConfig
+
+    assert EngineConfig().slo_margin == 2.0
+    assert resolve("adaserve").engine_config(EngineConfig()).slo_margin == 0.0
+    assert resolve("adaserve+slo-margin").engine_config(EngineConfig()).slo_margin == 2.0
+    assert resolve("adaserve+ours").engine_config(EngineConfig()).slo_margin == 2.0
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="slo_margin"):
+            EngineConfig(slo_margin=bad)

@@ -62,3 +62,16 @@ def test_the_loop_checks_a_request_once(target_dir: Path, monkeypatch: pytest.Mo
     assert done.wait(60)
     loop.stop()
     assert calls == ["r"]
+
+
+def test_the_slo_phase_target_adds_the_margin_only_for_requests_with_an_slo() -> None:
+    from adaserve.engine.request import requirement
+
+    with_slo = Request("a", [1, 2], SamplingParams(max_tokens=4), tpot_slo_ms=50.0)
+    with_slo.metrics.first_token_s = 0.0
+    with_slo.output_ids = [7, 8]
+    without = Request("b", [1, 2], SamplingParams(max_tokens=4))
+    base = requirement(with_slo, now_s=0.1, t_iter_s=0.05)
+    assert base == pytest.approx((0.1 + 0.05) / 0.05 - 1)
+    assert requirement(with_slo, now_s=0.1, t_iter_s=0.05, margin=2.0) == pytest.approx(base + 2.0)
+    assert requirement(without, now_s=0.1, t_iter_s=0.05, margin=2.0) == 0.0

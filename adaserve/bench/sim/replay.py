@@ -402,9 +402,9 @@ class ReplayEngine:
         verify = min(budget, sum(c.size for c in cands)) + prefill_tokens
         t_iter = (t1 - t_start) + self.target_cost.predict(n_ctx, verify)
         ctx = SelectionContext(budget=budget, depth=shape.depth, now_s=t_start, t_iter_s=t_iter)
-        needs = [0.0 if r.tpot_slo_ms is None or r.first_s is None else slo_requirement(
+        needs = [0.0 if r.tpot_slo_ms is None or r.first_s is None else self.cfg.slo_margin + slo_requirement(
             elapsed_s=max(0.0, t_start - r.first_s), tokens_so_far=max(0, r.emitted - 1), t_iter_s=t_iter,
-            tpot_slo_s=r.tpot_slo_ms / 1e3) for r in decoding]
+            tpot_slo_s=r.tpot_slo_ms / 1e3) for r in decoding]  # A(r) + margin, as Engine's requirement()
         chosen = self.policy.select(scored, needs, ctx)
         level = level_of(shape)
         out = []

@@ -17,6 +17,7 @@ tokenizer), not a re-tokenisation: the replay runs no model.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import multiprocessing as mp
 import os
@@ -56,15 +57,48 @@ class SweepSettings:
     prompt_lengths: str = "trace"  # replay_requests: "trace" or "recorded"
 
 
+ADAPTIVE_FIELDS = ("d_min", "d_max", "w_max", "depth_rule")
+
+
+def parse_system(system: str) -> tuple[str, dict[str, Any]]:
+    """``NAME`` or ``NAME|field=value;field=value``: a bench system with EngineConfig fields set over it (``budget``,
+    ``budget_rule``, ``node_value``, ``slo_order``, ``slo_margin``, ...; ``d_min``/``d_max``/``w_max``/
+    ``depth_rule`` set its tree bounds). Raises ValueError, one line, for a bad field or value."""
+    name, _, opts = system.partition("|")
+    fields = {f.name: f.type for f in dataclasses.fields(EngineConfig)}
+    out: dict[str, Any] = {}
+    for item in filter(None, opts.split(";")):  # ";": the CLI separates systems by ","
+        key, eq, raw = item.partition("=")
+        if not eq or (key not in fields and key not in ADAPTIVE_FIELDS):
+            raise ValueError(f"bad system {system!r}: {item!r} is not FIELD=VALUE of EngineConfig or its tree bounds")
+        try:
+            out[key] = int(raw) if raw.lstrip("-").isdigit() else float(raw) if _is_float(raw) else raw
+        except ValueError:
+            out[key] = raw
+    return name, out
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def engine_config(system: str, device: DeviceProfile, s: SweepSettings) -> EngineConfig:
-    """The EngineConfig a bench run of ``system`` on ``device`` would use (runner.make_engine's rule)."""
+    """The EngineConfig a bench run of ``system`` on ``device`` would use (runner.make_engine's rule), with the
+    fields a ``NAME|field=value`` system sets (parse_system)."""
+    name, overrides = parse_system(system)
     data = simulated_profile(device)
     knee, tc, dc = costs_of(data)
-    base = EngineConfig(policy=system, budget=s.budget or knee, adaptive=adaptive_for(AdaptiveConfig(), data),
+    base = EngineConfig(policy=name, budget=s.budget or knee, adaptive=adaptive_for(AdaptiveConfig(), data),
                         target_cost=tc, draft_cost=dc, max_batch=s.max_batch, prefill_chunk=s.prefill_chunk,
                         prefill_rule=s.prefill_rule)
-    preset = resolve(system)
-    return base if preset is None else preset.engine_config(base)
+    preset = resolve(name)
+    cfg = base if preset is None else preset.engine_config(base)
+    tree = {k: overrides.pop(k) for k in ADAPTIVE_FIELDS if k in overrides}
+    return replace(cfg, adaptive=replace(cfg.adaptive, **tree), **overrides)
 
 
 def replay_requests(trace: EmissionTrace, pool: AgreementPool, *, baseline_tpot_ms: float, seed: int,
@@ -106,8 +140,6 @@ def run_cell(trace_path: str, system: str, seed: int, s: SweepSettings) -> dict[
     results = [RequestResult(r.request_id, r.slo_class, r.tpot_slo_ms or float("inf"), r.emitted, r.tpot_ms,
                              r.ttft_ms, tuple(r.accepted_per_step), "length") for r in reqs]
     summary = summarize(results, wall_s=max(tot.end_s, trace.window_s), window_s=trace.window_s)
-    summary["mean_accepted_per_verification"] = (tot.tokens_accepted / sum(len(r.accepted_per_step) for r in reqs)
-                                                 if tot.decode_iterations else None)
     return {"trace": Path(trace_path).name, "trace_sha256": trace.sha256, "rate_rps": trace.rate_rps,
             "system": system, "seed": seed, **summary,
             "replay": {"iterations": tot.iterations, "target_s": tot.target_s, "draft_s": tot.draft_s,
@@ -163,9 +195,10 @@ def sweep(traces: Sequence[str], systems: Sequence[str], seeds: Sequence[int], s
           on_cell: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
     """Every cell, ``jobs`` processes at once; the result (see the module docstring). ``on_cell`` sees the
     cells finished so far after each one (the CLI keeps a partial file, so a long sweep cut short keeps them)."""
+    device = load_profile_file(s.device_profile)
     for name in systems:
-        resolve(name)  # a bad name fails before any cell runs
-    AgreementPool.load(Path(s.pool))
+        engine_config(name, device, s)  # a bad name or field fails before any cell runs
+    pool_meta = AgreementPool.load(Path(s.pool))
     t0 = time.perf_counter()
     args = [(t, sysname, seed, s) for t in traces for sysname in systems for seed in seeds]
     cells: list[dict[str, Any]] = []
@@ -188,7 +221,6 @@ def sweep(traces: Sequence[str], systems: Sequence[str], seeds: Sequence[int], s
                     on_cell(cells)
     bar.close()
     cells.sort(key=lambda c: (x_of(c["trace"], c["rate_rps"]), c["trace"], list(systems).index(c["system"]), c["seed"]))
-    pool_meta = AgreementPool.load(Path(s.pool))
     pool_sha = hashlib.sha256(Path(s.pool).read_bytes()).hexdigest()
     points = sorted(aggregate(cells), key=lambda p: (p["axis"], p["x"], list(systems).index(p["system"])))
     return {"settings": {**vars(replace(s)), "cpu_count": os.cpu_count(), "jobs": jobs},

@@ -26,7 +26,7 @@ from adaserve.engine.model.batch import Segment
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.multi_draft import DraftPool
-from adaserve.engine.prefill_chunk import DecodingSLO, slo_prefill_chunk
+from adaserve.engine.prefill_chunk import DecodingSLO, recent_figures, slo_prefill_chunk
 from adaserve.engine.request import Phase, Request, requirement
 from adaserve.engine.speculation.acceptance import RankAcceptance
 from adaserve.engine.speculation.draft_bandit import make_selector
@@ -83,6 +83,11 @@ class StepMetrics:
     @property
     def budget_used(self) -> float:
         return self.tokens_verified / self.budget if self.budget else 0.0
+
+    @property
+    def host_s(self) -> float:
+        """Draft and scheduler time before the target's forward (the SLO prefill rule's t_iter)."""
+        return self.t_speculate_s + self.t_select_s
 
     @property
     def non_forward_share(self) -> float:
@@ -383,11 +388,7 @@ class Engine:
                 for r in decoding if r.tpot_slo_ms is not None and r.metrics.first_token_s is not None]
         if not slos:
             return cfg.prefill_chunk
-        recent = [m for m in itertools.islice(reversed(self.history), 16) if m.n_decode]  # the last 16
-        n_dec = sum(m.n_decode for m in recent)
-        per_req = 1.0 + (sum(m.tokens_accepted for m in recent) / n_dec if n_dec else 0.0)
-        verify = sum(m.tokens_verified for m in recent) / len(recent) if recent else float(len(decoding))
-        host = sum(m.t_speculate_s + m.t_select_s for m in recent) / len(recent) if recent else 0.0
+        per_req, verify, host = recent_figures(list(itertools.islice(reversed(self.history), 16)), len(decoding))
         n_ctx = sum(r.target_kv.length for r in decoding)
         return slo_prefill_chunk(
             slos, min_chunk=min(cfg.prefill_min_chunk, cfg.prefill_chunk), max_chunk=cfg.prefill_chunk,

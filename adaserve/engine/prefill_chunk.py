@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from adaserve.engine.speculation.selection import slo_requirement
 
-__all__ = ["DecodingSLO", "chunk_grid", "slo_prefill_chunk"]
+__all__ = ["DecodingSLO", "RecentIteration", "chunk_grid", "recent_figures", "slo_prefill_chunk"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,33 @@ class DecodingSLO:
     elapsed_s: float
     tokens_so_far: int
     tpot_slo_s: float
+
+
+class RecentIteration(Protocol):
+    """What the rule reads of a past iteration (engine.StepMetrics; the replay clock's own record)."""
+
+    @property
+    def n_decode(self) -> int: ...
+
+    @property
+    def tokens_accepted(self) -> int: ...
+
+    @property
+    def tokens_verified(self) -> int: ...
+
+    @property
+    def host_s(self) -> float: ...
+
+
+def recent_figures(recent: Sequence[RecentIteration], n_decoding: int) -> tuple[float, float, float]:
+    """(tokens a decoding request emits per iteration, tokens verified per iteration, draft and scheduler
+    seconds per iteration) over the recent iterations that decoded; with none, (1, n_decoding, 0)."""
+    decoded = [m for m in recent if m.n_decode]
+    n_dec = sum(m.n_decode for m in decoded)
+    per_req = 1.0 + (sum(m.tokens_accepted for m in decoded) / n_dec if n_dec else 0.0)
+    verify = sum(m.tokens_verified for m in decoded) / len(decoded) if decoded else float(n_decoding)
+    host = sum(m.host_s for m in decoded) / len(decoded) if decoded else 0.0
+    return per_req, verify, host
 
 
 def chunk_grid(min_chunk: int, max_chunk: int) -> list[int]:

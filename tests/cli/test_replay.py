@@ -33,8 +33,8 @@ def write_pool(path: Path) -> Path:
 def test_a_small_sweep_writes_its_cells_points_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace, pool = write_trace(tmp_path / "t.json"), write_pool(tmp_path / "pool.npz")
     out, png = tmp_path / "out.json", tmp_path / "out.png"
-    rc = main(["replay", "run", "--pool", str(pool), "--trace-json", str(trace), "--systems", "vllm,vllm-spec:2,adaserve",
-               "--seeds", "0,1", "--json", str(out), "--plot", str(png)])
+    rc = main(["replay", "run", "--pool", str(pool), "--trace-json", str(trace),
+               "--systems", "vllm,vllm-spec:2,adaserve", "--seeds", "0,1", "--json", str(out), "--plot", str(png)])
     assert rc == 0
     result = json.loads(out.read_text())
     assert len(result["cells"]) == 3 * 2
@@ -53,6 +53,8 @@ def test_a_small_sweep_writes_its_cells_points_and_plot(tmp_path: Path, capsys: 
     (["--systems", "nonsense"], "unknown policy"),
     (["--seeds", "x"], "--seeds"),
     (["--jobs", "0"], "--jobs"),
+    (["--systems", "adaserve|budget"], "FIELD=VALUE"),
+    (["--systems", "adaserve|slo_order=random"], "slo_order"),
 ])
 def test_bad_options_are_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],
                                              message: str) -> None:
@@ -69,3 +71,13 @@ def test_a_file_that_is_not_a_pool_is_one_line_and_exit_2(tmp_path: Path, capsys
     rc = main(["replay", "run", "--pool", str(tmp_path / "bad.npz"), "--trace-json", str(trace)])
     assert rc == 2
     assert "not an agreement pool" in capsys.readouterr().err
+
+
+def test_a_system_can_set_engine_fields_over_its_preset() -> None:
+    from adaserve.bench.replay_sweep import SweepSettings, engine_config
+    from adaserve.bench.sim.device_model import load_profile_file
+
+    device = load_profile_file("artifact/llama-3.1-70b")
+    cfg = engine_config("adaserve|budget=1024;slo_margin=0.5;d_max=6", device, SweepSettings())
+    assert (cfg.budget, cfg.slo_margin, cfg.adaptive.d_max) == (1024, 0.5, 6)
+    assert cfg.max_batch == 64 and cfg.budget_rule == "knee"  # the preset's own fields stay

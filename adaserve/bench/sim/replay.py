@@ -40,7 +40,6 @@ May import: the engine, and this room's device model.
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -48,11 +47,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from adaserve.bench.sim.agreement import AgreementTrace
+from adaserve.bench.sim.clock import SimTotals
 from adaserve.bench.sim.device_model import DeviceProfile
 from adaserve.engine.config import EngineConfig
 from adaserve.engine.cost.cost_model import CostModel
 from adaserve.engine.model.tree import TokenTree
-from adaserve.engine.prefill_chunk import DecodingSLO, slo_prefill_chunk
+from adaserve.engine.prefill_chunk import DecodingSLO, recent_figures, slo_prefill_chunk
 from adaserve.engine.speculation.acceptance import RankAcceptance
 from adaserve.engine.speculation.iteration_budget import goodput_budget
 from adaserve.engine.speculation.policies import (
@@ -105,14 +105,10 @@ class ReplayRequest:
 
 
 @dataclass
-class ReplayTotals:
-    """Where the simulated time went (as clock.SimTotals), and what the iterations verified."""
+class ReplayTotals(SimTotals):
+    """Where the simulated time went (clock.SimTotals' fields), what the iterations verified, and when the
+    last one ended."""
 
-    target_s: float = 0.0
-    draft_s: float = 0.0
-    sched_s: float = 0.0
-    idle_s: float = 0.0
-    iterations: int = 0
     tokens_verified: int = 0
     tokens_accepted: int = 0
     decode_iterations: int = 0
@@ -141,7 +137,7 @@ class _Step:
     n_decode: int
     tokens_accepted: int
     tokens_verified: int
-    t_host_s: float
+    host_s: float
 
 
 # ---- candidate trees ----------------------------------------------------------------------------------
@@ -282,11 +278,7 @@ class ReplayEngine:
                 for r in decoding if r.tpot_slo_ms is not None and r.first_s is not None]
         if not slos:
             return cfg.prefill_chunk
-        recent = [m for m in itertools.islice(reversed(self.history), 16) if m.n_decode]
-        n_dec = sum(m.n_decode for m in recent)
-        per_req = 1.0 + (sum(m.tokens_accepted for m in recent) / n_dec if n_dec else 0.0)
-        verify = sum(m.tokens_verified for m in recent) / len(recent) if recent else float(len(decoding))
-        host = sum(m.t_host_s for m in recent) / len(recent) if recent else 0.0
+        per_req, verify, host = recent_figures(list(self.history), len(decoding))  # the last 16 (maxlen)
         n_ctx = sum(r.kv_len for r in decoding)
         return slo_prefill_chunk(
             slos, min_chunk=min(cfg.prefill_min_chunk, cfg.prefill_chunk), max_chunk=cfg.prefill_chunk,
@@ -354,6 +346,7 @@ class ReplayEngine:
         self.now += sched
         self.totals.sched_s += sched
         self.totals.iterations += 1
+        self.totals.per_step_s.append(self.now - t_start)
         if decoding:
             self.totals.decode_iterations += 1
             self.totals.tokens_verified += verified

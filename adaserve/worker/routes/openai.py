@@ -54,11 +54,14 @@ class Targets:
     ttft_ms: float | None
 
 
+TpotHeader = Annotated[TargetHeader, Header(alias="X-TPOT-SLO-Ms")]
+TtftHeader = Annotated[TargetHeader, Header(alias="X-TTFT-SLO-Ms")]
+
+
 @router.post("/v1/completions")
 async def completions(body: WorkerCompletionRequest, runtime: RuntimeDep, request: Request,
                       x_slo_class: SloClassHeader = None,
-                      x_tpot_slo_ms: Annotated[TargetHeader, Header(alias="X-TPOT-SLO-Ms")] = None,
-                      x_ttft_slo_ms: Annotated[TargetHeader, Header(alias="X-TTFT-SLO-Ms")] = None) -> Any:
+                      x_tpot_slo_ms: TpotHeader = None, x_ttft_slo_ms: TtftHeader = None) -> Any:
     targets = _targets(runtime, body, x_slo_class, x_tpot_slo_ms, x_ttft_slo_ms)
     return await _serve(runtime, "completion", body, request, targets)
 
@@ -66,8 +69,7 @@ async def completions(body: WorkerCompletionRequest, runtime: RuntimeDep, reques
 @router.post("/v1/chat/completions")
 async def chat_completions(body: WorkerChatRequest, runtime: RuntimeDep, request: Request,
                            x_slo_class: SloClassHeader = None,
-                           x_tpot_slo_ms: Annotated[TargetHeader, Header(alias="X-TPOT-SLO-Ms")] = None,
-                           x_ttft_slo_ms: Annotated[TargetHeader, Header(alias="X-TTFT-SLO-Ms")] = None) -> Any:
+                           x_tpot_slo_ms: TpotHeader = None, x_ttft_slo_ms: TtftHeader = None) -> Any:
     targets = _targets(runtime, body, x_slo_class, x_tpot_slo_ms, x_ttft_slo_ms)
     return await _serve(runtime, "chat", body, request, targets)
 

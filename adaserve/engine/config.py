@@ -35,7 +35,7 @@ from adaserve.engine.model.kv_cache import KVCacheConfig
 from adaserve.engine.speculation.adaptive import AdaptiveConfig
 from adaserve.engine.speculation.selection import SLO_ORDERS
 
-BUDGET_RULES = ("goodput", "knee")
+BUDGET_RULES = ("goodput", "knee", "slo")
 PREFILL_RULES = ("fixed", "slo")
 PREFILL_MODES = ("mixed", "separate")
 
@@ -63,7 +63,8 @@ class EngineConfig:
     policy: str = "adaserve"  # a name from policies.POLICY_NAMES, e.g. "adaserve", "chain:4", "beam:4,2"
     budget: int = 64  # B: tokens per verification, roots included; the profiler's knee when profiled
     # "goodput": B is a floor, raised each iteration while verifying more raises expected tokens per
-    # second (iteration_budget.py); "knee": B exactly, every iteration
+    # second (iteration_budget.py); "knee": B exactly, every iteration; "slo": the B that keeps the most
+    # requests on their TPOT SLO, then the most tokens per second (iteration_budget.slo_budget)
     budget_rule: str = "goodput"
     # what a drafted node is worth to selection: "learned" (acceptance by sibling rank, learnt from
     # verification, acceptance.py) or "draft" (the draft's own path probability, as the paper)

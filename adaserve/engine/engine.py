@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 
 from adaserve.engine.config import EngineConfig
@@ -27,10 +28,10 @@ from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.multi_draft import DraftPool
 from adaserve.engine.prefill_chunk import DecodingSLO, recent_figures, slo_prefill_chunk
-from adaserve.engine.request import Phase, Request, requirement
+from adaserve.engine.request import Phase, Request, requirement, requirement_line
 from adaserve.engine.speculation.acceptance import RankAcceptance
 from adaserve.engine.speculation.draft_bandit import make_selector
-from adaserve.engine.speculation.iteration_budget import goodput_budget
+from adaserve.engine.speculation.iteration_budget import goodput_budget, slo_budget
 from adaserve.engine.speculation.logits_processors import process_tree_logits
 from adaserve.engine.speculation.policies import (
     BatchView,
@@ -463,6 +464,12 @@ class Engine:
         if self.cfg.budget_rule == "goodput" and is_budgeted(self.policy):
             budget = goodput_budget(scored, floor=budget, t_spent_s=t1 - t_start,
                                     t_target=lambda k: self.target_time.predict(n_ctx, k + m.prefill_tokens))
+        elif self.cfg.budget_rule == "slo" and is_budgeted(self.policy):
+            lines = np.array([requirement_line(r, now_s=t_start) for r in decoding]).reshape(-1, 2)
+            budget = slo_budget(scored, base=lines[:, 0], rate=lines[:, 1],
+                                margin=np.where(lines[:, 1] > 0, self.cfg.slo_margin, 0.0), depth=shape.depth,
+                                n_max=self.cfg.n_max, order=self.cfg.slo_order, t_spent_s=t1 - t_start,
+                                t_target=lambda k: self.target_time.predict(n_ctx, k + m.prefill_tokens))
         m.budget = budget
         # A(r): this iteration's tokens land at t_start + t_iter, t_iter = the draft time already spent plus
         # the predicted verification (counting the draft's time once, not in a predicted whole iteration

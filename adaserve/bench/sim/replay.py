@@ -54,7 +54,7 @@ from adaserve.engine.cost.cost_model import CostModel
 from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.prefill_chunk import DecodingSLO, recent_figures, slo_prefill_chunk
 from adaserve.engine.speculation.acceptance import RankAcceptance
-from adaserve.engine.speculation.iteration_budget import goodput_budget
+from adaserve.engine.speculation.iteration_budget import goodput_budget, slo_budget
 from adaserve.engine.speculation.policies import (
     BatchView,
     Policy,
@@ -392,6 +392,17 @@ class ReplayEngine:
         if self.cfg.budget_rule == "goodput" and is_budgeted(self.policy):
             budget = goodput_budget(scored, floor=budget, t_spent_s=t1 - t_start,
                                     t_target=lambda k: self.target_cost.predict(n_ctx, k + prefill_tokens))
+        elif self.cfg.budget_rule == "slo" and is_budgeted(self.policy):
+            has_slo = [r.tpot_slo_ms is not None and r.first_s is not None for r in decoding]
+            base = np.array([slo_requirement(elapsed_s=max(0.0, t_start - r.first_s),
+                                             tokens_so_far=max(0, r.emitted - 1), t_iter_s=0.0,
+                                             tpot_slo_s=r.tpot_slo_ms / 1e3) if s else 0.0
+                             for r, s in zip(decoding, has_slo, strict=True)])
+            rate = np.array([1e3 / r.tpot_slo_ms if s else 0.0 for r, s in zip(decoding, has_slo, strict=True)])
+            budget = slo_budget(scored, base=base, rate=rate, margin=np.where(has_slo, self.cfg.slo_margin, 0.0),
+                                depth=shape.depth, n_max=self.cfg.n_max, order=self.cfg.slo_order,
+                                t_spent_s=t1 - t_start,
+                                t_target=lambda k: self.target_cost.predict(n_ctx, k + prefill_tokens))
         verify = min(budget, sum(c.size for c in cands)) + prefill_tokens
         t_iter = (t1 - t_start) + self.target_cost.predict(n_ctx, verify)
         ctx = SelectionContext(budget=budget, depth=shape.depth, now_s=t_start, t_iter_s=t_iter)

@@ -12,6 +12,22 @@ candidates, their path probabilities say what each extra verified token is worth
     B    = max(B_knee, argmax_k E(k) / T(k))           for n <= k <= every candidate node
 
 E/T is the iteration's expected goodput; B never falls below the knee, where extra tokens are free.
+
+That rule ("goodput") knows nothing of SLOs, and every token it adds lengthens the iteration, which raises
+every request's A(r) = (l_r + T) / tpot_r - o_r. The SLO rule ("slo", ``slo_budget``) prices B against
+the batch's targets, the way Algorithm 2 orders its own two phases: SLO first, then throughput.
+
+    for B on a grid from n (roots only) to every candidate node:
+        T(B)       = t_spent + t_target(B)                   the iteration if B tokens are verified
+        A_r(B)     = A_r(T(B)) + margin_r                    what r must emit (selection.slo_requirement)
+        on_slo(B)  = #{ r : the SLO phase at B grants r its whole wish for A_r(B),
+                            and r's best tree can reach A_r(T(B)) at all }
+    B = argmax_B (on_slo(B), E(B) / T(B))                    most requests on target, then goodput
+
+So B grows while the extra tokens keep requests on target or raise tokens per second without pushing
+any request off its target, and shrinks when a shorter iteration is what keeps requests on target (a
+summarisation request with slack needs no tree; every token it does not verify shortens everyone's
+iteration). Hopeless requests (A(r) beyond their best tree even at the shortest T) do not pull B up.
 Pure: numpy and a cost callback.
 """
 
@@ -22,6 +38,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from adaserve.engine.model.tree import TokenTree
+from adaserve.engine.speculation.selection import RankedNodes, slo_grants, slo_wishes, strict_log_probs
+
+# B candidates the SLO rule prices: this many evenly spaced steps from the roots to every candidate node
+SLO_BUDGET_STEPS = 16
 
 
 def goodput_budget(cands: Sequence[TokenTree], *, floor: int, t_spent_s: float,
@@ -48,3 +68,31 @@ def goodput_budget(cands: Sequence[TokenTree], *, floor: int, t_spent_s: float,
         else:
             hi = mid
     return max(floor, n + lo)
+
+
+def slo_budget(cands: Sequence[TokenTree], *, base: np.ndarray, rate: np.ndarray, margin: np.ndarray, depth: int,
+               n_max: int, order: str, t_spent_s: float, t_target: Callable[[int], float]) -> int:
+    """B for this iteration by the SLO rule (module docstring). Per request, A_r(T) = base_r + rate_r * T:
+    ``base`` = (l_r / tpot_r - o_r), ``rate`` = 1 / tpot_r (both 0 without an SLO); ``margin``: the SLO
+    phase's aim above A(r) (0 without an SLO). ``depth``, ``n_max``, ``order``: the selection's own."""
+    n = len(cands)
+    if n == 0:
+        return 0
+    nodes = RankedNodes.of([strict_log_probs(c) for c in cands])
+    total = int(nodes.sizes.sum())
+    f = np.sort(np.concatenate([np.exp(c.log_probs[1:]) for c in cands]))[::-1]
+    expected = n + np.concatenate(([0.0], np.cumsum(f)))  # E(n + j): roots' bonus tokens + the top j nodes
+    reach = nodes.reach(n_max)
+    grid = np.unique(np.linspace(n, total, SLO_BUDGET_STEPS + 1).round().astype(np.int64))
+    best, best_key = n, (-1, -1.0)
+    for b in grid:
+        t = t_spent_s + t_target(int(b))
+        a = base + rate * t  # A_r(T(B))
+        req = a + margin
+        want = slo_wishes(nodes, req, depth=depth, n_max=n_max)
+        got = slo_grants(want, req, budget=int(b), order=order)
+        on_slo = int(np.count_nonzero((got >= want) & (a <= reach)))
+        key = (on_slo, float(expected[b - n]) / max(t, 1e-12))
+        if key > best_key:
+            best, best_key = int(b), key
+    return best

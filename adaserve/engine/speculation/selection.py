@@ -18,6 +18,7 @@ between unrelated nodes by node index; since ``parents[i] < i`` that tie-break a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -52,7 +53,7 @@ def slo_requirement(*, elapsed_s: float, tokens_so_far: int, t_iter_s: float, tp
 
 
 # ---- helpers ------------------------------------------------------------------------------------------
-def _strict_log_probs(cand: TokenTree) -> np.ndarray:
+def strict_log_probs(cand: TokenTree) -> np.ndarray:
     """log f with f(child) < f(parent); ties (e.g. a draft probability of exactly 1) are nudged."""
     lp = cand.log_probs
     if cand.size > 1 and not np.all(lp[1:] < lp[cand.parents[1:]]):
@@ -88,32 +89,64 @@ def _padded(lps: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return out, sizes
 
 
+@dataclass(frozen=True)
+class RankedNodes:
+    """A batch's drafted nodes ranked per request, and what taking the top k of them is expected to give.
+
+    ranked[i]: request i's drafted node indices by descending f, ties by index (parents first); padding last.
+    n_acc[i, k] = 1 + f(v_1) + ... + f(v_k): expected tokens with the root and its top k nodes verified.
+    """
+
+    ranked: np.ndarray  # [n, M - 1]
+    n_acc: np.ndarray  # [n, M]
+    sizes: np.ndarray  # [n] candidate tree sizes, root included
+
+    @classmethod
+    def of(cls, lps: Sequence[np.ndarray]) -> RankedNodes:
+        lp, sizes = _padded(lps)
+        n = len(lps)
+        ranked = np.argsort(-lp[:, 1:], axis=1, kind="stable") + 1
+        f = np.exp(np.take_along_axis(lp, ranked, axis=1))
+        n_acc = 1.0 + np.concatenate([np.zeros((n, 1)), np.cumsum(f, axis=1)], axis=1)
+        return cls(ranked, n_acc, sizes)
+
+    def reach(self, n_max: int) -> np.ndarray:
+        """n_acc of the largest tree the SLO phase may give each request (|T| <= n_max)."""
+        k = np.minimum(self.sizes - 1, n_max - 1)
+        return self.n_acc[np.arange(len(k)), k]
+
+
+def slo_wishes(nodes: RankedNodes, req: np.ndarray, *, depth: int, n_max: int) -> np.ndarray:
+    """k(r): how many of its own top nodes request r takes in the SLO phase, the least k with
+    n_acc[k] >= A_cap(r) = min(A(r), d+1), at most n_max - 1 and at most its drafted nodes."""
+    a_cap = np.minimum(req, depth + 1)  # at most d drafted + 1 bonus
+    need = np.sum(nodes.n_acc < a_cap[:, None], axis=1)
+    return np.maximum(0, np.minimum(np.minimum(need, n_max - 1), nodes.sizes - 1))
+
+
+def slo_grants(want: np.ndarray, req: np.ndarray, *, budget: int, order: str) -> np.ndarray:
+    """What each request gets of its wish: the budget goes to wishes in ``order`` of A(r) (SLO_ORDERS),
+    request i gets min(k(i), what the requests before it left), a clipped running sum; ties keep batch order."""
+    by_need = np.argsort(-req if order == "largest-need" else req, kind="stable")
+    before = np.cumsum(want[by_need]) - want[by_need]
+    k = np.empty(len(want), np.int64)
+    k[by_need] = np.clip(budget - len(want) - before, 0, want[by_need])  # every root costs 1; never over budget
+    return k
+
+
 def _slo_phase(lps: Sequence[np.ndarray], req: np.ndarray, *, budget: int, depth: int,
                n_max: int, order: str = "largest-need") -> list[np.ndarray]:
     """Algorithm 2 lines 3-17. Returns the chosen node indices per request (root first).
 
     Vectorised over the batch: each request's wish k(r) (its own highest-f nodes until n_acc >= A_cap(r),
-    at most n_max - 1) is computed for all at once; the budget then goes to them in ``order`` of A(r)
-    (SLO_ORDERS): request i gets min(k(i), what the requests before it left), a clipped running sum.
+    at most n_max - 1) is computed for all at once (slo_wishes); the budget then goes to them in ``order``
+    of A(r) (slo_grants).
     """
-    n = len(lps)
-    if n == 0:
+    if len(lps) == 0:
         return []
-    lp, sizes = _padded(lps)
-    # each request's drafted nodes by descending f, ties by index (parents first); padding sorts last
-    ranked = np.argsort(-lp[:, 1:], axis=1, kind="stable") + 1
-    f = np.exp(np.take_along_axis(lp, ranked, axis=1))
-    # n_acc after taking k nodes: 1.0 (root) + f(v_1) + ... + f(v_k); need = least k with n_acc[k] >= A_cap
-    n_acc = 1.0 + np.concatenate([np.zeros((n, 1)), np.cumsum(f, axis=1)], axis=1)
-    a_cap = np.minimum(req, depth + 1)  # A_cap(r) = min(A(r), d+1): at most d drafted + 1 bonus
-    need = np.sum(n_acc < a_cap[:, None], axis=1)
-    want = np.maximum(0, np.minimum(np.minimum(need, n_max - 1), sizes - 1))  # |T| <= n_max
-    # largest (or smallest) A(r) first; ties keep batch order
-    by_need = np.argsort(-req if order == "largest-need" else req, kind="stable")
-    before = np.cumsum(want[by_need]) - want[by_need]
-    k = np.empty(n, np.int64)
-    k[by_need] = np.clip(budget - n - before, 0, want[by_need])  # every root costs 1; never over budget
-    return [np.concatenate(([0], ranked[i, : k[i]])) for i in range(n)]
+    nodes = RankedNodes.of(lps)
+    k = slo_grants(slo_wishes(nodes, req, depth=depth, n_max=n_max), req, budget=budget, order=order)
+    return [np.concatenate(([0], nodes.ranked[i, : k[i]])) for i in range(len(lps))]
 
 
 def _throughput_phase(lps: Sequence[np.ndarray], chosen: Sequence[np.ndarray], *,
@@ -165,7 +198,7 @@ def adaserve_phases(cands: Sequence[TokenTree], requirements: Sequence[float], *
     """Algorithm 2's two phases apart: the nodes after the SLO phase and after the throughput phase, per
     request (unsorted). The bench counts how many nodes each phase assigned."""
     req = _validated(cands, requirements, budget=budget, depth=depth, n_max=n_max)
-    lps = [_strict_log_probs(c) for c in cands]
+    lps = [strict_log_probs(c) for c in cands]
     if order not in SLO_ORDERS:
         raise ValueError(f"SLO order must be one of {', '.join(SLO_ORDERS)}, got {order!r}")
     slo = _slo_phase(lps, req, budget=budget, depth=depth, n_max=n_max, order=order)
@@ -175,7 +208,7 @@ def adaserve_phases(cands: Sequence[TokenTree], requirements: Sequence[float], *
 def select_global_greedy(cands: Sequence[TokenTree], *, budget: int) -> list[list[int]]:
     """GlobalGreedy: roots, then the globally highest-f nodes until the budget is spent (no SLO phase)."""
     _check_roots_fit(len(cands), budget)
-    lps = [_strict_log_probs(c) for c in cands]
+    lps = [strict_log_probs(c) for c in cands]
     roots = [np.zeros(1, np.int64) for _ in cands]
     return _as_lists(_throughput_phase(lps, roots, budget=budget))
 
@@ -188,7 +221,7 @@ def select_equal_greedy(cands: Sequence[TokenTree], *, budget: int) -> list[list
     out = []
     for i, c in enumerate(cands):
         share = budget // n + (1 if i < budget % n else 0)
-        order = _rank(_strict_log_probs(c), np.arange(1, c.size))
+        order = _rank(strict_log_probs(c), np.arange(1, c.size))
         out.append(np.concatenate(([0], order[: share - 1])))
     return _as_lists(out)
 

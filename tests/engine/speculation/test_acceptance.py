@@ -31,7 +31,7 @@ def test_without_data_the_value_is_the_drafts_own_path_probability() -> None:
 
 
 def test_counts_make_favourite_children_worth_what_they_were_accepted() -> None:
-    acc = RankAcceptance(prior_weight=1.0, decay=1.0)
+    acc = RankAcceptance(prior_weight=1.0, decay=1.0, q_bins=1)
     for _ in range(99):
         acc.observe(tree(), [0, 1, 3])  # the favourite child accepted at every level
     rates = acc.rates()
@@ -46,6 +46,31 @@ def test_counts_make_favourite_children_worth_what_they_were_accepted() -> None:
 def test_only_nodes_whose_parent_was_accepted_are_trials() -> None:
     acc = RankAcceptance(decay=1.0)
     acc.observe(tree(), [0, 2])  # b accepted: a rejected; c and d under a were never tried
-    assert acc.trials[:2].tolist() == [1.0, 1.0] and acc.hits[:2].tolist() == [0.0, 1.0]
+    assert acc.trials.sum(axis=1)[:2].tolist() == [1.0, 1.0] and acc.hits.sum(axis=1)[:2].tolist() == [0.0, 1.0]
     acc.observe(TokenTree.root(3), [0])  # nothing drafted: nothing learnt
     assert acc.trials.sum() == 2.0
+
+
+def test_nodes_the_draft_was_unsure_of_learn_their_own_rate() -> None:
+    # root -> a (q 0.9), b (q 0.05); a -> c (q 0.3), d (q 0.2). a, a favourite child the draft is sure of, is
+    # always accepted; c, a favourite child it is unsure of, never. With q bins each learns its own rate;
+    # by rank alone they share one.
+    parents = np.array([-1, 0, 0, 1, 1])
+    q = np.array([1.0, 0.9, 0.05, 0.3, 0.2])
+    lp = np.zeros(5)
+    for i in range(1, 5):
+        lp[i] = lp[parents[i]] + np.log(q[i])
+    t = TokenTree(np.arange(5, dtype=np.int64), parents, lp)
+    binned, pooled = RankAcceptance(prior_weight=1.0, decay=1.0), RankAcceptance(prior_weight=1.0, decay=1.0, q_bins=1)
+    for _ in range(99):
+        binned.observe(t, [0, 1])
+        pooled.observe(t, [0, 1])
+    f = np.exp(binned.calibrate(t).log_probs)
+    assert f[1] == pytest.approx((99 + 0.9) / 100) and f[3] / f[1] == pytest.approx(0.3 / 100)
+    g = np.exp(pooled.calibrate(t).log_probs)
+    assert g[1] == pytest.approx((99 + 0.9) / 199) and g[3] / g[1] == pytest.approx((99 + 0.3) / 199)
+
+
+def test_bins_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="q_bins"):
+        RankAcceptance(q_bins=0)

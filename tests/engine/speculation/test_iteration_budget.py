@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from adaserve.engine.model.tree import TokenTree
-from adaserve.engine.speculation.iteration_budget import goodput_budget
+from adaserve.engine.speculation.iteration_budget import goodput_budget, slo_budget
 
 
 def chain(probs: list[float]) -> TokenTree:
@@ -58,3 +58,41 @@ def test_the_search_finds_the_same_peak_as_trying_every_k() -> None:
         brute = max(n, n + int(np.argmax(rate)))
         got = goodput_budget(cands, floor=n, t_spent_s=spent, t_target=t_target)
         assert rate[got - n] == rate[brute - n], trial  # the same peak (ties may pick another k)
+
+
+# ---- the SLO rule ----------------------------------------------------------------------------------------
+def _slo(cands: list[TokenTree], base: list[float], tpot_s: list[float], cost, margin: float = 0.0) -> int:
+    rate = 1.0 / np.array(tpot_s)
+    return slo_budget(cands, base=np.array(base), rate=rate, margin=np.full(len(cands), margin), depth=4, n_max=16,
+                      order="smallest-need", t_spent_s=0.0, t_target=cost)
+
+
+def test_slo_rule_stops_before_a_longer_iteration_pushes_a_request_off_its_target() -> None:
+    # one urgent request (36 ms TPOT, A(T) = 1 + T / 0.036) among seven with slack; every candidate node is
+    # likely, so the goodput rule verifies all 40, and the 0.19 s iteration needs 6.3 tokens of the urgent
+    # request, more than its whole tree holds (1 + 0.95 + 0.9 + 0.85 + 0.8 = 4.5)
+    cands = [chain([0.95, 0.9, 0.85, 0.8])] * 8
+    cost = lambda k: 0.03 + 0.004 * k  # noqa: E731
+    base, tpot = [1.0] + [-50.0] * 7, [0.036] + [0.15] * 7
+    reach = 4.5
+    g = goodput_budget(cands, floor=8, t_spent_s=0.0, t_target=cost)
+    assert g == 40 and 1 + cost(g) / 0.036 > reach
+    b = _slo(cands, base, tpot, cost)
+    assert 1 + cost(b) / 0.036 <= reach + 1e-9  # the urgent request can still be on target
+    assert 8 < b < 40  # and it verifies more than the roots where that costs nobody their target
+
+
+def test_slo_rule_is_the_goodput_peak_when_everyone_has_slack() -> None:
+    cands = [chain([0.9, 0.05])] * 8
+    linear = lambda k: 0.01 + 0.001 * k  # noqa: E731
+    b = _slo(cands, [-100.0] * 8, [0.05] * 8, linear)
+    assert b == 16  # test_stops_where_the_next_token_is_worth_less_than_it_costs: the E/T peak, on the grid
+
+
+def test_slo_rule_is_not_pulled_up_by_a_hopeless_request() -> None:
+    # one request 50 tokens behind: no tree saves it this iteration, so it does not buy a longer iteration
+    cands = [chain([0.95, 0.9, 0.85, 0.8])] * 8
+    cost = lambda k: 0.03 + 0.004 * k  # noqa: E731
+    with_hopeless = _slo(cands, [50.0, 1.0] + [-50.0] * 6, [0.036] * 2 + [0.15] * 6, cost)
+    without = _slo(cands, [-50.0, 1.0] + [-50.0] * 6, [0.036] * 2 + [0.15] * 6, cost)
+    assert with_hopeless == without

@@ -81,6 +81,23 @@ def test_every_policy_is_lossless_with_arrivals_and_aborts(policy: str, draft: s
         assert sum(m.tokens_accepted for m in eng.history) > 0
 
 
+@pytest.mark.parametrize("budget_rule", ["slo", "knee"])
+def test_budget_rules_are_lossless(budget_rule: str, target_dir: Path, references) -> None:
+    """The SLO budget rule (iteration_budget.slo_budget) and the fixed knee only change how much is verified."""
+    eng = engine(target_dir, target_dir, "adaserve", budget=20, prefill_chunk=24, budget_rule=budget_rule)
+    reqs = mixed_workload(12, 3)
+    for r in reqs:
+        eng.add_request(r)
+    while eng.has_work:
+        eng.step()
+    assert all(r.output_ids == references[r.request_id] for r in reqs)
+    assert sum(m.tokens_accepted for m in eng.history) > 0
+    if budget_rule == "slo":  # B moves with the batch's SLOs, from the roots up, never past the candidates
+        spec = [m for m in eng.history if m.depth]
+        assert spec and all(m.n_decode <= m.budget for m in spec)
+        assert len({m.budget for m in spec}) > 1
+
+
 def test_tight_slo_gets_more_verified_tokens(target_dir: Path) -> None:
     """Same batch, same prompts: requests 5 ms behind schedule get deeper trees than relaxed ones.
 

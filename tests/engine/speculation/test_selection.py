@@ -58,7 +58,7 @@ def slo_phase(cands: list[TokenTree], requirements: list[float], *, budget: int,
     """Algorithm 2's first phase alone: the step select_adaserve runs before spending the rest of B.
     Private in the engine (nothing serves with it alone), so reached here through the module."""
     req = selection._validated(cands, requirements, budget=budget, depth=depth, n_max=n_max)
-    lps = [selection._strict_log_probs(c) for c in cands]
+    lps = [selection.strict_log_probs(c) for c in cands]
     return selection._as_lists(selection._slo_phase(lps, req, budget=budget, depth=depth, n_max=n_max))
 
 

@@ -337,8 +337,11 @@ class Engine:
             # the accepted path stopped short of the tree's deepest level: a rejection
             rejections += tree.size > 1 and res.num_accepted < int(tree.depths().max())
             emitted[req.request_id] = res.tokens
-            if self.acceptance is not None:
-                self.acceptances[req.draft_index].observe(tree, res.accepted_nodes)
+        if self.acceptance is not None:  # each draft's values learn from the trees it drafted, in batch order
+            for k, acc in enumerate(self.acceptances):
+                mine = [i for i, r in enumerate(decoding) if r.draft_index == k]
+                if acc is not None and mine:
+                    acc.observe_many([trees[i] for i in mine], [decoded[i].accepted_nodes for i in mine])
         if self.pool is not None and m.depth:
             self.pool.account(decoding, trees, [len(r.tokens) for r in decoded], depth=m.depth, width=m.width)
         if segments:
@@ -458,8 +461,7 @@ class Engine:
             t1 = self.clock()
         # selection weighs nodes by f(v); "learned": acceptance by sibling rank, not the draft's own guess
         acc = self.acceptances
-        scored = cands if acc[0] is None else [acc[r.draft_index].calibrate(c) for r, c in zip(decoding, cands,
-                                                                                              strict=True)]
+        scored = cands if acc[0] is None else self._calibrated(decoding, cands)
         budget = max(self.cfg.budget, len(decoding))
         if self.cfg.budget_rule == "goodput" and is_budgeted(self.policy):
             budget = goodput_budget(scored, floor=budget, t_spent_s=t1 - t_start,
@@ -489,6 +491,16 @@ class Engine:
             for listener in self.selection_listeners:
                 listener(record)
         return trees
+
+    def _calibrated(self, decoding: list[Request], cands: list[TokenTree]) -> list[TokenTree]:
+        """Each candidate tree valued by its own draft's learnt acceptance (acceptance.py), one pass per draft."""
+        out: list[TokenTree] = list(cands)
+        for k, acc in enumerate(self.acceptances):
+            mine = [i for i, r in enumerate(decoding) if r.draft_index == k]
+            if acc is not None and mine:
+                for i, t in zip(mine, acc.calibrate_many([cands[i] for i in mine]), strict=True):
+                    out[i] = t
+        return out
 
     def _emit(self, emitted: dict[str, list[int]], m: StepMetrics) -> list[TokenEvent]:
         now = self.clock()

@@ -321,6 +321,9 @@ class ReplayEngine:
                 r.phase = DECODE
                 emitted.append((r, 1))
         accepted_total = proposed = rejections = verified = 0
+        if self.acceptance is not None:  # learnt values count every verified tree
+            seen = [v for v in verified_trees if v.tree is not None and v.path is not None]
+            self.acceptance.observe_many([v.tree for v in seen], [v.path for v in seen])  # type: ignore[misc]
         for r, v in zip(decoding, verified_trees, strict=True):
             r.accepted_per_step.append(v.accepted)
             r.verified_per_step.append(v.size)
@@ -329,8 +332,6 @@ class ReplayEngine:
             proposed += v.size - 1
             rejections += v.size > 1 and v.accepted < v.depth  # the path stopped short of the deepest level
             emitted.append((r, v.accepted + 1))
-            if self.acceptance is not None and v.tree is not None and v.path is not None:
-                self.acceptance.observe(v.tree, v.path)
         if proposed:
             self.policy.observe(accepted_total, proposed)
             self.policy.observe_paths(accepted_total, rejections)
@@ -387,7 +388,7 @@ class ReplayEngine:
         t1 = self.now
         cands, on_path = replay_trees(self.bank, [r.record for r in decoding], [r.emitted for r in decoding],
                                       shape, self.rng)
-        scored = cands if self.acceptance is None else [self.acceptance.calibrate(c) for c in cands]
+        scored = cands if self.acceptance is None else self.acceptance.calibrate_many(cands)
         budget = max(self.cfg.budget, len(decoding))
         if self.cfg.budget_rule == "goodput" and is_budgeted(self.policy):
             budget = goodput_budget(scored, floor=budget, t_spent_s=t1 - t_start,

@@ -27,6 +27,7 @@ exactly the target's, whatever f says (§7).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,19 +38,64 @@ from adaserve.engine.model.tree import TokenTree
 def sibling_ranks(tree: TokenTree) -> np.ndarray:
     """rank[i]: 0 for the child of its parent with the highest draft conditional probability, 1 for the
     next, ...; the root gets 0. Selection by f keeps a prefix of every sibling list in this order."""
-    m = tree.size
-    ranks = np.zeros(m, np.int64)
-    if m <= 1:
-        return ranks
-    nodes = np.arange(1, m)
-    par = tree.parents[1:]
-    cond = tree.log_probs[1:] - tree.log_probs[par]
-    order = np.lexsort((nodes, -cond, par))  # group by parent, best child first
-    sorted_par = par[order]
-    starts = np.r_[0, np.flatnonzero(np.diff(sorted_par)) + 1]
-    group_start = np.repeat(starts, np.diff(np.r_[starts, len(order)]))
-    ranks[nodes[order]] = np.arange(len(order)) - group_start
+    ranks = np.zeros(tree.size, np.int64)
+    ranks[1:] = _Forest.of([tree]).sibling_ranks()
     return ranks
+
+
+@dataclass(frozen=True)
+class _Forest:
+    """A batch of trees laid end to end: node j of tree i is node offsets[i] + j, and ``parents`` point within
+    the forest (-1 at each root). One numpy pass then serves every tree of an iteration."""
+
+    parents: np.ndarray  # [N]
+    log_probs: np.ndarray  # [N]
+    offsets: np.ndarray  # [n] each tree's first node
+    tree_of: np.ndarray  # [N] which tree a node belongs to
+    drafted: np.ndarray  # the non-root nodes, ascending
+
+    @classmethod
+    def of(cls, trees: Sequence[TokenTree]) -> _Forest:
+        sizes = np.fromiter((t.size for t in trees), np.int64, len(trees))
+        offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+        tree_of = np.repeat(np.arange(len(trees)), sizes)
+        parents = np.concatenate([t.parents for t in trees]) if trees else np.zeros(0, np.int64)
+        parents = np.where(parents >= 0, parents + offsets[tree_of], -1)
+        log_probs = np.concatenate([t.log_probs for t in trees]) if trees else np.zeros(0)
+        return cls(parents, log_probs, offsets, tree_of, np.flatnonzero(parents >= 0))
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    def cond_log_probs(self) -> np.ndarray:
+        """log q(v) = log f(v) - log f(parent) for every drafted node."""
+        d = self.drafted
+        return self.log_probs[d] - self.log_probs[self.parents[d]]
+
+    def sibling_ranks(self) -> np.ndarray:
+        """Every drafted node's rank among its siblings (sibling_ranks), in ``drafted`` order."""
+        d = self.drafted
+        par = self.parents[d]
+        order = np.lexsort((d, -self.cond_log_probs(), par))  # group by parent, best child first
+        sorted_par = par[order]
+        starts = np.r_[0, np.flatnonzero(np.diff(sorted_par)) + 1]
+        group_start = np.repeat(starts, np.diff(np.r_[starts, len(order)]))
+        ranks = np.empty(len(d), np.int64)
+        ranks[order] = np.arange(len(order)) - group_start
+        return ranks
+
+    def path_sums(self, x: np.ndarray) -> np.ndarray:
+        """s[v] = sum of x over v's path from its root (root included), by pointer jumping: jump[v] is an
+        ancestor 2^k steps up after k passes; s[v] += s[jump[v]] doubles the reach, O(log depth) passes."""
+        s = x.astype(np.float64, copy=True)
+        jump = self.parents.copy()
+        while True:
+            live = np.flatnonzero(jump >= 0)
+            if live.size == 0:
+                return s
+            s[live] = s[live] + s[jump[live]]
+            jump[live] = jump[jump[live]]
 
 
 @dataclass
@@ -67,39 +113,53 @@ class RankAcceptance:
         self.hits = np.zeros((self.max_rank + 1, self.q_bins))
         self.trials = np.zeros((self.max_rank + 1, self.q_bins))
 
-    def _cells(self, tree: TokenTree) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(rank, q bin, q) of every drafted node (nodes 1..m-1)."""
-        ranks = np.minimum(sibling_ranks(tree)[1:], self.max_rank)
-        q = np.exp(tree.log_probs[1:] - tree.log_probs[tree.parents[1:]])
-        bins = np.minimum((q * self.q_bins).astype(np.int64), self.q_bins - 1)
-        return ranks, bins, q
-
     def calibrate(self, tree: TokenTree) -> TokenTree:
         """The same tree with log f(v) = sum of log p along v's path (see the module docstring)."""
-        if tree.size <= 1:
-            return tree
-        ranks, bins, q = self._cells(tree)
+        return self.calibrate_many([tree])[0]
+
+    def calibrate_many(self, trees: Sequence[TokenTree]) -> list[TokenTree]:
+        """``calibrate`` for a whole batch in one pass over the trees laid end to end (_Forest)."""
+        forest = _Forest.of(trees)
+        if forest.drafted.size == 0:
+            return list(trees)
+        ranks, bins, q = self._cells(forest)
         p = (self.hits[ranks, bins] + self.prior_weight * q) / (self.trials[ranks, bins] + self.prior_weight)
-        log_p = np.log(np.clip(p, 1e-9, 1.0 - 1e-9))
-        lp = np.zeros(tree.size)
-        depth = tree.depths()
-        for level in range(1, int(depth.max()) + 1):  # parents first: log f(v) = log f(parent) + log p(v)
-            nodes = np.flatnonzero(depth == level)
-            lp[nodes] = lp[tree.parents[nodes]] + log_p[nodes - 1]
-        return TokenTree(tree.tokens, tree.parents, lp)
+        log_p = np.zeros(forest.size)
+        log_p[forest.drafted] = np.log(np.clip(p, 1e-9, 1.0 - 1e-9))
+        lf = forest.path_sums(log_p)  # log f(v) = log f(parent) + log p(v)
+        return [t if t.size <= 1 else TokenTree.trusted(t.tokens, t.parents, lf[o : o + t.size])
+                for t, o in zip(trees, forest.offsets, strict=True)]
 
     def observe(self, tree: TokenTree, accepted_nodes: list[int]) -> None:
         """Count one verified tree: every node whose parent was accepted is a trial."""
-        if tree.size <= 1:
+        self.observe_many([tree], [accepted_nodes])
+
+    def observe_many(self, trees: Sequence[TokenTree], accepted: Sequence[Sequence[int]]) -> None:
+        """``observe`` for a batch, in order: counts decay once per tree with drafted nodes, so a tree's counts
+        carry decay ** (such trees after it in the batch), as one ``observe`` after another would give."""
+        forest = _Forest.of(trees)
+        if forest.drafted.size == 0:
             return
-        self.hits *= self.decay
-        self.trials *= self.decay
-        on_path = np.zeros(tree.size, bool)
-        on_path[accepted_nodes] = True
-        ranks, bins, _ = self._cells(tree)
-        tried = np.flatnonzero(on_path[tree.parents[1:]])  # drafted nodes (index - 1) whose parent was accepted
-        np.add.at(self.trials, (ranks[tried], bins[tried]), 1.0)
-        np.add.at(self.hits, (ranks[tried], bins[tried]), on_path[tried + 1].astype(float))
+        on_path = np.zeros(forest.size, bool)
+        for nodes, o in zip(accepted, forest.offsets, strict=True):
+            on_path[np.asarray(nodes, np.int64) + o] = True
+        drafted_tree = np.array([t.size > 1 for t in trees])
+        later = np.cumsum(drafted_tree[::-1])[::-1] - drafted_tree  # trees with drafted nodes after each one
+        self.hits *= self.decay ** int(drafted_tree.sum())
+        self.trials *= self.decay ** int(drafted_tree.sum())
+        ranks, bins, _ = self._cells(forest)
+        tried = on_path[forest.parents[forest.drafted]]  # drafted nodes whose parent was accepted
+        weight = (self.decay ** later[forest.tree_of[forest.drafted]])[tried]
+        cells = (ranks[tried], bins[tried])
+        np.add.at(self.trials, cells, weight)
+        np.add.at(self.hits, cells, weight * on_path[forest.drafted][tried])
+
+    def _cells(self, forest: _Forest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rank, q bin, q) of every drafted node of the forest, in ``forest.drafted`` order."""
+        ranks = np.minimum(forest.sibling_ranks(), self.max_rank)
+        q = np.exp(forest.cond_log_probs())
+        bins = np.minimum((q * self.q_bins).astype(np.int64), self.q_bins - 1)
+        return ranks, bins, q
 
     def rates(self) -> list[float | None]:
         """Observed acceptance by rank, over every q bin (None where nothing was tried), for reports."""

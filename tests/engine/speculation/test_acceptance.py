@@ -74,3 +74,45 @@ def test_nodes_the_draft_was_unsure_of_learn_their_own_rate() -> None:
 def test_bins_must_be_positive() -> None:
     with pytest.raises(ValueError, match="q_bins"):
         RankAcceptance(q_bins=0)
+
+
+def _random_tree(rng: np.random.Generator, size: int) -> TokenTree:
+    parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, size)], np.int64)
+    lp = np.zeros(size)
+    for i in range(1, size):
+        lp[i] = lp[parents[i]] + np.log(rng.uniform(0.01, 1.0))
+    return TokenTree(rng.integers(0, 100, size), parents, lp)
+
+
+def _reference_calibrate(acc: RankAcceptance, tree: TokenTree) -> np.ndarray:
+    """log f by the definition, one node at a time (parents come first)."""
+    ranks = np.minimum(sibling_ranks(tree), acc.max_rank)
+    lf = np.zeros(tree.size)
+    for v in range(1, tree.size):
+        q = np.exp(tree.log_probs[v] - tree.log_probs[tree.parents[v]])
+        b = min(int(q * acc.q_bins), acc.q_bins - 1)
+        p = (acc.hits[ranks[v], b] + acc.prior_weight * q) / (acc.trials[ranks[v], b] + acc.prior_weight)
+        lf[v] = lf[tree.parents[v]] + np.log(np.clip(p, 1e-9, 1 - 1e-9))
+    return lf
+
+
+def test_a_batch_is_calibrated_and_counted_as_tree_after_tree() -> None:
+    rng = np.random.default_rng(7)
+    one, many = RankAcceptance(decay=0.9), RankAcceptance(decay=0.9)
+    for _ in range(20):
+        trees = [_random_tree(rng, int(rng.integers(1, 12))) for _ in range(int(rng.integers(1, 6)))]
+        paths = []
+        for t in trees:  # an accepted path: root, then a random walk down
+            path, v = [0], 0
+            while (kids := np.flatnonzero(t.parents == v)).size and rng.random() < 0.7:
+                v = int(rng.choice(kids))
+                path.append(v)
+            paths.append(path)
+        for t, cal in zip(trees, many.calibrate_many(trees), strict=True):
+            assert np.allclose(cal.log_probs, _reference_calibrate(one, t))
+            assert cal.tokens is t.tokens and cal.parents is t.parents
+        for t, p in zip(trees, paths, strict=True):
+            one.observe(t, p)
+        many.observe_many(trees, paths)
+        assert np.allclose(one.hits, many.hits) and np.allclose(one.trials, many.trials)
+    assert one.trials.sum() > 10

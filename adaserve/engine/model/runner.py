@@ -25,6 +25,26 @@ class ForwardRecord:
     wall_s: float  # host time the call took (no device sync: exact on CPU only)
 
 
+def joined_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)`` of 2-D row blocks, without the copy when they are consecutive blocks of one tensor
+    (``ModelRunner.forward``'s per-segment logits are): a view of those rows instead (issue 30: a level's
+    or a verification's logits are [rows, V], and copying them cost as much as reducing them)."""
+    first = parts[0]
+    if first.dim() == 2 and first.is_contiguous():
+        rows, width = first.shape
+        at = first.storage_offset() + rows * width
+        storage = first.untyped_storage().data_ptr()
+        for p in parts[1:]:
+            if (p.dim() != 2 or p.shape[1] != width or not p.is_contiguous() or p.dtype != first.dtype
+                    or p.storage_offset() != at or p.untyped_storage().data_ptr() != storage):
+                break
+            rows += p.shape[0]
+            at += p.shape[0] * width
+        else:
+            return first.as_strided((rows, width), (width, 1))
+    return torch.cat(parts)
+
+
 class ForwardSettings(Protocol):
     """What a runner reads of its configuration: ``engine.config.EngineConfig`` is one."""
 

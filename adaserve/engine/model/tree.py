@@ -17,6 +17,11 @@ import numpy as np
 # path probability can never take a child before its parent (docs/architecture.md §5: ties orphan nodes).
 STRICT_DECREASE_EPS = 1e-6
 
+_ROOT_PARENTS = np.array([-1], np.int64)
+_ROOT_PARENTS.flags.writeable = False
+_ROOT_DEPTHS = np.zeros(1, np.int64)
+_ROOT_DEPTHS.flags.writeable = False
+
 
 @dataclass(frozen=True)
 class TokenTree:
@@ -42,24 +47,41 @@ class TokenTree:
 
     # ---- constructors -------------------------------------------------------------------------
     @classmethod
-    def trusted(cls, tokens: np.ndarray, parents: np.ndarray, log_probs: np.ndarray) -> TokenTree:
+    def trusted(cls, tokens: np.ndarray, parents: np.ndarray, log_probs: np.ndarray, *,
+                depths: np.ndarray | None = None, is_chain: bool | None = None) -> TokenTree:
         """A tree from arrays whose invariants hold by construction (a subtree of a valid tree, a builder
         that appends children after their parents): the checks of ``__post_init__`` are skipped, which
-        matters where thousands of trees are built per second (the replay clock, bench/sim/replay.py)."""
+        matters where thousands of trees are built per second (the replay clock, bench/sim/replay.py, and
+        every iteration's candidate, selected and root trees, issue 30).
+
+        ``depths`` / ``is_chain``: the structure when the builder already knows it (a subtree keeps its
+        nodes' depths, every beam tree of one search has the same level sizes); they seed the caches that
+        ``depths()`` and ``is_chain`` would otherwise compute. ``depths`` must be read-only."""
         tree = object.__new__(cls)
         object.__setattr__(tree, "tokens", tokens)
         object.__setattr__(tree, "parents", parents)
         object.__setattr__(tree, "log_probs", log_probs)
+        # cached_property keeps its value in the instance dict: seeding it there is what a first read stores
+        if depths is not None:
+            tree.__dict__["_depths"] = depths
+        if is_chain is not None:
+            tree.__dict__["_is_chain"] = is_chain
         return tree
 
     @staticmethod
     def root(token: int) -> TokenTree:
-        return TokenTree(np.array([token], np.int64), np.array([-1], np.int64), np.zeros(1))
+        return TokenTree.trusted(np.array([token], np.int64), _ROOT_PARENTS, np.zeros(1), depths=_ROOT_DEPTHS,
+                                 is_chain=True)
 
     @staticmethod
     def chain(tokens: Sequence[int]) -> TokenTree:
         m = len(tokens)
-        return TokenTree(np.asarray(tokens, np.int64), np.arange(-1, m - 1, dtype=np.int64), np.zeros(m))
+        if m == 0:
+            raise ValueError("a token tree needs at least its root")
+        depths = np.arange(m, dtype=np.int64)
+        depths.flags.writeable = False
+        return TokenTree.trusted(np.asarray(tokens, np.int64), np.arange(-1, m - 1, dtype=np.int64), np.zeros(m),
+                                 depths=depths, is_chain=True)
 
     @staticmethod
     def from_lists(tokens: Sequence[int], parents: Sequence[int],
@@ -140,13 +162,22 @@ class TokenTree:
             raise ValueError(f"node {old} selected without its parent {int(self.parents[old])}: "
                              "tree would be disconnected")
         parents = np.concatenate([[-1], new_index[old_parents]])
-        return TokenTree.trusted(self.tokens[keep], parents, self.log_probs[keep])  # checked above
+        # closed under parents: every kept node keeps its depth
+        depths = self.depths()[keep]
+        depths.flags.writeable = False
+        return TokenTree.trusted(self.tokens[keep], parents, self.log_probs[keep], depths=depths)  # checked above
 
     def with_strict_decrease(self, eps: float = STRICT_DECREASE_EPS) -> TokenTree:
-        """Nudge ties so every child's path probability is strictly below its parent's."""
-        lp = self.log_probs.copy()
+        """Nudge ties so every child's path probability is strictly below its parent's (the same tree when
+        every child already is: the nudge would change nothing)."""
+        lp = self.log_probs
+        if self.size <= 1 or bool(np.all(lp[1:] <= lp[self.parents[1:]] - eps)):
+            return self
+        lp = lp.copy()
         depth = self.depths()
         for level in range(1, int(depth.max(initial=0)) + 1):  # parents are final before their children
             nodes = np.flatnonzero(depth == level)
             lp[nodes] = np.minimum(lp[nodes], lp[self.parents[nodes]] - eps)
-        return TokenTree(self.tokens, self.parents, lp)
+        # the same structure: only log_probs changed, and a minimum of finite values is finite
+        return TokenTree.trusted(self.tokens, self.parents, lp, depths=depth,
+                                 is_chain=self.__dict__.get("_is_chain"))

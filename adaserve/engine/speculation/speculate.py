@@ -23,8 +23,8 @@ import torch
 
 from adaserve.engine.model.batch import DeviceNodes, Segment
 from adaserve.engine.model.kv_cache import SequenceKV
-from adaserve.engine.model.runner import ForwardRecord, ModelRunner
-from adaserve.engine.model.tree import TokenTree
+from adaserve.engine.model.runner import ForwardRecord, ModelRunner, joined_rows
+from adaserve.engine.model.tree import STRICT_DECREASE_EPS, TokenTree
 
 
 @dataclass
@@ -100,10 +100,32 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
         draft.cache.truncate(x.seq, x.seq.length)
     toks, pars, lps = _to_host(levels, checks)
     roots = np.asarray([x.pending[-1] for x in inputs], np.int64)[:, None]
+    return build_trees(roots, toks, pars, lps, [t.shape[1] for t, _, _ in levels])
+
+
+def build_trees(roots: np.ndarray, toks: np.ndarray, pars: np.ndarray, lps: np.ndarray,
+                level_sizes: list[int], eps: float = STRICT_DECREASE_EPS) -> list[TokenTree]:
+    """Every request's candidate tree from the search's [n, nodes] arrays (roots [n, 1]; parents as tree
+    indices, the root being 0), with ``TokenTree.with_strict_decrease`` applied to all of them at once.
+
+    Every tree of one search has the same level sizes, so the nudge runs level by level over [n, level]
+    columns, the depths are one shared array, and the trees need no per-tree checks: parents precede their
+    children by construction and ``_to_host`` has refused non-finite log-probs.
+    """
+    n = roots.shape[0]
     toks = np.concatenate([roots, toks], axis=1)
     pars = np.concatenate([np.full((n, 1), -1, np.int64), pars], axis=1)
     lps = np.concatenate([np.zeros((n, 1)), lps], axis=1)
-    return [TokenTree(toks[r], pars[r], lps[r]).with_strict_decrease() for r in range(n)]
+    rows = np.arange(n)[:, None]
+    start = 1
+    for size in level_sizes:  # parents are final before their children
+        cols = slice(start, start + size)
+        lps[:, cols] = np.minimum(lps[:, cols], lps[rows, pars[:, cols]] - eps)
+        start += size
+    depths = np.repeat(np.arange(len(level_sizes) + 1), [1, *level_sizes])
+    depths.flags.writeable = False
+    chain = all(size == 1 for size in level_sizes)
+    return [TokenTree.trusted(toks[r], pars[r], lps[r], depths=depths, is_chain=chain) for r in range(n)]
 
 
 def _seen(draft: ModelRunner, on_forward: Callable[[ForwardRecord], None] | None) -> None:
@@ -168,7 +190,8 @@ def _expand_on_device(logits: list[torch.Tensor], base: np.ndarray | torch.Tenso
         raise ValueError(f"expected {n} requests' logits of {f} rows each (one per frontier node)")
     v = logits[0].shape[-1]
     k_node = min(per_node if per_node is not None else width, v)
-    x = torch.cat(logits).float().view(n, f, v)  # every request's frontier has F rows: one batched level
+    # every request's frontier has F rows: one batched level (a view of the forward's logits, not a copy)
+    x = joined_rows(logits).float().view(n, f, v)
     top_f = torch.topk(x, k_node, dim=-1)
     values = top_f.values.double() - torch.logsumexp(x, dim=-1).double()[:, :, None]  # [n, F, k]
     if isinstance(base, np.ndarray):

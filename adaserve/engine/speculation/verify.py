@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from adaserve.engine.model.runner import joined_rows
 from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.speculation.sampling import SamplingParams, draw_rows, processed_probs
 
@@ -107,7 +108,7 @@ def draw_at_nodes(inputs: list[WalkInput]) -> Draws:
     greedy = [i for i, x in enumerate(inputs) if x.params.greedy]
     if greedy:
         # one argmax over every greedy request's rows (no copy of the logits)
-        parts.append(torch.cat([inputs[i].logits for i in greedy]).argmax(-1))
+        parts.append(joined_rows([inputs[i].logits for i in greedy]).argmax(-1))
         order += greedy
     by_setting: dict[tuple[float, int, float], list[int]] = {}
     for i, x in enumerate(inputs):
@@ -121,7 +122,7 @@ def draw_at_nodes(inputs: list[WalkInput]) -> Draws:
             states[i] = x.generator.get_state()
             u = torch.rand(int(depth.max()) + 1, generator=x.generator, dtype=torch.float64)
             us.append(u[torch.tensor(depth)])  # the uniform each node would use
-        probs = processed_probs(torch.cat([inputs[i].logits for i in members]), inputs[members[0]].params)
+        probs = processed_probs(joined_rows([inputs[i].logits for i in members]), inputs[members[0]].params)
         parts.append(draw_rows(probs, torch.cat(us).to(probs.device, non_blocking=True)))
         order += members
     ys = torch.cat(parts).tolist() if parts else []  # the one copy back

@@ -110,3 +110,34 @@ def test_subtree_of_random_selections_keeps_paths() -> None:
         order = sorted(keep)
         assert s.tokens.tolist() == order  # tokens are the old indices here
         assert [order[p] if p >= 0 else -1 for p in s.parents.tolist()] == [int(t.parents[o]) for o in order]
+
+
+def test_seeded_structure_equals_the_computed_one() -> None:
+    """Trees built with their depths already known (roots, chains, subtrees: issue 30) carry exactly what
+    ``depths()`` and ``is_chain`` compute from the parents, read-only."""
+    rng = np.random.default_rng(7)
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, 25)]
+    t = TokenTree.from_lists(list(range(25)), parents)
+    # a subtree: every node whose parent is kept, from the root down (closed under parents)
+    keep = [0]
+    for i in range(1, 25):
+        if parents[i] in keep and rng.random() < 0.7:
+            keep.append(i)
+    trees = [TokenTree.root(3), TokenTree.chain([5, 6, 7, 8]), t.subtree([0]), t.subtree(keep)]
+    for tree in trees:
+        fresh = TokenTree.from_lists(tree.tokens.tolist(), tree.parents.tolist(), tree.log_probs)
+        assert tree.depths().tolist() == fresh.depths().tolist()
+        assert tree.is_chain == fresh.is_chain
+        with pytest.raises(ValueError):
+            tree.depths()[0] = 1
+    with pytest.raises(ValueError, match="root"):
+        TokenTree.chain([])
+
+
+def test_strict_decrease_of_a_strict_tree_is_the_tree() -> None:
+    t = example()
+    assert t.with_strict_decrease() is t
+    tied = TokenTree.from_lists([1, 2, 3, 4], [-1, 0, 1, 1], [0.0, -1.0, -1.0, -2.0])
+    nudged = tied.with_strict_decrease()
+    assert nudged.log_probs.tolist() == [0.0, -1.0, -1.0 - 1e-6, -2.0]
+    assert nudged.depths().tolist() == [0, 1, 2, 2]

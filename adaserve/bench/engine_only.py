@@ -130,6 +130,8 @@ def summarize_cell(its: Sequence[IterationTimes]) -> dict[str, float]:
         "verify_other_ms": ms([i.verify - i.target_fwd for i in its]),
         "rest_ms": ms([i.step - i.speculate - i.select - i.verify for i in its]),
         "non_forward_share_cpu": 1.0 - sum(i.cpu_fwd for i in its) / max(sum(i.cpu_step for i in its), 1e-12),
+        # the same host time in process CPU time: other work on a shared machine hardly moves it
+        "non_forward_cpu_ms": ms([i.cpu_step - i.cpu_fwd for i in its]),
         "tokens_per_iteration": sum(i.tokens for i in its) / n,
         "tokens_per_s": sum(i.tokens for i in its) / total,
     }
@@ -213,7 +215,8 @@ def run_engine_only(target: ModelRunner, draft: ModelRunner, tokenizer: Any, cfg
                 if progress:
                     s = runs[(mode, n)][-1]
                     print(f"[{rep + 1}/{cfg.repeats}] {mode:5s} n={n:3d}: non-forward {s['non_forward_share']:.1%} "
-                          f"of {s['iteration_ms']:.1f} ms (cpu time {s['non_forward_share_cpu']:.1%}, "
+                          f"of {s['iteration_ms']:.1f} ms = {s['non_forward_ms']:.2f} ms (cpu time "
+                          f"{s['non_forward_share_cpu']:.1%} = {s['non_forward_cpu_ms']:.2f} ms, "
                           f"load {s['load_before']:.1f})", file=sys.stderr)
     return {"cells": cell_stats(runs)}
 
@@ -233,6 +236,12 @@ def cell_stats(runs: dict[tuple[str, int], list[dict[str, Any]]]) -> list[dict[s
             "non_forward_share_cpu_median": statistics.median(r["non_forward_share_cpu"] for r in reps),
             "iteration_ms_median": statistics.median(r["iteration_ms"] for r in reps),
             "non_forward_ms_median": statistics.median(r["non_forward_ms"] for r in reps),
+            "non_forward_ms_min": min(r["non_forward_ms"] for r in reps),
+            "non_forward_ms_max": max(r["non_forward_ms"] for r in reps),
+            **({"non_forward_cpu_ms_median": statistics.median(r["non_forward_cpu_ms"] for r in reps),
+                "non_forward_cpu_ms_min": min(r["non_forward_cpu_ms"] for r in reps),
+                "non_forward_cpu_ms_max": max(r["non_forward_cpu_ms"] for r in reps)}
+               if all("non_forward_cpu_ms" in r for r in reps) else {}),
             # counts hardly vary between repeats (the trees do); the median of each kind
             **{k: statistics.median(r[k] for r in reps) for k in CROSSING_KEYS if all(k in r for r in reps)},
             "repeats": reps,
@@ -264,7 +273,8 @@ def before_after(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> d
         for label, c in (("before", cb), ("after", ca)):
             row[label] = {k: c[k] for k in ("non_forward_share_median", "non_forward_share_min",
                                             "non_forward_share_max", "non_forward_share_cpu_median",
-                                            "iteration_ms_median", "non_forward_ms_median", *CROSSING_KEYS)
+                                            "iteration_ms_median", "non_forward_ms_median",
+                                            "non_forward_cpu_ms_median", *CROSSING_KEYS)
                           if k in c}
             row[label]["repeats"] = len(c["repeats"])
         table.append(row)

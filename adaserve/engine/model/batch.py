@@ -18,6 +18,7 @@ and the first read sends them all in one non-blocking copy.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,11 +106,14 @@ class BatchLayout:
 def page_table(segments: list[Segment], kv_lens: np.ndarray, page_size: int) -> np.ndarray:
     """[B, max pages] int64: the first ceil(kv_len / page_size) pages of each sequence, padded with 0."""
     n_pages = -(-kv_lens // page_size)
+    counts = n_pages.tolist()
     table = np.zeros((len(segments), int(n_pages.max())), np.int64)
-    for b, (s, n) in enumerate(zip(segments, n_pages.tolist(), strict=True)):
+    for b, (s, n) in enumerate(zip(segments, counts, strict=True)):
         if n > len(s.seq.pages):
             raise ValueError(f"sequence holds {len(s.seq.pages)} pages but {kv_lens[b]} keys need {n}")
-        table[b, :n] = s.seq.pages[:n]
+    # every row's pages in one assignment: the rows' leading n_b columns, in row-major order
+    flat = list(itertools.chain.from_iterable(s.seq.pages[:n] for s, n in zip(segments, counts, strict=True)))
+    table[np.arange(table.shape[1])[None, :] < n_pages[:, None]] = flat
     return table
 
 
@@ -117,9 +121,10 @@ def build_layout(segments: list[Segment], *, page_size: int, device: torch.devic
                  on_device: DeviceNodes | None = None) -> BatchLayout:
     if not segments:
         raise ValueError("a batch needs at least one segment")
-    prefix = np.fromiter((s.prefix_len for s in segments), np.int64, len(segments))
-    cached = np.fromiter((s.num_cached for s in segments), np.int64, len(segments))
-    size = np.fromiter((s.tree.size for s in segments), np.int64, len(segments))
+    trees = [s.tree for s in segments]
+    # one pass over the segments: prefix, cached nodes and tree size of each
+    prefix, cached, size = np.array([(s.prefix_len, s.num_cached, len(s.tree.tokens)) for s in segments],
+                                    np.int64).reshape(len(segments), 3).T
     n_new = size - cached
     if n_new.min() <= 0:
         raise ValueError("every segment must contribute at least one new token")
@@ -127,14 +132,19 @@ def build_layout(segments: list[Segment], *, page_size: int, device: torch.devic
     table = page_table(segments, kv_lens, page_size)
 
     ids = None if on_device is not None else np.concatenate([s.tree.tokens[s.num_cached:] for s in segments])
-    depth = np.concatenate([s.tree.depths()[s.num_cached:] for s in segments])
     # token t of segment b (row r of its new tokens) is tree node c_b + r, at token index L_b + c_b + r
     seg = np.repeat(np.arange(len(segments)), n_new)
     qo_indptr = np.concatenate([[0], np.cumsum(n_new)])
     index = prefix[seg] + cached[seg] + (np.arange(len(seg)) - qo_indptr[seg])
     slots = table[seg, index // page_size] * page_size + index % page_size
 
-    positions = prefix[seg] + depth
+    first = trees[0]
+    if all(t.is_chain for t in trees):  # a chain's node index is its depth: position = token index
+        positions = index
+    elif all(t is first for t in trees) and (cached == cached[0]).all():  # one shape for all (beam levels)
+        positions = prefix[seg] + np.tile(first.depths()[int(cached[0]):], len(segments))
+    else:
+        positions = prefix[seg] + np.concatenate([s.tree.depths()[s.num_cached:] for s in segments])
     stage = HostStage(torch.device(device))
     if on_device is None:
         assert ids is not None

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from adaserve.engine.model.attention import make_backend
@@ -105,21 +106,23 @@ class ModelRunner:
         ancestor rows) are read from the device, and the segments' trees give only their shape.
         """
         t0 = time.perf_counter()
+        if len(all_logits) != len(segments):
+            raise ValueError(f"{len(all_logits)} all_logits flags for {len(segments)} segments")
         for s in segments:
             self.cache.ensure(s.seq, s.kv_len)
-        rows: list[int] = []
-        counts: list[int] = []
-        start = 0
-        for s, want in zip(segments, all_logits, strict=True):
-            end = start + s.num_new
-            picked = range(start, end) if want else range(end - 1, end)
-            rows.extend(picked)
-            counts.append(len(picked))
-            start = end
-        logits = self.compute(segments, rows, on_device)
+        n_new = np.array([s.tree.size - s.num_cached for s in segments], np.int64)
+        if all(all_logits):
+            rows = np.arange(int(n_new.sum()))
+            counts = n_new.tolist()
+        else:  # a segment without all_logits gives its last row only
+            counts_np = np.where(np.asarray(all_logits, bool), n_new, 1)
+            ends = np.cumsum(n_new)
+            starts = np.cumsum(counts_np) - counts_np  # where each segment's picked rows begin in ``rows``
+            rows = np.arange(int(counts_np.sum())) + np.repeat(ends - counts_np - starts, counts_np)
+            counts = counts_np.tolist()
+        logits = self.compute(segments, rows.tolist(), on_device)
         out = list(torch.split(logits, counts))
-        rec = ForwardRecord(n_new=sum(s.num_new for s in segments),
-                            n_context=sum(s.prefix_len + s.num_cached for s in segments),
+        rec = ForwardRecord(n_new=int(n_new.sum()), n_context=sum(s.prefix_len + s.num_cached for s in segments),
                             wall_s=time.perf_counter() - t0)
         self.last_forward = rec
         for listener in self.forward_listeners:

@@ -55,22 +55,20 @@ class HostStage:
         """One copy of every pending array to the device, not waited for."""
         if not self._pending:
             return
-        total = sum(a.size for _, a, _ in self._pending)
-        pinned = self.device.type == "cuda"
-        host = torch.empty(max(total, 1), dtype=torch.int64, pin_memory=pinned)
-        flat = host.numpy()
-        at = 0
-        for _, a, _ in self._pending:
-            flat[at : at + a.size] = a.ravel()
-            at += a.size
+        sizes = [a.size for _, a, _ in self._pending]
+        total = sum(sizes)
+        flat = [a.ravel() for _, a, _ in self._pending]
+        if self.device.type == "cuda":  # pinned, so that the copy does not wait
+            host = torch.empty(max(total, 1), dtype=torch.int64, pin_memory=True)
+            np.concatenate(flat, out=host.numpy()[:total], casting="unsafe")
+        else:  # the device's own memory: the concatenation is the buffer
+            host = torch.from_numpy(np.concatenate([a.astype(np.int64, copy=False) for a in flat]))
         # The pinned host buffer stays referenced by ``self`` until the stage is dropped, after the forward
         # that reads it has been queued behind the copy on the same stream.
         self._host = host
         dev = host.to(self.device, non_blocking=True)
         self.copies += 1
-        at = 0
-        for name, a, dtype in self._pending:
-            part = dev[at : at + a.size].view(a.shape)
+        for (name, a, dtype), part in zip(self._pending, torch.split(dev[:total], sizes), strict=True):
+            part = part.view(a.shape)
             self._sent[name] = part if dtype == torch.int64 else part.to(dtype)
-            at += a.size
         self._pending = []

@@ -150,7 +150,9 @@ class TokenTree:
     # ---- transformations ----------------------------------------------------------------------
     def subtree(self, selected: Sequence[int]) -> TokenTree:
         """The tree made of ``selected`` nodes (must include 0 and be closed under parents), reindexed."""
-        keep = np.unique(np.asarray(selected, np.int64))
+        keep = np.asarray(selected, np.int64)
+        if keep.size > 1 and not bool((keep[1:] > keep[:-1]).all()):  # selections come sorted: no sort then
+            keep = np.unique(keep)
         if not keep.size or keep[0] != 0:
             raise ValueError("a subtree must contain the root")
         new_index = np.full(self.size, -1, np.int64)

@@ -69,16 +69,19 @@ class TorchAttention:
         for j, members in enumerate(groups):
             g = np.asarray(members)
             q_max, k_max = int(n_new[g].max()), int(kv_lens[g].max())
-            tok = np.concatenate([np.arange(indptr[b], indptr[b + 1]) for b in members])
             every = len(groups) == 1 and len(members) == len(n_new)  # one group: tokens already in order
+            # the group's flat token indices, segment by segment (issue 30: no arange per segment)
+            seg_local = np.repeat(np.arange(len(members)), n_new[g])
+            row = np.arange(len(seg_local)) - (np.cumsum(n_new[g]) - n_new[g])[seg_local]
+            tok = indptr[g][seg_local] + row
             if len(members) > 1:
-                seg_local = np.repeat(np.arange(len(members)), n_new[g])
                 stage.put(f"sdpa.{j}.seg", seg_local)
-                stage.put(f"sdpa.{j}.row", tok - indptr[g][seg_local])
+                stage.put(f"sdpa.{j}.row", row)
             # key index k of a segment lives in slot pages[k // page_size] * page_size + k % page_size;
             # padding keys repeat the last real one
             k_idx = np.minimum(np.arange(k_max)[None, :], kv_lens[g][:, None] - 1)
-            stage.put(f"sdpa.{j}.key_slots", np.take_along_axis(layout.page_table[g], k_idx // ps, 1) * ps + k_idx % ps)
+            pages = layout.page_table[g[:, None], k_idx // ps]
+            stage.put(f"sdpa.{j}.key_slots", pages * ps + k_idx % ps)
             stage.put(f"sdpa.{j}.group", g)
             if not every:
                 stage.put(f"sdpa.{j}.tok", tok)

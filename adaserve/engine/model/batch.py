@@ -18,7 +18,6 @@ and the first read sends them all in one non-blocking copy.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,11 +107,13 @@ def page_table(segments: list[Segment], kv_lens: np.ndarray, page_size: int) -> 
     n_pages = -(-kv_lens // page_size)
     counts = n_pages.tolist()
     table = np.zeros((len(segments), int(n_pages.max())), np.int64)
+    flat: list[int] = []
     for b, (s, n) in enumerate(zip(segments, counts, strict=True)):
-        if n > len(s.seq.pages):
-            raise ValueError(f"sequence holds {len(s.seq.pages)} pages but {kv_lens[b]} keys need {n}")
+        pages = s.seq.pages
+        if n > len(pages):
+            raise ValueError(f"sequence holds {len(pages)} pages but {kv_lens[b]} keys need {n}")
+        flat += pages[:n]
     # every row's pages in one assignment: the rows' leading n_b columns, in row-major order
-    flat = list(itertools.chain.from_iterable(s.seq.pages[:n] for s, n in zip(segments, counts, strict=True)))
     table[np.arange(table.shape[1])[None, :] < n_pages[:, None]] = flat
     return table
 

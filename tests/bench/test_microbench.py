@@ -119,3 +119,17 @@ def test_before_after_combines_single_cell_runs() -> None:
     assert row["before"]["non_forward_share_median"] == pytest.approx(0.07)
     assert row["after"]["non_forward_share_min"] == 0.02 and row["after"]["repeats"] == 3
     assert out["before"]["config"] == {"model": "m"}  # only the settings every run shared
+
+
+def test_cells_report_non_forward_cpu_ms_with_spread() -> None:
+    from adaserve.bench.engine_only import IterationTimes, cell_stats, summarize_cell
+
+    # 10 ms steps, 6 ms of them in forwards by the wall clock; by CPU time 8 ms steps with 6 ms of forwards
+    its = [IterationTimes(step=0.010, target_fwd=0.005, draft_fwd=0.001, speculate=0.0, select=0.0, verify=0.0,
+                          tokens=1, cpu_step=0.008 + k * 0.001, cpu_fwd=0.006) for k in range(3)]
+    rep = summarize_cell(its)
+    assert rep["non_forward_ms"] == pytest.approx(4.0)
+    assert rep["non_forward_cpu_ms"] == pytest.approx(3.0)  # (2 + 3 + 4) / 3
+    cell = cell_stats({("spec", 1): [rep, {**rep, "non_forward_cpu_ms": 5.0}, {**rep, "non_forward_cpu_ms": 1.0}]})[0]
+    assert (cell["non_forward_cpu_ms_min"], cell["non_forward_cpu_ms_median"], cell["non_forward_cpu_ms_max"]) == (
+        1.0, pytest.approx(3.0), 5.0)

@@ -99,4 +99,6 @@ def test_bounds_follow_the_draft_to_target_cost_ratio() -> None:
     assert (cpu.d_max, cpu.w_max, cpu.b2) == (4, 2, 16)
     gpu = bounds_for_device(AdaptiveConfig(), t_target_s=0.0243, t_draft_s=0.0018, draft_budget=128)
     assert (gpu.d_max, gpu.w_max, gpu.b2) == (8, 4, 128)
+    paper = bounds_for_device(AdaptiveConfig(), t_target_s=0.030, t_draft_s=0.005, draft_budget=64)  # its 1B/70B
+    assert (paper.d_max, paper.w_max) == (4, 3)
     assert bounds_for_device(AdaptiveConfig(), t_target_s=0.0, t_draft_s=1.0, draft_budget=1) == AdaptiveConfig()

@@ -22,6 +22,7 @@ from adaserve.engine.model.quant import (
     dequantize_stored,
     from_stored,
     quantizable_linears,
+    quantize_head,
     quantize_linear,
     stored_kind,
     stored_prefixes,
@@ -69,7 +70,9 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | N
     - ``auto`` (the default): as stored: a quantized layer stays as it is (a GGUF model converted for
       ``int8``, ``int4`` or ``auto``, see gguf.py), float stays float.
 
-    The embedding, the norms and the LM head are always float (quant.py says why).
+    When the decoder layers are served quantized, the LM head and the embedding are int8 (one table for a tied
+    pair) and each block's q/k/v and gate/up products are joined into one where the device allows (quant.py
+    says why); the norms are always float.
 
     ``tp``: load rank ``tp.rank``'s shard of a tensor-parallel model (parallel.py), reading only its slices.
     """
@@ -141,6 +144,9 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | N
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = model.rotary.__class__(cfg).to(device)  # buffers are not in checkpoints
+    if swapped:  # served quantized: the head and embedding in int8 too, q/k/v and gate/up joined (quant.py)
+        quantize_head(model)
+        model.fuse_projections()
     install_all_reduce(model, tp)
     model.tune_kernels()  # CPU: the fastest product per layer shape for a few rows (few_rows.py)
     return model.eval()

@@ -22,6 +22,7 @@ from adaserve.engine.model.config import ModelConfig
 from adaserve.engine.model.device_timer import DeviceTimer
 from adaserve.engine.model.few_rows import FewRowLinear
 from adaserve.engine.model.kv_cache import PagedKVCache
+from adaserve.engine.model.quant import concat_linears
 from adaserve.engine.model.rope import Rotary, apply_rotary
 
 
@@ -39,6 +40,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x / rms(x) computed in fp32, then scaled: Hugging Face's order of operations
         dtype = x.dtype
+        if dtype == torch.float32:  # the same operations without the two no-op casts (CPU decode is op-bound)
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
@@ -53,6 +56,7 @@ class Attention(nn.Module):
         self.v_proj = FewRowLinear(cfg.hidden_size, self.hkv * self.d, bias=cfg.qkv_bias)
         self.o_proj = FewRowLinear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _whole  # tensor parallel: the sum over ranks
+        self.qkv_proj: nn.Module | None = None  # q, k and v in one product (CausalLM.fuse_projections)
         if cfg.qk_norm:  # Qwen3: each head's query and key normalised over head_dim, before RoPE
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
@@ -61,6 +65,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
                 cache: PagedKVCache) -> torch.Tensor:
         t = x.shape[0]
+        if self.qkv_proj is not None and not self.qk_norm:
+            qkv = self.qkv_proj(x).view(t, self.h + 2 * self.hkv, self.d)
+            qk = apply_rotary(qkv[:, : self.h + self.hkv], cos, sin)  # q's and k's heads in one rotation
+            out = backend.forward(self.layer, qk[:, : self.h], qk[:, self.h :], qkv[:, self.h + self.hkv :], cache)
+            return self.reduce(self.o_proj(out.reshape(t, self.h * self.d)))
         q = self.q_proj(x).view(t, self.h, self.d)
         k = self.k_proj(x).view(t, self.hkv, self.d)
         if self.qk_norm:
@@ -79,8 +88,13 @@ class MLP(nn.Module):
         self.up_proj = FewRowLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = FewRowLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _whole  # tensor parallel: the sum over ranks
+        self.gate_up_proj: nn.Module | None = None  # gate and up in one product (CausalLM.fuse_projections)
+        self.intermediate = cfg.intermediate_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+            return self.reduce(self.down_proj(F.silu(gate) * up))
         return self.reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))  # SwiGLU
 
 
@@ -130,6 +144,21 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, FewRowLinear):
                 module.tune_kernels()
+
+    def fuse_projections(self) -> None:
+        """Join each block's q/k/v and gate/up layers into one product each where quant.concat_linears can (a
+        quantized model on a CPU): the same outputs bitwise, fewer calls per forward. The parts are dropped."""
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.qkv_proj is None and not attn.qk_norm:
+                attn.qkv_proj = concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+                if attn.qkv_proj is not None:
+                    attn.q_proj = attn.k_proj = attn.v_proj = None
+            if mlp.gate_up_proj is None:
+                mlp.gate_up_proj = concat_linears([mlp.gate_proj, mlp.up_proj])
+                if mlp.gate_up_proj is not None:
+                    mlp.gate_proj = mlp.up_proj = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *, backend: AttentionBackend,
                 cache: PagedKVCache, logits_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -33,12 +33,23 @@ Stored form (what the conversion cache writes for a GGUF model, and ``stored_ten
 
 It is portable: the kernels' packed layouts depend on the device (and the CPU one on its ISA), so
 packing happens at load. Which layers: every linear layer of the decoder blocks (attention q/k/v/o and
-the MLP). The token embedding and the LM head stay in float: the embedding is a row lookup (no product
-to speed up), and the LM head is tied to it in the default model (SmolLM2), so one float table serves
-both; an untied head is kept in float too, as the widest product whose rounding decides every token.
+the MLP) in the kind asked for; and, whenever those are quantized, the LM head and the token embedding in
+int8 (``quantize_head``). The head is the widest product of a small model (SmolLM2: 49152 x 576, 113 MB in
+float32, a fifth of a lone request's decode step at one thread, and as much memory as all 30 blocks in
+int4); int8 per row keeps it at 8 bits, as the GGUF file does (its table is Q8_0), where int4 would halve
+its precision. A tied pair shares one int8 table: the embedding is a row lookup of it, ``q[id] * s[id]``.
+The norms stay float.
+
+Fused products (``concat_linears``): on CPU a decoder block's q/k/v and gate/up layers of one kind are
+joined into one layer each (``CausalLM.fuse_projections``), 4 kernel calls a block instead of 7. The CPU
+packing works in blocks of 64 rows (int8: row by row) and each output column is computed on its own, so a
+layer joined from parts that fill whole blocks gives bitwise its parts' outputs side by side (tested):
+fusing changes the speed, never the served function. Parts that do not fill their blocks stay apart.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -48,6 +59,7 @@ KINDS = ("int8", "int4")
 INT4_GROUP = 32  # GGUF's block size; the int4 kernels take 32, 64, 128 or 256
 _INT4_GROUPS = (32, 64, 128, 256)
 _CUDA_INNER_K_TILES = (8, 4, 2)
+_CPU_PACK_ROWS = 64  # the CPU int4 packing interleaves rows in blocks of 64 (concat_linears)
 KERNEL_DTYPE = torch.bfloat16  # the activations' dtype inside both kernels (see the module docstring)
 
 
@@ -73,15 +85,22 @@ class QuantLinear(nn.Module):
 
     kind = ""
 
-    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        # zero-size, in the float dtype and on the device the layer computes for: code that reads a linear
+        # layer's ``weight.dtype`` / ``weight.device`` (the runner reads the LM head's) keeps working
+        self.register_buffer("weight", torch.empty(0, dtype=dtype, device=device), persistent=False)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] contiguous
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.is_contiguous():  # the usual case: [T, K], one call fewer per op
+            y = self.product(x)
+            return y if self.bias is None else y + self.bias
         lead = x.shape[:-1]
         y = self.product(x.reshape(-1, self.in_features).contiguous())
         if self.bias is not None:
@@ -107,7 +126,7 @@ class Int8Linear(QuantLinear):
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None, *,
                  dtype: torch.dtype = torch.float32) -> None:
         n, k = qweight.shape
-        super().__init__(k, n, None if bias is None else bias.to(dtype))
+        super().__init__(k, n, None if bias is None else bias.to(dtype), dtype=dtype, device=qweight.device)
         if qweight.dtype != torch.int8 or scales.shape != (n,):
             raise ValueError(f"int8 layer needs int8 [N, K] codes and [N] scales, got {qweight.dtype} "
                              f"{tuple(qweight.shape)} and {tuple(scales.shape)}")
@@ -141,7 +160,7 @@ class Int4Linear(QuantLinear):
         group = k // d.shape[1]
         if group not in _INT4_GROUPS:
             raise ValueError(f"int4 group size {group} is not one the kernels take ({_INT4_GROUPS})")
-        super().__init__(k, n, None if bias is None else bias.to(dtype))
+        super().__init__(k, n, None if bias is None else bias.to(dtype), dtype=dtype, device=codes.device)
         self.group = group
         self.source = (pack_nibbles(codes), d, m) if keep_source else None
         dev = codes.device
@@ -159,6 +178,18 @@ class Int4Linear(QuantLinear):
                 raise ValueError(f"int4 on CPU needs N a multiple of 16, got N={n}")
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
         self.register_buffer("packed", packed)
+
+    @classmethod
+    def joined(cls, packed: torch.Tensor, scales_and_zeros: torch.Tensor, *, in_features: int, group: int,
+               bias: torch.Tensor | None, dtype: torch.dtype,
+               source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> Int4Linear:
+        """A layer from CPU-packed codes and their (scale, zero) table as they are (``concat_linears``)."""
+        layer = cls.__new__(cls)
+        QuantLinear.__init__(layer, in_features, packed.shape[0], bias, dtype=dtype, device=packed.device)
+        layer.group, layer.source, layer.cuda = group, source, False
+        layer.register_buffer("scales_and_zeros", scales_and_zeros)
+        layer.register_buffer("packed", packed)
+        return layer
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         mm = torch.ops.aten._weight_int4pack_mm if self.cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -263,6 +294,74 @@ def quantize_model(model: nn.Module, kind: str) -> nn.Module:
         if new is not None:
             swap_module(model, name, new)
     return model
+
+
+def concat_linears(layers: Sequence[nn.Module]) -> QuantLinear | None:
+    """One layer computing ``layers``' outputs side by side (their output rows joined), or None where they
+    cannot be joined: different kinds, inputs, groups or bias presence, int4 parts (but the last) whose rows
+    do not fill the CPU packing's 64-row blocks, or not on a CPU (the CUDA packing is tiled; its join is not
+    checked). Bitwise the same outputs: see the module docstring."""
+    first = layers[0]
+    if not all(isinstance(m, QuantLinear) for m in layers) or len({type(m) for m in layers}) != 1:
+        return None
+    parts = [m for m in layers if isinstance(m, QuantLinear)]
+    if (len({m.in_features for m in parts}) != 1 or len({m.bias is None for m in parts}) != 1
+            or any(m.weight.device.type != "cpu" for m in parts)):
+        return None
+    bias = None if first.bias is None else torch.cat([m.bias for m in parts if m.bias is not None])
+    dtype = first.weight.dtype
+    if isinstance(first, Int8Linear):
+        joined8 = [m for m in parts if isinstance(m, Int8Linear)]
+        return Int8Linear(torch.cat([m.qweight for m in joined8]), torch.cat([m.scales32 for m in joined8]), bias,
+                          dtype=dtype)
+    joined4 = [m for m in parts if isinstance(m, Int4Linear)]
+    if len({m.group for m in joined4}) != 1 or any(m.out_features % _CPU_PACK_ROWS for m in joined4[:-1]):
+        return None
+    sources = [m.source for m in joined4 if m.source is not None]
+    source = None
+    if len(sources) == len(joined4):  # every part kept its codes: so does the joined layer
+        source = (torch.cat([p for p, _, _ in sources]), torch.cat([d for _, d, _ in sources]),
+                  torch.cat([m for _, _, m in sources]))
+    return Int4Linear.joined(torch.cat([m.packed for m in joined4]),
+                             torch.cat([m.scales_and_zeros for m in joined4], dim=1), in_features=first.in_features,
+                             group=joined4[0].group, bias=bias, dtype=dtype, source=source)
+
+
+class Int8Embedding(nn.Module):
+    """A token embedding kept as int8 rows with one scale each (``quantize_int8``): ``E[id] = q[id] * s[id]``,
+    in the model's float dtype. Tied to an int8 LM head, both read one table."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = qweight.shape
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales32", scales.to(dtype))
+        self.register_buffer("weight", torch.empty(0, dtype=dtype, device=qweight.device), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight[ids].to(self.scales32.dtype) * self.scales32[ids, None]
+
+    def dequantized(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales32.float()[:, None]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8"
+
+
+def quantize_head(model: nn.Module) -> None:
+    """The LM head (``model.lm_head``) and the token embedding (``model.model.embed_tokens``) in int8 per row,
+    one table for a tied pair (module docstring). In place; a head already quantized is left as it is."""
+    head, embed = model.lm_head, model.model.embed_tokens  # type: ignore[union-attr]
+    if isinstance(head, QuantLinear) or not isinstance(head, nn.Linear):
+        return
+    tied = isinstance(embed, nn.Embedding) and head.weight is embed.weight
+    dtype = head.weight.dtype
+    q, scales = quantize_int8(head.weight.detach())
+    model.lm_head = Int8Linear(q, scales, dtype=dtype)  # type: ignore[union-attr]
+    if tied:
+        model.model.embed_tokens = Int8Embedding(q, scales, dtype=dtype)  # type: ignore[union-attr]
+    elif isinstance(embed, nn.Embedding):
+        model.model.embed_tokens = Int8Embedding(*quantize_int8(embed.weight.detach()), dtype=dtype)  # type: ignore[union-attr]
 
 
 def served_weights(model: nn.Module) -> str:

@@ -17,9 +17,12 @@ from adaserve.engine.model.kv_cache import KVCacheConfig
 from adaserve.engine.model.quant import (
     KERNEL_DTYPE,
     Int4Linear,
+    Int8Embedding,
     Int8Linear,
     QuantLinear,
+    concat_linears,
     dequantize_stored,
+    quantize_head,
     quantize_linear,
     weight_bytes,
 )
@@ -101,11 +104,53 @@ def test_shapes_the_int4_kernel_cannot_take_stay_float() -> None:
 @pytest.mark.parametrize("weights", ["float", "auto", "int8", "int4"])
 def test_loader_weights_option_on_a_float_checkpoint(target_dir: Path, weights: str) -> None:
     model = load_model(target_dir, device=CPU, weights=weights)
-    kinds = {type(m).__name__ for m in model.modules() if isinstance(m, QuantLinear)}
-    assert kinds == ({"Int8Linear"} if weights == "int8" else {"Int4Linear"} if weights == "int4" else set())
-    assert not isinstance(model.lm_head, QuantLinear)  # the LM head stays float
-    if weights in ("int8", "int4"):
-        assert weight_bytes(model) < weight_bytes(load_model(target_dir, device=CPU))
+    blocks = {type(m).__name__ for n, m in model.named_modules() if isinstance(m, QuantLinear) and ".layers." in n}
+    assert blocks == ({"Int8Linear"} if weights == "int8" else {"Int4Linear"} if weights == "int4" else set())
+    if weights in ("int8", "int4"):  # the head and the embedding in int8, one table for the tied pair
+        assert isinstance(model.lm_head, Int8Linear) and isinstance(model.model.embed_tokens, Int8Embedding)
+        tied = model.lm_head.qweight is model.model.embed_tokens.qweight
+        assert tied == model.cfg.tie_word_embeddings
+        assert model.lm_head.weight.dtype == torch.float32  # what the runner reads for the model's dtype
+        attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        assert mlp.gate_up_proj is not None and mlp.gate_proj is None
+        assert (attn.qkv_proj is None) == (attn.q_proj is not None)  # joined, or (int4, k/v of 32 rows) apart
+        assert weight_bytes(model) < weight_bytes(load_model(target_dir, device=CPU)) / 3
+    else:
+        assert not isinstance(model.lm_head, QuantLinear)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_joined_layers_give_their_parts_outputs_bitwise(kind: str) -> None:
+    """q/k/v and gate/up joined into one product: the same function, only fewer calls."""
+    torch.manual_seed(3)
+    sizes = (128, 64, 32)  # int4: parts but the last fill the CPU packing's 64-row blocks
+    parts = [quantize_linear(torch.randn(n, 128) * 0.2, torch.randn(n), kind, keep_source=True) for n in sizes]
+    joined = concat_linears(parts)
+    assert joined is not None and joined.out_features == 224 and type(joined) is type(parts[0])
+    for m in (1, 3, 17):
+        x = torch.randn(m, 128)
+        assert torch.equal(joined(x), torch.cat([p(x) for p in parts], dim=-1)), (kind, m)
+    assert torch.equal(joined.dequantized(), torch.cat([p.dequantized() for p in parts]))
+    assert concat_linears([parts[0], quantize_linear(torch.randn(32, 64), None, kind)]) is None  # other K
+    unaligned = concat_linears([parts[2], parts[1]])  # int4: a 32-row part first would shift the blocks
+    assert (unaligned is None) == (kind == "int4")
+
+
+def test_int8_head_and_embedding_match_their_float_table() -> None:
+    torch.manual_seed(4)
+    table = torch.randn(97, 64) * 0.5
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.embed_tokens = torch.nn.Embedding(97, 64, _weight=table.clone())
+    model.lm_head = torch.nn.Linear(64, 97, bias=False)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied
+    quantize_head(model)
+    step = table.abs().amax(dim=1, keepdim=True) / 127  # one quantisation step per row
+    ids = torch.tensor([0, 5, 96, 5])
+    assert ((model.model.embed_tokens(ids) - table[ids]).abs() <= step[ids] / 2 + 1e-6).all()
+    x = torch.randn(4, 64)
+    err, tol = within_tolerance(model.lm_head, x)
+    assert err <= tol
 
 
 def write_stored(src: Path, out: Path, kind: str) -> Path:
@@ -131,7 +176,7 @@ def test_stored_quantized_layers_load_as_stored_or_as_asked(target_dir: Path, tm
     stored = write_stored(target_dir, tmp_path / "int4", "int4")
     auto = load_model(stored, device=CPU, weights="auto")
     at_load = load_model(target_dir, device=CPU, weights="int4")  # the same codes, quantized while loading
-    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+    for name in ("model.layers.0.mlp.gate_up_proj", "model.layers.1.mlp.down_proj"):
         a, b = auto.get_submodule(name), at_load.get_submodule(name)
         assert isinstance(a, Int4Linear) and isinstance(b, Int4Linear)
         y = torch.randn(3, a.in_features)
@@ -143,7 +188,7 @@ def test_stored_quantized_layers_load_as_stored_or_as_asked(target_dir: Path, tm
         tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - safe_open is not a mapping
     w = floated.get_submodule("model.layers.0.mlp.up_proj").weight
     assert torch.equal(w, dequantize_stored(tensors, "model.layers.0.mlp.up_proj"))
-    assert isinstance(load_model(stored, device=CPU, weights="int8").get_submodule("model.layers.0.mlp.up_proj"),
+    assert isinstance(load_model(stored, device=CPU, weights="int8").get_submodule("model.layers.0.mlp.gate_up_proj"),
                       Int8Linear)
 
 

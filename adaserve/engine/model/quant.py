@@ -132,7 +132,7 @@ class Int8Linear(QuantLinear):
                              f"{tuple(qweight.shape)} and {tuple(scales.shape)}")
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scales", scales.to(KERNEL_DTYPE).contiguous())  # the kernel wants x's dtype
-        self.scales32 = scales.float()
+        self.register_buffer("scales32", scales.float().clone(), persistent=False)  # embedding, dequantized()
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.qweight, self.scales).to(x.dtype)

@@ -1,15 +1,21 @@
-"""Lone-request TPOT and 8-concurrent throughput of the default pair with float32, int8 and int4 weights,
-with (adaserve) and without (incremental) speculation, on this machine's CPU; prints JSON (issue 35).
+"""Lone-request TPOT, 8-concurrent throughput and resident memory of the default pair with float32, int8 and int4
+weights, with and without speculation, on this machine's CPU, all in one run; prints JSON (issue 35).
 
-    PYTHONPATH=. python scripts/weights-bench.py --threads 1,2 --tokens 64 > docs/results/weights-cpu.json
+    PYTHONPATH=. python scripts/weights-bench.py --threads 1,2 --tokens 48 --repeats 3 \\
+        --llama-bench /path/to/llama-bench > docs/results/weights-cpu.json
 
-Each cell builds the engine with ``build_engine`` (a fixed budget: no profiling), decodes one warm-up
-request, then times ``--tokens`` greedy tokens of one request (TPOT: decode wall time / tokens after the
-first) and of ``--concurrency`` requests at once (throughput: tokens / wall time). ``float`` is the
-dequantized GGUF in float32; ``int8`` the GGUF converted with --weights int8 (Q4_1 re-quantized per row);
-``int4`` with --weights int4 (the file's Q4_1 blocks as they are, the same layers as --weights auto). The
-draft (float32 on disk) is quantized at load to the same kind. Resident memory: the max RSS after loading each cell's
-models is reported too (ru_maxrss only grows, so cells run float last).
+Every engine (weights x policy) is built first with ``build_engine`` (a fixed budget: no profiling), then the
+cells run in rounds: each round times every (threads, weights, policy) cell once, and ``llama-bench`` on the
+same GGUF at the same thread counts when ``--llama-bench`` is given, so a load that comes and goes on a shared
+machine lands on every cell alike; each figure is reported as the median of the rounds with its min and max.
+A cell decodes ``--tokens`` greedy tokens of one request (TPOT: decode time / tokens after the first; wall and
+process CPU time) and of ``--concurrency`` requests at once (throughput: tokens / wall time).
+
+``float`` is the dequantized GGUF in float32; ``int8`` the GGUF converted with --weights int8 (Q4_1 re-quantized
+per row); ``int4`` with --weights int4 (the file's Q4_1 blocks as they are: what --weights auto serves). The draft
+(bfloat16 on disk) is quantized at load to the same kind; quantized models serve their LM head and embedding in
+int8 (quant.py). Resident memory: each option's engine is built again in a fresh process, which decodes one
+request and reports its RSS (``--kv-mb`` of KV cache per model; the imports and tokenizer alone are reported too).
 """
 
 from __future__ import annotations
@@ -18,71 +24,218 @@ import argparse
 import json
 import os
 import platform
-import resource
+import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from adaserve.engine.build import build_engine
-from adaserve.engine.loading.catalog import DEFAULT_MODEL, resolve
+from adaserve.engine.loading.catalog import DEFAULT_MODEL, resolve, smollm2_gguf
 from adaserve.engine.loading.chat import instruction_ids
 from adaserve.engine.model.quant import served_weights, weight_bytes
 from adaserve.engine.request import Request
 from adaserve.engine.speculation.sampling import SamplingParams
 
-WEIGHTS = {"int4": "int4", "int8": "int8", "float": "float"}  # label -> --weights (target and draft)
-PROMPTS = ["Write a Python function that reverses a linked list.", "Explain what a hash table is.",
-           "List three uses of the Fourier transform.", "Summarize the plot of Hamlet in two sentences.",
-           "What is the capital of Australia, and why not Sydney?", "Give me a haiku about autumn rain.",
-           "How do I read a CSV file with pandas?", "Describe the water cycle for a ten-year-old."]
+PROMPTS = [
+    "Write a Python function that reverses a linked list.",
+    "Explain what a hash table is.",
+    "List three uses of the Fourier transform.",
+    "Summarize the plot of Hamlet in two sentences.",
+    "What is the capital of Australia, and why not Sydney?",
+    "Give me a haiku about autumn rain.",
+    "How do I read a CSV file with pandas?",
+    "Describe the water cycle for a ten-year-old.",
+]
 
 
-def run(eng: Any, prompts: list[list[int]], tokens: int) -> tuple[float, int, list[Request]]:
+def run(eng: Any, prompts: list[list[int]], tokens: int) -> tuple[float, float, int, list[Request]]:
+    """Wall and CPU seconds of decoding ``tokens`` per prompt after the first step (prefill), tokens decoded."""
     reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=tokens, ignore_eos=True)) for i, p in enumerate(prompts)]
     for r in reqs:
         eng.add_request(r)
     eng.step()  # prefill (and first tokens) outside the clock
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     while eng.has_work:
         eng.step()
-    return time.perf_counter() - t0, sum(len(r.output_ids) - 1 for r in reqs), reqs
+    return time.perf_counter() - t0, time.process_time() - c0, sum(len(r.output_ids) - 1 for r in reqs), reqs
+
+
+def spread(xs: list[float], digits: int = 2) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(xs), digits),
+        "min": round(min(xs), digits),
+        "max": round(max(xs), digits),
+    }
+
+
+def status_mb() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+            out[key] = int(value.split()[0]) // 1024
+    return out
+
+
+def rss_child(weights: str, policy: str, kv_mb: int) -> None:
+    """In a fresh process: RSS with imports and tokenizer only, then with the engine built and one request run."""
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)
+    pair = resolve(DEFAULT_MODEL, progress=False, weights=weights)
+    AutoTokenizer.from_pretrained(str(pair.target), local_files_only=True)
+    base = status_mb()
+    built = build_engine(
+        target=pair.target,
+        draft=pair.draft,
+        policy=policy,
+        budget=32,
+        weights=weights,
+        progress=False,
+        profile=False,
+        kv_memory_mb=kv_mb,
+    )
+    run(built.engine, [instruction_ids(built.tokenizer, PROMPTS[0])], 8)
+    print(
+        json.dumps(
+            {
+                "weights": weights,
+                "policy": policy,
+                "kv_mb_per_model": kv_mb,
+                "imports_and_tokenizer": base,
+                "engine_after_one_request": status_mb(),
+                "weight_mb": {
+                    "target": round(weight_bytes(built.engine.target.model) / 2**20, 1),
+                    "draft": round(weight_bytes(built.engine.draft.model) / 2**20, 1)
+                    if built.engine.draft is not None
+                    else 0,
+                },
+            }
+        )
+    )
+
+
+def llama_bench(binary: str, threads: int, tokens: int) -> float:
+    """llama.cpp's own generation speed on the same GGUF: ms per token of ``tokens`` generated (llama-bench tg)."""
+    out = subprocess.run(
+        [binary, "-m", str(smollm2_gguf()), "-t", str(threads), "-p", "0", "-n", str(tokens), "-r", "1", "-o", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return 1e3 / float(json.loads(out)[0]["avg_ts"])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--weights", default="int4,int8,float")
     ap.add_argument("--policies", default="incremental,adaserve")
+    ap.add_argument("--kv-mb", type=int, default=16, help="KV cache per model in the memory cells")
+    ap.add_argument("--llama-bench", default="", help="a llama-bench binary: the peer, same GGUF and threads")
+    ap.add_argument("--rss-child", nargs=2, metavar=("WEIGHTS", "POLICY"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    cells = []
+    if args.rss_child:
+        rss_child(*args.rss_child, args.kv_mb)
+        return
+    threads = [int(t) for t in args.threads.split(",")]
+    engines: dict[tuple[str, str], Any] = {}
     for label in args.weights.split(","):
-        pair = resolve(DEFAULT_MODEL, progress=False, weights=WEIGHTS[label])
+        pair = resolve(DEFAULT_MODEL, progress=False, weights=label)
         for policy in args.policies.split(","):
-            built = build_engine(target=pair.target, draft=pair.draft, policy=policy, budget=32,
-                                 weights=WEIGHTS[label], progress=False, profile=False)
-            eng, tok = built.engine, built.tokenizer
-            prompts = [instruction_ids(tok, p) for p in PROMPTS[: args.concurrency]]
-            rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            for threads in (int(t) for t in args.threads.split(",")):
-                torch.set_num_threads(threads)
-                run(eng, prompts[:1], 8)  # warm-up
-                lone_s, lone_n, lone = run(eng, prompts[:1], args.tokens)
-                many_s, many_n, _ = run(eng, prompts, args.tokens)
-                cells.append({"weights": label, "served": served_weights(eng.target.model), "policy": policy,
-                              "threads": threads, "lone_tpot_ms": round(1e3 * lone_s / lone_n, 2),
-                              f"concurrent{args.concurrency}_tokens_per_s": round(many_n / many_s, 1),
-                              "target_weight_mb": round(weight_bytes(eng.target.model) / 2**20, 1),
-                              "max_rss_mb_after_load": round(rss_mb, 1),
-                              "lone_output_head": lone[0].output_ids[:12]})
-                print(json.dumps(cells[-1]), flush=True, file=sys.stderr)
-    print(json.dumps({"machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-                                  "cores": os.cpu_count()},
-                      "model": DEFAULT_MODEL, "tokens": args.tokens, "budget": 32, "cells": cells,
-                      "peers": "none run (no llama.cpp or Ollama installed here)"}, indent=1))
+            engines[label, policy] = build_engine(
+                target=pair.target,
+                draft=pair.draft,
+                policy=policy,
+                budget=32,
+                weights=label,
+                progress=False,
+                profile=False,
+            )
+    samples: dict[tuple[int, str, str], dict[str, list[float]]] = {}
+    outputs: dict[tuple[int, str, str], list[int]] = {}
+    peer: dict[int, list[float]] = {t: [] for t in threads}
+    for rnd in range(args.repeats):
+        for t in threads:
+            torch.set_num_threads(t)
+            for (label, policy), built in engines.items():
+                eng = built.engine
+                prompts = [instruction_ids(built.tokenizer, p) for p in PROMPTS[: args.concurrency]]
+                run(eng, prompts[:1], 4)  # warm-up
+                lone_s, lone_cpu, lone_n, lone = run(eng, prompts[:1], args.tokens)
+                many_s, _, many_n, _ = run(eng, prompts, args.tokens)
+                cell = samples.setdefault((t, label, policy), {"wall": [], "cpu": [], "tps": []})
+                cell["wall"].append(1e3 * lone_s / lone_n)
+                cell["cpu"].append(1e3 * lone_cpu / lone_n)
+                cell["tps"].append(many_n / many_s)
+                outputs[t, label, policy] = lone[0].output_ids
+                print(
+                    f"round {rnd} threads {t} {label} {policy}: {1e3 * lone_s / lone_n:.1f} ms/token",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if args.llama_bench:
+                peer[t].append(llama_bench(args.llama_bench, t, args.tokens))
+                print(f"round {rnd} threads {t} llama.cpp: {peer[t][-1]:.1f} ms/token", file=sys.stderr, flush=True)
+    cells = []
+    for (t, label, policy), s in samples.items():
+        eng = engines[label, policy].engine
+        cells.append(
+            {
+                "weights": label,
+                "served": served_weights(eng.target.model),
+                "policy": policy,
+                "threads": t,
+                "lone_tpot_ms": spread(s["wall"]),
+                "lone_cpu_ms_per_token": spread(s["cpu"]),
+                f"concurrent{args.concurrency}_tokens_per_s": spread(s["tps"], 1),
+                "target_weight_mb": round(weight_bytes(eng.target.model) / 2**20, 1),
+                "lone_output_same_as_incremental": outputs[t, label, policy] == outputs[t, label, "incremental"]
+                if (t, label, "incremental") in outputs
+                else None,
+                "lone_output_head": outputs[t, label, policy][:12],
+            }
+        )
+    memory = []
+    for label in args.weights.split(","):
+        out = subprocess.run(
+            [sys.executable, __file__, "--rss-child", label, "adaserve", "--kv-mb", str(args.kv_mb)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ},
+        ).stdout
+        memory.append(json.loads(out.strip().splitlines()[-1]))
+    print(
+        json.dumps(
+            {
+                "machine": {
+                    "cpu": platform.processor() or platform.machine(),
+                    "torch": torch.__version__,
+                    "cores": os.cpu_count(),
+                    "load_average_at_end": os.getloadavg(),
+                },
+                "model": DEFAULT_MODEL,
+                "gguf": smollm2_gguf().name,
+                "tokens": args.tokens,
+                "repeats": args.repeats,
+                "budget": 32,
+                "cells": cells,
+                "memory": memory,
+                "peer": {"llama.cpp llama-bench tg, ms per token": {str(t): spread(v) for t, v in peer.items() if v}}
+                if args.llama_bench
+                else "none run",
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

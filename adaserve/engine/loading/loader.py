@@ -164,10 +164,27 @@ def own_memory(model: nn.Module) -> None:
     embedding that became int8, for instance (171 MB of the default model's int4 file). Copies cost what
     the model keeps; ``malloc_trim`` then returns what loading freed (unpacked codes, float tables) to the
     system, where glibc would keep it in the heap (200 MB on the default pair)."""
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            if t.device.type == "cpu" and t.numel():
-                t.data = t.data.clone()
+    originals: list[torch.Tensor] = []  # kept until the end, so that no id below is reused
+    params: dict[int, nn.Parameter] = {}  # one copy per tensor: a tied pair stays one table
+    buffers: dict[int, torch.Tensor] = {}
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        originals.append(t)
+        return t.detach().clone() if t.device.type == "cpu" and t.numel() else t.detach()
+
+    # new tensor objects rather than ``t.data = ...``: a view keeps its base, and the base keeps the map
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                if id(p) not in params:
+                    params[id(p)] = nn.Parameter(fresh(p), requires_grad=p.requires_grad)
+                module._parameters[name] = params[id(p)]
+        for name, b in module._buffers.items():
+            if b is not None:
+                if id(b) not in buffers:
+                    buffers[id(b)] = fresh(b)
+                module._buffers[name] = buffers[id(b)]
+    originals.clear()
     with contextlib.suppress(OSError, AttributeError):  # glibc only; elsewhere a no-op
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 

@@ -188,8 +188,11 @@ def test_stored_quantized_layers_load_as_stored_or_as_asked(target_dir: Path, tm
         tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - safe_open is not a mapping
     w = floated.get_submodule("model.layers.0.mlp.up_proj").weight
     assert torch.equal(w, dequantize_stored(tensors, "model.layers.0.mlp.up_proj"))
-    assert isinstance(load_model(stored, device=CPU, weights="int8").get_submodule("model.layers.0.mlp.gate_up_proj"),
-                      Int8Linear)
+    int8 = load_model(stored, device=CPU, weights="int8")
+    assert isinstance(int8.get_submodule("model.layers.0.mlp.gate_up_proj"), Int8Linear)
+    # a quantized model owns its tensors: no view of the checkpoint's map (a view keeps the whole map resident)
+    for model in (auto, int8, load_model(write_stored(target_dir, tmp_path / "int8", "int8"), device=CPU)):
+        assert all(t._base is None for t in [*model.parameters(), *model.buffers()])
 
 
 # ---- losslessness: the quantized model is the target ------------------------------------------------------

@@ -17,9 +17,12 @@ OUT=${OUT:-docs/results}
 SEEDS=${SEEDS:-0,1,2}
 JOBS=${JOBS:-2}
 POOL=$OUT/pool-demo-256.npz
-SYSTEMS=vllm,sarathi,vllm-spec:4,vllm-spec:6,vllm-spec:8,chain:4,adaserve,adaserve+ours
-# chain:4 and adaserve+ours are not presets: they run with adaserve's admission (64 running, 1024-token chunks)
-COMMON=(--pool "$POOL" --systems "$SYSTEMS" --seeds "$SEEDS" --max-batch 64 --prefill-chunk 1024 --jobs "$JOBS")
+SYSTEMS=vllm,sarathi,vllm-spec:4,vllm-spec:6,vllm-spec:8,chain:2,chain:3,chain:4,adaserve,adaserve+ours
+# chain:K and adaserve+ours are not presets: they run with adaserve's admission (64 running, 1024-token chunks)
+# and the engine's SLO prefill rule (prefill_chunk.py), the same for all of them: only the trees differ.
+# The presets (vllm, sarathi, vllm-spec:K, adaserve) keep their own admission and prefill rules.
+COMMON=(--pool "$POOL" --systems "$SYSTEMS" --seeds "$SEEDS" --max-batch 64 --prefill-chunk 1024 --prefill-rule slo
+        --jobs "$JOBS")
 [ -d "$ART/exps" ] || { echo "no exps/ folder under $ART: give a checkout of the AdaServe artifact" >&2; exit 2; }
 if [ ! -f "$POOL" ]; then
   "$BIN" replay record --model demo-tiny --trace-json "$ART/exps/fig8,9/emission_rps4.8_ol256.json" \

@@ -11,6 +11,7 @@ when built, raising ValueError naming the field, so nothing downstream re-checks
       adaptive: AdaptiveConfig                    tree depth and width from the batch size (Eq. 8-9;
                                                   speculation/adaptive.py)
       attention, kv: KVCacheConfig, static_shapes how a forward runs (model/attention, kv_cache.py, static.py)
+      prefix_caching                              reuse cached prompt prefixes' KV (kv_cache.py, prefix_cache.py)
       target_cost, draft_cost, initial_forward_s  predicting an iteration's duration
       drafts: MultiDraftConfig                    several drafts (this module; multi_draft.py)
       history_len                                 how many per-step metrics are kept
@@ -102,6 +103,10 @@ class EngineConfig:
     # forwards of at most 32 new tokens per request on padded, persistent buffers: a CUDA graph per shape
     # bucket on a GPU, the same function eagerly on a CPU (model/static.py)
     static_shapes: bool = False
+    # prefix caching (kv_cache.py, prefix_cache.py): full pages of committed KV are kept, keyed by their tokens
+    # and everything before them, and a new request reuses its prompt's longest cached prefix instead of
+    # prefilling it; output is unchanged (docs/architecture.md §3)
+    prefix_caching: bool = True
 
     # ---- predicting an iteration's duration (timing.py) ----
     target_cost: CostModel | None = None  # profiled T_fwd of the target; learnt online when None

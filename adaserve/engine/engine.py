@@ -147,6 +147,8 @@ class Engine:
             self.pool = self._draft_pool(cfg)
             if self.acceptance is not None:
                 self.acceptances += [RankAcceptance() for _ in drafts[1:]]
+        for r in [target, *drafts]:  # runners another engine used start cold (the bench shares them)
+            r.cache.enable_prefix_caching(cfg.prefix_caching)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         # pages promised to admitted requests: target, then each draft
@@ -274,7 +276,21 @@ class Engine:
                 self.reserved[1 + j] += drf
             req.reserved_pages = (tgt, drf)
             req.phase = Phase.PREFILL
+            self._reuse_prefix(req)
             self.running.append(req)
+
+    def _reuse_prefix(self, req: Request) -> None:
+        """Prefix caching (kv_cache.py): start the request's KV from its prompt's longest cached prefix, so it
+        prefills only the rest. The target recomputes at least the last prompt token, whose logits give the
+        first output token; the draft may reuse the whole prompt (its first beam step feeds that token).
+        With several drafts a request's first draft is chosen later, so their caches only reuse what they
+        keyed. The reservation stays the worst case: shared pages are counted once per holder."""
+        req.target_kv.tokens = req.ids_from
+        req.metrics.cached_tokens = self.target.cache.reuse_prefix(req.target_kv, req.prompt_ids,
+                                                                   limit=len(req.prompt_ids) - 1)
+        if self.pool is None and self.draft is not None and req.reserved_pages[1]:
+            req.draft_kv.tokens = req.ids_from
+            self.draft.cache.reuse_prefix(req.draft_kv, req.prompt_ids, limit=len(req.prompt_ids))
 
     def _finish(self, req: Request, reason: str) -> None:
         req.phase, req.finish_reason = Phase.FINISHED, reason

@@ -29,6 +29,7 @@ class RequestMetrics:
     accepted_per_step: list[int] = field(default_factory=list)  # draft tokens accepted per verification
     verified_per_step: list[int] = field(default_factory=list)  # tree tokens sent to verification
     drafts_per_step: list[int] = field(default_factory=list)  # the draft of each verification (several drafts)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not prefilled)
 
     @property
     def ttft_ms(self) -> float | None:

@@ -9,11 +9,19 @@ Accounting per sequence: ``length`` tokens hold committed KV; pages cover ``allo
 slots. A verification step may write a whole tree past ``length``; afterwards the engine calls
 ``truncate`` to the committed length, which returns every page beyond it. Rejected tree nodes
 therefore cannot keep pages alive.
+
+Prefix caching (``enable_prefix_caching``; issue 34, docs/architecture.md §3): a full page of committed KV
+whose tokens the sequence can name (``SequenceKV.tokens``) is keyed in a ``PrefixIndex`` when ``truncate``
+or ``release`` commits past its end, and a new sequence starts from the pages of its prompt's longest
+cached prefix (``reuse_prefix``). Pages carry reference counts; a keyed page nobody holds stays cached,
+idle, until an allocation finds no free page and evicts the least recently used one. Every write lands
+at or past a sequence's committed length, and a shared or keyed page lies wholly before it, so no write
+reaches one; ``move_many`` checks that for the compaction it is given.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,6 +29,7 @@ import torch
 
 from adaserve.engine.checks import at_least
 from adaserve.engine.model.config import ModelConfig
+from adaserve.engine.model.prefix_cache import ROOT, PrefixCacheStats, PrefixIndex
 from adaserve.engine.model.staging import HostStage
 
 
@@ -44,12 +53,22 @@ class OutOfPagesError(RuntimeError):
     """The cache has no free page for a write the scheduler allowed: an accounting bug upstream."""
 
 
+class SharedPageWriteError(RuntimeError):
+    """A write aimed at a page another sequence shares, or one the prefix cache keyed: a bug upstream."""
+
+
 @dataclass
 class SequenceKV:
-    """One request's view of the cache: its pages and how many leading slots hold committed KV."""
+    """One request's view of the cache: its pages and how many leading slots hold committed KV.
+
+    With prefix caching, ``tokens(start)`` gives the sequence's known tokens from ``start`` on (the tokens
+    whose KV the leading slots hold, perhaps fewer than ``length`` while the latest are being emitted),
+    and ``keys`` the prefix index's uids of its leading full pages, in order."""
 
     pages: list[int] = field(default_factory=list)
     length: int = 0
+    tokens: Callable[[int], Sequence[int]] | None = field(default=None, repr=False, compare=False)
+    keys: list[int] = field(default_factory=list, repr=False, compare=False)
 
     def slot(self, index: int, page_size: int) -> int:
         return self.pages[index // page_size] * page_size + index % page_size
@@ -80,6 +99,8 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
+        self._refs = np.zeros(self.num_pages, dtype=np.int32)  # sequences holding each page
+        self.prefix: PrefixIndex | None = None  # prefix caching, when enabled
         self.move_listeners: list[Callable[[np.ndarray, np.ndarray], None]] = []
 
     @property
@@ -90,7 +111,8 @@ class PagedKVCache:
     # ---- accounting -----------------------------------------------------------------------------
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages an allocation may take: free ones and cached ones nobody holds (evicted on demand)."""
+        return len(self._free) + (self.prefix.idle_pages if self.prefix is not None else 0)
 
     @property
     def capacity_tokens(self) -> int:
@@ -102,22 +124,97 @@ class PagedKVCache:
     def ensure(self, seq: SequenceKV, n_tokens: int) -> None:
         """Allocate pages so that slots [0, n_tokens) exist for ``seq``."""
         need = self.pages_for(n_tokens) - len(seq.pages)
-        if need > len(self._free):
-            raise OutOfPagesError(f"need {need} pages, {len(self._free)} free")
+        if need > self.free_pages:
+            raise OutOfPagesError(f"need {need} pages, {self.free_pages} free")
         for _ in range(max(0, need)):
-            seq.pages.append(self._free.pop())
+            seq.pages.append(self._take())
 
     def truncate(self, seq: SequenceKV, n_tokens: int) -> None:
-        """Keep slots [0, n_tokens) as committed; free every page past them."""
+        """Keep slots [0, n_tokens) as committed; free every page past them. With prefix caching, key the full
+        committed pages whose tokens are known."""
         if n_tokens > len(seq.pages) * self.page_size:
             raise ValueError("cannot commit more tokens than were allocated")
         seq.length = n_tokens
+        if self.prefix is not None:
+            self._publish(seq)
+        del seq.keys[n_tokens // self.page_size :]
         keep = self.pages_for(n_tokens)
         while len(seq.pages) > keep:
-            self._free.append(seq.pages.pop())
+            self._drop(seq.pages.pop())
 
     def release(self, seq: SequenceKV) -> None:
+        """Give back every page (the last first, so a cached prefix is evicted from its end)."""
+        if self.prefix is not None:
+            self._publish(seq)  # what became known since the last truncate (the final tokens)
         self.truncate(seq, 0)
+
+    def _take(self) -> int:
+        if self._free:
+            page = self._free.pop()
+        elif self.prefix is not None and self.prefix.idle_pages:
+            page = self.prefix.evict()
+        else:
+            raise OutOfPagesError("no free page")
+        self._refs[page] = 1
+        return page
+
+    def _drop(self, page: int) -> None:
+        self._refs[page] -= 1
+        if self._refs[page] > 0:
+            return
+        if self.prefix is not None and self.prefix.is_keyed(page):
+            self.prefix.park(page)
+        else:
+            self._free.append(page)
+
+    # ---- prefix caching -------------------------------------------------------------------------
+    def enable_prefix_caching(self, enabled: bool) -> None:
+        """Keep full committed pages for reuse (or stop); either way, forget what was kept so far (an engine
+        built over runners another engine used starts cold)."""
+        if self.prefix is not None:
+            self._free.extend(self.prefix.clear())
+        self.prefix = PrefixIndex(self.page_size, self.num_pages) if enabled else None
+
+    @property
+    def prefix_stats(self) -> PrefixCacheStats:
+        """Lookups, hits and evictions since prefix caching was (re-)enabled; zeros when it is off."""
+        return self.prefix.stats if self.prefix is not None else PrefixCacheStats()
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages the prefix cache keys, held or idle."""
+        return self.prefix.cached_pages if self.prefix is not None else 0
+
+    def reuse_prefix(self, seq: SequenceKV, tokens: Sequence[int], *, limit: int) -> int:
+        """Start the empty ``seq`` from the cached pages of the longest cached prefix of ``tokens[:limit]``
+        (whole pages only) and return how many tokens they hold: its committed length. Counts ``tokens``
+        as queried and the reused ones as hits."""
+        if self.prefix is None:
+            return 0
+        if seq.pages or seq.length:
+            raise ValueError("a prefix is reused by an empty sequence")
+        self.prefix.stats.queried_tokens += len(tokens)
+        for page, uid in self.prefix.match(tokens, max(0, limit) // self.page_size):
+            if self._refs[page] == 0:
+                self.prefix.unpark(page)
+            self._refs[page] += 1
+            seq.pages.append(page)
+            seq.keys.append(uid)
+        seq.length = len(seq.pages) * self.page_size
+        self.prefix.stats.hit_tokens += seq.length
+        return seq.length
+
+    def _publish(self, seq: SequenceKV) -> None:
+        """Key ``seq``'s full committed pages past those already keyed, as far as its tokens are known."""
+        assert self.prefix is not None
+        ps, done = self.page_size, len(seq.keys)
+        if seq.tokens is None or seq.length // ps <= done:
+            return
+        toks = seq.tokens(done * ps)
+        full = min(seq.length, done * ps + len(toks)) // ps
+        for i in range(done, full):
+            parent = seq.keys[-1] if seq.keys else ROOT
+            seq.keys.append(self.prefix.key(parent, tuple(toks[(i - done) * ps : (i - done + 1) * ps]), seq.pages[i]))
 
     # ---- data movement --------------------------------------------------------------------------
     def move_slots(self, seq: SequenceKV, src: list[int], dst: list[int]) -> None:
@@ -128,7 +225,8 @@ class PagedKVCache:
         """Every sequence's (src, dst) token moves in one gather/scatter over all layers.
 
         The gather reads every source before the scatter writes, so any order is safe; sequences own
-        disjoint slots, so their moves never collide.
+        disjoint slots past their committed lengths, so their moves never collide. With prefix caching a
+        destination in a shared or keyed page raises ``SharedPageWriteError`` before anything moves.
         """
         s_all, d_all = [], []
         for seq, src, dst in moves:
@@ -143,7 +241,12 @@ class PagedKVCache:
                 d_all.append(seq.slots_at(d[keep], self.page_size))
         if not s_all:
             return
-        self.move_slot_arrays(np.concatenate(s_all), np.concatenate(d_all))
+        dst = np.concatenate(d_all)
+        if self.prefix is not None:
+            pages = dst // self.page_size
+            if (self._refs[pages] != 1).any() or self.prefix.keyed[pages].any():
+                raise SharedPageWriteError(f"a KV move would write a shared or cached page: {sorted(set(pages))}")
+        self.move_slot_arrays(np.concatenate(s_all), dst)
 
     def move_slot_arrays(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy KV of cache slots ``src`` to ``dst`` (int64) in every layer; every listener hears of it first

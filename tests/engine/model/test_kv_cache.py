@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from adaserve.engine.model.config import ModelConfig
-from adaserve.engine.model.kv_cache import KVCacheConfig, OutOfPagesError, PagedKVCache, SequenceKV
+from adaserve.engine.model.kv_cache import (
+    KVCacheConfig,
+    OutOfPagesError,
+    PagedKVCache,
+    SequenceKV,
+    SharedPageWriteError,
+)
 from adaserve.engine.speculation.verify import commit_moves
 
 CFG = ModelConfig(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=2,
@@ -55,3 +61,87 @@ def test_commit_moves_compact_the_accepted_path() -> None:
 def test_config_validation(bad: dict) -> None:
     with pytest.raises(ValueError):
         KVCacheConfig(**bad)
+
+
+# ---- prefix caching (issue 34) -------------------------------------------------------------------------
+def caching(pages: int = 8) -> PagedKVCache:
+    c = cache(pages)
+    c.enable_prefix_caching(True)
+    return c
+
+
+def written(c: PagedKVCache, seq: SequenceKV, tokens: list[int]) -> None:
+    """Commit ``tokens`` to ``seq`` as a prefill would: pages, a K/V value per token, then the truncate."""
+    seq.tokens = lambda start: tokens[start:]
+    c.ensure(seq, len(tokens))
+    for i, t in enumerate(tokens):
+        c.k[:, seq.slot(i, 4)] = float(t)
+    c.truncate(seq, len(tokens))
+
+
+def test_full_committed_pages_are_reused_and_the_partial_page_is_not() -> None:
+    c = caching()
+    a = SequenceKV()
+    written(c, a, list(range(10)))  # pages [0..3] [4..7] full, [8, 9] partial
+    assert c.cached_pages == 2 and len(a.keys) == 2
+    b = SequenceKV()
+    assert c.reuse_prefix(b, list(range(12)), limit=11) == 8
+    assert b.pages == a.pages[:2] and b.length == 8
+    assert [float(c.k[0, b.slot(i, 4)][0, 0]) for i in range(8)] == [float(i) for i in range(8)]
+    assert c.free_pages == 8 - 3  # shared pages are held once
+    # the limit is in tokens and only whole pages under it count: 7 tokens may reuse one page
+    d = SequenceKV()
+    assert c.reuse_prefix(d, list(range(8)), limit=7) == 4
+    assert c.prefix_stats.queried_tokens == 20 and c.prefix_stats.hit_tokens == 12
+    assert c.prefix_stats.hit_rate == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="empty"):
+        c.reuse_prefix(d, [0], limit=1)
+
+
+def test_released_pages_stay_cached_until_an_allocation_needs_them() -> None:
+    c = caching(pages=4)
+    a = SequenceKV()
+    written(c, a, list(range(8)))
+    c.release(a)
+    assert c.free_pages == 4 and c.cached_pages == 2  # idle cached pages count as free
+    b = SequenceKV()
+    assert c.reuse_prefix(b, list(range(9)), limit=8) == 8
+    c.release(b)
+    other = SequenceKV()
+    c.ensure(other, 12)  # two free pages, then the least recently used cached page: the prefix's end first
+    assert c.prefix_stats.evictions == 1 and c.cached_pages == 1
+    assert c.reuse_prefix(SequenceKV(), list(range(9)), limit=8) == 4
+    with pytest.raises(OutOfPagesError):
+        c.ensure(other, 20)
+
+
+def test_release_keys_the_tokens_emitted_since_the_last_truncate() -> None:
+    c = caching()
+    toks = [5, 6, 7]
+    a = SequenceKV(tokens=lambda start: toks[start:])
+    c.ensure(a, 8)
+    c.truncate(a, 8)  # KV for 8 tokens committed, only 3 known yet (the rest is being emitted)
+    assert c.cached_pages == 0
+    toks += [8, 9, 10, 11, 12]
+    c.release(a)
+    assert c.cached_pages == 2 and c.free_pages == 8
+
+
+def test_a_move_into_a_shared_or_cached_page_is_refused() -> None:
+    c = caching()
+    a = SequenceKV()
+    written(c, a, list(range(6)))  # page 0 keyed, page 1 partial
+    c.ensure(a, 10)
+    c.move_slots(a, [8, 9], [6, 7])  # past the committed length, in its own page: fine
+    with pytest.raises(SharedPageWriteError):
+        c.move_slots(a, [8], [2])
+
+
+def test_disabling_frees_the_idle_pages_and_forgets_every_key() -> None:
+    c = caching()
+    a = SequenceKV()
+    written(c, a, list(range(8)))
+    c.release(a)
+    c.enable_prefix_caching(False)
+    assert c.free_pages == 8 and c.cached_pages == 0 and c.prefix is None
+    assert c.reuse_prefix(SequenceKV(), list(range(8)), limit=7) == 0

@@ -46,6 +46,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--policy", default="adaserve")
     p.add_argument("--budget", type=int, help="fixed token budget (default: profiled)")
     add_kv_memory_options(p)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="the worker reuses the KV of cached prompt prefixes (default on)")
     add_weights_option(p)  # the worker loads, profiles and serves them: the derived classes come from them too
     p.add_argument("--redis-url", help="keep request records in this Redis (default: in-process)")
     p.add_argument("--slo-classes-file", help="JSON list of SLO classes (default: coding, "
@@ -176,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
         cmd += ["--kv-memory-mb", str(args.kv_memory_mb)]
     if args.kv_memory_fraction is not None:
         cmd += ["--kv-memory-fraction", repr(args.kv_memory_fraction)]
+    if not args.enable_prefix_caching:
+        cmd += ["--no-enable-prefix-caching"]
     env = {**os.environ, "ADASERVE_DEFAULT_SLO_CLASS": catalog.default}
     if not derive:  # derived classes are known only once the worker has profiled; requests carry their targets
         env["ADASERVE_SLO_CLASSES"] = json.dumps({c.name: c.tpot_ms for c in catalog.classes.values()})

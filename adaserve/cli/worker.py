@@ -16,7 +16,8 @@ from adaserve.cli_error import CliError
 # command-line option -> settings field; everything else comes from the environment
 OPTIONS = ("target", "draft", "model_name", "device", "host", "port", "redis_url", "policy", "budget", "attention",
            "kv_memory_mb", "kv_memory_fraction", "dtype", "weights", "max_depth", "max_width", "worker_id",
-           "advertise_url", "max_active_requests", "drain_grace_s", "log_level", "tensor_parallel_size")
+           "advertise_url", "max_active_requests", "drain_grace_s", "log_level", "tensor_parallel_size",
+           "enable_prefix_caching")
 
 
 def add_parser(sub: Any) -> None:
@@ -42,6 +43,9 @@ def add_parser(sub: Any) -> None:
     add_weights_option(p, env="ADASERVE_WEIGHTS")
     p.add_argument("--max-depth", type=int, help="deepest draft tree [ADASERVE_MAX_DEPTH, default 4]")
     p.add_argument("--max-width", type=int, help="widest beam [ADASERVE_MAX_WIDTH, default 2]")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV of cached prompt prefixes instead of prefilling them again "
+                        "[ADASERVE_ENABLE_PREFIX_CACHING, default on]")
     p.add_argument("--reprofile", action="store_true", default=None, help="ignore the cached profile")
     p.add_argument("--worker-id", help="id in the registry [ADASERVE_WORKER_ID, default hostname-port]")
     p.add_argument("--advertise-url", help="address the gateway should use [ADASERVE_ADVERTISE_URL]")

@@ -114,7 +114,7 @@ def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Pat
                  dtype: str = "auto", weights: str = "auto", max_depth: int | None = None,
                  max_width: int | None = None,
                  profile: bool = True, force_profile: bool = False, progress: bool = True,
-                 tensor_parallel_size: int = 1) -> BuiltEngine:
+                 tensor_parallel_size: int = 1, prefix_caching: bool = True) -> BuiltEngine:
     """Load models, profile (or reuse the cached profile) unless ``budget`` is given, build the engine.
 
     ``max_depth`` / ``max_width`` bound the adaptive tree shape (Eq. 8-9) of the policies that use it.
@@ -128,6 +128,7 @@ def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Pat
     child processes (ranks.py, model/parallel.py); the drafts run whole on rank 0.
     ``kv_memory_fraction`` (instead of ``kv_memory_mb`` per model): the caches are sized from the device's
     memory once the models are loaded, one token capacity for every model (model/kv_sizing.py).
+    ``prefix_caching``: reuse cached prompt prefixes' KV (EngineConfig.prefix_caching).
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype)
@@ -136,7 +137,8 @@ def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Pat
     try:  # every option is checked here, before the slow part
         bounds = {k: v for k, v in (("d_max", max_depth), ("w_max", max_width)) if v is not None}
         cfg = EngineConfig(policy=policy, attention=attention, kv=KVCacheConfig(memory_bytes=kv_memory_mb * 2**20),
-                           adaptive=AdaptiveConfig(**bounds), **({"budget": budget} if budget is not None else {}))
+                           adaptive=AdaptiveConfig(**bounds), prefix_caching=prefix_caching,
+                           **({"budget": budget} if budget is not None else {}))
         speculates = make_policy(policy, cfg).max_shape is not None
     except ValueError as e:
         raise EngineBuildError(str(e)) from None

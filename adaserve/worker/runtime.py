@@ -199,7 +199,8 @@ class Runtime:
                              kv_memory_fraction=s.kv_memory_fraction,
                              force_profile=s.reprofile,
                              dtype=s.dtype, weights=s.weights, max_depth=s.max_depth, max_width=s.max_width,
-                             progress=False, tensor_parallel_size=s.tensor_parallel_size)
+                             progress=False, tensor_parallel_size=s.tensor_parallel_size,
+                             prefix_caching=s.enable_prefix_caching)
         lone = Lone()
         if s.warmup:
             warm_up(built.engine)

@@ -54,6 +54,8 @@ class WorkerSettings(BaseSettings):
         None, gt=0, le=1, description="size the KV caches from the device's memory instead of kv_memory_mb: on CUDA "
         "this fraction of the device's total memory less what it holds after loading and a profiling forward; on CPU "
         "this fraction of available RAM, at most 16 GiB (as vLLM's gpu_memory_utilization)")
+    enable_prefix_caching: bool = Field(True, description="reuse the KV of cached prompt prefixes (full pages of "
+                                        "earlier requests' prompts and answers) instead of prefilling them again")
     reprofile: bool = Field(False, description="ignore the cached profile and measure again")
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's own)")
     warmup: bool = True

@@ -18,11 +18,12 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from adaserve.contract.slo import slo_met
 from adaserve.engine.engine import Engine, StepMetrics
+from adaserve.engine.model.kv_cache import PagedKVCache
 from adaserve.engine.request import Request
 
 # The GIE model-server protocol's metrics (docs/proposals/003-model-server-protocol) under the names its endpoint
@@ -47,6 +48,30 @@ class _WithModelName(Collector):
             out = Metric(family.name, family.documentation, family.type, family.unit)
             out.samples = [s._replace(labels={**s.labels, "model_name": self.model_name}) for s in family.samples]
             yield out
+
+
+class _PrefixCache(Collector):
+    """Prefix caching's series, read from the target's cache when scraped (kv_cache.py, prefix_cache.py): its
+    totals are the cache's own counts, so nothing can drift from them; zeros until bound, and while it is off."""
+
+    def __init__(self) -> None:
+        self.cache: PagedKVCache | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.cache
+        stats, pages = (c.prefix_stats, c.cached_pages) if c is not None else (None, 0)
+        queried, hits, evictions = (stats.queried_tokens, stats.hit_tokens, stats.evictions) if stats else (0, 0, 0)
+        yield CounterMetricFamily("adaserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                  "(as vLLM's prefix_cache_queries)", value=queried)
+        yield CounterMetricFamily("adaserve_prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache, "
+                                  "not prefilled (as vLLM's prefix_cache_hits)", value=hits)
+        yield GaugeMetricFamily("adaserve_prefix_cache_hit_ratio", "Prefix cache hits / queries in tokens, since "
+                                "start", value=hits / queried if queried else 0.0)
+        yield GaugeMetricFamily("adaserve_prefix_cache_pages", "Target KV pages the prefix cache keeps, held by a "
+                                "request or idle (idle ones count as free in adaserve_kv_cache_used_pages)",
+                                value=pages)
+        yield CounterMetricFamily("adaserve_prefix_cache_evictions", "Idle cached pages evicted for a new use",
+                                  value=evictions)
 
 
 class WorkerMetrics:
@@ -135,6 +160,8 @@ class WorkerMetrics:
         self.draining = Gauge("adaserve_draining", "1 while draining after SIGTERM", registry=r)
         self.vllm = {name: Gauge(name, f"vLLM's name of {ours} (the GIE model-server protocol)", registry=r)
                      for name, ours in VLLM_ALIASES.items()}
+        self.prefix_cache = _PrefixCache()
+        r.register(self.prefix_cache)
 
         self._draft_names: list[str] = []  # by the engine's draft index, when there are several
         self._lock = threading.Lock()
@@ -156,6 +183,7 @@ class WorkerMetrics:
         self.kv_total_pages.set(cache.num_pages)
         self.kv_usage.set_function(engine.kv_usage)
         self.kv_used_pages.set_function(lambda: cache.num_pages - cache.free_pages)
+        self.prefix_cache.cache = cache
         self.queue_length.set_function(lambda: len(engine.waiting))
         self.running.set_function(lambda: len(engine.running))
         reads = {"adaserve_queue_length": lambda: len(engine.waiting),

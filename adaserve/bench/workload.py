@@ -537,3 +537,95 @@ def write_jsonl(reqs: Sequence[WorkloadRequest], path: Path) -> None:
     with path.open("w", encoding="utf-8") as f:
         for r in reqs:
             f.write(json.dumps(r.to_json()) + "\n")
+
+
+# --- multi-turn conversations (issue 34) ------------------------------------------------------------------
+#
+# Chat traffic repeats itself: every turn resends the whole conversation, and an application puts the same
+# system prompt before every conversation. A conversation here is its start time, its user turns and each
+# turn's answer length; the answers themselves are the model's, so the turn-k prompt (system prompt, then
+# every earlier user turn and answer, then user turn k) is built by whoever serves it (bench/prefix_reuse.py).
+# Starts come from a Poisson process at ``rate`` conversations/s or from a trace's timestamps rescaled to it
+# (the Azure conversation trace: its rows' times as conversation starts, its GeneratedTokens as the first
+# answer's length); a turn arrives ``think_s`` after the answer before it ends.
+
+SYSTEM_HEADER = ("You are the documentation assistant of a Python team. Answer questions about the standard "
+                 "library precisely and briefly, with a short example when it helps. The modules the team uses, "
+                 "with what each is for:\n")
+
+
+@dataclass(frozen=True)
+class MultiTurnConfig:
+    """Conversations sharing one system prompt; validated when built."""
+
+    conversations: int = 8
+    turns: int = 2
+    rate: float = 0.5  # conversations started per second
+    think_s: float = 1.0  # a user's pause between an answer and the next turn
+    max_tokens: int = 32  # each answer's length (a trace's GeneratedTokens capped at it), EOS ignored
+    min_tokens: int = 4
+    system_chars: int = 2400  # the shared system prompt's length, about 500 tokens of SmolLM2's tokenizer
+    trace: Path | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("conversations", "turns", "max_tokens", "min_tokens", "system_chars"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_tokens < self.min_tokens:
+            raise ValueError(f"max_tokens ({self.max_tokens}) must be >= min_tokens ({self.min_tokens})")
+        _positive("rate", self.rate)
+        if not (isinstance(self.think_s, numbers.Real) and math.isfinite(self.think_s) and self.think_s >= 0):
+            raise ValueError(f"think_s must be a finite number >= 0, got {self.think_s!r}")
+        if isinstance(self.seed, bool) or not (isinstance(self.seed, numbers.Integral) and self.seed >= 0):
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+
+@dataclass(frozen=True)
+class Conversation:
+    conversation_id: str
+    start_s: float
+    user_turns: tuple[str, ...]
+    max_tokens: tuple[int, ...]  # each turn's answer length
+
+
+def system_prompt(chars: int) -> str:
+    """The application's system prompt: ``SYSTEM_HEADER`` and one line per standard-library module (its
+    docstring's summary), cut at a line boundary to at most ``chars`` characters; deterministic."""
+    lines = [f"- {m.name}: {_summary(m.tree) or 'no summary'}\n" for m in _stdlib_modules()]
+    return _truncate(SYSTEM_HEADER + "".join(lines), chars)
+
+
+def build_conversations(cfg: MultiTurnConfig) -> list[Conversation]:
+    """The conversations of ``cfg``, by start time; identical for identical configs. Every user turn is a chat
+    prompt (``chat_prompts``) drawn with replacement."""
+    start_ss, turn_ss = np.random.SeedSequence(cfg.seed).spawn(2)
+    duration = cfg.conversations / cfg.rate
+    if cfg.trace is None:
+        rng = np.random.default_rng(start_ss)
+        starts = np.cumsum(rng.exponential(1.0 / cfg.rate, size=cfg.conversations))
+        starts -= starts[0]  # the first conversation starts at once
+        first_len = np.full(cfg.conversations, cfg.max_tokens)
+    else:
+        starts, first_len = rescale_trace(read_trace(cfg.trace), cfg.rate, duration)
+    pool = chat_prompts()
+    rng = np.random.default_rng(turn_ss)
+    out = []
+    for i in range(len(starts)):
+        picks = rng.integers(0, len(pool), size=cfg.turns)
+        lengths = [int(np.clip(first_len[i], cfg.min_tokens, cfg.max_tokens))] + [cfg.max_tokens] * (cfg.turns - 1)
+        out.append(Conversation(f"conv-{i:04d}", float(starts[i]), tuple(pool[int(j)] for j in picks),
+                                tuple(lengths)))
+    return out
+
+
+def conversation_turns(system: str, user_turns: Sequence[str], answers: Sequence[str]) -> list[dict[str, str]]:
+    """The messages of the turn after ``answers``: the system prompt, each earlier user turn and its answer, and
+    the next user turn (``user_turns[len(answers)]``)."""
+    if len(answers) >= len(user_turns):
+        raise ValueError(f"{len(answers)} answers leave no user turn of {len(user_turns)} to ask")
+    msgs = [{"role": "system", "content": system}]
+    for user, answer in zip(user_turns, answers, strict=False):
+        msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    return [*msgs, {"role": "user", "content": user_turns[len(answers)]}]

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from dataclasses import replace
@@ -275,3 +276,30 @@ def test_fixed_output_tokens_ignore_eos_and_leave_the_rest_of_the_schedule_alone
                                                                          for r in drawn]
     with pytest.raises(ValueError, match="fixed_output_tokens"):
         config(fixed_output_tokens=0)
+
+
+# ---- multi-turn conversations (issue 34) ---------------------------------------------------------------
+def test_conversations_are_deterministic_and_share_one_system_prompt(tmp_path: Path) -> None:
+    cfg = wl.MultiTurnConfig(conversations=6, turns=3, rate=2.0, max_tokens=40, seed=3)
+    convs = wl.build_conversations(cfg)
+    assert convs == wl.build_conversations(cfg) and convs != wl.build_conversations(replace(cfg, seed=4))
+    assert [c.conversation_id for c in convs] == [f"conv-{i:04d}" for i in range(6)]
+    assert convs[0].start_s == 0 and all(a.start_s <= b.start_s for a, b in itertools.pairwise(convs))
+    assert all(len(c.user_turns) == 3 and c.max_tokens == (40, 40, 40) for c in convs)
+    assert set(convs[0].user_turns) <= set(wl.chat_prompts())
+    system = wl.system_prompt(cfg.system_chars)
+    assert system.startswith(wl.SYSTEM_HEADER) and 1000 < len(system) <= cfg.system_chars
+    # a trace's rows start the conversations at the requested rate; its GeneratedTokens set the first answer
+    traced = wl.build_conversations(replace(cfg, trace=write_trace(tmp_path / "t.csv"), conversations=5, rate=1.0))
+    assert [c.max_tokens[0] for c in traced] == [4, 40, 40, 4, 40]  # 1, 500, 50, 4, 128 clipped to [4, 40]
+    assert traced[-1].start_s < 5.0 and all(c.max_tokens[1:] == (40, 40) for c in traced)
+
+
+def test_a_turn_resends_the_conversation_so_far() -> None:
+    msgs = wl.conversation_turns("sys", ["q1", "q2", "q3"], ["a1", "a2"])
+    assert [(m["role"], m["content"]) for m in msgs] == [
+        ("system", "sys"), ("user", "q1"), ("assistant", "a1"), ("user", "q2"), ("assistant", "a2"), ("user", "q3")]
+    with pytest.raises(ValueError, match="no user turn"):
+        wl.conversation_turns("sys", ["q1"], ["a1"])
+    with pytest.raises(ValueError, match="turns"):
+        wl.MultiTurnConfig(turns=0)

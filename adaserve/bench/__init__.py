@@ -4,7 +4,8 @@ Holds the request schedules (workload.py, and the AdaServe artifact's trace file
 the in-process side-by-side benchmark (runner.py) with the systems it names (presets.py: vllm, sarathi,
 vllm-spec:K, the paper's adaserve and our variants), its metrics and reports (metrics.py, budget_use.py,
 draft_report.py, selection_gap.py), the Hugging Face peer (hf_peer.py, peer_compare.py), the engine-only
-micro-benchmarks (engine_only.py, model_costs.py, microbench_options.py), and load through the gateway
+micro-benchmarks (engine_only.py, model_costs.py, microbench_options.py), multi-turn chat with and without
+prefix caching (prefix_reuse.py, over workload.py's conversations), and load through the gateway
 (loadgen.py), and the paper's figures on the replay clock (replay_sweep.py: traces x systems x seeds in
 parallel processes). The simulated and replay clocks are their own room, ``bench/sim/``; training the shipped models is
 ``adaserve.training``.

@@ -283,8 +283,8 @@ class Engine:
         """Prefix caching (kv_cache.py): start the request's KV from its prompt's longest cached prefix, so it
         prefills only the rest. The target recomputes at least the last prompt token, whose logits give the
         first output token; the draft may reuse the whole prompt (its first beam step feeds that token).
-        With several drafts a request's first draft is chosen later, so their caches only reuse what they
-        keyed. The reservation stays the worst case: shared pages are counted once per holder."""
+        Several drafts' caches share nothing (a request's first draft is chosen later, multi_draft.py). The
+        reservation stays the worst case: shared pages are counted once per holder."""
         req.target_kv.tokens = req.ids_from
         req.metrics.cached_tokens = self.target.cache.reuse_prefix(req.target_kv, req.prompt_ids,
                                                                    limit=len(req.prompt_ids) - 1)

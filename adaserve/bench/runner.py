@@ -94,6 +94,9 @@ class BenchConfig:
     kv_memory_mb: int = 512
     max_batch: int = EngineConfig.max_batch  # requests running at once; the rest wait in the engine's queue
     prefill_rule: str = EngineConfig.prefill_rule  # "fixed" or "slo" (prefill_chunk.py), for every policy
+    # the bench draws prompts with replacement: with caching on, a repeated prompt skips its prefill in every
+    # system, so it is off unless asked for (the committed figures were made without it)
+    prefix_caching: bool = False
     baseline_tpot_ms: float | None = None  # None: measured, or with trace_json the artifact's 30 ms
     clock: str = "wall"  # "simulated": time from ``device_profile`` (sim_clock.py)
     device_profile: str = MEASURED  # simulated: "measured" (this machine's profile), a shipped name or a file
@@ -179,6 +182,7 @@ class Shared:
     sched_s: float | None = None  # simulated: fixed scheduler time per iteration (None: host-measured)
     max_batch: int = EngineConfig.max_batch
     prefill_rule: str = EngineConfig.prefill_rule
+    prefix_caching: bool = False
     drafts: list[ModelRunner] = field(default_factory=list)  # every draft, the first included
     draft_names: list[str] = field(default_factory=list)
     draft_prices: list[ForwardCost] = field(default_factory=list)  # simulated: each draft's price
@@ -222,7 +226,7 @@ def load_shared(cfg: BenchConfig, *, progress: bool) -> Shared:
         prof = None
     budget = cfg.budget if cfg.budget is not None else (prof.budget if prof else EngineConfig().budget)
     shared = Shared(target, draft, load_tokenizer(cfg.target), prof, budget, device=device, sched_s=sched_s,
-                    max_batch=cfg.max_batch, prefill_rule=cfg.prefill_rule)
+                    max_batch=cfg.max_batch, prefill_rule=cfg.prefill_rule, prefix_caching=cfg.prefix_caching)
     _add_drafts(shared, [draft, *extra], [cfg.draft, *cfg.extra_drafts])
     shared.variants = [named_variant(p, budget) for p in cfg.policies]
     if HF_PEER in cfg.policies:
@@ -275,6 +279,7 @@ def make_engine(shared: Shared, variant: Variant) -> Engine:
     cfg = EngineConfig(policy=variant.policy, budget=variant.budget, budget_rule=variant.budget_rule,
                        adaptive=tree_bounds(shared), target_cost=prof.target_cost if prof else None,
                        draft_cost=costs[use[0]], max_batch=shared.max_batch, prefill_rule=shared.prefill_rule,
+                       prefix_caching=shared.prefix_caching,
                        drafts=MultiDraftConfig(extra_costs=extra if len(extra) == len(use) - 1 else ()))
     if variant.preset is not None:  # a named system: its own admission, prefill and tree settings
         cfg = variant.preset.engine_config(cfg)
@@ -527,6 +532,7 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
                    "max_tokens_cap": cfg.max_tokens_cap, "max_prompt_tokens": cfg.max_prompt_tokens,
                    "kv_memory_mb": cfg.kv_memory_mb, "max_batch": cfg.max_batch,
                    "prefill_chunk": EngineConfig().prefill_chunk, "prefill_rule": cfg.prefill_rule,
+                   "prefix_caching": cfg.prefix_caching,
                    "chat_template": has_chat_template(shared.tokenizer)},
         "simulation": _simulation_settings(shared),
         # the trace-json file as run: name, sha256, rate, classes and their SLOs (before any slo_scale)

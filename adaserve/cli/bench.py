@@ -81,6 +81,9 @@ def add_parser(sub: Any) -> None:
                         "default 512; with --trace-json as many as the models' context leaves, always at most that)")
     p.add_argument("--max-batch", type=int, default=64,
                    help="requests running at once (the engine's max_batch); later arrivals wait in its queue")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="reuse cached prompt prefixes' KV (off in the bench: it draws prompts with replacement, and a "
+                        "repeated prompt would skip its prefill in every system)")
     p.add_argument("--prefill-rule", choices=["fixed", "slo"], default="fixed",
                    help="prompt tokens per iteration: the fixed chunk, or shrunk while decoding requests' TPOT "
                         "SLOs need it (slo; every policy)")
@@ -145,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
                           seed=args.seed, device=args.device, budget=args.budget, budgets=args.budgets,
                           max_tokens_cap=max_tokens, max_prompt_tokens=max_prompt_tokens,
                           max_batch=args.max_batch, prefill_rule=args.prefill_rule,
+                          prefix_caching=args.prefix_caching,
                           baseline_tpot_ms=args.baseline_tpot_ms,
                           clock=args.clock, device_profile=args.device_profile, sched_ms=args.sched_ms,
                           sweep=args.sweep, values=args.values)

@@ -26,6 +26,7 @@ def test_short_bench_report(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["baseline_tpot_ms"] > 0
+    assert report["config"]["prefix_caching"] is False  # the bench repeats prompts: caching only when asked for
     rows = report["results"]
     assert {r["policy"] for r in rows} == {"adaserve", "incremental", "chain:2", "hf"}
     for rate in (1.5, 3.0):

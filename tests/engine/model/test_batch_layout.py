@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from adaserve.engine.model.attention.masks import MaskIndex, flat_mask, padded_mask
-from adaserve.engine.model.batch import BatchLayout, Segment, build_layout
+from adaserve.engine.model.attention.masks import MaskIndex, fill_grid_mask, flat_mask, grid_mask, padded_mask
+from adaserve.engine.model.batch import BatchLayout, DeviceNodes, Segment, build_layout
 from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.tree import TokenTree
 
@@ -135,3 +135,66 @@ def test_layout_of_random_batches_token_by_token() -> None:
 def test_too_few_pages_is_refused() -> None:
     with pytest.raises(ValueError, match="pages"):
         build_layout([Segment(SequenceKV(pages=[1]), 3, TokenTree.chain([1, 2, 3]))], page_size=PAGE, device=CPU)
+
+
+# ---- the torch backend's grid mask (bounds and cells, issue 30) against the rule -------------------
+def grid_of(segs: list[Segment], members: list[int], q_max: int, k_max: int, window: int | None,
+            ancestors: torch.Tensor | None = None) -> torch.Tensor:
+    gm = grid_mask(segs, members, q_max, k_max, window, device_rows=ancestors is not None)
+    t = {name: None if (a := getattr(gm, name)) is None else torch.from_numpy(a) for name in ("hi", "lo", "cells")}
+    values = None if gm.src is None or ancestors is None else ancestors.reshape(-1)[torch.from_numpy(gm.src)]
+    return fill_grid_mask(torch.arange(k_max), t["hi"], t["lo"], t["cells"], values)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_grid_mask_equals_the_rule(window: int | None) -> None:
+    """Every cell of the padded grid, padding rows and columns included, for the whole batch and a subset."""
+    rng = np.random.default_rng(13)
+    for _ in range(40):
+        segs = random_batch(rng)
+        lay = build_layout(segs, page_size=PAGE, device=CPU)
+        index = MaskIndex(lay, CPU)
+        for members in (list(range(len(segs))), sorted(rng.permutation(len(segs))[: max(1, len(segs) // 2)])):
+            q_max = max(segs[b].num_new for b in members) + int(rng.integers(0, 2))
+            k_max = max(segs[b].kv_len for b in members) + int(rng.integers(0, 3))
+            want = padded_mask(index, torch.as_tensor(members), q_max, k_max, window)
+            assert torch.equal(grid_of(segs, members, q_max, k_max, window), want)
+
+
+def beam_batch(rng: np.random.Generator, n: int, levels: list[int]) -> tuple[list[Segment], list[TokenTree]]:
+    """n beam trees of one shape (level sizes ``levels``, random parents in the level above), and the
+    segments of a beam step over them: placeholder trees (every level under the previous level's first
+    node), the last level new, as speculate.py lays them out."""
+    sizes = [1, *levels]
+    starts = np.cumsum([0, *sizes])
+    shape = [-1] + [int(starts[lvl - 1]) for lvl in range(1, len(sizes)) for _ in range(sizes[lvl])]
+    m = int(starts[-1])
+    placeholder = TokenTree.from_lists([0] * m, shape)
+    trees, segs = [], []
+    for _ in range(n):
+        parents = [-1] + [int(rng.integers(starts[lvl - 1], starts[lvl])) for lvl in range(1, len(sizes))
+                          for _ in range(sizes[lvl])]
+        trees.append(TokenTree.from_lists(rng.integers(2, 97, m).tolist(), parents))
+        prefix = int(rng.integers(1, 20))
+        pages = rng.permutation(100)[: -(-(prefix + m) // PAGE)].tolist()
+        segs.append(Segment(SequenceKV(pages=pages), prefix, placeholder, num_cached=m - levels[-1]))
+    return segs, trees
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_grid_mask_reads_device_ancestor_rows(window: int | None) -> None:
+    """Beam levels: the trees' rows live on the device and the segments hold placeholders of their shape;
+    the grid equals the rule over the real trees."""
+    rng = np.random.default_rng(14)
+    for n, levels in [(1, [2, 2]), (3, [2, 2, 2]), (4, [3, 3])]:
+        segs, trees = beam_batch(rng, n, levels)
+        anc = torch.from_numpy(np.stack([t.ancestor_matrix() for t in trees]))
+        ids = torch.zeros(sum(s.num_new for s in segs), dtype=torch.int64)
+        lay = build_layout(segs, page_size=PAGE, device=CPU, on_device=DeviceNodes(ids, anc))
+        real = [Segment(s.seq, s.prefix_len, t, s.num_cached) for s, t in zip(segs, trees, strict=True)]
+        ref = MaskIndex(build_layout(real, page_size=PAGE, device=CPU), CPU)
+        members = list(range(n))
+        q_max, k_max = levels[-1], max(lay.kv_lens) + 1
+        want = padded_mask(ref, torch.arange(n), q_max, k_max, window)
+        assert want.any() and not want.all()  # the comparison is not trivial
+        assert torch.equal(grid_of(segs, members, q_max, k_max, window, anc), want)

@@ -13,14 +13,26 @@ positions > p - window, positions by depth (``prefix + depth``; for a chain, the
 Each backend evaluates the rule on the grid it needs: the torch backend on a padded [b, Qmax, Kmax]
 grid per group of similar segments, flashinfer on the flat per-request [num_new, kv_len] blocks. No
 dense mask is filled on the host, and no request's rows are padded to another group's longest chunk.
+
+The torch backend's grid (``grid_mask``, issue 30) costs a handful of device ops, whatever the batch: the
+rule splits into a bound per query row and a few tree cells. A row sees the keys in ``[lo, hi)``: the
+prefix (and for a chain its own nodes: ``hi = L + c + i + 1``; a padded row: key 0 only), ``lo`` the
+sliding window's lower bound. A tree row's tree block (at most M x M cells per tree, none for a chain)
+is then set cell by cell: the host lists the cells (flat grid indices) from the trees' ancestor rows, or,
+when the rows are on the device (beam levels), every cell of the block with the index of its ancestor
+bit, which one gather reads there. The per-segment vectors and the rule (``MaskIndex``, ``padded_mask``)
+stay the definition those arrays are tested against, and what flashinfer and the static path read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from adaserve.engine.model.batch import BatchLayout
+from adaserve.engine.model.batch import BatchLayout, Segment
 
 
 class MaskIndex:
@@ -136,4 +148,97 @@ def flat_mask(index: MaskIndex, window: int | None = None) -> torch.Tensor:
     mask = index.visible(b, row, col)
     if window is not None:
         mask &= index.in_window(b, row, col, window)
+    return mask
+
+
+@dataclass(frozen=True)
+class GridMask:
+    """The §2 mask on one group's padded ``[g, Qmax, Kmax]`` grid, as host arrays (``grid_mask``).
+
+    Query row r of group member m sees key k when ``lo[m, r] <= k < hi[m, r]``, or when the flat grid index
+    ``(m * Qmax + r) * Kmax + k`` is one of ``cells`` and its value is true: every listed cell is true when
+    ``src`` is None, else the value of cell e is ``ancestors.view(-1)[src[e]]`` (device rows ``[B, M, M]``).
+    """
+
+    hi: np.ndarray  # [g, Qmax, 1] int64
+    lo: np.ndarray | None  # [g, Qmax, 1] int64; None: 0 (no sliding window)
+    cells: np.ndarray | None  # [E] int64; None: no tree cells
+    src: np.ndarray | None  # [E] int64 into the device ancestor rows; None: every cell is true
+
+
+def grid_mask(segments: Sequence[Segment], members: Sequence[int], q_max: int, k_max: int,
+              window: int | None = None, *, device_rows: bool = False) -> GridMask:
+    """The grid mask of the segments ``members`` (pure numpy, no device op).
+
+    ``device_rows``: the trees' ancestor rows are on the device, ``[B, M, M]`` over every segment of the
+    layout (``batch.DeviceNodes``: all trees of one size M, none a chain): the cells are the whole tree block
+    of every row, each with ``src`` pointing at its bit. Otherwise the rows are read from the trees here and
+    only the true cells are listed.
+    """
+    segs = [segments[b] for b in members]
+    g = len(segs)
+    prefix = np.fromiter((s.prefix_len for s in segs), np.int64, g)[:, None]
+    cached = np.fromiter((s.num_cached for s in segs), np.int64, g)[:, None]
+    n_new = np.fromiter((s.num_new for s in segs), np.int64, g)[:, None]
+    chain = np.fromiter((s.tree.is_chain for s in segs), bool, g)[:, None]
+    row = np.arange(q_max)[None, :]
+    node = cached + row  # [g, Q] tree node of each query row
+    real = row < n_new
+    hi = np.where(real, prefix + np.where(chain, node + 1, 0), 1)
+    trees = [m for m in range(g) if not chain[m, 0]]
+    lo = None
+    if window is not None:
+        depth = node.copy()  # a chain's node index is its depth
+        for m in trees:
+            d = segs[m].tree.depths()
+            depth[m, : n_new[m, 0]] = d[cached[m, 0]:]
+        lo = np.where(real, np.maximum(prefix + depth - window + 1, 0), 0)[:, :, None]
+    hi = hi[:, :, None]
+    if not trees:
+        return GridMask(hi, lo, None, None)
+    t = np.asarray(trees)
+    if device_rows:
+        size = segs[trees[0]].tree.size
+        counts = n_new[t, 0] * size
+        at = np.repeat(np.arange(len(t)), counts)
+        e = np.arange(int(counts.sum())) - (np.cumsum(counts) - counts)[at]
+        r, col = e // size, e % size
+        m = t[at]
+        tree_node = cached[m, 0] + r
+        src = (np.asarray(members)[m] * size + tree_node) * size + col
+    else:
+        # each tree's rows below its cached nodes, flattened: the true cells only
+        flat = [np.flatnonzero(segs[m].tree.ancestor_matrix()[cached[m, 0]:]) for m in trees]
+        counts = np.fromiter((len(f) for f in flat), np.int64, len(flat))
+        at = np.repeat(np.arange(len(t)), counts)
+        e = np.concatenate(flat)
+        sizes = np.fromiter((segs[m].tree.size for m in trees), np.int64, len(trees))[at]
+        r, col = e // sizes, e % sizes
+        m = t[at]
+        tree_node = cached[m, 0] + r
+        src = None
+    cells = (m * q_max + r) * k_max + prefix[m, 0] + col
+    if window is not None:  # a tree key's position is prefix + its depth
+        depths = [segs[j].tree.depths() for j in trees]
+        if all(d is depths[0] for d in depths):
+            keep = depths[0][tree_node] - depths[0][col] < window
+        else:
+            dmat = np.zeros((len(trees), max(len(d) for d in depths)), np.int64)
+            for i, d in enumerate(depths):
+                dmat[i, : len(d)] = d
+            keep = dmat[at, tree_node] - dmat[at, col] < window
+        cells = cells[keep]
+        src = None if src is None else src[keep]
+    return GridMask(hi, lo, cells, src)
+
+
+def fill_grid_mask(cols: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor | None, cells: torch.Tensor | None,
+                   values: torch.Tensor | None) -> torch.Tensor:
+    """[g, Qmax, Kmax] bool on the device from a ``GridMask``'s arrays there: ``cols`` = arange(Kmax),
+    ``values`` the listed cells' bits (None: all true). At most five ops, whatever the batch."""
+    mask = cols < hi
+    if lo is not None:
+        mask &= cols >= lo
+    if cells is not None:
+        mask.view(-1)[cells] = True if values is None else values
     return mask

@@ -3,7 +3,8 @@
 Segments are grouped by their number of new tokens (``group_segments``): a 256-token prefill chunk does
 not pad every decoding request's rows to 256. Per group, ragged queries are scattered into a padded
 ``[g, Qmax]`` grid, keys gathered into ``[g, Kmax]`` from each request's slots, and the mask (prefix,
-tree and padding structure, ``masks.padded_mask``) is built on the device once per forward.
+tree and padding structure, ``masks.grid_mask``) is built on the device once per forward, from bounds
+and cells staged with the layout: a few ops, whatever the batch.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from adaserve.engine.model.attention.base import write_kv
-from adaserve.engine.model.attention.masks import MaskIndex, padded_mask
+from adaserve.engine.model.attention.masks import fill_grid_mask, grid_mask
 from adaserve.engine.model.batch import BatchLayout
 from adaserve.engine.model.kv_cache import PagedKVCache
 
@@ -41,7 +42,7 @@ class _Group:
     """One padded SDPA call: its segments' queries, keys and mask."""
 
     tokens: torch.Tensor | None  # [t] flat token indices of the group (None: all tokens, in order)
-    rows: tuple[torch.Tensor, torch.Tensor] | None  # (segment, row) of each token in the grid; None: one segment
+    rows: torch.Tensor | None  # [t] flat grid row (segment * Qmax + row) of each token; None: one segment
     q_max: int
     key_slots: torch.Tensor  # [g, Kmax] int64
     mask: torch.Tensor  # [g, 1, Qmax, Kmax] bool
@@ -55,45 +56,60 @@ class TorchAttention:
         self.sliding_window = sliding_window
         self._layout: BatchLayout | None = None
         self._groups: list[_Group] = []
+        self._cols: torch.Tensor | None = None  # arange(Kmax) on the device, grown as needed
 
     def plan(self, layout: BatchLayout, cache: PagedKVCache) -> None:
-        """Every group's index arrays are staged on the host with the layout's, then sent in one copy."""
+        """Every group's index arrays and mask bounds (``masks.grid_mask``) are staged on the host with the
+        layout's, then sent in one copy; the masks take a few device ops each (issue 30)."""
         stage = layout.stage
-        MaskIndex.stage(layout)
         indptr = np.asarray(layout.qo_indptr)
         n_new = np.diff(indptr)
         kv_lens = np.asarray(layout.kv_lens, np.int64)
         groups = group_segments(n_new.tolist())
+        # beam levels: the trees' ancestor rows are on the device already (batch.DeviceNodes)
+        device_rows = layout.ids is None and "mask.anc" in stage
         shapes = []
         ps = layout.page_size
         for j, members in enumerate(groups):
             g = np.asarray(members)
             q_max, k_max = int(n_new[g].max()), int(kv_lens[g].max())
             every = len(groups) == 1 and len(members) == len(n_new)  # one group: tokens already in order
-            # the group's flat token indices, segment by segment (issue 30: no arange per segment)
-            seg_local = np.repeat(np.arange(len(members)), n_new[g])
-            row = np.arange(len(seg_local)) - (np.cumsum(n_new[g]) - n_new[g])[seg_local]
-            tok = indptr[g][seg_local] + row
-            if len(members) > 1:
-                stage.put(f"sdpa.{j}.seg", seg_local)
-                stage.put(f"sdpa.{j}.row", row)
+            if not every or len(members) > 1:
+                # the group's flat token indices, segment by segment (issue 30: no arange per segment)
+                seg_local = np.repeat(np.arange(len(members)), n_new[g])
+                row = np.arange(len(seg_local)) - (np.cumsum(n_new[g]) - n_new[g])[seg_local]
+                if len(members) > 1:
+                    stage.put(f"sdpa.{j}.rows", seg_local * q_max + row)
+                if not every:
+                    stage.put(f"sdpa.{j}.tok", indptr[g][seg_local] + row)
             # key index k of a segment lives in slot pages[k // page_size] * page_size + k % page_size;
             # padding keys repeat the last real one
             k_idx = np.minimum(np.arange(k_max)[None, :], kv_lens[g][:, None] - 1)
             pages = layout.page_table[g[:, None], k_idx // ps]
             stage.put(f"sdpa.{j}.key_slots", pages * ps + k_idx % ps)
-            stage.put(f"sdpa.{j}.group", g)
-            if not every:
-                stage.put(f"sdpa.{j}.tok", tok)
-            shapes.append((len(members), every, q_max, k_max))
-        index = MaskIndex(layout)  # the first read: one copy of everything staged above
+            gm = grid_mask(layout.segments, members, q_max, k_max, self.sliding_window, device_rows=device_rows)
+            for name in ("hi", "lo", "cells", "src"):
+                if (arr := getattr(gm, name)) is not None:
+                    stage.put(f"sdpa.{j}.{name}", arr)
+            shapes.append((len(members), every, q_max, k_max, gm))
+        anc = stage.get("mask.anc").reshape(-1) if device_rows else None  # the first read: one copy
         self._groups = []
-        for j, (size, every, q_max, k_max) in enumerate(shapes):
-            rows = (stage.get(f"sdpa.{j}.seg"), stage.get(f"sdpa.{j}.row")) if size > 1 else None
-            mask = padded_mask(index, stage.get(f"sdpa.{j}.group"), q_max, k_max, self.sliding_window)
-            self._groups.append(_Group(None if every else stage.get(f"sdpa.{j}.tok"), rows, q_max,
+        for j, (size, every, q_max, k_max, gm) in enumerate(shapes):
+            got = {name: stage.get(f"sdpa.{j}.{name}") if getattr(gm, name) is not None else None
+                   for name in ("hi", "lo", "cells", "src")}
+            values = None if got["src"] is None or anc is None else anc[got["src"]]
+            mask = fill_grid_mask(self._columns(k_max, layout.device), got["hi"], got["lo"], got["cells"], values)
+            self._groups.append(_Group(None if every else stage.get(f"sdpa.{j}.tok"),
+                                       stage.get(f"sdpa.{j}.rows") if size > 1 else None, q_max,
                                        stage.get(f"sdpa.{j}.key_slots"), mask[:, None]))
         self._layout = layout
+
+    def _columns(self, k_max: int, device: torch.device) -> torch.Tensor:
+        """arange(k_max) on ``device``, a view of one kept tensor (no op per forward but the slice)."""
+        if self._cols is None or self._cols.device != device or self._cols.shape[0] < k_max:
+            self._cols = torch.arange(max(k_max, 2 * (self._cols.shape[0] if self._cols is not None else 0),
+                                          1024), device=device)
+        return self._cols[:k_max]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cache: PagedKVCache) -> torch.Tensor:
@@ -113,12 +129,13 @@ class TorchAttention:
         if g.rows is None:
             qp = q[None]  # one segment: its rows are the grid
         else:
-            qp = q.new_zeros((g.key_slots.shape[0], g.q_max, *q.shape[1:]))
+            qp = q.new_zeros((g.key_slots.shape[0] * g.q_max, *q.shape[1:]))
             qp[g.rows] = q
+            qp = qp.view(g.key_slots.shape[0], g.q_max, *q.shape[1:])
         kp = cache.k[layer][g.key_slots].to(q.dtype)  # [g, Kmax, Hkv, D]
         vp = cache.v[layer][g.key_slots].to(q.dtype)
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
             attn_mask=g.mask, scale=self.scale, enable_gqa=True,
         ).transpose(1, 2)  # [g, Qmax, H, D]
-        return out[0] if g.rows is None else out[g.rows]
+        return out[0] if g.rows is None else out.reshape(-1, *out.shape[2:])[g.rows]

@@ -30,15 +30,29 @@ def scaled(model: CostModel, k: float) -> CostModel:
     return model.scaled(k)
 
 
-def median_ratio(model: CostModel, samples: Sequence[Sample]) -> float | None:
+def _columns(samples: Sequence[Sample] | np.ndarray) -> np.ndarray:
+    """The samples as one float64 ``[n, 3]`` array (context, batched, seconds); the counts are exact."""
+    return np.asarray(samples, np.float64).reshape(-1, 3)
+
+
+def predict_many(model: CostModel, samples: Sequence[Sample] | np.ndarray) -> np.ndarray:
+    """``model.predict(c_i, b_i)`` for every sample at once, bit for bit (the same operations in the same order)."""
+    a = _columns(samples)
+    c, b = a[:, 0], a[:, 1]
+    return model.alpha * c + model.gamma * b + model.delta + model.gamma_above * np.maximum(0.0, b - model.knee)
+
+
+def median_ratio(model: CostModel, samples: Sequence[Sample] | np.ndarray) -> float | None:
     """median_i(y_i / T(c_i, b_i)): how much slower the forwards ran than ``model`` says (None: no usable sample)."""
-    ratios = [y / p for c, b, y in samples if (p := model.predict(c, b)) > 0]
-    return float(np.median(ratios)) if ratios else None
+    p, y = predict_many(model, samples), _columns(samples)[:, 2]
+    ratios = y[p > 0] / p[p > 0]
+    return float(np.median(ratios)) if len(ratios) else None
 
 
-def median_rel_error(model: CostModel, samples: Sequence[Sample]) -> float:
+def median_rel_error(model: CostModel, samples: Sequence[Sample] | np.ndarray) -> float:
     """median_i |T(c_i, b_i) - y_i| / y_i: a few stalled forwards do not count, a persistent miss does."""
-    return float(np.median([abs(model.predict(c, b) - y) / y for c, b, y in samples]))
+    y = _columns(samples)[:, 2]
+    return float(np.median(np.abs(predict_many(model, samples) - y) / y))
 
 
 class ForwardSplitter:
@@ -85,7 +99,11 @@ class ForwardSplitter:
 class OnlineCostModel:
     """A cost model that starts from ``initial`` and follows the forwards handed to :meth:`observe`.
 
-    Every ``refit_every`` samples (once ``min_samples`` are in the window of the last ``window``):
+    Every ``refit_every`` samples (once ``min_samples`` are in the window of the last ``window``); the
+    least-squares refit, the dear part (~1.5 ms of host time on a CPU), only once the samples since the
+    last refit are a quarter of the window's (at least ``refit_every``: every 64 of a full 256), or while no
+    refit has succeeded yet (issue 30). In between, an unprofiled model keeps its last refit, and a profiled
+    one that misses weighs its scaled profile against its last refit:
 
     - unprofiled (``frozen=False``): refit T_fwd on the window (cost_model.fit_cost_model); until the
       window separates the context and batch terms, scale the flat guess instead (below).
@@ -110,12 +128,17 @@ class OnlineCostModel:
     _model: CostModel | None = None
     _scale: float = 1.0
     _since_fit: int = 0
+    _since_refit: int = 0
     _source: str = "initial"
+    # scaled(self._model or self.initial, self._scale), kept by _set: a prediction builds no model
+    _current: CostModel | None = field(default=None, compare=False, repr=False)
 
     @property
     def model(self) -> CostModel:
         """The model predictions come from now (what a worker publishes)."""
-        return scaled(self._model or self.initial, self._scale)
+        if self._current is None:
+            self._current = scaled(self._model or self.initial, self._scale)
+        return self._current
 
     @property
     def correction(self) -> float:
@@ -137,13 +160,18 @@ class OnlineCostModel:
         while len(self.samples) > self.window:
             self.samples.popleft()
         self._since_fit += 1
+        self._since_refit += 1
         if self._since_fit >= self.refit_every and len(self.samples) >= self.min_samples:
             self._since_fit = 0
-            self._recalibrate(list(self.samples))
+            self._recalibrate(_columns(self.samples))
+
+    def _refit_due(self) -> bool:
+        """A least-squares refit now: none has succeeded yet, or a quarter of the window is new since the last."""
+        return self._model is None or self._since_refit >= max(self.refit_every, len(self.samples) // 4)
 
     # ---- choosing the model --------------------------------------------------------------------
 
-    def _scale_for(self, samples: Sequence[Sample]) -> float:
+    def _scale_for(self, samples: np.ndarray) -> float:
         """k clamped to [1/max, max], or 1 inside the dead band |log k| <= log(1 + tolerance).
 
         Once scaling, the band narrows to half the tolerance, so k near its edge does not flip back and forth.
@@ -155,6 +183,7 @@ class OnlineCostModel:
         return min(max(k, 1.0 / self.max_correction), self.max_correction)
 
     def _refit(self, samples: Sequence[Sample]) -> CostModel | None:
+        self._since_refit = 0
         try:
             # keep the profile's knee: forwards served rarely span it, the profiler's grid did
             model, _ = fit_cost_model(samples, knee=self.initial.knee or None)
@@ -162,13 +191,18 @@ class OnlineCostModel:
             return None
         return model
 
-    def _recalibrate(self, samples: Sequence[Sample]) -> None:
+    def _recalibrate(self, samples: np.ndarray) -> None:
         k = self._scale_for(samples)
         err = median_rel_error(scaled(self.initial, k), samples)
         if self.frozen and err <= self.tolerance:  # the (scaled) profile fits: keep its shape
             self._set(None, k, err)
             return
-        refit = self._refit(samples)
+        if not self._refit_due():
+            if not self.frozen:  # unprofiled: the last refit stands until the next is due
+                return
+            refit = None
+        else:
+            refit = self._refit(list(self.samples))
         if refit is not None and not self.frozen:  # unprofiled: any refit beats the flat guess
             self._set(refit, 1.0, err)
             return
@@ -188,3 +222,4 @@ class OnlineCostModel:
                     "initial": "agrees with measured forwards again"}[source]
             log.warning("profiled cost model: %s", what)
         self._model, self._scale, self._source = refit, k, source
+        self._current = scaled(refit or self.initial, k)

@@ -9,7 +9,14 @@ import pytest
 
 from adaserve.engine.cost.cost_model import CostModel
 from adaserve.engine.cost.profiler import summarise_timings
-from adaserve.engine.cost.timing import ForwardSplitter, OnlineCostModel, median_ratio, median_rel_error, scaled
+from adaserve.engine.cost.timing import (
+    ForwardSplitter,
+    OnlineCostModel,
+    median_ratio,
+    median_rel_error,
+    predict_many,
+    scaled,
+)
 
 # this machine's quiet CPU forward, roughly: 6.5 ms fixed, 0.16 ms per new token, 2 us per context token
 TRUE = CostModel(alpha=2e-6, gamma=1.6e-4, delta=6.5e-3)
@@ -135,3 +142,43 @@ def test_forward_splitter_gives_each_forward_its_own_time_and_counts():
     assert sum(y for _, _, y in samples) == pytest.approx(now[0] - 10.0)  # the span, nothing lost
     split.start()  # a new search starts empty
     assert split.finish() == []
+
+
+def test_vectorised_predictions_are_the_models_own_bit_for_bit():
+    """median_ratio and median_rel_error predict the whole window at once (issue 30): the same numbers."""
+    rng = np.random.default_rng(8)
+    samples = forwards(rng, 300)
+    for model in (TRUE, CostModel(3e-6, 1e-4, 2e-3, gamma_above=5e-4, knee=12), CostModel(0.0, 0.0, 0.0)):
+        want = [model.predict(c, b) for c, b, _ in samples]
+        assert predict_many(model, samples).tolist() == want
+        ratios = [y / p for (_, _, y), p in zip(samples, want, strict=True) if p > 0]
+        assert median_ratio(model, samples) == (float(np.median(ratios)) if ratios else None)
+        if model.delta > 0:
+            assert median_rel_error(model, samples) == float(np.median(
+                [abs(p - y) / y for (_, _, y), p in zip(samples, want, strict=True)]))
+
+
+def test_least_squares_refit_runs_once_a_quarter_of_the_window_is_new(monkeypatch: pytest.MonkeyPatch):
+    """Unprofiled: checked every 16 forwards, refit once a quarter of the window's samples are new (every 16
+    up to 64 samples, as before; every 64 once a 256-window is full: issue 30, ~1.5 ms each on a CPU);
+    between refits the model stays the last refit."""
+    from adaserve.engine.cost import timing
+
+    calls = []
+    real = timing.fit_cost_model
+
+    def counting(samples, **kw):
+        calls.append(len(samples))
+        return real(samples, **kw)
+
+    monkeypatch.setattr(timing, "fit_cost_model", counting)
+    m = OnlineCostModel(CostModel(0.0, 0.0, 0.02))
+    rng = np.random.default_rng(9)
+    models = []
+    for c, b, y in forwards(rng, 512):
+        m.observe(c, b, y)
+        models.append(m.model)
+    refit_at = [16, 32, 48, 64, 96, 128, 176, 240, 304, 368, 432, 496]  # samples seen at each refit
+    assert calls == [min(n, 256) for n in refit_at] and m.source == "refit"
+    assert models[303] == models[366] != models[367]  # between refits the model is unchanged
+    assert median_rel_error(m.model, forwards(rng, 200, sigma=0.0)) < 0.1

@@ -193,17 +193,21 @@ def _expand_on_device(logits: list[torch.Tensor], base: np.ndarray | torch.Tenso
     # every request's frontier has F rows: one batched level (a view of the forward's logits, not a copy)
     x = joined_rows(logits).float().view(n, f, v)
     top_f = torch.topk(x, k_node, dim=-1)
-    values = top_f.values.double() - torch.logsumexp(x, dim=-1).double()[:, :, None]  # [n, F, k]
+    values = top_f.values.double() - torch.logsumexp(x, dim=-1, keepdim=True).double()  # [n, F, k]
     if isinstance(base, np.ndarray):
         base = torch.from_numpy(np.ascontiguousarray(base, np.float64)).to(values.device, non_blocking=True)
-    score = base.to(torch.float64)[:, :, None] + values
-    # flat index of a candidate in its request's [F, V] grid: f * V + token
-    flat = top_f.indices + v * torch.arange(f, device=values.device)[None, :, None]
+    elif base.dtype != torch.float64:
+        base = base.to(torch.float64)
+    score = base[:, :, None] + values
+    # candidate j of a request's [F * k] grid: frontier node j // k, token top_f.indices[.., j] (issue 30:
+    # no flat [F, V] index to build and take apart)
+    tok = top_f.indices.view(n, f * k_node)
     if per_node is None:
         top = torch.topk(score.view(n, f * k_node), min(width, f * k_node), dim=-1)
-        values, flat = top.values, flat.view(n, -1).gather(1, top.indices)
+        values, tok, parent = top.values, tok.gather(1, top.indices), top.indices // k_node
     else:
-        values, flat = score.view(n, -1), flat.view(n, -1)
-    lo, hi = torch.aminmax(x)  # both finite iff every logit is (NaN propagates)
-    check = (lo.double() + hi.double()).reshape(1)
-    return flat % v, flat // v, values, check
+        values = score.view(n, -1)
+        parent = (torch.arange(f * k_node, device=values.device) // k_node).expand(n, -1)
+    # finite iff every logit is (NaN and infinities propagate; float32 logits cannot overflow a float64 sum)
+    check = x.sum(dtype=torch.float64).reshape(1)
+    return tok, parent, values, check

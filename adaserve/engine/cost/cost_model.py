@@ -159,14 +159,25 @@ def fit_cost_model(
         ctx.append(float(c))
         bat.append(float(b))
         y.append(float(s))
-    yv = np.asarray(y)
-    design = np.column_stack([np.asarray(ctx), np.asarray(bat), np.ones_like(yv)])
+    return fit_arrays(np.asarray(ctx), np.asarray(bat), np.asarray(y), weighting=weighting, knee=knee)
+
+
+def fit_arrays(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, *,
+               weighting: Literal["relative", "absolute"] = "relative",
+               knee: int | None = None) -> tuple[CostModel, FitReport]:
+    """``fit_cost_model`` on float64 columns a caller has already checked (counts >= 0, seconds finite > 0):
+    the online model refits its window without a Python pass over every sample (issue 30)."""
+    if weighting not in ("relative", "absolute"):
+        raise ValueError(f"weighting must be 'relative' or 'absolute', got {weighting!r}")
+    if len(yv) < 3:
+        raise ValueError(f"fit_cost_model needs >= 3 samples, got {len(yv)}")
+    design = np.column_stack([ctx, bat, np.ones_like(yv)])
     scale = np.abs(design).max(axis=0)
     if np.any(scale == 0) or np.linalg.matrix_rank(design / np.where(scale == 0, 1, scale)) < 3:
         raise ValueError(
             "cost-model samples are degenerate: vary n_context and n_batched independently (rank-3 design)"
         )
-    hinge = np.maximum(0.0, np.asarray(bat) - knee) if knee is not None and knee > 0 else None
+    hinge = np.maximum(0.0, bat - knee) if knee is not None and knee > 0 else None
     if hinge is not None and np.count_nonzero(hinge) >= 2:
         design = np.column_stack([design, hinge])
         scale = np.abs(design).max(axis=0)
@@ -186,6 +197,6 @@ def fit_cost_model(
     # other coefficients 0, feasible for NNLS), so SS_tot = 0 means a perfect fit: r^2 = 1.
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
     report = FitReport(
-        n_samples=len(rows), mean_rel_error=float(rel.mean()), max_rel_error=float(rel.max()), r2=float(r2)
+        n_samples=len(yv), mean_rel_error=float(rel.mean()), max_rel_error=float(rel.max()), r2=float(r2)
     )
     return model, report

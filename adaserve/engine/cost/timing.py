@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from adaserve.engine.cost.cost_model import CostModel, fit_cost_model
+from adaserve.engine.cost.cost_model import CostModel, fit_arrays
 
 log = logging.getLogger(__name__)
 
@@ -182,11 +182,12 @@ class OnlineCostModel:
             return 1.0
         return min(max(k, 1.0 / self.max_correction), self.max_correction)
 
-    def _refit(self, samples: Sequence[Sample]) -> CostModel | None:
+    def _refit(self, samples: np.ndarray) -> CostModel | None:
         self._since_refit = 0
         try:
-            # keep the profile's knee: forwards served rarely span it, the profiler's grid did
-            model, _ = fit_cost_model(samples, knee=self.initial.knee or None)
+            # keep the profile's knee: forwards served rarely span it, the profiler's grid did; ``observe``
+            # has checked every sample, so the columns go in as they are (cost_model.fit_arrays)
+            model, _ = fit_arrays(samples[:, 0], samples[:, 1], samples[:, 2], knee=self.initial.knee or None)
         except ValueError:  # not enough variation in the samples yet to separate the terms
             return None
         return model
@@ -202,7 +203,7 @@ class OnlineCostModel:
                 return
             refit = None
         else:
-            refit = self._refit(list(self.samples))
+            refit = self._refit(samples)
         if refit is not None and not self.frozen:  # unprofiled: any refit beats the flat guess
             self._set(refit, 1.0, err)
             return

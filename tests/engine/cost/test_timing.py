@@ -165,13 +165,13 @@ def test_least_squares_refit_runs_once_a_quarter_of_the_window_is_new(monkeypatc
     from adaserve.engine.cost import timing
 
     calls = []
-    real = timing.fit_cost_model
+    real = timing.fit_arrays
 
-    def counting(samples, **kw):
-        calls.append(len(samples))
-        return real(samples, **kw)
+    def counting(ctx, bat, y, **kw):
+        calls.append(len(y))
+        return real(ctx, bat, y, **kw)
 
-    monkeypatch.setattr(timing, "fit_cost_model", counting)
+    monkeypatch.setattr(timing, "fit_arrays", counting)
     m = OnlineCostModel(CostModel(0.0, 0.0, 0.02))
     rng = np.random.default_rng(9)
     models = []
@@ -182,3 +182,15 @@ def test_least_squares_refit_runs_once_a_quarter_of_the_window_is_new(monkeypatc
     assert calls == [min(n, 256) for n in refit_at] and m.source == "refit"
     assert models[303] == models[366] != models[367]  # between refits the model is unchanged
     assert median_rel_error(m.model, forwards(rng, 200, sigma=0.0)) < 0.1
+
+
+def test_refit_is_fit_cost_model_on_the_window():
+    """The window goes to the fit as columns (cost_model.fit_arrays, no per-sample pass): the same model."""
+    from adaserve.engine.cost.cost_model import fit_cost_model
+
+    m = feed(OnlineCostModel(CostModel(0.0, 0.0, 0.02), window=48), forwards(np.random.default_rng(10), 96))
+    assert m.source == "refit"
+    assert m.model == fit_cost_model(list(m.samples))[0]
+    knee = CostModel(1e-6, 1e-4, 1e-3, gamma_above=2e-4, knee=20)
+    k = feed(OnlineCostModel(knee), forwards(np.random.default_rng(11), 64, model=knee))
+    assert k.model == fit_cost_model(list(k.samples), knee=20)[0]

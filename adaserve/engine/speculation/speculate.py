@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from adaserve.engine.model.batch import DeviceNodes, Segment
 from adaserve.engine.model.kv_cache import SequenceKV
@@ -138,11 +139,10 @@ def _grow_ancestors(anc: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
     its parent's row plus itself (on the device: no parent is read on the host)."""
     n, m, _ = anc.shape
     k = parent.shape[1]
-    out = torch.zeros((n, m + k, m + k), dtype=torch.bool, device=anc.device)
-    out[:, :m, :m] = anc
-    out[:, m:, :m] = torch.gather(anc, 1, parent[:, :, None].expand(n, k, m))
-    out[:, m:, m:] = torch.eye(k, dtype=torch.bool, device=anc.device)
-    return out
+    wide = F.pad(anc, (0, k))  # [n, m, m + k]: the rows so far; no new node is an ancestor of an old one
+    new = torch.gather(wide, 1, parent[:, :, None].expand(n, k, m + k))  # each new node's parent's row
+    new[:, :, m:] = torch.eye(k, dtype=torch.bool, device=anc.device)  # and itself
+    return torch.cat([wide, new], dim=1)
 
 
 def _to_host(levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],

@@ -177,10 +177,11 @@ def grid_mask(segments: Sequence[Segment], members: Sequence[int], q_max: int, k
     """
     segs = [segments[b] for b in members]
     g = len(segs)
-    prefix = np.fromiter((s.prefix_len for s in segs), np.int64, g)[:, None]
-    cached = np.fromiter((s.num_cached for s in segs), np.int64, g)[:, None]
-    n_new = np.fromiter((s.num_new for s in segs), np.int64, g)[:, None]
-    chain = np.fromiter((s.tree.is_chain for s in segs), bool, g)[:, None]
+    # one pass over the segments: prefix, cached nodes, tree size, chain or not; each column [g, 1]
+    prefix, cached, size, chain = np.array([(s.prefix_len, s.num_cached, s.tree.size, s.tree.is_chain)
+                                            for s in segs], np.int64).reshape(g, 4, 1).transpose(1, 0, 2)
+    n_new = size - cached
+    chain = chain.astype(bool)
     row = np.arange(q_max)[None, :]
     node = cached + row  # [g, Q] tree node of each query row
     real = row < n_new

@@ -81,6 +81,12 @@ def status_mb() -> dict[str, int]:
     return out
 
 
+def bench_engine(pair: Any, policy: str, weights: str, **kw: Any) -> Any:
+    """The engine every cell uses: the pair, ``policy`` at a fixed B = 32, unprofiled, quiet."""
+    return build_engine(target=pair.target, draft=pair.draft, policy=policy, budget=32, weights=weights,
+                        progress=False, profile=False, **kw)
+
+
 def rss_child(weights: str, policy: str, kv_mb: int) -> None:
     """In a fresh process: RSS with imports and tokenizer only, then with the engine built and one request run."""
     from transformers import AutoTokenizer
@@ -89,16 +95,7 @@ def rss_child(weights: str, policy: str, kv_mb: int) -> None:
     pair = resolve(DEFAULT_MODEL, progress=False, weights=weights)
     AutoTokenizer.from_pretrained(str(pair.target), local_files_only=True)
     base = status_mb()
-    built = build_engine(
-        target=pair.target,
-        draft=pair.draft,
-        policy=policy,
-        budget=32,
-        weights=weights,
-        progress=False,
-        profile=False,
-        kv_memory_mb=kv_mb,
-    )
+    built = bench_engine(pair, policy, weights, kv_memory_mb=kv_mb)
     run(built.engine, [instruction_ids(built.tokenizer, PROMPTS[0])], 8)
     print(
         json.dumps(
@@ -150,15 +147,7 @@ def main() -> None:
     for label in args.weights.split(","):
         pair = resolve(DEFAULT_MODEL, progress=False, weights=label)
         for policy in args.policies.split(","):
-            engines[label, policy] = build_engine(
-                target=pair.target,
-                draft=pair.draft,
-                policy=policy,
-                budget=32,
-                weights=label,
-                progress=False,
-                profile=False,
-            )
+            engines[label, policy] = bench_engine(pair, policy, label)
     samples: dict[tuple[int, str, str], dict[str, list[float]]] = {}
     outputs: dict[tuple[int, str, str], list[int]] = {}
     peer: dict[int, list[float]] = {t: [] for t in threads}

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from adaserve.engine.model.attention.base import write_kv
-from adaserve.engine.model.attention.masks import MaskIndex, padded_mask
+from adaserve.engine.model.attention.masks import fill_grid_mask, grid_mask
 from adaserve.engine.model.batch import BatchLayout
 from adaserve.engine.model.kv_cache import PagedKVCache
 from adaserve.engine.model.layers import CausalLM
@@ -167,13 +167,23 @@ class StaticForward:
         keys[:b_real] = np.take_along_axis(layout.page_table, k_idx // ps, 1) * ps + k_idx % ps
         stage = layout.stage
         for name, arr in (("ids", ids), ("positions", pos), ("write_slots", slots), ("keys", keys),
-                          ("rows", at[np.asarray(rows, np.int64)]), ("group", np.arange(b_real))):
+                          ("rows", at[np.asarray(rows, np.int64)])):
             stage.put(f"static.{name}", arr)
         if layout.ids is None:
             stage.put("static.at", at)
-        MaskIndex.stage(layout)
-        index = MaskIndex(layout)  # the first read: one copy of everything staged
-        mask = padded_mask(index, stage.get("static.group"), grid.q, grid.k, self.model.cfg.sliding_window)
+        # the mask as row bounds and tree cells (masks.grid_mask, issue 30: a few device ops, not the rule
+        # evaluated on the whole grid); beam levels' ancestor rows are on the device (batch.DeviceNodes)
+        device_rows = layout.ids is None and "mask.anc" in stage
+        gm = grid_mask(layout.segments, range(b_real), grid.q, grid.k, self.model.cfg.sliding_window,
+                       device_rows=device_rows)
+        parts = {name: arr for name in ("hi", "lo", "cells", "src") if (arr := getattr(gm, name)) is not None}
+        for name, arr in parts.items():
+            stage.put(f"static.mask.{name}", arr)
+        anc = stage.get("mask.anc").reshape(-1) if device_rows else None  # the first read: one copy
+        got = {name: stage.get(f"static.mask.{name}") if name in parts else None
+               for name in ("hi", "lo", "cells", "src")}
+        values = None if got["src"] is None or anc is None else anc[got["src"]]
+        mask = fill_grid_mask(torch.arange(grid.k, device=layout.device), got["hi"], got["lo"], got["cells"], values)
         grid.ids.copy_(stage.get("static.ids"))
         if layout.ids is None:
             grid.ids.index_copy_(0, stage.get("static.at"), layout.input_ids)

@@ -21,7 +21,7 @@ from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.request import Request
 from adaserve.engine.speculation.sampling import SamplingParams, draw_rows, make_generator, processed_probs
 from adaserve.engine.speculation.speculate import DraftInput, beam_search, expand_level
-from adaserve.engine.speculation.verify import WalkInput, commit_moves, walk_trees
+from adaserve.engine.speculation.verify import WalkInput, WalkResult, commit_moves, draw_at_nodes, walk, walk_trees
 from tests.engine.helpers import runner
 from tests.engine.model.test_tree_attention import random_tree
 
@@ -151,6 +151,35 @@ def test_batched_walks_equal_token_by_token_walks(seed: int) -> None:
             assert res.tokens == tokens and res.accepted_nodes == path
             # exactly one uniform per emitted token was consumed (none when greedy)
             assert torch.equal(x.generator.get_state(), ref_gen.get_state())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_draws_are_argmax_with_ties_infinities_and_nan(dtype: torch.dtype) -> None:
+    """draw_at_nodes reads greedy rows with max(-1).indices on CPU (issue 30): argmax's first maximum, always."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        sizes = torch.randint(1, 6, (int(torch.randint(1, 5, (), generator=gen)),), generator=gen).tolist()
+        v = int(torch.randint(2, 300, (), generator=gen))
+        big = torch.randint(-2, 2, (sum(sizes) + 2, v), generator=gen).to(dtype)  # small ints: many ties
+        if trial % 3 == 0:
+            big[torch.rand(big.shape, generator=gen) < 0.4] = float("-inf")
+        if trial % 4 == 0:
+            big[1] = float("-inf")  # a row with no finite logit
+        if trial % 5 == 0:
+            big[torch.rand(big.shape, generator=gen) < 0.02] = float("nan")
+        rows = big[1:-1]  # consecutive blocks of one tensor at an offset: joined_rows' view
+        blocks = list(rows.split(sizes))
+        inputs = [WalkInput(TokenTree.chain(list(range(m))), b, SamplingParams(), make_generator(i), frozenset(), 9)
+                  for i, (m, b) in enumerate(zip(sizes, blocks, strict=True))]
+        drawn, _ = draw_at_nodes(inputs)
+        assert drawn == [b.argmax(-1).tolist() for b in blocks]
+
+
+def test_root_walk_respects_budget_and_stop() -> None:
+    root = TokenTree.root(3)
+    assert walk(root, [5], stop_ids=frozenset(), budget=0) == WalkResult([], [0])
+    assert walk(root, [5], stop_ids=frozenset({5}), budget=1) == WalkResult([5], [0])
+    assert walk(root, [5], stop_ids=frozenset(), budget=2) == WalkResult([5], [0])
 
 
 def test_draw_rows_falls_back_to_the_last_token_with_mass() -> None:

@@ -77,16 +77,23 @@ def walk_tree(tree: TokenTree, logits: torch.Tensor, params: SamplingParams, *, 
 
 def walk(tree: TokenTree, drawn: list[int], *, stop_ids: frozenset[int], budget: int) -> WalkResult:
     """The walk from the root, given the token drawn at every node (pure host work)."""
-    children = tree.children()
     tokens: list[int] = []
     path = [0]
+    if tree.size == 1:  # plain decoding's root: one draw, no child to match
+        if budget > 0:
+            tokens.append(drawn[0])
+        return WalkResult(tokens, path)
+    # (parent, token) -> its first child with that token, from host lists (issue 30: no per-node numpy reads)
+    child: dict[tuple[int, int], int] = {}
+    for i, key in enumerate(zip(tree.parents.tolist()[1:], tree.tokens.tolist()[1:], strict=True), 1):
+        child.setdefault(key, i)
     node = 0
     while len(tokens) < budget:
         y = drawn[node]
         tokens.append(y)
         if y in stop_ids:
             break  # a stop token ends the walk (the engine's finish check sees it)
-        nxt = next((c for c in children[node] if tree.tokens[c] == y), None)
+        nxt = child.get((node, y))
         if nxt is None:
             break  # y is the bonus token
         path.append(nxt)
@@ -108,7 +115,9 @@ def draw_at_nodes(inputs: list[WalkInput]) -> Draws:
     greedy = [i for i, x in enumerate(inputs) if x.params.greedy]
     if greedy:
         # one argmax over every greedy request's rows (no copy of the logits)
-        parts.append(joined_rows([inputs[i].logits for i in greedy]).argmax(-1))
+        rows = joined_rows([inputs[i].logits for i in greedy])
+        # on CPU max's indices are argmax's (the first maximum, NaN included) at ~0.6 of its cost (issue 30)
+        parts.append(rows.max(-1).indices if rows.device.type == "cpu" else rows.argmax(-1))
         order += greedy
     by_setting: dict[tuple[float, int, float], list[int]] = {}
     for i, x in enumerate(inputs):

@@ -67,7 +67,7 @@ def _rank(lp: np.ndarray, nodes: np.ndarray) -> np.ndarray:
 
 
 def _as_lists(chosen: Sequence[np.ndarray]) -> list[list[int]]:
-    return [sorted(int(i) for i in c) for c in chosen]
+    return [np.sort(c).tolist() for c in chosen]  # Python ints, ascending
 
 
 def _check_roots_fit(n: int, budget: int) -> None:
@@ -77,16 +77,29 @@ def _check_roots_fit(n: int, budget: int) -> None:
         raise ValueError(f"budget {budget} cannot hold the roots of {n} requests")
 
 
-def _padded(lps: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """([n, M] log f with -inf past each tree's size, sizes [n]): one array for the whole batch."""
+@dataclass(frozen=True)
+class Padded:
+    """A batch's log f as one array: ``lp`` [n, M] with -inf past each tree's size, ``sizes`` [n]."""
+
+    lp: np.ndarray
+    sizes: np.ndarray
+
+
+LogF = Sequence[np.ndarray] | Padded  # per request log f, or ``_padded`` of them already (computed once)
+
+
+def _padded(lps: LogF) -> Padded:
+    """One array for the whole batch."""
+    if isinstance(lps, Padded):
+        return lps
     sizes = np.fromiter((len(lp) for lp in lps), np.int64, len(lps))
     m = int(sizes.max(initial=1))
     if np.all(sizes == m):
-        return np.stack(lps) if lps else np.zeros((0, m)), sizes
+        return Padded(np.stack(lps) if lps else np.zeros((0, m)), sizes)
     out = np.full((len(lps), m), -np.inf)
     for i, lp in enumerate(lps):
         out[i, : len(lp)] = lp
-    return out, sizes
+    return Padded(out, sizes)
 
 
 @dataclass(frozen=True)
@@ -102,9 +115,10 @@ class RankedNodes:
     sizes: np.ndarray  # [n] candidate tree sizes, root included
 
     @classmethod
-    def of(cls, lps: Sequence[np.ndarray]) -> RankedNodes:
-        lp, sizes = _padded(lps)
-        n = len(lps)
+    def of(cls, lps: LogF) -> RankedNodes:
+        padded = _padded(lps)
+        lp, sizes = padded.lp, padded.sizes
+        n = len(lp)
         ranked = np.argsort(-lp[:, 1:], axis=1, kind="stable") + 1
         f = np.exp(np.take_along_axis(lp, ranked, axis=1))
         n_acc = 1.0 + np.concatenate([np.zeros((n, 1)), np.cumsum(f, axis=1)], axis=1)
@@ -134,7 +148,7 @@ def slo_grants(want: np.ndarray, req: np.ndarray, *, budget: int, order: str) ->
     return k
 
 
-def _slo_phase(lps: Sequence[np.ndarray], req: np.ndarray, *, budget: int, depth: int,
+def _slo_phase(lps: LogF, req: np.ndarray, *, budget: int, depth: int,
                n_max: int, order: str = "largest-need") -> list[np.ndarray]:
     """Algorithm 2 lines 3-17. Returns the chosen node indices per request (root first).
 
@@ -142,32 +156,34 @@ def _slo_phase(lps: Sequence[np.ndarray], req: np.ndarray, *, budget: int, depth
     at most n_max - 1) is computed for all at once (slo_wishes); the budget then goes to them in ``order``
     of A(r) (slo_grants).
     """
-    if len(lps) == 0:
+    padded = _padded(lps)
+    if len(padded.sizes) == 0:
         return []
-    nodes = RankedNodes.of(lps)
+    nodes = RankedNodes.of(padded)
     k = slo_grants(slo_wishes(nodes, req, depth=depth, n_max=n_max), req, budget=budget, order=order)
-    return [np.concatenate(([0], nodes.ranked[i, : k[i]])) for i in range(len(lps))]
+    return [np.concatenate(([0], nodes.ranked[i, : k[i]])) for i in range(len(k))]
 
 
-def _throughput_phase(lps: Sequence[np.ndarray], chosen: Sequence[np.ndarray], *,
-                      budget: int) -> list[np.ndarray]:
+def _throughput_phase(lps: LogF, chosen: Sequence[np.ndarray], *, budget: int) -> list[np.ndarray]:
     """Algorithm 2 lines 18-23: spend what is left of ``budget`` on the globally highest-f nodes.
 
     Works from any connected start: a remaining node's parent is chosen already or remains with a
     strictly higher f, so it is taken first. Ties go to the earlier request, then the lower index.
     """
-    left = budget - sum(len(c) for c in chosen)
+    counts = np.fromiter((len(c) for c in chosen), np.int64, len(chosen))
+    left = budget - int(counts.sum())
     if left <= 0 or not chosen:
         return list(chosen)
-    lp, _ = _padded(lps)
+    lp = _padded(lps).lp
     m = lp.shape[1]
     free = np.isfinite(lp)
-    for i, c in enumerate(chosen):
-        free[i, c] = False
+    free[np.repeat(np.arange(len(chosen)), counts), np.concatenate(chosen).astype(np.int64)] = False
     flat = np.flatnonzero(free)  # row-major: by request, then node index
     top = flat[np.argsort(-lp.reshape(-1)[flat], kind="stable")[:left]]  # one global heap, as a sort
-    req_of, node_of = np.divmod(top, m)
-    return [np.concatenate((c, node_of[req_of == i])) for i, c in enumerate(chosen)]
+    # each request's share of ``top`` in top's order: a stable sort by request, split (no scan per request)
+    top = top[np.argsort(top // m, kind="stable")]
+    got = np.split(top % m, np.cumsum(np.bincount(top // m, minlength=len(chosen)))[:-1])
+    return [np.concatenate((c, g)) for c, g in zip(chosen, got, strict=True)]
 
 
 # ---- policies -----------------------------------------------------------------------------------------
@@ -201,8 +217,9 @@ def adaserve_phases(cands: Sequence[TokenTree], requirements: Sequence[float], *
     lps = [strict_log_probs(c) for c in cands]
     if order not in SLO_ORDERS:
         raise ValueError(f"SLO order must be one of {', '.join(SLO_ORDERS)}, got {order!r}")
-    slo = _slo_phase(lps, req, budget=budget, depth=depth, n_max=n_max, order=order)
-    return slo, _throughput_phase(lps, slo, budget=budget)
+    padded = _padded(lps)  # once for both phases
+    slo = _slo_phase(padded, req, budget=budget, depth=depth, n_max=n_max, order=order)
+    return slo, _throughput_phase(padded, slo, budget=budget)
 
 
 def select_global_greedy(cands: Sequence[TokenTree], *, budget: int) -> list[list[int]]:

@@ -252,3 +252,35 @@ def test_the_slo_phase_order_decides_who_a_binding_budget_serves() -> None:
     assert smallest == [[0, 1], [0, 1, 2]]  # a is served, b gets what is left
     with pytest.raises(ValueError, match="SLO order"):
         selection.select_adaserve([a], [1.0], budget=4, depth=3, n_max=16, order="random")
+
+
+def reference_throughput_phase(lps: list[np.ndarray], chosen: list[np.ndarray], *, budget: int) -> list[np.ndarray]:
+    """The throughput phase as first written: a mask cleared request by request, then a scan per request."""
+    left = budget - sum(len(c) for c in chosen)
+    if left <= 0 or not chosen:
+        return list(chosen)
+    m = max(len(lp) for lp in lps)
+    lp = np.full((len(lps), m), -np.inf)
+    for i, row in enumerate(lps):
+        lp[i, : len(row)] = row
+    free = np.isfinite(lp)
+    for i, c in enumerate(chosen):
+        free[i, c] = False
+    flat = np.flatnonzero(free)
+    top = flat[np.argsort(-lp.reshape(-1)[flat], kind="stable")[:left]]
+    req_of, node_of = np.divmod(top, m)
+    return [np.concatenate((c, node_of[req_of == i])) for i, c in enumerate(chosen)]
+
+
+@given(batch())
+def test_throughput_phase_picks_exactly_what_the_scan_per_request_picked(b: dict):
+    """Issue 30 vectorised the phase's bookkeeping: the same nodes, in the same order, per request."""
+    cands = b["cands"]
+    lps = [np.round(strict_lp(c), 1) for c in cands]  # rounded: ties across requests
+    slo = selection._slo_phase(lps, np.asarray(b["requirements"], np.float64), budget=b["budget"],
+                               depth=b["depth"], n_max=b["n_max"])
+    for budget in (b["budget"], b["budget"] + 3, len(cands)):
+        got = selection._throughput_phase(lps, slo, budget=budget)
+        want = reference_throughput_phase(lps, slo, budget=budget)
+        assert [g.tolist() for g in got] == [w.tolist() for w in want]
+        assert selection._as_lists(got) == [sorted(int(i) for i in w) for w in want]

@@ -10,13 +10,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from adaserve.engine.model.batch import Segment, build_layout
+from adaserve.engine.model.attention.masks import MaskIndex, padded_mask
+from adaserve.engine.model.batch import BatchLayout, Segment, build_layout
 from adaserve.engine.model.host_sync import HostSync
 from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.runner import ModelRunner
@@ -86,6 +88,32 @@ def test_poison_in_padding_leaves_real_logits_bit_identical(static_runner: Model
     assert not torch.equal(grid.logits[3 * grid.q :], padded_clean)  # the garbage did reach the padding
     for x, y in zip(clean, poisoned, strict=True):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("window", [None, 2, 5])
+@pytest.mark.parametrize("kind", ["decode", "verify", "beam"])
+def test_static_mask_is_the_padded_rule(static_runner: ModelRunner, kind: str, window: int | None,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grid's mask (masks.grid_mask since issue 30) is the §2 rule on the padded grid (masks.padded_mask):
+    real rows see their prefix and ancestors, padded rows key 0 only, with and without a sliding window."""
+    r = static_runner
+    assert r.static is not None
+    monkeypatch.setattr(r.static.model, "cfg", replace(r.static.model.cfg, sliding_window=window))
+    segs = batches(prefilled(r, [7, 12, 3]))[kind]
+    for sg in segs:
+        r.cache.ensure(sg.seq, sg.kv_len)
+
+    def layout() -> BatchLayout:
+        return build_layout(segs, page_size=r.cache.page_size, device=r.device)
+
+    lay = layout()
+    shape = r.static.bucket(lay)
+    assert shape is not None
+    grid = r.static.grid(shape)
+    r.static._fill(grid, lay, list(range(int(lay.qo_indptr[-1]))))
+    want = padded_mask(MaskIndex(layout()), torch.arange(len(segs)), grid.q, grid.k, window)
+    assert torch.equal(grid.mask[: len(segs), 0], want)
+    assert not bool(grid.mask[: len(segs), 0].all())  # the rule does hide keys
 
 
 @pytest.mark.parametrize("kind", ["decode", "verify", "beam"])

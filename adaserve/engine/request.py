@@ -9,6 +9,7 @@ import torch
 
 from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.speculation.sampling import SamplingParams, make_generator
+from adaserve.engine.speculation.selection import requirement_line as slo_line
 from adaserve.engine.speculation.selection import slo_requirement
 from adaserve.engine.stop_strings import StopStringMatcher
 
@@ -121,11 +122,10 @@ def requirement(req: Request, *, now_s: float, t_iter_s: float, margin: float = 
 
 
 def requirement_line(req: Request, *, now_s: float) -> tuple[float, float]:
-    """(base, rate) with A(r) = base + rate * t_iter (``requirement`` without the margin, as a line in the
-    iteration's length): (elapsed / tpot - o_r, 1 / tpot); (0, 0) for a request without a TPOT SLO."""
+    """(base, rate) with A(r) = base + rate * t_iter (``requirement`` without the margin; selection.requirement_line);
+    (0, 0) for a request without a TPOT SLO."""
     first = req.metrics.first_token_s
     if req.tpot_slo_ms is None or first is None:
         return 0.0, 0.0
-    base = slo_requirement(elapsed_s=max(0.0, now_s - first), tokens_so_far=max(0, len(req.output_ids) - 1),
-                           t_iter_s=0.0, tpot_slo_s=req.tpot_slo_ms / 1e3)
-    return base, 1e3 / req.tpot_slo_ms
+    return slo_line(elapsed_s=max(0.0, now_s - first), tokens_so_far=max(0, len(req.output_ids) - 1),
+                    tpot_slo_s=req.tpot_slo_ms / 1e3)

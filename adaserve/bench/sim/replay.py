@@ -63,7 +63,7 @@ from adaserve.engine.speculation.policies import (
     is_budgeted,
     make_policy,
 )
-from adaserve.engine.speculation.selection import slo_requirement
+from adaserve.engine.speculation.selection import requirement_line, slo_requirement
 
 WAITING, PREFILL, DECODE, DONE = range(4)
 
@@ -395,11 +395,11 @@ class ReplayEngine:
                                     t_target=lambda k: self.target_cost.predict(n_ctx, k + prefill_tokens))
         elif self.cfg.budget_rule == "slo" and is_budgeted(self.policy):
             has_slo = [r.tpot_slo_ms is not None and r.first_s is not None for r in decoding]
-            base = np.array([slo_requirement(elapsed_s=max(0.0, t_start - r.first_s),
-                                             tokens_so_far=max(0, r.emitted - 1), t_iter_s=0.0,
-                                             tpot_slo_s=r.tpot_slo_ms / 1e3) if s else 0.0
-                             for r, s in zip(decoding, has_slo, strict=True)])
-            rate = np.array([1e3 / r.tpot_slo_ms if s else 0.0 for r, s in zip(decoding, has_slo, strict=True)])
+            lines = np.array([requirement_line(elapsed_s=max(0.0, t_start - r.first_s),
+                                               tokens_so_far=max(0, r.emitted - 1),
+                                               tpot_slo_s=r.tpot_slo_ms / 1e3) if s else (0.0, 0.0)
+                              for r, s in zip(decoding, has_slo, strict=True)]).reshape(-1, 2)
+            base, rate = lines[:, 0], lines[:, 1]
             budget = slo_budget(scored, base=base, rate=rate, margin=np.where(has_slo, self.cfg.slo_margin, 0.0),
                                 depth=shape.depth, n_max=self.cfg.n_max, order=self.cfg.slo_order,
                                 t_spent_s=t1 - t_start,

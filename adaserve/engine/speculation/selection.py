@@ -52,6 +52,13 @@ def slo_requirement(*, elapsed_s: float, tokens_so_far: int, t_iter_s: float, tp
     return (elapsed_s + t_iter_s) / tpot_slo_s - tokens_so_far
 
 
+def requirement_line(*, elapsed_s: float, tokens_so_far: int, tpot_slo_s: float) -> tuple[float, float]:
+    """A(r) as a line in the iteration's length: (base, rate) with A(r) = base + rate * t_iter, i.e.
+    (l_r / tpot_r - o_r, 1 / tpot_r) (slo_requirement's checks apply). The SLO budget rule prices many t_iter."""
+    base = slo_requirement(elapsed_s=elapsed_s, tokens_so_far=tokens_so_far, t_iter_s=0.0, tpot_slo_s=tpot_slo_s)
+    return base, 1.0 / tpot_slo_s
+
+
 # ---- helpers ------------------------------------------------------------------------------------------
 def strict_log_probs(cand: TokenTree) -> np.ndarray:
     """log f with f(child) < f(parent); ties (e.g. a draft probability of exactly 1) are nudged."""

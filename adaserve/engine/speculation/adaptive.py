@@ -105,7 +105,8 @@ def bounds_for_device(cfg: AdaptiveConfig, *, t_target_s: float, t_draft_s: floa
                                               against a 30 ms 70B forward). Replayed on that table with the
                                               demo pair's agreement (issue 29), width 3 raised accepted tokens
                                               per verification from 2.3 to 2.6, and the real engine agreed
-                                              (2.19 -> 2.36 on the replay's cross-check workload). A CPU's
+                                              (2.19 -> 2.36 on the replay's cross-check workload;
+                                              scripts/replay-tree-crosscheck.py). A CPU's
                                               draft is compute-bound and its knee small: it keeps 2.
         B2    = the draft's own knee          draft tokens per beam step that still cost about one token
     """

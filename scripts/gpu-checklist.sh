@@ -127,9 +127,6 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$OUT/device.json" 2>/dev/null
 
 if [ "$PART" = a ] || [ "$PART" = all ]; then
-  step "static shapes and CUDA graphs: replay against eager, greedy output unchanged, capture safety"
-  run static-shapes-tests "$PY" -m pytest --with-gpu -q -p no:cacheprovider tests/engine/model/test_static_shapes.py \
-    tests/engine/speculation/test_beam_on_device.py --junitxml "$OUT/static-shapes-junit.xml"
   step "forward times of the default pair's architectures (random bf16 weights), eager against graphs"
   run forwards-smollm2 "$PY" -m adaserve.bench.random_arch forwards --device cuda --target smollm2-135m \
     --draft models/smollm2-draft/config.json --batches 1,8,32 --new 1,4 --repeats 30 --kv-gib 2 \
@@ -137,6 +134,9 @@ if [ "$PART" = a ] || [ "$PART" = all ]; then
   step "measured profile of Llama-3.1-8B with a Llama-3.2-1B draft (random bf16 weights, graphs)"
   run profile-llama8b "$PY" -m adaserve.bench.random_arch profile --device cuda --target llama-3.1-8b \
     --draft llama-3.2-1b --contexts 64,256,1024 --repeats 5 --kv-gib 6 --json "$OUT/profile-llama-3.1-8b.json"
+  step "static shapes and CUDA graphs: replay against eager, greedy output unchanged, capture safety"
+  run static-shapes-tests "$PY" -m pytest --with-gpu -q -p no:cacheprovider tests/engine/model/test_static_shapes.py \
+    tests/engine/speculation/test_beam_on_device.py --junitxml "$OUT/static-shapes-junit.xml"
   step "forward times of Llama-3.1-8B and its draft, eager against graphs"
   run forwards-llama8b "$PY" -m adaserve.bench.random_arch forwards --device cuda --target llama-3.1-8b \
     --draft llama-3.2-1b --batches 1,8,32 --new 1 --repeats 20 --kv-gib 4 --json "$OUT/forwards-llama-3.1-8b.json"

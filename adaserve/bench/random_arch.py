@@ -93,7 +93,7 @@ def random_model(arch: str | Mapping[str, Any], *, device: torch.device, dtype: 
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = Rotary(cfg).to(device)  # its buffer is computed, never drawn
     model.tune_kernels()  # CPU: the fastest few-row products (a no-op on a GPU)
-    return model.eval()
+    return model.requires_grad_(False).eval()
 
 
 def runner_for(model: CausalLM, *, kv_bytes: int, static_shapes: bool) -> ModelRunner:

@@ -14,6 +14,7 @@
 #   PART=all both (the default).
 # Each step has its own time limit (STEP_LIMIT seconds, default 240); a failing step does not stop the others
 # and the script exits 1 if any failed.
+#   ONLY     run only these steps (names as in OUT/NAME.log, space-separated), e.g. a rerun after a fix
 #   STEPS    timed iterations per microbench cell (default 16)
 #   BUDGET   the speculative cells' token budget B (default 64)
 # Without CUDA (a dry run on a CPU) it says so, runs the CPU half of the static-shape tests, the forward
@@ -31,6 +32,7 @@ step() { echo "== $(date +%T) $*" >&2; }
 PY=${PYTHON:-python}
 run() {  # run NAME CMD...: one step under its time limit; its output kept in OUT/NAME.log, its tail shown
   local name=$1 rc=0 t0=$SECONDS; shift
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return 0; fi
   timeout "$LIMIT" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
   if [ "$rc" = 0 ]; then echo "   ok: $name ($((SECONDS - t0)) s)" >&2
   else echo "!! step $name failed (rc $rc, $((SECONDS - t0)) s):" >&2; tail -n 15 "$OUT/$name.log" >&2; failed=1; fi

@@ -92,6 +92,8 @@ def random_model(arch: str | Mapping[str, Any], *, device: torch.device, dtype: 
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = Rotary(cfg).to(device)  # its buffer is computed, never drawn
+    if device.type == "cuda":  # as the loader serves a float model on a GPU
+        model.fuse_projections()
     model.tune_kernels()  # CPU: the fastest few-row products (a no-op on a GPU)
     return model.requires_grad_(False).eval()
 

@@ -44,14 +44,21 @@ class Rotary(torch.nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, 1, head_dim] (broadcast over heads)."""
+        """positions [T] -> cos, signed sin [T, 1, head_dim] (broadcast over heads), once per forward.
+
+        The sin's first half carries the minus sign of the rotation (``apply_rotary``), so that no layer
+        negates anything: x * (-s) is exactly -(x * s), the values are the Hugging Face layout's bit for bit.
+        """
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        sin = freqs.sin()
+        return (torch.cat((freqs, freqs), dim=-1).cos().to(dtype)[:, None, :],
+                torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :])
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]: rotate the two halves of the head dimension (the Hugging Face layout)."""
+    """x [T, H, D]: rotate the two halves of the head dimension (the Hugging Face layout), with the signed
+    sin of ``Rotary.cos_sin``: x * cos + (x2, x1) * (-s, s) = x * cos + (-x2, x1) * s. Four kernels on a
+    GPU (swap, two products, sum), not five."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * sin

@@ -23,6 +23,7 @@ the key length, because the torch attention reads a dense key grid instead of a 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -76,6 +77,7 @@ class GridAttention:
     def __init__(self, grid: Grid, *, head_dim: int) -> None:
         self.grid = grid
         self.scale = head_dim**-0.5
+        self._bias: torch.Tensor | None = None  # the mask as 0 / -inf, made by the forward's first layer
 
     def plan(self, layout: BatchLayout, cache: PagedKVCache) -> None:  # the grid is filled by StaticForward
         pass
@@ -87,9 +89,12 @@ class GridAttention:
         kp = cache.k[layer][g.key_slots].to(q.dtype)  # [G, K, Hkv, D]
         vp = cache.v[layer][g.key_slots].to(q.dtype)
         qp = q.view(g.g, g.q, *q.shape[1:])
+        if layer == 0 or self._bias is None:  # once per forward, not once per layer (SDPA would convert the
+            # boolean mask to this very tensor in every layer: the same values, two kernels a layer more)
+            self._bias = torch.zeros(g.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~g.mask, -math.inf)
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
-            attn_mask=g.mask, scale=self.scale, enable_gqa=True,
+            attn_mask=self._bias, scale=self.scale, enable_gqa=True,
         ).transpose(1, 2)  # [G, Q, H, D]
         return out.reshape(q.shape)
 

@@ -178,13 +178,24 @@ def _table(d: Mapping[str, Any]) -> Table:
                  context_per_sequence=0, alpha=float(d.get("context_ms_per_token", 0.0)) / 1e3)
 
 
+def _measured(part: Mapping[str, Any]) -> Table:
+    """A model's part of what the profiler measured (``adaserve profile --json``, bench/random_arch.py): its
+    table at ``context`` cached tokens per sequence, and the cost model's alpha per further context token."""
+    rows = part["table"]
+    return Table(tuple(int(r["n_tokens"]) for r in rows), tuple(float(r["latency_ms"]) / 1e3 for r in rows),
+                 context_per_sequence=int(part["context"]), alpha=float(part["cost_model"]["alpha"]))
+
+
 def _forward_cost(d: Mapping[str, Any], hw_by_name: Mapping[str, Mapping[str, Any]]) -> ForwardCost:
-    """One model's price from its JSON part: ``"kind": "table"`` (measured) or, by default, a roofline."""
+    """One model's price from its JSON part: ``"kind": "table"`` (a published table), ``"measured"`` (the
+    profiler's own output, measured on the named hardware) or, by default, a roofline."""
     kind = d.get("kind", "roofline")
     if kind == "table":
         return _table(d)
+    if kind == "measured":
+        return _measured(d)
     if kind != "roofline":
-        raise ValueError(f"kind {kind!r}: expected 'roofline' or 'table'")
+        raise ValueError(f"kind {kind!r}: expected 'roofline', 'table' or 'measured'")
     return _roofline(d, hw_by_name)
 
 
@@ -209,11 +220,7 @@ def profile_from_dict(d: Mapping[str, Any]) -> DeviceProfile:
 def profile_from_measured(data: Mapping[str, Any], *, name: str = MEASURED, sched_s: float) -> DeviceProfile:
     """This machine's profile, from what ``adaserve profile`` measured (its JSON or the cache entry)."""
 
-    def table(part: Mapping[str, Any]) -> Table:
-        rows = part["table"]
-        return Table(tuple(int(r["n_tokens"]) for r in rows), tuple(float(r["latency_ms"]) / 1e3 for r in rows),
-                     context_per_sequence=int(part["context"]), alpha=float(part["cost_model"]["alpha"]))
-
+    table = _measured
     if "draft" not in data:
         raise ValueError("the measured profile has no draft table: profile the pair with its draft")
     return DeviceProfile(name=name, target=table(data["target"]), draft=table(data["draft"]), sched_s=sched_s,

@@ -63,6 +63,19 @@ def test_shipped_profiles_load_and_their_knee_matches_the_papers_order_of_magnit
     assert ratio > 8  # a 1B draft step is a small fraction of a 70B forward over 4 GPUs
 
 
+def test_a_shipped_measured_profile_prices_as_its_table() -> None:
+    """h200/llama-3.1-8b is the profiler's own output (kind "measured"): at the reference context the price is
+    the measured row, and more context costs alpha a token."""
+    prof = load_profile_file("h200/llama-3.1-8b")
+    part = prof.source["target"]
+    row = part["table"][0]
+    ref = part["context"]  # n = 1: one sequence of ``context`` cached tokens
+    assert prof.target.seconds(row["n_tokens"], ref) == pytest.approx(row["latency_ms"] / 1e3)
+    alpha = part["cost_model"]["alpha"]
+    assert prof.target.seconds(1, ref + 1000) == pytest.approx(row["latency_ms"] / 1e3 + 1000 * alpha)
+    assert prof.target.seconds(1, ref) > 2 * prof.draft.seconds(1, ref)  # an 8B forward against a 1B one
+
+
 def test_bad_profiles_are_refused_with_a_message(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown device profile"):
         load_profile_file("no-such-gpu/model")

@@ -48,7 +48,8 @@ def add_parser(sub: Any) -> None:
     add_kv_memory_options(p)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="the worker reuses the KV of cached prompt prefixes (default on)")
-    add_weights_option(p)  # the worker loads, profiles and serves them: the derived classes come from them too
+    # the worker loads, profiles and serves them: the derived classes come from them too
+    add_weights_option(p, default="auto")
     p.add_argument("--redis-url", help="keep request records in this Redis (default: in-process)")
     p.add_argument("--slo-classes-file", help="JSON list of SLO classes (default: coding, "
                    "chat and summarization scaled to this machine's per-token latency)")

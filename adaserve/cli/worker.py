@@ -17,7 +17,7 @@ from adaserve.cli_error import CliError
 OPTIONS = ("target", "draft", "model_name", "device", "host", "port", "redis_url", "policy", "budget", "attention",
            "kv_memory_mb", "kv_memory_fraction", "dtype", "weights", "max_depth", "max_width", "worker_id",
            "advertise_url", "max_active_requests", "drain_grace_s", "log_level", "tensor_parallel_size",
-           "enable_prefix_caching")
+           "enable_prefix_caching", "static_shapes")
 
 
 def add_parser(sub: Any) -> None:
@@ -40,7 +40,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--attention", choices=["auto", "torch", "flashinfer"], help="[ADASERVE_ATTENTION]")
     add_kv_memory_options(p, env=True)
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], help="[ADASERVE_DTYPE]")
-    add_weights_option(p, env="ADASERVE_WEIGHTS")
+    add_weights_option(p, env="ADASERVE_WEIGHTS", default=None)  # None: the settings' auto
     p.add_argument("--max-depth", type=int, help="deepest draft tree [ADASERVE_MAX_DEPTH, default 4]")
     p.add_argument("--max-width", type=int, help="widest beam [ADASERVE_MAX_WIDTH, default 2]")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
@@ -52,6 +52,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-active-requests", type=int, help="queued + running before 503 [ADASERVE_MAX_ACTIVE_REQUESTS]")
     p.add_argument("--drain-grace-s", type=float, help="SIGTERM grace for in-flight requests [ADASERVE_DRAIN_GRACE_S]")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--static-shapes", action=argparse.BooleanOptionalAction, default=None,
+                   help="static-shape forwards, CUDA graphs on a GPU [ADASERVE_STATIC_SHAPES, default: on for CUDA "
+                        "with one rank, off on CPU]")
     p.set_defaults(func=run)
 
 

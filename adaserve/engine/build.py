@@ -114,7 +114,8 @@ def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Pat
                  dtype: str = "auto", weights: str = "auto", max_depth: int | None = None,
                  max_width: int | None = None,
                  profile: bool = True, force_profile: bool = False, progress: bool = True,
-                 tensor_parallel_size: int = 1, prefix_caching: bool = True) -> BuiltEngine:
+                 tensor_parallel_size: int = 1, prefix_caching: bool = True,
+                 static_shapes: bool | None = None) -> BuiltEngine:
     """Load models, profile (or reuse the cached profile) unless ``budget`` is given, build the engine.
 
     ``max_depth`` / ``max_width`` bound the adaptive tree shape (Eq. 8-9) of the policies that use it.
@@ -129,6 +130,9 @@ def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Pat
     ``kv_memory_fraction`` (instead of ``kv_memory_mb`` per model): the caches are sized from the device's
     memory once the models are loaded, one token capacity for every model (model/kv_sizing.py).
     ``prefix_caching``: reuse cached prompt prefixes' KV (EngineConfig.prefix_caching).
+    ``static_shapes`` (EngineConfig.static_shapes; model/static.py): None is on for CUDA with one rank, where
+    the captured graphs are the fast path (docs/benchmarks.md, "GPU: NVIDIA H200"), and off on a CPU, where
+    padding costs more than it saves; graphs under tensor parallelism are refused.
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype)
@@ -136,8 +140,11 @@ def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Pat
         raise EngineBuildError(f"unknown weights {weights!r}: use {', '.join(WEIGHTS)}")
     try:  # every option is checked here, before the slow part
         bounds = {k: v for k, v in (("d_max", max_depth), ("w_max", max_width)) if v is not None}
+        if static_shapes is None:
+            static_shapes = dev.type == "cuda" and tensor_parallel_size == 1
         cfg = EngineConfig(policy=policy, attention=attention, kv=KVCacheConfig(memory_bytes=kv_memory_mb * 2**20),
                            adaptive=AdaptiveConfig(**bounds), prefix_caching=prefix_caching,
+                           static_shapes=static_shapes,
                            **({"budget": budget} if budget is not None else {}))
         speculates = make_policy(policy, cfg).max_shape is not None
     except ValueError as e:

@@ -200,7 +200,7 @@ class Runtime:
                              force_profile=s.reprofile,
                              dtype=s.dtype, weights=s.weights, max_depth=s.max_depth, max_width=s.max_width,
                              progress=False, tensor_parallel_size=s.tensor_parallel_size,
-                             prefix_caching=s.enable_prefix_caching)
+                             prefix_caching=s.enable_prefix_caching, static_shapes=s.static_shapes)
         lone = Lone()
         if s.warmup:
             warm_up(built.engine)

@@ -42,8 +42,9 @@ class WorkerSettings(BaseSettings):
                                       "(CUDA: devices 0..N-1, NCCL; CPU: gloo); the drafts run whole on rank 0")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     weights: Literal["float", "int8", "int4", "auto"] = Field(
-        "float", description="how the decoder's linear layers are served: float, int8 or int4 weight-only, or auto "
-        "(a GGUF model's own precision: Q4 blocks as int4, Q8_0 as int8); docs/models.md")
+        "auto", description="how the decoder's linear layers are served: float, int8 or int4 weight-only, or auto "
+        "(the default: a GGUF model's own precision on a CPU, Q4 blocks as int4 and Q8_0 as int8, the fastest "
+        "there; float on a GPU; a directory model as stored); docs/models.md")
     policy: str = "adaserve"
     max_depth: int | None = Field(None, ge=1, le=32, description="deepest draft tree (adaptive policies)")
     max_width: int | None = Field(None, ge=1, le=16, description="widest beam (adaptive policies)")
@@ -56,6 +57,9 @@ class WorkerSettings(BaseSettings):
         "this fraction of available RAM, at most 16 GiB (as vLLM's gpu_memory_utilization)")
     enable_prefix_caching: bool = Field(True, description="reuse the KV of cached prompt prefixes (full pages of "
                                         "earlier requests' prompts and answers) instead of prefilling them again")
+    static_shapes: bool | None = Field(None, description="decode, beam and verification forwards on padded static "
+                                       "buffers, replayed as CUDA graphs on a GPU; default: on for CUDA (one rank), "
+                                       "off on CPU, where the eager path is faster")
     reprofile: bool = Field(False, description="ignore the cached profile and measure again")
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's own)")
     warmup: bool = True

@@ -69,8 +69,9 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | N
     - ``float``: in ``dtype`` (a stored quantized layer is dequantized, one layer at a time);
     - ``int8`` / ``int4``: weight-only quantized (quant.py), each layer quantized as it is read (never a
       float copy of the whole model), or re-quantized from a stored layer of the other kind;
-    - ``auto`` (the default): as stored: a quantized layer stays as it is (a GGUF model converted for
-      ``int8``, ``int4`` or ``auto``, see gguf.py), float stays float.
+    - ``auto`` (the default): as stored on a CPU: a quantized layer stays as it is (a GGUF model converted for
+      ``int8``, ``int4`` or ``auto``, see gguf.py), float stays float; on a GPU a stored quantized layer is
+      dequantized to ``dtype``.
 
     When the decoder layers are served quantized, the LM head and the embedding are int8 (one table for a tied
     pair) and each block's q/k/v and gate/up products are joined into one where the device allows (quant.py
@@ -120,7 +121,7 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | N
                     found[name] = fh.get_tensor(name).to(device=device, dtype=dtype)
     for prefix in stored_prefixes(set(stored)):
         kind = stored_kind(stored, prefix)
-        want = kind if weights == "auto" else weights
+        want = served_kind(kind, weights, device.type)
         if want == kind:
             swapped[prefix] = from_stored(stored, prefix, None, dtype=dtype, device=device)
             continue
@@ -155,6 +156,15 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | N
     install_all_reduce(model, tp)
     model.tune_kernels()  # CPU: the fastest product per layer shape for a few rows (few_rows.py)
     return model.eval()
+
+
+def served_kind(stored: str, weights: str, device_type: str) -> str:
+    """How a layer stored as ``stored`` (int4, int8) is served under ``weights``: ``auto`` keeps it as stored on
+    a CPU, where the packed kernels are the fast path, and serves it as float on a GPU, where a dequantized
+    bf16 product in a CUDA graph is (the stored values exactly: dequantize_stored); anything else as asked."""
+    if weights != "auto":
+        return weights
+    return stored if device_type == "cpu" else "float"
 
 
 def own_memory(model: nn.Module) -> None:

@@ -240,3 +240,18 @@ def test_speculation_is_lossless_against_the_quantized_target(target_dir: Path, 
         assert r.output_ids == ref[r.request_id], (weights, policy, draft, r.request_id)
     if draft == "self":  # the quantized target drafting for itself: every verification agrees with it
         assert sum(m.tokens_accepted for m in eng.history) > 0
+
+
+
+def test_auto_serves_stored_layers_as_stored_on_a_cpu_and_as_float_on_a_gpu(target_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    """``auto``: the packed kernels are a CPU's fast path, a bf16 product in a CUDA graph a GPU's (the loader's
+    one device-dependent choice, loader.served_kind); on the CPU a stored int4 layer stays int4."""
+    from adaserve.engine.loading.loader import served_kind
+
+    assert served_kind("int4", "auto", "cpu") == "int4" and served_kind("int8", "auto", "cpu") == "int8"
+    assert served_kind("int4", "auto", "cuda") == "float" and served_kind("int8", "auto", "cuda") == "float"
+    assert served_kind("int4", "int8", "cuda") == "int8" and served_kind("int8", "float", "cpu") == "float"
+    stored = write_stored(target_dir, tmp_path / "stored", "int4")
+    kept = load_model(stored, device=torch.device("cpu"), weights="auto")
+    assert isinstance(kept.model.layers[0].mlp.down_proj, QuantLinear)

@@ -40,7 +40,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--attention", choices=["auto", "torch", "flashinfer"], help="[ADASERVE_ATTENTION]")
     add_kv_memory_options(p, env=True)
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], help="[ADASERVE_DTYPE]")
-    add_weights_option(p, env="ADASERVE_WEIGHTS", default=None)  # None: the settings' auto
+    add_weights_option(p, env="ADASERVE_WEIGHTS", default=None)  # None: the settings' own
     p.add_argument("--max-depth", type=int, help="deepest draft tree [ADASERVE_MAX_DEPTH, default 4]")
     p.add_argument("--max-width", type=int, help="widest beam [ADASERVE_MAX_WIDTH, default 2]")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,

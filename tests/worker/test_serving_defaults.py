@@ -1,6 +1,5 @@
 """What a worker serves by default (issues 30 and 35): static shapes on for CUDA and off on a CPU (settable
-from the command line and the environment), and weights ``auto``: a stored quantized layer stays quantized on
-a CPU and is dequantized (the same values) on a GPU."""
+from the command line and the environment), and the weights option that no longer hides ADASERVE_WEIGHTS."""
 
 from __future__ import annotations
 
@@ -35,14 +34,13 @@ def test_worker_static_shapes_option_and_environment(monkeypatch: pytest.MonkeyP
     assert load_settings(args).static_shapes is False
 
 
-def test_worker_weights_default_to_auto_and_the_environment_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_worker_weights_come_from_the_environment_unless_given(monkeypatch: pytest.MonkeyPatch) -> None:
     from adaserve.cli.main import build_parser
     from adaserve.cli.worker import load_settings
 
     monkeypatch.delenv("ADASERVE_WEIGHTS", raising=False)
     args = build_parser().parse_args(["worker"])
-    assert load_settings(args).weights == "auto"
+    assert load_settings(args).weights == "float"
     monkeypatch.setenv("ADASERVE_WEIGHTS", "int8")  # before, the option's own default hid the environment
     assert load_settings(args).weights == "int8"
     assert load_settings(build_parser().parse_args(["worker", "--weights", "float"])).weights == "float"
-    assert build_parser().parse_args(["up"]).weights == "auto"

@@ -23,6 +23,7 @@ from adaserve.engine.model.quant import WEIGHTS
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.ranks import start_target
 from adaserve.engine.speculation.adaptive import AdaptiveConfig, bounds_for_device, speculation_floor
+from adaserve.engine.speculation.grammar import GrammarCompiler
 from adaserve.engine.speculation.policies import make_policy
 
 log = logging.getLogger(__name__)
@@ -204,4 +205,7 @@ def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Pat
                         target, first_line)
     if tokenizer is not None:
         engine.detokenize = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        # structured output: llguidance's view of the vocabulary is built on the first constrained request
+        engine.grammars = GrammarCompiler.from_hf(tokenizer, vocab_size=engine.target.vocab_size,
+                                                  stop_ids=engine.stop_ids)
     return BuiltEngine(engine, tokenizer, prof)

@@ -31,8 +31,9 @@ from adaserve.engine.prefill_chunk import DecodingSLO, recent_figures, slo_prefi
 from adaserve.engine.request import Phase, Request, requirement, requirement_line
 from adaserve.engine.speculation.acceptance import RankAcceptance
 from adaserve.engine.speculation.draft_bandit import make_selector
+from adaserve.engine.speculation.grammar import GrammarCompiler, mask_logits
 from adaserve.engine.speculation.iteration_budget import goodput_budget, slo_budget
-from adaserve.engine.speculation.logits_processors import process_tree_logits
+from adaserve.engine.speculation.logits_processors import path_tokens, process_tree_logits
 from adaserve.engine.speculation.policies import (
     BatchView,
     SelectionContext,
@@ -133,6 +134,8 @@ class Engine:
         self.target, self.draft, self.policy, self.cfg = target, (drafts[0] if drafts else None), policy, cfg
         self.clock = clock
         self.detokenize = detokenize
+        # structured output needs the tokenizer's vocabulary: build.build_engine sets it where there is one
+        self.grammars: GrammarCompiler | None = None
         self.stop_ids = frozenset(target.model.cfg.eos_token_ids)
         flat = CostModel(0.0, 0.0, cfg.initial_forward_s)
         self.target_time = OnlineCostModel(cfg.target_cost or flat, frozen=cfg.target_cost is not None)
@@ -209,6 +212,8 @@ class Engine:
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
         if not 0 <= req.resumed <= len(req.prompt_ids):
             raise ValueError("resumed: must be between 0 and the prompt's length")
+        if req.params.grammar is not None and req.grammar is None:
+            self.start_grammar(req)
         # A(r) divides by the target every iteration: a zero, NaN or denormal here (5e-324 ms is 0 s once
         # divided by 1000) would fail mid-batch; no device serves a token in under a microsecond
         if req.tpot_slo_ms is not None and not (math.isfinite(req.tpot_slo_ms) and req.tpot_slo_ms >= MIN_TPOT_SLO_MS):
@@ -222,6 +227,19 @@ class Engine:
         tgt, drf = self._reservation(req)
         if tgt > self.target.cache.num_pages or any(drf > d.cache.num_pages for d in self._reserving_drafts()):
             raise ValueError("max_tokens: prompt + max_tokens need more KV cache than the engine has in total")
+
+    def start_grammar(self, req: Request) -> None:
+        """Structured output: the request's grammar matcher, past a continuation's earlier output (grammar.py).
+        ValueError when the engine has no tokenizer or the grammar is invalid. ``check_request`` calls it for a
+        request that has none yet; a caller may call it first on another thread (a complex grammar takes a
+        while to compile). It writes ``req.grammar`` and nothing else."""
+        spec = req.params.grammar
+        if spec is None:
+            return
+        if self.grammars is None:
+            raise ValueError("structured output needs the model's tokenizer, and this engine has none")
+        earlier = req.prompt_ids[len(req.prompt_ids) - req.resumed :] if req.resumed else []
+        req.grammar = self.grammars.start(spec, earlier)
 
     def add_request(self, req: Request) -> None:
         """Validate ``req`` (``check_request``) and queue it."""
@@ -382,8 +400,11 @@ class Engine:
         return time.perf_counter(), fwd
 
     def _processed(self, req: Request, tree: TokenTree, logits: torch.Tensor) -> torch.Tensor:
-        """The target's logits at every node of ``tree`` as the request's logits processors leave them, each node
-        with its own path as output so far (logits_processors.py): the rows plain decoding would draw from."""
+        """The target's logits at every node of ``tree`` as the request's grammar and logits processors leave
+        them, each node with its own path as output so far (grammar.py, logits_processors.py): the rows plain
+        decoding would draw from. The grammar's mask comes first, as vLLM applies its bitmask before sampling."""
+        if req.grammar is not None:
+            logits = mask_logits(logits, req.grammar.allowed([tuple(p) for p in path_tokens(tree)]))
         if not req.params.processes_logits:
             return logits
         return process_tree_logits(logits, tree, req.params, prompt_ids=req.prompt_ids, output_ids=req.history(),
@@ -466,7 +487,7 @@ class Engine:
             cands = self.pool.speculate(decoding, depth=shape.depth, width=shape.width, expansion=shape.expansion)
             t1 = self.clock()
         else:
-            inputs = [DraftInput(r.draft_kv, r.ids_from(r.draft_kv.length)) for r in decoding]
+            inputs = [DraftInput(r.draft_kv, r.ids_from(r.draft_kv.length), r.grammar) for r in decoding]
             # each draft forward timed alone, with its own counts: the first also runs the catch-up tokens
             split = ForwardSplitter(self.clock)
             split.start()
@@ -529,6 +550,8 @@ class Engine:
                 req.metrics.first_token_s = now
             toks, stop_hit = self._cut_at_stop_string(req, toks)
             req.output_ids.extend(toks)
+            if req.grammar is not None:
+                req.grammar.advance(toks)
             req.metrics.num_tokens = len(req.output_ids)
             req.metrics.last_token_s = now
             m.tokens_emitted += len(toks)

@@ -189,7 +189,8 @@ class DraftPool:
             idx = [i for i, r in enumerate(decoding) if r.draft_index == arm]
             if not idx:
                 continue
-            inputs = [DraftInput(decoding[i].draft_kv, decoding[i].ids_from(decoding[i].draft_kv.length)) for i in idx]
+            inputs = [DraftInput(decoding[i].draft_kv, decoding[i].ids_from(decoding[i].draft_kv.length),
+                                 decoding[i].grammar) for i in idx]
             # each draft forward timed alone, with its own counts (the first also runs the catch-up tokens)
             split = ForwardSplitter(self.clock)
             split.start()

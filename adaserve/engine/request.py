@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from adaserve.engine.model.kv_cache import SequenceKV
+from adaserve.engine.speculation.grammar import GrammarState
 from adaserve.engine.speculation.sampling import SamplingParams, make_generator
 from adaserve.engine.speculation.selection import requirement_line as slo_line
 from adaserve.engine.speculation.selection import slo_requirement
@@ -75,6 +76,8 @@ class Request:
     reserved_pages: tuple[int, int] = (0, 0)  # (target, draft) pages reserved at admission
     generator: torch.Generator = field(init=False)
     stop_matcher: StopStringMatcher | None = field(default=None, init=False, repr=False)  # made on first use
+    # structured output: the grammar's matcher at the output so far (Engine.start_grammar, grammar.py)
+    grammar: GrammarState | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         # No checks here: Engine.check_request is where a request is validated, once.

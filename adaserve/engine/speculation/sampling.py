@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from adaserve.engine.speculation.grammar import GrammarSpec
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -31,6 +33,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # structured output (grammar.py): the target's rows masked at every tree node by the grammar after its path
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -51,6 +55,9 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if any(t < 0 or not math.isfinite(b) for t, b in self.logit_bias):
             raise ValueError("logit_bias: token ids must be >= 0 and biases finite")
+        if self.grammar is not None and self.min_tokens:
+            # a grammar that can only end where min_tokens holds the end back would leave no token to draw
+            raise ValueError("min_tokens: cannot be combined with structured output")
 
     @property
     def greedy(self) -> bool:

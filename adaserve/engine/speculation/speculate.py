@@ -26,12 +26,18 @@ from adaserve.engine.model.batch import DeviceNodes, Segment
 from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.runner import ForwardRecord, ModelRunner, joined_rows
 from adaserve.engine.model.tree import STRICT_DECREASE_EPS, TokenTree
+from adaserve.engine.speculation.grammar import GrammarState
+
+# a draft logit the grammar does not allow: finite, so a row's log-softmax and the path sums stay finite (a beam
+# that must take a refused token, with fewer allowed than its width, gets a path probability of exp(-1e30) = 0)
+REFUSED_LOGIT = -1e30
 
 
 @dataclass
 class DraftInput:
     seq: SequenceKV  # the request's draft KV; ``seq.length`` tokens committed
     pending: list[int]  # tokens not yet in the draft KV; the last one is the root
+    grammar: GrammarState | None = None  # structured output: the draft proposes only what the grammar allows
 
 
 def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, width: int,
@@ -52,6 +58,10 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     On a CPU (and on a simulated clock) a forward is done when it returns, so the split is exact; on a GPU
     the forwards are only queued then, and the one copy at the end waits for all of them, so the wait lands
     on the last forward's sample (the span stays exact).
+
+    Structured output (an input with a ``grammar``): each frontier row of such a request is masked by the grammar
+    after that node's path before the level is expanded, so the draft proposes only tokens the grammar allows.
+    The masks need the paths on the host: with any constrained request, each level's picks are copied there.
     """
     if expansion is not None:
         depth = len(expansion)
@@ -74,11 +84,15 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     anc = torch.ones((n, 1, 1), dtype=torch.bool, device=dev)  # ancestor rows of the tree so far
     shape = [-1]  # the placeholder tree's parents: each level hangs off the previous level's first node
     m = 1  # nodes so far; the frontier is the last F of them
+    paths = _Paths(inputs) if any(x.grammar is not None for x in inputs) else None
     for step in range(depth):
         frontier = m - logits[0].shape[0]
         k = None if expansion is None else expansion[step]
-        tok, parent, value, check = _expand_on_device(logits, base, width=width, per_node=k)
+        allowed = None if paths is None else paths.allowed(frontier, logits[0].shape[0]).to(dev, non_blocking=True)
+        tok, parent, value, check = _expand_on_device(logits, base, width=width, per_node=k, allowed=allowed)
         parent = parent + frontier
+        if paths is not None:
+            paths.add(tok, parent)
         levels.append((tok, parent, value))
         checks.append(check)
         base = value
@@ -127,6 +141,28 @@ def build_trees(roots: np.ndarray, toks: np.ndarray, pars: np.ndarray, lps: np.n
     depths.flags.writeable = False
     chain = all(size == 1 for size in level_sizes)
     return [TokenTree.trusted(toks[r], pars[r], lps[r], depths=depths, is_chain=chain) for r in range(n)]
+
+
+class _Paths:
+    """The candidate trees' paths on the host, for the grammar masks of constrained requests' frontiers."""
+
+    def __init__(self, inputs: list[DraftInput]) -> None:
+        self.grammars = [x.grammar for x in inputs]
+        self.paths: list[list[tuple[int, ...]]] = [[()] for _ in inputs]  # per request, per tree node
+
+    def allowed(self, frontier: int, f: int) -> torch.Tensor:
+        """bool [n, F, V]: each request's frontier nodes (tree indices ``frontier`` .. + F) under its grammar."""
+        rows = []
+        vocab = next(g.compiler.vocab_size for g in self.grammars if g is not None)
+        for g, p in zip(self.grammars, self.paths, strict=True):
+            rows.append(torch.ones(f, vocab, dtype=torch.bool) if g is None else g.allowed(p[frontier : frontier + f]))
+        return torch.stack(rows)
+
+    def add(self, tok: torch.Tensor, parent: torch.Tensor) -> None:
+        """A level's picks (tokens, parents as tree indices), each [n, k]: one copy to the host."""
+        both = torch.stack([tok, parent]).cpu().tolist()
+        for p, toks, pars in zip(self.paths, both[0], both[1], strict=True):
+            p += [(*p[a], t) for t, a in zip(toks, pars, strict=True)]
 
 
 def _seen(draft: ModelRunner, on_forward: Callable[[ForwardRecord], None] | None) -> None:
@@ -182,10 +218,11 @@ def expand_level(logits: list[torch.Tensor], base: np.ndarray | torch.Tensor, *,
 
 
 def _expand_on_device(logits: list[torch.Tensor], base: np.ndarray | torch.Tensor, *, width: int,
-                      per_node: int | None = None
+                      per_node: int | None = None, allowed: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``expand_level`` left on the device: tokens, frontier index of the parent, log path probabilities
-    (each [n, k]) and a [2] tensor (the least and greatest logit) that is finite iff every logit is."""
+    (each [n, k]) and a [2] tensor (the least and greatest logit) that is finite iff every logit is.
+    ``allowed`` [n, F, V]: the tokens a grammar allows at each frontier node; the others get REFUSED_LOGIT."""
     n, f = base.shape
     if any(lg.shape[0] != f for lg in logits) or len(logits) != n:
         raise ValueError(f"expected {n} requests' logits of {f} rows each (one per frontier node)")
@@ -193,6 +230,11 @@ def _expand_on_device(logits: list[torch.Tensor], base: np.ndarray | torch.Tenso
     k_node = min(per_node if per_node is not None else width, v)
     # every request's frontier has F rows: one batched level (a view of the forward's logits, not a copy)
     x = joined_rows(logits).float().view(n, f, v)
+    # the least and the greatest logit: both finite iff every logit is (NaN propagates); one pass, no float64
+    # sum over [n, F, V] (several times dearer on a CPU)
+    check = torch.stack(torch.aminmax(x))
+    if allowed is not None:
+        x = x.masked_fill(~allowed, REFUSED_LOGIT)
     top_f = torch.topk(x, k_node, dim=-1)
     values = top_f.values.double() - torch.logsumexp(x, dim=-1, keepdim=True).double()  # [n, F, k]
     if isinstance(base, np.ndarray):
@@ -209,7 +251,4 @@ def _expand_on_device(logits: list[torch.Tensor], base: np.ndarray | torch.Tenso
     else:
         values = score.view(n, -1)
         parent = (torch.arange(f * k_node, device=values.device) // k_node).expand(n, -1)
-    # the least and the greatest logit: both finite iff every logit is (NaN propagates); one pass, no float64
-    # sum over [n, F, V] (several times dearer on a CPU)
-    check = torch.stack(torch.aminmax(x))
     return tok, parent, values, check

@@ -7,6 +7,7 @@ so what the gateway accepts at its edge a worker accepts too.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, WithJsonSchema, model_validator
@@ -100,6 +101,45 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None  # a tool turn's: the call it answers
 
 
+MAX_CHOICES = 1024  # as the engine's grammar.MAX_CHOICES
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: the output constrained by exactly one of a JSON schema (``json``), a regular
+    expression the whole output matches (``regex``), a list of strings it is one of (``choice``), a Lark grammar
+    (``grammar``, llguidance's dialect) or any JSON object (``json_object``). The worker compiles it and refuses
+    an invalid one with 400 (adaserve/engine/speculation/grammar.py)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
+
+    json_schema: dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = Field(None, min_length=1)
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    grammar: str | None = Field(None, min_length=1)
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        # exactly one field sent, and not empty: an explicit null beside another is refused as the document says
+        given = [getattr(self, name) for name in self.model_fields_set]
+        if len(given) != 1 or given[0] is None or given[0] is False:
+            raise ValueError("structured_outputs: give exactly one of 'json', 'regex', 'choice', 'grammar' or "
+                             "'json_object': true")
+        return self
+
+    def spec(self) -> tuple[str, str]:
+        """(kind, source) as the engine's ``GrammarSpec`` takes them."""
+        if self.json_schema is not None:
+            return "json", json.dumps(self.json_schema)
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        return "json", '{"type": "object"}'
+
+
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -122,6 +162,9 @@ class GenerateRequest(BaseModel):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: RepetitionPenalty = 1.0
+    # structured output: every emitted token allowed by the grammar after the output before it, lossless under
+    # speculation (the target's rows are masked at every tree node); min_tokens cannot be combined with it
+    structured_outputs: StructuredOutputs | None = None
     tpot_slo_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     # the gateway sends its class's TTFT target, so the worker's SLO verdict and metrics use it too
     ttft_slo_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)

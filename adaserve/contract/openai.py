@@ -35,6 +35,7 @@ from adaserve.contract.generate import (
     Role,
     Seed,
     StopStrings,
+    StructuredOutputs,
     TokenId,
     ToolCall,
     ToolCallFunction,
@@ -127,6 +128,67 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``: ``schema`` constrains the output (none: any JSON object).
+    ``name``, ``description`` and ``strict`` are taken and not used: the output always follows the schema."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True, serialize_by_alias=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+RESPONSE_FORMAT_SCHEMA = {"oneOf": [
+    {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]},
+    {"type": "object", "properties": {"type": {"const": "json_object"}}, "required": ["type"]},
+    {"type": "object", "properties": {"type": {"const": "json_schema"}, "json_schema": {
+        "type": "object", "properties": {"name": {"type": "string"}, "description": {"type": "string"},
+                                         "schema": {"type": "object"}, "strict": {"type": "boolean"}}}},
+     "required": ["type", "json_schema"]},
+]}
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (unconstrained), ``json_object`` (any JSON object) or ``json_schema``
+    (JSON that follows ``json_schema.schema``), lossless under speculation (structured_outputs in generate.py)."""
+
+    model_config = OPEN
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format: type json_schema needs a 'json_schema' object")
+        return self
+
+    def structured(self) -> StructuredOutputs | None:
+        if self.type == "json_object" or (self.type == "json_schema" and self.json_schema is not None
+                                          and self.json_schema.json_schema is None):
+            return StructuredOutputs(json_object=True)
+        if self.type == "json_schema" and self.json_schema is not None:
+            return StructuredOutputs(json=self.json_schema.json_schema)
+        return None
+
+
+STRUCTURED_OUTPUTS_SCHEMA = {"oneOf": [
+    {"type": "object", "properties": {"json": {"type": "object"}}, "required": ["json"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"regex": {"type": "string", "minLength": 1}}, "required": ["regex"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"choice": {"type": "array", "items": {"type": "string", "minLength": 1},
+                                                 "minItems": 1, "maxItems": 1024}},
+     "required": ["choice"], "additionalProperties": False},
+    {"type": "object", "properties": {"grammar": {"type": "string", "minLength": 1}}, "required": ["grammar"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"json_object": {"const": True}}, "required": ["json_object"],
+     "additionalProperties": False},
+]}
+
+
 class _Common(BaseModel):
     model_config = OPEN
 
@@ -150,6 +212,9 @@ class _Common(BaseModel):
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)  # vLLM's
     logprobs: Annotated[Any, _only(None, False, 0)] = None
     slo_class: SloClassName | None = None
+    # structured output: OpenAI's response_format, or vLLM's structured_outputs (not both)
+    response_format: Annotated[ResponseFormat | None, WithJsonSchema(RESPONSE_FORMAT_SCHEMA)] = None
+    structured_outputs: Annotated[StructuredOutputs | None, WithJsonSchema(STRUCTURED_OUTPUTS_SCHEMA)] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -162,7 +227,16 @@ class _Common(BaseModel):
             raise ValueError("n: only n=1 is supported; send several requests")
         if self.logprobs not in (None, False, 0):
             raise ValueError("logprobs: not supported")
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.structured() is not None:
+            raise ValueError("structured_outputs: give it or a JSON response_format, not both")
         return self
+
+    def structured(self) -> StructuredOutputs | None:
+        """What constrains the output, if anything."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs
+        return None if self.response_format is None else self.response_format.structured()
 
     def sampling(self, default_max_tokens: int) -> dict[str, Any]:
         """The worker's sampling fields (POST /v1/generate)."""
@@ -170,7 +244,8 @@ class _Common(BaseModel):
                 "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed, "stop": self.stop,
                 "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
                 "logit_bias": self.logit_bias or {}, "presence_penalty": self.presence_penalty,
-                "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty}
+                "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+                "structured_outputs": self.structured()}
 
     def prompt_fields(self) -> dict[str, Any]:
         raise NotImplementedError

@@ -29,6 +29,7 @@ from adaserve.engine.loading.chat import ChatTemplateError, chat_text, has_chat_
 from adaserve.engine.loading.loader import load_tokenizer
 from adaserve.engine.loop import EngineLoop
 from adaserve.engine.request import Request
+from adaserve.engine.speculation.grammar import GrammarSpec
 from adaserve.engine.speculation.sampling import SamplingParams, skip_draws
 from adaserve.engine.stop_strings import StopStringMatcher
 from adaserve.worker import published
@@ -296,6 +297,8 @@ class Runtime:
         req = Request(rid, ids + resumed, params, tpot_slo_ms=tpot, resumed=len(resumed))
         if resumed:
             self._resume(req, resumed)
+        if params.grammar is not None:
+            await self._start_grammar(req)
         self._check_admitting()  # again: the state may have changed while tokenizing
         if rid in self.active:
             raise RequestRefused(409, f"request_id {rid!r} is already in flight")
@@ -340,6 +343,18 @@ class Runtime:
             matcher.decode = engine.detokenize
             req.stop_matcher = matcher
 
+    async def _start_grammar(self, req: Request) -> None:
+        """Compile the request's grammar off the event loop (a large schema takes a while); 400 when it is invalid
+        or this model has no tokenizer (Engine.start_grammar)."""
+        engine = self.built.engine if self.built is not None else None
+        if engine is None:
+            raise RequestRefused(503, "the engine is not ready", retry_after=self.settings.retry_after_s)
+        try:
+            await asyncio.to_thread(engine.start_grammar, req)
+        except ValueError as e:
+            self.metrics.rejected.labels("invalid").inc()
+            raise RequestRefused(400, str(e), param="response_format") from None
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
@@ -375,12 +390,15 @@ class Runtime:
         # Below MIN_TEMPERATURE, logits / temperature overflows float64 and the probabilities turn NaN (5e-324 gave
         # the last token of the vocabulary every time); the distribution there is the argmax anyway: greedy.
         temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0
+        grammar = None if body.structured_outputs is None else GrammarSpec(*body.structured_outputs.spec())
+        if grammar is not None and body.min_tokens:
+            raise RequestRefused(400, "min_tokens: cannot be combined with structured output")
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p, top_k=body.top_k,
                               seed=body.seed, stop=body.stops, stop_token_ids=tuple(body.stop_token_ids),
                               ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                               logit_bias=tuple((int(t), b) for t, b in body.logit_bias.items()),
                               presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                              repetition_penalty=body.repetition_penalty)
+                              repetition_penalty=body.repetition_penalty, grammar=grammar)
 
     async def _prompt_ids(self, body: GenerateRequest, params: SamplingParams) -> list[int]:
         if body.prompt_token_ids is not None:

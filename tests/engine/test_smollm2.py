@@ -86,3 +86,41 @@ def test_named_model_resolves_to_the_same_directories(pair: catalog.ModelPair) -
     again = catalog.resolve(catalog.DEFAULT_MODEL, progress=False)
     assert again == pair
     assert catalog.model_dir(str(catalog.smollm2_gguf()), progress=False) == pair.target
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                           "country": {"type": "string", "maxLength": 40},
+                                           "population_millions": {"type": "number"}},
+          "required": ["city", "country", "population_millions"], "additionalProperties": False}
+
+
+def test_a_json_schema_gives_schema_valid_json_losslessly(pair: catalog.ModelPair) -> None:
+    """Issue 33's done-when on the default model: response_format json_schema (the engine's grammar) gives JSON the
+    schema validates, and speculation (adaserve with the distilled draft) emits exactly the constrained target's
+    greedy output."""
+    import json
+
+    import jsonschema
+    from transformers import AutoTokenizer
+
+    from adaserve.engine.speculation.grammar import GrammarSpec
+
+    tok = AutoTokenizer.from_pretrained(str(pair.target))
+    ids = tok.apply_chat_template([{"role": "user", "content": "Give the capital of France as JSON with its city, "
+                                    "country and population in millions."}], add_generation_prompt=True,
+                                  tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    params = SamplingParams(max_tokens=80, grammar=GrammarSpec("json", json.dumps(SCHEMA)))
+    outs = {}
+    for policy in ("incremental", "adaserve"):
+        built = build_engine(target=pair.target, draft=pair.draft, policy=policy, budget=64, profile=False,
+                             progress=False)
+        req = Request("j", ids, params)
+        built.engine.run([(0.0, req)])
+        outs[policy] = req
+    assert outs["adaserve"].output_ids == outs["incremental"].output_ids
+    assert sum(outs["adaserve"].metrics.accepted_per_step) > 0
+    assert outs["incremental"].finish_reason == "stop"
+    doc = json.loads(tok.decode(outs["incremental"].output_ids, skip_special_tokens=True))
+    jsonschema.validate(doc, SCHEMA)
+    assert doc["city"] == "Paris"

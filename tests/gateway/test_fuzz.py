@@ -175,7 +175,7 @@ def test_worker_answers_generated_requests_as_documented(method: str, path: str,
 
 
 PROCESSORS = {"logit_bias", "min_tokens", "stop_token_ids", "presence_penalty", "frequency_penalty",
-              "repetition_penalty"}
+              "repetition_penalty", "structured_outputs"}
 
 
 def test_the_fuzzed_documents_declare_the_logits_processors_and_tool_turns() -> None:
@@ -183,6 +183,8 @@ def test_the_fuzzed_documents_declare_the_logits_processors_and_tool_turns() -> 
     bodies = ((GATEWAY_DOC, "CompletionRequest"), (GATEWAY_DOC, "ChatRequest"), (WORKER_DOC, "GenerateRequest"))
     for doc, name in bodies:
         assert set(doc["components"]["schemas"][name]["properties"]) >= PROCESSORS, name
+    for name in ("CompletionRequest", "ChatRequest"):
+        assert "response_format" in GATEWAY_DOC["components"]["schemas"][name]["properties"], name
     for doc, name in ((GATEWAY_DOC, "Message"), (WORKER_DOC, "ChatMessage")):
         assert {"name", "tool_calls", "tool_call_id"} <= set(doc["components"]["schemas"][name]["properties"]), name
     assert GATEWAY_DOC["components"]["schemas"]["ChatRequest"]["additionalProperties"] is True  # unknown: ignored

@@ -34,6 +34,7 @@ from adaserve.engine.speculation.draft_bandit import make_selector
 from adaserve.engine.speculation.grammar import GrammarCompiler, mask_logits
 from adaserve.engine.speculation.iteration_budget import goodput_budget, slo_budget
 from adaserve.engine.speculation.logits_processors import path_tokens, process_tree_logits
+from adaserve.engine.speculation.logprobs import TokenLogprob, token_logprobs
 from adaserve.engine.speculation.policies import (
     BatchView,
     SelectionContext,
@@ -56,6 +57,7 @@ class TokenEvent:
     new_tokens: list[int]
     finished: bool
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
 
 
 @dataclass
@@ -347,13 +349,18 @@ class Engine:
             if req.target_kv.length == len(req.prompt_ids):
                 first.append((req, TokenTree.root(req.prompt_ids[-1]), lg))
         walks = [*first, *zip(decoding, trees, logits[len(prefill) :], strict=True)]
-        walk_inputs = [WalkInput(t, self._processed(r, t, lg), r.params, r.generator, self._stop_ids(r), r.remaining)
-                       for r, t, lg in walks]
+        masked = [self._masked(r, t, lg) for r, t, lg in walks]
+        walk_inputs = [WalkInput(t, self._processed(r, t, x), r.params, r.generator, self._stop_ids(r), r.remaining)
+                       for (r, t, _), x in zip(walks, masked, strict=True)]
         # one batched draw for every walk, and its one copy to the host: on a GPU that copy is what waits for
         # the forward (which is queued, not synchronised), so the forward is timed up to it
         draws = draw_at_nodes(walk_inputs)
         t_fwd = self.clock() - t0
         results = walk_trees(walk_inputs, draws)  # then host work per request
+        # each emitted token's row: token i was drawn at accepted node i (logprobs.py)
+        logprobs = {r.request_id: token_logprobs(x, res.accepted_nodes[: len(res.tokens)], res.tokens,
+                                                 r.params.logprobs)
+                    for (r, _, _), x, res in zip(walks, masked, results, strict=True) if r.params.logprobs is not None}
         for (req, _, _), res in zip(first, results, strict=False):
             req.phase = Phase.DECODE
             emitted[req.request_id] = res.tokens
@@ -385,7 +392,7 @@ class Engine:
             self.policy.observe(m.tokens_accepted, proposed)
             self.policy.observe_paths(m.tokens_accepted, rejections)
         m.t_verify_s = self.clock() - t0
-        events = self._emit(emitted, m)
+        events = self._emit(emitted, m, logprobs)
         m.t_step_s = self.clock() - t_start
         m.t_wall_s, m.t_forward_s = (b - a for a, b in zip(own_start, self._own_time(), strict=True))
         self.history.append(m)
@@ -399,12 +406,17 @@ class Engine:
         fwd = self.target.model.forward_seconds + sum(d.model.forward_seconds for d in self.drafts)
         return time.perf_counter(), fwd
 
+    def _masked(self, req: Request, tree: TokenTree, logits: torch.Tensor) -> torch.Tensor:
+        """The target's logits at every node of ``tree`` with what the request's grammar refuses after the node's
+        path at -inf (grammar.py); ``logits`` itself without a grammar. What logprobs report (logprobs.py)."""
+        if req.grammar is None:
+            return logits
+        return mask_logits(logits, req.grammar.allowed([tuple(p) for p in path_tokens(tree)]))
+
     def _processed(self, req: Request, tree: TokenTree, logits: torch.Tensor) -> torch.Tensor:
-        """The target's logits at every node of ``tree`` as the request's grammar and logits processors leave
-        them, each node with its own path as output so far (grammar.py, logits_processors.py): the rows plain
-        decoding would draw from. The grammar's mask comes first, as vLLM applies its bitmask before sampling."""
-        if req.grammar is not None:
-            logits = mask_logits(logits, req.grammar.allowed([tuple(p) for p in path_tokens(tree)]))
+        """The (grammar-masked) rows at every node of ``tree`` as the request's logits processors leave them, each
+        node with its own path as output so far (logits_processors.py): with the mask, the rows plain decoding would
+        draw from. The grammar's mask comes first, as vLLM applies its bitmask before sampling."""
         if not req.params.processes_logits:
             return logits
         return process_tree_logits(logits, tree, req.params, prompt_ids=req.prompt_ids, output_ids=req.history(),
@@ -539,7 +551,8 @@ class Engine:
                     out[i] = t
         return out
 
-    def _emit(self, emitted: dict[str, list[int]], m: StepMetrics) -> list[TokenEvent]:
+    def _emit(self, emitted: dict[str, list[int]], m: StepMetrics,
+              logprobs: dict[str, list[TokenLogprob]] | None = None) -> list[TokenEvent]:
         now = self.clock()
         events = []
         for req in list(self.running):
@@ -558,7 +571,8 @@ class Engine:
             reason = self._finish_reason(req, toks, stop_hit)
             if reason is not None:
                 self._finish(req, reason)
-            events.append(TokenEvent(req.request_id, toks, reason is not None, reason))
+            lps = None if logprobs is None or req.request_id not in logprobs else logprobs[req.request_id][: len(toks)]
+            events.append(TokenEvent(req.request_id, toks, reason is not None, reason, lps))
         return events
 
     def _cut_at_stop_string(self, req: Request, toks: list[int]) -> tuple[list[int], bool]:

@@ -35,6 +35,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # structured output (grammar.py): the target's rows masked at every tree node by the grammar after its path
     grammar: GrammarSpec | None = None
+    # log-probabilities of the emitted tokens (logprobs.py): None for none, k >= 0 for the token's and the top k
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -55,6 +57,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if any(t < 0 or not math.isfinite(b) for t, b in self.logit_bias):
             raise ValueError("logit_bias: token ids must be >= 0 and biases finite")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.grammar is not None and self.min_tokens:
             # a grammar that can only end where min_tokens holds the end back would leave no token to draw
             raise ValueError("min_tokens: cannot be combined with structured output")

@@ -102,6 +102,24 @@ class ChatMessage(BaseModel):
 
 
 MAX_CHOICES = 1024  # as the engine's grammar.MAX_CHOICES
+MAX_TOP_LOGPROBS = 20  # as the engine's logprobs.MAX_TOP_LOGPROBS, OpenAI's and vLLM's limit
+
+
+# the rule of StructuredOutputs._one as JSON Schema, for the OpenAPI documents
+STRUCTURED_OUTPUTS_SCHEMA = {"oneOf": [
+    {"type": "object", "properties": {"json": {"type": "object"}}, "required": ["json"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"regex": {"type": "string", "minLength": 1}}, "required": ["regex"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"choice": {"type": "array", "items": {"type": "string", "minLength": 1},
+                                                 "minItems": 1, "maxItems": 1024}},
+     "required": ["choice"], "additionalProperties": False},
+    {"type": "object", "properties": {"grammar": {"type": "string", "minLength": 1}}, "required": ["grammar"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"json_object": {"const": True}}, "required": ["json_object"],
+     "additionalProperties": False},
+    {"type": "null"},
+]}
 
 
 class StructuredOutputs(BaseModel):
@@ -164,7 +182,10 @@ class GenerateRequest(BaseModel):
     repetition_penalty: RepetitionPenalty = 1.0
     # structured output: every emitted token allowed by the grammar after the output before it, lossless under
     # speculation (the target's rows are masked at every tree node); min_tokens cannot be combined with it
-    structured_outputs: StructuredOutputs | None = None
+    structured_outputs: Annotated[StructuredOutputs | None, WithJsonSchema(STRUCTURED_OUTPUTS_SCHEMA)] = None
+    # log-probabilities of each emitted token and of the top k of its row (0: the token's only), from the target's
+    # raw distribution after the structured-output mask, as vLLM reports them (engine/speculation/logprobs.py)
+    logprobs: whole(ge=0, le=MAX_TOP_LOGPROBS) | None = None
     tpot_slo_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     # the gateway sends its class's TTFT target, so the worker's SLO verdict and metrics use it too
     ttft_slo_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)

@@ -1,7 +1,7 @@
 """Request bodies of ``/v1/completions`` and ``/v1/chat/completions``, at the gateway and at a worker alike:
 OpenAI's fields, plus ``slo_class``
 and vLLM's ``top_k``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids`` and ``repetition_penalty``. Parameters
-adaserve knows but cannot honour (``n`` > 1, ``logprobs``, ...) are refused by name, never ignored.
+adaserve knows but cannot honour (``n`` > 1, ``echo``, ...) are refused by name, never ignored.
 
 A field adaserve does not know is accepted and ignored, as vLLM does (the official SDKs and agent frameworks
 send ``store``, ``metadata``, ``parallel_tool_calls``): ``ignored_fields`` names them, and the answer says so in
@@ -25,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validat
 
 from adaserve.contract.generate import (
     MAX_TOOL_CALLS,
+    MAX_TOP_LOGPROBS,
+    STRUCTURED_OUTPUTS_SCHEMA,
     ChatMessage,
     Count,
     GenerateRequest,
@@ -39,6 +41,7 @@ from adaserve.contract.generate import (
     TokenId,
     ToolCall,
     ToolCallFunction,
+    whole,
 )
 from adaserve.contract.slo import SloClassName
 from adaserve.contract.text import check_encodable
@@ -80,6 +83,7 @@ def ignored_fields(model: BaseModel, at: str = "") -> list[str]:
     spaces, commas or quotes (``""``, ``"a b"``, ``"é"``) is written as a JSON string, ASCII-escaped: the
     paths go in a header, whose value may not end in a space nor hold a control character."""
     out = [f"{at}{_shown(name)}" for name in (model.model_extra or {})]
+    out += [f"{at}{name}" for name in getattr(model, "overridden_fields", ())]
     for name in type(model).model_fields:
         out += _ignored_in(getattr(model, name), f"{at}{name}")
     return out
@@ -144,9 +148,12 @@ RESPONSE_FORMAT_SCHEMA = {"oneOf": [
     {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]},
     {"type": "object", "properties": {"type": {"const": "json_object"}}, "required": ["type"]},
     {"type": "object", "properties": {"type": {"const": "json_schema"}, "json_schema": {
-        "type": "object", "properties": {"name": {"type": "string"}, "description": {"type": "string"},
-                                         "schema": {"type": "object"}, "strict": {"type": "boolean"}}}},
+        "type": "object", "properties": {"name": {"type": ["string", "null"]},
+                                         "description": {"type": ["string", "null"]},
+                                         "schema": {"type": ["object", "null"]},
+                                         "strict": {"type": ["boolean", "null"]}}}},
      "required": ["type", "json_schema"]},
+    {"type": "null"},
 ]}
 
 
@@ -174,19 +181,6 @@ class ResponseFormat(BaseModel):
         return None
 
 
-STRUCTURED_OUTPUTS_SCHEMA = {"oneOf": [
-    {"type": "object", "properties": {"json": {"type": "object"}}, "required": ["json"],
-     "additionalProperties": False},
-    {"type": "object", "properties": {"regex": {"type": "string", "minLength": 1}}, "required": ["regex"],
-     "additionalProperties": False},
-    {"type": "object", "properties": {"choice": {"type": "array", "items": {"type": "string", "minLength": 1},
-                                                 "minItems": 1, "maxItems": 1024}},
-     "required": ["choice"], "additionalProperties": False},
-    {"type": "object", "properties": {"grammar": {"type": "string", "minLength": 1}}, "required": ["grammar"],
-     "additionalProperties": False},
-    {"type": "object", "properties": {"json_object": {"const": True}}, "required": ["json_object"],
-     "additionalProperties": False},
-]}
 
 
 class _Common(BaseModel):
@@ -210,7 +204,6 @@ class _Common(BaseModel):
     logit_bias: LogitBias | None = None
     min_tokens: TokenId = 0  # vLLM's: stop tokens held back until this many are out (at most max_tokens)
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)  # vLLM's
-    logprobs: Annotated[Any, _only(None, False, 0)] = None
     slo_class: SloClassName | None = None
     # structured output: OpenAI's response_format, or vLLM's structured_outputs (not both)
     response_format: Annotated[ResponseFormat | None, WithJsonSchema(RESPONSE_FORMAT_SCHEMA)] = None
@@ -221,15 +214,17 @@ class _Common(BaseModel):
     def _text(cls, data: Any) -> Any:
         return check_encodable(data)  # before anything else: a lone surrogate must never reach a worker
 
+    @property
+    def overridden_fields(self) -> list[str]:
+        """Known fields another one overrides, named as ignored: a JSON ``response_format`` beside
+        ``structured_outputs``, which wins (vLLM's explicit field over OpenAI's)."""
+        both = self.structured_outputs is not None and self.response_format is not None
+        return ["response_format"] if both and self.response_format.structured() is not None else []
+
     @model_validator(mode="after")
     def _supported(self) -> _Common:
         if self.n != 1:
             raise ValueError("n: only n=1 is supported; send several requests")
-        if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs: not supported")
-        if self.structured_outputs is not None and self.response_format is not None \
-                and self.response_format.structured() is not None:
-            raise ValueError("structured_outputs: give it or a JSON response_format, not both")
         return self
 
     def structured(self) -> StructuredOutputs | None:
@@ -245,7 +240,11 @@ class _Common(BaseModel):
                 "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
                 "logit_bias": self.logit_bias or {}, "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
-                "structured_outputs": self.structured()}
+                "structured_outputs": self.structured(), "logprobs": self.top_logprobs_wanted()}
+
+    def top_logprobs_wanted(self) -> int | None:
+        """How many of each token's most likely alternatives to report (None: no logprobs)."""
+        raise NotImplementedError
 
     def prompt_fields(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -269,6 +268,8 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: Annotated[str | list[str] | list[TokenId], WithJsonSchema(PROMPT_SCHEMA)]
+    # the emitted token's log-probability and the top ``logprobs`` of its row (engine/speculation/logprobs.py)
+    logprobs: whole(ge=0, le=MAX_TOP_LOGPROBS) | None = None
     echo: Annotated[bool, _only(False)] = False
     best_of: Annotated[Integer | None, _only(None, 1)] = None
     suffix: Annotated[str | None, _only(None, "")] = None
@@ -283,6 +284,9 @@ class CompletionRequest(_Common):
         if self.echo or self.suffix or (self.best_of not in (None, 1)):
             raise ValueError("echo, suffix and best_of are not supported")
         return self
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     def prompt_fields(self) -> dict[str, Any]:
         p = self.prompt
@@ -344,6 +348,17 @@ class Message(BaseModel):
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Count | None = None
+    logprobs: bool | None = None  # each emitted token's log-probability (engine/speculation/logprobs.py)
+    top_logprobs: whole(ge=0, le=MAX_TOP_LOGPROBS) | None = None  # and the top k of its row; needs logprobs
+
+    @model_validator(mode="after")
+    def _top(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return self
+
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def prompt_fields(self) -> dict[str, Any]:
         return {"messages": [ChatMessage.model_construct(**m.turn()) for m in self.messages]}

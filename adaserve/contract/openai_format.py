@@ -24,10 +24,40 @@ def slo_info(final: dict[str, Any], slo_class: str, *, met: bool | None) -> dict
             "worker_slo_met": final.get("slo_met"), "metrics": final.get("metrics")}
 
 
+def choice_logprobs(kind: Kind, entries: list[dict[str, Any]] | None, offset: int = 0) -> dict[str, Any] | None:
+    """A choice's ``logprobs`` from a worker's entries (``{"id", "token", "bytes", "logprob", "top_logprobs"}``,
+    adaserve/worker/stream.py): chat's ``{"content": [...]}``, or completions' ``tokens`` / ``token_logprobs`` /
+    ``top_logprobs`` / ``text_offset`` (offsets from ``offset``, the text before these tokens). None: not asked."""
+    if entries is None:
+        return None
+    if kind == "chat":
+        def oai(e: dict[str, Any]) -> dict[str, Any]:
+            return {"token": e["token"] or "", "logprob": e["logprob"], "bytes": e["bytes"]}
+
+        return {"content": [{**oai(e), "top_logprobs": [oai(t) for t in e["top_logprobs"]]} for e in entries]}
+    tokens = [e["token"] or "" for e in entries]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    # as vLLM: the top k, and the emitted token beside them when it is not among them
+    tops = [{**{t["token"] or "": t["logprob"] for t in e["top_logprobs"]}, tok: e["logprob"]}
+            for e, tok in zip(entries, tokens, strict=True)]
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def logprobs_text(entries: list[dict[str, Any]] | None) -> int:
+    """How many characters of text ``entries``' tokens stand for (the next text_offset)."""
+    return sum(len(e["token"] or "") for e in entries or ())
+
+
 def stream_chunk(kind: Kind, *, rid: str, model: str, created: int, text: str | None = None,
-                 finish: str | None = None, role: bool = False) -> dict[str, Any]:
+                 finish: str | None = None, role: bool = False, logprobs: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
+    """One streamed chunk; ``logprobs``: ``choice_logprobs`` of the tokens it carries."""
     if kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
     delta: dict[str, Any] = {}
     if role:
@@ -35,7 +65,7 @@ def stream_chunk(kind: Kind, *, rid: str, model: str, created: int, text: str | 
     if text is not None:
         delta["content"] = text
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
 
 def usage_chunk(kind: Kind, *, rid: str, model: str, created: int, prompt_tokens: int,
@@ -46,12 +76,15 @@ def usage_chunk(kind: Kind, *, rid: str, model: str, created: int, prompt_tokens
 
 
 def full_response(kind: Kind, *, rid: str, model: str, created: int, text: str, finish: str | None,
-                  prompt_tokens: int, completion_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
+                  prompt_tokens: int, completion_tokens: int, extra: dict[str, Any],
+                  logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The non-streamed answer; ``logprobs``: the worker's entries for every token (None: not asked)."""
+    lp = choice_logprobs(kind, logprobs)
     if kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
         obj = "text_completion"
     else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                   "finish_reason": finish}
         obj = "chat.completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import AfterValidator
+from pydantic import AfterValidator, WithJsonSchema
 
 # What a request may name (body or X-SLO-Class header), a worker's ADASERVE_SLO_CLASSES key, a gateway
 # class and the CRD's sloClasses[].name (the CRD's schema repeats the pattern: crds/).
@@ -18,7 +18,8 @@ def _class_name(v: str) -> str:
     return v
 
 
-SloClassName = Annotated[str, AfterValidator(_class_name)]
+SloClassName = Annotated[str, AfterValidator(_class_name),
+                         WithJsonSchema({"type": "string", "pattern": CLASS_NAME.pattern})]
 
 # How a request can end (the engine's words, passed on by the worker's final chunk and the gateway's record).
 NORMAL_END = ("stop", "length")

@@ -46,6 +46,8 @@ class Call:
         self.created = int(time.time())
         self.text: list[str] = []  # every text delta passed on, from every worker
         self.sent_ids: list[int] = []  # every token id passed on, from every worker
+        self.logprobs: list[dict[str, Any]] = []  # their logprobs entries, when the request asked for them
+        self.offset = 0  # the text before the next streamed logprobs (completions' text_offset)
         self.has_text = True  # the workers send text (a model without a tokenizer sends None)
         self.held = True  # ``up``'s slot is counted on its worker (Directory.acquire)
         self.continued = 0  # times the request went on on another worker
@@ -73,9 +75,11 @@ class Call:
                         # the tail it held back (a stop string's start, half a character), which the next one
                         # shows in its own time
                         self._passed(ids, None)
+                        self.logprobs += c.get("logprobs") or []
                         raise dispatch.WorkerLost(f"worker {self.up.worker.id} ended the request: "
                                                   f"{c['finish_reason']}")
                     self._passed(ids, c.get("text"))
+                    self.logprobs += c.get("logprobs") or []
                     yield c
                     if "finish_reason" in c:
                         self.final, self.prompt_tokens = c, int(c.get("prompt_tokens") or 0)
@@ -185,8 +189,11 @@ async def _sse(call: Call) -> AsyncIterator[str]:
             yield _event(call.chunk(role=True, text=""))
         try:
             async for c in call.chunks():
-                if c.get("text"):
-                    yield _event(call.chunk(text=c["text"]))
+                lps = c.get("logprobs")
+                if c.get("text") or lps:
+                    yield _event(call.chunk(text=c.get("text") or "",
+                                            logprobs=openai_format.choice_logprobs(call.kind, lps, call.offset)))
+                    call.offset += openai_format.logprobs_text(lps)
         except dispatch.WorkerLost as e:
             call.outcome = "failed"
             yield _event(error_body(502, f"{e}; the output above is incomplete", code="worker_failed"))
@@ -227,4 +234,5 @@ async def _collect(call: Call, request: Request) -> dict[str, Any]:
     return openai_format.full_response(call.kind, rid=call.rid, model=call.body.model, created=call.created,
                                        text="".join(call.text), finish=call.finish,
                                        prompt_tokens=call.prompt_tokens, completion_tokens=call.track.tokens,
-                                       extra=call.extra())
+                                       extra=call.extra(),
+                                       logprobs=call.logprobs if call.request.logprobs is not None else None)

@@ -355,6 +355,10 @@ class Runtime:
             self.metrics.rejected.labels("invalid").inc()
             raise RequestRefused(400, str(e), param="response_format") from None
 
+    def token_text(self, token: int) -> str | None:
+        """One token's text, special tokens included (a logprobs entry's ``token``); None without a tokenizer."""
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
@@ -398,7 +402,7 @@ class Runtime:
                               ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                               logit_bias=tuple((int(t), b) for t, b in body.logit_bias.items()),
                               presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                              repetition_penalty=body.repetition_penalty, grammar=grammar)
+                              repetition_penalty=body.repetition_penalty, grammar=grammar, logprobs=body.logprobs)
 
     async def _prompt_ids(self, body: GenerateRequest, params: SamplingParams) -> list[int]:
         if body.prompt_token_ids is not None:

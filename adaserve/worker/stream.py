@@ -1,6 +1,8 @@
 """A request's events as response chunks: token ids plus text deltas, then one final chunk.
 
-Chunk: ``{"id", "token_ids", "text"}``; the final chunk adds ``finish_reason``, ``slo_class``,
+Chunk: ``{"id", "token_ids", "text"}``, and ``logprobs`` when the request asked for them (one entry per token id:
+``{"id", "token", "bytes", "logprob", "top_logprobs": [{"id", "token", "bytes", "logprob"}]}``, OpenAI's chat
+shape plus the ids); the final chunk adds ``finish_reason``, ``slo_class``,
 ``tpot_slo_ms``, ``ttft_slo_ms``, ``slo_met``, ``prompt_tokens`` and ``metrics`` (the engine's per-request
 metrics).
 ``text`` is None when the model has no tokenizer.
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from adaserve.engine.speculation.logprobs import TokenLogprob
 from adaserve.worker.detok import IncrementalText
 from adaserve.worker.runtime import InFlight, Runtime
 
@@ -27,15 +30,17 @@ async def chunks(runtime: Runtime, flight: InFlight) -> AsyncIterator[dict[str, 
     while True:
         ev = await flight.events.get()
         delta = text.push(ev.new_tokens, finished=ev.finished) if text is not None else None
+        lps = {} if ev.logprobs is None else {"logprobs": [logprob_entry(runtime, x) for x in ev.logprobs]}
         if not ev.finished:
             if ev.new_tokens:
-                yield {"id": rid, "token_ids": ev.new_tokens, "text": delta}
+                yield {"id": rid, "token_ids": ev.new_tokens, "text": delta, **lps}
             continue
         stopped = text is not None and text.stopped
         yield {
             "id": rid,
             "token_ids": ev.new_tokens,
             "text": delta,
+            **lps,
             "finish_reason": "stop" if stopped else ev.finish_reason,
             "slo_class": flight.slo_class,
             "tpot_slo_ms": flight.tpot_slo_ms,
@@ -47,14 +52,28 @@ async def chunks(runtime: Runtime, flight: InFlight) -> AsyncIterator[dict[str, 
         return
 
 
+def logprob_entry(runtime: Runtime, x: TokenLogprob) -> dict[str, Any]:
+    def one(token: int, logprob: float) -> dict[str, Any]:
+        text = runtime.token_text(token)
+        return {"id": token, "token": text, "bytes": None if text is None else list(text.encode()),
+                "logprob": logprob}
+
+    return {**one(x.token, x.logprob), "top_logprobs": [one(t, v) for t, v in x.top]}
+
+
 async def collect(runtime: Runtime, flight: InFlight) -> dict[str, Any]:
     """The whole answer as one body: every token id, the full text, and the final chunk's fields."""
     ids: list[int] = []
     parts: list[str] = []
+    lps: list[dict[str, Any]] = []
     async for c in chunks(runtime, flight):
         ids.extend(c["token_ids"])
+        lps.extend(c.get("logprobs") or [])
         if c["text"] is not None:
             parts.append(c["text"])
         if "finish_reason" in c:
-            return {**c, "token_ids": ids, "text": "".join(parts) if runtime.tokenizer is not None else None}
+            whole = {**c, "token_ids": ids, "text": "".join(parts) if runtime.tokenizer is not None else None}
+            if flight.req.params.logprobs is not None:
+                whole["logprobs"] = lps
+            return whole
     raise RuntimeError("event stream ended without a final event")

@@ -197,6 +197,12 @@ def test_response_format_json_schema_gives_schema_valid_json(gateway: GatewayPro
 def test_json_object_and_vllm_structured_outputs(gateway: GatewayProcess) -> None:  # noqa: F811
     import re
 
+    # both: vLLM's explicit field wins, and the answer names the JSON response_format it ignored
+    r = httpx.post(f"{gateway.url}/v1/completions", timeout=60,
+                   json={"model": "demo", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                         "structured_outputs": {"choice": ["yes", "no"]}, "response_format": {"type": "json_object"}})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text
+    assert r.headers["X-Ignored-Fields"] == "response_format"
     with client(gateway) as c:
         out = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": PROMPT}], max_tokens=16,
                                         temperature=0, response_format={"type": "json_object"})
@@ -219,7 +225,6 @@ def test_json_object_and_vllm_structured_outputs(gateway: GatewayProcess) -> Non
     ({"response_format": {"type": "json_schema"}}, "json_schema", None),
     ({"response_format": {"type": "xml"}}, "response_format", None),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one", None),
-    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "not both", None),
 ])
 def test_bad_structured_outputs_are_400_with_a_message(gateway: GatewayProcess, fields: dict[str, Any],  # noqa: F811
                                                        needle: str, code: str | None) -> None:
@@ -230,3 +235,50 @@ def test_bad_structured_outputs_are_400_with_a_message(gateway: GatewayProcess, 
     assert needle in err["message"], err
     if code:
         assert err["code"] == code
+
+
+# ---- logprobs -------------------------------------------------------------------------------------------------
+
+
+def test_logprobs_top1_is_the_greedy_token(gateway: GatewayProcess, worker: Service) -> None:  # noqa: F811
+    """Chat's logprobs / top_logprobs and completions' logprobs through the official client: under greedy decoding
+    the top-1 of every token's alternatives is the token itself, the worker's /v1/generate reports the same
+    numbers, and streaming reports them too."""
+    plain = direct(worker, prompt=PROMPT, max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    assert len(plain["logprobs"]) == len(plain["token_ids"]) == 12
+    with client(gateway) as c:
+        out = c.completions.create(model="demo", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=3,
+                                   extra_body={"ignore_eos": True})
+        lp = out.choices[0].logprobs
+        assert lp is not None and "".join(lp.tokens or []) == out.choices[0].text
+        assert lp.token_logprobs == pytest.approx([e["logprob"] for e in plain["logprobs"]], abs=1e-5)
+        for tok, value, top in zip(lp.tokens or [], lp.token_logprobs or [], lp.top_logprobs or [], strict=True):
+            assert max(top, key=top.get) == tok and top[tok] == value and len(top) == 3
+        assert lp.text_offset == [sum(len(t) for t in (lp.tokens or [])[:i]) for i in range(12)]
+
+        chat = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": PROMPT}],
+                                         max_tokens=10, temperature=0, logprobs=True, top_logprobs=2)
+        content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+        assert content is not None and len(content) == chat.usage.completion_tokens  # type: ignore[union-attr]
+        for entry in content:
+            assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
+            assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        streamed = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": PROMPT}],
+                                             max_tokens=10, temperature=0, logprobs=True, top_logprobs=2, stream=True)
+        parts = [e for ch in streamed if ch.choices and ch.choices[0].logprobs
+                 for e in ch.choices[0].logprobs.content or []]
+        # the same tokens; the values up to float error (another batch, another summation order)
+        assert [e.token for e in parts] == [e.token for e in content]
+        assert [e.logprob for e in parts] == pytest.approx([e.logprob for e in content], abs=1e-4)
+        assert c.chat.completions.create(model="demo", messages=[{"role": "user", "content": PROMPT}],
+                                         max_tokens=4).choices[0].logprobs is None
+
+
+@pytest.mark.parametrize(("fields", "needle"), [({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs")])
+def test_bad_logprobs_are_400(gateway: GatewayProcess, fields: dict[str, Any], needle: str) -> None:  # noqa: F811
+    r = httpx.post(f"{gateway.url}/v1/completions", timeout=30,
+                   json={"model": "demo", "prompt": "x", "max_tokens": 4, **fields})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", timeout=30,
+                   json={"model": "demo", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})
+    assert r.status_code == 400 and "top_logprobs" in r.json()["error"]["message"], r.text

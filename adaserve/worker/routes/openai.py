@@ -30,7 +30,15 @@ from adaserve.contract.openai import (
     ignored_fields,
     ignored_header,
 )
-from adaserve.contract.openai_format import Kind, error_body, full_response, stream_chunk, usage_chunk
+from adaserve.contract.openai_format import (
+    Kind,
+    choice_logprobs,
+    error_body,
+    full_response,
+    logprobs_text,
+    stream_chunk,
+    usage_chunk,
+)
 from adaserve.contract.slo import FAILED_END
 from adaserve.worker import stream
 from adaserve.worker.routes.deps import RuntimeDep
@@ -119,7 +127,7 @@ async def _serve(runtime: Runtime, kind: Kind, body: WorkerCompletionRequest | W
     return JSONResponse(full_response(kind, rid=rid, model=body.model, created=answer.created,
                                       text=whole["text"] or "", finish=whole["finish_reason"],
                                       prompt_tokens=whole["prompt_tokens"], completion_tokens=len(whole["token_ids"]),
-                                      extra=answer.extra(whole)), headers=headers)
+                                      extra=answer.extra(whole), logprobs=whole.get("logprobs")), headers=headers)
 
 
 class _Answer:
@@ -127,6 +135,7 @@ class _Answer:
                  flight: InFlight) -> None:
         self.runtime, self.kind, self.body, self.flight = runtime, kind, body, flight
         self.created = int(time.time())
+        self.offset = 0  # the text before the next streamed logprobs (completions' text_offset)
 
     def chunk(self, **kw: Any) -> str:
         doc = stream_chunk(self.kind, rid=self.flight.request_id, model=self.body.model, created=self.created, **kw)
@@ -147,8 +156,10 @@ class _Answer:
                 yield self.chunk(role=True, text="")
             async for c in stream.chunks(self.runtime, self.flight):
                 tokens += len(c["token_ids"])
-                if c.get("text"):
-                    yield self.chunk(text=c["text"])
+                lps = c.get("logprobs")
+                if c.get("text") or lps:
+                    yield self.chunk(text=c.get("text") or "", logprobs=choice_logprobs(self.kind, lps, self.offset))
+                    self.offset += logprobs_text(lps)
                 if "finish_reason" not in c:
                     continue
                 if c["finish_reason"] in FAILED_END:

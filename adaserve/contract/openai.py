@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
 from adaserve.contract.generate import (
     MAX_TOOL_CALLS,
@@ -219,7 +219,10 @@ class _Common(BaseModel):
         """Known fields another one overrides, named as ignored: a JSON ``response_format`` beside
         ``structured_outputs``, which wins (vLLM's explicit field over OpenAI's)."""
         both = self.structured_outputs is not None and self.response_format is not None
-        return ["response_format"] if both and self.response_format.structured() is not None else []
+        out = ["response_format"] if both and self.response_format.structured() is not None else []
+        if isinstance(self, ChatRequest) and self.top_logprobs is not None and not self.logprobs:
+            out.append("top_logprobs")  # OpenAI refuses it without logprobs: true; here it asks for nothing
+        return out
 
     @model_validator(mode="after")
     def _supported(self) -> _Common:
@@ -266,10 +269,17 @@ class _Common(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _false_is_none(v: object) -> object:
+    return None if v is False else v
+
+
 class CompletionRequest(_Common):
     prompt: Annotated[str | list[str] | list[TokenId], WithJsonSchema(PROMPT_SCHEMA)]
-    # the emitted token's log-probability and the top ``logprobs`` of its row (engine/speculation/logprobs.py)
-    logprobs: whole(ge=0, le=MAX_TOP_LOGPROBS) | None = None
+    # the emitted token's log-probability and the top ``logprobs`` of its row (engine/speculation/logprobs.py);
+    # ``false`` (which some clients send for "none") is none
+    logprobs: Annotated[whole(ge=0, le=MAX_TOP_LOGPROBS) | None, BeforeValidator(_false_is_none), WithJsonSchema(
+        {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}, {"const": False},
+                   {"type": "null"}]})] = None
     echo: Annotated[bool, _only(False)] = False
     best_of: Annotated[Integer | None, _only(None, 1)] = None
     suffix: Annotated[str | None, _only(None, "")] = None
@@ -349,13 +359,7 @@ class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Count | None = None
     logprobs: bool | None = None  # each emitted token's log-probability (engine/speculation/logprobs.py)
-    top_logprobs: whole(ge=0, le=MAX_TOP_LOGPROBS) | None = None  # and the top k of its row; needs logprobs
-
-    @model_validator(mode="after")
-    def _top(self) -> ChatRequest:
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs: needs logprobs: true")
-        return self
+    top_logprobs: whole(ge=0, le=MAX_TOP_LOGPROBS) | None = None  # and the top k of its row (with logprobs only)
 
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -12,7 +12,7 @@ import torch
 from adaserve.engine.loading.loader import load_tokenizer
 from adaserve.engine.request import Request
 from adaserve.engine.speculation.grammar import JSON_OBJECT, GrammarCompiler
-from adaserve.engine.speculation.logprobs import TokenLogprob
+from adaserve.engine.speculation.logprobs import FLOOR, TokenLogprob
 from adaserve.engine.speculation.sampling import SamplingParams
 from tests.engine.helpers import engine
 from tests.engine.test_logits_processors import PROMPT
@@ -94,7 +94,7 @@ def test_logprobs_under_a_grammar_are_of_the_masked_distribution(pair: tuple[Pat
     for i, (a, b) in enumerate(zip(plain_lps, spec_lps, strict=True)):
         assert a.top[0][0] == a.token
         assert b.logprob == pytest.approx(float(ref[i, b.token]), abs=1e-3)
-        assert all(bool(allowed[i, t]) or v == float("-inf") for t, v in b.top)
+        assert all(bool(allowed[i, t]) or v == FLOOR for t, v in b.top)  # refused: -inf, reported as vLLM does
     # the mask matters: the first token's raw log-probability is well below its masked one
     raw = hf_logprobs(pair[0], PROMPT, plain.output_ids)
     assert float(raw[0, plain.output_ids[0]]) < spec_lps[0].logprob - 1.0

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's and vLLM's default limit
+# what a token the grammar refuses (-inf) is reported as: JSON has no infinity, and vLLM reports -9999.0 too
+FLOOR = -9999.0
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,8 @@ def token_logprobs(logits: torch.Tensor, nodes: Sequence[int], tokens: Sequence[
     chosen = rows.gather(1, torch.as_tensor(list(tokens), device=rows.device)[:, None])[:, 0]
     k = min(top, rows.shape[-1])
     best = torch.topk(rows, k, dim=-1) if k else None
-    host = torch.cat([chosen[:, None], *([best.values, best.indices.to(torch.float32)] if best else [])], 1).cpu()
+    values = torch.cat([chosen[:, None], *([best.values] if best else [])], 1).clamp(min=FLOOR)
+    host = torch.cat([values, *([best.indices.to(torch.float32)] if best else [])], 1).cpu()
     out = []
     for i, t in enumerate(tokens):
         vals = host[i, 1 : 1 + k].tolist()

@@ -34,8 +34,8 @@ def chat(**kw: Any) -> ChatRequest:
     ({"logit_bias": {"007": 1}}, "logit_bias"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
-    ({"logprobs": True}, "logprobs: not supported"),
-    ({"logprobs": 3}, "logprobs: not supported"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": [1]}, "logprobs"),
     ({"temperature": 2.5}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
@@ -127,7 +127,7 @@ def test_defaults_sample_like_openai() -> None:
     assert req.sampling(64) == {"max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None,
                                 "stop": [], "stop_token_ids": [], "ignore_eos": False, "min_tokens": 0,
                                 "logit_bias": {}, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                                "repetition_penalty": 1.0}
+                                "repetition_penalty": 1.0, "structured_outputs": None, "logprobs": None}
 
 
 def test_sampling_passes_the_request_fields() -> None:
@@ -135,7 +135,7 @@ def test_sampling_passes_the_request_fields() -> None:
     assert req.sampling(64) == {"max_tokens": 9, "temperature": 0.0, "top_p": 0.9, "top_k": 40, "seed": 7,
                                 "stop": ["###"], "stop_token_ids": [], "ignore_eos": True, "min_tokens": 0,
                                 "logit_bias": {}, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                                "repetition_penalty": 1.0}
+                                "repetition_penalty": 1.0, "structured_outputs": None, "logprobs": None}
 
 
 @pytest.mark.parametrize(("fields", "max_tokens"), [

@@ -1,0 +1,56 @@
+"""Greedy answers of the default model served as float, int8 and int4 (issue 35): does a quantized path keep
+the model's answers? Incremental decoding, one thread, a few chat questions; prints JSON.
+
+    python scripts/weights-answers.py [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from adaserve.engine.build import build_engine
+from adaserve.engine.loading.catalog import resolve
+from adaserve.engine.loading.chat import instruction_ids
+from adaserve.engine.loading.loader import load_tokenizer
+from adaserve.engine.request import Request
+from adaserve.engine.speculation.sampling import SamplingParams
+
+QUESTIONS = ("What is the capital of France?", "Name three primary colors.", "What is 12 times 12?",
+             "Write a Python function that reverses a string.")
+
+
+def answers(weights: str, max_tokens: int = 32) -> list[str]:
+    pair = resolve("smollm2-135m-instruct", with_draft=False, progress=False, weights=weights)
+    tok = load_tokenizer(pair.target)
+    eng = build_engine(target=pair.target, draft=None, policy="incremental", budget=16, profile=False,
+                       progress=False, weights=weights).engine
+    out = []
+    for i, q in enumerate(QUESTIONS):
+        r = Request(f"q{i}", instruction_ids(tok, q), SamplingParams(max_tokens=max_tokens))
+        eng.add_request(r)
+        while eng.has_work:
+            eng.step()
+        out.append(tok.decode(r.output_ids))
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    report = {"model": "smollm2-135m-instruct", "policy": "incremental", "threads": 1, "torch": torch.__version__,
+              "answers": {w: dict(zip(QUESTIONS, answers(w), strict=True)) for w in ("float", "int8", "int4")}}
+    text = json.dumps(report, indent=2, ensure_ascii=False)
+    if args.json:
+        args.json.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

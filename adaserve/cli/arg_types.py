@@ -40,7 +40,7 @@ WEIGHTS = ("float", "int8", "int4", "auto")  # engine.model.quant.WEIGHTS (the C
 
 def add_weights_option(p: argparse.ArgumentParser, *, env: str | None = None, default: str | None = "float") -> None:
     """``--weights float|int8|int4|auto``, the same on every command that loads models (docs/models.md)."""
-    where = f" [{env}, default {default or 'float'}]" if env else " (default %(default)s)"
+    where = f" [{env}, default {default or 'auto'}]" if env else " (default %(default)s)"
     p.add_argument("--weights", choices=WEIGHTS, default=default,
                    help="decoder linear layers served as float, int8 or int4 weight-only (torch's packed kernels), "
                         "or auto: a GGUF model's own precision on a CPU (Q4 blocks as int4, Q8_0 as int8), "

@@ -49,7 +49,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="the worker reuses the KV of cached prompt prefixes (default on)")
     # the worker loads, profiles and serves them: the derived classes come from them too
-    add_weights_option(p)
+    add_weights_option(p, default="auto")
     p.add_argument("--redis-url", help="keep request records in this Redis (default: in-process)")
     p.add_argument("--slo-classes-file", help="JSON list of SLO classes (default: coding, "
                    "chat and summarization scaled to this machine's per-token latency)")

@@ -42,9 +42,9 @@ class WorkerSettings(BaseSettings):
                                       "(CUDA: devices 0..N-1, NCCL; CPU: gloo); the drafts run whole on rank 0")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     weights: Literal["float", "int8", "int4", "auto"] = Field(
-        "float", description="how the decoder's linear layers are served: float (the default), int8 or int4 "
-        "weight-only, or auto (a GGUF model's own precision on a CPU, Q4 blocks as int4 and Q8_0 as int8; float on "
-        "a GPU; a directory model as stored); docs/models.md")
+        "auto", description="how the decoder's linear layers are served: float, int8 or int4 weight-only, or auto "
+        "(the default: a GGUF model's own precision on a CPU, Q4 blocks as int4 and Q8_0 as int8, the fastest "
+        "there; float on a GPU; a directory model as stored); docs/models.md")
     policy: str = "adaserve"
     max_depth: int | None = Field(None, ge=1, le=32, description="deepest draft tree (adaptive policies)")
     max_width: int | None = Field(None, ge=1, le=16, description="widest beam (adaptive policies)")

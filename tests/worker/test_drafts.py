@@ -103,7 +103,7 @@ def pair() -> catalog.ModelPair:
 def worker(pair: catalog.ModelPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     log = tmp_path_factory.mktemp("drafts") / "worker.log"
     w = start_worker(catalog.DEFAULT_MODEL, DRAFTS[0], log, "--draft", DRAFTS[1], "--policy", "spin",
-                     "--budget", "16", "--dtype", "float32",
+                     "--budget", "16", "--dtype", "float32", "--weights", "float",  # the reference is float32
                      env={"ADASERVE_REDIS_URL": "", "ADASERVE_WARMUP": "false"})
     try:
         w.wait_ready()

@@ -1,5 +1,5 @@
 """What a worker serves by default (issues 30 and 35): static shapes on for CUDA and off on a CPU (settable
-from the command line and the environment), and the weights option that no longer hides ADASERVE_WEIGHTS."""
+from the command line and the environment), and weights ``auto`` (the option no longer hides ADASERVE_WEIGHTS)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def test_worker_weights_come_from_the_environment_unless_given(monkeypatch: pyte
 
     monkeypatch.delenv("ADASERVE_WEIGHTS", raising=False)
     args = build_parser().parse_args(["worker"])
-    assert load_settings(args).weights == "float"
+    assert load_settings(args).weights == "auto"
     monkeypatch.setenv("ADASERVE_WEIGHTS", "int8")  # before, the option's own default hid the environment
     assert load_settings(args).weights == "int8"
     assert load_settings(build_parser().parse_args(["worker", "--weights", "float"])).weights == "float"
+    assert build_parser().parse_args(["up"]).weights == "auto"

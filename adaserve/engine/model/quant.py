@@ -348,6 +348,34 @@ class Int8Embedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, int8"
 
 
+class Int8Head(Int8Linear):
+    """The int8 LM head, its ``refine`` largest logits of each row recomputed in float32.
+
+    The kernel's output is bfloat16: at a logit of 25 its resolution is 0.125, so a float32 near-tie becomes
+    an exact one and greedy takes the lower token id (the shipped SmolLM2 served as int4 answered "What is the
+    capital of France?" with "L'..." instead of "The capital ... Paris": 25.243 against 25.325 in float32, 25.25
+    both in bfloat16). Recomputing the top rows from the int8 codes and float32 scales against the float32
+    hidden state costs ``refine`` x K multiply-adds a row and gives them float32 resolution. A row's result
+    depends on that row alone, so the head stays one function of its input whatever the batch: speculation
+    verifies against the same values it would decode with (lossless).
+    """
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype = torch.float32,
+                 refine: int = 16) -> None:
+        super().__init__(qweight, scales, dtype=dtype)
+        self.refine = min(refine, qweight.shape[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if self.refine < 1 or x.shape[0] == 0:
+            return y
+        flat = y.reshape(-1, self.out_features)
+        top = flat.float().topk(self.refine, dim=-1).indices  # [R, k]
+        rows = self.qweight[top].float() * self.scales32[top][..., None]  # [R, k, K]
+        exact = torch.einsum("rkd,rd->rk", rows, x.reshape(-1, self.in_features).float())
+        return flat.scatter(1, top, exact.to(flat.dtype)).reshape(y.shape)
+
+
 def quantize_head(model: nn.Module) -> None:
     """The LM head (``model.lm_head``) and the token embedding (``model.model.embed_tokens``) in int8 per row,
     one table for a tied pair (module docstring). In place; a head already quantized is left as it is."""
@@ -357,7 +385,7 @@ def quantize_head(model: nn.Module) -> None:
     tied = isinstance(embed, nn.Embedding) and head.weight is embed.weight
     dtype = head.weight.dtype
     q, scales = quantize_int8(head.weight.detach())
-    model.lm_head = Int8Linear(q, scales, dtype=dtype)  # type: ignore[union-attr]
+    model.lm_head = Int8Head(q, scales, dtype=dtype)  # type: ignore[union-attr]
     if tied:
         model.model.embed_tokens = Int8Embedding(q, scales, dtype=dtype)  # type: ignore[union-attr]
     elif isinstance(embed, nn.Embedding):

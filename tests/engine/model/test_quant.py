@@ -255,3 +255,26 @@ def test_auto_serves_stored_layers_as_stored_on_a_cpu_and_as_float_on_a_gpu(targ
     stored = write_stored(target_dir, tmp_path / "stored", "int4")
     kept = load_model(stored, device=torch.device("cpu"), weights="auto")
     assert isinstance(kept.model.layers[0].mlp.down_proj, QuantLinear)
+
+
+def test_int8_head_resolves_a_near_tie_its_bfloat16_output_cannot() -> None:
+    """Two rows whose float32 logits differ by 0.025 at ~25 (bfloat16's step there is 0.125): the kernel's
+    output ties them, the refined head keeps them apart as the dequantized float32 product does."""
+    from adaserve.engine.model.quant import Int8Head, quantize_int8
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 32, generator=gen) * 0.1
+    w[0] = torch.randn(32, generator=gen)
+    w[1] = w[0] * (1 + 1e-3)  # a near-copy of row 0, a hair larger: a tie would go to row 0, wrongly
+    x = (w[0] * 25.0 / float(w[0] @ w[0])).expand(3, 32).clone()  # row 0's logit 25, the largest
+    head = Int8Head(*quantize_int8(w), refine=4)
+    ref = x @ head.dequantized().T  # the int8 weights' product in float32
+    plain = Int8Linear(head.qweight, head.scales32)(x)
+    got = head(x)
+    assert float(ref[0, 1] - ref[0, 0]) > 0.01  # apart in float32 ...
+    assert float(plain[0, 0]) == float(plain[0, 1])  # ... tied in the kernel's bfloat16 output
+    assert int(plain[0].argmax()) == 0  # what greedy took before
+    assert int(got[0].argmax()) == int(ref[0].argmax()) == 1
+    top = ref[0].topk(4).indices
+    torch.testing.assert_close(got[0, top], ref[0, top], rtol=1e-5, atol=1e-4)
+    assert torch.equal(got[0], got[2])  # one function of the row: the batch does not change it

@@ -55,29 +55,36 @@ from adaserve.engine.speculation.sampling import SamplingParams
 
 
 class ForwardClock:
-    """Seconds spent inside one module's forward, by hooks; synchronises a CUDA device at both ends.
+    """Seconds spent inside one model's forwards.
 
-    ``seconds`` is wall time; ``cpu_seconds`` the process's CPU time (every thread), which other work on
-    a shared machine inflates far less (with one torch thread, not at all).
+    On a CPU: wall time between hooks on the module's forward. On CUDA: the model's own device timer
+    (``CausalLM.timer``, CUDA events around every eager forward and every graph replay), read after the
+    iteration's copy back has waited for the device: the device time of the forwards, without synchronising
+    anything (a graph replay never passes through the module's hooks, and a synchronise would change what
+    is measured). ``cpu_seconds``: the process's CPU time inside the hooked forwards (every thread), which
+    other work on a shared machine inflates far less (with one torch thread, not at all).
     """
 
     def __init__(self, module: nn.Module) -> None:
-        self.seconds = self.cpu_seconds = 0.0
+        self._wall = self.cpu_seconds = 0.0
         self.calls = 0
         self._t0 = self._c0 = 0.0
-        self._cuda = next(module.parameters()).is_cuda
+        timer = getattr(module, "timer", None)
+        self._device_timer = timer if next(module.parameters()).is_cuda and timer is not None else None
+        self._base = self._device_timer.seconds if self._device_timer is not None else 0.0
         self._hooks = [module.register_forward_pre_hook(self._start), module.register_forward_hook(self._stop)]
 
-    def _now(self) -> float:
-        if self._cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+    @property
+    def seconds(self) -> float:
+        if self._device_timer is not None:
+            return self._device_timer.seconds - self._base
+        return self._wall
 
     def _start(self, *_: Any) -> None:
-        self._t0, self._c0 = self._now(), time.process_time()
+        self._t0, self._c0 = time.perf_counter(), time.process_time()
 
     def _stop(self, *_: Any) -> None:
-        self.seconds += self._now() - self._t0
+        self._wall += time.perf_counter() - self._t0
         self.calls += 1
         self.cpu_seconds += time.process_time() - self._c0
 

@@ -1,7 +1,8 @@
 """Request bodies of ``/v1/completions`` and ``/v1/chat/completions``, at the gateway and at a worker alike:
 OpenAI's fields, plus ``slo_class``
 and vLLM's ``top_k``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids`` and ``repetition_penalty``. Parameters
-adaserve knows but cannot honour (``n`` > 1, ``echo``, ...) are refused by name, never ignored.
+adaserve knows but cannot honour (``suffix``, ``echo`` with ``logprobs``, ...) are refused by name, never ignored.
+``n`` > 1 and completions' ``best_of`` are several engine requests, one per sequence (adaserve/contract/choices.py).
 
 A field adaserve does not know is accepted and ignored, as vLLM does (the official SDKs and agent frameworks
 send ``store``, ``metadata``, ``parallel_tool_calls``): ``ignored_fields`` names them, and the answer says so in
@@ -23,6 +24,7 @@ from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
+from adaserve.contract.choices import choice_seed, sequence_id
 from adaserve.contract.generate import (
     MAX_TOOL_CALLS,
     MAX_TOP_LOGPROBS,
@@ -30,7 +32,6 @@ from adaserve.contract.generate import (
     ChatMessage,
     Count,
     GenerateRequest,
-    Integer,
     LogitBias,
     Penalty,
     RepetitionPenalty,
@@ -65,6 +66,9 @@ class SloTargets(Protocol):
 def _only(*values: Any) -> Any:
     return WithJsonSchema({"enum": list(values)})
 
+
+MAX_CHOICES = 8  # n and best_of: each sequence is a request of its own to the scheduler
+Choices = whole(ge=1, le=MAX_CHOICES)
 
 PROMPT_SCHEMA = {"anyOf": [
     {"type": "string", "minLength": 1},
@@ -191,7 +195,7 @@ class _Common(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # OpenAI's default samples
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: TokenId = 0  # a count, of the same kind
-    n: Annotated[Integer, _only(1)] = 1
+    n: Choices = 1  # choices, each its own engine request (contract/choices.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopStrings = Field(default_factory=list)
@@ -224,12 +228,6 @@ class _Common(BaseModel):
             out.append("top_logprobs")  # OpenAI refuses it without logprobs: true; here it asks for nothing
         return out
 
-    @model_validator(mode="after")
-    def _supported(self) -> _Common:
-        if self.n != 1:
-            raise ValueError("n: only n=1 is supported; send several requests")
-        return self
-
     def structured(self) -> StructuredOutputs | None:
         """What constrains the output, if anything."""
         if self.structured_outputs is not None:
@@ -251,6 +249,26 @@ class _Common(BaseModel):
 
     def prompt_fields(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    @property
+    def sequences(self) -> int:
+        """How many sequences to generate: ``n`` (completions: ``best_of`` when given)."""
+        return self.n
+
+    def echo_text(self) -> str:
+        """What every choice's text starts with (completions' ``echo``: the prompt)."""
+        return ""
+
+    def generate_requests(self, default_max_tokens: int, slo: SloTargets, request_id: str) -> list[GenerateRequest]:
+        """One engine request per sequence (``sequences``): request id ``<request_id>-<i>`` when there are several,
+        seed ``choice_seed(seed, i)``; ``best_of`` asks each for its tokens' logprobs, to rank them by."""
+        first = self.generate_request(default_max_tokens, slo, request_id)
+        count = self.sequences
+        if count == 1:
+            return [first]
+        extra = {"logprobs": 0} if count > self.n and first.logprobs is None else {}
+        return [first.model_copy(update={"request_id": sequence_id(request_id, i, count),
+                                         "seed": choice_seed(first.seed, i), **extra}) for i in range(count)]
 
     def generate_request(self, default_max_tokens: int, slo: SloTargets, request_id: str) -> GenerateRequest:
         """What the gateway sends a worker for this body (streamed: the gateway reads every worker's stream);
@@ -280,9 +298,23 @@ class CompletionRequest(_Common):
     logprobs: Annotated[whole(ge=0, le=MAX_TOP_LOGPROBS) | None, BeforeValidator(_false_is_none), WithJsonSchema(
         {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}, {"const": False},
                    {"type": "null"}]})] = None
-    echo: Annotated[bool, _only(False)] = False
-    best_of: Annotated[Integer | None, _only(None, 1)] = None
+    echo: bool = False  # every choice's text starts with the prompt (a text prompt, without logprobs)
+    best_of: Choices | None = None  # generate this many, return the n with the highest cumulative logprob
     suffix: Annotated[str | None, _only(None, "")] = None
+
+    # the OpenAPI document declares the rules across fields that ``_one_prompt`` checks, so that a client or a
+    # fuzzer reading it knows them (best_of >= n, one clause per n)
+    model_config = ConfigDict(extra="allow", json_schema_extra={"allOf": [
+        *({"not": {"required": ["n", "best_of"], "properties": {
+            "n": {"type": "number", "minimum": k}, "best_of": {"type": "number", "maximum": k - 1}}}}
+          for k in range(2, MAX_CHOICES + 1)),
+        {"not": {"required": ["stream", "best_of"], "properties": {
+            "stream": {"const": True}, "best_of": {"type": "number", "minimum": 2}}}},
+        {"not": {"required": ["echo", "logprobs"], "properties": {
+            "echo": {"const": True}, "logprobs": {"type": "number"}}}},
+        {"not": {"required": ["echo", "prompt"], "properties": {
+            "echo": {"const": True}, "prompt": {"type": "array", "items": {"type": "integer"}}}}},
+    ]})
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
@@ -291,9 +323,29 @@ class CompletionRequest(_Common):
             raise ValueError("prompt: one prompt per request (got a list of several); send one request each")
         if len(p) == 0 or (isinstance(p, list) and isinstance(p[0], str) and not p[0]):
             raise ValueError("prompt: must not be empty")
-        if self.echo or self.suffix or (self.best_of not in (None, 1)):
-            raise ValueError("echo, suffix and best_of are not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of: must be at least n ({self.best_of} < {self.n}): best_of sequences are "
+                             "generated and the n most likely returned")
+        if self.stream and self.best_of is not None and self.best_of > 1:
+            raise ValueError("best_of: cannot be streamed (the best are known only at the end); send stream: "
+                             "false, or n instead of best_of")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo: not with logprobs (the prompt's own log-probabilities are not computed)")
+        if self.echo and not isinstance(p, str) and not isinstance(p[0], str):
+            raise ValueError("echo: needs a text prompt (the gateway does not turn token ids into text)")
         return self
+
+    @property
+    def sequences(self) -> int:
+        return self.best_of or self.n
+
+    def echo_text(self) -> str:
+        if not self.echo:
+            return ""
+        p = self.prompt
+        return p if isinstance(p, str) else str(p[0])
 
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs

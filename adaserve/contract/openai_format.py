@@ -53,11 +53,12 @@ def logprobs_text(entries: list[dict[str, Any]] | None) -> int:
 
 
 def stream_chunk(kind: Kind, *, rid: str, model: str, created: int, text: str | None = None,
-                 finish: str | None = None, role: bool = False, logprobs: dict[str, Any] | None = None
-                 ) -> dict[str, Any]:
-    """One streamed chunk; ``logprobs``: ``choice_logprobs`` of the tokens it carries."""
+                 finish: str | None = None, role: bool = False, logprobs: dict[str, Any] | None = None,
+                 index: int = 0) -> dict[str, Any]:
+    """One streamed chunk of choice ``index``; ``logprobs``: ``choice_logprobs`` of the tokens it carries."""
     if kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": index, "text": text or "", "logprobs": logprobs,
+                                  "finish_reason": finish}
         return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
     delta: dict[str, Any] = {}
     if role:
@@ -65,7 +66,7 @@ def stream_chunk(kind: Kind, *, rid: str, model: str, created: int, text: str | 
     if text is not None:
         delta["content"] = text
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
 
 def usage_chunk(kind: Kind, *, rid: str, model: str, created: int, prompt_tokens: int,
@@ -75,19 +76,21 @@ def usage_chunk(kind: Kind, *, rid: str, model: str, created: int, prompt_tokens
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def full_response(kind: Kind, *, rid: str, model: str, created: int, text: str, finish: str | None,
-                  prompt_tokens: int, completion_tokens: int, extra: dict[str, Any],
+def answer_choice(kind: Kind, *, index: int, text: str, finish: str | None,
                   logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The non-streamed answer; ``logprobs``: the worker's entries for every token (None: not asked)."""
+    """One choice of a non-streamed answer; ``logprobs``: the worker's entries for its tokens (None: not asked)."""
     lp = choice_logprobs(kind, logprobs)
     if kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
-        obj = "text_completion"
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                  "finish_reason": finish}
-        obj = "chat.completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+            "finish_reason": finish}
+
+
+def full_response(kind: Kind, *, rid: str, model: str, created: int, choices: list[dict[str, Any]],
+                  prompt_tokens: int, completion_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """The non-streamed answer: ``choices`` (``answer_choice``, by index), ``usage`` over all of them."""
+    obj = "text_completion" if kind == "completion" else "chat.completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens), "adaserve": extra}
 
 

@@ -1,10 +1,15 @@
 """One OpenAI request from arrival to its last byte: who is calling, which class, rate limit, a worker's
 stream, and the answer as server-sent events or one JSON body. The two endpoints differ only in shape.
+
+``n`` > 1 (and ``best_of``) is one ``Call`` per sequence (adaserve/contract/choices.py): each its own request to
+admission, routing and a worker, with its own record (``<id>-<i>``) and SLO outcome, under the request's class;
+the rate limit counts the HTTP request once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -15,7 +20,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from adaserve.contract import openai_format
+from adaserve.contract import choices, openai_format
 from adaserve.contract.generate import GenerateRequest
 from adaserve.contract.openai import (
     IGNORED_HEADER,
@@ -40,8 +45,9 @@ class Call:
     """What the handler knows about one request once it is admitted to a worker."""
 
     def __init__(self, gw: Gateway, kind: Kind, body: CompletionRequest | ChatRequest, track: Tracker,
-                 up: dispatch.Upstream, request: GenerateRequest) -> None:
+                 up: dispatch.Upstream, request: GenerateRequest, *, answer_id: str, index: int = 0) -> None:
         self.gw, self.kind, self.body, self.track, self.up = gw, kind, body, track, up
+        self.answer_id, self.index = answer_id, index  # the answer's id, and this sequence's place in it
         self.request = request  # as the first worker got it (seed included): continuations are built from it
         self.created = int(time.time())
         self.text: list[str] = []  # every text delta passed on, from every worker
@@ -61,7 +67,8 @@ class Call:
         return self.track.request_id
 
     def chunk(self, **kw: Any) -> dict[str, Any]:
-        return openai_format.stream_chunk(self.kind, rid=self.rid, model=self.body.model, created=self.created, **kw)
+        return openai_format.stream_chunk(self.kind, rid=self.answer_id, model=self.body.model, created=self.created,
+                                          index=self.index, **kw)
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         """The answer's chunks, recorded as they pass; sets outcome and finish on the final one. A worker lost
@@ -87,7 +94,12 @@ class Call:
                         return
                 raise dispatch.WorkerLost(f"worker {self.up.worker.id} ended the stream without a last chunk")
             except dispatch.WorkerLost as lost:
-                if not await self._continue(lost):
+                try:
+                    going_on = await self._continue(lost)
+                except dispatch.WorkerLost:
+                    self.outcome = "failed"
+                    raise
+                if not going_on:
                     return
 
     def _passed(self, ids: list[int], text: str | None) -> None:
@@ -156,62 +168,106 @@ async def serve(gw: Gateway, kind: Kind, body: CompletionRequest | ChatRequest, 
         raise ApiError(400, str(e), code="unknown_slo_class", param="slo_class") from None
     model = gw.check_model(body.model)
     rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-    track = gw.tracker(rid, slo, key, model)
-    await track.received()
+    sent = [failover.with_seed(r) for r in body.generate_requests(gw.settings.max_tokens_default, slo, rid)]
+    tracks = [gw.tracker(r.request_id or rid, slo, key, model) for r in sent]
+    for track in tracks:
+        await track.received()
     try:
         await gw.rate_limit(key)
     except ApiError:
-        await track.refused("rate_limited", "rate_limit")
+        for track in tracks:
+            await track.refused("rate_limited", "rate_limit")
         raise
-    sent = failover.with_seed(body.generate_request(gw.settings.max_tokens_default, slo, rid))
-    up = await gw.open(sent, slo, track)
-    call = Call(gw, kind, body, track, up, sent)
-    headers = {"X-Request-Id": rid, "X-SLO-Class": slo.name, "X-Adaserve-Worker": up.worker.id}
+    calls = await _open_all(gw, kind, body, sent, tracks, answer_id=rid)
+    workers = ",".join(dict.fromkeys(c.up.worker.id for c in calls))
+    headers = {"X-Request-Id": rid, "X-SLO-Class": slo.name, "X-Adaserve-Worker": workers}
     if ignored:
         headers[IGNORED_HEADER] = ignored_header(ignored)
         log.warning("request %s: ignored unknown field(s): %s", rid, headers[IGNORED_HEADER])
     if body.stream:
-        return StreamingResponse(_sse(call), media_type="text/event-stream",
+        return StreamingResponse(_sse(calls), media_type="text/event-stream",
                                  headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return JSONResponse(await _collect(call, request), headers=headers)
+    return JSONResponse(await _collect(calls, request), headers=headers)
+
+
+async def _open_all(gw: Gateway, kind: Kind, body: CompletionRequest | ChatRequest, sent: list[GenerateRequest],
+                    tracks: list[Tracker], *, answer_id: str) -> list[Call]:
+    """Every sequence started on a worker, each admitted on its own; when one cannot be, the others are ended
+    (aborted on their workers) and its refusal is the answer."""
+    def call(i: int, up: dispatch.Upstream) -> Call:
+        return Call(gw, kind, body, tracks[i], up, sent[i], answer_id=answer_id, index=i)
+
+    def end_if_opened(i: int, task: asyncio.Future[dispatch.Upstream]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            gw.spawn(call(i, task.result()).end())
+
+    tasks = [asyncio.ensure_future(gw.open(r, t.slo, t)) for r, t in zip(sent, tracks, strict=True)]
+    try:
+        await asyncio.wait(tasks)
+    except BaseException:  # the client left while some waited for admission: end every one, now or once open
+        for i, task in enumerate(tasks):
+            task.cancel()
+            task.add_done_callback(functools.partial(end_if_opened, i))
+        raise
+    failed = [t.exception() for t in tasks if t.exception() is not None]
+    if failed:
+        for i, task in enumerate(tasks):
+            end_if_opened(i, task)
+        raise failed[0]  # type: ignore[misc]
+    return [call(i, t.result()) for i, t in enumerate(tasks)]
 
 
 def _event(doc: dict[str, Any]) -> str:
     return f"data: {json.dumps(doc)}\n\n"
 
 
-async def _sse(call: Call) -> AsyncIterator[str]:
-    """Server-sent events. A worker lost mid-stream is replaced without a seam (Call.chunks); when no worker
-    can go on, tokens already sent cannot be taken back, so the stream ends with an error event that says so
-    (the official client raises it as an APIError)."""
+async def _sse(calls: list[Call]) -> AsyncIterator[str]:
+    """Server-sent events, each choice's chunks with its index as they come. A worker lost mid-stream is
+    replaced without a seam (Call.chunks); when no worker can go on, tokens already sent cannot be taken back,
+    so the stream ends with an error event that says so (the official client raises it as an APIError), and the
+    other choices are aborted."""
+    first = calls[0]
+    body = first.body
     try:
-        if call.kind == "chat":
-            yield _event(call.chunk(role=True, text=""))
+        for call in calls:
+            if call.kind == "chat":
+                yield _event(call.chunk(role=True, text=""))
+            if body.echo_text():
+                yield _event(call.chunk(text=body.echo_text()))
         try:
-            async for c in call.chunks():
+            async for i, c in choices.merged([_then_none(call.chunks()) for call in calls]):
+                call = calls[i]
+                if c is None:  # this choice is complete (its final chunk, or nothing left after a failover)
+                    yield _event(call.chunk(finish=call.finish))
+                    continue
                 lps = c.get("logprobs")
                 if c.get("text") or lps:
                     yield _event(call.chunk(text=c.get("text") or "",
                                             logprobs=openai_format.choice_logprobs(call.kind, lps, call.offset)))
                     call.offset += openai_format.logprobs_text(lps)
         except dispatch.WorkerLost as e:
-            call.outcome = "failed"
             yield _event(error_body(502, f"{e}; the output above is incomplete", code="worker_failed"))
         else:
-            yield _event(call.chunk(finish=call.finish))
-            if call.body.include_usage:
-                yield _event(openai_format.usage_chunk(call.kind, rid=call.rid, model=call.body.model,
-                                                       created=call.created, prompt_tokens=call.prompt_tokens,
-                                                       completion_tokens=call.track.tokens))
+            if body.include_usage:
+                yield _event(openai_format.usage_chunk(first.kind, rid=first.answer_id, model=body.model,
+                                                       created=first.created, prompt_tokens=first.prompt_tokens,
+                                                       completion_tokens=sum(c.track.tokens for c in calls)))
         yield "data: [DONE]\n\n"
     finally:
         # a client that went away cancels this generator: clean up in a task of its own, not on the way out
-        call.gw.spawn(call.end())
+        for call in calls:
+            call.gw.spawn(call.end())
 
 
-async def _collect(call: Call, request: Request) -> dict[str, Any]:
+async def _then_none(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any] | None]:
+    async for c in chunks:
+        yield c
+    yield None
+
+
+async def _collect(calls: list[Call], request: Request) -> dict[str, Any]:
     async def gather() -> None:
-        async for _ in call.chunks():  # Call.chunks keeps the text
+        async for _ in choices.merged([call.chunks() for call in calls]):  # Call.chunks keeps the text
             pass
 
     task = asyncio.ensure_future(gather())
@@ -225,14 +281,29 @@ async def _collect(call: Call, request: Request) -> dict[str, Any]:
         except asyncio.CancelledError:
             raise ApiError(499, "client closed the request") from None
         except dispatch.WorkerLost as e:
-            call.outcome = "failed"
             raise ApiError(502, str(e), code="worker_failed") from None
     finally:
         if not task.done():
             task.cancel()
-        await call.end()
-    return openai_format.full_response(call.kind, rid=call.rid, model=call.body.model, created=call.created,
-                                       text="".join(call.text), finish=call.finish,
-                                       prompt_tokens=call.prompt_tokens, completion_tokens=call.track.tokens,
-                                       extra=call.extra(),
-                                       logprobs=call.logprobs if call.request.logprobs is not None else None)
+        for call in calls:
+            await call.end()
+    return answer(calls)
+
+
+def answer(calls: list[Call]) -> dict[str, Any]:
+    """The non-streamed answer from finished calls: ``n`` choices (``best_of``: the most likely, best first),
+    usage over every sequence generated."""
+    first = calls[0]
+    body = first.body
+    order = range(len(calls))
+    if len(calls) > body.n:
+        order = choices.best_of_order([choices.cumulative_logprob(c.logprobs) for c in calls], body.n)
+    wanted = body.top_logprobs_wanted() is not None
+    picked = [calls[i] for i in order]
+    out = [openai_format.answer_choice(c.kind, index=i, text=body.echo_text() + "".join(c.text), finish=c.finish,
+                                       logprobs=c.logprobs if wanted else None) for i, c in enumerate(picked)]
+    extra = picked[0].extra() if len(calls) == 1 else {"slo_class": first.track.slo.name,
+                                                       "choices": [c.extra() for c in picked]}
+    return openai_format.full_response(first.kind, rid=first.answer_id, model=body.model, created=first.created,
+                                       choices=out, prompt_tokens=first.prompt_tokens,
+                                       completion_tokens=sum(c.track.tokens for c in calls), extra=extra)

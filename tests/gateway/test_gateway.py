@@ -235,9 +235,10 @@ def test_unknown_class_is_400_listing_the_valid_ones(gateway: GatewayProcess) ->
     (b'{"model": "demo"}', 400, "prompt"),
     (b'{"model": "demo", "prompt": "x", "max_tokens": -1}', 400, "max_tokens"),
     (b'{"model": "demo", "prompt": "x", "temperature": "hot"}', 400, "temperature"),
-    (b'{"model": "demo", "prompt": "x", "n": 3}', 400, "n"),
+    (b'{"model": "demo", "prompt": "x", "n": 9}', 400, "n"),
+    (b'{"model": "demo", "prompt": "x", "n": 3, "best_of": 2}', 400, "best_of: must be at least n"),
     (b'{"model": "demo", "prompt": "x", "slo_class": "no spaces allowed"}', 400, "slo_class"),
-    (b'{"model": "demo", "prompt": "x", "unknown_field": 1, "n": 2}', 400, "n"),  # ignored, not what is wrong
+    (b'{"model": "demo", "prompt": "x", "unknown_field": 1, "n": 0}', 400, "n"),  # ignored, not what is wrong
     (b'{"model": "gpt-9", "prompt": "x"}', 404, "gpt-9"),
     (b'{"model": "demo", "prompt": "x", "max_tokens": 100000}', 400, "max_tokens"),
     (b'[1, 2, 3]', 400, ""),

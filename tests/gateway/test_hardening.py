@@ -308,7 +308,7 @@ def test_every_request_ends_in_exactly_one_outcome(rds: tuple[redis.Redis, str],
         statuses = [httpx.post(url, content=GOOD, headers={"content-type": "application/json"}, timeout=60).status_code
                     for _ in range(4)]  # round robin: one of the first two goes to the dead worker
         assert 503 in statuses and statuses.count(200) >= 2, statuses
-        assert httpx.post(url, json={"model": "demo", "prompt": "x", "n": 2}, timeout=30).status_code == 400
+        assert httpx.post(url, json={"model": "demo", "prompt": "x", "n": 9}, timeout=30).status_code == 400
         over = httpx.post(url, json={"model": "demo", "prompt": [5] * 2100}, timeout=60)
         assert over.status_code == 400 and over.json()["error"]["code"] == "rejected_by_worker"
         with httpx.stream("POST", url, timeout=60, json={"model": "demo", "prompt": "def", "max_tokens": 1500,

@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from tests import openai_choices
 from tests.servers import Service, demo_pair, metric, scrape, start_worker
 
 CLASSES = {"coding": 40.0, "summarization": 400.0}
@@ -125,7 +126,8 @@ def test_unknown_fields_are_ignored_and_named(http: httpx.Client) -> None:
 
 @pytest.mark.parametrize(("body", "headers", "status", "param"), [
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, {}, 400, "max_tokens"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, {}, 400, None),
+    ({"model": MODEL, "prompt": "x", "n": 9}, {}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 2, "best_of": 1}, {}, 400, None),
     ({"model": MODEL, "messages": []}, {}, 400, "messages"),
     ({"model": MODEL, "prompt": "x", "temperature": 3}, {}, 400, "temperature"),
     ({"model": MODEL, "prompt": "x", "slo_class": "nope"}, {}, 400, None),
@@ -212,3 +214,35 @@ def test_metrics_as_gie_scrapes_them(worker: Service, client: openai.OpenAI) -> 
     assert accepted == moved("adaserve_tokens_accepted_total") and 0 <= accepted <= drafted
     # the old names stay
     assert ("adaserve_queue_length", (("model_name", MODEL),)) in after
+
+
+# ---- n, best_of, echo (issue 33; tests/openai_choices.py, also run through a gateway) ----------------------------
+
+
+def _generate(http: httpx.Client) -> openai_choices.Generate:
+    def generate(**body: object) -> dict[str, object]:
+        r = http.post("/v1/generate", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    return generate
+
+
+def test_n_seeded_sampled_choices_are_the_plain_runs(client: openai.OpenAI, http: httpx.Client) -> None:
+    openai_choices.n_seeded_sampled(client, MODEL, _generate(http))
+
+
+def test_n_greedy_choices_are_equal_and_streamed_with_indices(client: openai.OpenAI) -> None:
+    openai_choices.n_greedy_and_streamed(client, MODEL)
+
+
+def test_best_of_picks_by_cumulative_logprob(client: openai.OpenAI) -> None:
+    openai_choices.best_of_picks_by_logprob(client, MODEL)
+
+
+def test_echo_prepends_the_prompt(client: openai.OpenAI) -> None:
+    openai_choices.echo_prepends_the_prompt(client, MODEL)
+
+
+def test_bad_choice_combinations_are_400(client: openai.OpenAI) -> None:
+    openai_choices.bad_combinations_are_400(client, MODEL)

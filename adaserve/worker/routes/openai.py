@@ -8,14 +8,17 @@ class; its TPOT target is the worker's own (``ADASERVE_SLO_CLASSES``) unless the
 ``tpot_slo_ms`` / ``ttft_slo_ms`` in the body or the ``X-TPOT-SLO-Ms`` / ``X-TTFT-SLO-Ms`` headers (header wins).
 A field the worker does not know is ignored and named in ``X-Ignored-Fields``, as at the gateway. Errors are
 OpenAI's ``{"error": {...}}``, and a malformed body is a 400 (app.py), not ``/v1/generate``'s 422.
+
+``n`` > 1 and ``best_of`` submit one engine request per sequence (adaserve/contract/choices.py), ``<id>-<i>``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -23,6 +26,8 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
+from adaserve.contract import choices
+from adaserve.contract.generate import GenerateRequest
 from adaserve.contract.openai import (
     IGNORED_HEADER,
     WorkerChatRequest,
@@ -32,6 +37,7 @@ from adaserve.contract.openai import (
 )
 from adaserve.contract.openai_format import (
     Kind,
+    answer_choice,
     choice_logprobs,
     error_body,
     full_response,
@@ -110,35 +116,50 @@ async def _serve(runtime: Runtime, kind: Kind, body: WorkerCompletionRequest | W
         raise RequestRefused(400, "this model has no tokenizer: the OpenAI routes answer text; use /v1/generate "
                              "with prompt_token_ids", code="no_tokenizer")
     rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-    flight = await runtime.submit(body.generate_request(runtime.settings.default_max_tokens, targets, rid))
-    headers = {"X-Request-Id": rid, "X-SLO-Class": flight.slo_class}
+    flights = await _submit_all(runtime, body.generate_requests(runtime.settings.default_max_tokens, targets, rid))
+    headers = {"X-Request-Id": rid, "X-SLO-Class": flights[0].slo_class}
     ignored = ignored_fields(body)
     if ignored:
         headers[IGNORED_HEADER] = ignored_header(ignored)
-    answer = _Answer(runtime, kind, body, flight)
+    answer = _Answer(runtime, kind, body, flights, rid)
     if body.stream:
         return StreamingResponse(answer.events(), media_type="text/event-stream",
                                  headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                 background=BackgroundTask(abort_unfinished, runtime, flight))
-    whole = await wait_whole(runtime, flight, request)
-    if whole["finish_reason"] in FAILED_END:
-        return JSONResponse(error_body(500, f"the request ended with {whole['finish_reason']!r}; see the worker "
-                                            "log", code="generation_failed"), status_code=500, headers=headers)
-    return JSONResponse(full_response(kind, rid=rid, model=body.model, created=answer.created,
-                                      text=whole["text"] or "", finish=whole["finish_reason"],
-                                      prompt_tokens=whole["prompt_tokens"], completion_tokens=len(whole["token_ids"]),
-                                      extra=answer.extra(whole), logprobs=whole.get("logprobs")), headers=headers)
+                                 background=BackgroundTask(_abort_all, runtime, flights))
+    wholes = await asyncio.gather(*(wait_whole(runtime, f, request) for f in flights))
+    failed = [w["finish_reason"] for w in wholes if w["finish_reason"] in FAILED_END]
+    if failed:
+        return JSONResponse(error_body(500, f"the request ended with {failed[0]!r}; see the worker log",
+                                       code="generation_failed"), status_code=500, headers=headers)
+    return JSONResponse(answer.whole(wholes), headers=headers)
+
+
+async def _submit_all(runtime: Runtime, requests: list[GenerateRequest]) -> list[InFlight]:
+    """Every sequence submitted; when one is refused, those already in are aborted and its refusal is the answer."""
+    flights: list[InFlight] = []
+    try:
+        for r in requests:
+            flights.append(await runtime.submit(r))
+    except BaseException:
+        _abort_all(runtime, flights)
+        raise
+    return flights
+
+
+def _abort_all(runtime: Runtime, flights: list[InFlight]) -> None:
+    for flight in flights:
+        abort_unfinished(runtime, flight)
 
 
 class _Answer:
     def __init__(self, runtime: Runtime, kind: Kind, body: WorkerCompletionRequest | WorkerChatRequest,
-                 flight: InFlight) -> None:
-        self.runtime, self.kind, self.body, self.flight = runtime, kind, body, flight
+                 flights: list[InFlight], rid: str) -> None:
+        self.runtime, self.kind, self.body, self.flights, self.rid = runtime, kind, body, flights, rid
         self.created = int(time.time())
-        self.offset = 0  # the text before the next streamed logprobs (completions' text_offset)
+        self.offsets = [0] * len(flights)  # the text before each choice's next streamed logprobs (text_offset)
 
-    def chunk(self, **kw: Any) -> str:
-        doc = stream_chunk(self.kind, rid=self.flight.request_id, model=self.body.model, created=self.created, **kw)
+    def chunk(self, index: int = 0, **kw: Any) -> str:
+        doc = stream_chunk(self.kind, rid=self.rid, model=self.body.model, created=self.created, index=index, **kw)
         return _event(doc)
 
     def extra(self, final: dict[str, Any]) -> dict[str, Any]:
@@ -147,33 +168,57 @@ class _Answer:
                 "ttft_slo_ms": final["ttft_slo_ms"], "slo_met": final["slo_met"], "metrics": final["metrics"],
                 "worker": self.runtime.settings.worker_id}
 
+    def whole(self, wholes: list[dict[str, Any]]) -> dict[str, Any]:
+        """The non-streamed answer from every sequence's whole (``best_of``: the n most likely, best first)."""
+        body = self.body
+        order: Sequence[int] = range(len(wholes))
+        if len(wholes) > body.n:
+            order = choices.best_of_order([choices.cumulative_logprob(w.get("logprobs")) for w in wholes], body.n)
+        wanted = body.top_logprobs_wanted() is not None
+        picked = [wholes[i] for i in order]
+        out = [answer_choice(self.kind, index=i, text=body.echo_text() + (w["text"] or ""), finish=w["finish_reason"],
+                             logprobs=w.get("logprobs") if wanted else None) for i, w in enumerate(picked)]
+        extra = self.extra(picked[0]) if len(wholes) == 1 else {"slo_class": picked[0]["slo_class"],
+                                                                "choices": [self.extra(w) for w in picked]}
+        return full_response(self.kind, rid=self.rid, model=body.model, created=self.created, choices=out,
+                             prompt_tokens=wholes[0]["prompt_tokens"],
+                             completion_tokens=sum(len(w["token_ids"]) for w in wholes), extra=extra)
+
     async def events(self) -> AsyncIterator[str]:
-        """OpenAI's server-sent events. A request the engine ends with an error cannot take back what was sent:
-        the stream ends with an error event (the official client raises it as an APIError)."""
+        """OpenAI's server-sent events, each choice's chunks with its index as they come. A request the engine
+        ends with an error cannot take back what was sent: the stream ends with an error event (the official
+        client raises it as an APIError), and the other choices are aborted."""
         tokens = 0
+        prompt_tokens = 0
+        echo = self.body.echo_text()
         try:
-            if self.kind == "chat":
-                yield self.chunk(role=True, text="")
-            async for c in stream.chunks(self.runtime, self.flight):
+            for i in range(len(self.flights)):
+                if self.kind == "chat":
+                    yield self.chunk(i, role=True, text="")
+                if echo:
+                    yield self.chunk(i, text=echo)
+            async for i, c in choices.merged([stream.chunks(self.runtime, f) for f in self.flights]):
                 tokens += len(c["token_ids"])
                 lps = c.get("logprobs")
                 if c.get("text") or lps:
-                    yield self.chunk(text=c.get("text") or "", logprobs=choice_logprobs(self.kind, lps, self.offset))
-                    self.offset += logprobs_text(lps)
+                    yield self.chunk(i, text=c.get("text") or "",
+                                     logprobs=choice_logprobs(self.kind, lps, self.offsets[i]))
+                    self.offsets[i] += logprobs_text(lps)
                 if "finish_reason" not in c:
                     continue
                 if c["finish_reason"] in FAILED_END:
                     yield _event(error_body(500, f"the request ended with {c['finish_reason']!r}; the output above "
                                                  "is incomplete", code="generation_failed"))
-                else:
-                    yield self.chunk(finish=c["finish_reason"])
-                    if self.body.include_usage:
-                        yield _event(usage_chunk(self.kind, rid=self.flight.request_id, model=self.body.model,
-                                                 created=self.created, prompt_tokens=c["prompt_tokens"],
-                                                 completion_tokens=tokens))
+                    break
+                yield self.chunk(i, finish=c["finish_reason"])
+                prompt_tokens = c["prompt_tokens"]
+            else:
+                if self.body.include_usage:
+                    yield _event(usage_chunk(self.kind, rid=self.rid, model=self.body.model, created=self.created,
+                                             prompt_tokens=prompt_tokens, completion_tokens=tokens))
             yield "data: [DONE]\n\n"
         finally:
-            abort_unfinished(self.runtime, self.flight)
+            _abort_all(self.runtime, self.flights)
 
 
 def _event(doc: dict[str, Any]) -> str:

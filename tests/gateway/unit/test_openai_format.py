@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from adaserve.contract.openai_format import full_response, slo_info, stream_chunk, usage, usage_chunk
+from adaserve.contract.openai_format import answer_choice, full_response, slo_info, stream_chunk, usage, usage_chunk
 
 META = {"rid": "cmpl-1", "model": "m", "created": 1700000000}
 
@@ -43,7 +43,8 @@ def test_usage_chunks() -> None:
 
 def test_full_completion() -> None:
     extra = {"slo_class": "chat"}
-    assert full_response("completion", **META, text="Hello", finish="stop", prompt_tokens=2, completion_tokens=1,
+    one = answer_choice("completion", index=0, text="Hello", finish="stop")
+    assert full_response("completion", **META, choices=[one], prompt_tokens=2, completion_tokens=1,
                          extra=extra) == {
         "id": "cmpl-1", "object": "text_completion", "created": 1700000000, "model": "m",
         "choices": [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": "stop"}],
@@ -51,8 +52,8 @@ def test_full_completion() -> None:
 
 
 def test_full_chat() -> None:
-    assert full_response("chat", **META, text="Hi!", finish="length", prompt_tokens=10, completion_tokens=2,
-                         extra={}) == {
+    one = answer_choice("chat", index=0, text="Hi!", finish="length")
+    assert full_response("chat", **META, choices=[one], prompt_tokens=10, completion_tokens=2, extra={}) == {
         "id": "cmpl-1", "object": "chat.completion", "created": 1700000000, "model": "m",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi!"}, "logprobs": None,
                      "finish_reason": "length"}],
@@ -66,3 +67,12 @@ def test_slo_info() -> None:
                                                  "worker_slo_met": False, "metrics": {"tpot_ms": 31.0}}
     assert slo_info({}, "batch", met=None) == {"slo_class": "batch", "tpot_slo_ms": None, "slo_met": None,
                                                "worker_slo_met": None, "metrics": None}
+
+
+def test_choices_carry_their_index() -> None:
+    assert stream_chunk("completion", **META, text="a", index=2)["choices"][0]["index"] == 2
+    assert stream_chunk("chat", **META, text="a", index=1)["choices"][0]["index"] == 1
+    two = [answer_choice("chat", index=i, text=t, finish="stop") for i, t in enumerate(["x", "y"])]
+    doc = full_response("chat", **META, choices=two, prompt_tokens=3, completion_tokens=4, extra={})
+    assert [(c["index"], c["message"]["content"]) for c in doc["choices"]] == [(0, "x"), (1, "y")]
+    assert doc["usage"]["completion_tokens"] == 4

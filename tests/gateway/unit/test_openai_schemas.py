@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import h11
+import jsonschema
 import pytest
 from pydantic import ValidationError
 
@@ -25,7 +26,8 @@ def chat(**kw: Any) -> ChatRequest:
 
 @pytest.mark.parametrize("make", [completion, chat])
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"n": 2}, "only n=1 is supported"),
+    ({"n": 9}, "n"),
+    ({"n": 0}, "n"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3.0}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
@@ -106,10 +108,64 @@ def test_empty_prompt_is_refused(prompt: str | list[Any]) -> None:
         completion(prompt=prompt)
 
 
-@pytest.mark.parametrize("fields", [{"echo": True}, {"suffix": "end"}, {"best_of": 2}])
-def test_echo_suffix_best_of_are_refused(fields: dict[str, Any]) -> None:
-    with pytest.raises(ValidationError, match="echo, suffix and best_of are not supported"):
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"suffix": "end"}, "suffix is not supported"),
+    ({"n": 3, "best_of": 2}, r"best_of: must be at least n \(2 < 3\)"),
+    ({"best_of": 2, "stream": True}, "best_of: cannot be streamed"),
+    ({"best_of": 9}, "best_of"),
+    ({"echo": True, "logprobs": 0}, "echo: not with logprobs"),
+    ({"echo": True, "prompt": [1, 2]}, "echo: needs a text prompt"),
+])
+def test_bad_choice_combinations_are_refused(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
         completion(**fields)
+
+
+def test_good_choice_combinations_pass() -> None:
+    assert completion(best_of=1, stream=True).sequences == 1  # one: nothing to choose, streamable
+    assert completion(n=2, best_of=2).sequences == 2 and completion(n=2, best_of=5).sequences == 5
+    assert completion(n=3).sequences == 3
+    assert chat(n=4).sequences == 4 and completion().sequences == 1
+    assert completion(echo=True, prompt=["hi"]).echo_text() == "hi" and completion().echo_text() == ""
+    assert completion(echo=True, logprobs=False).echo_text() == "hello"  # false: no logprobs
+
+
+@pytest.mark.parametrize("doc", [CompletionRequest.model_json_schema()])
+@pytest.mark.parametrize(("fields", "valid"), [
+    ({"n": 3, "best_of": 2}, False), ({"n": 3, "best_of": 3}, True), ({"n": 2, "best_of": None}, True),
+    ({"best_of": 2, "stream": True}, False), ({"best_of": 1, "stream": True}, True),
+    ({"echo": True, "logprobs": 2}, False), ({"echo": True, "logprobs": False}, True),
+    ({"echo": True, "prompt": [1, 2]}, False), ({"echo": True, "prompt": ["x"]}, True),
+])
+def test_the_schema_declares_the_rules_across_fields(doc: dict[str, Any], fields: dict[str, Any],
+                                                     valid: bool) -> None:
+    """The OpenAPI document says what the validator refuses (a fuzzer's valid data must pass)."""
+    body = {"model": "m", "prompt": "hello", **fields}
+    errors = list(jsonschema.Draft202012Validator(doc).iter_errors(body))
+    assert (not errors) == valid, errors
+    if valid:
+        completion(**fields)
+    else:
+        with pytest.raises(ValidationError):
+            completion(**fields)
+
+
+@pytest.mark.parametrize(("fields", "seeds", "logprobs"), [
+    ({"n": 3, "seed": 7}, [7, 8, 9], [None] * 3),
+    ({"n": 2, "seed": 2**63 - 1}, [2**63 - 1, 0], [None] * 2),  # wraps within the contract's range
+    ({"n": 2}, [None, None], [None] * 2),  # each draws its own (the gateway gives each a seed)
+    ({"n": 1, "best_of": 3, "seed": 1}, [1, 2, 3], [0] * 3),  # best_of ranks by logprob: asked for
+    ({"n": 2, "best_of": 2, "logprobs": 4}, [None, None], [4, 4]),
+])
+def test_one_engine_request_per_sequence(fields: dict[str, Any], seeds: list[int | None],
+                                         logprobs: list[int | None]) -> None:
+    sent = completion(**fields).generate_requests(64, CODING, "cmpl-1")
+    assert [r.request_id for r in sent] == [f"cmpl-1-{i}" for i in range(len(seeds))]
+    assert [r.seed for r in sent] == seeds and [r.logprobs for r in sent] == logprobs
+    assert {r.prompt for r in sent} == {"hello"} and {r.slo_class for r in sent} == {CODING.name}
+    # one sequence keeps the answer's id and the client's own fields
+    one = completion(seed=5).generate_requests(64, CODING, "cmpl-1")
+    assert [(r.request_id, r.seed, r.logprobs) for r in one] == [("cmpl-1", 5, None)]
 
 
 @pytest.mark.parametrize(("prompt", "fields"), [

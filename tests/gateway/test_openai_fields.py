@@ -18,6 +18,7 @@ import openai
 import pytest
 import redis
 
+from tests import openai_choices
 from tests.gateway.test_hardening import classes, gateway, gateway_for, rds, worker  # noqa: F401  (fixtures)
 from tests.servers import GatewayProcess, Service
 
@@ -285,3 +286,44 @@ def test_bad_logprobs_are_400(gateway: GatewayProcess, fields: dict[str, Any], n
                          "max_tokens": 2})
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
     assert r.headers["X-Ignored-Fields"] == "top_logprobs"
+
+
+# ---- n, best_of, echo (tests/openai_choices.py, also run against a worker alone) --------------------------------
+
+
+def test_n_seeded_sampled_choices_are_the_plain_runs(gateway: GatewayProcess, worker: Service) -> None:  # noqa: F811
+    with client(gateway) as c:
+        openai_choices.n_seeded_sampled(c, "demo", lambda **body: direct(worker, **body))
+
+
+def test_n_greedy_choices_are_equal_and_streamed_with_indices(gateway: GatewayProcess) -> None:  # noqa: F811
+    with client(gateway) as c:
+        openai_choices.n_greedy_and_streamed(c, "demo")
+
+
+def test_each_choice_is_its_own_request(gateway: GatewayProcess) -> None:  # noqa: F811
+    """Each sequence is admitted, routed and recorded on its own (<id>-<i>), under the request's class."""
+    raw = client(gateway).completions.with_raw_response.create(
+        model="demo", prompt=PROMPT, max_tokens=3, n=2, temperature=0, extra_body={"slo_class": "summarization"})
+    rid, doc = raw.headers["X-Request-Id"], raw.parse().model_dump()
+    assert doc["id"] == rid and [c["index"] for c in doc["choices"]] == [0, 1]
+    assert [c["slo_class"] for c in doc["adaserve"]["choices"]] == ["summarization"] * 2
+    records = [httpx.get(f"{gateway.url}/v1/requests/{rid}-{i}", timeout=30) for i in range(2)]
+    assert [r.status_code for r in records] == [200, 200], [r.text for r in records]
+    assert [int(r.json()["tokens"]) for r in records] == [3, 3]
+    assert {r.json()["slo_class"] for r in records} == {"summarization"}
+
+
+def test_best_of_picks_by_cumulative_logprob(gateway: GatewayProcess) -> None:  # noqa: F811
+    with client(gateway) as c:
+        openai_choices.best_of_picks_by_logprob(c, "demo")
+
+
+def test_echo_prepends_the_prompt(gateway: GatewayProcess) -> None:  # noqa: F811
+    with client(gateway) as c:
+        openai_choices.echo_prepends_the_prompt(c, "demo")
+
+
+def test_bad_choice_combinations_are_400(gateway: GatewayProcess) -> None:  # noqa: F811
+    with client(gateway) as c:
+        openai_choices.bad_combinations_are_400(c, "demo")

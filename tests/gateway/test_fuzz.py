@@ -27,6 +27,7 @@ import schemathesis
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
+from adaserve.contract.openai import MAX_CHOICES
 from adaserve.gateway.app import create_app
 from adaserve.gateway.service import Gateway
 from adaserve.gateway.settings import GatewaySettings
@@ -188,3 +189,8 @@ def test_the_fuzzed_documents_declare_the_logits_processors_and_tool_turns() -> 
     for doc, name in ((GATEWAY_DOC, "Message"), (WORKER_DOC, "ChatMessage")):
         assert {"name", "tool_calls", "tool_call_id"} <= set(doc["components"]["schemas"][name]["properties"]), name
     assert GATEWAY_DOC["components"]["schemas"]["ChatRequest"]["additionalProperties"] is True  # unknown: ignored
+    # n and best_of within their bound, and the rules across fields (best_of >= n, ...) declared, so that valid
+    # generated data is served, never refused
+    completion = GATEWAY_DOC["components"]["schemas"]["CompletionRequest"]
+    assert completion["properties"]["n"]["maximum"] == MAX_CHOICES and len(completion["allOf"]) == MAX_CHOICES + 2
+    assert WORKER_DOC["components"]["schemas"]["WorkerCompletionRequest"]["allOf"] == completion["allOf"]

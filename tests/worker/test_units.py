@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
@@ -13,6 +15,8 @@ from pydantic import ValidationError
 from adaserve.error_fields import field_path
 from adaserve.server_process import free_port
 from adaserve.worker.detok import IncrementalText
+from adaserve.worker.routes.openai import _submit_all
+from adaserve.worker.runtime import RequestRefused
 from adaserve.worker.settings import WorkerSettings
 from tests.models import make_checkpoint
 
@@ -151,3 +155,30 @@ def test_tensor_parallel_size_comes_from_the_environment_too(monkeypatch: pytest
     monkeypatch.setenv("ADASERVE_TENSOR_PARALLEL_SIZE", "3")
     with pytest.raises(ValidationError, match="does not divide"):
         WorkerSettings(target="demo-tiny")
+
+
+def test_a_refused_sequence_aborts_those_already_submitted() -> None:
+    """n > 1 on a worker's OpenAI route: when the engine refuses one sequence (overloaded), the answer is that
+    refusal and the sequences already submitted are aborted, not left to run for nobody."""
+    class Runtime:
+        def __init__(self) -> None:
+            self.submitted: list[str] = []
+            self.aborted: list[str] = []
+
+        async def submit(self, body: SimpleNamespace) -> SimpleNamespace:
+            if len(self.submitted) == 2:
+                raise RequestRefused(503, "overloaded: 2 requests in flight")
+            self.submitted.append(body.request_id)
+            return SimpleNamespace(request_id=body.request_id, done=False)
+
+        def abort(self, request_id: str) -> bool:
+            self.aborted.append(request_id)
+            return True
+
+    runtime = Runtime()
+    with pytest.raises(RequestRefused, match="overloaded"):
+        asyncio.run(_submit_all(runtime, [SimpleNamespace(request_id=f"c-{i}") for i in range(3)]))  # type: ignore[arg-type]
+    assert runtime.aborted == runtime.submitted == ["c-0", "c-1"]
+    ok = Runtime()
+    flights = asyncio.run(_submit_all(ok, [SimpleNamespace(request_id=f"c-{i}") for i in range(2)]))  # type: ignore[arg-type]
+    assert [f.request_id for f in flights] == ["c-0", "c-1"] and ok.aborted == []

@@ -1,8 +1,8 @@
 """Several choices for one OpenAI request (``n``, completions' ``best_of``), at the gateway and at a worker alike.
 
 Each sequence is its own engine request, with its own SLO (the request's class) and its own request id
-(``<id>-<i>`` when there are several); a prefix cache, when the engine has one on, shares the prompt's KV among
-them. Nothing here is new sampling: each sequence is exactly what the target alone gives for its own seed.
+(``<id>-<i>`` when there are several). Nothing here is new sampling: each sequence is exactly what the target
+alone gives for its own seed.
 
 - Seeds: with a ``seed``, sequence i uses ``choice_seed(seed, i)`` = (seed + i) mod 2**63, so an answer is
   reproducible and its choices differ; without one, each sequence draws its own. Greedy sequences are all equal.
@@ -10,6 +10,8 @@ them. Nothing here is new sampling: each sequence is exactly what the target alo
   (the sum of the reported ``logprob`` of every emitted token: the target's raw row, as ``logprobs`` reports it)
   are returned, best first (``best_of_order``).
 - Streamed, each sequence's chunks carry its choice index, interleaved as they come (``merged``).
+- The prompt is prefilled per sequence; the engine's prefix cache (on by default) may reuse full pages another
+  sequence has already committed. Nothing shares KV for ``n`` beyond that (not measured here).
 """
 
 from __future__ import annotations
@@ -60,11 +62,13 @@ async def merged(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int
     async def pump(index: int, stream: AsyncIterator[T]) -> None:
         try:
             async for item in stream:
-                await queue.put((index, item))
-        except Exception as e:  # handed to the consumer, which raises it
-            await queue.put((index, _Failed(e)))
+                queue.put_nowait((index, item))
+        except BaseException as e:  # handed to the consumer, which raises it (never left waiting)
+            queue.put_nowait((index, _Failed(e)))
+            if not isinstance(e, Exception):
+                raise
         else:
-            await queue.put((index, _End()))
+            queue.put_nowait((index, _End()))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:

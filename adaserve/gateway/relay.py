@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
@@ -235,16 +236,17 @@ async def _sse(calls: list[Call]) -> AsyncIterator[str]:
             if body.echo_text():
                 yield _event(call.chunk(text=body.echo_text()))
         try:
-            async for i, c in choices.merged([_then_none(call.chunks()) for call in calls]):
-                call = calls[i]
-                if c is None:  # this choice is complete (its final chunk, or nothing left after a failover)
-                    yield _event(call.chunk(finish=call.finish))
-                    continue
-                lps = c.get("logprobs")
-                if c.get("text") or lps:
-                    yield _event(call.chunk(text=c.get("text") or "",
-                                            logprobs=openai_format.choice_logprobs(call.kind, lps, call.offset)))
-                    call.offset += openai_format.logprobs_text(lps)
+            async with aclosing(choices.merged([_then_none(call.chunks()) for call in calls])) as merged:
+                async for i, c in merged:
+                    call = calls[i]
+                    if c is None:  # this choice is complete (its final chunk, or nothing left after a failover)
+                        yield _event(call.chunk(finish=call.finish))
+                        continue
+                    lps = c.get("logprobs")
+                    if c.get("text") or lps:
+                        yield _event(call.chunk(text=c.get("text") or "", logprobs=openai_format.choice_logprobs(
+                            call.kind, lps, call.offset)))
+                        call.offset += openai_format.logprobs_text(lps)
         except dispatch.WorkerLost as e:
             yield _event(error_body(502, f"{e}; the output above is incomplete", code="worker_failed"))
         else:
@@ -267,8 +269,9 @@ async def _then_none(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dic
 
 async def _collect(calls: list[Call], request: Request) -> dict[str, Any]:
     async def gather() -> None:
-        async for _ in choices.merged([call.chunks() for call in calls]):  # Call.chunks keeps the text
-            pass
+        async with aclosing(choices.merged([call.chunks() for call in calls])) as merged:
+            async for _ in merged:  # Call.chunks keeps the text
+                pass
 
     task = asyncio.ensure_future(gather())
     try:

@@ -19,6 +19,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -197,25 +198,26 @@ class _Answer:
                     yield self.chunk(i, role=True, text="")
                 if echo:
                     yield self.chunk(i, text=echo)
-            async for i, c in choices.merged([stream.chunks(self.runtime, f) for f in self.flights]):
-                tokens += len(c["token_ids"])
-                lps = c.get("logprobs")
-                if c.get("text") or lps:
-                    yield self.chunk(i, text=c.get("text") or "",
-                                     logprobs=choice_logprobs(self.kind, lps, self.offsets[i]))
-                    self.offsets[i] += logprobs_text(lps)
-                if "finish_reason" not in c:
-                    continue
-                if c["finish_reason"] in FAILED_END:
-                    yield _event(error_body(500, f"the request ended with {c['finish_reason']!r}; the output above "
-                                                 "is incomplete", code="generation_failed"))
-                    break
-                yield self.chunk(i, finish=c["finish_reason"])
-                prompt_tokens = c["prompt_tokens"]
-            else:
-                if self.body.include_usage:
-                    yield _event(usage_chunk(self.kind, rid=self.rid, model=self.body.model, created=self.created,
-                                             prompt_tokens=prompt_tokens, completion_tokens=tokens))
+            async with aclosing(choices.merged([stream.chunks(self.runtime, f) for f in self.flights])) as merged:
+                async for i, c in merged:
+                    tokens += len(c["token_ids"])
+                    lps = c.get("logprobs")
+                    if c.get("text") or lps:
+                        yield self.chunk(i, text=c.get("text") or "",
+                                         logprobs=choice_logprobs(self.kind, lps, self.offsets[i]))
+                        self.offsets[i] += logprobs_text(lps)
+                    if "finish_reason" not in c:
+                        continue
+                    if c["finish_reason"] in FAILED_END:
+                        yield _event(error_body(500, f"the request ended with {c['finish_reason']!r}; the output above "
+                                                     "is incomplete", code="generation_failed"))
+                        break
+                    yield self.chunk(i, finish=c["finish_reason"])
+                    prompt_tokens = c["prompt_tokens"]
+                else:
+                    if self.body.include_usage:
+                        yield _event(usage_chunk(self.kind, rid=self.rid, model=self.body.model, created=self.created,
+                                                 prompt_tokens=prompt_tokens, completion_tokens=tokens))
             yield "data: [DONE]\n\n"
         finally:
             _abort_all(self.runtime, self.flights)

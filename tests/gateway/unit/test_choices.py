@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import pytest
 
@@ -51,3 +52,24 @@ def test_merged_interleaves_with_indices_and_raises_a_failure() -> None:
 
     with pytest.raises(ValueError, match="lost"):
         asyncio.run(failing())
+
+
+def test_leaving_merged_early_cancels_the_streams_still_running() -> None:
+    closed: list[int] = []
+
+    async def endless(i: int) -> AsyncIterator[int]:
+        try:
+            while True:
+                await asyncio.sleep(0.005)
+                yield i
+        finally:
+            closed.append(i)
+
+    async def run() -> None:
+        async with aclosing(merged([endless(0), endless(1)])) as both:
+            async for _ in both:
+                break
+        await asyncio.sleep(0.05)  # the cancelled pumps run their clean-up
+        assert sorted(closed) == [0, 1]  # now, not when the loop shuts down
+
+    asyncio.run(run())

@@ -20,7 +20,7 @@ import redis
 
 from tests import openai_choices
 from tests.gateway.test_hardening import classes, gateway, gateway_for, rds, worker  # noqa: F401  (fixtures)
-from tests.servers import GatewayProcess, Service
+from tests.servers import GatewayProcess, Service, metric, scrape, wait_for
 
 PROMPT = "def fibonacci(n):"
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
@@ -327,3 +327,19 @@ def test_echo_prepends_the_prompt(gateway: GatewayProcess) -> None:  # noqa: F81
 def test_bad_choice_combinations_are_400(gateway: GatewayProcess) -> None:  # noqa: F811
     with client(gateway) as c:
         openai_choices.bad_combinations_are_400(c, "demo")
+
+
+def test_a_client_that_leaves_aborts_every_choice(gateway: GatewayProcess, worker: Service) -> None:  # noqa: F811
+    with httpx.stream("POST", f"{gateway.url}/v1/completions", timeout=60,
+                      json={"model": "demo", "prompt": "class A:", "max_tokens": 1500, "ignore_eos": True, "n": 2,
+                            "temperature": 0, "stream": True}) as r:
+        rid = r.headers["X-Request-Id"]
+        next(r.iter_lines())  # one event, then hang up
+
+    def statuses() -> list[str] | None:
+        got = [httpx.get(f"{gateway.url}/v1/requests/{rid}-{i}", timeout=30).json().get("status") for i in range(2)]
+        return got if "running" not in got else None
+
+    assert wait_for(statuses, timeout=20) == ["aborted", "aborted"]
+    assert wait_for(lambda: metric(scrape(worker.url), "adaserve_active_requests", slo_class="chat") == 0,
+                    timeout=20)

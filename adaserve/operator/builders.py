@@ -12,7 +12,7 @@ import shlex
 from typing import Any
 
 from adaserve.operator import names
-from adaserve.operator.spec import DeploymentSpec
+from adaserve.operator.spec import DeploymentSpec, PodOverride
 
 Manifest = dict[str, Any]
 
@@ -29,6 +29,13 @@ DRAIN_GRACE_S = 30
 # ranks of one pod live there, and a container runtime's default (64Mi) is too small for them.
 DEFAULT_SHM_SIZE = "1Gi"
 SHM_DIR = "/dev/shm"
+REDIS_TLS_DIR = "/etc/adaserve/redis-tls"
+# The gateway's container unless spec.gateway.resources says: one asyncio process that relays tokens (65 MiB
+# resident idle and after 600 small requests, measured on CPU; not measured under streaming load). A request so the
+# scheduler counts it, a memory limit well above it so a leak ends in a restart rather than a node under pressure,
+# and no CPU limit (throttling a relay adds latency to every token).
+DEFAULT_GATEWAY_RESOURCES: dict[str, dict[str, str]] = {"requests": {"cpu": "250m", "memory": "256Mi"},
+                                                        "limits": {"memory": "1Gi"}}
 
 
 def children(spec: DeploymentSpec, *, name: str, namespace: str) -> list[Manifest]:
@@ -42,6 +49,8 @@ def children(spec: DeploymentSpec, *, name: str, namespace: str) -> list[Manifes
         gateway_deployment(spec, name=name, namespace=namespace),
         gateway_service(spec, name=name, namespace=namespace),
     ]
+    if spec.disruption_budget is not None:
+        out.append(worker_disruption_budget(spec, name=name, namespace=namespace))
     return out
 
 
@@ -81,6 +90,7 @@ def worker_env(spec: DeploymentSpec, *, name: str, namespace: str) -> list[dict[
         _env("ADASERVE_MAX_WIDTH", str(sp.max_width)),
         *([_env("ADASERVE_KV_MEMORY_FRACTION", repr(r.kv_memory_fraction))]
           if r.kv_memory_fraction is not None else []),
+        *([_env("ADASERVE_KV_MEMORY_MB", str(r.kv_memory_mb))] if r.kv_memory_mb is not None else []),
         _env("ADASERVE_HOST", "0.0.0.0"),
         _env("ADASERVE_PORT", str(names.WORKER_PORT)),
         {"name": "ADASERVE_WORKER_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -89,12 +99,72 @@ def worker_env(spec: DeploymentSpec, *, name: str, namespace: str) -> list[dict[
         _env("ADASERVE_ADVERTISE_URL", f"http://$(POD_IP):{names.WORKER_PORT}"),
         _env("ADASERVE_REDIS_URL", redis_url(spec, name=name, namespace=namespace)),
         _env("ADASERVE_REDIS_PREFIX", names.redis_prefix(namespace, name)),
+        *_redis_auth_env(spec, "ADASERVE_"),
+        *_worker_token_env(spec, "ADASERVE_AUTH_TOKEN"),
         _env("ADASERVE_SLO_CLASSES", json.dumps({c.name: c.tpot_ms for c in spec.slo_classes})),
         _env("ADASERVE_DEFAULT_SLO_CLASS", spec.default_class),
         _env("ADASERVE_CACHE_DIR", CACHE_DIR),
         _env("ADASERVE_DRAIN_GRACE_S", str(DRAIN_GRACE_S)),
+        *_pod_env(spec.worker_pod),
     ]
     return env
+
+
+def _redis_auth_env(spec: DeploymentSpec, prefix: str) -> list[dict[str, Any]]:
+    """The Redis password (from its Secret, resolved by the kubelet), the ACL user and the TLS CA file."""
+    rd = spec.redis
+    env: list[dict[str, Any]] = []
+    if rd.password_secret is not None:
+        ref = {"name": rd.password_secret.name, "key": rd.password_secret.key}
+        env.append({"name": f"{prefix}REDIS_PASSWORD", "valueFrom": {"secretKeyRef": ref}})
+    if rd.username is not None:
+        env.append(_env(f"{prefix}REDIS_USERNAME", rd.username))
+    if rd.tls is not None and rd.tls.ca_secret is not None:
+        env.append(_env(f"{prefix}REDIS_TLS_CA_FILE", f"{REDIS_TLS_DIR}/{rd.tls.ca_secret.key}"))
+    return env
+
+
+def _redis_tls_volume(spec: DeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(mounts, volumes) of the Redis CA certificate, when there is one."""
+    tls = spec.redis.tls
+    if tls is None or tls.ca_secret is None:
+        return [], []
+    return ([{"name": "redis-tls", "mountPath": REDIS_TLS_DIR, "readOnly": True}],
+            [{"name": "redis-tls", "secret": {"secretName": tls.ca_secret.name}}])
+
+
+def _worker_token_env(spec: DeploymentSpec, variable: str) -> list[dict[str, Any]]:
+    """The token workers require on their generation routes and the gateway sends (spec.workerAuth)."""
+    if spec.worker_auth is None:
+        return []
+    ref = {"name": spec.worker_auth.token_secret.name, "key": spec.worker_auth.token_secret.key}
+    return [{"name": variable, "valueFrom": {"secretKeyRef": ref}}]
+
+
+def _pod_env(pod: PodOverride) -> list[dict[str, Any]]:
+    """The override's extra env, after the operator's own (the spec refuses names the operator sets)."""
+    return [e.model_dump(by_alias=True, exclude_none=True) for e in pod.env]
+
+
+def _pod_fields(pod: PodOverride) -> dict[str, Any]:
+    """The pod-spec fields an override sets. Every key always present (empty or None when unset): the children are
+    merge-patched, so a field removed from the spec must be written as empty to leave the live pods too."""
+    return {
+        "nodeSelector": dict(pod.node_selector) or None,
+        "tolerations": [t.model_dump(by_alias=True, exclude_none=True) for t in pod.tolerations],
+        "affinity": pod.affinity,
+        "topologySpreadConstraints": list(pod.topology_spread_constraints),
+        "imagePullSecrets": [{"name": s.name} for s in pod.image_pull_secrets],
+        "priorityClassName": pod.priority_class_name,
+        "runtimeClassName": pod.runtime_class_name,
+        "serviceAccountName": pod.service_account_name,
+    }
+
+
+def _pod_volumes(pod: PodOverride) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(mounts, volumes) of the override, after the operator's own."""
+    return ([m.model_dump(by_alias=True, exclude_none=True) for m in pod.volume_mounts],
+            [v.model_dump() for v in pod.volumes])
 
 
 def worker_deployment(spec: DeploymentSpec, *, name: str, namespace: str) -> Manifest:
@@ -108,12 +178,15 @@ def worker_deployment(spec: DeploymentSpec, *, name: str, namespace: str) -> Man
         requests["memory"] = limits["memory"] = str(r.memory)
     if r.gpus_per_worker > 0:  # an extended resource: requests must equal limits
         requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(r.gpus_per_worker)
+    requests.update((k, str(v)) for k, v in r.requests.items())
+    limits.update((k, str(v)) for k, v in r.limits.items())
     mounts: list[dict[str, Any]] = [{"name": "cache", "mountPath": CACHE_DIR}]
     volumes: list[dict[str, Any]] = [{"name": "cache", "emptyDir": {}}]
     init: list[dict[str, Any]] = []
     command = ["adaserve", "worker"]
     if r.ranks > 1:  # one rank per GPU (the spec's rule), talking over shared memory
         command += ["--tensor-parallel-size", str(r.ranks)]
+    if r.ranks > 1 or r.shm_size is not None:  # or asked for: a runtime's default /dev/shm is 64Mi
         mounts.append({"name": "shm", "mountPath": SHM_DIR})
         shm = str(r.shm_size or DEFAULT_SHM_SIZE)
         volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}})
@@ -125,6 +198,9 @@ def worker_deployment(spec: DeploymentSpec, *, name: str, namespace: str) -> Man
         mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
         volumes.append({"name": "models", "emptyDir": {}})
         init.append(_fetch_container(spec))
+    for extra_mounts, extra_volumes in (_redis_tls_volume(spec), _pod_volumes(spec.worker_pod)):
+        mounts += extra_mounts
+        volumes += extra_volumes
     http = {"port": "http"}
     container: dict[str, Any] = {
         "name": "worker",
@@ -145,8 +221,23 @@ def worker_deployment(spec: DeploymentSpec, *, name: str, namespace: str) -> Man
         "initContainers": init,
         "containers": [container],
         "volumes": volumes,
+        **_pod_fields(spec.worker_pod),
     }
-    return _deployment(name, namespace, names.WORKER, replicas=spec.replicas, pod=pod)
+    return _deployment(name, namespace, names.WORKER, replicas=spec.replicas, pod=pod, override=spec.worker_pod)
+
+
+def worker_disruption_budget(spec: DeploymentSpec, *, name: str, namespace: str) -> Manifest:
+    """How many worker pods a voluntary disruption (a node drain, a cluster upgrade) may take at once."""
+    b = spec.disruption_budget
+    assert b is not None
+    limit = {"maxUnavailable": b.max_unavailable} if b.max_unavailable is not None else {
+        "minAvailable": b.min_available}
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(names.child(name, names.WORKER), namespace, names.labels(name, names.WORKER)),
+        "spec": {"selector": {"matchLabels": names.selector(name, names.WORKER)}, **limit},
+    }
 
 
 def _fetch_container(spec: DeploymentSpec) -> dict[str, Any]:
@@ -195,6 +286,8 @@ def gateway_deployment(spec: DeploymentSpec, *, name: str, namespace: str) -> Ma
         _env("ADASERVE_GATEWAY_SLO_CLASSES_FILE", f"{SLO_DIR}/{names.SLO_CLASSES_KEY}"),
         _env("ADASERVE_GATEWAY_DEFAULT_SLO_CLASS", spec.default_class),
         _env("ADASERVE_GATEWAY_ROUTING", g.routing),
+        *_redis_auth_env(spec, "ADASERVE_GATEWAY_"),
+        *_worker_token_env(spec, "ADASERVE_GATEWAY_WORKER_TOKEN"),
     ]
     mounts: list[dict[str, Any]] = [{"name": "slo-classes", "mountPath": SLO_DIR, "readOnly": True}]
     volumes: list[dict[str, Any]] = [{"name": "slo-classes", "configMap": {"name": names.slo_configmap(name)}}]
@@ -202,6 +295,11 @@ def gateway_deployment(spec: DeploymentSpec, *, name: str, namespace: str) -> Ma
         env.append(_env("ADASERVE_GATEWAY_API_KEYS_FILE", f"{API_KEYS_DIR}/{g.api_keys_secret.key}"))
         mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
         volumes.append({"name": "api-keys", "secret": {"secretName": g.api_keys_secret.name}})
+    env += _pod_env(g.pod)
+    for extra_mounts, extra_volumes in (_redis_tls_volume(spec), _pod_volumes(g.pod)):
+        mounts += extra_mounts
+        volumes += extra_volumes
+    resources = g.resources.model_dump() if g.resources is not None else DEFAULT_GATEWAY_RESOURCES
     http = {"port": "http"}
     pod = {
         "containers": [{
@@ -210,16 +308,18 @@ def gateway_deployment(spec: DeploymentSpec, *, name: str, namespace: str) -> Ma
             "command": ["python", "-m", "adaserve.gateway"],
             "ports": [{"name": "http", "containerPort": names.GATEWAY_CONTAINER_PORT, "protocol": "TCP"}],
             "env": env,
+            "resources": {k: {q: str(v) for q, v in m.items()} for k, m in resources.items()},
             "volumeMounts": mounts,
             "livenessProbe": {"httpGet": {"path": "/healthz", **http}, "periodSeconds": 10, "failureThreshold": 3},
             "readinessProbe": {"httpGet": {"path": "/readyz", **http}, "periodSeconds": 5, "failureThreshold": 2},
         }],
         "volumes": volumes,
+        **_pod_fields(g.pod),
     }
     # The gateway reads the classes file at start: a changed class list rolls its pods through this hash.
     digest = hashlib.sha256(slo_classes_json(spec).encode()).hexdigest()[:16]
     return _deployment(name, namespace, names.GATEWAY, replicas=g.replicas, pod=pod,
-                       pod_annotations={"adaserve.io/slo-classes-sha256": digest})
+                       pod_annotations={"adaserve.io/slo-classes-sha256": digest}, override=g.pod)
 
 
 def gateway_service(spec: DeploymentSpec, *, name: str, namespace: str) -> Manifest:
@@ -227,12 +327,20 @@ def gateway_service(spec: DeploymentSpec, *, name: str, namespace: str) -> Manif
 
 
 def redis_deployment(spec: DeploymentSpec, *, name: str, namespace: str) -> Manifest:
+    # registrations are soft state that workers rewrite every heartbeat: nothing to persist
+    args = ["--save", "", "--appendonly", "no"]
+    env: list[dict[str, Any]] = []
+    secret = spec.redis.password_secret
+    if secret is not None:  # AUTH required; redis-cli (the readiness probe) reads REDISCLI_AUTH
+        ref = {"secretKeyRef": {"name": secret.name, "key": secret.key}}
+        env = [{"name": "REDIS_PASSWORD", "valueFrom": ref}, {"name": "REDISCLI_AUTH", "valueFrom": ref}]
+        args += ["--requirepass", "$(REDIS_PASSWORD)"]
     pod = {
         "containers": [{
             "name": "redis",
             "image": spec.redis.image,
-            # registrations are soft state that workers rewrite every heartbeat: nothing to persist
-            "args": ["--save", "", "--appendonly", "no"],
+            "args": args,
+            "env": env,
             "ports": [{"name": "redis", "containerPort": names.REDIS_PORT, "protocol": "TCP"}],
             "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10},
             "readinessProbe": {"exec": {"command": ["redis-cli", "ping"]}, "periodSeconds": 5},
@@ -254,10 +362,14 @@ def _meta(name: str, namespace: str, labels: dict[str, str]) -> dict[str, Any]:
 
 
 def _deployment(name: str, namespace: str, component: str, *, replicas: int, pod: dict[str, Any],
-                pod_annotations: dict[str, str] | None = None, strategy: dict[str, Any] | None = None) -> Manifest:
-    template_meta: dict[str, Any] = {"labels": names.labels(name, component)}
-    if pod_annotations:
-        template_meta["annotations"] = pod_annotations
+                pod_annotations: dict[str, str] | None = None, strategy: dict[str, Any] | None = None,
+                override: PodOverride | None = None) -> Manifest:
+    # the override's labels and annotations beside the operator's (the spec refuses the operator's label keys)
+    template_meta: dict[str, Any] = {"labels": {**(override.labels if override else {}),
+                                                **names.labels(name, component)}}
+    annotations = {**(override.annotations if override else {}), **(pod_annotations or {})}
+    if annotations:
+        template_meta["annotations"] = annotations
     spec: dict[str, Any] = {
         "replicas": replicas,
         "selector": {"matchLabels": names.selector(name, component)},

@@ -20,7 +20,9 @@ Decisions, and why:
   finalizer: ``kubectl patch asd NAME --type=merge -p '{"metadata":{"finalizers":null}}'``.
 - An invalid spec (CEL is missing on old clusters, and the emulator validates nothing) sets phase
   Failed with condition Degraded/InvalidSpec and a Warning event, and the handler returns normally: a
-  retry cannot fix a spec, only a new spec can (which arrives as an update).
+  retry cannot fix a spec, only a new spec can (which arrives as an update). So does a child the API server
+  refuses as invalid (400/422): the pod override passes some Kubernetes objects on unchecked (an affinity, a
+  volume's source), and the API server is the one that knows them; the message is the API server's.
 - A child's name held by an object this resource does not own (no ownerReference with its uid) is
   never taken over: someone else's ConfigMap or Deployment is left as it is, the other children are
   still applied, and the status says Degraded/NameConflict (plus one Warning event) until the name is
@@ -46,9 +48,9 @@ import kopf
 
 from adaserve.operator import builders, names, status
 from adaserve.operator.config import OperatorConfig
-from adaserve.operator.kube import PLURALS, Closed, Kube, owned_by
+from adaserve.operator.kube import PLURALS, ApiError, Closed, Kube, owned_by
 from adaserve.operator.registrations import read_workers
-from adaserve.operator.spec import SpecError, parse_spec
+from adaserve.operator.spec import DeploymentSpec, SpecError, parse_spec
 
 CR = (names.GROUP, names.VERSION, names.PLURAL)
 CHILDREN = tuple((api_version, plural) for (api_version, kind), plural in PLURALS.items() if kind != names.KIND)
@@ -88,8 +90,9 @@ async def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger:
     """create / update / resume (and, through ``resync``, the timer): children as the spec says, status as
     they are.
 
-    ``prune``: also remove a managed Redis left over from a switch to an external one. Only create, update
-    and resume do (a switch is a spec change, which one of them always sees), not every resync.
+    ``prune``: also remove the optional children the spec no longer asks for (a managed Redis after a switch to
+    an external one, a dropped disruptionBudget's PodDisruptionBudget). Only create, update and resume do (a
+    switch is a spec change, which one of them always sees), not every resync.
     ``stopped`` (timers only) turns true when the operator exits or the resource goes: then stop between
     two requests instead of running on against a closing client. The client may close first (kopf's
     cleanup does not wait for timers): then stop the same way; the next start resumes.
@@ -146,8 +149,8 @@ async def sync(body: kopf.Body, *, memo: kopf.Memo, logger: kopf.Logger,
                stopped: kopf.DaemonStopped | None = None, prune: bool = False) -> dict[str, Any] | None:
     """Apply the children of one resource and return its new status (the one function all paths share).
 
-    None if ``stopped`` turned true on the way. With ``prune``, also delete the managed Redis of a resource
-    that now uses an external one.
+    None if ``stopped`` turned true on the way. With ``prune``, also delete the optional children the spec no
+    longer asks for (``_optional_children``).
     """
     kube: Kube = memo.kube
     config: OperatorConfig = memo.config
@@ -160,13 +163,7 @@ async def sync(body: kopf.Body, *, memo: kopf.Memo, logger: kopf.Logger,
         try:
             spec = parse_spec(body.get("spec"))
         except SpecError as e:
-            reported = next((c.get("message") for c in previous if c.get("type") == status.DEGRADED), None)
-            if reported != str(e):  # once per distinct error, not on every resync
-                log.warning("%s/%s: invalid spec: %s", namespace, name, e)
-                kopf.warn(body, reason="InvalidSpec", message=str(e))
-            worker = await kube.get("apps/v1", "Deployment", namespace, names.child(name, names.WORKER))
-            return status.compute(None, name=name, namespace=namespace, generation=meta.get("generation"),
-                                  observed=status.Observed(worker=worker), error=str(e), previous=previous, now=now)
+            return await _invalid(body, kube, str(e), previous=previous, now=now)
 
         manifests = builders.children(spec, name=name, namespace=namespace)
         # controller ref without blockOwnerDeletion: setting that needs RBAC on the owner's finalizers
@@ -174,12 +171,13 @@ async def sync(body: kopf.Body, *, memo: kopf.Memo, logger: kopf.Logger,
         applied = await _apply_all(kube, manifests, uid=meta.get("uid"), logger=logger, stopped=stopped)
         if applied is None:
             return None
-        live, conflicts = applied
+        live, conflicts, refused = applied
+        if refused:  # what the spec passes on unchecked (an affinity, a volume's source) and the API server refused
+            return await _invalid(body, kube, "; ".join(refused), previous=previous, now=now)
         _warn_conflicts(body, conflicts, previous)
-        if prune and not spec.redis.managed:  # maybe switched to an external Redis: drop the managed one
-            for api_version, kind in (("apps/v1", "Deployment"), ("v1", "Service")):
-                await _delete_owned(kube, api_version, kind, namespace, names.child(name, names.REDIS),
-                                    meta.get("uid"), logger)
+        if prune:  # children the spec no longer asks for: a managed Redis after a switch, a dropped budget
+            for api_version, kind, child in _optional_children(spec, name):
+                await _delete_owned(kube, api_version, kind, namespace, child, meta.get("uid"), logger)
 
     if stopped:
         return None
@@ -197,26 +195,54 @@ async def sync(body: kopf.Body, *, memo: kopf.Memo, logger: kopf.Logger,
                           observed=observed, previous=previous, now=now)
 
 
-async def _apply_all(kube: Kube, manifests: list[dict[str, Any]], *, uid: str | None, logger: kopf.Logger,
-                     stopped: kopf.DaemonStopped | None) -> tuple[dict[str, dict[str, Any]], list[str]] | None:
-    """Apply each child; returns ({"Kind/name": live}, ["Kind/name" held by someone else]), None if stopped.
+async def _invalid(body: kopf.Body, kube: Kube, error: str, *, previous: list[Mapping[str, Any]],
+                   now: str) -> dict[str, Any]:
+    """The status of a resource whose spec cannot be served as it is (phase Failed, Degraded/InvalidSpec), with
+    one Warning event per distinct error, not one per resync."""
+    meta = body["metadata"]
+    name, namespace = meta["name"], meta["namespace"]
+    reported = next((c.get("message") for c in previous if c.get("type") == status.DEGRADED), None)
+    if reported != error:
+        log.warning("%s/%s: invalid spec: %s", namespace, name, error)
+        kopf.warn(body, reason="InvalidSpec", message=error)
+    worker = await kube.get("apps/v1", "Deployment", namespace, names.child(name, names.WORKER))
+    return status.compute(None, name=name, namespace=namespace, generation=meta.get("generation"),
+                          observed=status.Observed(worker=worker), error=error, previous=previous, now=now)
 
-    A foreign object is neither patched nor counted as ours (its status would pass for our rollout).
+
+Applied = tuple[dict[str, dict[str, Any]], list[str], list[str]]
+
+
+async def _apply_all(kube: Kube, manifests: list[dict[str, Any]], *, uid: str | None, logger: kopf.Logger,
+                     stopped: kopf.DaemonStopped | None) -> Applied | None:
+    """Apply each child; returns ({"Kind/name": live}, ["Kind/name" held by someone else], ["Kind/name: why" the
+    API server refused as invalid]), None if stopped.
+
+    A foreign object is neither patched nor counted as ours (its status would pass for our rollout). A refused
+    child (400/422: a pod field the spec passes on unchecked, such as an affinity, is wrong) does not stop the
+    others; a retry cannot fix it, only a new spec can.
     """
     live: dict[str, dict[str, Any]] = {}
     conflicts: list[str] = []
+    refused: list[str] = []
     for manifest in manifests:
         if stopped:
             return None
         key = f"{manifest['kind']}/{manifest['metadata']['name']}"
-        obj, done = await kube.apply(manifest, owner_uid=uid)
+        try:
+            obj, done = await kube.apply(manifest, owner_uid=uid)
+        except ApiError as e:
+            if e.status not in (400, 422):
+                raise
+            refused.append(f"{key}: the API server refused it: {e.message}")
+            continue
         if done == "conflict":
             conflicts.append(key)
             continue
         live[key] = obj
         if done != "unchanged":
             logger.info(f"{done} {manifest['kind']} {manifest['metadata']['name']}")
-    return live, conflicts
+    return live, conflicts, refused
 
 
 def _warn_conflicts(body: kopf.Body, conflicts: list[str], previous: list[Mapping[str, Any]]) -> None:
@@ -239,12 +265,24 @@ def _child_names(name: str) -> list[tuple[str, str, str]]:
     return [
         ("apps/v1", "Deployment", names.child(name, names.GATEWAY)),
         ("v1", "Service", names.child(name, names.GATEWAY)),
+        ("policy/v1", "PodDisruptionBudget", names.child(name, names.WORKER)),
         ("apps/v1", "Deployment", names.child(name, names.WORKER)),
         ("v1", "Service", names.child(name, names.WORKER)),
         ("apps/v1", "Deployment", names.child(name, names.REDIS)),
         ("v1", "Service", names.child(name, names.REDIS)),
         ("v1", "ConfigMap", names.slo_configmap(name)),
     ]
+
+
+def _optional_children(spec: DeploymentSpec, name: str) -> list[tuple[str, str, str]]:
+    """The children only some specs have, which ``spec`` does not: to delete where they are left over."""
+    out = []
+    if not spec.redis.managed:
+        out += [("apps/v1", "Deployment", names.child(name, names.REDIS)),
+                ("v1", "Service", names.child(name, names.REDIS))]
+    if spec.disruption_budget is None:
+        out.append(("policy/v1", "PodDisruptionBudget", names.child(name, names.WORKER)))
+    return out
 
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:

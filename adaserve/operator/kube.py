@@ -30,9 +30,19 @@ PLURALS = {
     ("apps/v1", "Deployment"): "deployments",
     ("v1", "Service"): "services",
     ("v1", "ConfigMap"): "configmaps",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     (names.API_VERSION, names.KIND): names.PLURAL,
 }
+# Maps of a pod template the operator renders whole from the spec: a key the spec no longer has must leave the
+# live object too, which a merge patch only does when told (key: null). kubectl's own annotations stay
+# (`kubectl rollout restart` writes kubectl.kubernetes.io/restartedAt).
+WHOLE_MAPS = (("spec", "template", "spec", "nodeSelector"), ("spec", "template", "spec", "affinity"),
+              ("spec", "template", "metadata", "labels"), ("spec", "template", "metadata", "annotations"))
+KEPT_PREFIXES = ("kubectl.kubernetes.io/",)
 REQUEST_TIMEOUT_S = 30
+# Writes refuse unknown fields (400) instead of dropping them with a warning: a typo inside a pod override's
+# affinity or volume, which the CRD passes on unchecked, then shows in the status instead of vanishing.
+STRICT = "?fieldValidation=Strict"
 CLOSE_GRACE_S = 5  # on shutdown, requests still in flight (an orphaned timer's) may finish first
 
 
@@ -44,6 +54,7 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
+        self.message = message
 
 
 def path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
@@ -66,6 +77,48 @@ def is_subset(desired: Any, live: Any) -> bool:
             return not desired
         return isinstance(live, list) and len(desired) == len(live) and all(map(is_subset, desired, live))
     return bool(desired == live)
+
+
+def removals(desired: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge-patch nulls that drop what the live object has and ``desired`` no longer does, in WHOLE_MAPS."""
+    out: dict[str, Any] = {}
+    for where in WHOLE_MAPS:
+        want, have = _at(desired, where), _at(live, where)
+        if isinstance(want, Mapping) and isinstance(have, Mapping):
+            stale = _stale(want, have)
+            if stale:
+                node = out
+                for key in where[:-1]:
+                    node = node.setdefault(key, {})
+                node[where[-1]] = stale
+    return out
+
+
+def _at(obj: Any, where: tuple[str, ...]) -> Any:
+    for key in where:
+        obj = obj.get(key) if isinstance(obj, Mapping) else None
+    return obj
+
+
+def _stale(want: Mapping[str, Any], have: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in have.items():
+        if key not in want:
+            if not key.startswith(KEPT_PREFIXES):
+                out[key] = None
+        elif isinstance(want[key], Mapping) and isinstance(value, Mapping):
+            deeper = _stale(want[key], value)
+            if deeper:
+                out[key] = deeper
+    return out
+
+
+def _merged(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merged(out[key], value) if isinstance(out.get(key), Mapping) and isinstance(value, Mapping) \
+            else value
+    return out
 
 
 def owned_by(obj: Mapping[str, Any], uid: str | None) -> bool:
@@ -187,13 +240,13 @@ class Kube:
 
     async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         meta = obj["metadata"]
-        return await self._request("POST", path(obj["apiVersion"], obj["kind"], meta["namespace"]), body=obj)
+        return await self._request("POST", path(obj["apiVersion"], obj["kind"], meta["namespace"]) + STRICT, body=obj)
 
     async def patch(self, obj: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
         """A JSON merge patch: maps merge, lists and scalars are replaced, null removes."""
         meta = obj["metadata"]
-        return await self._request("PATCH", path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]),
-                                   body=changes, content_type="application/merge-patch+json")
+        return await self._request("PATCH", path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]) +
+                                   STRICT, body=changes, content_type="application/merge-patch+json")
 
     async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         """False if it was already gone."""
@@ -225,8 +278,9 @@ class Kube:
                 live = await self.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]) or {}
         if owner_uid is not None and not owned_by(live, owner_uid):
             return live, "conflict"
-        if is_subset(obj, live):
+        stale = removals(obj, live)
+        if is_subset(obj, live) and not stale:
             return live, "unchanged"
-        changes = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}
+        changes = _merged({k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}, stale)
         return await self.patch(obj, changes), "patched"
 

@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, field_validator
 from pydantic.alias_generators import to_camel
 
 from adaserve.contract.slo import CLASS_NAME
@@ -54,6 +54,52 @@ MSG_BUILTIN_DRAFTS = ("with source builtin, drafts may only name the drafts the 
 MSG_UNIQUE_DRAFTS = "model.drafts must not name a draft twice"
 MSG_PINNED_DRAFT = "a policy ending in @dN pins draft N: N must be below the number of model.drafts"
 MSG_TENSOR_PARALLEL = "tensorParallelSize must equal gpusPerWorker when the worker has GPUs (one rank per GPU)"
+MSG_KV_MEMORY = "set resources.kvMemory or resources.kvMemoryFraction, not both"
+MSG_OWN_RESOURCES = ("requests and limits name other resources (ephemeral-storage, rdma/...): cpu, memory and "
+                     "nvidia.com/gpu come from resources.cpu, memory and gpusPerWorker")
+MSG_DISRUPTION_BUDGET = "set exactly one of disruptionBudget.maxUnavailable or disruptionBudget.minAvailable"
+MSG_RESERVED_ENV = "env must not set a variable the operator sets (docs/kubernetes.md lists them): use the spec field"
+MSG_UNIQUE_ENV = "env names must be unique"
+MSG_ENV_VALUE = "an env entry sets value or valueFrom, not both"
+MSG_RESERVED_VOLUME = "volume names cache, shm, models, slo-classes, api-keys and redis-tls are the operator's"
+MSG_UNIQUE_VOLUMES = "volume names must be unique"
+MSG_MOUNT_VOLUME = "every volumeMount must name one of the pod's volumes"
+MSG_RESERVED_MOUNT = ("volumeMounts must not use a path the operator mounts (/models, /dev/shm, /var/cache/adaserve, "
+                      "/etc/adaserve)")
+MSG_RESERVED_LABELS = "labels must not set app.kubernetes.io/ or adaserve.io/ keys: the operator's selectors use them"
+MSG_TOLERATION_EXISTS = "a toleration with operator Exists must not set value"
+MSG_TOLERATION_SECONDS = "tolerationSeconds is only allowed with effect NoExecute"
+MSG_REDIS_USERNAME = "redis.username names an ACL user of an external Redis: only with redis.url and passwordSecret"
+MSG_REDIS_TLS = "redis.tls needs an external redis.url starting with rediss:// (the scheme turns TLS on)"
+
+# Every variable the operator may set in a worker or gateway container, whatever the spec says: pod env must not
+# name one (it would silently override, or be overridden by, the operator's). builders.py renders from this set.
+RESERVED_ENV = (
+    "ADASERVE_TARGET", "ADASERVE_DRAFT", "ADASERVE_DRAFTS", "ADASERVE_MODEL_NAME", "ADASERVE_DTYPE", "ADASERVE_DEVICE",
+    "ADASERVE_POLICY", "ADASERVE_BUDGET", "ADASERVE_MAX_DEPTH", "ADASERVE_MAX_WIDTH", "ADASERVE_KV_MEMORY_FRACTION",
+    "ADASERVE_KV_MEMORY_MB", "ADASERVE_HOST", "ADASERVE_PORT", "ADASERVE_WORKER_ID", "POD_IP",
+    "ADASERVE_ADVERTISE_URL", "ADASERVE_REDIS_URL", "ADASERVE_REDIS_PREFIX", "ADASERVE_REDIS_PASSWORD",
+    "ADASERVE_REDIS_USERNAME", "ADASERVE_REDIS_TLS_CA_FILE", "ADASERVE_AUTH_TOKEN", "ADASERVE_SLO_CLASSES",
+    "ADASERVE_DEFAULT_SLO_CLASS", "ADASERVE_CACHE_DIR", "ADASERVE_DRAIN_GRACE_S", "HF_TOKEN",
+    "ADASERVE_GATEWAY_HOST", "ADASERVE_GATEWAY_PORT", "ADASERVE_GATEWAY_REDIS_URL", "ADASERVE_GATEWAY_REDIS_PREFIX",
+    "ADASERVE_GATEWAY_REDIS_PASSWORD", "ADASERVE_GATEWAY_REDIS_USERNAME", "ADASERVE_GATEWAY_REDIS_TLS_CA_FILE",
+    "ADASERVE_GATEWAY_WORKER_TOKEN", "ADASERVE_GATEWAY_MODEL_NAME", "ADASERVE_GATEWAY_SLO_CLASSES_FILE",
+    "ADASERVE_GATEWAY_DEFAULT_SLO_CLASS", "ADASERVE_GATEWAY_ROUTING", "ADASERVE_GATEWAY_API_KEYS_FILE",
+)
+RESERVED_VOLUMES = ("cache", "shm", "models", "slo-classes", "api-keys", "redis-tls")
+RESERVED_MOUNTS = ("/models", "/dev/shm", "/var/cache/adaserve")
+RESERVED_MOUNT_PREFIX = "/etc/adaserve"
+RESERVED_LABEL_PREFIXES = ("app.kubernetes.io/", "adaserve.io/")
+# resources the typed fields set (resources.cpu, memory, gpusPerWorker): requests/limits may name only others
+OWN_RESOURCES = ("cpu", "memory", "nvidia.com/gpu")
+# a size in whole MiB, GiB or TiB (resources.kvMemory): the worker's --kv-memory-mb
+KV_MEMORY = r"^[1-9][0-9]*(Mi|Gi|Ti)$"
+# an env var name (the API server's C_IDENTIFIER-like rule for env: letters, digits, '_', '-', '.')
+ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+# a DNS-1123 label: volume names, Secret names are subdomains but every name here fits a label
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# maxUnavailable / minAvailable: a number of pods or a percentage
+INT_OR_PERCENT = r"^[0-9]+%?$"
 
 
 class SpecError(ValueError):
@@ -120,15 +166,99 @@ class Resources(_Model):
     gpus_per_worker: int = Field(1, ge=0)
     # the worker's --kv-memory-fraction (its KV caches sized from the device's memory); unset: its fixed default
     kv_memory_fraction: float | None = Field(None, gt=0, le=1)
+    kv_memory: str | None = Field(None, pattern=KV_MEMORY)  # or a size: the worker's --kv-memory-mb (per model)
     tensor_parallel_size: int | None = Field(None, ge=1, le=16)  # unset: 1
     shm_size: Quantity | None = None  # the /dev/shm of a tensor-parallel worker (builders.DEFAULT_SHM_SIZE)
     memory: Quantity | None = None
     cpu: Quantity | None = None
+    # other resources (ephemeral-storage, rdma/hca, ...), added to what the fields above set
+    requests: dict[str, Quantity] = {}
+    limits: dict[str, Quantity] = {}
 
     @property
     def ranks(self) -> int:
         """The worker's tensor-parallel size: ``tensorParallelSize``, else 1."""
         return self.tensor_parallel_size or 1
+
+    @property
+    def kv_memory_mb(self) -> int | None:
+        """``kvMemory`` in MiB (the pattern allows only whole Mi, Gi and Ti)."""
+        if self.kv_memory is None:
+            return None
+        return int(self.kv_memory[:-2]) * {"Mi": 1, "Gi": 1024, "Ti": 1024 * 1024}[self.kv_memory[-2:]]
+
+
+class ResourceRequirements(_Model):
+    """A container's requests and limits, as Kubernetes writes them (the gateway's)."""
+
+    requests: dict[str, Quantity] = {}
+    limits: dict[str, Quantity] = {}
+
+
+class LocalObjectReference(_Model):
+    name: str = Field(min_length=1)
+
+
+class Toleration(_Model):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class EnvVar(_Model):
+    name: str = Field(pattern=ENV_NAME)
+    value: str | None = None
+    value_from: dict[str, Any] | None = None  # secretKeyRef, configMapKeyRef, fieldRef...: the API server checks it
+
+
+class Volume(BaseModel):
+    """A pod volume: its name is checked here, its source (any of Kubernetes' kinds) by the API server."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, strict=True)
+    name: str = Field(pattern=DNS_LABEL, max_length=63)
+
+
+class VolumeMount(_Model):
+    name: str = Field(min_length=1)
+    mount_path: str = Field(pattern=r"^/")
+    read_only: bool = False
+    sub_path: str | None = None
+
+
+class PodOverride(_Model):
+    """What a platform sets on the worker (or gateway) pods beyond what the operator renders itself: scheduling,
+    pull secrets, extra env and volumes. Rendered as given; objects the operator does not model (affinity, a
+    volume's source, topology spread) are checked by the API server when the Deployment is written."""
+
+    annotations: dict[str, str] = {}
+    labels: dict[str, str] = {}
+    node_selector: dict[str, str] = {}
+    tolerations: list[Toleration] = []
+    affinity: dict[str, Any] | None = None
+    topology_spread_constraints: list[dict[str, Any]] = []
+    image_pull_secrets: list[LocalObjectReference] = []
+    priority_class_name: str | None = Field(None, min_length=1)
+    runtime_class_name: str | None = Field(None, min_length=1)
+    service_account_name: str | None = Field(None, min_length=1)
+    env: list[EnvVar] = []
+    volumes: list[Volume] = []
+    volume_mounts: list[VolumeMount] = []
+
+
+class DisruptionBudget(_Model):
+    """The worker pods' PodDisruptionBudget: how many a voluntary disruption (a node drain) may take at once."""
+
+    max_unavailable: int | str | None = None
+    min_available: int | str | None = None
+
+    @field_validator("max_unavailable", "min_available")
+    @classmethod
+    def _count_or_percent(cls, v: int | str | None) -> int | str | None:
+        if (isinstance(v, int) and v < 0) or (isinstance(v, str) and not re.match(INT_OR_PERCENT, v)):
+            raise ValueError("must be a number of pods >= 0 or a percentage such as 25%")
+        return v
 
 
 class SloClass(_Model):
@@ -158,12 +288,38 @@ class Gateway(_Model):
     port: int = Field(80, ge=1, le=65535)
     routing: Literal["headroom", "least-loaded", "round-robin"] = "headroom"
     api_keys_secret: ApiKeysSecret | None = None
+    resources: ResourceRequirements | None = None  # unset: builders.DEFAULT_GATEWAY_RESOURCES
+    pod: PodOverride = PodOverride()
+
+
+class PasswordSecret(_Model):
+    name: str = Field(min_length=1)
+    key: str = Field("password", min_length=1)
+
+
+class CaSecret(_Model):
+    name: str = Field(min_length=1)
+    key: str = Field("ca.crt", min_length=1)
+
+
+class RedisTls(_Model):
+    # a private CA's certificate (PEM) the services verify the server with; unset: the system's CAs
+    ca_secret: CaSecret | None = None
 
 
 class Redis(_Model):
     managed: bool = False
     image: str = "redis:7-alpine"
     url: str | None = Field(None, pattern=REDIS_URL)
+    # AUTH: the password (managed: the one the Redis pod is started with) and, for ACL users, the user name
+    password_secret: PasswordSecret | None = None
+    username: str | None = Field(None, min_length=1)
+    tls: RedisTls | None = None
+
+
+class WorkerAuth(_Model):
+    # a Secret holding the token workers require on generation routes; the gateway sends it
+    token_secret: SecretKey
 
 
 class DeploymentSpec(_Model):
@@ -176,6 +332,9 @@ class DeploymentSpec(_Model):
     speculation: Speculation = Speculation()
     gateway: Gateway
     redis: Redis
+    worker_pod: PodOverride = PodOverride()
+    disruption_budget: DisruptionBudget | None = None
+    worker_auth: WorkerAuth | None = None
 
     @property
     def default_class(self) -> str:
@@ -242,6 +401,49 @@ def _check_rules(s: DeploymentSpec) -> None:
         raise SpecError("spec.speculation.policy", MSG_PINNED_DRAFT)
     if (s.redis.url is not None) == s.redis.managed:
         raise SpecError("spec.redis", MSG_REDIS_ONE)
+    if s.redis.username is not None and (s.redis.url is None or s.redis.password_secret is None):
+        raise SpecError("spec.redis", MSG_REDIS_USERNAME)
+    if s.redis.tls is not None and not (s.redis.url or "").startswith("rediss://"):
+        raise SpecError("spec.redis", MSG_REDIS_TLS)
+    if r.kv_memory is not None and r.kv_memory_fraction is not None:
+        raise SpecError("spec.resources", MSG_KV_MEMORY)
+    if any(k in OWN_RESOURCES for k in (*r.requests, *r.limits)):
+        raise SpecError("spec.resources", MSG_OWN_RESOURCES)
+    b = s.disruption_budget
+    if b is not None and (b.max_unavailable is None) == (b.min_available is None):
+        raise SpecError("spec.disruptionBudget", MSG_DISRUPTION_BUDGET)
+    _check_pod(s.worker_pod, "spec.workerPod")
+    _check_pod(s.gateway.pod, "spec.gateway.pod")
+
+
+def _check_pod(pod: PodOverride, path: str) -> None:
+    """The CRD's rules on a pod override (workerPod, gateway.pod), in its order: the node's own rule, then its
+    fields' in schema order."""
+    volumes = [v.name for v in pod.volumes]
+    if any(m.name not in volumes for m in pod.volume_mounts):
+        raise SpecError(f"{path}.volumeMounts", MSG_MOUNT_VOLUME)
+    if any(k.startswith(RESERVED_LABEL_PREFIXES) for k in pod.labels):
+        raise SpecError(f"{path}.labels", MSG_RESERVED_LABELS)
+    for i, t in enumerate(pod.tolerations):
+        if t.operator == "Exists" and t.value is not None:
+            raise SpecError(f"{path}.tolerations[{i}]", MSG_TOLERATION_EXISTS)
+        if t.toleration_seconds is not None and t.effect != "NoExecute":
+            raise SpecError(f"{path}.tolerations[{i}]", MSG_TOLERATION_SECONDS)
+    names = [e.name for e in pod.env]
+    if any(n in RESERVED_ENV for n in names):
+        raise SpecError(f"{path}.env", MSG_RESERVED_ENV)
+    if len(set(names)) != len(names):
+        raise SpecError(f"{path}.env", MSG_UNIQUE_ENV)
+    for i, e in enumerate(pod.env):
+        if e.value is not None and e.value_from is not None:
+            raise SpecError(f"{path}.env[{i}]", MSG_ENV_VALUE)
+    if any(v in RESERVED_VOLUMES for v in volumes):
+        raise SpecError(f"{path}.volumes", MSG_RESERVED_VOLUME)
+    if len(set(volumes)) != len(volumes):
+        raise SpecError(f"{path}.volumes", MSG_UNIQUE_VOLUMES)
+    if any(m.mount_path in RESERVED_MOUNTS or m.mount_path == RESERVED_MOUNT_PREFIX or
+           m.mount_path.startswith(RESERVED_MOUNT_PREFIX + "/") for m in pod.volume_mounts):
+        raise SpecError(f"{path}.volumeMounts", MSG_RESERVED_MOUNT)
 
 
 def _path(loc: tuple[int | str, ...]) -> str:

@@ -16,6 +16,7 @@ NAMESPACED = {
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "update", "delete"},
     ("", "services"): {"get", "list", "watch", "create", "patch", "update", "delete"},
     ("", "configmaps"): {"get", "list", "watch", "create", "patch", "update", "delete"},
+    ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch", "update", "delete"},
     ("", "events"): {"create", "patch"},
     ("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"},
 }

@@ -108,11 +108,29 @@ class Cluster(kmock.KubernetesEmulator):
 
     async def _handle(self, request: kmock.Request) -> Any:
         if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
+            refusal = self._refusal(request)
+            if refusal:
+                raise kmock.KubernetesError(status=422, reason="Invalid", message=refusal)
             self._stamp(request)
         try:
             return await super()._handle(request)
         except jsonpatch.JsonPatchTestFailed as e:
             raise kmock.KubernetesError(status=422, reason="Invalid", message=str(e)) from None
+
+    def _refusal(self, request: kmock.Request) -> str | None:
+        """One of the API server's own validation rules, which kmock does not apply: a Deployment whose pod
+        affinity requires nodes with no node selector term is refused with the API server's message."""
+        if request.resource is None or request.resource.plural != "deployments" or not isinstance(request.data, dict):
+            return None
+        affinity = ((((request.data.get("spec") or {}).get("template") or {}).get("spec") or {}).get("affinity")
+                    or {})
+        required = (affinity.get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution")
+        if isinstance(required, dict) and not required.get("nodeSelectorTerms"):
+            name = (request.data.get("metadata") or {}).get("name") or request.name
+            return (f'Deployment.apps "{name}" is invalid: spec.template.spec.affinity.nodeAffinity.'
+                    "requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms: Required value: must have at "
+                    "least one node selector term")
+        return None
 
     def _stamp(self, request: kmock.Request) -> None:
         plural = request.resource.plural if request.resource else ""

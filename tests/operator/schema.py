@@ -24,6 +24,31 @@ EXAMPLE_PATH = ROOT / "examples" / "adaserve-deployment.yaml"
 # keywords a structural schema may not use (apiextensions.k8s.io/v1 rejects the CRD otherwise)
 FORBIDDEN = {"$ref", "definitions", "dependencies", "patternProperties", "additionalItems", "id", "$schema"}
 _CEL = celpy.Environment()
+# a workerPod that sets every field of the pod override (tests of the CRD, the builders and the operator)
+FULL_POD = {
+    "annotations": {"sidecar.istio.io/inject": "false"},
+    "labels": {"team": "search"},
+    "nodeSelector": {"cloud.example.com/gpu-pool": "h100"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                    {"key": "spot", "operator": "Equal", "value": "true", "effect": "NoExecute",
+                     "tolerationSeconds": 300}],
+    "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100,
+                 "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                     "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "worker"}}}}]}},
+    "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                   "whenUnsatisfiable": "ScheduleAnyway"}],
+    "imagePullSecrets": [{"name": "registry"}],
+    "priorityClassName": "inference-high",
+    "runtimeClassName": "nvidia",
+    "serviceAccountName": "llm",
+    "env": [{"name": "NCCL_DEBUG", "value": "WARN"},
+            {"name": "ADASERVE_MAX_ACTIVE_REQUESTS", "value": "128"},
+            {"name": "HF_HOME", "valueFrom": {"configMapKeyRef": {"name": "paths", "key": "hf"}}}],
+    "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "datasets"}},
+                {"name": "certs", "secret": {"secretName": "certs"}}],
+    "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True},
+                     {"name": "certs", "mountPath": "/certs", "subPath": "tls"}],
+}
 
 
 def load_crd() -> dict[str, Any]:
@@ -61,7 +86,8 @@ def structural_problems(node: dict[str, Any], path: str = "") -> Iterator[str]:
 
 
 def to_json_schema(node: Any) -> Any:
-    """openAPIV3Schema -> JSON Schema: drop x-kubernetes-*, turn ``nullable`` into a null type."""
+    """openAPIV3Schema -> JSON Schema: drop x-kubernetes-*, turn ``nullable`` into a null type and OpenAPI 3.0's
+    boolean exclusiveMinimum/Maximum into JSON Schema's numeric ones."""
     if isinstance(node, list):
         return [to_json_schema(n) for n in node]
     if not isinstance(node, dict):
@@ -69,6 +95,11 @@ def to_json_schema(node: Any) -> Any:
     out = {k: to_json_schema(v) for k, v in node.items() if not k.startswith("x-kubernetes-") and k != "nullable"}
     if node.get("nullable") and "type" in out:
         out["type"] = [out["type"], "null"]
+    for bound, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        if isinstance(node.get(exclusive), bool):  # OpenAPI 3.0's boolean flag; JSON Schema's is the bound itself
+            del out[exclusive]
+            if node[exclusive]:
+                out[exclusive] = out.pop(bound)
     if "properties" in node:  # property names are not keywords: keep them all
         out["properties"] = {k: to_json_schema(v) for k, v in node["properties"].items()}
     return out

@@ -13,7 +13,7 @@ import yaml
 from adaserve.operator import builders
 from adaserve.operator.kube import is_subset
 from adaserve.operator.spec import DeploymentSpec, SpecError, parse_spec
-from tests.operator.schema import EXAMPLE_PATH
+from tests.operator.schema import EXAMPLE_PATH, FULL_POD
 
 NS, NAME = "serving", "llama"
 CLASSES_ENV = '{"coding": 40, "chat": 50, "summarization": 150}'  # {"class": tpotMs}, as the worker reads it
@@ -59,6 +59,13 @@ def http_probes(**extra: Any) -> dict[str, Any]:
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10, "failureThreshold": 3},
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
     }
+
+
+# the pod fields a spec's workerPod / gateway.pod may set, as rendered when it sets none: present, so that a merge
+# patch also removes them when the spec drops them
+NO_OVERRIDE = {"nodeSelector": None, "tolerations": [], "affinity": None, "topologySpreadConstraints": [],
+               "imagePullSecrets": [], "priorityClassName": None, "runtimeClassName": None, "serviceAccountName": None}
+GATEWAY_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
 
 
 def env_of(deployment: dict[str, Any], container: int = 0) -> dict[str, Any]:
@@ -142,6 +149,7 @@ def test_worker_deployment(spec: DeploymentSpec) -> None:
                     }],
                     "volumes": [{"name": "cache", "emptyDir": {}},
                                 {"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}],
+                    **NO_OVERRIDE,
                 },
             },
         },
@@ -181,10 +189,12 @@ def test_gateway_deployment(spec: DeploymentSpec) -> None:
                             {"name": "ADASERVE_GATEWAY_DEFAULT_SLO_CLASS", "value": "chat"},
                             {"name": "ADASERVE_GATEWAY_ROUTING", "value": "headroom"},
                         ],
+                        "resources": GATEWAY_RESOURCES,
                         "volumeMounts": [{"name": "slo-classes", "mountPath": "/etc/adaserve/slo", "readOnly": True}],
                         **http_probes(),
                     }],
                     "volumes": [{"name": "slo-classes", "configMap": {"name": "llama-slo-classes"}}],
+                    **NO_OVERRIDE,
                 },
             },
         },
@@ -229,6 +239,7 @@ def test_managed_redis(spec: DeploymentSpec) -> None:
                 "name": "redis",
                 "image": "redis:7-alpine",
                 "args": ["--save", "", "--appendonly", "no"],
+                "env": [],
                 "ports": [{"name": "redis", "containerPort": 6379, "protocol": "TCP"}],
                 "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10},
                 "readinessProbe": {"exec": {"command": ["redis-cli", "ping"]}, "periodSeconds": 5},
@@ -335,3 +346,123 @@ def test_kv_memory_fraction_reaches_the_worker(raw: dict[str, Any]) -> None:
     raw["resources"]["kvMemoryFraction"] = 1.5
     with pytest.raises(SpecError, match="kvMemoryFraction"):
         parse_spec(raw)
+
+
+def test_a_pod_override_reaches_the_worker_pod_beside_the_operators_own(raw: dict[str, Any]) -> None:
+    raw["workerPod"] = copy.deepcopy(FULL_POD)
+    d = builders.worker_deployment(parse_spec(raw), name=NAME, namespace=NS)
+    template = d["spec"]["template"]
+    pod = template["spec"]
+    assert template["metadata"]["labels"] == {"team": "search", **labels("worker")}
+    assert template["metadata"]["annotations"] == {"sidecar.istio.io/inject": "false"}
+    for field in ("nodeSelector", "affinity", "topologySpreadConstraints", "imagePullSecrets", "priorityClassName",
+                  "runtimeClassName", "serviceAccountName"):
+        assert pod[field] == FULL_POD[field], field
+    assert pod["tolerations"] == FULL_POD["tolerations"]
+    (c,) = pod["containers"]
+    assert c["env"][-3:] == FULL_POD["env"]  # after the operator's, which they cannot name
+    assert env_of(d)["ADASERVE_POLICY"] == "adaserve"
+    assert pod["volumes"][:2] == [{"name": "cache", "emptyDir": {}},
+                                  {"name": "models", "persistentVolumeClaim": {"claimName": "models",
+                                                                               "readOnly": True}}]
+    assert pod["volumes"][2:] == FULL_POD["volumes"]
+    assert c["volumeMounts"][2:] == [{"name": "data", "mountPath": "/data", "readOnly": True},
+                                     {"name": "certs", "mountPath": "/certs", "readOnly": False, "subPath": "tls"}]
+    # the selector is the operator's alone: an override's labels never change which pods the Deployment owns
+    assert d["spec"]["selector"] == {"matchLabels": sel("worker")}
+    # and the gateway is untouched by the workers' override
+    gw = builders.gateway_deployment(parse_spec(raw), name=NAME, namespace=NS)["spec"]["template"]
+    assert all(gw["spec"][k] == v for k, v in NO_OVERRIDE.items())
+    assert gw["metadata"]["labels"] == labels("gateway")
+
+
+def test_the_gateway_gets_its_own_override_and_resources(raw: dict[str, Any]) -> None:
+    raw["gateway"]["pod"] = {"imagePullSecrets": [{"name": "registry"}], "tolerations": [
+        {"key": "dedicated", "value": "edge", "effect": "NoSchedule"}], "env": [
+        {"name": "ADASERVE_GATEWAY_QUEUE_TIMEOUT_S", "value": "5"}], "annotations": {"a": "b"}}
+    raw["gateway"]["resources"] = {"requests": {"cpu": 1, "memory": "512Mi"}, "limits": {"cpu": "2", "memory": "2Gi"}}
+    d = builders.gateway_deployment(parse_spec(raw), name=NAME, namespace=NS)
+    pod = d["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "registry"}]
+    assert pod["tolerations"] == [{"key": "dedicated", "operator": "Equal", "value": "edge", "effect": "NoSchedule"}]
+    assert env_of(d)["ADASERVE_GATEWAY_QUEUE_TIMEOUT_S"] == "5"
+    # quantities as strings, as the API server returns them (an int would read as drift on every resync)
+    assert pod["containers"][0]["resources"] == {"requests": {"cpu": "1", "memory": "512Mi"},
+                                                 "limits": {"cpu": "2", "memory": "2Gi"}}
+    annotations = d["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["a"] == "b" and "adaserve.io/slo-classes-sha256" in annotations
+
+
+def test_extra_resources_kv_memory_and_shm_without_tensor_parallelism(raw: dict[str, Any]) -> None:
+    raw["resources"].update(requests={"ephemeral-storage": "50Gi", "rdma/ib": 1}, limits={"rdma/ib": 1},
+                            kvMemory="16Gi", shmSize="2Gi")
+    d = builders.worker_deployment(parse_spec(raw), name=NAME, namespace=NS)
+    c = d["spec"]["template"]["spec"]["containers"][0]
+    assert c["resources"] == {
+        "requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "1", "ephemeral-storage": "50Gi", "rdma/ib": "1"},
+        "limits": {"memory": "64Gi", "nvidia.com/gpu": "1", "rdma/ib": "1"}}
+    assert env_of(d)["ADASERVE_KV_MEMORY_MB"] == str(16 * 1024)
+    assert c["command"] == ["adaserve", "worker"]  # one rank: shared memory asked for, no flag
+    assert {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}} in d["spec"]["template"]["spec"][
+        "volumes"]
+    assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+
+
+@pytest.mark.parametrize(("budget", "field"), [({"maxUnavailable": 1}, ("maxUnavailable", 1)),
+                                               ({"minAvailable": "50%"}, ("minAvailable", "50%"))])
+def test_a_disruption_budget_covers_the_worker_pods(raw: dict[str, Any], budget: dict[str, Any],
+                                                    field: tuple[str, Any]) -> None:
+    assert [c["kind"] for c in builders.children(parse_spec(raw), name=NAME, namespace=NS)].count(
+        "PodDisruptionBudget") == 0  # none unless asked for
+    raw["disruptionBudget"] = budget
+    children = builders.children(parse_spec(raw), name=NAME, namespace=NS)
+    assert children[-1] == {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": meta("llama-worker", "worker"),
+        "spec": {"selector": {"matchLabels": sel("worker")}, field[0]: field[1]},
+    }
+    worker = next(c for c in children if c["kind"] == "Deployment" and c["metadata"]["name"] == "llama-worker")
+    assert worker["spec"]["selector"]["matchLabels"] == children[-1]["spec"]["selector"]["matchLabels"]
+
+
+def test_redis_password_reaches_every_service_from_its_secret(raw: dict[str, Any]) -> None:
+    raw["redis"]["passwordSecret"] = {"name": "redis-auth"}
+    spec = parse_spec(raw)
+    ref = {"secretKeyRef": {"name": "redis-auth", "key": "password"}}
+    worker = builders.worker_deployment(spec, name=NAME, namespace=NS)
+    gateway = builders.gateway_deployment(spec, name=NAME, namespace=NS)
+    assert env_of(worker)["ADASERVE_REDIS_PASSWORD"] == ref
+    assert env_of(gateway)["ADASERVE_GATEWAY_REDIS_PASSWORD"] == ref
+    # the URL stays password-free: it is in the pods' env in clear, and in the operator's logs
+    assert "@" not in env_of(worker)["ADASERVE_REDIS_URL"]
+    (redis,) = builders.redis_deployment(spec, name=NAME, namespace=NS)["spec"]["template"]["spec"]["containers"]
+    assert redis["args"][-2:] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    assert redis["env"] == [{"name": "REDIS_PASSWORD", "valueFrom": ref}, {"name": "REDISCLI_AUTH", "valueFrom": ref}]
+
+
+def test_an_external_redis_with_an_acl_user_and_a_private_ca(raw: dict[str, Any]) -> None:
+    raw["redis"] = {"url": "rediss://redis.example:6380/0", "passwordSecret": {"name": "r", "key": "pw"},
+                    "username": "adaserve", "tls": {"caSecret": {"name": "redis-ca"}}}
+    spec = parse_spec(raw)
+    for d, prefix in ((builders.worker_deployment(spec, name=NAME, namespace=NS), "ADASERVE_"),
+                      (builders.gateway_deployment(spec, name=NAME, namespace=NS), "ADASERVE_GATEWAY_")):
+        env = env_of(d)
+        assert env[f"{prefix}REDIS_USERNAME"] == "adaserve"
+        assert env[f"{prefix}REDIS_PASSWORD"] == {"secretKeyRef": {"name": "r", "key": "pw"}}
+        assert env[f"{prefix}REDIS_TLS_CA_FILE"] == "/etc/adaserve/redis-tls/ca.crt"
+        pod = d["spec"]["template"]["spec"]
+        assert {"name": "redis-tls", "secret": {"secretName": "redis-ca"}} in pod["volumes"]
+        assert {"name": "redis-tls", "mountPath": "/etc/adaserve/redis-tls", "readOnly": True} in pod["containers"][
+            0]["volumeMounts"]
+    assert [c["kind"] for c in builders.children(spec, name=NAME, namespace=NS)].count("Deployment") == 2
+
+
+def test_the_worker_token_goes_to_workers_and_gateways_from_one_secret(raw: dict[str, Any]) -> None:
+    spec = parse_spec(raw)
+    assert "ADASERVE_AUTH_TOKEN" not in env_of(builders.worker_deployment(spec, name=NAME, namespace=NS))
+    raw["workerAuth"] = {"tokenSecret": {"name": "llama-worker-token"}}
+    spec = parse_spec(raw)
+    ref = {"secretKeyRef": {"name": "llama-worker-token", "key": "token"}}
+    assert env_of(builders.worker_deployment(spec, name=NAME, namespace=NS))["ADASERVE_AUTH_TOKEN"] == ref
+    assert env_of(builders.gateway_deployment(spec, name=NAME, namespace=NS))["ADASERVE_GATEWAY_WORKER_TOKEN"] == ref

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -17,10 +18,11 @@ import pytest
 import yaml
 
 from adaserve.operator import names, spec
-from adaserve.operator.builders import worker_deployment, worker_env
+from adaserve.operator.builders import gateway_deployment, worker_deployment, worker_env
 from adaserve.operator.spec import SpecError, parse_spec
 from tests.operator.schema import (
     EXAMPLE_PATH,
+    FULL_POD,
     apply_defaults,
     load_crd,
     openapi_schema,
@@ -73,9 +75,13 @@ def test_every_cel_rule_compiles_and_has_a_message(crd: dict[str, Any]) -> None:
     for rule in rules:
         env.compile(rule["rule"])
         assert rule.get("message"), rule["rule"]
-    # one rule per check the operator mirrors, in the same words: no rule the parser lacks, nor the reverse
+    # one rule per check the operator mirrors, in the same words: no rule the parser lacks, nor the reverse;
+    # workerPod and gateway.pod share one schema (a YAML anchor), so its rules come twice
+    props = openapi_schema(crd)["properties"]["spec"]["properties"]
+    assert props["gateway"]["properties"]["pod"] == props["workerPod"]
+    pod_rules = [r["message"] for r in _rules(props["workerPod"])]
     assert sorted(r["message"] for r in rules) == sorted(
-        v for k, v in vars(spec).items() if k.startswith("MSG_"))
+        [*(v for k, v in vars(spec).items() if k.startswith("MSG_")), *pod_rules])
 
 
 def test_example_is_accepted_by_the_crd_and_the_operator(crd: dict[str, Any], example: dict[str, Any]) -> None:
@@ -156,6 +162,45 @@ CEL_CASES = [
     (_set("resources.tensorParallelSize", 4), f"spec.resources.tensorParallelSize: {spec.MSG_TENSOR_PARALLEL}"),
     (_set("resources", {"gpusPerWorker": 4, "tensorParallelSize": 2}),
      f"spec.resources.tensorParallelSize: {spec.MSG_TENSOR_PARALLEL}"),
+    (_set("resources", {"kvMemory": "8Gi", "kvMemoryFraction": 0.8}), f"spec.resources: {spec.MSG_KV_MEMORY}"),
+    (_set("resources.requests", {"memory": "8Gi"}), f"spec.resources: {spec.MSG_OWN_RESOURCES}"),
+    (_set("resources.limits", {"ephemeral-storage": "20Gi", "nvidia.com/gpu": 2}),
+     f"spec.resources: {spec.MSG_OWN_RESOURCES}"),
+    (_set("disruptionBudget", {}), f"spec.disruptionBudget: {spec.MSG_DISRUPTION_BUDGET}"),
+    (_set("disruptionBudget", {"maxUnavailable": 1, "minAvailable": "50%"}),
+     f"spec.disruptionBudget: {spec.MSG_DISRUPTION_BUDGET}"),
+    (_set("workerPod", {"env": [{"name": "ADASERVE_POLICY", "value": "incremental"}]}),
+     f"spec.workerPod.env: {spec.MSG_RESERVED_ENV}"),
+    (_set("gateway.pod", {"env": [{"name": "ADASERVE_GATEWAY_REDIS_URL", "value": "redis://elsewhere"}]}),
+     f"spec.gateway.pod.env: {spec.MSG_RESERVED_ENV}"),
+    (_set("workerPod", {"env": [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "NCCL_DEBUG", "value": "WARN"}]}),
+     f"spec.workerPod.env: {spec.MSG_UNIQUE_ENV}"),
+    (_set("workerPod", {"env": [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]}),
+     f"spec.workerPod.env[0]: {spec.MSG_ENV_VALUE}"),
+    (_set("workerPod", {"volumes": [{"name": "models", "emptyDir": {}}]}),
+     f"spec.workerPod.volumes: {spec.MSG_RESERVED_VOLUME}"),
+    (_set("workerPod", {"volumes": [{"name": "a", "emptyDir": {}}, {"name": "a", "emptyDir": {}}]}),
+     f"spec.workerPod.volumes: {spec.MSG_UNIQUE_VOLUMES}"),
+    (_set("workerPod", {"volumeMounts": [{"name": "data", "mountPath": "/data"}]}),
+     f"spec.workerPod.volumeMounts: {spec.MSG_MOUNT_VOLUME}"),
+    (_set("workerPod", {"volumes": [{"name": "data", "emptyDir": {}}],
+                        "volumeMounts": [{"name": "data", "mountPath": "/etc/adaserve/slo"}]}),
+     f"spec.workerPod.volumeMounts: {spec.MSG_RESERVED_MOUNT}"),
+    (_set("gateway.pod", {"volumes": [{"name": "data", "emptyDir": {}}],
+                          "volumeMounts": [{"name": "data", "mountPath": "/dev/shm"}]}),
+     f"spec.gateway.pod.volumeMounts: {spec.MSG_RESERVED_MOUNT}"),
+    (_set("workerPod", {"labels": {"app.kubernetes.io/instance": "other"}}),
+     f"spec.workerPod.labels: {spec.MSG_RESERVED_LABELS}"),
+    (_set("workerPod", {"tolerations": [{"key": "gpu", "operator": "Exists", "value": "true"}]}),
+     f"spec.workerPod.tolerations[0]: {spec.MSG_TOLERATION_EXISTS}"),
+    (_set("workerPod", {"tolerations": [{"key": "gpu", "effect": "NoSchedule", "tolerationSeconds": 60}]}),
+     f"spec.workerPod.tolerations[0]: {spec.MSG_TOLERATION_SECONDS}"),
+    (_set("redis", {"managed": True, "tls": {}}), f"spec.redis: {spec.MSG_REDIS_TLS}"),
+    (_set("redis", {"url": "redis://r:6379/0", "tls": {"caSecret": {"name": "ca"}}}),
+     f"spec.redis: {spec.MSG_REDIS_TLS}"),
+    (_set("redis", {"managed": True, "passwordSecret": {"name": "p"}, "username": "svc"}),
+     f"spec.redis: {spec.MSG_REDIS_USERNAME}"),
+    (_set("redis", {"url": "redis://r:6379/0", "username": "svc"}), f"spec.redis: {spec.MSG_REDIS_USERNAME}"),
 ]
 
 
@@ -192,6 +237,27 @@ SCHEMA_CASES = [
      "'name' is a required property"),
     (_set("model.hub", {"tokenSecret": {"name": ""}}), "spec.model.hub.tokenSecret.name", "non-empty"),
     (_set("model.hub", {"tokenSecret": {"name": "hf", "key": ""}}), "spec.model.hub.tokenSecret.key", "non-empty"),
+    (_set("resources.kvMemory", "8GB"), "spec.resources.kvMemory", "does not match"),
+    (_set("resources.kvMemory", "512Ki"), "spec.resources.kvMemory", "does not match"),
+    (_set("resources.requests", {"ephemeral-storage": "lots"}), "spec.resources.requests.ephemeral-storage",
+     "does not match"),
+    (_set("disruptionBudget", {"maxUnavailable": "half"}), "spec.disruptionBudget.maxUnavailable", "does not match"),
+    (_set("workerPod", {"tolerations": [{"key": "gpu", "operator": "In"}]}), "spec.workerPod.tolerations[0].operator",
+     "is not one of"),
+    (_set("workerPod", {"tolerations": [{"key": "gpu", "effect": "NoRun"}]}), "spec.workerPod.tolerations[0].effect",
+     "is not one of"),
+    (_set("workerPod", {"nodeSelector": {"pool": 1}}), "spec.workerPod.nodeSelector.pool", "is not of type"),
+    (_set("workerPod", {"imagePullSecrets": [{}]}), "spec.workerPod.imagePullSecrets[0]", "'name' is a required"),
+    (_set("workerPod", {"env": [{"name": "1 bad"}]}), "spec.workerPod.env[0].name", "does not match"),
+    (_set("workerPod", {"volumes": [{"name": "Data", "emptyDir": {}}]}), "spec.workerPod.volumes[0].name",
+     "does not match"),
+    (_set("workerPod", {"volumes": [{"name": "d", "emptyDir": {}}], "volumeMounts": [{"name": "d", "mountPath": "d"}]}),
+     "spec.workerPod.volumeMounts[0].mountPath", "does not match"),
+    (_set("gateway.resources", {"requests": {"cpu": "fast"}}), "spec.gateway.resources.requests.cpu",
+     "does not match"),
+    (_set("workerAuth", {}), "spec.workerAuth", "'tokenSecret' is a required property"),
+    (_set("redis", {"managed": True, "passwordSecret": {}}), "spec.redis.passwordSecret",
+     "'name' is a required property"),
 ]
 
 
@@ -370,3 +436,73 @@ def test_tensor_parallel_sizes_the_crd_and_the_operator_accept(crd: dict[str, An
         assert shm == [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": resources.get("shmSize", "1Gi")}}]
     else:
         assert command == ["adaserve", "worker"] and shm == []
+
+
+def test_a_full_pod_override_is_accepted_and_defaulted(crd: dict[str, Any], example: dict[str, Any]) -> None:
+    example["spec"]["workerPod"] = copy.deepcopy(FULL_POD)
+    example["spec"]["gateway"]["pod"] = {"imagePullSecrets": [{"name": "registry"}], "nodeSelector": {"pool": "cpu"}}
+    assert validate(example, crd) == []
+    defaulted = apply_defaults(openapi_schema(crd), example)["spec"]
+    assert defaulted["workerPod"]["volumeMounts"][1]["readOnly"] is False
+    pod = parse_spec(defaulted).worker_pod  # the API server's defaults, then the operator's parse
+    assert [t.operator for t in pod.tolerations] == ["Exists", "Equal"]
+    assert pod.volumes[0].model_dump() == {"name": "data", "persistentVolumeClaim": {"claimName": "datasets"}}
+    assert parse_spec(example["spec"]) == parse_spec(defaulted)  # the operator's defaults are the CRD's
+
+
+def test_reserved_env_in_the_crd_is_the_operators_list_and_covers_what_it_renders(crd: dict[str, Any],
+                                                                                 example: dict[str, Any]) -> None:
+    """The CEL rule lists exactly spec.RESERVED_ENV, and every variable the operator renders, with every option that
+    adds one on, is in it: a pod override can never shadow one of them."""
+    rule = next(r["rule"] for r in _rules(openapi_schema(crd)) if r["message"] == spec.MSG_RESERVED_ENV)
+    assert sorted(set(re.findall(r"'([A-Z_]+)'", rule))) == sorted(spec.RESERVED_ENV)
+    s = example["spec"]
+    del s["model"]["pvc"]
+    s["model"].update(source="hub", hub={"tokenSecret": {"name": "hf"}}, target="a/b")
+    del s["model"]["draft"]
+    s["model"]["drafts"] = ["a/c"]
+    s["speculation"]["budget"] = 64
+    s["resources"]["kvMemoryFraction"] = 0.5
+    s["gateway"]["apiKeysSecret"] = {"name": "keys"}
+    s["redis"] = {"url": "rediss://r:6379/0", "passwordSecret": {"name": "p"}, "username": "u",
+                  "tls": {"caSecret": {"name": "ca"}}}
+    s["workerAuth"] = {"tokenSecret": {"name": "t"}}
+    parsed = parse_spec(s)
+    rendered = set()
+    for d in (worker_deployment(parsed, name="m", namespace="ns"),
+              gateway_deployment(parsed, name="m", namespace="ns")):
+        pod = d["spec"]["template"]["spec"]
+        for c in pod["containers"] + pod.get("initContainers", []):
+            rendered |= {e["name"] for e in c["env"]}
+    s["resources"] = {"kvMemory": "2Gi"}
+    rendered |= {e["name"] for e in worker_env(parse_spec(s), name="m", namespace="ns")}
+    assert rendered - set(spec.RESERVED_ENV) == set()
+    assert {"ADASERVE_KV_MEMORY_MB", "ADASERVE_REDIS_PASSWORD", "ADASERVE_AUTH_TOKEN", "HF_TOKEN",
+            "ADASERVE_GATEWAY_WORKER_TOKEN", "ADASERVE_GATEWAY_REDIS_TLS_CA_FILE"} <= rendered
+
+
+@pytest.mark.parametrize(("kv_memory", "mb"), [("512Mi", 512), ("8Gi", 8192), ("1Ti", 1024 * 1024)])
+def test_kv_memory_as_a_size_reaches_the_worker_in_mib(crd: dict[str, Any], example: dict[str, Any],
+                                                       kv_memory: str, mb: int) -> None:
+    example["spec"]["resources"]["kvMemory"] = kv_memory
+    assert validate(example, crd) == []
+    env = {e["name"]: e.get("value") for e in worker_env(parse_spec(example["spec"]), name="m", namespace="ns")}
+    assert env["ADASERVE_KV_MEMORY_MB"] == str(mb) and "ADASERVE_KV_MEMORY_FRACTION" not in env
+
+
+def test_a_disruption_budget_a_worker_token_and_redis_auth_are_accepted(crd: dict[str, Any],
+                                                                        example: dict[str, Any]) -> None:
+    s = example["spec"]
+    s["disruptionBudget"] = {"maxUnavailable": "25%"}
+    s["workerAuth"] = {"tokenSecret": {"name": "worker-token"}}
+    s["redis"]["passwordSecret"] = {"name": "redis"}
+    assert validate(example, crd) == []
+    defaulted = apply_defaults(openapi_schema(crd), example)["spec"]
+    assert defaulted["workerAuth"]["tokenSecret"]["key"] == "token"
+    assert defaulted["redis"]["passwordSecret"]["key"] == "password"
+    assert parse_spec(s) == parse_spec(defaulted)
+    s["disruptionBudget"] = {"minAvailable": 1}
+    s["redis"] = {"url": "rediss://r.example:6380/0", "passwordSecret": {"name": "redis"}, "username": "svc",
+                  "tls": {"caSecret": {"name": "redis-ca"}}}
+    assert validate(example, crd) == []
+    assert parse_spec(s).redis.tls is not None

@@ -28,7 +28,7 @@ from adaserve.operator.config import OperatorConfig
 from adaserve.operator.kube import is_subset, owned_by
 from adaserve.operator.spec import MSG_DRAFT_OR_DRAFTS, MSG_REDIS_ONE, MSG_TENSOR_PARALLEL, parse_spec
 from tests.operator.cluster import Api, Cluster, Operator, eventually, write_kubeconfig
-from tests.operator.schema import EXAMPLE_PATH
+from tests.operator.schema import EXAMPLE_PATH, FULL_POD
 
 pytestmark = pytest.mark.asyncio
 
@@ -426,10 +426,80 @@ async def test_a_tensor_parallel_worker_pod_gets_its_gpus_shared_memory_and_flag
         assert {"name": "ADASERVE_DEVICE", "value": "cuda"} in container["env"]
         await eventually(lambda: _phase(env, "Progressing"), what="phase Progressing after the fix")
 
-        await env.api.patch(env.cr, {"spec": {"resources": {"gpusPerWorker": 1, "tensorParallelSize": None}}})
+        # (shmSize kept would keep /dev/shm at one rank too: a size asked for is mounted whatever the ranks)
+        await env.api.patch(env.cr, {"spec": {"resources": {"gpusPerWorker": 1, "tensorParallelSize": None,
+                                                            "shmSize": None}}})
         spec = await eventually(lambda: pod(1), what="the one-rank worker Deployment")
         container = spec["containers"][0]
         assert container["command"] == ["adaserve", "worker"]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert all(v["name"] != "shm" for v in spec["volumes"])
         assert all(m["name"] != "shm" for m in container["volumeMounts"])
+
+
+async def test_a_pod_override_and_a_disruption_budget_reach_the_cluster_and_leave_it(env: Env) -> None:
+    """With tolerations, nodeSelector and the rest set, the worker pods get them and a PodDisruptionBudget covers
+    them; a nodeSelector key, a toleration and the budget dropped from the spec leave the live objects too."""
+    worker = env.path("apis/apps/v1", "deployments", f"{NAME}-worker")
+    pdb = env.path("apis/policy/v1", "poddisruptionbudgets", f"{NAME}-worker")
+
+    async def pod(when: Any) -> dict[str, Any]:
+        d = await env.api.get(worker)
+        template = (d or {}).get("spec", {}).get("template", {})
+        return template if d is not None and when(template) else {}
+
+    async with Operator(CONFIG):
+        body = env.resource(workerPod=FULL_POD, disruptionBudget={"maxUnavailable": 1})
+        await env.create(body)
+        template = await eventually(lambda: pod(lambda t: "tolerations" in t["spec"]), what="the worker Deployment")
+        want = builders.worker_deployment(parse_spec(body["spec"]), name=NAME, namespace=env.ns)["spec"]["template"]
+        assert is_subset(want, template)  # the exact rendering
+        spec = template["spec"]
+        assert spec["affinity"] == FULL_POD["affinity"] and spec["runtimeClassName"] == "nvidia"
+        assert spec["nodeSelector"] == FULL_POD["nodeSelector"] and spec["tolerations"] == FULL_POD["tolerations"]
+        assert spec["priorityClassName"] == "inference-high" and spec["imagePullSecrets"] == [{"name": "registry"}]
+        assert template["metadata"]["labels"]["team"] == "search"
+        container = spec["containers"][0]
+        assert {"name": "NCCL_DEBUG", "value": "WARN"} in container["env"]
+        assert {"name": "data", "mountPath": "/data", "readOnly": True} in container["volumeMounts"]
+        budget = await eventually(lambda: env.api.get(pdb), what="the PodDisruptionBudget")
+        assert budget["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": names.selector(NAME, names.WORKER)}}
+        assert owned_by(budget, (await env.api.get(env.cr) or {})["metadata"]["uid"])
+
+        # a merge patch of the resource, as kubectl edit sends: null drops a key of a map
+        changed = {"nodeSelector": {"cloud.example.com/gpu-pool": None, "pool": "h200"},
+                   "tolerations": FULL_POD["tolerations"][:1], "labels": {"team": None}, "affinity": None}
+        await env.api.patch(env.cr, {"spec": {"workerPod": changed, "disruptionBudget": None}})
+        template = await eventually(lambda: pod(lambda t: len(t["spec"].get("tolerations") or []) == 1),
+                                    what="the worker Deployment with one toleration")
+        assert template["spec"]["nodeSelector"] == {"pool": "h200"}  # the old key is gone from the pods too
+        assert "affinity" not in template["spec"] and "team" not in template["metadata"]["labels"]
+
+        async def no_budget() -> bool:
+            return await env.api.get(pdb) is None
+
+        await eventually(no_budget, what="the PodDisruptionBudget removed")
+
+
+async def test_a_child_the_api_server_refuses_is_an_invalid_spec_condition(env: Env) -> None:
+    """What the spec passes on unchecked (an affinity) and the API server refuses ends as phase Failed with the API
+    server's own message, once, not as a handler crash retried forever; fixed, the worker Deployment appears."""
+    bad = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}}
+    async with Operator(CONFIG):
+        await env.create(env.resource(workerPod={"affinity": bad}))
+        st = await eventually(lambda: _phase(env, "Failed"), what="phase Failed")
+        message = _degraded_message(st)
+        assert message.startswith(f"Deployment/{NAME}-worker: the API server refused it: "), message
+        assert "must have at least one node selector term" in message
+        assert next(c for c in st["conditions"] if c["type"] == "Degraded")["reason"] == "InvalidSpec"
+        await eventually(lambda: _warnings(env), what="a Warning event InvalidSpec")
+        kids = await env.children()
+        assert kids[f"deployments/{NAME}-worker"] is None and kids[f"deployments/{NAME}-gateway"] is not None
+
+        good = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}]}}}
+        await env.api.patch(env.cr, {"spec": {"workerPod": {"affinity": good}}})
+        await eventually(lambda: _phase(env, "Progressing"), what="phase Progressing after the fix")
+        worker = await env.api.get(env.path("apis/apps/v1", "deployments", f"{NAME}-worker"))
+        assert worker is not None and worker["spec"]["template"]["spec"]["affinity"] == good
+        assert len(await _warnings(env)) == 1

@@ -8,7 +8,7 @@ import pytest
 from adaserve.operator import handlers
 from adaserve.operator.__main__ import kopf_args
 from adaserve.operator.config import OperatorConfig
-from adaserve.operator.kube import is_subset, path
+from adaserve.operator.kube import is_subset, path, removals
 from adaserve.operator.spec import SpecError, parse_spec
 
 
@@ -78,3 +78,24 @@ def test_spec_error_names_the_field() -> None:
     with pytest.raises(SpecError, match=r"^spec\.model: required"):
         parse_spec(None)
 
+
+
+def test_removals_null_what_the_spec_dropped_from_whole_maps_only() -> None:
+    """A merge patch merges maps: a nodeSelector key or an affinity term the spec dropped would stay on the live pods
+    unless the patch names it null. Lists (tolerations, env) are replaced whole by the patch anyway; server defaults
+    outside the pod template's whole maps and kubectl's own annotations are left alone."""
+    desired = {"spec": {"template": {"metadata": {"labels": {"app": "a"}, "annotations": {"x": "1"}},
+                                     "spec": {"nodeSelector": {"pool": "h100"}, "affinity": {"nodeAffinity": {"a": 1}},
+                                              "tolerations": []}}}}
+    live = {"spec": {"progressDeadlineSeconds": 600, "template": {
+        "metadata": {"labels": {"app": "a", "team": "old"},
+                     "annotations": {"x": "1", "y": "2", "kubectl.kubernetes.io/restartedAt": "now"}},
+        "spec": {"nodeSelector": {"pool": "h100", "zone": "b"}, "dnsPolicy": "ClusterFirst",
+                 "affinity": {"nodeAffinity": {"a": 1, "b": 2}, "podAntiAffinity": {"c": 3}},
+                 "tolerations": [{"key": "k"}]}}}}
+    assert removals(desired, live) == {"spec": {"template": {
+        "metadata": {"labels": {"team": None}, "annotations": {"y": None}},
+        "spec": {"nodeSelector": {"zone": None}, "affinity": {"nodeAffinity": {"b": None}, "podAntiAffinity": None}}}}}
+    assert removals(live, live) == {}
+    # a map the spec no longer has at all is a null in the manifest itself (builders render it so), not here
+    assert removals({"spec": {"template": {"spec": {"nodeSelector": None}}}}, live) == {}

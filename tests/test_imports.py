@@ -173,7 +173,7 @@ def test_no_import_cycles() -> None:
 
 # The one-way arrows of docs/architecture.md ("The house"): the packages each package may import (itself,
 # the small leaves it needs, and `adaserve` itself for __version__). The gateway never imports the worker.
-LEAVES = ("adaserve.access_log", "adaserve.error_fields", "adaserve.body_limit")
+LEAVES = ("adaserve.access_log", "adaserve.error_fields", "adaserve.body_limit", "adaserve.redis_client")
 ALLOWED = {
     "engine": ("adaserve.engine", "adaserve.plots"),
     "bench": ("adaserve.bench", "adaserve.engine", "adaserve.plots"),
@@ -181,7 +181,7 @@ ALLOWED = {
     "contract": ("adaserve.contract",),
     "worker": ("adaserve.worker", "adaserve.engine", "adaserve.contract", *LEAVES),
     "gateway": ("adaserve.gateway", "adaserve.contract", "adaserve.cli_error", "adaserve.cli_settings", *LEAVES),
-    "operator": ("adaserve.operator", "adaserve.contract"),
+    "operator": ("adaserve.operator", "adaserve.contract", "adaserve.redis_client"),
 }
 
 

@@ -6,6 +6,7 @@ the operator gives both the same one (docs/k8s-contract.md).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 from urllib.parse import urlsplit, urlunsplit
 
@@ -23,6 +24,29 @@ def _redis_url(v: str) -> str:
 
 RedisUrl = Annotated[str, AfterValidator(_redis_url)]
 RedisPrefix = Annotated[str, Field(min_length=1)]
+
+
+def check_auth(url: str | None, *, password: str | None, username: str | None, ca_file: Path | None,
+               prefix: str) -> None:
+    """The Redis AUTH and TLS settings agree with the URL; ValueError naming the variables (``prefix`` is the
+    service's, ``ADASERVE_`` or ``ADASERVE_GATEWAY_``) otherwise."""
+    given = [n for n, v in (("REDIS_PASSWORD", password), ("REDIS_USERNAME", username),
+                            ("REDIS_TLS_CA_FILE", ca_file)) if v is not None]
+    if url is None:
+        if given:
+            raise ValueError(f"{prefix}{given[0]} is set but there is no Redis URL ({prefix}REDIS_URL)")
+        return
+    parts = urlsplit(url)
+    if password is not None and parts.password is not None:
+        raise ValueError(f"the Redis password is both in {prefix}REDIS_URL and in {prefix}REDIS_PASSWORD: "
+                         "keep it out of the URL")
+    if username is not None and password is None:
+        raise ValueError(f"{prefix}REDIS_USERNAME needs {prefix}REDIS_PASSWORD (an ACL user signs in with both)")
+    if ca_file is not None:
+        if parts.scheme != "rediss":
+            raise ValueError(f"{prefix}REDIS_TLS_CA_FILE needs a rediss:// URL (the scheme turns TLS on)")
+        if not ca_file.is_file():
+            raise ValueError(f"{prefix}REDIS_TLS_CA_FILE {ca_file} is not a readable file")
 
 
 def redacted(url: str) -> str:

@@ -8,11 +8,13 @@ CLI's error contract; ``adaserve/cli/gateway.py`` only mounts these options as a
 from __future__ import annotations
 
 import argparse
+import asyncio
 from pathlib import Path
 
 from adaserve.cli_error import CliError
 from adaserve.cli_settings import load
 from adaserve.gateway.settings import GatewaySettings
+from adaserve.redis_client import check_credentials
 
 # option -> settings field of the same name; every other field comes from the environment only
 OPTIONS = ("host", "port", "redis_url", "redis_prefix", "workers", "model_name", "slo_classes_file",
@@ -68,5 +70,10 @@ def run(args: argparse.Namespace) -> int:
         gateway = Gateway(settings)  # reads the class and key files: a bad one is a message, not a traceback
     except ValueError as e:
         raise CliError(str(e)) from None
+    if settings.redis_url:  # wrong credentials are a setting no retry fixes: stop now, not on the first request
+        refused = asyncio.run(check_credentials(settings.redis_url, settings.redis_auth))
+        if refused:
+            raise CliError(f"{refused} (ADASERVE_GATEWAY_REDIS_PASSWORD, ADASERVE_GATEWAY_REDIS_USERNAME, "
+                           "ADASERVE_GATEWAY_REDIS_TLS_CA_FILE)")
     make_server(gateway).run()
     return 0

@@ -8,7 +8,9 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
+from adaserve import redis_client
 from adaserve.gateway.state import flatten
+from adaserve.redis_client import RedisAuth
 
 # Token bucket in one atomic step, timed by the Redis server's clock so replicas agree.
 # KEYS[1] bucket; ARGV rate_per_s, burst. Returns {allowed (1/0), wait_ms}.
@@ -35,9 +37,9 @@ return {allowed, wait_ms}
 """
 
 
-def connect(url: str) -> aioredis.Redis:
+def connect(url: str, auth: RedisAuth | None = None) -> aioredis.Redis:
     """The gateway's client: short timeouts (a slow Redis must not hold requests), text replies."""
-    return aioredis.from_url(url, socket_timeout=2, socket_connect_timeout=2, decode_responses=True)
+    return redis_client.connect(url, auth, timeout_s=2, decode_responses=True)
 
 
 class RedisStore:

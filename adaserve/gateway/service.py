@@ -44,11 +44,13 @@ class Gateway:
         # token_timeout_s on each chunk after it, whatever the socket does
         timeout = httpx.Timeout(connect=s.connect_timeout_s, read=max(s.first_token_timeout_s, s.token_timeout_s),
                                 write=10.0, pool=s.connect_timeout_s)
-        self.http = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024))
+        # every call to a worker (generate, abort, status) carries the workers' token when they require one
+        headers = {"Authorization": f"Bearer {s.worker_token.get_secret_value()}"} if s.worker_token else None
+        self.http = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024), headers=headers)
         self.store: StateStore
         source: Source
         if s.redis_url:
-            client = redis_state.connect(s.redis_url)
+            client = redis_state.connect(s.redis_url, s.redis_auth)
             self.store = redis_state.RedisStore(client, s.redis_prefix)
             source = RedisSource(client, s.redis_prefix) if not s.workers else StaticSource(s.workers, self.http)
         else:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from adaserve.body_limit import DEFAULT_MAX_BODY_BYTES
-from adaserve.contract.redis_settings import DEFAULT_PREFIX, RedisPrefix, RedisUrl
+from adaserve.contract.redis_settings import DEFAULT_PREFIX, RedisPrefix, RedisUrl, check_auth
+from adaserve.redis_client import RedisAuth
 
 Routing = Literal["headroom", "least-loaded", "round-robin"]
 AdmissionMode = Literal["slo", "none"]
@@ -29,6 +30,13 @@ class GatewaySettings(BaseSettings):
     # where workers and state live
     redis_url: RedisUrl | None = Field(None, description="redis://host:port/db; unset: in-process state, static URLs")
     redis_prefix: RedisPrefix = Field(DEFAULT_PREFIX, description="the workers' prefix; records live under it too")
+    redis_password: SecretStr | None = Field(None, description="Redis AUTH password (the operator sets it from a "
+                                             "Secret); keep it out of the URL")
+    redis_username: str | None = Field(None, min_length=1, description="an ACL user (Redis 6+), with the password")
+    redis_tls_ca_file: Path | None = Field(None, description="PEM file of the CA that signed the Redis server's "
+                                           "certificate (rediss:// URLs; default: the system's CAs)")
+    worker_token: SecretStr | None = Field(None, description="the token workers require (their ADASERVE_AUTH_TOKEN), "
+                                           "sent to them as Authorization: Bearer")
     workers: list[str] = Field(default_factory=list, description="worker URLs polled at /v1/status (no Redis needed)")
     model_name: str | None = Field(None, description="the only model served (default: what the workers publish)")
 
@@ -79,6 +87,8 @@ class GatewaySettings(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> GatewaySettings:
+        check_auth(self.redis_url, password=_secret(self.redis_password), username=self.redis_username,
+                   ca_file=self.redis_tls_ca_file, prefix="ADASERVE_GATEWAY_")
         for url in self.workers:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"worker URL {url!r} must start with http:// or https://")
@@ -86,3 +96,12 @@ class GatewaySettings(BaseSettings):
         if self.slo_classes_file is not None and self.slo_classes is not None:
             raise ValueError("give slo_classes_file or slo_classes, not both")
         return self
+
+    @property
+    def redis_auth(self) -> RedisAuth:
+        return RedisAuth(password=_secret(self.redis_password), username=self.redis_username,
+                         ca_file=str(self.redis_tls_ca_file) if self.redis_tls_ca_file else None)
+
+
+def _secret(value: SecretStr | None) -> str | None:
+    return value.get_secret_value() if value is not None else None

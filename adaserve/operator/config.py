@@ -14,6 +14,9 @@ class OperatorConfig:
     # how long one status refresh may wait on Redis; past it the status has no worker details and,
     # unless a managed Redis is still starting, says Degraded/RedisUnreachable
     redis_timeout_s: float = 1.0
+    # read the Redis password (and CA) Secrets a resource names, to read its workers' registrations for the status;
+    # needs RBAC get on secrets (the chart's rbac.readSecrets). Off: such resources show no status.workers.
+    read_secrets: bool = False
 
     def __post_init__(self) -> None:
         if not self.resync_s > 0:
@@ -26,6 +29,13 @@ class OperatorConfig:
         env = os.environ if env is None else env
         try:
             return cls(resync_s=float(env.get("ADASERVE_OPERATOR_RESYNC_S", cls.resync_s)),
-                       redis_timeout_s=float(env.get("ADASERVE_OPERATOR_REDIS_TIMEOUT_S", cls.redis_timeout_s)))
+                       redis_timeout_s=float(env.get("ADASERVE_OPERATOR_REDIS_TIMEOUT_S", cls.redis_timeout_s)),
+                       read_secrets=_flag(env.get("ADASERVE_OPERATOR_READ_SECRETS", "false")))
         except ValueError as e:
             raise ValueError(f"ADASERVE_OPERATOR_*: {e}") from None
+
+
+def _flag(value: str) -> bool:
+    if value.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(f"ADASERVE_OPERATOR_READ_SECRETS must be true or false, got {value!r}")
+    return value.lower() in ("true", "1")

@@ -38,6 +38,7 @@ Decisions, and why:
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import datetime
 import logging
@@ -49,11 +50,13 @@ import kopf
 from adaserve.operator import builders, names, status
 from adaserve.operator.config import OperatorConfig
 from adaserve.operator.kube import PLURALS, ApiError, Closed, Kube, owned_by
-from adaserve.operator.registrations import read_workers
+from adaserve.operator.registrations import WorkersRead, read_workers
 from adaserve.operator.spec import DeploymentSpec, SpecError, parse_spec
+from adaserve.redis_client import RedisAuth, where
 
 CR = (names.GROUP, names.VERSION, names.PLURAL)
-CHILDREN = tuple((api_version, plural) for (api_version, kind), plural in PLURALS.items() if kind != names.KIND)
+CHILDREN = tuple((api_version, plural) for (api_version, kind), plural in PLURALS.items()
+                 if kind not in (names.KIND, "Secret"))
 OURS = {"app.kubernetes.io/managed-by": names.MANAGED_BY}
 FINALIZER = "adaserve.io/operator"
 log = logging.getLogger(__name__)  # not kopf's per-object logger: that one also posts events
@@ -181,8 +184,13 @@ async def sync(body: kopf.Body, *, memo: kopf.Memo, logger: kopf.Logger,
 
     if stopped:
         return None
-    read = await read_workers(builders.redis_url(spec, name=name, namespace=namespace),
-                              names.redis_prefix(namespace, name), timeout_s=config.redis_timeout_s)
+    url = builders.redis_url(spec, name=name, namespace=namespace)
+    auth = await _redis_auth(kube, spec, namespace, url, read_secrets=config.read_secrets)
+    if isinstance(auth, WorkersRead):  # nothing to read with (a Secret that may not or cannot be read)
+        read = auth
+    else:
+        read = await read_workers(url, names.redis_prefix(namespace, name), timeout_s=config.redis_timeout_s,
+                                  auth=auth)
     observed = status.Observed(
         worker=live.get(f"Deployment/{names.child(name, names.WORKER)}"),
         gateway=live.get(f"Deployment/{names.child(name, names.GATEWAY)}"),
@@ -211,6 +219,36 @@ async def _invalid(body: kopf.Body, kube: Kube, error: str, *, previous: list[Ma
 
 
 Applied = tuple[dict[str, dict[str, Any]], list[str], list[str]]
+
+
+async def _redis_auth(kube: Kube, spec: DeploymentSpec, namespace: str, url: str, *,
+                      read_secrets: bool) -> RedisAuth | WorkersRead:
+    """The credentials to read the registrations with, from the Secrets the spec names; or, when they may not
+    (``read_secrets`` off: no status.workers, and no Degraded for it) or cannot be read, the read's outcome."""
+    rd = spec.redis
+    ca = rd.tls.ca_secret if rd.tls is not None else None
+    if rd.password_secret is None and ca is None:
+        return RedisAuth()
+    if not read_secrets:
+        return WorkersRead(None)
+    values: list[str | None] = []
+    for ref in (rd.password_secret, ca):
+        if ref is None:
+            values.append(None)
+            continue
+        try:
+            secret = await kube.get("v1", "Secret", namespace, ref.name)
+        except ApiError as e:
+            secret, why = None, str(e)
+        else:
+            why = "not found"
+        data = ((secret or {}).get("data") or {}).get(ref.key)
+        if data is None:
+            key = f"key {ref.key} of " if secret is not None else ""
+            return WorkersRead(None, f"Redis at {where(url)}: cannot read {key}Secret {namespace}/{ref.name}: "
+                                     f"{why if secret is None else 'no such key'}")
+        values.append(base64.b64decode(data).decode())
+    return RedisAuth(password=values[0], username=rd.username, ca_data=values[1])
 
 
 async def _apply_all(kube: Kube, manifests: list[dict[str, Any]], *, uid: str | None, logger: kopf.Logger,

@@ -32,6 +32,7 @@ PLURALS = {
     ("v1", "ConfigMap"): "configmaps",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     (names.API_VERSION, names.KIND): names.PLURAL,
+    ("v1", "Secret"): "secrets",  # read only, and only with OperatorConfig.read_secrets: the Redis password
 }
 # Maps of a pod template the operator renders whole from the spec: a key the spec no longer has must leave the
 # live object too, which a merge patch only does when told (key: null). kubectl's own annotations stay

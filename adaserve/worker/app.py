@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -25,6 +25,7 @@ from adaserve.contract.openai import ErrorResponse
 from adaserve.contract.openai_format import error_body
 from adaserve.error_fields import field_path, validation_message
 from adaserve.worker.routes import generate, health, metrics, openai, profile, requests
+from adaserve.worker.routes.deps import require_token
 from adaserve.worker.routes.openai import OPENAI_PATHS
 from adaserve.worker.runtime import RequestRefused, Runtime
 
@@ -44,7 +45,10 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     app = FastAPI(title="adaserve worker", version=__version__, lifespan=lifespan)
     app.state.runtime = runtime
-    for module in (generate, openai, requests, health, profile, metrics):
+    # every route but the probes' and the scraper's needs the token, when the worker has one (routes/deps.py)
+    for module in (generate, openai, requests, profile):
+        app.include_router(module.router, dependencies=[Depends(require_token)])
+    for module in (health, metrics):
         app.include_router(module.router)
     app.add_exception_handler(RequestRefused, _refused)
     app.add_exception_handler(RequestValidationError, _invalid)

@@ -14,12 +14,12 @@ import logging
 import time
 from collections.abc import Callable
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from adaserve.contract.redis_settings import redacted
 from adaserve.contract.registration import Registration
 from adaserve.contract.registry import index_key, worker_key
+from adaserve.redis_client import connect
 from adaserve.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class Registry:
         self.key = worker_key(settings.redis_prefix, settings.worker_id)
         self.index = index_key(settings.redis_prefix)
         self._where = redacted(settings.redis_url)
-        self._redis = aioredis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self._redis = connect(settings.redis_url, settings.redis_auth, timeout_s=5)
         self._task: asyncio.Task[None] | None = None
         self._warned = False
 

@@ -32,6 +32,7 @@ from adaserve.engine.request import Request
 from adaserve.engine.speculation.grammar import GrammarSpec
 from adaserve.engine.speculation.sampling import SamplingParams, skip_draws
 from adaserve.engine.stop_strings import StopStringMatcher
+from adaserve.redis_client import check_credentials
 from adaserve.worker import published
 from adaserve.worker.lone import Lone, lone_prompt_ids, measure_lone, serve_alone
 from adaserve.worker.measurements import Measurements
@@ -142,6 +143,11 @@ class Runtime:
     async def startup(self) -> None:
         """Load, profile, warm up (in a thread), then start the engine loop and the registration."""
         self._aloop = asyncio.get_running_loop()
+        if self.settings.redis_url:  # before minutes of loading: wrong credentials are a setting, not an outage
+            refused = await check_credentials(self.settings.redis_url, self.settings.redis_auth)
+            if refused:
+                self._fail(f"{refused} (ADASERVE_REDIS_PASSWORD, ADASERVE_REDIS_USERNAME, ADASERVE_REDIS_TLS_CA_FILE)")
+                return
         try:
             built, tokenizer, lone = await asyncio.to_thread(self._prepare)
         except (EngineBuildError, OSError, ValueError) as e:

@@ -7,18 +7,19 @@ uses the command line. Both end up here and are validated once, before any model
 from __future__ import annotations
 
 import socket
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from adaserve.body_limit import DEFAULT_MAX_BODY_BYTES
-from adaserve.contract.redis_settings import DEFAULT_PREFIX, RedisPrefix, RedisUrl
+from adaserve.contract.redis_settings import DEFAULT_PREFIX, RedisPrefix, RedisUrl, check_auth
 from adaserve.contract.slo import CLASS_NAME, SloClassName
 from adaserve.engine.loading.catalog import DEFAULT_MODEL, NAMES, check_ref, served_name
 from adaserve.engine.speculation.draft_bandit import pinned_draft
 from adaserve.engine.speculation.policies import split_policy
+from adaserve.redis_client import RedisAuth
 
 
 class WorkerSettings(BaseSettings):
@@ -87,6 +88,13 @@ class WorkerSettings(BaseSettings):
     # registration and shutdown
     redis_url: RedisUrl | None = Field(None, description="redis://host:port/db; unset = local mode, no registration")
     redis_prefix: RedisPrefix = Field(DEFAULT_PREFIX, description="key prefix; tests isolate themselves with it")
+    redis_password: SecretStr | None = Field(None, description="Redis AUTH password (the operator sets it from a "
+                                             "Secret); keep it out of the URL")
+    redis_username: str | None = Field(None, min_length=1, description="an ACL user (Redis 6+), with the password")
+    redis_tls_ca_file: Path | None = Field(None, description="PEM file of the CA that signed the Redis server's "
+                                           "certificate (rediss:// URLs; default: the system's CAs)")
+    auth_token: SecretStr | None = Field(None, description="require this token (Authorization: Bearer) on every "
+                                         "route but /healthz, /readyz and /metrics; the gateway sends it")
     heartbeat_s: float = Field(2.0, gt=0)
     registration_ttl_s: float = Field(10.0, gt=0)
     drain_grace_s: float = Field(30.0, ge=0, description="how long SIGTERM waits for in-flight requests")
@@ -139,6 +147,10 @@ class WorkerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> WorkerSettings:
+        check_auth(self.redis_url, password=_secret(self.redis_password), username=self.redis_username,
+                   ca_file=self.redis_tls_ca_file, prefix="ADASERVE_")
+        if self.auth_token is not None and not self.auth_token.get_secret_value().strip():
+            raise ValueError("ADASERVE_AUTH_TOKEN is empty: unset it, or give a token")
         if self.registration_ttl_s <= self.heartbeat_s:
             raise ValueError("registration_ttl_s must be longer than heartbeat_s, or the entry flickers")
         if self.default_max_tokens > self.max_tokens_limit:
@@ -164,6 +176,11 @@ class WorkerSettings(BaseSettings):
         return list(self.drafts) or ([self.draft] if self.draft is not None else [])
 
     @property
+    def redis_auth(self) -> RedisAuth:
+        return RedisAuth(password=_secret(self.redis_password), username=self.redis_username,
+                         ca_file=str(self.redis_tls_ca_file) if self.redis_tls_ca_file else None)
+
+    @property
     def address(self) -> str:
         if self.advertise_url:
             return self.advertise_url.rstrip("/")
@@ -173,3 +190,7 @@ class WorkerSettings(BaseSettings):
     @property
     def served_model_name(self) -> str:
         return self.model_name or served_name(self.target)
+
+
+def _secret(value: SecretStr | None) -> str | None:
+    return value.get_secret_value() if value is not None else None

@@ -30,6 +30,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
                 {"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}]}}},
         },
         "serviceAccount": {"annotations": {"iam.gke.io/gcp-service-account": "op@p.iam.gserviceaccount.com"}},
+        "rbac": {"readSecrets": True},
+        "networkPolicy": {"enabled": True, "metricsFrom": [
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]},
     },
 }
 
@@ -77,7 +80,7 @@ def test_objects_are_named_after_the_release_and_live_where_they_act(render: Ren
     watched = values.get("watchNamespaces", [])
     for doc in render(values):
         meta = doc["metadata"]
-        if doc["kind"] in ("Role", "RoleBinding", "KopfPeering"):
+        if doc["kind"] in ("Role", "RoleBinding", "KopfPeering", "NetworkPolicy"):
             assert meta["namespace"] in watched
         elif doc["kind"] in ("ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"):
             assert "namespace" not in meta

@@ -17,9 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections import Counter
@@ -31,11 +29,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import redis
 
-from adaserve.server_process import free_port
 from tests.gateway.test_failover import Fleet
 from tests.gateway.test_gateway import LAX
+from tests.private_redis import PrivateRedis
 from tests.servers import GatewayProcess, metric, scrape, start_gateway
 
 pytestmark = pytest.mark.soak
@@ -63,47 +60,6 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise AssertionError(f"no VmRSS for {pid}")
-
-
-class PrivateRedis:
-    """A redis-server of this test's own, on a free port, with nothing persisted; ``restart`` loses all."""
-
-    def __init__(self, tmp: Path) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.skip("redis-server not installed: the soak test restarts a Redis of its own")
-        self.binary, self.tmp, self.port = binary, tmp, free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.tmp)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        client.close()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
 
 
 @dataclass

@@ -8,7 +8,9 @@ every wait polls with a generous deadline rather than sleeping a fixed time.
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
+import dataclasses
 import json
 import time
 import uuid
@@ -29,6 +31,7 @@ from adaserve.operator.kube import is_subset, owned_by
 from adaserve.operator.spec import MSG_DRAFT_OR_DRAFTS, MSG_REDIS_ONE, MSG_TENSOR_PARALLEL, parse_spec
 from tests.operator.cluster import Api, Cluster, Operator, eventually, write_kubeconfig
 from tests.operator.schema import EXAMPLE_PATH, FULL_POD
+from tests.private_redis import PrivateRedis
 
 pytestmark = pytest.mark.asyncio
 
@@ -503,3 +506,44 @@ async def test_a_child_the_api_server_refuses_is_an_invalid_spec_condition(env: 
         worker = await env.api.get(env.path("apis/apps/v1", "deployments", f"{NAME}-worker"))
         assert worker is not None and worker["spec"]["template"]["spec"]["affinity"] == good
         assert len(await _warnings(env)) == 1
+
+
+async def _register(url: str, password: str, prefix: str, worker_id: str) -> None:
+    """What a worker writes in Redis (adaserve/worker/registry.py), into a Redis with a password."""
+    r = aioredis.from_url(url, password=password)
+    await r.set(f"{prefix}:workers:{worker_id}", json.dumps({
+        "worker_id": worker_id, "address": "http://10.0.0.9:8000", "status": "ready", "device": "cpu",
+        "budget": 32}), px=60_000)
+    await r.zadd(f"{prefix}:workers", {worker_id: int(time.time() * 1000) + 60_000})
+    await r.aclose()
+
+
+async def test_status_reads_workers_from_a_redis_with_a_password_only_where_it_may_read_the_secret(
+        env: Env, tmp_path: Path) -> None:
+    """rbac.readSecrets (OperatorConfig.read_secrets): the operator reads the password Secret the resource names and
+    lists the workers; without it, no status.workers and no Degraded for it; a Secret that is not there is said."""
+    locked = PrivateRedis(tmp_path, password="op-s3cret")
+    try:
+        await _register(locked.url, "op-s3cret", names.redis_prefix(env.ns, NAME), "llama-worker-a")
+        body = env.resource(redis={"url": locked.url, "passwordSecret": {"name": "redis-auth"}})
+
+        async with Operator(CONFIG):  # read_secrets off, the chart's default
+            await env.create(body)
+            st = await eventually(lambda: _phase(env, "Progressing"), what="phase Progressing")
+            await _quiet(3 * CONFIG.resync_s)
+            st = await env.status()
+            assert st["workers"] == [] and next(
+                c for c in st["conditions"] if c["type"] == "Degraded")["status"] == "False"
+
+        async with Operator(dataclasses.replace(CONFIG, read_secrets=True)):
+            st = await eventually(lambda: _degraded(env, "RedisUnreachable"), what="the missing Secret said")
+            assert _degraded_message(st).endswith(f"cannot read Secret {env.ns}/redis-auth: not found"), st
+            secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "redis-auth", "namespace": env.ns},
+                      "data": {"password": base64.b64encode(b"op-s3cret").decode()}}
+            await env.api.create(env.path("api/v1", "secrets"), secret)
+            st = await eventually(lambda: _with_workers(env, 1), what="the worker read with the password")
+            assert st["workers"][0]["id"] == "llama-worker-a"
+            assert next(c for c in st["conditions"] if c["type"] == "Degraded")["status"] == "False"
+            assert "op-s3cret" not in json.dumps(st)
+    finally:
+        locked.stop()

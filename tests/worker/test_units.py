@@ -55,6 +55,33 @@ def test_settings_validation_names_the_field(model_dir: Path, kwargs: dict, fiel
         WorkerSettings(target=model_dir, policy="incremental", **kwargs)
 
 
+def test_redis_auth_and_the_token_come_from_the_environment_and_never_show(model_dir: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ADASERVE_REDIS_URL", "rediss://redis.example:6380/0")
+    monkeypatch.setenv("ADASERVE_REDIS_PASSWORD", "pw-123")
+    monkeypatch.setenv("ADASERVE_REDIS_USERNAME", "svc")
+    monkeypatch.setenv("ADASERVE_AUTH_TOKEN", "tok-456")
+    s = WorkerSettings(target=model_dir, policy="incremental")
+    assert (s.redis_auth.password, s.redis_auth.username, s.redis_auth.ca_file) == ("pw-123", "svc", None)
+    assert s.auth_token is not None and s.auth_token.get_secret_value() == "tok-456"
+    assert "pw-123" not in repr(s) and "tok-456" not in repr(s) and "pw-123" not in repr(s.redis_auth)
+
+
+@pytest.mark.parametrize(("env", "words"), [
+    ({"ADASERVE_REDIS_PASSWORD": "p"}, "ADASERVE_REDIS_PASSWORD is set but there is no Redis URL"),
+    ({"ADASERVE_REDIS_URL": "redis://r/0", "ADASERVE_REDIS_TLS_CA_FILE": "/etc/hosts"}, "needs a rediss:// URL"),
+    ({"ADASERVE_REDIS_URL": "redis://:a@r/0", "ADASERVE_REDIS_PASSWORD": "b"}, "keep it out of the URL"),
+    ({"ADASERVE_AUTH_TOKEN": "  "}, "ADASERVE_AUTH_TOKEN is empty"),
+])
+def test_redis_auth_and_token_settings_that_cannot_work_are_refused(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   env: dict[str, str], words: str) -> None:
+    monkeypatch.delenv("ADASERVE_REDIS_URL", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValidationError, match=words):
+        WorkerSettings(target=model_dir, policy="incremental")
+
+
 def test_settings_target_must_be_a_model(tmp_path: Path) -> None:
     with pytest.raises(ValidationError, match=r"(?s)target.*config\.json.*smollm2-135m-instruct"):
         WorkerSettings(target=tmp_path)

@@ -84,6 +84,11 @@ watched namespace.
 - apiGroups: [kopf.dev]
   resources: [kopfpeerings]
   verbs: [get, list, watch, patch]
+{{- if .Values.rbac.readSecrets }}
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+{{- end }}
 {{- end }}
 
 {{/*

@@ -92,3 +92,27 @@ def test_stop_is_bounded_when_a_close_hangs() -> None:
 
     took = run(main())
     assert took < 2.0 and closed == ["store"]
+
+
+def test_every_call_to_a_worker_carries_the_workers_token_when_it_has_one() -> None:
+    """The one HTTP client the gateway calls workers with (generate, abort, /v1/status) sends the token set as
+    ADASERVE_GATEWAY_WORKER_TOKEN; without it, no Authorization header at all."""
+    with_token = Gateway(GatewaySettings(workers=["http://127.0.0.1:9"], worker_token="tok-1"))
+    without = Gateway(GatewaySettings(workers=["http://127.0.0.1:9"]))
+    try:
+        assert with_token.http.headers["authorization"] == "Bearer tok-1"
+        assert with_token.http.build_request("POST", "http://w/v1/generate").headers["authorization"] == "Bearer tok-1"
+        assert "authorization" not in without.http.headers
+        assert "tok-1" not in repr(with_token.settings)
+    finally:
+        run(with_token.http.aclose())
+        run(without.http.aclose())
+
+
+def test_redis_auth_settings_reach_the_state_store_client() -> None:
+    g = Gateway(GatewaySettings(redis_url="redis://127.0.0.1:9/0", redis_password="pw-2", redis_username="svc"))
+    try:
+        kwargs = g.store.redis.connection_pool.connection_kwargs  # type: ignore[attr-defined]
+        assert (kwargs["password"], kwargs["username"]) == ("pw-2", "svc")
+    finally:
+        run(g.http.aclose())

@@ -1,9 +1,19 @@
-"""A small async Kubernetes client: get, create, merge-patch and delete namespaced objects.
+"""The operator's Kubernetes access: get, create, merge-patch and delete namespaced objects, and ``apply`` (create,
+or patch what drifted) over the maintained client, kubernetes_asyncio.
 
-kopf has no public CRUD API, and the usual clients bring their own config loading and heavy models. This
-one reuses kopf's login result (``kopf.ConnectionInfo``: server, CA, token or client certificate), so
-the operator authenticates once, the same way for kopf and for itself, in a pod (service account) or
-outside (kubeconfig), and it speaks plain HTTP+JSON that kmock's emulator serves in the tests.
+kopf has no public CRUD API. The transport is kubernetes_asyncio's ApiClient (the official client's async port:
+TLS, certificates, tokens, pooling), given kopf's login result (``kopf.ConnectionInfo``: server, CA, token or
+client certificate), so the operator authenticates once, the same way for kopf and for itself, in a pod
+(service account) or outside (kubeconfig). Objects stay JSON dicts end to end (``call_api`` with the "object"
+response type), never the client's models: the drift check compares what the operator renders with what the
+API server holds, server defaults included, and a model round trip would drop or reshape fields. The typed
+per-kind APIs would need one method name per kind; the paths of ``PLURALS`` serve all of them. The library's
+DynamicClient is not used: in 36.1 it reads responses unloaded, a path on which >= 400 raises nothing, so a 404
+came back as a Status "resource".
+
+Why not server-side apply: the merge patch plus ``removals`` gives the same end state for the fields the
+operator owns, and kmock's emulator, which the operator's tests run against, applies every PATCH as a merge
+(no field managers), so a server-side apply could not be tested there.
 """
 
 from __future__ import annotations
@@ -11,19 +21,23 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import logging
-import ssl
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import kopf
+from kubernetes_asyncio.client import ApiClient, Configuration
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from adaserve.operator import names
 
 log = logging.getLogger(__name__)
+# The client logs every response body at DEBUG, and kopf's --verbose turns DEBUG on: that would put the Redis
+# password Secret the operator reads (rbac.readSecrets) into the log. Its request lines stay at DEBUG elsewhere.
+logging.getLogger("kubernetes_asyncio.client.rest").setLevel(logging.INFO)
 
 # kind -> plural, for the kinds the operator touches (the RBAC in docs/k8s-contract.md grants exactly these)
 PLURALS = {
@@ -43,7 +57,7 @@ KEPT_PREFIXES = ("kubectl.kubernetes.io/",)
 REQUEST_TIMEOUT_S = 30
 # Writes refuse unknown fields (400) instead of dropping them with a warning: a typo inside a pod override's
 # affinity or volume, which the CRD passes on unchecked, then shows in the status instead of vanishing.
-STRICT = "?fieldValidation=Strict"
+STRICT = [("fieldValidation", "Strict")]
 CLOSE_GRACE_S = 5  # on shutdown, requests still in flight (an orphaned timer's) may finish first
 
 
@@ -56,6 +70,16 @@ class ApiError(Exception):
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
         self.message = message
+
+
+def _message(error: ApiException) -> str:
+    """The API server's own message (a Status object's), else the HTTP reason."""
+    try:
+        status = json.loads(error.body or "")
+    except (TypeError, ValueError):
+        status = None
+    message = status.get("message") if isinstance(status, dict) else None
+    return str(message or error.reason or "no message")
 
 
 def path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
@@ -129,11 +153,16 @@ def owned_by(obj: Mapping[str, Any], uid: str | None) -> bool:
 
 
 class Kube:
-    """Holds the credentials of the last login and one HTTP session made from them."""
+    """The maintained client (kubernetes_asyncio's ApiClient) made from the credentials of the last login.
+
+    ApiClient does the transport: TLS and its CA, client certificates, the bearer token, connection pooling,
+    JSON, and an ApiException for every answer >= 400. Here: which credentials (kopf's), the shutdown rules
+    below, and the few verbs the operator needs, resource-agnostic through the API paths of ``PLURALS``.
+    """
 
     def __init__(self) -> None:
         self._info: kopf.ConnectionInfo | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._api: ApiClient | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._inflight = 0
         self._idle = asyncio.Event()
@@ -141,9 +170,9 @@ class Kube:
         self._closed = False
 
     async def login(self, info: kopf.ConnectionInfo) -> None:
-        """New credentials (kopf logs in again when the old ones are refused): a new session next time."""
+        """New credentials (kopf logs in again when the old ones are refused): a new client next time."""
         self._info = info
-        await self._drop_session()
+        await self._drop_client()
 
     async def close(self) -> None:
         """For good (operator shutdown): refuse new requests at once, let those in flight finish, then close.
@@ -152,84 +181,78 @@ class Kube:
         next one raises ``Closed`` instead of failing on a closed connector.
         """
         self._closed = True
-        await self._drop_session()
+        await self._drop_client()
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
 
-    async def _drop_session(self) -> None:
-        # detach first: a request issued while we wait opens a fresh session (or raises Closed), never
+    async def _drop_client(self) -> None:
+        # detach first: a request issued while we wait opens a fresh client (or raises Closed), never
         # picks up the one about to close
-        session, self._session = self._session, None
-        if session is None:
+        api, self._api = self._api, None
+        if api is None:
             return
         if self._inflight:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), CLOSE_GRACE_S)
-        await session.close()
+        await api.close()
 
-    def _open(self) -> aiohttp.ClientSession:
+    def _open(self) -> ApiClient:
         if self._closed:
             raise Closed("the operator is shutting down")
-        if self._session is not None:
-            return self._session
+        if self._api is not None:
+            return self._api
         info = self._info
         if info is None:
             raise RuntimeError("not logged in yet")
-        headers = {"User-Agent": "adaserve-operator"}
-        auth = None
+        api = ApiClient(self._configuration(info))
+        api.user_agent = "adaserve-operator"
+        if not info.token and info.username and info.password:  # basic auth: ApiClient knows bearer tokens only
+            basic = base64.b64encode(f"{info.username}:{info.password}".encode()).decode()
+            api.set_default_header("Authorization", f"Basic {basic}")
+        self._api = api
+        return api
+
+    def _configuration(self, info: kopf.ConnectionInfo) -> Configuration:
+        """kopf's login result (in a pod: the service account; outside: the kubeconfig) as the client's config."""
+        cfg = Configuration(host=info.server.rstrip("/"))
+        cfg.client_side_validation = False  # objects pass through as JSON, never as models
         if info.token:
-            headers["Authorization"] = f"{info.scheme or 'Bearer'} {info.token}"
-        elif info.username and info.password:
-            auth = aiohttp.BasicAuth(info.username, info.password)
-        connector = aiohttp.TCPConnector(ssl=self._ssl(info), limit=16)
-        self._session = aiohttp.ClientSession(
-            base_url=info.server.rstrip("/") + "/", headers=headers, auth=auth, connector=connector,
-            timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
-        return self._session
+            cfg.api_key = {"BearerToken": info.token}
+            cfg.api_key_prefix = {"BearerToken": info.scheme or "Bearer"}
+        cfg.verify_ssl = not info.insecure
+        cfg.ssl_ca_cert = info.ca_path or self._file("ca.crt", info.ca_data)
+        cfg.cert_file = info.certificate_path or self._file("client.crt", info.certificate_data)
+        cfg.key_file = info.private_key_path or self._file("client.key", info.private_key_data)
+        return cfg
 
-    def _ssl(self, info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
-        if not info.server.startswith("https"):
-            return False
-        if info.insecure:
-            return False
-        ca_data = base64.b64decode(info.ca_data).decode() if info.ca_data else None
-        ctx = ssl.create_default_context(cafile=info.ca_path, cadata=ca_data)
-        if info.certificate_path or info.certificate_data:
-            cert, key = info.certificate_path, info.private_key_path
-            if info.certificate_data or info.private_key_data:
-                # ssl loads client certificates from files only
-                self._tmp = self._tmp or tempfile.TemporaryDirectory(prefix="adaserve-kube-")
-                if info.certificate_data:
-                    cert = str(Path(self._tmp.name, "client.crt"))
-                    Path(cert).write_bytes(base64.b64decode(info.certificate_data))
-                if info.private_key_data:
-                    key = str(Path(self._tmp.name, "client.key"))
-                    Path(key).write_bytes(base64.b64decode(info.private_key_data))
-            if cert:
-                ctx.load_cert_chain(cert, key)
-        return ctx
+    def _file(self, name: str, data: bytes | str | None) -> str | None:
+        """Base64 credentials (a kubeconfig's *-data fields) as a file: the client reads certificates from files."""
+        if not data:
+            return None
+        self._tmp = self._tmp or tempfile.TemporaryDirectory(prefix="adaserve-kube-")
+        path = Path(self._tmp.name, name)
+        path.write_bytes(base64.b64decode(data))
+        return str(path)
 
-    async def _request(self, method: str, url: str, *, body: Any = None,
+    async def _request(self, method: str, url: str, *, body: Any = None, query: list[tuple[str, str]] | None = None,
                        content_type: str = "application/json") -> dict[str, Any]:
-        session = self._open()
-        kwargs: dict[str, Any] = {}
-        if body is not None:
-            kwargs["json"] = body
-            kwargs["headers"] = {"Content-Type": content_type}
+        api = self._open()
         self._inflight += 1
         self._idle.clear()
         try:
-            async with session.request(method, url.lstrip("/"), **kwargs) as resp:
-                data = await resp.json(content_type=None) if resp.content_length != 0 else {}
-                if resp.status >= 400:
-                    message = data.get("message") if isinstance(data, dict) else None
-                    raise ApiError(resp.status, str(message or resp.reason))
-                return data if isinstance(data, dict) else {}
+            data = await api.call_api(
+                url, method, query_params=query or [], body=body, auth_settings=["BearerToken"],
+                header_params={"Accept": "application/json", "Content-Type": content_type},
+                response_types_map={200: "object", 201: "object", 202: "object"}, _return_http_data_only=True,
+                _request_timeout=REQUEST_TIMEOUT_S)
+        except ApiException as e:
+            raise ApiError(e.status, _message(e)) from None
         finally:
             self._inflight -= 1
             if not self._inflight:
                 self._idle.set()
+        return data if isinstance(data, dict) else {}
 
     async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -241,13 +264,14 @@ class Kube:
 
     async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         meta = obj["metadata"]
-        return await self._request("POST", path(obj["apiVersion"], obj["kind"], meta["namespace"]) + STRICT, body=obj)
+        return await self._request("POST", path(obj["apiVersion"], obj["kind"], meta["namespace"]), body=obj,
+                                   query=STRICT)
 
     async def patch(self, obj: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
         """A JSON merge patch: maps merge, lists and scalars are replaced, null removes."""
         meta = obj["metadata"]
-        return await self._request("PATCH", path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]) +
-                                   STRICT, body=changes, content_type="application/merge-patch+json")
+        return await self._request("PATCH", path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]),
+                                   body=changes, query=STRICT, content_type="application/merge-patch+json")
 
     async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         """False if it was already gone."""

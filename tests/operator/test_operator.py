@@ -12,6 +12,7 @@ import base64
 import copy
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -519,9 +520,11 @@ async def _register(url: str, password: str, prefix: str, worker_id: str) -> Non
 
 
 async def test_status_reads_workers_from_a_redis_with_a_password_only_where_it_may_read_the_secret(
-        env: Env, tmp_path: Path) -> None:
+        env: Env, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """rbac.readSecrets (OperatorConfig.read_secrets): the operator reads the password Secret the resource names and
-    lists the workers; without it, no status.workers and no Degraded for it; a Secret that is not there is said."""
+    lists the workers; without it, no status.workers and no Degraded for it; a Secret that is not there is said.
+    The password shows in no log line, even at DEBUG (the client logs response bodies there)."""
+    caplog.set_level(logging.DEBUG)
     locked = PrivateRedis(tmp_path, password="op-s3cret")
     try:
         await _register(locked.url, "op-s3cret", names.redis_prefix(env.ns, NAME), "llama-worker-a")
@@ -545,5 +548,7 @@ async def test_status_reads_workers_from_a_redis_with_a_password_only_where_it_m
             assert st["workers"][0]["id"] == "llama-worker-a"
             assert next(c for c in st["conditions"] if c["type"] == "Degraded")["status"] == "False"
             assert "op-s3cret" not in json.dumps(st)
+        assert "op-s3cret" not in caplog.text and base64.b64encode(b"op-s3cret").decode() not in caplog.text
+        assert any(r.levelno == logging.DEBUG for r in caplog.records)  # DEBUG was on while the Secret was read
     finally:
         locked.stop()

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import base64
+from pathlib import Path
+
 import kopf
 import pytest
 
 from adaserve.operator import handlers
 from adaserve.operator.__main__ import kopf_args
 from adaserve.operator.config import OperatorConfig
-from adaserve.operator.kube import is_subset, path, removals
+from adaserve.operator.kube import Kube, is_subset, path, removals
 from adaserve.operator.spec import SpecError, parse_spec
 
 
@@ -99,3 +103,22 @@ def test_removals_null_what_the_spec_dropped_from_whole_maps_only() -> None:
     assert removals(live, live) == {}
     # a map the spec no longer has at all is a null in the manifest itself (builders render it so), not here
     assert removals({"spec": {"template": {"spec": {"nodeSelector": None}}}}, live) == {}
+
+
+def test_kopfs_login_becomes_the_clients_configuration() -> None:
+    """kopf's ConnectionInfo (a pod's service account or a kubeconfig) as kubernetes_asyncio's Configuration: the
+    token with its scheme, a CA and client certificate given as data written to files, TLS checks unless insecure."""
+    pem = base64.b64encode(b"-----BEGIN CERTIFICATE-----\n").decode()
+    kube = Kube()
+    cfg = kube._configuration(kopf.ConnectionInfo(server="https://k8s.example:6443/", token="tok", ca_data=pem,
+                                                  certificate_data=pem, private_key_data=pem))
+    try:
+        assert cfg.host == "https://k8s.example:6443" and cfg.verify_ssl
+        assert cfg.api_key == {"BearerToken": "tok"} and cfg.api_key_prefix == {"BearerToken": "Bearer"}
+        for path in (cfg.ssl_ca_cert, cfg.cert_file, cfg.key_file):
+            assert Path(path).read_bytes() == b"-----BEGIN CERTIFICATE-----\n"
+        insecure = kube._configuration(kopf.ConnectionInfo(server="https://k", insecure=True, ca_path="/ca.pem"))
+        assert not insecure.verify_ssl and insecure.ssl_ca_cert == "/ca.pem" and insecure.api_key == {}
+    finally:
+        asyncio.run(kube.close())
+    assert not Path(cfg.ssl_ca_cert).exists()  # the credentials files go with the client

@@ -172,8 +172,8 @@ class Resources(_Model):
     memory: Quantity | None = None
     cpu: Quantity | None = None
     # other resources (ephemeral-storage, rdma/hca, ...), added to what the fields above set
-    requests: dict[str, Quantity] = {}
-    limits: dict[str, Quantity] = {}
+    requests: dict[str, Quantity] = Field({}, max_length=16)
+    limits: dict[str, Quantity] = Field({}, max_length=16)
 
     @property
     def ranks(self) -> int:
@@ -222,7 +222,7 @@ class Volume(BaseModel):
 
 class VolumeMount(_Model):
     name: str = Field(min_length=1)
-    mount_path: str = Field(pattern=r"^/")
+    mount_path: str = Field(pattern=r"^/", max_length=1024)
     read_only: bool = False
     sub_path: str | None = None
 
@@ -233,18 +233,18 @@ class PodOverride(_Model):
     volume's source, topology spread) are checked by the API server when the Deployment is written."""
 
     annotations: dict[str, str] = {}
-    labels: dict[str, str] = {}
+    labels: dict[str, str] = Field({}, max_length=64)
     node_selector: dict[str, str] = {}
-    tolerations: list[Toleration] = []
+    tolerations: list[Toleration] = Field([], max_length=32)
     affinity: dict[str, Any] | None = None
     topology_spread_constraints: list[dict[str, Any]] = []
     image_pull_secrets: list[LocalObjectReference] = []
     priority_class_name: str | None = Field(None, min_length=1)
     runtime_class_name: str | None = Field(None, min_length=1)
     service_account_name: str | None = Field(None, min_length=1)
-    env: list[EnvVar] = []
-    volumes: list[Volume] = []
-    volume_mounts: list[VolumeMount] = []
+    env: list[EnvVar] = Field([], max_length=64)
+    volumes: list[Volume] = Field([], max_length=32)
+    volume_mounts: list[VolumeMount] = Field([], max_length=32)
 
 
 class DisruptionBudget(_Model):

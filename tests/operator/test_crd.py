@@ -256,6 +256,10 @@ SCHEMA_CASES = [
     (_set("gateway.resources", {"requests": {"cpu": "fast"}}), "spec.gateway.resources.requests.cpu",
      "does not match"),
     (_set("workerAuth", {}), "spec.workerAuth", "'tokenSecret' is a required property"),
+    (_set("workerPod", {"env": [{"name": f"V{i}", "value": "x"} for i in range(65)]}), "spec.workerPod.env",
+     "is too long"),
+    (_set("workerPod", {"labels": {f"l{i}": "x" for i in range(65)}}), "spec.workerPod.labels",
+     "too many properties"),
     (_set("redis", {"managed": True, "passwordSecret": {}}), "spec.redis.passwordSecret",
      "'name' is a required property"),
 ]

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, BaseModel, Field, SecretStr
 
 SCHEMES = ("redis://", "rediss://", "unix://")
 DEFAULT_PREFIX = "adaserve"
@@ -24,6 +24,17 @@ def _redis_url(v: str) -> str:
 
 RedisUrl = Annotated[str, AfterValidator(_redis_url)]
 RedisPrefix = Annotated[str, Field(min_length=1)]
+
+
+class RedisAuthFields(BaseModel):
+    """The Redis AUTH and TLS settings of every service (workers and gateways mix them into their settings; the
+    operator fills them from a Secret). Checked against the URL by :func:`check_auth`."""
+
+    redis_password: SecretStr | None = Field(None, description="Redis AUTH password (the operator sets it from a "
+                                             "Secret); keep it out of the URL")
+    redis_username: str | None = Field(None, min_length=1, description="an ACL user (Redis 6+), with the password")
+    redis_tls_ca_file: Path | None = Field(None, description="PEM file of the CA that signed the Redis server's "
+                                           "certificate (rediss:// URLs; default: the system's CAs)")
 
 
 def check_auth(url: str | None, *, password: str | None, username: str | None, ca_file: Path | None,

@@ -9,7 +9,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from adaserve.body_limit import DEFAULT_MAX_BODY_BYTES
-from adaserve.contract.redis_settings import DEFAULT_PREFIX, RedisPrefix, RedisUrl, check_auth
+from adaserve.contract.redis_settings import DEFAULT_PREFIX, RedisAuthFields, RedisPrefix, RedisUrl, check_auth
 from adaserve.redis_client import RedisAuth
 
 Routing = Literal["headroom", "least-loaded", "round-robin"]
@@ -17,7 +17,7 @@ AdmissionMode = Literal["slo", "none"]
 OnOverload = Literal["best-effort", "refuse"]
 
 
-class GatewaySettings(BaseSettings):
+class GatewaySettings(BaseSettings, RedisAuthFields):
     """Every knob of a gateway. Environment variable = ``ADASERVE_GATEWAY_`` + the field name in capitals."""
 
     model_config = SettingsConfigDict(env_prefix="ADASERVE_GATEWAY_", env_ignore_empty=True, extra="ignore",
@@ -30,11 +30,6 @@ class GatewaySettings(BaseSettings):
     # where workers and state live
     redis_url: RedisUrl | None = Field(None, description="redis://host:port/db; unset: in-process state, static URLs")
     redis_prefix: RedisPrefix = Field(DEFAULT_PREFIX, description="the workers' prefix; records live under it too")
-    redis_password: SecretStr | None = Field(None, description="Redis AUTH password (the operator sets it from a "
-                                             "Secret); keep it out of the URL")
-    redis_username: str | None = Field(None, min_length=1, description="an ACL user (Redis 6+), with the password")
-    redis_tls_ca_file: Path | None = Field(None, description="PEM file of the CA that signed the Redis server's "
-                                           "certificate (rediss:// URLs; default: the system's CAs)")
     worker_token: SecretStr | None = Field(None, description="the token workers require (their ADASERVE_AUTH_TOKEN), "
                                            "sent to them as Authorization: Bearer")
     workers: list[str] = Field(default_factory=list, description="worker URLs polled at /v1/status (no Redis needed)")

@@ -7,14 +7,14 @@ uses the command line. Both end up here and are validated once, before any model
 from __future__ import annotations
 
 import socket
-from pathlib import Path, PurePath
+from pathlib import PurePath
 from typing import Literal
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from adaserve.body_limit import DEFAULT_MAX_BODY_BYTES
-from adaserve.contract.redis_settings import DEFAULT_PREFIX, RedisPrefix, RedisUrl, check_auth
+from adaserve.contract.redis_settings import DEFAULT_PREFIX, RedisAuthFields, RedisPrefix, RedisUrl, check_auth
 from adaserve.contract.slo import CLASS_NAME, SloClassName
 from adaserve.engine.loading.catalog import DEFAULT_MODEL, NAMES, check_ref, served_name
 from adaserve.engine.speculation.draft_bandit import pinned_draft
@@ -22,7 +22,7 @@ from adaserve.engine.speculation.policies import split_policy
 from adaserve.redis_client import RedisAuth
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(BaseSettings, RedisAuthFields):
     """Every knob of a worker. Environment variable = ``ADASERVE_`` + the field name in capitals."""
 
     model_config = SettingsConfigDict(env_prefix="ADASERVE_", env_ignore_empty=True, extra="ignore",
@@ -88,11 +88,6 @@ class WorkerSettings(BaseSettings):
     # registration and shutdown
     redis_url: RedisUrl | None = Field(None, description="redis://host:port/db; unset = local mode, no registration")
     redis_prefix: RedisPrefix = Field(DEFAULT_PREFIX, description="key prefix; tests isolate themselves with it")
-    redis_password: SecretStr | None = Field(None, description="Redis AUTH password (the operator sets it from a "
-                                             "Secret); keep it out of the URL")
-    redis_username: str | None = Field(None, min_length=1, description="an ACL user (Redis 6+), with the password")
-    redis_tls_ca_file: Path | None = Field(None, description="PEM file of the CA that signed the Redis server's "
-                                           "certificate (rediss:// URLs; default: the system's CAs)")
     auth_token: SecretStr | None = Field(None, description="require this token (Authorization: Bearer) on every "
                                          "route but /healthz, /readyz and /metrics; the gateway sends it")
     heartbeat_s: float = Field(2.0, gt=0)

@@ -11,6 +11,7 @@ from adaserve.engine.engine import Engine
 from adaserve.engine.loading.loader import load_model
 from adaserve.engine.model.kv_cache import KVCacheConfig
 from adaserve.engine.model.runner import ModelRunner
+from adaserve.engine.request import Request
 from adaserve.engine.speculation.policies import make_policy
 
 CPU = torch.device("cpu")
@@ -37,3 +38,12 @@ def hf_greedy(path: Path, prompt: list[int], max_new: int, *, eos: int | None = 
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
                          pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def outputs(eng: Engine, reqs: list[Request]) -> list[list[int]]:
+    """Add every request, step until the engine is idle, and return the requests' output ids in order."""
+    for r in reqs:
+        eng.add_request(r)
+    while eng.has_work:
+        eng.step()
+    return [r.output_ids for r in reqs]

@@ -138,6 +138,16 @@ def test_logits_processors_reach_the_engine(gateway: GatewayProcess, worker: Ser
             assert want["token_ids"][0] != ids[0]
 
 
+def assert_completion_400(gw: GatewayProcess, fields: dict[str, Any], needle: str, code: str | None) -> None:
+    """A completion with ``fields`` is a 400 whose message names ``needle`` (and whose code is ``code``)."""
+    r = httpx.post(f"{gw.url}/v1/completions", timeout=30,
+                   json={"model": "demo", "prompt": "x", "max_tokens": 4, **fields})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert needle in err["message"], err
+    if code:
+        assert err["code"] == code
+
 @pytest.mark.parametrize(("fields", "needle", "code"), [
     ({"presence_penalty": 2.5}, "presence_penalty", None),
     ({"logit_bias": {"1": 250}}, "logit_bias", None),
@@ -147,13 +157,7 @@ def test_logits_processors_reach_the_engine(gateway: GatewayProcess, worker: Ser
 ])
 def test_bad_processor_values_are_400_naming_the_field(gateway: GatewayProcess, fields: dict[str, Any],  # noqa: F811
                                                        needle: str, code: str | None) -> None:
-    r = httpx.post(f"{gateway.url}/v1/completions", timeout=30,
-                   json={"model": "demo", "prompt": "x", "max_tokens": 4, **fields})
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert needle in err["message"], err
-    if code:
-        assert err["code"] == code
+    assert_completion_400(gateway, fields, needle, code)
 
 
 
@@ -229,13 +233,7 @@ def test_json_object_and_vllm_structured_outputs(gateway: GatewayProcess) -> Non
 ])
 def test_bad_structured_outputs_are_400_with_a_message(gateway: GatewayProcess, fields: dict[str, Any],  # noqa: F811
                                                        needle: str, code: str | None) -> None:
-    r = httpx.post(f"{gateway.url}/v1/completions", timeout=30,
-                   json={"model": "demo", "prompt": "x", "max_tokens": 4, **fields})
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert needle in err["message"], err
-    if code:
-        assert err["code"] == code
+    assert_completion_400(gateway, fields, needle, code)
 
 
 # ---- logprobs -------------------------------------------------------------------------------------------------

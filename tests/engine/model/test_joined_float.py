@@ -17,7 +17,7 @@ from adaserve.engine.model.kv_cache import KVCacheConfig, SequenceKV
 from adaserve.engine.model.layers import Attention, FewRowLinear, join_linears
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.model.tree import TokenTree
-from tests.engine.helpers import CPU
+from tests.engine.helpers import CPU, outputs
 from tests.engine.speculation.test_policies import mixed_workload
 from tests.models import make_checkpoint
 
@@ -65,10 +65,5 @@ def test_speculation_is_lossless_against_the_joined_target(target_dir: Path, dra
                            static_shapes=static)
         eng = Engine(joined_runner(target_dir, static=static), joined_runner(draft_dir, static=static) if spec
                      else None, cfg)
-        reqs = mixed_workload(10, 3)
-        for r in reqs:
-            eng.add_request(r)
-        while eng.has_work:
-            eng.step()
-        outs.append([r.output_ids for r in reqs])
+        outs.append(outputs(eng, mixed_workload(10, 3)))
     assert outs[0] == outs[1]

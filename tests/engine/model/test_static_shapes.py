@@ -24,7 +24,7 @@ from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.model.static import Grid, StaticForward, round_up
 from adaserve.engine.model.tree import TokenTree
-from tests.engine.helpers import runner
+from tests.engine.helpers import outputs, runner
 
 
 def prefilled(r: ModelRunner, lengths: list[int], seed: int = 0) -> list[SequenceKV]:
@@ -221,10 +221,5 @@ def test_graphs_keep_greedy_output_on_cuda(target_dir: Path, draft_dir: Path, po
         config = EngineConfig(policy=policy, budget=20, prefill_chunk=24, static_shapes=static)
         drf = cuda_runner(draft_dir, static=static) if make_policy(policy, config).max_shape else None
         eng = Engine(cuda_runner(target_dir, static=static), drf, config)
-        reqs = mixed_workload(12, 3)
-        for r in reqs:
-            eng.add_request(r)
-        while eng.has_work:
-            eng.step()
-        outs.append([r.output_ids for r in reqs])
+        outs.append(outputs(eng, mixed_workload(12, 3)))
     assert outs[0] == outs[1]

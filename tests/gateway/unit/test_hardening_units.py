@@ -105,7 +105,7 @@ def test_openapi_declares_the_fields_rules(doc: dict[str, Any]) -> None:
     prompt = props["prompt"]["anyOf"]
     assert {"type": "string", "minLength": 1} in prompt  # prompt "" is refused, and declared so
     assert any(p.get("maxItems") == 1 for p in prompt)
-    assert props["n"]["enum"] == [1]
+    assert (props["n"]["minimum"], props["n"]["maximum"]) == (1, 8)  # n > 1 is served (issue 33), up to 8
     assert (props["presence_penalty"]["minimum"], props["presence_penalty"]["maximum"]) == (-2.0, 2.0)
     assert props["repetition_penalty"]["exclusiveMinimum"] == 0.0 and props["min_tokens"]["minimum"] == 0
     bias = next(s for s in props["logit_bias"]["anyOf"] if s.get("type") == "object")

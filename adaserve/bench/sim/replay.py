@@ -83,6 +83,7 @@ class ReplayRequest:
     prefilled: int = 0  # prompt tokens in the target KV
     emitted: int = 0  # output tokens so far
     draft_len: int = 0  # tokens in the draft KV
+    admitted_s: float | None = None  # when admission gave it a running slot (TTFT = queue + prefill)
     first_s: float | None = None
     last_s: float | None = None
     accepted_per_step: list[int] = field(default_factory=list)
@@ -234,6 +235,9 @@ class ReplayEngine:
     running: list[ReplayRequest] = field(default_factory=list)
     totals: ReplayTotals = field(default_factory=ReplayTotals)
     step_listeners: list[Callable[[dict], None]] = field(default_factory=list)
+    # after each selection: the decoding requests' ids, A(r) + margin as selection saw it, the verified tree
+    # sizes and accepted counts, the tree shape, the budget and the predicted iteration (a trace's per-request view)
+    selection_listeners: list[Callable[[dict], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.policy = make_policy(self.cfg.policy, self.cfg)
@@ -261,6 +265,7 @@ class ReplayEngine:
             self.waiting.popleft()
             self.reserved += need
             r.phase = PREFILL
+            r.admitted_s = self.now
             self.running.append(r)
 
     def _finish(self, r: ReplayRequest) -> None:
@@ -355,6 +360,7 @@ class ReplayEngine:
         self.history.append(_Step(len(decoding), accepted_total, verified, t_draft))
         for listener in self.step_listeners:
             listener({"t_start": t_start, "n_decode": len(decoding), "prefill_tokens": prefill_tokens,
+                      "n_prefill": sum(r.phase == PREFILL for r in self.running), "n_waiting": len(self.waiting),
                       "verified": verified, "accepted": accepted_total, "t_draft": t_draft, "t_target": t_target})
 
     def _speculate_and_select(self, decoding: list[ReplayRequest], prefill_tokens: int,
@@ -421,6 +427,10 @@ class ReplayEngine:
                 tree = c if len(keep) == c.size else c.subtree(keep)
                 path = np.flatnonzero(good[keep]).tolist()
             out.append(Verified(len(keep), acc, int(level[keep].max()), tree, path))
+        for listener in self.selection_listeners:
+            listener({"t_start": t_start, "ids": [r.request_id for r in decoding], "needs": needs,
+                      "sizes": [v.size for v in out], "accepted": [v.accepted for v in out],
+                      "depth": shape.depth, "width": shape.width, "budget": budget, "t_iter_pred": t_iter})
         return out, t
 
     # ---- a driver (clock.run_simulated) ----

@@ -10,10 +10,11 @@ reports, per system:
 
 - per class: attainment, TPOT / target quantiles, TTFT and its two parts (queue: arrival to a running slot;
   prefill: slot to first token);
-- per class, over request-iterations: A(r) as selection saw it (margin included), verified tree size,
-  tokens emitted (accepted + bonus), and how often a request emitted at least its A(r) (margin excluded);
-- per iteration: decoding requests, requests prefilling and waiting, prompt tokens, verified tokens, budget, depth, width, iteration seconds
-  (mean and quantiles), split by whether prompt tokens rode along;
+- per class, over request-iterations: A(r) as selection saw it (without the SLO margin), verified tree
+  size, tokens emitted (accepted + bonus), and how often a request emitted at least its A(r);
+- per iteration: decoding requests, requests prefilling and waiting, prompt tokens, verified tokens, budget,
+  the SLO phase's value floor, depth, width, iteration seconds (mean and quantiles), split by whether prompt
+  tokens rode along;
 - requests of the first system that missed where another system met them, with both systems' per-request
   figures (the "who loses what" view).
 """
@@ -48,17 +49,18 @@ def run(system: str, trace_path: Path, s: SweepSettings, seed: int) -> tuple[lis
     pool = AgreementPool.load(Path(s.pool))
     device = load_profile_file(s.device_profile)
     cfg = engine_config(system, device, s)
-    reqs = replay_requests(trace, pool, baseline_tpot_ms=s.baseline_tpot_ms, seed=seed, prompt_lengths=s.prompt_lengths)
-    eng = ReplayEngine(cfg, device, cfg.target_cost, cfg.draft_cost, seed=seed, kv_tokens=s.kv_tokens)  # type: ignore[arg-type]
+    reqs = replay_requests(trace, pool, baseline_tpot_ms=s.baseline_tpot_ms, seed=seed,
+                           prompt_lengths=s.prompt_lengths)
+    eng = ReplayEngine(cfg, device, cfg.target_cost, cfg.draft_cost, seed=seed,  # type: ignore[arg-type]
+                       kv_tokens=s.kv_tokens)
     steps: list[dict] = []
     sels: list[dict] = []
     eng.step_listeners.append(steps.append)
     eng.selection_listeners.append(sels.append)
     eng.run(reqs)
-    return reqs, {"steps": steps, "selections": sels, "config": {"budget": cfg.budget, "budget_rule": cfg.budget_rule,
-                                                                  "prefill_rule": cfg.prefill_rule,
-                                                                  "slo_margin": cfg.slo_margin,
-                                                                  "tree": vars(cfg.adaptive)}}
+    config = {"budget": cfg.budget, "budget_rule": cfg.budget_rule, "prefill_rule": cfg.prefill_rule,
+              "slo_margin": cfg.slo_margin, "slo_floor": cfg.slo_floor, "tree": vars(cfg.adaptive)}
+    return reqs, {"steps": steps, "selections": sels, "config": config}
 
 
 def met(r: ReplayRequest) -> bool:
@@ -100,18 +102,23 @@ def summarise(reqs: list[ReplayRequest], trace: dict[str, Any]) -> dict[str, Any
     dec = [st for st in steps if st["n_decode"]]
     sel_by_t = {s["t_start"]: s for s in trace["selections"]}
 
+    def counts(xs: list[int]) -> dict[str, int]:
+        return {str(v): int(k) for v, k in zip(*np.unique(xs, return_counts=True), strict=True)} if xs else {}
+
     def iters(group: list[dict]) -> dict[str, Any]:
         dur = [st["t_draft"] + st["t_target"] for st in group]
         shapes = [sel_by_t[st["t_start"]] for st in group if st["t_start"] in sel_by_t]
-        return {"iterations": len(group), "seconds": quantiles(dur), "n_decode": quantiles([st["n_decode"] for st in group]),
+        emitted = sum(st["accepted"] for st in group) / max(1, sum(st["n_decode"] for st in group))
+        return {"iterations": len(group), "seconds": quantiles(dur),
+                "n_decode": quantiles([st["n_decode"] for st in group]),
                 "prefill_tokens": quantiles([st["prefill_tokens"] for st in group]),
                 "n_prefill": quantiles([st["n_prefill"] for st in group]),
                 "n_waiting": quantiles([st["n_waiting"] for st in group]),
                 "verified": quantiles([st["verified"] for st in group]),
-                "accepted_per_request": float(sum(st["accepted"] for st in group) / max(1, sum(st["n_decode"] for st in group))),
+                "accepted_per_request": float(emitted),
                 "budget": quantiles([s["budget"] for s in shapes]),
-                "depth": {str(d): int(n) for d, n in zip(*np.unique([s["depth"] for s in shapes], return_counts=True), strict=True)} if shapes else {},
-                "width": {str(d): int(n) for d, n in zip(*np.unique([s["width"] for s in shapes], return_counts=True), strict=True)} if shapes else {}}
+                "slo_floor": quantiles([s.get("min_value", 0.0) for s in shapes]),
+                "depth": counts([s["depth"] for s in shapes]), "width": counts([s["width"] for s in shapes])}
 
     return {"config": trace["config"], "per_class": per_class,
             "decode_iterations": iters(dec),
@@ -131,7 +138,8 @@ def main() -> None:
     ap.add_argument("--prefill-rule", default="slo", choices=["fixed", "slo"])
     ap.add_argument("--json", type=Path, required=True)
     a = ap.parse_args()
-    s = SweepSettings(pool=str(a.pool), max_batch=a.max_batch, prefill_chunk=a.prefill_chunk, prefill_rule=a.prefill_rule)
+    s = SweepSettings(pool=str(a.pool), max_batch=a.max_batch, prefill_chunk=a.prefill_chunk,
+                      prefill_rule=a.prefill_rule)
     systems = [x for x in a.systems.split(",") if x]
     out: dict[str, Any] = {"trace": a.trace_json.name, "trace_sha256": read_emission_trace(a.trace_json).sha256,
                            "seed": a.seed, "settings": vars(s), "systems": {}}
@@ -167,7 +175,8 @@ def main() -> None:
     for sysname in systems:  # the per-request table is for the comparison; too long to keep
         out["systems"][sysname].pop("per_request")
     a.json.write_text(json.dumps(out, indent=1))
-    print(json.dumps({k: {c: round(v["attainment"], 3) for c, v in o["per_class"].items()} for k, o in out["systems"].items()}))
+    print(json.dumps({k: {c: round(v["attainment"], 3) for c, v in o["per_class"].items()}
+                      for k, o in out["systems"].items()}))
 
 
 if __name__ == "__main__":

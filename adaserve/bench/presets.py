@@ -57,12 +57,14 @@ class Preset:
     node_value: str | None = None
     slo_order: str | None = None
     slo_margin: float | None = None
+    slo_floor: str | None = None
     tree: TreeBounds | None = None
 
     def engine_config(self, base: EngineConfig) -> EngineConfig:
         """``base`` (the bench's settings for this variant) with this preset's fields, policy included."""
-        fields = {k: v for k in ("max_batch", "prefill_chunk", "prefill_mode", "prefill_rule", "budget_rule",
-                                 "node_value", "slo_order", "slo_margin") if (v := getattr(self, k)) is not None}
+        names = ("max_batch", "prefill_chunk", "prefill_mode", "prefill_rule", "budget_rule", "node_value",
+                 "slo_order", "slo_margin", "slo_floor")
+        fields = {k: v for k in names if (v := getattr(self, k)) is not None}
         adaptive = base.adaptive if self.tree is None else replace(
             base.adaptive, d_min=self.tree.d_min, d_max=self.tree.d_max, w_max=self.tree.w_max,
             depth_rule=self.tree.depth_rule)
@@ -82,7 +84,7 @@ class Preset:
 PAPER_TREE = TreeBounds(d_min=4, d_max=8, w_max=3, depth_rule="eq8")
 ADASERVE_PAPER = Preset("adaserve", "adaserve", max_batch=64, prefill_chunk=1024, prefill_mode="mixed",
                         prefill_rule="fixed", budget_rule="knee", node_value="draft", slo_order="smallest-need",
-                        slo_margin=0.0, tree=PAPER_TREE)
+                        slo_margin=0.0, slo_floor="none", tree=PAPER_TREE)
 # our refinements, one at a time on the paper's configuration
 ADASERVE_REFINEMENTS = {
     "adaserve+goodput-budget": {"budget_rule": "goodput"},
@@ -90,6 +92,7 @@ ADASERVE_REFINEMENTS = {
     "adaserve+learned-values": {"node_value": "learned"},
     "adaserve+goodput-depth": {"tree": replace(PAPER_TREE, depth_rule="goodput")},
     "adaserve+slo-margin": {"slo_margin": 2.0},
+    "adaserve+slo-floor": {"slo_floor": "price"},
     # not a refinement: Algorithm 2's order as the paper's text gives it (largest A(r) first)
     "adaserve+text-order": {"slo_order": "largest-need"},
 }

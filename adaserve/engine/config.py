@@ -37,6 +37,7 @@ from adaserve.engine.speculation.adaptive import AdaptiveConfig
 from adaserve.engine.speculation.selection import SLO_ORDERS
 
 BUDGET_RULES = ("goodput", "knee", "slo")
+SLO_FLOORS = ("price", "none")
 PREFILL_RULES = ("fixed", "slo")
 PREFILL_MODES = ("mixed", "separate")
 
@@ -80,6 +81,12 @@ class EngineConfig:
     # falls short needs more next time. On the replayed rps 4.8 trace a margin of 2 took ours from 0.60 to
     # 0.69 attainment (0.74 -> 0.76 at 4.2 req/s, a tie at 3.0; docs/benchmarks.md). 0: the paper's A(r).
     slo_margin: float = 2.0
+    # AdaServe: the least value a node needs to be taken in the SLO phase. "price": what one more verified
+    # token costs the batch in expected tokens (iteration_budget.token_price), so a request whose target is
+    # beyond its tree does not pour its whole tree, worthless siblings included, into verification; at the
+    # replayed Figure 11's 0.8x coding SLO that took ours from 0.51 to 0.61 attainment, Figure 8 unchanged
+    # (docs/benchmarks.md). "none": Algorithm 2's SLO phase, every node until A(r) is met.
+    slo_floor: str = "price"
     smartspec_max_k: int = 8  # SmartSpec: the longest chain it may choose
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
 
@@ -127,6 +134,8 @@ class EngineConfig:
         at_least("EngineConfig", "n_max", self.n_max, 1)
         if not (isinstance(self.slo_margin, int | float) and math.isfinite(self.slo_margin) and self.slo_margin >= 0):
             raise ValueError(f"EngineConfig.slo_margin must be a finite number >= 0, got {self.slo_margin!r}")
+        if self.slo_floor not in SLO_FLOORS:
+            raise ValueError(f"EngineConfig.slo_floor must be one of {', '.join(SLO_FLOORS)}, got {self.slo_floor!r}")
         if self.slo_order not in SLO_ORDERS:
             raise ValueError(f"EngineConfig.slo_order must be one of {', '.join(SLO_ORDERS)}, got {self.slo_order!r}")
         at_least("EngineConfig", "smartspec_max_k", self.smartspec_max_k, 1)

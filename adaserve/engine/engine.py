@@ -32,7 +32,7 @@ from adaserve.engine.request import Phase, Request, requirement, requirement_lin
 from adaserve.engine.speculation.acceptance import RankAcceptance
 from adaserve.engine.speculation.draft_bandit import make_selector
 from adaserve.engine.speculation.grammar import GrammarCompiler, mask_logits
-from adaserve.engine.speculation.iteration_budget import goodput_budget, slo_budget
+from adaserve.engine.speculation.iteration_budget import goodput_budget, slo_budget, token_price
 from adaserve.engine.speculation.logits_processors import path_tokens, process_tree_logits
 from adaserve.engine.speculation.logprobs import TokenLogprob, token_logprobs
 from adaserve.engine.speculation.policies import (
@@ -527,7 +527,11 @@ class Engine:
         # on top of a clock read after it)
         verify = min(budget, sum(c.size for c in cands)) + m.prefill_tokens
         t_iter = (t1 - t_start) + self.target_time.predict(n_ctx, verify)
-        ctx = SelectionContext(budget=budget, depth=shape.depth, now_s=t_start, t_iter_s=t_iter)
+        floor = 0.0
+        if self.cfg.slo_floor == "price" and is_budgeted(self.policy):
+            floor = token_price(scored, budget=budget, t_spent_s=t1 - t_start,
+                                t_target=lambda k: self.target_time.predict(n_ctx, k + m.prefill_tokens))
+        ctx = SelectionContext(budget=budget, depth=shape.depth, now_s=t_start, t_iter_s=t_iter, min_value=floor)
         # A(r) (§5) plus the margin the SLO phase aims above it
         needs = [requirement(r, now_s=ctx.now_s, t_iter_s=ctx.t_iter_s, margin=self.cfg.slo_margin) for r in decoding]
         chosen = self.policy.select(scored, needs, ctx)

@@ -134,3 +134,15 @@ def test_the_slo_margin_is_ours_not_the_papers() -> None:
     for bad in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="slo_margin"):
             EngineConfig(slo_margin=bad)
+
+
+def test_the_slo_phase_floor_is_ours_not_the_papers() -> None:
+    from adaserve.bench.presets import resolve
+    from adaserve.engine.config import EngineConfig
+
+    assert EngineConfig().slo_floor == "price"
+    assert resolve("adaserve").engine_config(EngineConfig()).slo_floor == "none"  # Algorithm 2 as written
+    assert resolve("adaserve+slo-floor").engine_config(EngineConfig()).slo_floor == "price"
+    assert resolve("adaserve+ours").engine_config(EngineConfig()).slo_floor == "price"
+    with pytest.raises(ValueError, match="slo_floor"):
+        EngineConfig(slo_floor="half")

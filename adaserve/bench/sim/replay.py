@@ -54,7 +54,7 @@ from adaserve.engine.cost.cost_model import CostModel
 from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.prefill_chunk import DecodingSLO, recent_figures, slo_prefill_chunk
 from adaserve.engine.speculation.acceptance import RankAcceptance
-from adaserve.engine.speculation.iteration_budget import goodput_budget, slo_budget
+from adaserve.engine.speculation.iteration_budget import goodput_budget, slo_budget, token_price
 from adaserve.engine.speculation.policies import (
     BatchView,
     Policy,
@@ -412,7 +412,11 @@ class ReplayEngine:
                                 t_target=lambda k: self.target_cost.predict(n_ctx, k + prefill_tokens))
         verify = min(budget, sum(c.size for c in cands)) + prefill_tokens
         t_iter = (t1 - t_start) + self.target_cost.predict(n_ctx, verify)
-        ctx = SelectionContext(budget=budget, depth=shape.depth, now_s=t_start, t_iter_s=t_iter)
+        floor = 0.0
+        if self.cfg.slo_floor == "price" and is_budgeted(self.policy):
+            floor = token_price(scored, budget=budget, t_spent_s=t1 - t_start,
+                                t_target=lambda k: self.target_cost.predict(n_ctx, k + prefill_tokens))
+        ctx = SelectionContext(budget=budget, depth=shape.depth, now_s=t_start, t_iter_s=t_iter, min_value=floor)
         needs = [0.0 if r.tpot_slo_ms is None or r.first_s is None else self.cfg.slo_margin + slo_requirement(
             elapsed_s=max(0.0, t_start - r.first_s), tokens_so_far=max(0, r.emitted - 1), t_iter_s=t_iter,
             tpot_slo_s=r.tpot_slo_ms / 1e3) for r in decoding]  # A(r) + margin, as Engine's requirement()
@@ -430,7 +434,8 @@ class ReplayEngine:
         for listener in self.selection_listeners:
             listener({"t_start": t_start, "ids": [r.request_id for r in decoding], "needs": needs,
                       "sizes": [v.size for v in out], "accepted": [v.accepted for v in out],
-                      "depth": shape.depth, "width": shape.width, "budget": budget, "t_iter_pred": t_iter})
+                      "depth": shape.depth, "width": shape.width, "budget": budget, "t_iter_pred": t_iter,
+                      "min_value": floor})
         return out, t
 
     # ---- a driver (clock.run_simulated) ----

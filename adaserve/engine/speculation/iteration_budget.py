@@ -42,6 +42,8 @@ from adaserve.engine.speculation.selection import RankedNodes, slo_grants, slo_w
 
 # B candidates the SLO rule prices: this many evenly spaced steps from the roots to every candidate node
 SLO_BUDGET_STEPS = 16
+# tokens over which token_price reads the cost curve's slope at B
+PRICE_STEP = 16
 
 
 def goodput_budget(cands: Sequence[TokenTree], *, floor: int, t_spent_s: float,
@@ -96,3 +98,21 @@ def slo_budget(cands: Sequence[TokenTree], *, base: np.ndarray, rate: np.ndarray
         if key > best_key:
             best, best_key = int(b), key
     return best
+
+
+def token_price(cands: Sequence[TokenTree], *, budget: int, t_spent_s: float,
+                t_target: Callable[[int], float]) -> float:
+    """What one more verified token costs the batch, in expected tokens: the iteration's expected rate at B,
+    E(B) / T(B) (the module docstring's E and T, the top B - n nodes by f), times the seconds one more token
+    adds to the forward at B (the cost curve's slope over the next PRICE_STEP tokens). 0 where tokens are
+    free (below the knee). A node worth less than this slows the iteration by more than it yields; the SLO
+    phase takes none (selection.select_adaserve's ``min_value``)."""
+    n = len(cands)
+    if n == 0:
+        return 0.0
+    f = np.sort(np.concatenate([np.exp(c.log_probs[1:]) for c in cands]))[::-1]
+    k = min(max(budget - n, 0), len(f))
+    verify = n + k
+    t = t_spent_s + t_target(verify)
+    slope = max(0.0, t_target(verify + PRICE_STEP) - t_target(verify)) / PRICE_STEP
+    return float(n + f[:k].sum()) / max(t, 1e-12) * slope

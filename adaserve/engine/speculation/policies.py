@@ -73,6 +73,7 @@ class SelectionContext:
     depth: int
     now_s: float
     t_iter_s: float  # predicted duration of this iteration
+    min_value: float = 0.0  # the SLO phase takes no node valued below it (iteration_budget.token_price)
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,7 @@ class AdaServe(_Adaptive):
 
     def select(self, cands: list[TokenTree], needs: list[float], ctx: SelectionContext) -> list[list[int]]:
         return select_adaserve(cands, needs, budget=ctx.budget, depth=ctx.depth, n_max=self.n_max,
-                               order=self.slo_order)
+                               order=self.slo_order, min_value=ctx.min_value)
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,7 @@ class RankedNodes:
     ranked: np.ndarray  # [n, M - 1]
     n_acc: np.ndarray  # [n, M]
     sizes: np.ndarray  # [n] candidate tree sizes, root included
+    value: np.ndarray  # [n, M - 1] f of ``ranked``'s nodes (0 for padding)
 
     @classmethod
     def of(cls, lps: LogF) -> RankedNodes:
@@ -129,7 +130,7 @@ class RankedNodes:
         ranked = np.argsort(-lp[:, 1:], axis=1, kind="stable") + 1
         f = np.exp(np.take_along_axis(lp, ranked, axis=1))
         n_acc = 1.0 + np.concatenate([np.zeros((n, 1)), np.cumsum(f, axis=1)], axis=1)
-        return cls(ranked, n_acc, sizes)
+        return cls(ranked, n_acc, sizes, f)
 
     def reach(self, n_max: int) -> np.ndarray:
         """n_acc of the largest tree the SLO phase may give each request (|T| <= n_max)."""
@@ -137,11 +138,14 @@ class RankedNodes:
         return self.n_acc[np.arange(len(k)), k]
 
 
-def slo_wishes(nodes: RankedNodes, req: np.ndarray, *, depth: int, n_max: int) -> np.ndarray:
+def slo_wishes(nodes: RankedNodes, req: np.ndarray, *, depth: int, n_max: int, min_value: float = 0.0) -> np.ndarray:
     """k(r): how many of its own top nodes request r takes in the SLO phase, the least k with
-    n_acc[k] >= A_cap(r) = min(A(r), d+1), at most n_max - 1 and at most its drafted nodes."""
+    n_acc[k] >= A_cap(r) = min(A(r), d+1), at most n_max - 1 and at most its drafted nodes, and none of
+    them valued below ``min_value`` (0: no floor; see select_adaserve)."""
     a_cap = np.minimum(req, depth + 1)  # at most d drafted + 1 bonus
     need = np.sum(nodes.n_acc < a_cap[:, None], axis=1)
+    if min_value > 0:  # ranked by f, highest first: the nodes worth at least min_value are a prefix
+        need = np.minimum(need, np.sum(nodes.value >= min_value, axis=1))
     return np.maximum(0, np.minimum(np.minimum(need, n_max - 1), nodes.sizes - 1))
 
 
@@ -156,7 +160,7 @@ def slo_grants(want: np.ndarray, req: np.ndarray, *, budget: int, order: str) ->
 
 
 def _slo_phase(lps: LogF, req: np.ndarray, *, budget: int, depth: int,
-               n_max: int, order: str = "largest-need") -> list[np.ndarray]:
+               n_max: int, order: str = "largest-need", min_value: float = 0.0) -> list[np.ndarray]:
     """Algorithm 2 lines 3-17. Returns the chosen node indices per request (root first).
 
     Vectorised over the batch: each request's wish k(r) (its own highest-f nodes until n_acc >= A_cap(r),
@@ -167,7 +171,8 @@ def _slo_phase(lps: LogF, req: np.ndarray, *, budget: int, depth: int,
     if len(padded.sizes) == 0:
         return []
     nodes = RankedNodes.of(padded)
-    k = slo_grants(slo_wishes(nodes, req, depth=depth, n_max=n_max), req, budget=budget, order=order)
+    k = slo_grants(slo_wishes(nodes, req, depth=depth, n_max=n_max, min_value=min_value), req, budget=budget,
+                   order=order)
     return [np.concatenate(([0], nodes.ranked[i, : k[i]])) for i in range(len(k))]
 
 
@@ -195,7 +200,7 @@ def _throughput_phase(lps: LogF, chosen: Sequence[np.ndarray], *, budget: int) -
 
 # ---- policies -----------------------------------------------------------------------------------------
 def select_adaserve(cands: Sequence[TokenTree], requirements: Sequence[float], *, budget: int, depth: int,
-                    n_max: int, order: str = "largest-need") -> list[list[int]]:
+                    n_max: int, order: str = "largest-need", min_value: float = 0.0) -> list[list[int]]:
     """SLO-customized selection (Algorithm 2): an SLO phase, then a throughput phase.
 
     Every root costs 1 and counts f = 1.0. Requests in descending A(r) take their own highest-f nodes
@@ -205,6 +210,13 @@ def select_adaserve(cands: Sequence[TokenTree], requirements: Sequence[float], *
     Departures from the pseudocode: the loops there run while ``B >= 0``, which overspends by one; here
     the total never exceeds ``budget``. ``budget < len(cands)`` raises ValueError (roots must fit).
 
+    ``min_value`` (ours, 0 = Algorithm 2): the SLO phase takes no node with f below it, the price of one
+    verified token (iteration_budget.token_price). A request whose target is beyond its tree (A_cap above
+    what the whole tree is worth, which a margin or a tight TPOT makes common) would otherwise take its whole
+    tree, siblings worth 0.01 tokens included: at Figure 11's 0.8x coding SLO that was 12-13 nodes for every
+    coding request, ~5 of them worth anything, and ~30 ms on every iteration (docs/benchmarks.md). Nodes
+    below the floor stay open to the throughput phase, which weighs them against every other node.
+
     Figure 5 convention. Its caption meets A_cap(r0) = 0.6 with one node of f = 0.7, which under
     Algorithm 2 (n_acc starts at 1.0 for the root) would be met by the root alone. We keep Algorithm 2:
     A(r) counts the bonus token, as Eq. 2-5 do (acc(T) = sum f(v) over T, root included) and as the cap
@@ -212,12 +224,14 @@ def select_adaserve(cands: Sequence[TokenTree], requirements: Sequence[float], *
     the bonus, i.e. A(r) - 1: Figure 5 is reproduced by A(r0) = 1.6, A(r1) = 1.8
     (tests/engine/speculation/test_selection.py::test_figure5_worked_example).
     """
-    _, total = adaserve_phases(cands, requirements, budget=budget, depth=depth, n_max=n_max, order=order)
+    _, total = adaserve_phases(cands, requirements, budget=budget, depth=depth, n_max=n_max, order=order,
+                               min_value=min_value)
     return _as_lists(total)
 
 
 def adaserve_phases(cands: Sequence[TokenTree], requirements: Sequence[float], *, budget: int, depth: int,
-                    n_max: int, order: str = "largest-need") -> tuple[list[np.ndarray], list[np.ndarray]]:
+                    n_max: int, order: str = "largest-need",
+                    min_value: float = 0.0) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Algorithm 2's two phases apart: the nodes after the SLO phase and after the throughput phase, per
     request (unsorted). The bench counts how many nodes each phase assigned."""
     req = _validated(cands, requirements, budget=budget, depth=depth, n_max=n_max)
@@ -225,7 +239,9 @@ def adaserve_phases(cands: Sequence[TokenTree], requirements: Sequence[float], *
     if order not in SLO_ORDERS:
         raise ValueError(f"SLO order must be one of {', '.join(SLO_ORDERS)}, got {order!r}")
     padded = _padded(lps)  # once for both phases
-    slo = _slo_phase(padded, req, budget=budget, depth=depth, n_max=n_max, order=order)
+    if not min_value >= 0:
+        raise ValueError(f"min_value must be >= 0, got {min_value}")
+    slo = _slo_phase(padded, req, budget=budget, depth=depth, n_max=n_max, order=order, min_value=min_value)
     return slo, _throughput_phase(padded, slo, budget=budget)
 
 

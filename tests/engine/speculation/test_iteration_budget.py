@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from adaserve.engine.model.tree import TokenTree
-from adaserve.engine.speculation.iteration_budget import goodput_budget, slo_budget
+from adaserve.engine.speculation.iteration_budget import goodput_budget, slo_budget, token_price
 
 
 def chain(probs: list[float]) -> TokenTree:
@@ -96,3 +96,16 @@ def test_slo_rule_is_not_pulled_up_by_a_hopeless_request() -> None:
     with_hopeless = _slo(cands, [50.0, 1.0] + [-50.0] * 6, [0.036] * 2 + [0.15] * 6, cost)
     without = _slo(cands, [-50.0, 1.0] + [-50.0] * 6, [0.036] * 2 + [0.15] * 6, cost)
     assert with_hopeless == without
+
+
+# ---- the price of a verified token (the SLO phase's floor) ---------------------------------------------
+def test_a_token_is_free_below_the_knee_and_priced_by_the_batch_rate_above_it() -> None:
+    cands = [chain([0.9, 0.5])] * 4  # 4 roots + 8 drafted nodes
+    roofline = lambda k: 0.03 + 0.001 * max(0, k - 64)  # noqa: E731 - flat to 64 tokens, then 1 ms a token
+    assert token_price(cands, budget=8, t_spent_s=0.01, t_target=roofline) == 0.0  # 8 + 16 tokens still flat
+    linear = lambda k: 0.02 + 0.001 * k  # noqa: E731
+    # B = 8: the roots and the four 0.9 nodes, E = 4 + 3.6 = 7.6 tokens in 0.01 + 0.028 s, a token 1 ms more
+    assert np.isclose(token_price(cands, budget=8, t_spent_s=0.01, t_target=linear), 7.6 / 0.038 * 0.001)
+    # a budget beyond every node is priced at every node
+    assert np.isclose(token_price(cands, budget=100, t_spent_s=0.0, t_target=linear), 9.6 / 0.032 * 0.001)
+    assert token_price([], budget=8, t_spent_s=0.0, t_target=linear) == 0.0

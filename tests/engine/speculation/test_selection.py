@@ -284,3 +284,43 @@ def test_throughput_phase_picks_exactly_what_the_scan_per_request_picked(b: dict
         want = reference_throughput_phase(lps, slo, budget=budget)
         assert [g.tolist() for g in got] == [w.tolist() for w in want]
         assert selection._as_lists(got) == [sorted(int(i) for i in w) for w in want]
+
+
+def test_the_value_floor_stops_a_request_pouring_a_tree_it_cannot_fill_into_verification() -> None:
+    """A request whose A(r) is beyond its whole tree (a tight TPOT, a margin) takes every node in the SLO
+    phase under Algorithm 2, worthless siblings included; with a floor it takes only the nodes worth it,
+    and the rest of the budget goes by value across requests (Figure 11 at 0.8x, docs/benchmarks.md)."""
+    # a sure chain 0-1-2-3 with an unlikely sibling under each of its nodes (4, 5, 6)
+    sure = tree([-1, 0, 1, 2, 0, 1, 2], [1.0, 0.95, 0.9, 0.85, 0.02, 0.015, 0.01])
+    other = tree([-1, 0, 1], [1.0, 0.6, 0.4])  # a request with slack, whose nodes are worth more than the siblings
+    needs = [6.0, 0.0]  # more than the sure tree's 1 + 0.95 + 0.9 + 0.85 + 0.045 = 3.75 tokens: unreachable
+    kw = {"budget": 2 + 5, "depth": 3, "n_max": 16}
+    assert slo_phase([sure, other], needs, **kw) == [[0, 1, 2, 3, 4, 5], [0]]  # Algorithm 2: the tree, until B is gone
+    assert selection.select_adaserve([sure, other], needs, **kw) == [[0, 1, 2, 3, 4, 5], [0]]
+    floored = selection.select_adaserve([sure, other], needs, **kw, min_value=0.1)
+    assert floored == [[0, 1, 2, 3], [0, 1, 2]]  # the chain; the budget's rest to the other's better nodes
+    slo = selection._slo_phase([strict_lp(sure), strict_lp(other)], np.asarray(needs), budget=7, depth=3, n_max=16,
+                               min_value=0.1)
+    assert [sorted(s.tolist()) for s in slo] == [[0, 1, 2, 3], [0]]
+    # a reachable target is met as before from nodes worth more than the floor
+    assert selection.select_adaserve([sure], [2.5], budget=4, depth=3, n_max=16, min_value=0.1) == [[0, 1, 2, 3]]
+    # nodes below the floor stay open to the throughput phase when the budget has room
+    assert selection.select_adaserve([sure], [6.0], budget=7, depth=3, n_max=16, min_value=0.1) == [
+        [0, 1, 2, 3, 4, 5, 6]]
+    with pytest.raises(ValueError, match="min_value"):
+        selection.select_adaserve([sure], [1.0], budget=4, depth=3, n_max=16, min_value=-1.0)
+
+
+@given(batch(), st.floats(0.0, 1.0))
+def test_a_floor_only_ever_shrinks_the_slo_phase(b: dict, floor: float):
+    cands, req = b["cands"], np.asarray(b["requirements"], np.float64)
+    lps = [strict_lp(c) for c in cands]
+    kw = {"budget": b["budget"], "depth": b["depth"], "n_max": b["n_max"]}
+    plain = selection._slo_phase(lps, req, **kw)
+    floored = selection._slo_phase(lps, req, **kw, min_value=floor)
+    for p, f, lp in zip(plain, floored, lps, strict=True):
+        assert set(f.tolist()) <= set(p.tolist())
+        assert all(np.exp(lp[v]) >= floor for v in f.tolist() if v != 0)
+    final = selection.select_adaserve(cands, list(req), **kw, min_value=floor)
+    assert_trees(cands, final)
+    assert sum(map(len, final)) == min(b["budget"], sum(c.size for c in cands))

@@ -167,13 +167,25 @@ def _slo_phase(lps: LogF, req: np.ndarray, *, budget: int, depth: int,
     at most n_max - 1) is computed for all at once (slo_wishes); the budget then goes to them in ``order``
     of A(r) (slo_grants).
     """
+    return _slo_phase_and_cut(lps, req, budget=budget, depth=depth, n_max=n_max, order=order,
+                              min_value=min_value)[0]
+
+
+def _slo_phase_and_cut(lps: LogF, req: np.ndarray, *, budget: int, depth: int, n_max: int, order: str,
+                       min_value: float) -> tuple[list[np.ndarray], int]:
+    """The SLO phase (``_slo_phase``), and how many nodes the floor ``min_value`` kept out of it: what the
+    phase grants without the floor less what it grants with it."""
     padded = _padded(lps)
     if len(padded.sizes) == 0:
-        return []
+        return [], 0
     nodes = RankedNodes.of(padded)
     k = slo_grants(slo_wishes(nodes, req, depth=depth, n_max=n_max, min_value=min_value), req, budget=budget,
                    order=order)
-    return [np.concatenate(([0], nodes.ranked[i, : k[i]])) for i in range(len(k))]
+    cut = 0
+    if min_value > 0:
+        plain = slo_grants(slo_wishes(nodes, req, depth=depth, n_max=n_max), req, budget=budget, order=order)
+        cut = int(plain.sum() - k.sum())
+    return [np.concatenate(([0], nodes.ranked[i, : k[i]])) for i in range(len(k))], cut
 
 
 def _throughput_phase(lps: LogF, chosen: Sequence[np.ndarray], *, budget: int) -> list[np.ndarray]:
@@ -211,11 +223,14 @@ def select_adaserve(cands: Sequence[TokenTree], requirements: Sequence[float], *
     the total never exceeds ``budget``. ``budget < len(cands)`` raises ValueError (roots must fit).
 
     ``min_value`` (ours, 0 = Algorithm 2): the SLO phase takes no node with f below it, the price of one
-    verified token (iteration_budget.token_price). A request whose target is beyond its tree (A_cap above
-    what the whole tree is worth, which a margin or a tight TPOT makes common) would otherwise take its whole
-    tree, siblings worth 0.01 tokens included: at Figure 11's 0.8x coding SLO that was 12-13 nodes for every
-    coding request, ~5 of them worth anything, and ~30 ms on every iteration (docs/benchmarks.md). Nodes
-    below the floor stay open to the throughput phase, which weighs them against every other node.
+    verified token (iteration_budget.token_price), and the throughput phase then spends B less the nodes
+    the floor kept out, so they leave the iteration instead of going to other requests. A request whose
+    target is beyond its tree (A_cap above what the whole tree is worth, which a margin or a tight TPOT makes
+    common) would otherwise take its whole tree, siblings worth 0.01 tokens included: at Figure 11's 0.8x
+    coding SLO that was 12-13 nodes for every coding request, ~5 of them worth anything. Handed on to the
+    throughput phase, the slots went to requests with slack (at Figure 10's 0.1 urgent share, coding
+    attainment 0.95 -> 0.82); left out, the iteration is shorter for the requests that needed it
+    (docs/benchmarks.md). The total is then at most ``budget``, and may be less.
 
     Figure 5 convention. Its caption meets A_cap(r0) = 0.6 with one node of f = 0.7, which under
     Algorithm 2 (n_acc starts at 1.0 for the root) would be met by the root alone. We keep Algorithm 2:
@@ -241,8 +256,9 @@ def adaserve_phases(cands: Sequence[TokenTree], requirements: Sequence[float], *
     padded = _padded(lps)  # once for both phases
     if not min_value >= 0:
         raise ValueError(f"min_value must be >= 0, got {min_value}")
-    slo = _slo_phase(padded, req, budget=budget, depth=depth, n_max=n_max, order=order, min_value=min_value)
-    return slo, _throughput_phase(padded, slo, budget=budget)
+    slo, cut = _slo_phase_and_cut(padded, req, budget=budget, depth=depth, n_max=n_max, order=order,
+                                  min_value=min_value)
+    return slo, _throughput_phase(padded, slo, budget=budget - cut)  # what the floor kept out is not handed on
 
 
 def select_global_greedy(cands: Sequence[TokenTree], *, budget: int) -> list[list[int]]:

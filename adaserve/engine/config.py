@@ -97,6 +97,9 @@ class EngineConfig:
     # (prefill_chunk.py); a scheduler setting, the same for every policy; "fixed" is the behaviour before it
     prefill_rule: str = "fixed"
     prefill_min_chunk: int = 32
+    # the TTFT target (ms from arrival) the "slo" rule keeps a request being prefilled on when the request names
+    # none (Request.ttft_slo_ms); None: such a request's first token is not waited for
+    prefill_ttft_ms: float | None = None
     # "mixed": prefill chunks ride in the decoding iterations' forward (chunked prefill); "separate": an
     # iteration with requests to prefill prefills whole prompts (first come first served, while their sum is
     # at most prefill_chunk; the first always, however long) and decodes nothing, as vLLM v0 without
@@ -144,6 +147,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.prefill_rule must be one of {', '.join(PREFILL_RULES)}, "
                              f"got {self.prefill_rule!r}")
         at_least("EngineConfig", "prefill_min_chunk", self.prefill_min_chunk, 1)  # capped at prefill_chunk
+        if self.prefill_ttft_ms is not None:
+            positive("EngineConfig", "prefill_ttft_ms", self.prefill_ttft_ms)
         if self.prefill_mode not in PREFILL_MODES:
             raise ValueError(f"EngineConfig.prefill_mode must be one of {', '.join(PREFILL_MODES)}, "
                              f"got {self.prefill_mode!r}")

@@ -27,7 +27,7 @@ from adaserve.engine.model.batch import Segment
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.multi_draft import DraftPool
-from adaserve.engine.prefill_chunk import DecodingSLO, recent_figures, slo_prefill_chunk
+from adaserve.engine.prefill_chunk import DecodingSLO, PrefillTTFT, recent_figures, slo_prefill_chunk, ttft_left_s
 from adaserve.engine.request import Phase, Request, requirement, requirement_line
 from adaserve.engine.speculation.acceptance import RankAcceptance
 from adaserve.engine.speculation.draft_bandit import make_selector
@@ -443,9 +443,13 @@ class Engine:
             return cfg.prefill_chunk
         per_req, verify, host = recent_figures(list(itertools.islice(reversed(self.history), 16)), len(decoding))
         n_ctx = sum(r.target_kv.length for r in decoding)
+        prefilling = [PrefillTTFT(len(r.prompt_ids) - r.target_kv.length,
+                                  ttft_left_s(r.metrics.arrival_s, r.ttft_slo_ms or cfg.prefill_ttft_ms, now))
+                      for r in self.running if r.phase is Phase.PREFILL]
         return slo_prefill_chunk(
             slos, min_chunk=min(cfg.prefill_min_chunk, cfg.prefill_chunk), max_chunk=cfg.prefill_chunk,
-            tokens_per_iter=per_req, t_iter=lambda p: host + self.target_time.predict(n_ctx, round(verify) + p))
+            tokens_per_iter=per_req, t_iter=lambda p: host + self.target_time.predict(n_ctx, round(verify) + p),
+            prefilling=prefilling)
 
     def _prefill_segments(self, m: StepMetrics) -> list[tuple[Request, Segment]]:
         """This iteration's prompt chunks: "mixed", up to ``_prefill_chunk()`` tokens, the last prompt cut;

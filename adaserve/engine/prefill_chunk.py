@@ -18,18 +18,36 @@ on its SLO this iteration with the smallest chunk still is:
 
 So the chunk shrinks when requests are near their SLO and grows back to ``max`` when they have slack
 (A(r) is negative for a request ahead of its SLO); the smallest chunk keeps prefill moving, so the queue
-is never starved. Pure: the engine hands in the numbers.
+is never starved.
+
+TTFT. Holding prompt tokens back delays first tokens: on the replayed rps 4.8 trace the rule alone left
+about 10 of the 64 running slots prefilling and added 2.7 s to a request's time to first token
+(docs/benchmarks.md). So the rule also keeps the requests being prefilled on their TTFT targets. Prompt
+chunks are filled in admission order, so request j's first token comes with the iteration that completes
+the C_j prompt tokens of the requests before it and its own:
+
+    C_j          the prompt tokens still to prefill of request j and of those ahead of it
+    left_j       seconds until j's TTFT target (arrival + target - now)
+    on time(p)   ceil(C_j / p) * t_iter(p) <= left_j
+    ttft floor   min { p on the grid : on time(p) for every j that is on time with max }
+    chunk        max(TPOT chunk above, ttft floor)
+
+A request late even at ``max`` does not hold the chunk up (as a decoding request no chunk can save); when
+both kinds of target cannot be met, the first token's wins: a TTFT missed is a miss, while a decoding
+request pushed back by one iteration can still make its mean TPOT. Pure: the engine hands in the numbers.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from adaserve.engine.speculation.selection import slo_requirement
 
-__all__ = ["DecodingSLO", "RecentIteration", "chunk_grid", "recent_figures", "slo_prefill_chunk"]
+__all__ = ["DecodingSLO", "PrefillTTFT", "RecentIteration", "chunk_grid", "recent_figures", "slo_prefill_chunk",
+           "ttft_floor", "ttft_left_s"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +57,20 @@ class DecodingSLO:
     elapsed_s: float
     tokens_so_far: int
     tpot_slo_s: float
+
+
+@dataclass(frozen=True)
+class PrefillTTFT:
+    """A request being prefilled, in prefill order: prompt tokens not yet in the KV, and seconds until its
+    TTFT target (negative: already late; inf: it has none, and only its tokens count, for those behind it)."""
+
+    remaining: int
+    left_s: float
+
+
+def ttft_left_s(arrival_s: float, ttft_target_ms: float | None, now_s: float) -> float:
+    """Seconds until a request's TTFT target (arrival + target); inf without a target."""
+    return math.inf if ttft_target_ms is None else arrival_s + ttft_target_ms / 1e3 - now_s
 
 
 class RecentIteration(Protocol):
@@ -79,17 +111,46 @@ def chunk_grid(min_chunk: int, max_chunk: int) -> list[int]:
     return [*out, min_chunk]
 
 
+def ttft_floor(prefilling: Sequence[PrefillTTFT], grid: Sequence[int], t_iter: Callable[[int], float]) -> int:
+    """The smallest chunk of ``grid`` (largest first, as chunk_grid) that keeps every prefilling request on its
+    TTFT target that the largest keeps there (module docstring); 0 when there is none to keep."""
+    ahead, cum = 0, []
+    for r in prefilling:
+        ahead += max(0, r.remaining)
+        cum.append(ahead)
+
+    def on_time(j: int, p: int) -> bool:
+        return -(-cum[j] // p) * t_iter(p) <= prefilling[j].left_s
+
+    keep = [j for j, r in enumerate(prefilling) if math.isfinite(r.left_s) and cum[j] > 0 and on_time(j, grid[0])]
+    if not keep:
+        return 0
+    for p in reversed(grid):  # smallest first: the first that keeps them all on time
+        if all(on_time(j, p) for j in keep):
+            return p
+    return grid[0]  # unreachable: the largest keeps them by definition
+
+
 def slo_prefill_chunk(decoding: Sequence[DecodingSLO], *, min_chunk: int, max_chunk: int,
-                      t_iter: Callable[[int], float], tokens_per_iter: float) -> int:
+                      t_iter: Callable[[int], float], tokens_per_iter: float,
+                      prefilling: Sequence[PrefillTTFT] = ()) -> int:
     """The prompt tokens this iteration may carry (see the module docstring).
 
     ``t_iter(p)``: predicted seconds of an iteration carrying p prompt tokens; ``tokens_per_iter``: what
-    one decoding request emits per iteration (>= 1: the bonus token). With no decoding request, or none
-    that any chunk could keep on its SLO, ``max_chunk``.
+    one decoding request emits per iteration (>= 1: the bonus token); ``prefilling``: the requests being
+    prefilled that have a TTFT target, in prefill order. With no decoding request, or none that any chunk
+    could keep on its SLO, ``max_chunk``; never below what keeps the prefilling requests on their TTFT.
     """
     grid = chunk_grid(min_chunk, max_chunk)
     if tokens_per_iter < 1:
         raise ValueError(f"tokens_per_iter must be >= 1 (every iteration emits the bonus token), got {tokens_per_iter}")
+    return max(_tpot_chunk(decoding, grid, t_iter, tokens_per_iter), ttft_floor(prefilling, grid, t_iter))
+
+
+def _tpot_chunk(decoding: Sequence[DecodingSLO], grid: Sequence[int], t_iter: Callable[[int], float],
+                tokens_per_iter: float) -> int:
+    """The largest chunk of ``grid`` that keeps every savable decoding request on its TPOT (module docstring)."""
+    min_chunk, max_chunk = grid[-1], grid[0]
     if not decoding:
         return max_chunk
 

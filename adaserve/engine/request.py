@@ -67,6 +67,9 @@ class Request:
     # the prompt's last tokens that an earlier worker emitted as output (a continuation): the penalties count
     # them as output (logits_processors.py)
     resumed: int = 0
+    # time-to-first-token target (from arrival); the SLO prefill rule keeps prompt chunks large enough for it
+    # (prefill_chunk.py); None: EngineConfig.prefill_ttft_ms
+    ttft_slo_ms: float | None = None
     phase: Phase = Phase.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     target_kv: SequenceKV = field(default_factory=SequenceKV)

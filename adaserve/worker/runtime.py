@@ -300,7 +300,7 @@ class Runtime:
         ids = await self._prompt_ids(body, params)
         resumed = list(body.resume_token_ids or ())
         rid = body.request_id or uuid.uuid4().hex
-        req = Request(rid, ids + resumed, params, tpot_slo_ms=tpot, resumed=len(resumed))
+        req = Request(rid, ids + resumed, params, tpot_slo_ms=tpot, resumed=len(resumed), ttft_slo_ms=body.ttft_slo_ms)
         if resumed:
             self._resume(req, resumed)
         if params.grammar is not None:

@@ -3,10 +3,19 @@ targets need it, grow back when they have slack, never below the smallest chunk.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from adaserve.engine.config import EngineConfig
-from adaserve.engine.prefill_chunk import DecodingSLO, chunk_grid, slo_prefill_chunk
+from adaserve.engine.prefill_chunk import (
+    DecodingSLO,
+    PrefillTTFT,
+    chunk_grid,
+    slo_prefill_chunk,
+    ttft_floor,
+    ttft_left_s,
+)
 from adaserve.engine.speculation.selection import slo_requirement
 
 # a forward: 24 ms plus 0.25 ms per prompt token (the simulated A100's target past its knee, roughly)
@@ -82,3 +91,37 @@ def test_config_checks_the_rule_and_the_smallest_chunk():
         with pytest.raises(ValueError):
             EngineConfig(**kw)
     assert EngineConfig(prefill_chunk=8, prefill_rule="slo").prefill_min_chunk == 32  # the engine caps it at 8
+
+
+# ---- TTFT: the chunk never starves a prompt whose first token can still be on time ------------------------
+def test_a_prompt_on_its_ttft_deadline_lifts_the_chunk_a_tight_decoder_asked_to_shrink():
+    tight = on_pace(0.0303, 40)  # alone it would shrink the chunk to 128 (the test above)
+    # 1000 prompt tokens due in 0.2 s: at 128 a token 8 iterations of 56 ms (0.45 s); at 256, 4 of 88 ms (0.35 s);
+    # at 512, 2 of 152 ms (0.30 s); only all of it in one (1024: 280 ms) would do, and that is late too: hopeless
+    late = PrefillTTFT(remaining=1000, left_s=0.2)
+    kw = {"min_chunk": 32, "max_chunk": 1024, "t_iter": t_iter, "tokens_per_iter": 2.0}
+    assert slo_prefill_chunk([tight], **kw, prefilling=[late]) == 128  # no chunk saves it: the decoder decides
+    due = PrefillTTFT(remaining=1000, left_s=0.4)  # 0.4 s: 256 (4 x 88 ms) is the smallest chunk on time
+    assert slo_prefill_chunk([tight], **kw, prefilling=[due]) == 256
+    assert ttft_floor([due], chunk_grid(32, 1024), t_iter) == 256
+    relaxed = PrefillTTFT(remaining=1000, left_s=30.0)  # time enough at the smallest chunk
+    assert slo_prefill_chunk([tight], **kw, prefilling=[relaxed]) == 128
+
+
+def test_prompts_are_due_in_prefill_order_and_tokens_ahead_count():
+    grid = chunk_grid(32, 1024)
+    first = PrefillTTFT(remaining=600, left_s=math.inf)  # no target of its own, but its tokens go first
+    second = PrefillTTFT(remaining=100, left_s=0.3)  # 700 tokens must be in: 3 x 88 ms at 256, not 6 x 56 at 128
+    assert ttft_floor([first, second], grid, t_iter) == 256
+    assert ttft_floor([second, first], grid, t_iter) == 32  # first in line: 100 tokens, 4 x 32 ms at 32
+    assert ttft_floor([first], grid, t_iter) == 0  # nobody with a target: no floor
+    assert ttft_floor([PrefillTTFT(remaining=0, left_s=-1.0)], grid, t_iter) == 0
+
+
+def test_ttft_left_and_the_default_target():
+    assert ttft_left_s(10.0, 500.0, 10.2) == pytest.approx(0.3)
+    assert ttft_left_s(10.0, None, 10.2) == math.inf
+    assert EngineConfig().prefill_ttft_ms is None or EngineConfig().prefill_ttft_ms > 0
+    for bad in (0.0, -5.0, float("nan")):
+        with pytest.raises(ValueError, match="prefill_ttft_ms"):
+            EngineConfig(prefill_ttft_ms=bad)

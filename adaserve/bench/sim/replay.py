@@ -52,7 +52,7 @@ from adaserve.bench.sim.device_model import DeviceProfile
 from adaserve.engine.config import EngineConfig
 from adaserve.engine.cost.cost_model import CostModel
 from adaserve.engine.model.tree import TokenTree
-from adaserve.engine.prefill_chunk import DecodingSLO, recent_figures, slo_prefill_chunk
+from adaserve.engine.prefill_chunk import DecodingSLO, PrefillTTFT, recent_figures, slo_prefill_chunk, ttft_left_s
 from adaserve.engine.speculation.acceptance import RankAcceptance
 from adaserve.engine.speculation.iteration_budget import goodput_budget, slo_budget, token_price
 from adaserve.engine.speculation.policies import (
@@ -79,6 +79,7 @@ class ReplayRequest:
     out_len: int
     tpot_slo_ms: float | None
     record: AgreementTrace
+    ttft_slo_ms: float | None = None  # None: the engine's prefill_ttft_ms
     phase: int = WAITING
     prefilled: int = 0  # prompt tokens in the target KV
     emitted: int = 0  # output tokens so far
@@ -285,9 +286,13 @@ class ReplayEngine:
             return cfg.prefill_chunk
         per_req, verify, host = recent_figures(list(self.history), len(decoding))  # the last 16 (maxlen)
         n_ctx = sum(r.kv_len for r in decoding)
+        prefilling = [PrefillTTFT(r.prompt_len - r.prefilled,
+                                  ttft_left_s(r.arrival_s, r.ttft_slo_ms or cfg.prefill_ttft_ms, self.now))
+                      for r in self.running if r.phase == PREFILL]
         return slo_prefill_chunk(
             slos, min_chunk=min(cfg.prefill_min_chunk, cfg.prefill_chunk), max_chunk=cfg.prefill_chunk,
-            tokens_per_iter=per_req, t_iter=lambda p: host + self.target_cost.predict(n_ctx, round(verify) + p))
+            tokens_per_iter=per_req, t_iter=lambda p: host + self.target_cost.predict(n_ctx, round(verify) + p),
+            prefilling=prefilling)
 
     def _prefill_segments(self) -> list[tuple[ReplayRequest, int]]:
         whole = self.cfg.prefill_mode == "separate"
@@ -431,11 +436,14 @@ class ReplayEngine:
                 tree = c if len(keep) == c.size else c.subtree(keep)
                 path = np.flatnonzero(good[keep]).tolist()
             out.append(Verified(len(keep), acc, int(level[keep].max()), tree, path))
-        for listener in self.selection_listeners:
-            listener({"t_start": t_start, "ids": [r.request_id for r in decoding], "needs": needs,
-                      "sizes": [v.size for v in out], "accepted": [v.accepted for v in out],
-                      "depth": shape.depth, "width": shape.width, "budget": budget, "t_iter_pred": t_iter,
-                      "min_value": floor})
+        if self.selection_listeners:
+            # what selection believed each verified tree worth: its nodes' values (the bonus root's 1 included)
+            believed = [float(np.exp(c.log_probs[sorted(sel)]).sum()) for c, sel in zip(scored, chosen, strict=True)]
+            for listener in self.selection_listeners:
+                listener({"t_start": t_start, "ids": [r.request_id for r in decoding], "needs": needs,
+                          "sizes": [v.size for v in out], "accepted": [v.accepted for v in out], "believed": believed,
+                          "depth": shape.depth, "width": shape.width, "budget": budget, "t_iter_pred": t_iter,
+                          "min_value": floor})
         return out, t
 
     # ---- a driver (clock.run_simulated) ----

@@ -18,7 +18,8 @@ from tests.engine.helpers import runner
 PAPER = "a100-80g-tp4/llama-3.1-70b"
 
 
-def serve(target_dir: Path, draft_dir: Path, rule: str) -> tuple[list[Request], list[StepMetrics]]:
+def serve(target_dir: Path, draft_dir: Path, rule: str,
+          ttft_ms: float | None = None) -> tuple[list[Request], list[StepMetrics]]:
     device = load_profile_file(PAPER)
     budget, target_cost, draft_cost = costs_of(simulated_profile(device))
     clock = SimClock()
@@ -29,7 +30,8 @@ def serve(target_dir: Path, draft_dir: Path, rule: str) -> tuple[list[Request], 
     eng.step_listeners.append(steps.append)
     tight = Request("tight", [3, 1, 4, 1, 5], SamplingParams(max_tokens=40, ignore_eos=True), tpot_slo_ms=36.0)
     long = [Request(f"long{i}", [2 + (5 * i + j) % 80 for j in range(420)],
-                    SamplingParams(max_tokens=4, ignore_eos=True), tpot_slo_ms=150.0) for i in range(4)]
+                    SamplingParams(max_tokens=4, ignore_eos=True), tpot_slo_ms=150.0, ttft_slo_ms=ttft_ms)
+            for i in range(4)]
     arrivals = [(0.0, tight), *((0.08 + 0.01 * i, r) for i, r in enumerate(long))]
     run_simulated(eng, arrivals, device, clock, sched_s=0.001)
     return [r for _, r in arrivals], steps
@@ -45,3 +47,17 @@ def test_prompts_wait_in_smaller_chunks_while_a_tight_request_needs_the_time(tar
     assert sum(m.prefill_tokens for m in slo_steps) == sum(m.prefill_tokens for m in fixed_steps)  # all prefilled
     t_fixed, t_slo = fixed[0].metrics.tpot_ms, slo[0].metrics.tpot_ms
     assert t_fixed is not None and t_slo is not None and t_slo <= t_fixed
+
+
+def test_a_ttft_target_keeps_the_prompts_behind_a_tight_request_moving(target_dir: Path, draft_dir: Path) -> None:
+    """The same arrivals, the long prompts now with a TTFT target: the rule may no longer hold their chunks back
+    past it, so their first tokens come no later than without one, the tight request's TPOT aside."""
+    held, _ = serve(target_dir, draft_dir, "slo")
+    # without a target their first tokens come 107, 191, 251 and 363 ms after arrival; 250 ms binds the last three
+    timed, steps = serve(target_dir, draft_dir, "slo", ttft_ms=250.0)
+    assert [r.output_ids for r in timed] == [r.output_ids for r in held]  # the same tokens
+    before = [r.metrics.ttft_ms for r in held[1:]]
+    after = [r.metrics.ttft_ms for r in timed[1:]]
+    assert all(a is not None and b is not None and a <= b + 1e-6 for a, b in zip(after, before, strict=True))
+    assert sum(after) < sum(before)  # some first token came sooner
+    assert max(m.prefill_tokens for m in steps if m.n_decode) > min(m.prefill_tokens for m in steps if m.n_decode)

@@ -74,7 +74,8 @@ def replay_run(system: str, s: SweepSettings) -> list[ReplayRequest]:
     return reqs
 
 
-@pytest.mark.parametrize("system", ["vllm", "sarathi", "vllm-spec:3", "chain:2"])
+@pytest.mark.parametrize("system", ["vllm", "sarathi", "vllm-spec:3", "chain:2", "chain:2|prefill_rule=slo",
+                                    "chain:2|prefill_rule=slo;prefill_ttft_ms=250"])
 def test_a_chain_or_plain_schedule_is_the_real_engines_exactly(system: str) -> None:
     """Chains accept exactly what the recording says (the draft's top-1 agreeing with the target in a row),
     so every verification, every token time and the order of admission must match the real engine's."""

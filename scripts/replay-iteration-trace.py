@@ -11,7 +11,8 @@ reports, per system:
 - per class: attainment, TPOT / target quantiles, TTFT and its two parts (queue: arrival to a running slot;
   prefill: slot to first token);
 - per class, over request-iterations: A(r) as selection saw it (without the SLO margin), verified tree
-  size, tokens emitted (accepted + bonus), and how often a request emitted at least its A(r);
+  size, tokens emitted (accepted + bonus) against what selection believed the tree worth (its nodes'
+  values, learnt or the draft's: the calibration), and how often a request emitted at least its A(r);
 - per iteration: decoding requests, requests prefilling and waiting, prompt tokens, verified tokens, budget,
   the SLO phase's value floor, depth, width, iteration seconds (mean and quantiles), split by whether prompt
   tokens rode along;
@@ -75,12 +76,14 @@ def summarise(reqs: list[ReplayRequest], trace: dict[str, Any]) -> dict[str, Any
     ri = defaultdict(lambda: defaultdict(list))  # class -> field -> values over request-iterations
     per_req = defaultdict(lambda: defaultdict(list))  # request -> field -> values
     for sel in trace["selections"]:
-        for rid, need, size, acc in zip(sel["ids"], sel["needs"], sel["sizes"], sel["accepted"], strict=True):
+        for rid, need, size, acc, val in zip(sel["ids"], sel["needs"], sel["sizes"], sel["accepted"], sel["believed"],
+                                             strict=True):
             c = by_id[rid].slo_class
             a = need - margin if need else need
             ri[c]["need"].append(a)
             ri[c]["size"].append(size)
             ri[c]["emitted"].append(acc + 1)
+            ri[c]["believed"].append(val)
             ri[c]["made"].append(acc + 1 >= a)
             per_req[rid]["size"].append(size)
             per_req[rid]["emitted"].append(acc + 1)
@@ -96,6 +99,7 @@ def summarise(reqs: list[ReplayRequest], trace: dict[str, Any]) -> dict[str, Any
             "prefill_s": quantiles([r.first_s - r.admitted_s for r in rs if r.admitted_s is not None and r.first_s]),
             "iter_need": quantiles(ri[c]["need"]), "iter_tree_size": quantiles(ri[c]["size"]),
             "iter_emitted": quantiles(ri[c]["emitted"]),
+            "iter_believed": quantiles(ri[c]["believed"]),  # the verified tree's value to selection: calibration
             "iter_emitted_at_least_need": float(np.mean(ri[c]["made"])) if ri[c]["made"] else None,
         }
     steps = trace["steps"]

@@ -40,6 +40,10 @@ def _mean(xs: Sequence[float]) -> float | None:
     return float(np.mean(xs)) if len(xs) else None
 
 
+def _percentile(xs: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if len(xs) else None
+
+
 def summarize(results: Sequence[RequestResult], *, wall_s: float, select_s: float = 0.0,
               step_s: float = 0.0, window_s: float | None = None) -> dict:
     """Aggregate one (policy, rate) run. ``wall_s``: the makespan; ``window_s``: the arrival window (None or 0:
@@ -76,6 +80,7 @@ def summarize(results: Sequence[RequestResult], *, wall_s: float, select_s: floa
         "mean_tpot_ms": _mean(tpots),
         "p99_tpot_ms": float(np.percentile(tpots, 99)) if tpots else None,
         "mean_ttft_ms": _mean([r.ttft_ms for r in results if r.ttft_ms is not None]),
+        "p90_ttft_ms": _percentile([r.ttft_ms for r in results if r.ttft_ms is not None], 90),
         "mean_accepted_per_verification": _mean(accepted),
         "scheduler_time_share": select_s / step_s if step_s > 0 else 0.0,
         "wall_s": wall_s,

@@ -41,6 +41,8 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--max-batch", type=int, default=64, help="running requests, for systems that are not presets")
     run.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per iteration, same")
     run.add_argument("--prefill-rule", default="fixed", choices=["fixed", "slo"], help="same")
+    run.add_argument("--prefill-ttft-ms", type=float,
+                     help="the slo rule's TTFT target for every request, ms from arrival (default: none)")
     run.add_argument("--prompt-lengths", default="trace", choices=["trace", "recorded"],
                      help="the trace's input_length (default) or the recording model's count")
     run.add_argument("--jobs", type=int, default=1, help="cells run at once, one process each")
@@ -80,9 +82,12 @@ def run_sweep(args: argparse.Namespace) -> int:
         raise CliError("give at least one seed and one system")
     if args.jobs < 1 or args.max_batch < 1 or args.prefill_chunk < 1:
         raise CliError("--jobs, --max-batch and --prefill-chunk must be >= 1")
+    if args.prefill_ttft_ms is not None and not args.prefill_ttft_ms > 0:
+        raise CliError("--prefill-ttft-ms must be > 0")
     settings = SweepSettings(device_profile=args.device_profile, pool=str(args.pool),
                              baseline_tpot_ms=args.baseline_tpot_ms, max_batch=args.max_batch,
                              prefill_chunk=args.prefill_chunk, prefill_rule=args.prefill_rule,
+                             prefill_ttft_ms=args.prefill_ttft_ms,
                              prompt_lengths=args.prompt_lengths)
     partial = args.json.with_suffix(".partial.json") if args.json else None
 

@@ -42,6 +42,11 @@ def test_a_small_sweep_writes_its_cells_points_and_plot(tmp_path: Path, capsys: 
     assert result["pool"]["sha256"] and result["sweep_wall_s"] > 0
     for c in result["cells"]:
         assert c["requests"] == 24 and 0.0 <= c["slo_attainment"] <= 1.0
+        # TTFT against fixed targets, alone and with the TPOT target: never more often both than either
+        t = c["ttft"]
+        assert t["p50_ms"] <= t["p90_ms"] and set(t["within"]) == {"1s", "2s", "5s"}
+        for k, share in t["within_and_tpot_met"].items():
+            assert share <= min(t["within"][k], c["slo_attainment"])
     assert png.stat().st_size > 0
     assert not (tmp_path / "out.partial.json").exists()  # kept while running, removed at the end
     # plain decoding draws nothing from the pool: every seed gives the same schedule
@@ -55,6 +60,7 @@ def test_a_small_sweep_writes_its_cells_points_and_plot(tmp_path: Path, capsys: 
     (["--jobs", "0"], "--jobs"),
     (["--systems", "adaserve|budget"], "FIELD=VALUE"),
     (["--systems", "adaserve|slo_order=random"], "slo_order"),
+    (["--prefill-ttft-ms", "0"], "--prefill-ttft-ms"),
 ])
 def test_bad_options_are_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],
                                              message: str) -> None:

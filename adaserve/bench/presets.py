@@ -10,7 +10,8 @@ engine's own defaults (``EngineConfig``, what ``adaserve worker --policy adaserv
     vllm-spec:K       chain:K        512      as vllm                               K draft tokens, K >= 1
     adaserve          adaserve       64       chunks of 1024 (fixed)                d 4-8, w 3, Eq. 8 depth,
     (= adaserve-paper)                                                              fixed B, draft values,
-                                                                                    SLO phase smallest need first
+                                                                                    SLO phase smallest need first,
+                                                                                    no margin, no value floor
     adaserve+...      the paper's adaserve with one of our refinements (ADASERVE_REFINEMENTS)
     adaserve+ours     adaserve       the bench's own settings (--max-batch, --prefill-rule) and the
                                      engine's defaults: what the bench's ``adaserve`` was before issue 29

@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,13 @@ class PrivateRedis:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+
+def private_redis(tmp_path_factory: pytest.TempPathFactory, name: str, *,
+                  password: str | None = None) -> Iterator[PrivateRedis]:
+    """A module fixture's body: a private Redis in a fresh folder ``name``, stopped afterwards."""
+    r = PrivateRedis(tmp_path_factory.mktemp(name), password=password)
+    try:
+        yield r
+    finally:
+        r.stop()

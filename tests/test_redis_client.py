@@ -12,18 +12,14 @@ import pytest
 
 from adaserve.redis_client import RedisAuth, _certificate_failure, check_credentials, connect, where
 from adaserve.server_process import free_port
-from tests.private_redis import PrivateRedis
+from tests.private_redis import PrivateRedis, private_redis
 
 PASSWORD = "pw-for-tests"
 
 
 @pytest.fixture(scope="module")
 def locked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:
-    r = PrivateRedis(tmp_path_factory.mktemp("redis-client"), password=PASSWORD)
-    try:
-        yield r
-    finally:
-        r.stop()
+    yield from private_redis(tmp_path_factory, "redis-client", password=PASSWORD)
 
 
 def test_the_right_password_is_accepted_and_the_client_works(locked: PrivateRedis) -> None:

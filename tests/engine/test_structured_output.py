@@ -22,7 +22,7 @@ from adaserve.engine.request import Request
 from adaserve.engine.speculation.grammar import JSON_OBJECT, GrammarCompiler, GrammarSpec, unpack
 from adaserve.engine.speculation.sampling import SamplingParams, processed_probs
 from adaserve.engine.speculation.speculate import REFUSED_LOGIT, DraftInput, beam_search
-from tests.engine.helpers import engine, runner
+from tests.engine.helpers import engine, outputs, runner
 from tests.engine.test_logits_processors import PROMPT
 from tests.engine.test_sampling_lossless import SMALL, chi2_pvalue
 from tests.models import make_checkpoint
@@ -273,10 +273,7 @@ def test_constrained_sampling_matches_the_masked_target(small: tuple[Path, Path]
     eng = constrained(engine(target, draft, "beam:2,2", budget=4096, prefill_chunk=8192, max_batch=1024), grammars)
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, grammar=GrammarSpec("regex", PAIRS))
     reqs = [Request(f"s{seed}", DIST_PROMPT, SamplingParams(**{**params.__dict__, "seed": seed})) for seed in range(n)]
-    for r in reqs:
-        eng.add_request(r)
-    while eng.has_work:
-        eng.step()
+    outputs(eng, reqs)
     counts = np.zeros((V, V), np.int64)
     for r in reqs:
         assert len(r.output_ids) == 3 and r.output_ids[1] in allowed_by_hand(r.output_ids[:1])

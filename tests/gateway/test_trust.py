@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from adaserve.server_process import free_port
-from tests.private_redis import PrivateRedis
+from tests.private_redis import PrivateRedis, private_redis
 from tests.servers import ROOT, GatewayProcess, Service, demo_pair, start_gateway, start_worker
 
 PASSWORD = "redis-s3cret"
@@ -31,11 +31,7 @@ PREFIX = "adaserve-trust"
 
 @pytest.fixture(scope="module")
 def auth_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:
-    r = PrivateRedis(tmp_path_factory.mktemp("redis-auth"), password=PASSWORD)
-    try:
-        yield r
-    finally:
-        r.stop()
+    yield from private_redis(tmp_path_factory, "redis-auth", password=PASSWORD)
 
 
 @pytest.fixture(scope="module")

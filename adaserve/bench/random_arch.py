@@ -20,11 +20,15 @@ May import: torch, adaserve.engine (model, cost).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import statistics
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -165,9 +169,6 @@ def load_named(ref: str, *, device: torch.device, dtype: torch.dtype) -> tuple[C
     if ref in ARCHITECTURES:
         return random_model(ref, device=device, dtype=dtype), f"{ref} (random weights)"
     if ref.endswith(".json"):
-        import json
-        from pathlib import Path
-
         return random_model(json.loads(Path(ref).read_text()), device=device, dtype=dtype), f"{ref} (random weights)"
     from adaserve.engine.loading.catalog import model_dir
     from adaserve.engine.loading.loader import load_model
@@ -180,11 +181,6 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import json
-    import sys
-    from pathlib import Path
-
     p = argparse.ArgumentParser(prog="python -m adaserve.bench.random_arch", description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=["profile", "forwards"],
                    help="profile: roofline tables of target and draft (a device profile); forwards: decode "

@@ -487,9 +487,11 @@ class Engine:
             return roots
         n_ctx = sum(r.target_kv.length for r in decoding)
         predict_draft = self.draft_time.predict if self.pool is None else self.pool.predict_draft(decoding)
+        # one draft's learnt sibling rates steer the width (several drafts: each has its own; Eq. 9 then)
+        rates = self.acceptance.rank_rates if self.acceptance is not None and self.pool is None else None
         view = BatchView(n_active=len(decoding), n_context=n_ctx, budget=self.cfg.budget,
                          predict_target=self.target_time.predict, predict_draft=predict_draft,
-                         prefill_tokens=m.prefill_tokens)
+                         prefill_tokens=m.prefill_tokens, rank_rates=rates)
         shape = self.policy.tree_shape(view)
         m.predicted_iter_s = self.predict_iteration(shape, len(decoding), n_ctx, m.prefill_tokens, predict_draft)
         if shape is None or shape.depth < 1 or self.draft is None:

@@ -376,7 +376,8 @@ class ReplayEngine:
         n_ctx = sum(r.kv_len for r in decoding)
         view = BatchView(n_active=len(decoding), n_context=n_ctx, budget=self.cfg.budget,
                          predict_target=self.target_cost.predict, predict_draft=self.draft_cost.predict,
-                         prefill_tokens=prefill_tokens)
+                         prefill_tokens=prefill_tokens,
+                         rank_rates=None if self.acceptance is None else self.acceptance.rank_rates)
         shape = self.policy.tree_shape(view)
         if shape is None or shape.depth < 1:
             return roots, 0.0

@@ -98,6 +98,10 @@ class _Forest:
             jump[live] = jump[jump[live]]
 
 
+# verified nodes of a sibling rank (decayed counts) before its rate steers the tree's width
+MIN_RANK_TRIALS = 16.0
+
+
 @dataclass
 class RankAcceptance:
     max_rank: int = 8  # ranks past this share its counts
@@ -160,6 +164,17 @@ class RankAcceptance:
         q = np.exp(forest.cond_log_probs())
         bins = np.minimum((q * self.q_bins).astype(np.int64), self.q_bins - 1)
         return ranks, bins, q
+
+    def rank_rates(self, ranks: int, min_trials: float = MIN_RANK_TRIALS) -> tuple[float, ...] | None:
+        """P(a rank-r child is accepted | its parent was) for r < ``ranks``, over every q bin: what a beam of
+        that many siblings is worth (adaptive.goodput_shape). None until every one of those ranks has been
+        tried ``min_trials`` times (decayed counts): until then the tree keeps its width and learns."""
+        if ranks < 1 or ranks > self.max_rank + 1:
+            return None
+        hits, trials = self.hits[:ranks].sum(axis=1), self.trials[:ranks].sum(axis=1)
+        if (trials < min_trials).any():
+            return None
+        return tuple(float(h / t) for h, t in zip(hits, trials, strict=True))
 
     def rates(self) -> list[float | None]:
         """Observed acceptance by rank, over every q bin (None where nothing was tried), for reports."""

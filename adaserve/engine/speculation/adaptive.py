@@ -6,7 +6,7 @@ The bounds and constants are ``AdaptiveConfig``; ``speculation_floor`` is the le
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from adaserve.engine.checks import at_least, is_int
@@ -116,6 +116,43 @@ def bounds_for_device(cfg: AdaptiveConfig, *, t_target_s: float, t_draft_s: floa
     d_max = min(max(round(0.75 * r), 2), 8)
     w_max = 4 if r >= 10 else 3 if draft_budget >= 64 else 2
     return replace(cfg, d_max=max(d_max, cfg.d_min), w_max=w_max, b2=max(1, draft_budget))
+
+
+# the most a level's continuation probability may be taken to be (l(alpha, d) stays finite, d still matters)
+MAX_ALPHA = 0.99
+
+
+def goodput_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,
+                  n_context: int, extra_tokens: int, t_target: Callable[[int, int], float],
+                  t_draft: Callable[[int, int], float]) -> tuple[int, int]:
+    """The shape (d, w), w <= ``max_width`` (Eq. 9's), with the most expected tokens per second, where a beam
+    of w siblings is worth what the verified trees showed siblings are worth:
+
+        alpha(w)    = min(sum of rank_rates[:w], MAX_ALPHA)   P(the path goes one level deeper) with w
+                      candidates at a level: rank_rates[r] = P(the rank-r child is accepted | its parent was),
+                      learnt from verification (acceptance.RankAcceptance.rank_rates); one child at most is
+                      accepted, so the ranks' chances add
+        verified    = min(n * (1 + d * w), max(B, n * (d + 1)))     the whole trees, up to the budget
+        goodput     = n * l(alpha(w), d) / (d * T_draft(N_ctx, n * w) + T_target(N_ctx, verified + extra))
+
+    ``goodput_depth`` prices only the best path, so width looked free there. It is where the forward's cost
+    is flat (an accelerator below its knee: the widest beam wins, as before), but not on a CPU, where every
+    drafted and verified token costs compute: on the demo pair a second beam raised accepted tokens per
+    verification from 3.08 to 3.05 (its rank-1 children were accepted 2-14% of the time) while the
+    iteration grew by a third (docs/benchmarks.md, issue 29's wall clock). Ties go to the narrower tree.
+    """
+    if max_width < 1 or len(rank_rates) < max_width:
+        raise ValueError(f"goodput_shape needs a rate for each of {max_width} sibling ranks, got {len(rank_rates)}")
+    best_shape, best = (max(d_min, 1), 1), -1.0
+    for w in range(1, max_width + 1):
+        alpha = min(float(sum(rank_rates[:w])), MAX_ALPHA)
+        for d in range(max(d_min, 1), max(d_max, 1) + 1):
+            verified = min(n * (1 + d * w), max(budget, n * (d + 1)))
+            cost = d * t_draft(n_context, n * w) + t_target(n_context, verified + extra_tokens)
+            rate = n * expected_emitted(alpha, d) / max(cost, 1e-12)
+            if rate > best * (1 + 1e-9):
+                best_shape, best = (d, w), rate
+    return best_shape
 
 
 @dataclass

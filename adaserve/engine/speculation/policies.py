@@ -28,7 +28,13 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from adaserve.engine.model.tree import TokenTree
-from adaserve.engine.speculation.adaptive import AdaptiveConfig, PathAcceptance, depth_width, goodput_depth
+from adaserve.engine.speculation.adaptive import (
+    AdaptiveConfig,
+    PathAcceptance,
+    depth_width,
+    goodput_depth,
+    goodput_shape,
+)
 from adaserve.engine.speculation.selection import (
     SPECINFER_EXPANSION,
     select_adaserve,
@@ -65,6 +71,9 @@ class BatchView:
     predict_target: Callable[[int, int], float]  # seconds for (N_context, N_batched)
     predict_draft: Callable[[int, int], float]
     prefill_tokens: int = 0  # prompt tokens riding in the same target forward
+    # P(a rank-r sibling is accepted | its parent was), learnt (acceptance.RankAcceptance.rank_rates); None:
+    # not learnt (draft values) or not yet, and the width is Eq. 9's
+    rank_rates: Callable[[int], tuple[float, ...] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -194,7 +203,9 @@ class SmartSpec:
 
 @dataclass(frozen=True)
 class _Adaptive(_NoFeedback):
-    """Shared by the budgeted tree policies: width from Eq. 9; depth by predicted goodput (or Eq. 8)."""
+    """Shared by the budgeted tree policies: width from Eq. 9; depth by predicted goodput (or Eq. 8). With the
+    goodput rule and learnt sibling rates (``BatchView.rank_rates``), depth and width by predicted goodput
+    together (adaptive.goodput_shape), Eq. 9's width then the widest allowed."""
 
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     paths: PathAcceptance = field(default_factory=PathAcceptance)  # mutable state in a frozen policy
@@ -206,7 +217,13 @@ class _Adaptive(_NoFeedback):
     def tree_shape(self, view: BatchView) -> TreeShape | None:
         cfg = replace(self.adaptive, b1=view.budget)
         d, w = depth_width(view.n_active, cfg)
-        if cfg.depth_rule == "goodput" and d > 0:
+        rates = view.rank_rates(w) if view.rank_rates is not None and cfg.depth_rule == "goodput" and d > 0 else None
+        if rates is not None:  # depth and width together, siblings at their learnt worth
+            d, w = goodput_shape(max(view.n_active, 1), max_width=w, rank_rates=rates, budget=view.budget,
+                                 d_min=cfg.d_min, d_max=cfg.d_max, n_context=view.n_context,
+                                 extra_tokens=view.prefill_tokens, t_target=view.predict_target,
+                                 t_draft=view.predict_draft)
+        elif cfg.depth_rule == "goodput" and d > 0:
             d = goodput_depth(max(view.n_active, 1), w, alpha=self.paths.alpha, d_min=cfg.d_min, d_max=cfg.d_max,
                               n_context=view.n_context, extra_tokens=view.prefill_tokens,
                               t_target=view.predict_target, t_draft=view.predict_draft)

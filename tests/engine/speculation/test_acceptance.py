@@ -116,3 +116,18 @@ def test_a_batch_is_calibrated_and_counted_as_tree_after_tree() -> None:
         many.observe_many(trees, paths)
         assert np.allclose(one.hits, many.hits) and np.allclose(one.trials, many.trials)
     assert one.trials.sum() > 10
+
+
+def test_rank_rates_wait_for_trials_then_give_each_ranks_acceptance() -> None:
+    acc = RankAcceptance(q_bins=2)
+    assert acc.rank_rates(2) is None  # nothing tried yet
+    # a root with two children (rank 0 more likely); the rank-0 child is accepted 3 times in 4, rank 1 never
+    tree = TokenTree.trusted(np.array([1, 2, 3]), np.array([-1, 0, 0]), np.log(np.array([1.0, 0.7, 0.2])))
+    for i in range(40):
+        acc.observe(tree, [0, 1] if i % 4 else [0])
+    rates = acc.rank_rates(2)
+    assert rates is not None
+    assert rates[0] == pytest.approx(0.75, abs=0.02)
+    assert rates[1] == 0.0
+    assert acc.rank_rates(3) is None  # rank 2 never tried
+    assert acc.rank_rates(0) is None

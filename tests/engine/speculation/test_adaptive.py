@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -102,3 +104,43 @@ def test_bounds_follow_the_draft_to_target_cost_ratio() -> None:
     paper = bounds_for_device(AdaptiveConfig(), t_target_s=0.030, t_draft_s=0.005, draft_budget=64)  # its 1B/70B
     assert (paper.d_max, paper.w_max) == (4, 3)
     assert bounds_for_device(AdaptiveConfig(), t_target_s=0.0, t_draft_s=1.0, draft_budget=1) == AdaptiveConfig()
+
+
+def _flat_then_linear(flat_s: float, per_token_s: float, ridge: int) -> Callable[[int, int], float]:
+    return lambda ctx, k: flat_s + per_token_s * max(0, k - ridge)
+
+
+def test_goodput_shape_keeps_siblings_where_tokens_are_free_and_drops_them_where_they_cost() -> None:
+    from adaserve.engine.speculation.adaptive import goodput_shape
+
+    kw = {"max_width": 3, "budget": 64, "d_min": 1, "d_max": 4, "n_context": 0, "extra_tokens": 0}
+    worth = (0.6, 0.2, 0.1)  # rank-1 and rank-2 siblings add a third to a level's chance
+    # an accelerator below its knee: more candidates cost nothing, the widest beam wins
+    gpu = {"t_target": _flat_then_linear(0.025, 1e-4, 128), "t_draft": _flat_then_linear(0.002, 1e-5, 64)}
+    assert goodput_shape(1, rank_rates=worth, **kw, **gpu) == (4, 3)
+    # a CPU: every drafted and verified token costs compute; siblings worth 2% are not worth their price
+    cpu = {"t_target": _flat_then_linear(0.0023, 6.8e-5 * 4, 0), "t_draft": _flat_then_linear(0.0005, 2e-4, 0)}
+    assert goodput_shape(1, rank_rates=(0.75, 0.02, 0.01), **kw, **cpu)[1] == 1
+    # the verification alone prices them (every candidate under the budget is verified), a free draft or not
+    verify_only = {**cpu, "t_draft": _flat_then_linear(0.0005, 0.0, 0)}
+    assert goodput_shape(1, rank_rates=(0.75, 0.02, 0.01), **kw, **verify_only)[1] == 1
+    # the same CPU with siblings worth much more: a wider beam pays for itself again
+    assert goodput_shape(1, rank_rates=(0.4, 0.35, 0.2), **kw, **cpu)[1] > 1
+    # never wider than Eq. 9 allows, never deeper than d_max
+    assert goodput_shape(1, rank_rates=worth, **{**kw, "max_width": 2}, **gpu) == (4, 2)
+    with pytest.raises(ValueError, match="rate for each"):
+        goodput_shape(1, rank_rates=(0.5,), **kw, **gpu)
+
+
+def test_the_adaserve_policy_narrows_its_tree_only_once_sibling_rates_are_learnt() -> None:
+    from adaserve.engine.speculation.policies import BatchView, make_policy
+
+    policy = make_policy("adaserve")
+    cpu = {"predict_target": _flat_then_linear(0.0023, 2.7e-4, 0), "predict_draft": _flat_then_linear(5e-4, 2e-4, 0)}
+    view = BatchView(n_active=1, n_context=128, budget=64, **cpu)
+    unlearnt = policy.tree_shape(BatchView(n_active=1, n_context=128, budget=64, rank_rates=lambda w: None, **cpu))
+    assert policy.tree_shape(view) == unlearnt  # no rates: Eq. 9's width, as before
+    assert unlearnt is not None and unlearnt.width == policy.adaptive.w_max
+    learnt = policy.tree_shape(BatchView(n_active=1, n_context=128, budget=64,
+                                         rank_rates=lambda w: (0.75, 0.02, 0.01, 0.0)[:w], **cpu))
+    assert learnt is not None and learnt.width == 1

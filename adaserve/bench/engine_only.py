@@ -140,6 +140,8 @@ def summarize_cell(its: Sequence[IterationTimes]) -> dict[str, float]:
         # the same host time in process CPU time: other work on a shared machine hardly moves it
         "non_forward_cpu_ms": ms([i.cpu_step - i.cpu_fwd for i in its]),
         "tokens_per_iteration": sum(i.tokens for i in its) / n,
+        # process CPU time per emitted token (a request's TPOT is this times the batch): the cells' yardstick
+        "cpu_ms_per_token": 1e3 * sum(i.cpu_step for i in its) / max(sum(i.tokens for i in its), 1),
         "tokens_per_s": sum(i.tokens for i in its) / total,
     }
 
@@ -158,7 +160,7 @@ def run_cell(target: ModelRunner, draft: ModelRunner, prompt_ids: list[list[int]
     """Decode ``len(prompt_ids)`` requests together; time ``cfg.steps`` iterations after prefill and warm-up,
     then count host-device crossings over ``cfg.count_steps`` more (:func:`count_crossings`)."""
     ecfg = EngineConfig(policy=MODES[mode], budget=cfg.budget, max_batch=max(64, len(prompt_ids)))
-    eng = Engine(target, draft if mode == "spec" else None, ecfg)
+    eng = Engine(target, draft if mode != "plain" else None, ecfg)
     longest = (cfg.warmup_steps + cfg.steps + cfg.count_steps + 2) * (ecfg.adaptive.d_max + 1)
     for i, ids in enumerate(prompt_ids):
         eng.add_request(Request(f"r{i}", ids, SamplingParams(max_tokens=longest, ignore_eos=True)))
@@ -249,6 +251,11 @@ def cell_stats(runs: dict[tuple[str, int], list[dict[str, Any]]]) -> list[dict[s
                 "non_forward_cpu_ms_min": min(r["non_forward_cpu_ms"] for r in reps),
                 "non_forward_cpu_ms_max": max(r["non_forward_cpu_ms"] for r in reps)}
                if all("non_forward_cpu_ms" in r for r in reps) else {}),
+            **({"cpu_ms_per_token_median": statistics.median(r["cpu_ms_per_token"] for r in reps),
+                "cpu_ms_per_token_min": min(r["cpu_ms_per_token"] for r in reps),
+                "cpu_ms_per_token_max": max(r["cpu_ms_per_token"] for r in reps),
+                "tokens_per_iteration_median": statistics.median(r["tokens_per_iteration"] for r in reps)}
+               if all("cpu_ms_per_token" in r for r in reps) else {}),
             # counts hardly vary between repeats (the trees do); the median of each kind
             **{k: statistics.median(r[k] for r in reps) for k in CROSSING_KEYS if all(k in r for r in reps)},
             "repeats": reps,

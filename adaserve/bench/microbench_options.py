@@ -8,7 +8,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-MODES = {"spec": "adaserve", "plain": "incremental"}  # speculation on / off
+# speculation on (adaserve) / off; "chain": a fixed 4-token chain (vLLM-Spec(4)), the yardstick a tree must beat
+MODES = {"spec": "adaserve", "plain": "incremental", "chain": "chain:4"}
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -78,7 +79,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
 def add_engine_only(p: argparse.ArgumentParser) -> None:
     d = EngineOnlyConfig()
     p.add_argument("--batches", type=_ints, default=d.batches, help="concurrent requests, comma-separated")
-    p.add_argument("--modes", default=",".join(d.modes), help="spec (adaserve), plain (incremental), or both")
+    p.add_argument("--modes", default=",".join(d.modes),
+                   help="comma-separated: spec (adaserve), plain (incremental), chain (chain:4)")
     p.add_argument("--steps", type=int, default=d.steps, help="timed iterations per cell")
     p.add_argument("--warmup", type=int, default=d.warmup_steps, help="untimed iterations after prefill")
     p.add_argument("--count-steps", type=int, default=d.count_steps,

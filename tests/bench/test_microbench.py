@@ -34,10 +34,15 @@ def demo() -> tuple:
 
 def test_engine_only_on_the_demo_pair(demo: tuple) -> None:
     target, draft, tok = demo
-    cfg = EngineOnlyConfig(batches=(1, 3), steps=2, warmup_steps=1, repeats=2, kv_memory_mb=64)
+    cfg = EngineOnlyConfig(batches=(1, 3), modes=("spec", "plain", "chain"), steps=2, warmup_steps=1, repeats=2,
+                           kv_memory_mb=64)
     report = run_engine_only(target, draft, tok, cfg)
     cells = {(c["mode"], c["batch"]): c for c in report["cells"]}
-    assert set(cells) == {("spec", 1), ("spec", 3), ("plain", 1), ("plain", 3)}
+    assert set(cells) == {(m, n) for m in ("spec", "plain", "chain") for n in (1, 3)}
+    assert cells[("chain", 1)]["policy"] == "chain:4"
+    for c in cells.values():  # CPU time per emitted token: a request's TPOT over the batch
+        assert c["cpu_ms_per_token_min"] <= c["cpu_ms_per_token_median"] <= c["cpu_ms_per_token_max"]
+        assert c["cpu_ms_per_token_median"] > 0
     for c in cells.values():
         assert len(c["repeats"]) == 2
         assert 0 <= c["non_forward_share_min"] <= c["non_forward_share_median"] <= c["non_forward_share_max"] < 1

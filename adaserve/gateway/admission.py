@@ -33,6 +33,10 @@
    saw a worker is refused ``no_workers`` at the end of its budget.
 At most ``max_queued`` requests wait at once; beyond that 503 at once.
 
+Prefix affinity (prefix_index.py): a request's block keys come with it, and at each look the router is told how
+many of them each worker holds; it decides only which worker with headroom takes the request, never whether
+one does.
+
 ``admission="none"`` is a plain load balancer, for comparison: the router's pick among workers with a free
 slot, at once; without one, wait up to ``queue_timeout_s``, then 503.
 
@@ -48,12 +52,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from adaserve.gateway.directory import Directory
 from adaserve.gateway.errors import ApiError
 from adaserve.gateway.metrics import GatewayMetrics
 from adaserve.gateway.prediction import lone_tpot_ms
+from adaserve.gateway.prefix_index import PrefixIndex
 from adaserve.gateway.routing import Choice, Router, best_slack, feasible_anywhere, room_for
 from adaserve.gateway.settings import GatewaySettings
 from adaserve.gateway.slo import SloCatalog, SloClass
@@ -105,6 +111,7 @@ class Waiter:
     model: str | None
     exclude: set[str]
     arrival: int
+    keys: Sequence[int] = ()  # its prefix's block keys (prefix_index.py), for prefix affinity
     best_effort: bool = False  # its class is infeasible everywhere (as of its last look)
     short: bool = False  # non-sheddable, of a class some worker can meet, and no worker had slack (last look)
     saw_workers: bool = False  # some worker was usable for it at one of its looks (rule 6)
@@ -126,9 +133,10 @@ class Admitted:
 
 class Admission:
     def __init__(self, directory: Directory, router: Router, catalog: SloCatalog, settings: GatewaySettings,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, prefixes: PrefixIndex | None = None) -> None:
         self.directory, self.router, self.catalog = directory, router, catalog
         self.settings, self.metrics = settings, metrics
+        self.prefixes = prefixes  # None: no prefix affinity
         self.queue: list[Waiter] = []  # waiting now, in arrival order
         self._arrivals = itertools.count()
         self._left = asyncio.Event()  # set (and replaced) whenever a waiter leaves the queue
@@ -178,12 +186,19 @@ class Admission:
                             f"even for a lone request{fastest}; this gateway refuses it (on_infeasible=refuse)",
                             "slo_infeasible")
 
+    def _matched(self, me: Waiter, workers: list[WorkerView]) -> dict[str, int] | None:
+        """Per worker, the leading blocks of ``me`` it is estimated to hold; None without affinity or keys."""
+        if self.prefixes is None or not me.keys:
+            return None
+        return self.prefixes.matches([w.id for w in workers], me.keys)
+
     def _look(self, me: Waiter, workers: list[WorkerView], usable: list[WorkerView], *,
               over: bool) -> tuple[Choice, str] | None:
         """One look at the workers: (choice, mode) to go now, None to wait; raises Refused to refuse."""
         slo, s = me.slo, self.settings
         if s.admission == "none":
-            choice = self.router.choose(workers, slo.name, self.target, keep_targets=False)
+            choice = self.router.choose(workers, slo.name, self.target, keep_targets=False,
+                                        matched=self._matched(me, workers))
             if choice is not None and (over or not self._ahead_can_go(me, usable)):
                 return choice, "plain"
         else:
@@ -197,7 +212,8 @@ class Admission:
                     raise self._refuse(f"overloaded: SLO class {slo.name!r} is sheddable and the headroom left is "
                                        f"held for waiting requests of {', '.join(sorted(reserved))}; retry later",
                                        "shed")
-            choice = self.router.choose(workers, slo.name, self.target, best_effort=me.best_effort)
+            choice = self.router.choose(workers, slo.name, self.target, best_effort=me.best_effort,
+                                        matched=self._matched(me, workers))
             me.short = (not slo.sheddable and not me.best_effort) and (choice is None or choice.best < 0)
             if choice is not None and choice.best >= 0:
                 if over or not self._ahead_can_go(me, usable):  # at its deadline it stood aside long enough
@@ -226,8 +242,10 @@ class Admission:
         return wait_budget_s(slo, self.settings.queue_timeout_s,
                              after if after is not None else worker_ttft_ms(workers, slo.name))
 
-    async def admit(self, slo: SloClass, *, model: str | None, exclude: set[str]) -> Admitted:
-        me = Waiter(slo, model, exclude, next(self._arrivals))
+    async def admit(self, slo: SloClass, *, model: str | None, exclude: set[str],
+                    keys: Sequence[int] = ()) -> Admitted:
+        """Where the request goes (or Refused); ``keys``: its prefix's block keys, for prefix affinity."""
+        me = Waiter(slo, model, exclude, next(self._arrivals), keys)
         start = time.monotonic()
         deadline: float | None = None
         try:

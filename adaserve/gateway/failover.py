@@ -65,9 +65,10 @@ async def reopen(gw: Gateway, request: GenerateRequest, slo: SloClass, track: Tr
     deadline = time.monotonic() + gw.settings.worker_wait_s
     tried = {failed}
     model = track.model if gw.settings.model_name is None else None
+    keys = gw.prefix_keys(request)  # its prompt's: the worker holding them is still the one to prefer
     while True:
         try:
-            admitted = await gw.admission.admit(slo, model=model, exclude=tried)
+            admitted = await gw.admission.admit(slo, model=model, exclude=tried, keys=keys)
         except Refused as e:
             if time.monotonic() >= deadline:
                 raise dispatch.WorkerLost(f"no worker to continue on: {e}") from None
@@ -76,6 +77,7 @@ async def reopen(gw: Gateway, request: GenerateRequest, slo: SloClass, track: Tr
             continue
         w = admitted.choice.worker
         gw.directory.acquire(w.id, slo.name)  # before any await, as Gateway.open does
+        gw.routed(w.id, admitted.choice, keys)
         gw.metrics.routed.labels(w.id, slo.name, gw.router.policy).inc()
         gw.metrics.admitted.labels(slo.name, "after_wait" if admitted.queued else "at_once", admitted.mode).inc()
         gw.metrics.queue_wait.labels(slo.name).observe(admitted.waited_s)

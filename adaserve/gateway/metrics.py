@@ -42,6 +42,17 @@ class GatewayMetrics:
                                ["slo_class"], registry=r)
         self.routed = Counter("adaserve_gateway_routing_choices", "Requests sent to each worker",
                               ["worker", "slo_class", "policy"], registry=r)
+        # prefix affinity (prefix_index.py): the routing's hit rate at the gateway, by requests and by blocks
+        self.prefix_requests = Counter(
+            "adaserve_gateway_prefix_requests", "Requests with at least one whole block of text, by what prefix "
+            "affinity found: hit (sent to a worker holding part of its prefix), miss (no worker with headroom held "
+            "any), no_headroom (a worker without headroom held more of it than the one chosen)", ["result"],
+            registry=r)
+        self.prefix_moved = Counter("adaserve_gateway_prefix_routed", "Requests sent elsewhere than the routing "
+                                    "policy's pick, to the worker holding the longest prefix of them", registry=r)
+        self.prefix_blocks = Counter("adaserve_gateway_prefix_blocks", "Blocks of text of requests routed (what: "
+                                     "sent), and of those the chosen worker was estimated to hold (what: matched)",
+                                     ["what"], registry=r)
         self.admitted = Counter("adaserve_gateway_admitted", "Requests admitted, by how (at_once | after_wait) "
                                 "and mode (slo | best_effort | late | plain)", ["slo_class", "how", "mode"],
                                 registry=r)
@@ -53,6 +64,10 @@ class GatewayMetrics:
                                 ["worker"], registry=r)
         self.queued = Gauge("adaserve_gateway_queued", "Requests waiting for headroom now", registry=r)
         self.workers = Gauge("adaserve_gateway_workers", "Workers the gateway can route to", registry=r)
+        for result in ("hit", "miss", "no_headroom"):
+            self.prefix_requests.labels(result)
+        for what in ("sent", "matched"):
+            self.prefix_blocks.labels(what)
         self._finished: dict[str, int] = {}
         self._met: dict[str, int] = {}
 

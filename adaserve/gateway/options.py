@@ -18,8 +18,9 @@ from adaserve.redis_client import check_credentials
 
 # option -> settings field of the same name; every other field comes from the environment only
 OPTIONS = ("host", "port", "redis_url", "redis_prefix", "workers", "model_name", "slo_classes_file",
-           "default_slo_class", "api_keys_file", "routing", "admission", "on_overload", "on_infeasible",
-           "queue_timeout_s", "max_attempts", "rate_limit_fail_open", "strict_openai_fields", "log_level")
+           "default_slo_class", "api_keys_file", "routing", "prefix_index_blocks", "admission", "on_overload",
+           "on_infeasible", "queue_timeout_s", "max_attempts", "rate_limit_fail_open", "strict_openai_fields",
+           "log_level")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-slo-class", help="class of requests that name none")
     p.add_argument("--api-keys-file", type=Path, help='JSON {"keys": [...]}; unset = no authentication')
     p.add_argument("--routing", choices=["headroom", "least-loaded", "round-robin"])
+    p.add_argument("--prefix-index-blocks", type=int,
+                   help="prefix affinity: text blocks remembered per worker, 0 = off "
+                        "[ADASERVE_GATEWAY_PREFIX_INDEX_BLOCKS, default 32768]")
     p.add_argument("--admission", choices=["slo", "none"],
                    help="slo: admit where every target should hold (default); none: a plain load balancer")
     p.add_argument("--on-overload", choices=["best-effort", "refuse"],

@@ -144,6 +144,8 @@ class Call:
         await self.up.close()
         if self.held:
             self.gw.done(self.up, self.track, self.outcome)
+        if self.outcome == "done" and self.has_text:  # the worker's cache holds the prompt and this answer
+            self.gw.answered(self.up.worker.id, self.request, "".join(self.text))
         met = await self.track.finished(self.outcome, self.finish)
         self.final["slo_met"] = met
 

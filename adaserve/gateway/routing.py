@@ -12,13 +12,17 @@ A worker nothing predicts (neither curve nor cost model) is judged by the share 
 ``headroom`` (the default policy): among workers with a free slot, those that keep every target; of those within
 ``TIE`` of the best slack, the one with fewer requests. ``least-loaded`` and ``round-robin`` are the fallbacks a
 deployment can choose, also among the workers that keep every target when some do.
+
+Prefix affinity (prefix_index.py, on unless ``prefix_index_blocks=0``): given how many leading blocks of the
+request each worker is estimated to hold, the policy's pick gives way to the worker with headroom (slack >= 0)
+that holds the longest prefix; a worker without headroom is never chosen for its prefix.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from adaserve.gateway.prediction import (
@@ -29,6 +33,7 @@ from adaserve.gateway.prediction import (
     pooled_acceptance,
     predicted_tpot_ms,
 )
+from adaserve.gateway.prefix_index import Preference, prefer
 from adaserve.gateway.view import WorkerView
 
 TIE = 0.1  # slacks this close (share of the target) are equal; fewer requests wins
@@ -118,6 +123,7 @@ class Choice:
     slack: float  # the chosen worker's
     best: float  # the fleet's best: below 0, no worker should meet this request's target now
     predicted_tpot_ms: float | None  # the request's own TPOT on the chosen worker, before the correction
+    prefix: Preference | None = None  # what prefix affinity did, when the request had blocks to match
 
 
 class Router:
@@ -130,11 +136,13 @@ class Router:
         self._turn = itertools.count()
 
     def choose(self, workers: Sequence[WorkerView], slo_class: str, tpot_of: TpotOf, *,
-               best_effort: bool = False, keep_targets: bool = True) -> Choice | None:
+               best_effort: bool = False, keep_targets: bool = True,
+               matched: Mapping[str, int] | None = None) -> Choice | None:
         """The policy's worker among those with a free slot, or None; its slack says whether targets hold.
 
         ``keep_targets``: when some worker keeps every target (slack >= 0), the policy picks among those only
-        (a plain load balancer passes False)."""
+        (a plain load balancer passes False). ``matched``: worker id -> leading blocks of the request it is
+        estimated to hold (prefix_index.py); the worker with headroom holding the most is preferred."""
         open_ = _open(workers)
         if not open_:
             return None
@@ -147,5 +155,9 @@ class Router:
             best = min(pool, key=lambda w: (w.active / w.max_active, w.active))
         else:
             best = pool[next(self._turn) % len(pool)]
+        preference = None
+        if matched:
+            preference = prefer(best, pool, rooms, matched, everyone=workers)
+            best = preference.worker
         predicted = predicted_tpot_ms(best, slo_class, best.active + 1, acceptance=pooled_acceptance(open_))
-        return Choice(best, rooms[best.id], top, predicted)
+        return Choice(best, rooms[best.id], top, predicted, preference)

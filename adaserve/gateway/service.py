@@ -1,14 +1,16 @@
 """The gateway's parts in one object, built once from settings: SLO classes, keys, state, workers, routing.
 
 ``open`` is the request path up to the first token: admit, pick a worker, open its stream, and on a
-failure before any token try another worker (``max_attempts`` in all).
+failure before any token try another worker (``max_attempts`` in all). With prefix affinity on
+(prefix_index.py), the request's block keys go to admission and are recorded on the worker it is sent to;
+``answered`` records its prompt and answer there when it ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import httpx
@@ -22,7 +24,8 @@ from adaserve.gateway.directory import Directory, RedisSource, Source, StaticSou
 from adaserve.gateway.errors import ApiError
 from adaserve.gateway.keys import ApiKey, load_keys
 from adaserve.gateway.metrics import GatewayMetrics
-from adaserve.gateway.routing import Router
+from adaserve.gateway.prefix_index import PrefixIndex, answered_text, block_keys, request_text
+from adaserve.gateway.routing import Choice, Router
 from adaserve.gateway.settings import GatewaySettings
 from adaserve.gateway.slo import SloClass, load_catalog
 from adaserve.gateway.state import MemoryStore, StateStore
@@ -61,7 +64,9 @@ class Gateway:
         self.directory = Directory(source, refresh_s=s.refresh_s, suspect_s=s.suspect_s)
         # read at each scrape: what /readyz counts, whatever one request excludes
         self.metrics.workers.set_function(lambda: len(self.directory.usable()))
-        self.admission = Admission(self.directory, self.router, self.catalog, s, self.metrics)
+        # prefix affinity: in this process's memory (several replicas each keep their own: prefix_index.py)
+        self.prefixes = PrefixIndex(s.prefix_index_blocks) if s.prefix_index_blocks > 0 else None
+        self.admission = Admission(self.directory, self.router, self.catalog, s, self.metrics, self.prefixes)
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
@@ -143,15 +148,47 @@ class Gateway:
         return Tracker(self.store, self.metrics, self.settings.record_ttl_s, request_id, slo,
                        api_key=key.name if key else None, model=model)
 
+    # ---- prefix affinity (prefix_index.py) -------------------------------------------------------
+    def prefix_keys(self, request: GenerateRequest) -> list[int]:
+        """The request's block keys; none without prefix affinity. Forgets the workers gone from the list."""
+        if self.prefixes is None:
+            return []
+        self.prefixes.retain({w.id for w in self.directory.all()})
+        text = request_text(request)
+        return block_keys(text, block_chars=self.settings.prefix_block_chars) if text else []
+
+    def routed(self, worker_id: str, choice: Choice, keys: Sequence[int]) -> None:
+        """The request with ``keys`` was sent to the worker: it holds them now; count what the prefix did."""
+        if self.prefixes is None or not keys:
+            return
+        self.prefixes.record(worker_id, keys)
+        p, m = choice.prefix, self.metrics
+        m.prefix_blocks.labels("sent").inc(len(keys))
+        if p is None:
+            return
+        m.prefix_blocks.labels("matched").inc(p.matched)
+        m.prefix_requests.labels("no_headroom" if p.passed_over else "hit" if p.matched else "miss").inc()
+        if p.moved:
+            m.prefix_moved.inc()
+
+    def answered(self, worker_id: str, request: GenerateRequest, answer: str) -> None:
+        """The request ended on the worker with ``answer``: its cache holds the prompt and the answer now."""
+        if self.prefixes is None:
+            return
+        text = answered_text(request, answer)
+        if text:
+            self.prefixes.record(worker_id, block_keys(text, block_chars=self.settings.prefix_block_chars))
+
     async def open(self, request: GenerateRequest, slo: SloClass, track: Tracker) -> dispatch.Upstream:
         """Admit and start the request on a worker; another worker if one fails before its first token."""
         tried: set[str] = set()
         failures: list[str] = []
         model = track.model if self.settings.model_name is None else None
         code = "workers_failed"
+        keys = self.prefix_keys(request)
         for _ in range(self.settings.max_attempts):
             try:
-                admitted = await self.admission.admit(slo, model=model, exclude=tried)
+                admitted = await self.admission.admit(slo, model=model, exclude=tried, keys=keys)
             except Refused as e:
                 if not failures:
                     await track.refused("shed" if e.reason != "no_workers" else "unavailable", e.reason)
@@ -162,6 +199,7 @@ class Gateway:
                 raise
             w = admitted.choice.worker
             self.directory.acquire(w.id, slo.name)  # before any await: waiters woken now must see this load
+            self.routed(w.id, admitted.choice, keys)  # before any await too: the next request sees where it went
             self.metrics.routed.labels(w.id, slo.name, self.router.policy).inc()
             self.metrics.admitted.labels(slo.name, "after_wait" if admitted.queued else "at_once",
                                          admitted.mode).inc()

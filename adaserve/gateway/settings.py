@@ -43,6 +43,11 @@ class GatewaySettings(BaseSettings, RedisAuthFields):
 
     # routing and admission
     routing: Routing = "headroom"
+    prefix_index_blocks: int = Field(
+        32768, ge=0, description="prefix affinity (gateway/prefix_index.py): per worker, how many blocks of the "
+                                 "text recently sent to it the gateway remembers, to send a request to the worker "
+                                 "with headroom that holds the longest prefix of it; 0: off")
+    prefix_block_chars: int = Field(64, ge=1, le=4096, description="characters per block of prefix affinity")
     admission: AdmissionMode = Field(
         "slo", description="slo: admit where every target should hold, queue or shed otherwise; none: a plain "
                            "load balancer (any free slot, at once)")

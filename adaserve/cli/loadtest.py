@@ -6,6 +6,8 @@ a plain load balancer in front of the same worker (``adaserve gateway --routing 
 the same classes) and runs every rate through both, alternating; ``--compare-url`` names one already running.
 ``--load`` gives the rates as multiples of the fleet's capacity (``--capacity-rps``, or measured first by a closed
 loop through the plain load balancer when there is one). See adaserve/bench/loadgen.py for what is measured.
+``--conversations N`` also runs N multi-turn conversations (adaserve/bench/conversations.py): whether each turn
+goes back to the worker holding its history, and each turn's TTFT.
 """
 
 from __future__ import annotations
@@ -63,6 +65,17 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--sequential", type=int, default=0, metavar="N",
                    help="first, N requests of each class one at a time: refused, queued, the gateway's and the "
                         "worker's TTFT and attainment")
+    p.add_argument("--conversations", type=int, default=0, metavar="N",
+                   help="also N multi-turn conversations sharing a system prompt: the share of later turns served "
+                        "by their previous turn's worker (prefix affinity) and TTFT per turn")
+    p.add_argument("--turns", type=int, default=2, help="with --conversations: turns per conversation")
+    p.add_argument("--conversation-rate", type=float, default=0.5,
+                   help="with --conversations: conversations started per second")
+    p.add_argument("--think-s", type=float, default=1.0, help="with --conversations: pause before a next turn")
+    p.add_argument("--turn-tokens", type=int, default=32, help="with --conversations: each answer's length")
+    p.add_argument("--system-chars", type=int, default=2400,
+                   help="with --conversations: the shared system prompt's length in characters")
+    p.add_argument("--conversation-class", help="with --conversations: the SLO class (default: the gateway's)")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--plot", type=Path, help="attainment and TPOT per class against rate (PNG)")
     p.set_defaults(func=run)
@@ -75,8 +88,18 @@ PLAIN = {"routing": "least-loaded", "admission": "none"}  # the comparison: what
 def run(args: argparse.Namespace) -> int:
     if args.overhead and not (args.worker_url or args.up):
         raise CliError("--overhead needs --worker-url (or --up, which knows its worker)")
-    if args.overhead < 0 or args.sequential < 0:
-        raise CliError("--overhead and --sequential must be >= 0")
+    if args.overhead < 0 or args.sequential < 0 or args.conversations < 0:
+        raise CliError("--overhead, --sequential and --conversations must be >= 0")
+    if args.conversations:
+        from adaserve.bench.workload import MultiTurnConfig
+
+        try:  # checked now: a bad value is one line, before anything starts
+            args.multi_turn = MultiTurnConfig(
+                conversations=args.conversations, turns=args.turns, rate=args.conversation_rate,
+                think_s=args.think_s, max_tokens=args.turn_tokens, min_tokens=min(4, args.turn_tokens),
+                system_chars=args.system_chars, seed=args.seed)
+        except (ValueError, TypeError) as e:
+            raise CliError(f"--conversations: {e}") from None
     if args.compare and not args.up:
         raise CliError("--compare starts a plain load balancer beside `adaserve up`: it needs --up "
                        "(or give a running one with --compare-url)")
@@ -85,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
     if args.load is not None and any(not x > 0 for x in args.load):
         raise CliError("--load multiples must be positive")
     if args.rps is None:
-        args.rps = () if args.load is None and (args.sequential or args.overhead) else DEFAULT_RPS
+        args.rps = () if args.load is None and (args.sequential or args.overhead or args.conversations) \
+            else DEFAULT_RPS
     if args.up:
         port, worker_port = free_port("127.0.0.1"), free_port("127.0.0.1")
         with local_stack(args, port, worker_port) as plain_url:
@@ -112,8 +136,8 @@ def gateway_settings(args: argparse.Namespace) -> dict[str, Any]:
     if not args.up:
         return {"given": "a running gateway (--url): its settings are its own"}
     s = GatewaySettings(workers=["http://worker"])
-    return {k: getattr(s, k) for k in ("routing", "admission", "on_overload", "on_infeasible", "queue_timeout_s",
-                                       "max_queued", "refresh_s")}
+    return {k: getattr(s, k) for k in ("routing", "prefix_index_blocks", "admission", "on_overload",
+                                       "on_infeasible", "queue_timeout_s", "max_queued", "refresh_s")}
 
 
 async def _measure(args: argparse.Namespace, url: str, worker_url: str | None,
@@ -155,6 +179,8 @@ async def _measure(args: argparse.Namespace, url: str, worker_url: str | None,
     if args.sequential:
         print(f"loadtest: {args.sequential} requests of each class, one at a time ...", file=sys.stderr, flush=True)
         report["sequential"] = await loadgen.measure_sequential(cfg, classes, each=args.sequential)
+    if args.conversations:
+        report["multi_turn"] = await _conversations(args, cfg)
     rates = list(args.rps)
     if args.load is not None:
         capacity = await _capacity(args, cfg, classes, plain_url or url)
@@ -190,6 +216,17 @@ async def _capacity(args: argparse.Namespace, cfg: Any, classes: Any, url: str) 
           file=sys.stderr, flush=True)
     return {"given": False, **await loadgen.probe_capacity(cfg, classes, url=url, concurrency=args.probe_concurrency,
                                                            duration_s=args.probe_s)}
+
+
+async def _conversations(args: argparse.Namespace, cfg: Any) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from adaserve.bench.conversations import measure_conversations
+
+    mt = args.multi_turn
+    with tqdm(total=mt.conversations * mt.turns, desc="conversations", unit="turn", file=sys.stderr) as bar:
+        return await measure_conversations(cfg, mt, slo_class=args.conversation_class,
+                                           on_turn=lambda: bar.update(1))
 
 
 async def _one_rate(cfg: Any, classes: Any, rate: float, name: str, ids: list[str]) -> tuple[list[Any], float]:

@@ -29,6 +29,12 @@ prefix only which of those. A cost of that order: while only one worker holds a 
 conversation starts with, new conversations go there until its headroom runs out; the next one then goes to
 another worker, which from then on holds the system prompt too, and ties are the policy's again.
 
+**Balance.** A worker is preferred for its prefix only while it carries at most ``max_imbalance`` (a quarter
+of its slots, at least 2) more requests than the policy's pick. Without that guard, two demo workers sharing
+one system prompt took every conversation on the first worker while the second sat idle (headroom held on
+the first throughout; docs/results/affinity-cpu-demo-tiny-2workers.json): new conversations now spill to the
+other worker once the first is that much busier, and that worker then holds the system prompt too.
+
 **Several gateway replicas** each keep their own index, in their own memory: routing stays correct (every
 choice is still one the headroom rule allows), only affinity weakens, as a conversation whose turns reach
 different replicas is matched on each by what that replica sent. A worker that restarts under the same id
@@ -49,6 +55,7 @@ from adaserve.gateway.view import WorkerView
 
 DEFAULT_BLOCK_CHARS = 64  # about 16 tokens of English text: the engine's pages are of this order
 MAX_BLOCKS = 1024  # keys hashed per request (64k characters at 64 a block): enough to tell conversations apart
+BALANCE_MIN = 2  # a prefix's worker may carry this many more requests than the policy's pick (max_imbalance)
 _MESSAGE = "\x1e"  # before each message; a separator no chat text carries, so renderings never run together
 _FIELD = "\x1f"  # between a message's fields
 
@@ -164,13 +171,21 @@ class Preference:
     passed_over: bool  # a worker without headroom held more of the prefix than the chosen one
 
 
+def max_imbalance(w: WorkerView) -> int:
+    """How many more requests than the policy's pick a worker may carry and still be preferred for a prefix:
+    a quarter of its slots, at least 2 (SGLang's cache-aware router has the same kind of guard)."""
+    return max(BALANCE_MIN, w.max_active // 4)
+
+
 def prefer(chosen: WorkerView, pool: Sequence[WorkerView], slacks: Mapping[str, float],
            matched: Mapping[str, int], *, everyone: Sequence[WorkerView] = ()) -> Preference:
     """The policy's ``chosen`` worker, or, when another worker of ``pool`` with headroom (slack >= 0 and a free
     slot) holds a longer prefix of the request than every other such worker and ``chosen``, that one. Ties
     keep ``chosen``; between tied others, fewer requests, then more slack, then the id. ``everyone``: all the
     workers the request could have gone to, busy ones included, to tell whether the prefix was passed over."""
-    able = [w for w in pool if w.free_slots > 0 and slacks.get(w.id, -1.0) >= 0]
+    # headroom, and not so much busier than the policy's pick that affinity would pile every conversation there
+    able = [w for w in pool if w.free_slots > 0 and slacks.get(w.id, -1.0) >= 0
+            and w.active <= chosen.active + max_imbalance(w)]
     longest = max((matched.get(w.id, 0) for w in able), default=0)
     best = chosen
     if longest > 0 and matched.get(chosen.id, 0) < longest:

@@ -120,7 +120,7 @@ def test_the_lru_drops_the_tails_of_old_prefixes_first() -> None:
 
 
 def test_prefer_the_longest_prefix_among_workers_with_headroom() -> None:
-    a, b, c = view("a", active=3), view("b"), view("c", active=1)
+    a, b, c = view("a", active=2), view("b"), view("c", active=1)
     slacks = {"a": 0.2, "b": 0.9, "c": 0.5}
     got = prefer(b, [a, b, c], slacks, {"a": 5, "c": 2})
     assert (got.worker.id, got.matched, got.moved, got.passed_over) == ("a", 5, True, False)
@@ -130,6 +130,18 @@ def test_prefer_the_longest_prefix_among_workers_with_headroom() -> None:
     assert prefer(b, [a, b, c], slacks, {"a": 0}).matched == 0
     # a tie between two others: fewer requests
     assert prefer(b, [a, b, c], slacks, {"a": 4, "c": 4}).worker.id == "c"
+
+
+def test_a_prefix_does_not_pile_requests_onto_a_much_busier_worker() -> None:
+    # 8 slots each: a prefix's worker may carry 2 more requests than the policy's pick, no more
+    b = view("b", active=1)
+    slacks = {"a": 0.3, "b": 0.9}
+    assert prefer(b, [view("a", active=3), b], slacks, {"a": 9}).worker.id == "a"
+    assert prefer(b, [view("a", active=4), b], slacks, {"a": 9}).worker.id == "b"
+    # bigger workers allow more: a quarter of their slots
+    big_b = view("b", active=1, max_active=32)
+    assert prefer(big_b, [view("a", active=9, max_active=32), big_b], slacks, {"a": 9}).worker.id == "a"
+    assert prefer(big_b, [view("a", active=10, max_active=32), big_b], slacks, {"a": 9}).worker.id == "b"
 
 
 def test_a_worker_without_headroom_is_never_chosen_for_its_prefix() -> None:

@@ -16,18 +16,29 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from adaserve.engine.loading.catalog import local_dir
-from adaserve.engine.loading.loader import load_model, read_config
+from adaserve.engine.loading.loader import default_dtype, load_model, read_config
 from adaserve.engine.model import parallel
+from adaserve.engine.model.kv_cache import KVCacheConfig
 from adaserve.engine.model.runner import ForwardSettings, ModelRunner
 
 log = logging.getLogger(__name__)
 JOIN_S = 10.0  # how long a stopped rank may take to exit before it is terminated
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every rank's runner reads (``ForwardSettings``), with the KV page count pinned to rank 0's."""
+
+    attention: str
+    kv: KVCacheConfig
+    static_shapes: bool
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -49,9 +60,10 @@ def _rank_main(rank: int, size: int, port: int, target: str, device: str, dtype:
 
 
 def check_size(ref: str | Path, size: int) -> None:
-    """Refuse ``size`` ranks before anything starts: below 1, or for a model whose attention heads, KV heads or
-    MLP width it does not divide (read from its config.json alone). ``ref`` is a model reference; one that is
-    converted at load (a .gguf file, the default model) is checked by ``start_target`` once converted."""
+    """Refuse ``size`` ranks before anything starts: below 1, or more than the model has query heads or MLP
+    columns (read from its config.json alone; any smaller size splits, unevenly if need be: parallel.split).
+    ``ref`` is a model reference; one that is converted at load (a .gguf file, the default model) is checked by
+    ``start_target`` once converted."""
     if size < 1:
         raise ValueError(f"tensor parallel size must be at least 1, got {size}")
     directory = local_dir(str(ref))
@@ -69,7 +81,11 @@ def start_target(target: Path, size: int, *, device: torch.device, settings: For
         raise ValueError("a tensor-parallel target needs at least 2 ranks")
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(f"tensor parallel size {size} needs {size} CUDA devices; {torch.cuda.device_count()} visible")
-    parallel.local_config(read_config(target), parallel.TensorParallel(0, size))  # refuse before starting
+    cfg = read_config(target)
+    parallel.local_config(cfg, parallel.TensorParallel(0, size))  # refuse before starting
+    # every rank the same page count, rank 0's (an uneven split gives the ranks different KV heads)
+    settings = Settings(settings.attention, parallel.pages_for(settings.kv, cfg, size, dtype or default_dtype(device)),
+                        settings.static_shapes)
     threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else torch.get_num_threads()
     ctx = mp.get_context("spawn")
     port = parallel.free_port()

@@ -113,7 +113,7 @@ class WorkerSettings(BaseSettings, RedisAuthFields):
         if v > 1 and target is not None:
             from adaserve.engine.ranks import check_size
 
-            check_size(target, v)  # the model's heads must divide: refused before anything loads
+            check_size(target, v)  # no more ranks than the model has heads: refused before anything loads
         return v
 
     @field_validator("drafts", mode="before")

@@ -160,12 +160,12 @@ def test_worker_exits_2_when_the_engine_cannot_be_built(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("size", "words"), [
     ("0", "greater than or equal to 1"),
     ("-2", "greater than or equal to 1"),
-    # demo-tiny: 4 attention heads, 2 KV heads
-    ("3", "tensor parallel size 3 does not divide num_attention_heads=4"),
-    ("8", "tensor parallel size 8 does not divide num_attention_heads=4"),
+    # demo-tiny: 4 attention heads, 2 KV heads (3 ranks split them unevenly: parallel.split)
+    ("5", "tensor parallel size 5 is more than num_attention_heads=4"),
+    ("8", "tensor parallel size 8 is more than num_attention_heads=4"),
 ])
 def test_worker_refuses_a_tensor_parallel_size_the_model_cannot_take(size: str, words: str) -> None:
-    """Before anything loads, in one line, exit 2: a size below 1 or one the model's heads do not divide."""
+    """Before anything loads, in one line, exit 2: a size below 1 or more ranks than the model has heads."""
     res = subprocess.run([sys.executable, "-m", "adaserve", "worker", "--target", "demo-tiny",
                           "--tensor-parallel-size", size, "--port", str(free_port())],
                          capture_output=True, text=True, timeout=120)
@@ -179,8 +179,8 @@ def test_tensor_parallel_size_comes_from_the_environment_too(monkeypatch: pytest
     monkeypatch.setenv("ADASERVE_TENSOR_PARALLEL_SIZE", "2")
     assert WorkerSettings(target="demo-tiny").tensor_parallel_size == 2
     assert WorkerSettings(target="demo-tiny", tensor_parallel_size=1).tensor_parallel_size == 1  # the option wins
-    monkeypatch.setenv("ADASERVE_TENSOR_PARALLEL_SIZE", "3")
-    with pytest.raises(ValidationError, match="does not divide"):
+    monkeypatch.setenv("ADASERVE_TENSOR_PARALLEL_SIZE", "5")
+    with pytest.raises(ValidationError, match="is more than num_attention_heads=4"):
         WorkerSettings(target="demo-tiny")
 
 

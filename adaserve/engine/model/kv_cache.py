@@ -86,12 +86,16 @@ def bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype.itemsize
 
 
+def num_pages(model: ModelConfig, cfg: KVCacheConfig, dtype: torch.dtype) -> int:
+    """Pages of ``model``'s cache under ``cfg``: its explicit count, else as many as its memory holds."""
+    return cfg.num_pages or max(1, cfg.memory_bytes // (bytes_per_token(model, dtype) * cfg.page_size))
+
+
 class PagedKVCache:
     def __init__(self, model: ModelConfig, cfg: KVCacheConfig, *, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.page_size = cfg.page_size
-        per_token = bytes_per_token(model, dtype)
-        self.num_pages = cfg.num_pages or max(1, cfg.memory_bytes // (per_token * cfg.page_size))
+        self.num_pages = num_pages(model, cfg, dtype)
         # one page past the accounted ones is scratch: padded rows of a static-shape forward write there
         # (static.py), and no sequence ever owns it
         self.scratch_page = self.num_pages

@@ -4,11 +4,18 @@ torch.distributed carries it: NCCL on CUDA, gloo on CPU. Rank r holds
 
 - its share of the attention heads: ``q_proj`` rows (column-parallel), ``o_proj`` columns (row-parallel);
 - its share of the KV heads, ``k_proj`` / ``v_proj`` rows and its own KV cache of those heads. With fewer
-  KV heads than ranks (GQA), each KV head is replicated on the ``N / Hkv`` ranks whose query heads read it,
-  as vLLM does;
+  KV heads than ranks (GQA), each KV head is replicated on the ranks whose query heads read it, as vLLM
+  does;
 - its share of the MLP columns: ``gate_proj`` / ``up_proj`` rows (column-parallel), ``down_proj`` columns
   (row-parallel);
 - a whole copy of the embedding, the norms and the LM head (replicated, see below).
+
+The shares need not be equal (``split``): heads are dealt out by KV group (a KV head with the query heads
+that read it), as evenly as possible, earlier ranks taking one group more when N does not divide the
+groups (SmolLM2-135M's 9 query heads in 3 groups over 2 ranks: 6 and 3 query heads, 2 and 1 KV heads), and
+likewise the MLP columns. Every query head and column is on exactly one rank, so the sums are whole. Only
+more ranks than query heads (or MLP columns) is refused. Rank 0 holds the most KV heads, so the KV page
+count every rank uses is rank 0's (``pages_for``): the page accounting is rank 0's.
 
 A rank builds the ordinary ``CausalLM`` from its *local* configuration (``local_config``: its head, KV head
 and MLP counts), so the layer code is the same; what differs is ``reduce`` after ``o_proj`` and
@@ -51,7 +58,7 @@ import torch.distributed as dist
 
 from adaserve.engine.model.batch import DeviceNodes, Segment
 from adaserve.engine.model.config import ModelConfig, UnsupportedModelError
-from adaserve.engine.model.kv_cache import SequenceKV
+from adaserve.engine.model.kv_cache import KVCacheConfig, SequenceKV, num_pages
 from adaserve.engine.model.layers import CausalLM, DecoderLayer
 from adaserve.engine.model.runner import ForwardSettings, ModelRunner
 from adaserve.engine.model.tree import TokenTree
@@ -78,32 +85,74 @@ class TensorParallel:
 
 
 # ---- the shards -------------------------------------------------------------------------------------
+def even(total: int, parts: int, i: int) -> range:
+    """Piece ``i`` of ``range(total)`` cut into ``parts`` contiguous pieces as even as possible: the first
+    ``total % parts`` pieces are one longer (7 over 3: 0-2, 3-4, 5-6)."""
+    base, extra = divmod(total, parts)
+    start = i * base + min(i, extra)
+    return range(start, start + base + (i < extra))
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What one rank holds of every decoder layer, as indices into the whole model's: its query heads, its
+    KV heads and its MLP columns (intermediate units)."""
+
+    q_heads: range
+    kv_heads: range
+    columns: range
+
+
+def split(cfg: ModelConfig, rank: int, size: int) -> Shard:
+    """Rank ``rank``'s part of a model sharded over ``size`` ranks.
+
+    Attention is split by KV group (a KV head and the ``g = H / Hkv`` query heads that read it):
+
+    - ``size <= Hkv``: the groups are cut as evenly as possible (``even``), earlier ranks taking one more
+      when ``size`` does not divide ``Hkv``; a rank's query heads are its groups' (9 heads in 3 groups over
+      2 ranks: rank 0 KV heads 0-1 and query heads 0-5, rank 1 KV head 2 and query heads 6-8);
+    - ``size > Hkv``: the ranks are cut into ``Hkv`` runs as evenly as possible, run j holds KV head j
+      replicated and splits group j's query heads as evenly as possible (``size`` a multiple of ``Hkv``:
+      every KV head on ``size / Hkv`` ranks, as vLLM does).
+
+    The MLP columns are cut as evenly as possible. Every query head and every column is on exactly one
+    rank, so the row-parallel sums (``o_proj``, ``down_proj``) add each exactly once. Refused
+    (``UnsupportedModelError``) only when a rank would get no query head or no column."""
+    h, hkv, n = cfg.num_heads, cfg.num_kv_heads, size
+    if not 0 <= rank < n:
+        raise ValueError(f"bad tensor-parallel rank {rank} of {n}")
+    problems = [f"{name}={count}" for name, count in (("num_attention_heads", h),
+                                                       ("intermediate_size", cfg.intermediate_size)) if count < n]
+    if problems:
+        raise UnsupportedModelError(f"tensor parallel size {n} is more than {' and '.join(problems)}: every rank "
+                                    "needs at least one query head and one MLP column")
+    g = h // hkv
+    columns = even(cfg.intermediate_size, n, rank)
+    if n <= hkv:
+        kv = even(hkv, n, rank)
+        return Shard(range(kv.start * g, kv.stop * g), kv, columns)
+    group = next(j for j in range(hkv) if rank in even(n, hkv, j))
+    ranks = even(n, hkv, group)  # at most ceil(n / hkv) <= g ranks, as n <= h
+    mine = even(g, len(ranks), rank - ranks.start)
+    return Shard(range(group * g + mine.start, group * g + mine.stop), range(group, group + 1), columns)
+
+
 def local_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
     """The configuration of rank ``tp.rank``'s part of the model: its heads, KV heads and MLP columns."""
-    n = tp.size
-    if n == 1:
+    if tp.size == 1:
         return cfg
-    problems = []
-    if cfg.num_heads % n:
-        problems.append(f"num_attention_heads={cfg.num_heads}")
-    if cfg.intermediate_size % n:
-        problems.append(f"intermediate_size={cfg.intermediate_size}")
-    if cfg.num_kv_heads % n and n % cfg.num_kv_heads:
-        problems.append(f"num_key_value_heads={cfg.num_kv_heads} (nor does it divide {n})")
-    if problems:
-        raise UnsupportedModelError(f"tensor parallel size {n} does not divide {', '.join(problems)}")
-    return replace(cfg, num_heads=cfg.num_heads // n, num_kv_heads=max(1, cfg.num_kv_heads // n),
-                   intermediate_size=cfg.intermediate_size // n)
+    mine = split(cfg, tp.rank, tp.size)
+    return replace(cfg, num_heads=len(mine.q_heads), num_kv_heads=len(mine.kv_heads),
+                   intermediate_size=len(mine.columns))
 
 
-def kv_heads(cfg: ModelConfig, tp: TensorParallel) -> range:
-    """The KV heads rank ``tp.rank`` holds: its own share, or with fewer KV heads than ranks the one head
-    its query heads read (replicated on ``size / num_kv_heads`` ranks)."""
-    if cfg.num_kv_heads >= tp.size:
-        per = cfg.num_kv_heads // tp.size
-        return range(tp.rank * per, (tp.rank + 1) * per)
-    head = tp.rank * cfg.num_kv_heads // tp.size
-    return range(head, head + 1)
+def pages_for(kv: KVCacheConfig, cfg: ModelConfig, size: int, dtype: torch.dtype) -> KVCacheConfig:
+    """``kv`` with the page count of rank 0's cache fixed, for every rank of ``size``: rank 0 holds the most KV
+    heads (``split``), so its memory holds the fewest pages, and the page accounting is its own. A rank with
+    fewer KV heads then allocates less memory, not more pages it would never use."""
+    if size == 1 or kv.num_pages is not None:
+        return kv
+    return replace(kv, num_pages=num_pages(local_config(cfg, TensorParallel(0, size)), kv, dtype))
 
 
 def shard_of(name: str, cfg: ModelConfig, tp: TensorParallel) -> tuple[int, int, int] | None:
@@ -113,20 +162,18 @@ def shard_of(name: str, cfg: ModelConfig, tp: TensorParallel) -> tuple[int, int,
         return None
     module, _, kind = name.rpartition(".")
     module = module.rpartition(".")[2]
-    r, d = tp.rank, cfg.head_dim
-    h = cfg.num_heads // tp.size
-    i = cfg.intermediate_size // tp.size
+    mine, d = split(cfg, tp.rank, tp.size), cfg.head_dim
+    q, kv, cols = mine.q_heads, mine.kv_heads, mine.columns
     if module == "q_proj":
-        return 0, r * h * d, (r + 1) * h * d
+        return 0, q.start * d, q.stop * d
     if module in ("k_proj", "v_proj"):
-        heads = kv_heads(cfg, tp)
-        return 0, heads.start * d, heads.stop * d
+        return 0, kv.start * d, kv.stop * d
     if module in ("gate_proj", "up_proj"):
-        return 0, r * i, (r + 1) * i
+        return 0, cols.start, cols.stop
     if kind == "weight" and module == "o_proj":
-        return 1, r * h * d, (r + 1) * h * d
+        return 1, q.start * d, q.stop * d
     if kind == "weight" and module == "down_proj":
-        return 1, r * i, (r + 1) * i
+        return 1, cols.start, cols.stop
     return None
 
 

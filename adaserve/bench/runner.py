@@ -55,6 +55,7 @@ from adaserve.engine.loading.chat import has_chat_template, instruction_ids
 from adaserve.engine.loading.loader import load_model, load_tokenizer
 from adaserve.engine.model.kv_cache import KVCacheConfig
 from adaserve.engine.model.runner import ModelRunner
+from adaserve.engine.ranks import start_target
 from adaserve.engine.request import Request
 from adaserve.engine.speculation.adaptive import AdaptiveConfig
 from adaserve.engine.speculation.policies import make_policy, split_policy
@@ -105,6 +106,7 @@ class BenchConfig:
     sched_ms: float | str | None = None
     sweep: str = "rate"  # rate: over ``rates``; urgent-share / slo-scale: over ``values`` at ``rates[0]``
     values: tuple[float, ...] = ()
+    tensor_parallel_size: int = 1  # ranks the target is sharded over (engine/ranks.py); the drafts stay whole
 
     def __post_init__(self) -> None:
         if not self.policies and not self.budgets:
@@ -147,6 +149,8 @@ class BenchConfig:
             raise ValueError(f"sched_ms must be milliseconds or {HOST_MEASURED!r}, got {self.sched_ms!r}")
         if isinstance(self.sched_ms, float | int) and not self.sched_ms >= 0:
             raise ValueError("sched_ms must be >= 0")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor parallel size must be at least 1, got {self.tensor_parallel_size}")
         if self.clock == "simulated" and HF_PEER in self.policies:
             raise ValueError("the hf peer runs on the wall clock only: drop it from a simulated bench")
         for p in self.policies:
@@ -205,7 +209,10 @@ class Shared:
 def load_shared(cfg: BenchConfig, *, progress: bool) -> Shared:
     dev = resolve_device(cfg.device)
     rc = EngineConfig(kv=KVCacheConfig(memory_bytes=cfg.kv_memory_mb * 2**20))
-    target = ModelRunner(load_model(cfg.target, device=dev, progress=progress), rc)
+    if cfg.tensor_parallel_size > 1:  # this process is rank 0; every variant's engine reuses the sharded target
+        target = start_target(cfg.target, cfg.tensor_parallel_size, device=dev, settings=rc, progress=progress)
+    else:
+        target = ModelRunner(load_model(cfg.target, device=dev, progress=progress), rc)
     draft = ModelRunner(load_model(cfg.draft, device=dev, progress=progress), rc)
     extra = [ModelRunner(load_model(p, device=dev, progress=progress), rc) for p in cfg.extra_drafts]
     device: DeviceProfile | None = None
@@ -474,6 +481,13 @@ def sweep_points(cfg: BenchConfig, baseline_tpot_ms: float) -> list[SweepPoint]:
 
 def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
     shared = load_shared(cfg, progress=progress)
+    try:
+        return _run_bench(cfg, shared, progress=progress)
+    finally:
+        shared.target.close()  # a tensor-parallel target stops its other ranks
+
+
+def _run_bench(cfg: BenchConfig, shared: Shared, *, progress: bool) -> dict:
     # a trace's relative SLOs are multiples of the artifact's own baseline, not of this machine's
     baseline = cfg.baseline_tpot_ms or (ARTIFACT_BASELINE_TPOT_MS if cfg.trace_json else measure_baseline_tpot(shared))
     points = [(pt, pt.requests()) for pt in sweep_points(cfg, baseline)]
@@ -531,6 +545,7 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
                    "budget_rule": EngineConfig().budget_rule,
                    "max_tokens_cap": cfg.max_tokens_cap, "max_prompt_tokens": cfg.max_prompt_tokens,
                    "kv_memory_mb": cfg.kv_memory_mb, "max_batch": cfg.max_batch,
+                   "tensor_parallel_size": shared.target.tensor_parallel_size,  # the runner's own: ranks started
                    "prefill_chunk": EngineConfig().prefill_chunk, "prefill_rule": cfg.prefill_rule,
                    "prefix_caching": cfg.prefix_caching,
                    "chat_template": has_chat_template(shared.tokenizer)},

@@ -98,6 +98,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--sweep", choices=["rate", "urgent-share", "slo-scale"], default="rate",
                    help="what varies: --rps (rate), or --values at the one --rps")
     p.add_argument("--values", type=floats, default=(), help="urgent shares or SLO scales for --sweep")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the target over N ranks, one process per device (CPU: gloo; the drafts stay whole)")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--plot", type=Path, help="attainment and goodput against rate (PNG)")
     p.set_defaults(func=run)
@@ -126,14 +128,16 @@ def run(args: argparse.Namespace) -> int:
     from adaserve.engine.build import EngineBuildError
     from adaserve.engine.loading.catalog import ModelNotFoundError, resolve_drafts
     from adaserve.engine.model.config import UnsupportedModelError
+    from adaserve.engine.ranks import check_size
 
     # without a trace-json file, the generated workload's defaults; with one, the trace's own lengths
     free = args.trace_json is not None
     max_tokens = args.max_tokens if args.max_tokens is not None or free else 128
     max_prompt_tokens = args.max_prompt_tokens if args.max_prompt_tokens is not None or free else 512
     try:
+        check_size(args.target or args.model, args.tensor_parallel_size)  # before a GGUF model is converted
         pair, extra = resolve_drafts(args.target or args.model, args.draft or (), weights=args.weights)
-    except ModelNotFoundError as e:
+    except (ModelNotFoundError, ValueError, UnsupportedModelError) as e:
         raise CliError(str(e)) from None
     if pair.draft is None:
         raise CliError(f"{pair.name} has no draft of its own: give one with --draft")
@@ -151,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
                           prefix_caching=args.prefix_caching,
                           baseline_tpot_ms=args.baseline_tpot_ms,
                           clock=args.clock, device_profile=args.device_profile, sched_ms=args.sched_ms,
-                          sweep=args.sweep, values=args.values)
+                          sweep=args.sweep, values=args.values, tensor_parallel_size=args.tensor_parallel_size)
         if args.trace is not None and not args.trace.is_file():
             raise ValueError(f"trace {args.trace} does not exist")
         report = run_bench(cfg)

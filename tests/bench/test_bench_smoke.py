@@ -45,3 +45,28 @@ def test_short_bench_report(tmp_path: Path) -> None:
                 assert 0.0 <= gap["optimal_share"] <= 1.0
     assert set(report["adaserve_vs_best_other"]) == {"1.5", "3"}
     assert png.stat().st_size > 1000
+
+
+@pytest.mark.skipif(not (DEMO / "target" / "config.json").is_file(), reason="demo pair not in this checkout")
+def test_bench_with_a_tensor_parallel_target(tmp_path: Path) -> None:
+    """``--tensor-parallel-size 2``: the target sharded over two CPU ranks (gloo), every variant's engine over it;
+    the speculating policy reproduces incremental decoding's tokens, and the report names the size."""
+    out = tmp_path / "report.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "adaserve", "bench", "--model", "demo-tiny", "--tensor-parallel-size", "2",
+         "--policies", "incremental,adaserve", "--rps", "2", "--duration", "2", "--budget", "8",
+         "--max-tokens", "8", "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["config"]["tensor_parallel_size"] == 2
+    assert report["lossless"] is True
+    rows = report["results"]
+    assert {r["policy"] for r in rows} == {"incremental", "adaserve"} and all(r["requests"] > 0 for r in rows)
+
+
+def test_bench_refuses_more_ranks_than_heads() -> None:
+    res = subprocess.run([sys.executable, "-m", "adaserve", "bench", "--model", "demo-tiny",
+                          "--tensor-parallel-size", "5"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "tensor parallel size 5 is more than num_attention_heads=4" in res.stderr

@@ -19,12 +19,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--with-gpu"):
-        return
-    skip = pytest.mark.skip(reason="GPU test: run with --with-gpu on a CUDA machine")
+    # ``slow`` tests stay out of the default run (README's test command) unless a -m expression names them
+    slow = "slow" in (config.option.markexpr or "")
+    skip_slow = pytest.mark.skip(reason="slow test: run with -m slow")
+    gpu = config.getoption("--with-gpu")
+    skip_gpu = pytest.mark.skip(reason="GPU test: run with --with-gpu on a CUDA machine")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not gpu:
+            item.add_marker(skip_gpu)
+        if "slow" in item.keywords and not slow:
+            item.add_marker(skip_slow)
 
 
 @pytest.fixture(scope="session", autouse=True)

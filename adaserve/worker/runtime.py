@@ -68,7 +68,6 @@ class InFlight:
     req: Request
     slo_class: str
     tpot_slo_ms: float | None
-    ttft_slo_ms: float | None  # only when the request gives one: ADASERVE_SLO_CLASSES holds TPOT targets only
     events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
     met_slo: bool | None = None  # set on the engine thread just before the final event is queued
     done: bool = False
@@ -312,7 +311,7 @@ class Runtime:
             self.metrics.rejected.labels("overloaded").inc()
             raise RequestRefused(503, f"overloaded: {len(self.active)} requests in flight",
                                  retry_after=self.settings.retry_after_s)
-        flight = InFlight(req, slo_class, tpot, body.ttft_slo_ms, resumed=len(resumed), resume_text=body.resume_text)
+        flight = InFlight(req, slo_class, tpot, resumed=len(resumed), resume_text=body.resume_text)
         self.active[rid] = flight
         self._idle.clear()
         self.metrics.active.labels(slo_class).inc()
@@ -449,8 +448,8 @@ class Runtime:
         self.metrics.on_tokens(flight.request_id, len(ev.new_tokens))
         if ev.finished:  # the engine is done with the request: its metrics are final
             flight.met_slo = self.metrics.on_finished(flight.req, slo_class=flight.slo_class,
-                                                      tpot_slo_ms=flight.tpot_slo_ms, ttft_slo_ms=flight.ttft_slo_ms,
-                                                      reason=ev.finish_reason)
+                                                      tpot_slo_ms=flight.tpot_slo_ms,
+                                                      ttft_slo_ms=flight.req.ttft_slo_ms, reason=ev.finish_reason)
             if ev.finish_reason in NORMAL_END:  # an abort says nothing about how fast requests are served
                 m = flight.req.metrics
                 self.measurements.on_finished(flight.slo_class, met=flight.met_slo, tpot_ms=m.tpot_ms,

@@ -44,7 +44,9 @@ async def chunks(runtime: Runtime, flight: InFlight) -> AsyncIterator[dict[str, 
             "finish_reason": "stop" if stopped else ev.finish_reason,
             "slo_class": flight.slo_class,
             "tpot_slo_ms": flight.tpot_slo_ms,
-            "ttft_slo_ms": flight.ttft_slo_ms,
+            # the engine's own request's target (only when the request gives one: ADASERVE_SLO_CLASSES holds
+            # TPOT targets only), so a client sees what the SLO prefill rule works to
+            "ttft_slo_ms": flight.req.ttft_slo_ms,
             "slo_met": flight.met_slo,
             "prompt_tokens": flight.prompt_tokens,
             "metrics": flight.req.metrics.to_dict(),

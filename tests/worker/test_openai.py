@@ -113,6 +113,8 @@ def test_slo_from_header_class_or_explicit_target(http: httpx.Client) -> None:
     assert r.json()["adaserve"]["slo_class"] == "coding" and r.json()["adaserve"]["tpot_slo_ms"] == 40.0
     r = http.post("/v1/completions", json={**body, "tpot_slo_ms": 123.0})
     assert r.json()["adaserve"]["tpot_slo_ms"] == 123.0
+    # the TTFT target echoed is the engine Request's own (stream.py reads it there): it reached the engine, where
+    # the SLO prefill rule reads it (issue 29)
     r = http.post("/v1/completions", json=body, headers={"X-TPOT-SLO-Ms": "77", "X-TTFT-SLO-Ms": "5000"})
     assert r.json()["adaserve"]["tpot_slo_ms"] == 77.0 and r.json()["adaserve"]["ttft_slo_ms"] == 5000.0
 

@@ -300,7 +300,8 @@ class Runtime:
         resumed = list(body.resume_token_ids or ())
         rid = body.request_id or uuid.uuid4().hex
         req = Request(rid, ids + resumed, params, tpot_slo_ms=tpot, resumed=len(resumed), ttft_slo_ms=body.ttft_slo_ms)
-        if resumed:
+        if resumed:  # checked first: the stop matcher decodes them, and an id past the vocabulary is a 400 then
+            self._check_servable(req)
             self._resume(req, resumed)
         if params.grammar is not None:
             await self._start_grammar(req)
@@ -335,6 +336,18 @@ class Runtime:
             return False
         self.loop.abort(request_id)
         return True
+
+    def _check_servable(self, req: Request) -> None:
+        """Engine.check_request ahead of the submission (it runs again there): 400 naming what this engine
+        could never serve."""
+        engine = self.built.engine if self.built is not None else None
+        if engine is None:
+            return
+        try:
+            engine.check_request(req)
+        except ValueError as e:
+            self.metrics.rejected.labels("invalid").inc()
+            raise RequestRefused(400, str(e)) from None
 
     def _resume(self, req: Request, earlier: list[int]) -> None:
         """Make ``req`` go on as if it had emitted ``earlier`` itself (they end its prompt): its random stream

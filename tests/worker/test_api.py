@@ -187,6 +187,8 @@ BAD_INPUTS = [
     ({"messages": [{"role": "wizard", "content": "x"}]}, 422, "messages[0].role"),
     ({"messages": []}, 422, "messages"),
     ({"prompt": "x", "stop_token_ids": [10**7]}, 400, "stop_token_ids"),
+    # a continuation's earlier output is checked before the stop matcher decodes it (was a tokenizer overflow, 500)
+    ({"prompt": "x", "resume_token_ids": [2**40], "stop": ["a"]}, 400, "prompt token ids"),
 ]
 
 

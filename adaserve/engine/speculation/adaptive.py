@@ -19,7 +19,11 @@ class AdaptiveConfig:
     values; the defaults below are starting points, meant to be overridden from the worker's profile.
     """
 
-    # d never below 1: one draft step is cheap, and the SLO phase may still send only the root.
+    # d never below 1 by default: one draft step is cheap, and the SLO phase may still send only the root.
+    # d_min = 0 lets the goodput rules (goodput_depth, goodput_shape) choose plain decoding when no tree is
+    # predicted to emit more tokens per second than one token per request: ``bounds_for_device`` sets it
+    # where the costs are measured (issue 35: int4 on a CPU, where verifying costs about linearly in tokens,
+    # halved the throughput of 8 requests with speculation). Unmeasured costs (a flat guess) keep 1.
     d_min: int = 1
     # Every extra level costs a full draft forward before verification can start. With the demo pair on
     # a CPU (draft only ~4.6x cheaper than the target) d_max=8, w_max=4 lost to chain:4 on SLO attainment
@@ -109,13 +113,16 @@ def bounds_for_device(cfg: AdaptiveConfig, *, t_target_s: float, t_draft_s: floa
                                               scripts/replay-tree-crosscheck.py). A CPU's
                                               draft is compute-bound and its knee small: it keeps 2.
         B2    = the draft's own knee          draft tokens per beam step that still cost about one token
+        d_min = 0 with the goodput depth rule  plain decoding where no tree is predicted to pay (measured costs)
     """
     if not (t_target_s > 0 and t_draft_s > 0):
         return cfg
     r = t_target_s / t_draft_s
     d_max = min(max(round(0.75 * r), 2), 8)
     w_max = 4 if r >= 10 else 3 if draft_budget >= 64 else 2
-    return replace(cfg, d_max=max(d_max, cfg.d_min), w_max=w_max, b2=max(1, draft_budget))
+    # measured costs may also say no tree pays: the goodput depth rule may then choose plain decoding (d = 0)
+    d_min = 0 if cfg.depth_rule == "goodput" else cfg.d_min
+    return replace(cfg, d_min=d_min, d_max=max(d_max, cfg.d_min), w_max=w_max, b2=max(1, draft_budget))
 
 
 # the most a level's continuation probability may be taken to be (l(alpha, d) stays finite, d still matters)
@@ -152,6 +159,8 @@ def goodput_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget
             rate = n * expected_emitted(alpha, d) / max(cost, 1e-12)
             if rate > best * (1 + 1e-9):
                 best_shape, best = (d, w), rate
+    if d_min == 0 and plain_rate(n, n_context, extra_tokens, t_target) >= best:
+        return 0, 1  # no tree pays for itself: plain decoding
     return best_shape
 
 
@@ -186,7 +195,8 @@ def goodput_depth(n: int, width: int, *, alpha: float, d_min: int, d_max: int, n
                   extra_tokens: int, t_target: Callable[[int, int], float],
                   t_draft: Callable[[int, int], float]) -> int:
     """The depth d in [max(d_min, 1), d_max] with the most expected tokens per second (SmartSpec's rule,
-    for the best path of a beam tree):
+    for the best path of a beam tree), or 0 (plain decoding) where ``d_min`` is 0 and one token per request
+    per forward is predicted to be at least as fast (``plain_rate``):
 
         goodput(d) = n * l(alpha, d) / (d * T_draft(N_ctx, n * w) + T_target(N_ctx, n * (d + 1) + extra))
 
@@ -203,4 +213,9 @@ def goodput_depth(n: int, width: int, *, alpha: float, d_min: int, d_max: int, n
         rate = n * expected_emitted(alpha, d) / max(cost, 1e-12)
         if rate > best:
             best_d, best = d, rate
-    return best_d
+    return 0 if d_min == 0 and plain_rate(n, n_context, extra_tokens, t_target) >= best else best_d
+
+
+def plain_rate(n: int, n_context: int, extra_tokens: int, t_target: Callable[[int, int], float]) -> float:
+    """Tokens per second without speculation: one token per request per target forward (d = 0)."""
+    return n / max(t_target(n_context, n + extra_tokens), 1e-12)

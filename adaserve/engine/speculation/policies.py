@@ -217,13 +217,14 @@ class _Adaptive(_NoFeedback):
     def tree_shape(self, view: BatchView) -> TreeShape | None:
         cfg = replace(self.adaptive, b1=view.budget)
         d, w = depth_width(view.n_active, cfg)
-        rates = view.rank_rates(w) if view.rank_rates is not None and cfg.depth_rule == "goodput" and d > 0 else None
+        goodput = cfg.depth_rule == "goodput"  # the depth from [d_min, d_max] by goodput, not Eq. 8's
+        rates = view.rank_rates(w) if view.rank_rates is not None and goodput else None
         if rates is not None:  # depth and width together, siblings at their learnt worth
             d, w = goodput_shape(max(view.n_active, 1), max_width=w, rank_rates=rates, budget=view.budget,
                                  d_min=cfg.d_min, d_max=cfg.d_max, n_context=view.n_context,
                                  extra_tokens=view.prefill_tokens, t_target=view.predict_target,
                                  t_draft=view.predict_draft)
-        elif cfg.depth_rule == "goodput" and d > 0:
+        elif goodput:
             d = goodput_depth(max(view.n_active, 1), w, alpha=self.paths.alpha, d_min=cfg.d_min, d_max=cfg.d_max,
                               n_context=view.n_context, extra_tokens=view.prefill_tokens,
                               t_target=view.predict_target, t_draft=view.predict_draft)

@@ -144,3 +144,36 @@ def test_the_adaserve_policy_narrows_its_tree_only_once_sibling_rates_are_learnt
     learnt = policy.tree_shape(BatchView(n_active=1, n_context=128, budget=64,
                                          rank_rates=lambda w: (0.75, 0.02, 0.01, 0.0)[:w], **cpu))
     assert learnt is not None and learnt.width == 1
+
+
+def test_plain_decoding_where_no_tree_pays_for_itself() -> None:
+    from adaserve.engine.speculation.adaptive import goodput_depth, goodput_shape
+
+    # int4 weights on a CPU: verifying costs about linearly in tokens (a packed kernel per row), so trees cost
+    # what decoding their tokens one by one would; at 8 requests no depth beats one token per forward
+    rows = _flat_then_linear(0.022, 0.005, 1)
+    draft = _flat_then_linear(0.003, 0.0005, 1)
+    kw = {"d_max": 4, "n_context": 0, "extra_tokens": 0, "t_target": rows, "t_draft": draft}
+    assert goodput_depth(8, 1, alpha=0.7, d_min=0, **kw) == 0
+    assert goodput_shape(8, max_width=2, rank_rates=(0.7, 0.05), budget=64, d_min=0, **kw) == (0, 1)
+    # d_min = 1 keeps speculating; a lone request, where a tree costs little more than a token, speculates
+    assert goodput_depth(8, 1, alpha=0.7, d_min=1, **kw) >= 1
+    assert goodput_depth(1, 1, alpha=0.7, d_min=0, **kw) >= 1
+    # an accelerator below its knee: speculation always pays
+    gpu = {**kw, "t_target": _flat_then_linear(0.025, 1e-4, 128), "t_draft": _flat_then_linear(0.002, 1e-5, 64)}
+    assert goodput_depth(8, 2, alpha=0.7, d_min=0, **gpu) >= 1
+
+
+def test_the_policy_turns_speculation_off_when_plain_decoding_is_predicted_faster() -> None:
+    from adaserve.engine.speculation.adaptive import bounds_for_device
+    from adaserve.engine.speculation.policies import BatchView, make_policy
+
+    rows = {"predict_target": _flat_then_linear(0.022, 0.005, 1), "predict_draft": _flat_then_linear(0.003, 5e-4, 1)}
+    # measured costs (the profile's bounds) may turn speculation off; the unmeasured default keeps a tree
+    assert make_policy("adaserve").tree_shape(BatchView(n_active=8, n_context=1024, budget=64, **rows)) is not None
+    policy = make_policy("adaserve")
+    object.__setattr__(policy, "adaptive", bounds_for_device(policy.adaptive, t_target_s=0.022, t_draft_s=0.003,
+                                                            draft_budget=16))
+    assert policy.adaptive.d_min == 0
+    assert policy.tree_shape(BatchView(n_active=8, n_context=1024, budget=64, **rows)) is None
+    assert policy.tree_shape(BatchView(n_active=1, n_context=128, budget=64, **rows)) is not None

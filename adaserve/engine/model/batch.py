@@ -102,14 +102,13 @@ class BatchLayout:
         return all(s.tree.is_chain for s in self.segments)
 
 
-def page_table(segments: list[Segment], kv_lens: np.ndarray, page_size: int) -> np.ndarray:
-    """[B, max pages] int64: the first ceil(kv_len / page_size) pages of each sequence, padded with 0."""
+def page_table(pages_of: list[list[int]], kv_lens: np.ndarray, page_size: int) -> np.ndarray:
+    """[B, max pages] int64: the first ceil(kv_len / page_size) of each sequence's pages, padded with 0."""
     n_pages = -(-kv_lens // page_size)
     counts = n_pages.tolist()
-    table = np.zeros((len(segments), int(n_pages.max())), np.int64)
+    table = np.zeros((len(pages_of), int(n_pages.max())), np.int64)
     flat: list[int] = []
-    for b, (s, n) in enumerate(zip(segments, counts, strict=True)):
-        pages = s.seq.pages
+    for b, (pages, n) in enumerate(zip(pages_of, counts, strict=True)):
         if n > len(pages):
             raise ValueError(f"sequence holds {len(pages)} pages but {kv_lens[b]} keys need {n}")
         flat += pages[:n]
@@ -130,7 +129,7 @@ def build_layout(segments: list[Segment], *, page_size: int, device: torch.devic
     if n_new.min() <= 0:
         raise ValueError("every segment must contribute at least one new token")
     kv_lens = prefix + size
-    table = page_table(segments, kv_lens, page_size)
+    table = page_table([s.seq.pages for s in segments], kv_lens, page_size)
 
     ids = None if on_device is not None else np.concatenate([s.tree.tokens[s.num_cached:] for s in segments])
     # token t of segment b (row r of its new tokens) is tree node c_b + r, at token index L_b + c_b + r

@@ -80,10 +80,12 @@ class ModelRunner:
         shape = self.static.bucket(layout) if self.static is not None else None
         if self.static is not None and shape is not None:
             return self.static.forward(layout, rows, shape)
-        layout.stage.put("logits_rows", rows)  # sent with the layout's and the backend's arrays, in one copy
+        every = len(rows) == layout.num_tokens  # rows are distinct and increasing: every row, in order
+        if not every:
+            layout.stage.put("logits_rows", rows)  # sent with the layout's and the backend's arrays, in one copy
         self.backend.plan(layout, self.cache)
         return self.model(layout.input_ids, layout.positions, backend=self.backend, cache=self.cache,
-                          logits_rows=layout.stage.get("logits_rows"))
+                          logits_rows=None if every else layout.stage.get("logits_rows"))
 
     def close(self) -> None:
         """Nothing to stop here; a tensor-parallel runner stops its other ranks (parallel.py)."""
@@ -122,9 +124,13 @@ class ModelRunner:
             counts = counts_np.tolist()
         logits = self.compute(segments, rows.tolist(), on_device)
         out = list(torch.split(logits, counts))
-        rec = ForwardRecord(n_new=int(n_new.sum()), n_context=sum(s.prefix_len + s.num_cached for s in segments),
-                            wall_s=time.perf_counter() - t0)
+        self.record(n_new=int(n_new.sum()), n_context=sum(s.prefix_len + s.num_cached for s in segments), t0=t0)
+        return out
+
+    def record(self, *, n_new: int, n_context: int, t0: float) -> None:
+        """Tell the listeners about a forward that began at ``perf_counter()`` ``t0`` and has just returned
+        (``forward`` and a beam level's forward, levels.py)."""
+        rec = ForwardRecord(n_new=n_new, n_context=n_context, wall_s=time.perf_counter() - t0)
         self.last_forward = rec
         for listener in self.forward_listeners:
             listener(rec)
-        return out

@@ -119,11 +119,15 @@ class StaticForward:
 
     def bucket(self, layout: BatchLayout) -> tuple[int, int, int] | None:
         """(G, Q, K) for this layout, or None when it does not fit a static shape (eager then)."""
-        n_new = int(np.diff(layout.qo_indptr).max())
-        g = round_up(len(layout.segments), self.batch_buckets)
-        if g is None or n_new > self.max_rows or max(layout.kv_lens) > self.max_keys:
+        return self.shape_for(len(layout.segments), int(np.diff(layout.qo_indptr).max()), max(layout.kv_lens))
+
+    def shape_for(self, segments: int, rows: int, keys: int) -> tuple[int, int, int] | None:
+        """(G, Q, K) for a forward of ``segments`` segments with at most ``rows`` new tokens and ``keys`` keys
+        each, or None when it does not fit a static shape."""
+        g = round_up(segments, self.batch_buckets)
+        if g is None or rows > self.max_rows or keys > self.max_keys:
             return None
-        return g, pow2(n_new), min(self.max_keys, pow2(max(layout.kv_lens), MIN_KEYS))
+        return g, pow2(rows), min(self.max_keys, pow2(keys, MIN_KEYS))
 
     def grid(self, shape: tuple[int, int, int]) -> Grid:
         grid = self._grids.get(shape)
@@ -143,9 +147,13 @@ class StaticForward:
         """Logits ``[len(rows), V]`` of the layout's flat token rows ``rows``, through the bucket ``shape``."""
         grid = self.grid(shape)
         self._fill(grid, layout, rows)
+        return self.run(grid, layout.stage.get("static.rows"))
+
+    def run(self, grid: Grid, rows: torch.Tensor) -> torch.Tensor:
+        """Run the model over ``grid``'s filled buffers: the logits of its grid rows ``rows``."""
         self._runner(grid)()
         assert grid.logits is not None
-        return grid.logits[layout.stage.get("static.rows")]  # a new tensor: the next run may overwrite
+        return grid.logits[rows]  # a new tensor: the next run may overwrite
 
     # ---- filling the buffers (eager, before the replay) ----------------------------------------------
     def _fill(self, grid: Grid, layout: BatchLayout, rows: list[int]) -> None:

@@ -7,10 +7,11 @@ mask), and the top-w of the w*V extensions by cumulative log-probability form th
 Beam nodes' draft KV is scratch, dropped when speculation ends.
 
 The levels never visit the host (issue 30): the beam state (tokens, parents, log path probabilities),
-the top-k and the next level's inputs stay on the device. A level's layout needs no picks: positions and
-slots depend only on the level and its width (each segment's tree is a placeholder of the right shape),
-the picked ids feed the forward as they are, and the ancestor rows grow on the device (a new node's row
-is its parent's plus itself). The whole candidate tree comes to the host in one copy at the end.
+the top-k and the next level's inputs stay on the device. A level's layout needs no picks: positions,
+slots and mask bounds depend only on the level and the widths, so every level is planned at once before
+the first (``model/levels.py``: one host pass, one copy), the picked ids feed the forward as they are, and
+the ancestor rows grow on the device (a new node's row is its parent's plus itself). The whole candidate
+tree comes to the host in one copy at the end.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from adaserve.engine.model.batch import DeviceNodes, Segment
+from adaserve.engine.model.batch import Segment
 from adaserve.engine.model.kv_cache import SequenceKV
+from adaserve.engine.model.levels import BeamLevels
 from adaserve.engine.model.runner import ForwardRecord, ModelRunner, joined_rows
 from adaserve.engine.model.tree import STRICT_DECREASE_EPS, TokenTree
 from adaserve.engine.speculation.grammar import GrammarState
@@ -70,26 +72,27 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     if depth < 1 or width < 1:
         raise ValueError("beam search needs depth >= 1 and width >= 1")
     segs = [Segment(x.seq, x.seq.length, TokenTree.chain(x.pending)) for x in inputs]
-    logits = draft.forward(segs, all_logits=[False] * len(segs))
+    rows = joined_rows(draft.forward(segs, all_logits=[False] * len(segs)))  # [n, V]: each root's logits
     _seen(draft, on_forward)
     for x in inputs:  # the pending tokens are real: they stay in the draft KV
         draft.cache.truncate(x.seq, x.seq.length + len(x.pending))
 
     n = len(inputs)
-    dev = logits[0].device
+    dev = rows.device
+    sizes = level_sizes(depth, width, expansion, rows.shape[-1])  # nodes per tree at each level, the root first
+    # levels 1 .. depth-1 are fed to the draft: their positions, slots and mask bounds planned here, at once
+    forwards = BeamLevels(draft, [x.seq for x in inputs], sizes[:depth]) if depth > 1 else None
     # on the device, per level: tokens, parents (tree index), log path probabilities, each [n, k]
     levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     checks: list[torch.Tensor] = []
     base = torch.zeros((n, 1), dtype=torch.float64, device=dev)  # the frontier's log path probabilities
     anc = torch.ones((n, 1, 1), dtype=torch.bool, device=dev)  # ancestor rows of the tree so far
-    shape = [-1]  # the placeholder tree's parents: each level hangs off the previous level's first node
-    m = 1  # nodes so far; the frontier is the last F of them
     paths = _Paths(inputs) if any(x.grammar is not None for x in inputs) else None
+    frontier = 0  # tree index of the frontier's first node; the frontier is level ``step``, ``rows`` its logits
     for step in range(depth):
-        frontier = m - logits[0].shape[0]
         k = None if expansion is None else expansion[step]
-        allowed = None if paths is None else paths.allowed(frontier, logits[0].shape[0]).to(dev, non_blocking=True)
-        tok, parent, value, check = _expand_on_device(logits, base, width=width, per_node=k, allowed=allowed)
+        allowed = None if paths is None else paths.allowed(frontier, sizes[step]).to(dev, non_blocking=True)
+        tok, parent, value, check = _expand_on_device(rows, base, width=width, per_node=k, allowed=allowed)
         parent = parent + frontier
         if paths is not None:
             paths.add(tok, parent)
@@ -98,24 +101,32 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
         base = value
         if step == depth - 1:
             break
-        added = tok.shape[1]
-        shape += [frontier] * added
-        placeholder = TokenTree.trusted(np.zeros(m + added, np.int64), np.asarray(shape, np.int64),
-                                        np.zeros(m + added))
-        chain = placeholder.is_chain  # one node per level so far: every tree is a chain, no rows needed
+        frontier += sizes[step]
         anc = _grow_ancestors(anc, parent)
-        # root sits at the last committed slot; earlier beams are cached, the new level is new
-        segs = [Segment(x.seq, x.seq.length - 1, placeholder, num_cached=m) for x in inputs]
-        logits = draft.forward(segs, all_logits=[True] * n,
-                               on_device=DeviceNodes(tok.reshape(-1), None if chain else anc))
+        chain = max(sizes[: step + 2]) == 1  # one node per level so far: every tree is a chain, no rows needed
+        assert forwards is not None
+        rows = forwards.forward(step + 1, tok.reshape(-1), None if chain else anc)
         _seen(draft, on_forward)
-        m += added
 
     for x in inputs:  # drop the scratch beams
         draft.cache.truncate(x.seq, x.seq.length)
     toks, pars, lps = _to_host(levels, checks)
     roots = np.asarray([x.pending[-1] for x in inputs], np.int64)[:, None]
-    return build_trees(roots, toks, pars, lps, [t.shape[1] for t, _, _ in levels])
+    return build_trees(roots, toks, pars, lps, sizes[1:])
+
+
+def level_sizes(depth: int, width: int, expansion: tuple[int, ...] | None, vocab: int) -> list[int]:
+    """Nodes per candidate tree at each level, the root's 1 first: ``_expand_on_device``'s pick counts, known
+    before any pick (a level keeps the top ``width`` of its frontier's children; a static tree each node's top
+    ``expansion[i]``; never more children per node than the vocabulary)."""
+    sizes = [1]
+    for step in range(depth):
+        f = sizes[-1]
+        if expansion is None:
+            sizes.append(min(width, f * min(width, vocab)))
+        else:
+            sizes.append(f * min(expansion[step], vocab))
+    return sizes
 
 
 def build_trees(roots: np.ndarray, toks: np.ndarray, pars: np.ndarray, lps: np.ndarray,
@@ -203,7 +214,8 @@ def expand_level(logits: list[torch.Tensor], base: np.ndarray | torch.Tensor, *,
                  per_node: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One beam level for every request at once.
 
-    logits: per request [F, V], the draft's logits at its F frontier nodes; base [n, F]: their log path
+    logits: per request [F, V], the draft's logits at its F frontier nodes (or all of them, [n * F, V],
+    request-major); base [n, F]: their log path
     probabilities. score(f, v) = base[f] + log softmax(logits[f])[v], in float64.
 
     Beam: the top ``width`` of the F * V extensions. Only a node's own top-``width`` children can be among
@@ -217,19 +229,22 @@ def expand_level(logits: list[torch.Tensor], base: np.ndarray | torch.Tensor, *,
     return _to_host([(tok, parent, value)], [check])
 
 
-def _expand_on_device(logits: list[torch.Tensor], base: np.ndarray | torch.Tensor, *, width: int,
+def _expand_on_device(logits: list[torch.Tensor] | torch.Tensor, base: np.ndarray | torch.Tensor, *, width: int,
                       per_node: int | None = None, allowed: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``expand_level`` left on the device: tokens, frontier index of the parent, log path probabilities
     (each [n, k]) and a [2] tensor (the least and greatest logit) that is finite iff every logit is.
     ``allowed`` [n, F, V]: the tokens a grammar allows at each frontier node; the others get REFUSED_LOGIT."""
     n, f = base.shape
-    if any(lg.shape[0] != f for lg in logits) or len(logits) != n:
+    if isinstance(logits, list) and (any(lg.shape[0] != f for lg in logits) or len(logits) != n):
         raise ValueError(f"expected {n} requests' logits of {f} rows each (one per frontier node)")
-    v = logits[0].shape[-1]
-    k_node = min(per_node if per_node is not None else width, v)
     # every request's frontier has F rows: one batched level (a view of the forward's logits, not a copy)
-    x = joined_rows(logits).float().view(n, f, v)
+    joined = joined_rows(logits) if isinstance(logits, list) else logits
+    if joined.shape[0] != n * f:
+        raise ValueError(f"expected {n} requests' logits of {f} rows each (one per frontier node)")
+    v = joined.shape[-1]
+    k_node = min(per_node if per_node is not None else width, v)
+    x = joined.float().view(n, f, v)
     # the least and the greatest logit: both finite iff every logit is (NaN propagates); one pass, no float64
     # sum over [n, F, V] (several times dearer on a CPU)
     check = torch.stack(torch.aminmax(x))

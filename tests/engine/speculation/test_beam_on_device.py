@@ -101,7 +101,8 @@ def test_beam_search_waits_on_the_device_once(draft_dir: Path, static: bool) -> 
         trees = beam_search(draft, inputs, depth=4, width=3)
     assert sync.counts["d2h"] == 1, sync.counts  # the whole candidate tree, in one copy
     assert sync.counts["sync"] == sync.counts["h2d"] == sync.counts["data_shape"] == 0
-    assert sync.counts["async_copy"] == 4  # one non-blocking copy per forward: the levels' layouts
+    # one non-blocking copy for the catch-up forward, one for every beam level's arrays (model/levels.py)
+    assert sync.counts["async_copy"] == 2
     assert all(t.size == 1 + 4 * 3 for t in trees)
 
 
@@ -139,3 +140,49 @@ def test_device_nodes_are_checked_against_the_layout(draft_dir: Path) -> None:
     lay = layout(DeviceNodes(torch.tensor([5, 6]), torch.tensor(tree.ancestor_matrix()[None])))
     assert lay.ids is None and lay.input_ids.tolist() == [5, 6] and lay.num_tokens == 2
     assert lay.position_ids.tolist() == [5, 5]
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("window", [None, 2])
+@pytest.mark.parametrize("sizes", [[1, 1, 1], [1, 3, 3, 3], [1, 1, 1, 3, 3], [1, 2, 4]])
+def test_planned_levels_give_each_level_laid_out_logits_bit_for_bit(
+        draft_dir: Path, monkeypatch: pytest.MonkeyPatch, static: bool, window: int | None, sizes: list[int]) -> None:
+    """A level planned ahead (model/levels.py: one host pass for all levels, on the torch grid or the static
+    bucket) computes exactly the logits of the same level laid out from its real trees and planned alone
+    (build_layout + the backend's or the static path's plan), with and without a sliding window."""
+    from dataclasses import replace
+
+    from adaserve.engine.model.levels import BeamLevels
+
+    draft = runner(draft_dir, static_shapes=static)
+    monkeypatch.setattr(draft.model, "cfg", replace(draft.model.cfg, sliding_window=window))
+    monkeypatch.setattr(draft.backend, "sliding_window", window)
+    inputs = contexts(draft, [[5, 6, 7, 8, 9], [8], [3] * 9], [[9], [10, 11], [4]])
+    for x in inputs:  # the catch-up forward: the pending tokens join the draft KV, the root last
+        draft.forward([Segment(x.seq, x.seq.length, TokenTree.chain(x.pending))], all_logits=[False])
+        draft.cache.truncate(x.seq, x.seq.length + len(x.pending))
+    seqs = [x.seq for x in inputs]
+    n, rng = len(seqs), np.random.default_rng(5)
+    levels = BeamLevels(draft, seqs, sizes)
+    assert [how for how, *_ in levels._grids[1:]] == ["static" if static else "torch"] * (len(sizes) - 1)
+    ends = np.cumsum(sizes)
+    parents = np.full((n, ends[-1]), -1, np.int64)
+    for lv in range(1, len(sizes)):  # each node of level lv hangs off a random node of level lv - 1
+        low = ends[lv - 2] if lv > 1 else 0
+        parents[:, ends[lv - 1] : ends[lv]] = rng.integers(low, ends[lv - 1], (n, sizes[lv]))
+    for lv in range(1, len(sizes)):
+        size, c = int(ends[lv]), int(ends[lv - 1])
+        trees = [TokenTree(np.zeros(size, np.int64), parents[b, :size], np.zeros(size)) for b in range(n)]
+        chain = trees[0].is_chain
+        anc = None if chain else torch.from_numpy(np.stack([t.ancestor_matrix() for t in trees]))
+        ids = torch.from_numpy(rng.integers(2, 97, n * sizes[lv]))
+        got = levels.forward(lv, ids, anc).clone()
+        rec = draft.last_forward
+        segs = [Segment(s, s.length - 1, t, num_cached=c) for s, t in zip(seqs, trees, strict=True)]
+        want = torch.cat(draft.forward(segs, all_logits=[True] * n, on_device=DeviceNodes(ids, anc)))
+        assert got.shape == want.shape == (n * sizes[lv], draft.vocab_size)
+        assert torch.equal(got, want), (lv, sizes, window, static)
+        assert rec is not None and draft.last_forward is not None and rec is not draft.last_forward
+        assert (rec.n_new, rec.n_context) == (draft.last_forward.n_new, draft.last_forward.n_context)
+    for s in seqs:
+        draft.cache.release(s)

@@ -42,7 +42,8 @@ class _Group:
     """One padded SDPA call: its segments' queries, keys and mask."""
 
     tokens: torch.Tensor | None  # [t] flat token indices of the group (None: all tokens, in order)
-    rows: torch.Tensor | None  # [t] flat grid row (segment * Qmax + row) of each token; None: one segment
+    rows: torch.Tensor | None  # [t] flat grid row (segment * Qmax + row) of each token; None: the tokens fill
+    # the grid in order (one segment, or every segment with Qmax new tokens: beam levels)
     q_max: int
     key_slots: torch.Tensor  # [g, Kmax] int64
     mask: torch.Tensor  # [g, 1, Qmax, Kmax] bool
@@ -54,7 +55,7 @@ class TorchAttention:
     def __init__(self, *, head_dim: int, sliding_window: int | None = None) -> None:
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
-        self._layout: BatchLayout | None = None
+        self._write_slots: torch.Tensor | None = None  # [T] the planned forward's cache slots for its K/V
         self._groups: list[_Group] = []
         self._cols: torch.Tensor | None = None  # arange(Kmax) on the device, grown as needed
 
@@ -98,13 +99,20 @@ class TorchAttention:
             got = {name: stage.get(f"sdpa.{j}.{name}") if getattr(gm, name) is not None else None
                    for name in ("hi", "lo", "cells", "src")}
             values = None if got["src"] is None or anc is None else anc[got["src"]]
-            mask = fill_grid_mask(self._columns(k_max, layout.device), got["hi"], got["lo"], got["cells"], values)
+            mask = fill_grid_mask(self.columns(k_max, layout.device), got["hi"], got["lo"], got["cells"], values)
             self._groups.append(_Group(None if every else stage.get(f"sdpa.{j}.tok"),
                                        stage.get(f"sdpa.{j}.rows") if size > 1 else None, q_max,
                                        stage.get(f"sdpa.{j}.key_slots"), mask[:, None]))
-        self._layout = layout
+        self._write_slots = layout.write_slots
 
-    def _columns(self, k_max: int, device: torch.device) -> torch.Tensor:
+    def use_grid(self, write_slots: torch.Tensor, key_slots: torch.Tensor, mask: torch.Tensor) -> None:
+        """Plan a forward of g segments with Q new tokens each, in order (a beam level, model/levels.py), from
+        arrays already on the device: ``write_slots`` [g * Q], ``key_slots`` [g, K], ``mask`` [g, Q, K] bool.
+        ``plan`` would make the same single group from the level's layout."""
+        self._groups = [_Group(None, None, int(mask.shape[1]), key_slots, mask[:, None])]
+        self._write_slots = write_slots
+
+    def columns(self, k_max: int, device: torch.device) -> torch.Tensor:
         """arange(k_max) on ``device``, a view of one kept tensor (no op per forward but the slice)."""
         if self._cols is None or self._cols.device != device or self._cols.shape[0] < k_max:
             self._cols = torch.arange(max(k_max, 2 * (self._cols.shape[0] if self._cols is not None else 0),
@@ -113,9 +121,8 @@ class TorchAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cache: PagedKVCache) -> torch.Tensor:
-        lay = self._layout
-        assert lay is not None and self._groups, "plan() must run before forward()"
-        write_kv(layer, k, v, cache, lay.write_slots)
+        assert self._write_slots is not None and self._groups, "plan() must run before forward()"
+        write_kv(layer, k, v, cache, self._write_slots)
         if len(self._groups) == 1 and self._groups[0].tokens is None:
             return self._attend(self._groups[0], q, layer, cache)
         out = q.new_empty(q.shape)
@@ -126,8 +133,8 @@ class TorchAttention:
 
     def _attend(self, g: _Group, q: torch.Tensor, layer: int, cache: PagedKVCache) -> torch.Tensor:
         """q [t, H, D] of the group's tokens -> attention output [t, H, D]."""
-        if g.rows is None:
-            qp = q[None]  # one segment: its rows are the grid
+        if g.rows is None:  # the tokens fill the grid in order
+            qp = q.view(g.key_slots.shape[0], g.q_max, *q.shape[1:])
         else:
             qp = q.new_zeros((g.key_slots.shape[0] * g.q_max, *q.shape[1:]))
             qp[g.rows] = q
@@ -138,4 +145,5 @@ class TorchAttention:
             qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
             attn_mask=g.mask, scale=self.scale, enable_gqa=True,
         ).transpose(1, 2)  # [g, Qmax, H, D]
-        return out[0] if g.rows is None else out.reshape(-1, *out.shape[2:])[g.rows]
+        out = out.reshape(-1, *out.shape[2:])
+        return out if g.rows is None else out[g.rows]

@@ -1,0 +1,188 @@
+"""A beam search's draft levels, planned once per speculation instead of once per level (issue 30).
+
+Beam search (speculation/speculate.py) feeds the draft one level of every request's candidate tree at a time:
+level l's ``sizes[l]`` new nodes of each request, which see the request's committed prefix (``L_b`` keys: the
+root sits at key index ``L_b``) and their ancestors in the tree. Every tree has the same number of nodes at
+every level, and the picks never shape a level, so what the host prepares for level l depends only on l, the
+sizes and each request's ``L_b``:
+
+    tree nodes before the level   c = sizes[0] + ... + sizes[l-1];  after it  s = c + sizes[l]
+    position of a new node        L_b + l                            (its depth is l)
+    write slot of new node r      slot of key index L_b + c + r
+    key slots                     [n, K] with K = max_b L_b + s: key k of request b is key min(k, L_b + s - 1)
+    mask row bounds               a tree row sees keys [0, L_b) and its ancestors' cells L_b + j, j < s
+                                  (chains, width 1: keys [0, L_b + s), and no cells)
+
+``BeamLevels`` computes every level's arrays in one host pass, stages them together and sends them in one
+copy; a level's forward then reads its slices, builds its mask from the ancestor rows on the device
+(``masks.fill_grid_mask``: the tree cells of level l are each row's first s bits) and runs the model: with the
+torch backend on its single grid (``TorchAttention.use_grid``), on the static path through the bucket's buffers
+(the arrays padded to the bucket as ``StaticForward._fill`` pads them; a CUDA graph replays there). These are
+the arrays, bit for bit, that ``build_layout`` with ``TorchAttention.plan`` or ``StaticForward._fill`` compute
+from the level's own layout: ``tests/engine/speculation/test_beam_on_device.py`` holds the trees to that.
+
+The flashinfer backend, tensor parallel ranks and a level no static bucket fits lay out each level from its
+placeholder trees, as any forward (``"laid_out"``): one plan and one copy per level, as before.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from adaserve.engine.model.attention.masks import fill_grid_mask
+from adaserve.engine.model.attention.torch_sdpa import TorchAttention
+from adaserve.engine.model.batch import DeviceNodes, Segment, page_table
+from adaserve.engine.model.kv_cache import SequenceKV
+from adaserve.engine.model.runner import ModelRunner, joined_rows
+from adaserve.engine.model.staging import HostStage
+from adaserve.engine.model.tree import TokenTree
+
+
+def _padded(real: np.ndarray, fill: int, g: int, q: int) -> np.ndarray:
+    """[n, a, ...] real rows into a [G, Q, ...] grid, padding rows and segments with ``fill``."""
+    if real.shape[:2] == (g, q):
+        return real
+    out = np.full((g, q, *real.shape[2:]), fill, np.int64)
+    out[: real.shape[0], : real.shape[1]] = real
+    return out
+
+
+class BeamLevels:
+    """The draft forwards of levels 1 .. len(sizes) - 1 of a beam search over ``seqs``.
+
+    ``sizes[l]``: nodes per tree at level l (``sizes[0] == 1``, the root). Each sequence's ``length`` counts its
+    committed tokens, the root last. ``forward(l, ids, ancestors)`` runs level l and returns its logits
+    ``[n * sizes[l], V]``, request-major.
+
+    Each level runs one of three ways, chosen here: on the torch backend's grid (``"torch"``: ``[n, sizes[l]]``
+    rows, exactly the arrays ``TorchAttention.plan`` would make), on a static bucket (``"static"``: the same
+    arrays padded to the bucket's ``[G, Q]`` rows and K keys, as ``StaticForward._fill`` pads them), or laid out
+    from a placeholder tree like any forward (``"laid_out"``: flashinfer, tensor parallel ranks, a level past
+    the static buckets, the static path's poison test).
+    """
+
+    def __init__(self, runner: ModelRunner, seqs: Sequence[SequenceKV], sizes: Sequence[int]) -> None:
+        if len(sizes) < 2 or sizes[0] != 1 or min(sizes) < 1:
+            raise ValueError(f"beam levels need the root and at least one level of nodes, got sizes {list(sizes)}")
+        self.runner, self.seqs, self.sizes = runner, list(seqs), list(sizes)
+        self.prefix = np.fromiter((s.length - 1 for s in self.seqs), np.int64, len(self.seqs))  # L_b
+        self.ends = np.cumsum(self.sizes)  # tree size after each level
+        self.stage = HostStage(runner.device)
+        self._grids: list[tuple[str, int, int, int]] = [("", 0, 0, 0)]  # per level: how, G, Q, K
+        self._plan()
+
+    def _how(self, level: int) -> tuple[str, int, int, int]:
+        """How level ``level`` runs, and its grid: (G, Q, K)."""
+        runner, n, a = self.runner, len(self.seqs), self.sizes[level]
+        keys = int(self.prefix.max()) + int(self.ends[level])
+        if type(runner).compute is not ModelRunner.compute:  # a runner that lays out its own forwards
+            return "laid_out", 0, 0, 0
+        if runner.static is not None:
+            shape = runner.static.shape_for(n, a, keys)
+            if shape is None or runner.static.poison is not None:
+                return "laid_out", 0, 0, 0
+            return "static", *shape
+        if isinstance(runner.backend, TorchAttention):
+            return "torch", n, a, keys
+        return "laid_out", 0, 0, 0
+
+    def _plan(self) -> None:
+        """Every planned level's host arrays, staged for one copy (the first level's forward sends them)."""
+        self._grids += [self._how(level) for level in range(1, len(self.sizes))]
+        if all(how == "laid_out" for how, *_ in self._grids[1:]):
+            return
+        cache = self.runner.cache
+        ps = cache.page_size
+        n, prefix = len(self.seqs), self.prefix
+        for s in self.seqs:  # the deepest level's pages: every level's slots exist from here on
+            cache.ensure(s, s.length - 1 + int(self.ends[-1]))
+        table = page_table([s.pages for s in self.seqs], prefix + int(self.ends[-1]), ps)
+        b = np.arange(n)[:, None]
+        scratch = cache.scratch_slot
+        window = self.runner.model.cfg.sliding_window
+        depths = np.repeat(np.arange(len(self.sizes)), self.sizes)  # of every tree node
+        put = self.stage.put
+        for level, (how, g, q, k) in enumerate(self._grids):
+            if level == 0 or how == "laid_out":
+                continue
+            c, a, size = int(self.ends[level - 1]), self.sizes[level], int(self.ends[level])
+            chain = size == level + 1  # one node per level so far
+
+            index = prefix[:, None] + c + np.arange(a)  # [n, a] key index of each new node
+            put(f"{level}.positions", _padded(np.broadcast_to((prefix + level)[:, None], (n, a)), 0, g, q))
+            put(f"{level}.write_slots", _padded(table[b, index // ps] * ps + index % ps, scratch, g, q))
+            k_idx = np.minimum(np.arange(k)[None, :], (prefix + size - 1)[:, None])  # padding: the last real key
+            keys = table[b, k_idx // ps] * ps + k_idx % ps
+            put(f"{level}.key_slots", keys if g == n else np.concatenate([keys, np.full((g - n, k), scratch)]))
+            hi = prefix + size if chain else prefix  # chains see their own nodes through the bound
+            put(f"{level}.hi", _padded(np.broadcast_to(hi[:, None, None], (n, a, 1)), 1, g, q))  # padding: key 0 only
+            if window is not None:  # positions by depth: a new node is at L_b + level
+                lo = np.maximum(prefix + level - window + 1, 0)
+                put(f"{level}.lo", _padded(np.broadcast_to(lo[:, None, None], (n, a, 1)), 0, g, q))
+            if not chain:
+                # tree cell (b, r, j): key L_b + j of row r, its value ancestor bit [b, c + r, j] of the [n, s, s]
+                # rows; with a window only the keys within it (query depth ``level``, key depth depths[j])
+                j = np.flatnonzero(level - depths[:size] < window) if window is not None else np.arange(size)
+                r = np.arange(a)[None, :, None]
+                put(f"{level}.cells", ((b[:, :, None] * q + r) * k + prefix[:, None, None] + j).ravel())
+                put(f"{level}.src", ((b[:, :, None] * size + c + r) * size + j).ravel())
+            if how == "static":
+                put(f"{level}.at", (b * q + np.arange(a)).ravel())  # grid row of each real token
+
+    def forward(self, level: int, ids: torch.Tensor, ancestors: torch.Tensor | None) -> torch.Tensor:
+        """Level ``level``'s logits ``[n * sizes[level], V]``; ``ids`` [n * sizes[level]] its picked tokens in
+        request-major order, ``ancestors`` [n, s, s] the trees' ancestor rows so far (None while every tree is a
+        chain). Reports the forward to the runner's listeners, as ``ModelRunner.forward`` does."""
+        how, g, q, k = self._grids[level]
+        if how == "laid_out":
+            return self._forward_laid_out(level, ids, ancestors)
+        t0 = time.perf_counter()
+        runner, get = self.runner, self.stage.get
+        a, size = self.sizes[level], int(self.ends[level])
+        cells = values = lo = None
+        if size > level + 1:  # not a chain: the tree cells
+            if ancestors is None:
+                raise ValueError("trees that are not chains need their ancestor rows on the device")
+            cells, values = get(f"{level}.cells"), ancestors.reshape(-1)[get(f"{level}.src")]
+        if runner.model.cfg.sliding_window is not None:
+            lo = get(f"{level}.lo")
+        if how == "torch":
+            backend = runner.backend
+            assert isinstance(backend, TorchAttention)
+            mask = fill_grid_mask(backend.columns(k, runner.device), get(f"{level}.hi"), lo, cells, values)
+            backend.use_grid(get(f"{level}.write_slots").view(-1), get(f"{level}.key_slots"), mask)
+            logits = runner.model(ids, get(f"{level}.positions").view(-1), backend=backend, cache=runner.cache)
+        else:
+            static = runner.static
+            assert static is not None
+            grid = static.grid((g, q, k))
+            mask = fill_grid_mask(torch.arange(k, device=runner.device), get(f"{level}.hi"), lo, cells, values)
+            at = get(f"{level}.at")
+            grid.ids.zero_()
+            grid.ids.index_copy_(0, at, ids)
+            grid.positions.copy_(get(f"{level}.positions").view(-1))
+            grid.write_slots.copy_(get(f"{level}.write_slots").view(-1))
+            grid.key_slots.copy_(get(f"{level}.key_slots"))
+            grid.mask[:, 0].copy_(mask)  # padded segments' rows, like padded rows, see key 0 only
+            logits = static.run(grid, at)
+        n = len(self.seqs)
+        c = int(self.ends[level - 1])
+        runner.record(n_new=n * a, n_context=int(self.prefix.sum()) + n * c, t0=t0)
+        return logits
+
+    def _forward_laid_out(self, level: int, ids: torch.Tensor, ancestors: torch.Tensor | None) -> torch.Tensor:
+        """The level as any forward: each request's segment with a placeholder tree of the level's shape (each
+        level hangs off the previous level's first node), laid out and planned by the runner."""
+        size, c = int(self.ends[level]), int(self.ends[level - 1])
+        parents = np.full(size, -1, np.int64)
+        for lv in range(1, level + 1):
+            parents[self.ends[lv - 1] : self.ends[lv]] = self.ends[lv - 2] if lv > 1 else 0
+        tree = TokenTree.trusted(np.zeros(size, np.int64), parents, np.zeros(size))
+        segs = [Segment(s, s.length - 1, tree, num_cached=c) for s in self.seqs]
+        out = self.runner.forward(segs, all_logits=[True] * len(segs),
+                                  on_device=DeviceNodes(ids, None if tree.is_chain else ancestors))
+        return joined_rows(out)

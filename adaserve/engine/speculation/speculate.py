@@ -215,12 +215,13 @@ def expand_level(logits: list[torch.Tensor], base: np.ndarray | torch.Tensor, *,
     """One beam level for every request at once.
 
     logits: per request [F, V], the draft's logits at its F frontier nodes (or all of them, [n * F, V],
-    request-major); base [n, F]: their log path
-    probabilities. score(f, v) = base[f] + log softmax(logits[f])[v], in float64.
+    request-major); base [n, F]: their log path probabilities. score(f, v) = base[f] + log softmax(logits[f])[v],
+    the log softmax in float32 (the logits' precision), the sums in float64.
 
     Beam: the top ``width`` of the F * V extensions. Only a node's own top-``width`` children can be among
     them (base[f] is one constant per node), and log softmax keeps a row's order, so each row's top-k of
-    the raw logits, less the row's logsumexp, gives every candidate: the [n, F * V] scores are never built.
+    the raw logits, read in the row's log softmax, gives every candidate: the [n, F * V] scores are never
+    built.
     Static (``per_node``): each frontier node's own top ``per_node``, node-major.
     The reductions run once over ``[n, F, V]``; the picks reach the host in one copy.
     Returns (tokens, frontier index of the parent, log path probability), each [n, k].
@@ -251,7 +252,8 @@ def _expand_on_device(logits: list[torch.Tensor] | torch.Tensor, base: np.ndarra
     if allowed is not None:
         x = x.masked_fill(~allowed, REFUSED_LOGIT)
     top_f = torch.topk(x, k_node, dim=-1)
-    values = top_f.values.double() - torch.logsumexp(x, dim=-1, keepdim=True).double()  # [n, F, k]
+    # [n, F, k]: the picks' log-probabilities (one log_softmax pass costs half a logsumexp's on a CPU, issue 30)
+    values = torch.log_softmax(x, dim=-1).gather(-1, top_f.indices).double()
     if isinstance(base, np.ndarray):
         base = torch.from_numpy(np.ascontiguousarray(base, np.float64)).to(values.device, non_blocking=True)
     elif base.dtype != torch.float64:

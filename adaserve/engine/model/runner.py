@@ -107,6 +107,18 @@ class ModelRunner:
         last new token: enough for a prefill chunk). With ``on_device`` the new tokens' ids (and the trees'
         ancestor rows) are read from the device, and the segments' trees give only their shape.
         """
+        logits, counts = self._forward(segments, all_logits, on_device)
+        return list(torch.split(logits, counts))
+
+    def forward_joined(self, segments: list[Segment], *, all_logits: list[bool],
+                       on_device: DeviceNodes | None = None) -> torch.Tensor:
+        """``forward``'s logits as one tensor, the segments' rows one after another: no per-segment split for a
+        caller that reads every row at once (beam search's first forward: one row per request)."""
+        return self._forward(segments, all_logits, on_device)[0]
+
+    def _forward(self, segments: list[Segment], all_logits: list[bool],
+                 on_device: DeviceNodes | None) -> tuple[torch.Tensor, list[int]]:
+        """The forward's logits rows and each segment's number of them."""
         t0 = time.perf_counter()
         if len(all_logits) != len(segments):
             raise ValueError(f"{len(all_logits)} all_logits flags for {len(segments)} segments")
@@ -123,9 +135,8 @@ class ModelRunner:
             rows = np.arange(int(counts_np.sum())) + np.repeat(ends - counts_np - starts, counts_np)
             counts = counts_np.tolist()
         logits = self.compute(segments, rows.tolist(), on_device)
-        out = list(torch.split(logits, counts))
         self.record(n_new=int(n_new.sum()), n_context=sum(s.prefix_len + s.num_cached for s in segments), t0=t0)
-        return out
+        return logits, counts
 
     def record(self, *, n_new: int, n_context: int, t0: float) -> None:
         """Tell the listeners about a forward that began at ``perf_counter()`` ``t0`` and has just returned

@@ -72,7 +72,7 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     if depth < 1 or width < 1:
         raise ValueError("beam search needs depth >= 1 and width >= 1")
     segs = [Segment(x.seq, x.seq.length, TokenTree.chain(x.pending)) for x in inputs]
-    rows = joined_rows(draft.forward(segs, all_logits=[False] * len(segs)))  # [n, V]: each root's logits
+    rows = draft.forward_joined(segs, all_logits=[False] * len(segs))  # [n, V]: each root's logits
     _seen(draft, on_forward)
     for x in inputs:  # the pending tokens are real: they stay in the draft KV
         draft.cache.truncate(x.seq, x.seq.length + len(x.pending))

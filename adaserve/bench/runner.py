@@ -2,7 +2,9 @@
 
     for each point of the sweep (a rate, a share of urgent requests, an SLO scale):
         workload = build_workload(point), or the --trace-json file's requests (emission_trace.py)
-                                                               (same prompts, SLOs, arrival times)
+                                                               (same prompts, SLOs, arrival times),
+                   or conversations (multi_turn.py): each later turn arrives a think time after the answer
+                   before it, resending the whole conversation
         for each policy:   run it on a fresh Engine over the shared model runners,
                            on the wall clock or the simulated one (sim_clock.py, a device profile)
                            summarize(requests) -> attainment, goodput, TPOT, TTFT, acceptance ...
@@ -10,10 +12,11 @@
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +28,10 @@ from adaserve.bench.draft_report import draft_regret, draft_use, size_of
 from adaserve.bench.emission_trace import ARTIFACT_BASELINE_TPOT_MS, TraceWorkload, read_emission_trace
 from adaserve.bench.hf_peer import HFPeer
 from adaserve.bench.metrics import RequestResult, adaserve_ratios, summarize
+from adaserve.bench.multi_turn import ChatDriver, ConversationWorkload, by_turn
 from adaserve.bench.presets import Preset, resolve
 from adaserve.bench.selection_gap import SelectionGap, budgeted
-from adaserve.bench.sim.clock import SimClock, SimTotals, run_simulated
+from adaserve.bench.sim.clock import FollowUp, SimClock, SimTotals, run_simulated
 from adaserve.bench.sim.device_model import (
     HOST_MEASURED,
     MEASURED,
@@ -42,6 +46,7 @@ from adaserve.bench.workload import (
     DEFAULT_CLASSES,
     DEFAULT_MIX,
     PAPER_CLASSES,
+    MultiTurnConfig,
     WorkloadConfig,
     WorkloadRequest,
     build_workload,
@@ -69,6 +74,7 @@ SWEEPS = ("rate", "urgent-share", "slo-scale")
 # the generated workload's SLOs: every class relative to the baseline, or the paper's Table 2 (50 and 150 ms absolute)
 SLO_CLASSES = {"relative": DEFAULT_CLASSES, "paper": PAPER_CLASSES}
 URGENT = "coding"  # the class with the tightest SLO: the "urgent" requests of the paper's Figure 10
+PREFIX_CACHE_LABEL = " (prefix cache)"  # --compare-prefix-caching: the cached copy of each variant
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,13 @@ class BenchConfig:
     # the bench draws prompts with replacement: with caching on, a repeated prompt skips its prefill in every
     # system, so it is off unless asked for (the committed figures were made without it)
     prefix_caching: bool = False
+    compare_prefix_caching: bool = False  # every variant twice, without and with prefix caching, same arrivals
+    # multi-turn chat (multi_turn.py): this many conversations started at each rate (conversations/s) in place
+    # of the generated workload, each of ``turns`` turns, the next sent ``think_s`` after an answer
+    conversations: int | None = None
+    turns: int = 2
+    think_s: float = MultiTurnConfig.think_s
+    system_chars: int = MultiTurnConfig.system_chars
     baseline_tpot_ms: float | None = None  # None: measured, or with trace_json the artifact's 30 ms
     clock: str = "wall"  # "simulated": time from ``device_profile`` (sim_clock.py)
     device_profile: str = MEASURED  # simulated: "measured" (this machine's profile), a shipped name or a file
@@ -107,6 +120,11 @@ class BenchConfig:
     sweep: str = "rate"  # rate: over ``rates``; urgent-share / slo-scale: over ``values`` at ``rates[0]``
     values: tuple[float, ...] = ()
     tensor_parallel_size: int = 1  # ranks the target is sharded over (engine/ranks.py); the drafts stay whole
+
+    @property
+    def answer_tokens(self) -> int:
+        """Conversations: every answer's length (the fixed output length, else the cap)."""
+        return self.output_tokens or self.max_tokens_cap or MultiTurnConfig.max_tokens
 
     def __post_init__(self) -> None:
         if not self.policies and not self.budgets:
@@ -151,6 +169,17 @@ class BenchConfig:
             raise ValueError("sched_ms must be >= 0")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor parallel size must be at least 1, got {self.tensor_parallel_size}")
+        if self.prefix_caching and self.compare_prefix_caching:
+            raise ValueError("compare_prefix_caching runs every policy with and without caching: "
+                             "do not also turn it on for all")
+        if self.conversations is not None:
+            if self.trace_json is not None:
+                raise ValueError("conversations and a trace-json file are two workloads: give one")
+            if HF_PEER in self.policies:
+                raise ValueError("the hf peer serves a fixed arrival list: it cannot run conversations")
+            # raises ValueError naming the bad setting
+            MultiTurnConfig(conversations=self.conversations, turns=self.turns, rate=min(self.rates),
+                            think_s=self.think_s, system_chars=self.system_chars, max_tokens=self.answer_tokens)
         if self.clock == "simulated" and HF_PEER in self.policies:
             raise ValueError("the hf peer runs on the wall clock only: drop it from a simulated bench")
         for p in self.policies:
@@ -165,6 +194,7 @@ class Variant:
     budget: int
     budget_rule: str = "goodput"
     preset: Preset | None = None  # a named system's settings over the bench's (presets.py)
+    prefix_caching: bool | None = None  # None: the bench's setting
 
 
 def named_variant(name: str, budget: int) -> Variant:
@@ -245,7 +275,16 @@ def load_shared(cfg: BenchConfig, *, progress: bool) -> Shared:
         # a fixed budget, as the knee rule alone would give it (the default rule only uses B as a floor)
         shared.variants.append(Variant(f"adaserve@B={b}" + (f"({value})" if b == "auto" else ""), "adaserve", value,
                                        budget_rule="knee"))
+    if cfg.compare_prefix_caching:
+        shared.variants = [w for v in shared.variants for w in cache_pair(v)]
     return shared
+
+
+def cache_pair(v: Variant) -> list[Variant]:
+    """``v`` without prefix caching, then with it (labelled ``PREFIX_CACHE_LABEL``); the hf peer has no cache."""
+    if v.policy == HF_PEER:
+        return [v]
+    return [replace(v, prefix_caching=False), replace(v, label=v.label + PREFIX_CACHE_LABEL, prefix_caching=True)]
 
 
 def draft_label(path: Path) -> str:
@@ -286,7 +325,8 @@ def make_engine(shared: Shared, variant: Variant) -> Engine:
     cfg = EngineConfig(policy=variant.policy, budget=variant.budget, budget_rule=variant.budget_rule,
                        adaptive=tree_bounds(shared), target_cost=prof.target_cost if prof else None,
                        draft_cost=costs[use[0]], max_batch=shared.max_batch, prefill_rule=shared.prefill_rule,
-                       prefix_caching=shared.prefix_caching,
+                       prefix_caching=(shared.prefix_caching if variant.prefix_caching is None
+                                       else variant.prefix_caching),
                        drafts=MultiDraftConfig(extra_costs=extra if len(extra) == len(use) - 1 else ()))
     if variant.preset is not None:  # a named system: its own admission, prefill and tree settings
         cfg = variant.preset.engine_config(cfg)
@@ -297,17 +337,45 @@ def make_engine(shared: Shared, variant: Variant) -> Engine:
 
 
 def serve(shared: Shared, eng: Engine, arrivals: list[tuple[float, Request]],
-          on_step: Callable[[list[TokenEvent]], None] | None = None) -> SimTotals | None:
-    """Run ``arrivals`` to completion on the engine's clock; the simulated time's breakdown, if simulated."""
+          on_step: Callable[[list[TokenEvent]], None] | None = None,
+          follow_up: FollowUp | None = None) -> SimTotals | None:
+    """Run ``arrivals`` to completion on the engine's clock; the simulated time's breakdown, if simulated.
+    ``follow_up``: the arrivals a finished request brings (a conversation's next turn; sim/clock.py)."""
     if shared.device is None:
-        eng.run(arrivals, on_step=on_step)
+        if follow_up is None:
+            eng.run(arrivals, on_step=on_step)
+        else:
+            serve_wall(eng, arrivals, follow_up, on_step=on_step)
         return None
     assert isinstance(eng.clock, SimClock)
     prices = None
     if shared.draft_prices:  # each of the engine's drafts at its own price
         prices = [shared.draft_prices[next(i for i, d in enumerate(shared.drafts) if d is e)] for e in eng.drafts]
     return run_simulated(eng, arrivals, shared.device, eng.clock, sched_s=shared.sched_s, on_step=on_step,
-                         draft_costs=prices)
+                         draft_costs=prices, follow_up=follow_up)
+
+
+def serve_wall(eng: Engine, arrivals: list[tuple[float, Request]], follow_up: FollowUp,
+               on_step: Callable[[list[TokenEvent]], None] | None = None) -> None:
+    """``Engine.run`` on the wall clock, with the arrivals each finished request brings joining the schedule."""
+    pending = [(t, i, r) for i, (t, r) in enumerate(sorted(arrivals, key=lambda a: a[0]))]
+    made = len(pending)
+    start = eng.clock()
+    while pending or eng.has_work:
+        now = eng.clock() - start
+        while pending and pending[0][0] <= now:
+            eng.add_request(heapq.heappop(pending)[2])
+        if not eng.has_work:
+            time.sleep(max(0.0, min(pending[0][0] - now, 0.05)))
+            continue
+        events = eng.step()
+        for e in events:
+            if e.finished:
+                for t, req in follow_up(e.request_id, eng.clock() - start):
+                    heapq.heappush(pending, (t, made, req))
+                    made += 1
+        if on_step is not None:
+            on_step(events)
 
 
 def measure_baseline_tpot(shared: Shared, *, tokens: int = 48, runs: int = 5) -> float:
@@ -341,9 +409,15 @@ def context_room(shared: Shared) -> int:
 
 def prompt_limit(w: WorkloadRequest, room: int, max_prompt_tokens: int | None) -> int:
     """The most prompt tokens ``w`` may keep: ``min(max_prompt_tokens, room - max_tokens)``."""
-    limit = room - w.max_tokens if max_prompt_tokens is None else min(max_prompt_tokens, room - w.max_tokens)
+    return limit_for(w.request_id, w.max_tokens, room, max_prompt_tokens)
+
+
+def limit_for(what: str, max_tokens: int, room: int, max_prompt_tokens: int | None) -> int:
+    """The most prompt tokens a request of ``max_tokens`` output may keep: ``min(max_prompt_tokens, room -
+    max_tokens)``; ValueError naming ``what`` when that leaves none."""
+    limit = room - max_tokens if max_prompt_tokens is None else min(max_prompt_tokens, room - max_tokens)
     if limit < 1:
-        raise ValueError(f"{w.request_id}: {w.max_tokens} output tokens leave no room for a prompt in the models' "
+        raise ValueError(f"{what}: {max_tokens} output tokens leave no room for a prompt in the models' "
                          f"context ({room} tokens past the deepest tree)")
     return limit
 
@@ -373,12 +447,22 @@ def truncated_prompts(workload: list[WorkloadRequest], shared: Shared, cfg: Benc
     return sum(prompt_ids(shared, w, prompt_limit(w, room, cfg.max_prompt_tokens))[1] for w in workload)
 
 
-def run_variant(shared: Shared, variant: Variant, workload: list[WorkloadRequest], cfg: BenchConfig,
-                bar: tqdm, *, duration_s: float | None = None) -> tuple[dict, dict[str, list[int]]]:
+def run_variant(shared: Shared, variant: Variant, workload: list[WorkloadRequest] | ConversationWorkload,
+                cfg: BenchConfig, bar: tqdm, *, duration_s: float | None = None) -> tuple[dict, dict[str, list[int]]]:
     """One (variant, workload) run: its summary and every request's output tokens. Rates are per second of
-    the run, at least ``duration_s`` (default ``cfg.duration_s``), the span the arrivals were spread over."""
-    arrivals = to_requests(workload, shared, cfg)
-    classes = {w.request_id: w.slo_class for w in workload}
+    the run, at least ``duration_s`` (default ``cfg.duration_s``), the span the arrivals were spread over.
+    Conversations: the first turns arrive at their start times, each later turn when the driver makes it."""
+    driver: ChatDriver | None = None
+    if isinstance(workload, ConversationWorkload):
+        room = context_room(shared)
+        driver = ChatDriver(workload, shared.tokenizer,
+                            lambda n: limit_for("a conversation's turn", n, room, cfg.max_prompt_tokens),
+                            seed=cfg.seed)
+        arrivals = driver.first_turns()
+        classes = driver.classes
+    else:
+        arrivals = to_requests(workload, shared, cfg)
+        classes = {w.request_id: w.slo_class for w in workload}
     select_s = step_s = 0.0
     # Algorithm 2 (and kin) against Algorithm 1; in simulated runs on every 10th iteration (it is slow)
     tree_policy = split_policy(variant.policy)[0]
@@ -401,19 +485,28 @@ def run_variant(shared: Shared, variant: Variant, workload: list[WorkloadRequest
             bar.update(sum(1 for e in events if e.finished))
 
         start = eng.clock()
-        sim = serve(shared, eng, arrivals, on_step=on_step)
+        sim = serve(shared, eng, arrivals, on_step=on_step, follow_up=driver.follow_up if driver else None)
         wall = eng.clock() - start  # simulated seconds when simulated
         select_s, step_s = eng.totals.t_select_s, eng.totals.t_step_s
         if sim is not None:  # the scheduler's time is charged by the simulation, outside the engine's steps
             select_s, step_s = sim.sched_s, sim.busy_s
+    served = list(driver.requests.values()) if driver else [r for _, r in arrivals]
     results = [
         RequestResult(r.request_id, classes[r.request_id], float(r.tpot_slo_ms or 0.0), len(r.output_ids),
                       r.metrics.tpot_ms, r.metrics.ttft_ms, tuple(r.metrics.accepted_per_step), r.finish_reason)
-        for _, r in arrivals
+        for r in served
     ]
     span = cfg.duration_s if duration_s is None else duration_s
-    # goodput over the makespan (the drain may end past the window) and over the arrival window (the paper's)
-    summary = summarize(results, wall_s=max(wall, span), select_s=select_s, step_s=step_s, window_s=span)
+    # goodput over the makespan (the drain may end past the window) and over the arrival window (the paper's);
+    # conversations have no arrival window (later turns arrive when answers end): the makespan only
+    summary = summarize(results, wall_s=max(wall, span), select_s=select_s, step_s=step_s,
+                        window_s=None if driver else span)
+    if eng is not None:
+        summary["prefix_cache"] = {**prefix_cache_use(served),
+                                   "target_evictions": eng.target.cache.prefix_stats.evictions}
+    if driver is not None:
+        summary["prompts_truncated"] = driver.truncated  # each cut loses its conversation's cached prefix
+        summary["turns"] = by_turn(driver, {r.request_id for r in results if r.met_slo})
     if gap is not None:
         summary["selection_vs_optimal"] = gap.summary()
     if variant.policy != HF_PEER:
@@ -424,9 +517,17 @@ def run_variant(shared: Shared, variant: Variant, workload: list[WorkloadRequest
                                 "mean_step_ms": 1e3 * sim.busy_s / max(1, sim.iterations)}
     if eng is not None and len(shared.drafts) > 1 and eng.drafts:
         names = [shared.draft_names[next(i for i, d in enumerate(shared.drafts) if d is e)] for e in eng.drafts]
-        summary["drafts"] = draft_use([r for _, r in arrivals], classes, names, eng.pool)
+        summary["drafts"] = draft_use(served, classes, names, eng.pool)
     summary["real_s"] = time.perf_counter() - t0  # wall clock, whatever the run's clock
-    return summary, {r.request_id: r.output_ids for _, r in arrivals}
+    return summary, {r.request_id: r.output_ids for r in served}
+
+
+def prefix_cache_use(requests: list[Request]) -> dict[str, float | int]:
+    """Prompt tokens, those whose KV the prefix cache gave (not prefilled by the target), and their share."""
+    prompt = sum(len(r.prompt_ids) for r in requests)
+    cached = sum(r.metrics.cached_tokens for r in requests)
+    return {"prompt_tokens": prompt, "cached_tokens": cached, "prefilled_tokens": prompt - cached,
+            "hit_rate": cached / prompt if prompt else 0.0}
 
 
 def same_outputs(ours: dict[str, list[int]], reference: dict[str, list[int]]) -> float:
@@ -437,10 +538,14 @@ def same_outputs(ours: dict[str, list[int]], reference: dict[str, list[int]]) ->
 @dataclass(frozen=True)
 class SweepPoint:
     x: float  # the swept value: a rate, a share of urgent requests or an SLO scale
-    workload: WorkloadConfig | TraceWorkload  # generated, or a trace-json file's (both give rate, mix, slo_scale)
+    # generated, a trace-json file's or conversations (each gives rate, mix, slo_scale, duration_s)
+    workload: WorkloadConfig | TraceWorkload | ConversationWorkload
 
-    def requests(self) -> list[WorkloadRequest]:
+    def requests(self) -> list[WorkloadRequest] | ConversationWorkload:
+        """The requests, or the conversations (their later turns are made as the run goes)."""
         w = self.workload
+        if isinstance(w, ConversationWorkload):
+            return w
         return w.build() if isinstance(w, TraceWorkload) else build_workload(w)
 
 
@@ -471,12 +576,23 @@ def sweep_points(cfg: BenchConfig, baseline_tpot_ms: float) -> list[SweepPoint]:
                               max_tokens_cap=cfg.max_tokens_cap or WorkloadConfig.max_tokens_cap, trace=cfg.trace,
                               classes=SLO_CLASSES[cfg.slo_classes], fixed_output_tokens=cfg.output_tokens, **args)
 
+    def chats(rate: float, **kw: Any) -> ConversationWorkload:
+        assert cfg.conversations is not None
+        mt = MultiTurnConfig(conversations=cfg.conversations, turns=cfg.turns, rate=rate, think_s=cfg.think_s,
+                             max_tokens=cfg.answer_tokens,
+                             system_chars=cfg.system_chars, trace=cfg.trace, seed=cfg.seed)
+        # the mix and SLOs as the generated workload would have them (WorkloadConfig validates them)
+        w = WorkloadConfig(rate, 1.0, baseline_tpot_ms=baseline_tpot_ms, mix=kw.get("mix") or cfg.mix or DEFAULT_MIX,
+                           classes=SLO_CLASSES[cfg.slo_classes], slo_scale=kw.get("slo_scale", cfg.slo_scale))
+        return ConversationWorkload(mt, baseline_tpot_ms, w.classes, dict(w.mix), slo_scale=w.slo_scale)
+
+    make: Callable[..., WorkloadConfig | ConversationWorkload] = wc if cfg.conversations is None else chats
     if cfg.sweep == "rate":
-        return [SweepPoint(r, wc(r)) for r in cfg.rates]
+        return [SweepPoint(r, make(r)) for r in cfg.rates]
     rate = cfg.rates[0]
     if cfg.sweep == "urgent-share":
-        return [SweepPoint(v, wc(rate, mix=urgent_mix(v, cfg.mix))) for v in cfg.values]
-    return [SweepPoint(v, wc(rate, slo_scale=v)) for v in cfg.values]
+        return [SweepPoint(v, make(rate, mix=urgent_mix(v, cfg.mix))) for v in cfg.values]
+    return [SweepPoint(v, make(rate, slo_scale=v)) for v in cfg.values]
 
 
 def run_bench(cfg: BenchConfig, *, progress: bool = True) -> dict:
@@ -493,16 +609,17 @@ def _run_bench(cfg: BenchConfig, shared: Shared, *, progress: bool) -> dict:
     points = [(pt, pt.requests()) for pt in sweep_points(cfg, baseline)]
     # the target's own greedy output (incremental decoding) is the reference every policy must reproduce
     variants = sorted(shared.variants, key=lambda v: v.policy != "incremental")
-    total = sum(len(w) for _, w in points) * len(variants)
+    total = sum(w.turns if isinstance(w, ConversationWorkload) else len(w) for _, w in points) * len(variants)
     rows: list[dict] = []
     ratios: dict[str, Any] = {}
     regret: dict[str, Any] = {}
     with tqdm(total=total, desc="bench", unit="req", disable=not progress) as bar:
         for pt, wl in points:
-            if not wl:
+            if not isinstance(wl, ConversationWorkload) and not wl:
                 log.warning("rate %.3g over %.0fs gives no requests: skipped", pt.workload.rate, cfg.duration_s)
                 continue
-            cut = truncated_prompts(wl, shared, cfg)
+            # conversations: counted as their turns are made (each run's summary)
+            cut = 0 if isinstance(wl, ConversationWorkload) else truncated_prompts(wl, shared, cfg)
             by_label = {}
             reference: dict[str, list[int]] | None = None
             for v in variants:
@@ -517,6 +634,7 @@ def _run_bench(cfg: BenchConfig, shared: Shared, *, progress: bool) -> dict:
                              "slo_scale": pt.workload.slo_scale, "mix": dict(pt.workload.mix), "budget": v.budget,
                              # a named system's own settings (presets.py); None: the bench's, in "config"
                              "system": v.preset.describe() if v.preset else None,
+                             "prefix_caching": cfg.prefix_caching if v.prefix_caching is None else v.prefix_caching,
                              "outputs_equal_reference": match, "prompts_truncated": cut, **summary})
             ratios[f"{pt.x:g}"] = adaserve_ratios(by_label)
             if len(shared.drafts) > 1:
@@ -547,7 +665,11 @@ def _run_bench(cfg: BenchConfig, shared: Shared, *, progress: bool) -> dict:
                    "kv_memory_mb": cfg.kv_memory_mb, "max_batch": cfg.max_batch,
                    "tensor_parallel_size": shared.target.tensor_parallel_size,  # the runner's own: ranks started
                    "prefill_chunk": EngineConfig().prefill_chunk, "prefill_rule": cfg.prefill_rule,
-                   "prefix_caching": cfg.prefix_caching,
+                   "prefix_caching": cfg.prefix_caching, "compare_prefix_caching": cfg.compare_prefix_caching,
+                   # multi-turn chat (multi_turn.py); rates_rps are then conversations started per second
+                   "conversations": (None if cfg.conversations is None else
+                                     {"conversations": cfg.conversations, "turns": cfg.turns, "think_s": cfg.think_s,
+                                      "system_chars": cfg.system_chars}),
                    "chat_template": has_chat_template(shared.tokenizer)},
         "simulation": _simulation_settings(shared),
         # the trace-json file as run: name, sha256, rate, classes and their SLOs (before any slo_scale)

@@ -84,6 +84,19 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--prefix-caching", action="store_true",
                    help="reuse cached prompt prefixes' KV (off in the bench: it draws prompts with replacement, and a "
                         "repeated prompt would skip its prefill in every system)")
+    p.add_argument("--compare-prefix-caching", action="store_true",
+                   help="run every policy twice on the same arrivals, without and with prefix caching (the cached "
+                        "rows labelled 'NAME (prefix cache)'); outputs are checked against one reference")
+    p.add_argument("--conversations", type=int, metavar="N",
+                   help="multi-turn chat in place of the generated workload: N conversations started at each --rps "
+                        "(conversations/s), sharing one system prompt; each later turn is sent --think-s after the "
+                        "answer before it and resends the whole conversation (answers --output-tokens long, else "
+                        "--max-tokens, end-of-sequence ignored)")
+    p.add_argument("--turns", type=int, help="with --conversations: turns per conversation (default 2)")
+    p.add_argument("--think-s", type=float,
+                   help="with --conversations: seconds between an answer and the next turn (default 1)")
+    p.add_argument("--system-chars", type=int,
+                   help="with --conversations: the shared system prompt's length in characters (default 2400)")
     p.add_argument("--prefill-rule", choices=["fixed", "slo"], default="fixed",
                    help="prompt tokens per iteration: the fixed chunk, or shrunk while decoding requests' TPOT "
                         "SLOs need it (slo; every policy)")
@@ -120,7 +133,39 @@ def check_trace_json(args: argparse.Namespace) -> None:
         raise CliError(str(e)) from None
 
 
+def check_conversations(args: argparse.Namespace) -> None:
+    """--conversations replaces the generated workload: the options only it reads need it, and the ones it
+    replaces may not come with it."""
+    if args.conversations is None:
+        given = [flag for flag, v in (("--turns", args.turns), ("--think-s", args.think_s),
+                                      ("--system-chars", args.system_chars)) if v is not None]
+        if given:
+            raise CliError(f"{', '.join(given)} only apply with --conversations")
+        return
+    clash = [flag for flag, v in (("--duration", args.duration), ("--trace-json", args.trace_json)) if v is not None]
+    if clash:
+        raise CliError(f"{', '.join(clash)} cannot be combined with --conversations: the conversations' count and "
+                       "--rps set the workload")
+    from adaserve.bench.workload import MultiTurnConfig
+
+    try:
+        MultiTurnConfig(conversations=args.conversations, **chat_settings(args))
+    except ValueError as e:
+        raise CliError(f"--conversations: {e}") from None
+
+
+def chat_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """--turns, --think-s and --system-chars as given, else the multi-turn workload's defaults."""
+    from adaserve.bench.workload import MultiTurnConfig
+
+    given = {"turns": args.turns, "think_s": args.think_s, "system_chars": args.system_chars}
+    return {k: getattr(MultiTurnConfig, k) if v is None else v for k, v in given.items()}
+
+
 def run(args: argparse.Namespace) -> int:
+    check_conversations(args)
+    if args.prefix_caching and args.compare_prefix_caching:
+        raise CliError("--prefix-caching and --compare-prefix-caching: give one (the second runs both)")
     if args.trace_json is not None:
         check_trace_json(args)
     from adaserve.bench.runner import BenchConfig, plot_report, run_bench
@@ -152,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
                           seed=args.seed, device=args.device, budget=args.budget, budgets=args.budgets,
                           max_tokens_cap=max_tokens, max_prompt_tokens=max_prompt_tokens,
                           max_batch=args.max_batch, prefill_rule=args.prefill_rule,
-                          prefix_caching=args.prefix_caching,
+                          prefix_caching=args.prefix_caching, compare_prefix_caching=args.compare_prefix_caching,
+                          conversations=args.conversations, **chat_settings(args),
                           baseline_tpot_ms=args.baseline_tpot_ms,
                           clock=args.clock, device_profile=args.device_profile, sched_ms=args.sched_ms,
                           sweep=args.sweep, values=args.values, tensor_parallel_size=args.tensor_parallel_size)

@@ -14,8 +14,8 @@ clock: the same workload and seed give the same numbers, whatever else the machi
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,6 +24,9 @@ from adaserve.bench.sim.device_model import DeviceProfile, ForwardCost
 from adaserve.engine.engine import Engine, TokenEvent
 from adaserve.engine.model.runner import ForwardRecord, ModelRunner
 from adaserve.engine.request import Request
+
+# a finished request's id and when it finished (seconds from the run's start) -> arrivals it brings
+FollowUp = Callable[[str, float], list[tuple[float, Request]]]
 
 
 @dataclass
@@ -94,21 +97,26 @@ def priced(target: ModelRunner, draft: ModelRunner | Sequence[ModelRunner] | Non
 
 def run_simulated(engine: Engine, arrivals: list[tuple[float, Request]], device: DeviceProfile, clock: SimClock, *,
                   sched_s: float | None, on_step: Callable[[list[TokenEvent]], None] | None = None,
-                  draft_costs: Sequence[ForwardCost] | None = None) -> SimTotals:
+                  draft_costs: Sequence[ForwardCost] | None = None,
+                  follow_up: FollowUp | None = None) -> SimTotals:
     """Serve ``arrivals`` (offsets in simulated seconds from now) on ``engine``, whose clock must be ``clock``.
 
     ``sched_s``: the scheduler's time per iteration; None charges what the host measured outside the
     forwards (realistic for this machine, but then the result depends on how busy it is).
+    ``follow_up(request_id, t)``: called when a request finishes, ``t`` seconds after the start; the arrivals
+    it returns join the schedule (a conversation's next turn, bench/multi_turn.py).
     """
     if engine.clock is not clock:
         raise ValueError("the engine must read the simulated clock it is run on")
     totals = SimTotals()
-    pending = deque(sorted(arrivals, key=lambda a: a[0]))
+    # (offset, order, request): ties keep the order they were given or made in
+    pending = [(t, i, r) for i, (t, r) in enumerate(sorted(arrivals, key=lambda a: a[0]))]
+    made = len(pending)
     start = clock()
     with priced(engine.target, engine.drafts, device, clock, totals, draft_costs):
         while pending or engine.has_work:
             while pending and pending[0][0] <= clock() - start:
-                engine.add_request(pending.popleft()[1])
+                engine.add_request(heapq.heappop(pending)[2])
             if not engine.has_work:
                 before = clock()
                 clock.advance_to(start + pending[0][0])
@@ -122,6 +130,12 @@ def run_simulated(engine: Engine, arrivals: list[tuple[float, Request]], device:
             totals.sched_s += overhead
             totals.iterations += 1
             totals.per_step_s.append(clock() - t_sim)
+            if follow_up is not None:
+                for e in events:
+                    if e.finished:
+                        for t, req in follow_up(e.request_id, clock() - start):
+                            heapq.heappush(pending, (t, made, req))
+                            made += 1
             if on_step is not None:
                 on_step(events)
     return totals

@@ -20,7 +20,8 @@ from tests.engine.helpers import runner
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "demo"
 PAGE = 16
-needs_demo = pytest.mark.skipif(not (DEMO / "target" / "config.json").is_file(), reason="demo pair not in this checkout")
+needs_demo = pytest.mark.skipif(not (DEMO / "target" / "config.json").is_file(),
+                                reason="demo pair not in this checkout")
 
 
 @needs_demo

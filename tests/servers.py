@@ -99,6 +99,17 @@ def start_worker(target: Path, draft: Path, log: Path, *args: str, env: dict[str
     return Service(server, log)
 
 
+def ready_then_stopped(procs: list[Service]) -> Iterator[list[Service]]:
+    """A fixture's body (``yield from``): every process ready, handed over, and all stopped afterwards."""
+    try:
+        for p in procs:
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
 def start_gateway(log: Path, *args: str, env: dict[str, str] | None = None) -> GatewayProcess:
     """A gateway, up (its /healthz answers) when this returns."""
     port = free_port()

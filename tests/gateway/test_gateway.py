@@ -27,6 +27,7 @@ from tests.servers import (
     Service,
     demo_pair,
     metric,
+    ready_then_stopped,
     scrape,
     sse_events,
     start_gateway,
@@ -68,13 +69,7 @@ def workers(rds: tuple[redis.Redis, str], tmp_path_factory: pytest.TempPathFacto
     _, prefix = rds
     tmp = tmp_path_factory.mktemp("gw-workers")
     procs = [_worker(tmp, prefix, "w-a"), _worker(tmp, prefix, "w-b")]
-    try:
-        for p in procs:
-            p.wait_ready()
-        yield procs
-    finally:
-        for p in procs:
-            p.stop()
+    yield from ready_then_stopped(procs)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,16 @@ import redis
 
 from tests.gateway.test_gateway import LAX, client
 from tests.redis_prefix import REDIS_URL, isolated_redis
-from tests.servers import GatewayProcess, Service, demo_pair, metric, scrape, start_gateway, start_worker
+from tests.servers import (
+    GatewayProcess,
+    Service,
+    demo_pair,
+    metric,
+    ready_then_stopped,
+    scrape,
+    start_gateway,
+    start_worker,
+)
 
 WORKER_IDS = ("w-a", "w-b")
 SLOTS = 2  # each worker's max_active_requests: two long answers fill one
@@ -50,13 +59,7 @@ def workers(rds: tuple[redis.Redis, str], tmp_path_factory: pytest.TempPathFacto
                                "ADASERVE_MAX_ACTIVE_REQUESTS": str(SLOTS), "ADASERVE_HEARTBEAT_S": "0.5",
                                "ADASERVE_REGISTRATION_TTL_S": "3"})
              for wid in WORKER_IDS]
-    try:
-        for p in procs:
-            p.wait_ready()
-        yield procs
-    finally:
-        for p in procs:
-            p.stop()
+    yield from ready_then_stopped(procs)
 
 
 def lax_gateway(tmp: Path, prefix: str, *args: str) -> GatewayProcess:

@@ -81,10 +81,21 @@ def status_mb() -> dict[str, int]:
     return out
 
 
-def bench_engine(pair: Any, policy: str, weights: str, **kw: Any) -> Any:
-    """The engine every cell uses: the pair, ``policy`` at a fixed B = 32, unprofiled, quiet."""
+def bench_engine(pair: Any, policy: str, weights: str, *, profiled: bool = False, **kw: Any) -> Any:
+    """The engine every cell uses: the pair, ``policy`` at a fixed B = 32, unprofiled, quiet. ``profiled``: as a
+    worker builds it instead (this machine's measured costs, budget and tree bounds, which may turn
+    speculation off where no tree is predicted to pay: adaptive.plain_rate)."""
+    if profiled:
+        return build_engine(target=pair.target, draft=pair.draft, policy=policy, weights=weights, progress=False,
+                            profile=True, **kw)
     return build_engine(target=pair.target, draft=pair.draft, policy=policy, budget=32, weights=weights,
                         progress=False, profile=False, **kw)
+
+
+def speculated_share(eng: Any) -> float | None:
+    """Of the engine's recent decoding iterations (its history window), the share that drafted a tree."""
+    steps = [m for m in eng.history if m.n_decode > 0]
+    return sum(m.depth > 0 for m in steps) / len(steps) if steps else None
 
 
 def rss_child(weights: str, policy: str, kv_mb: int) -> None:
@@ -137,6 +148,8 @@ def main() -> None:
     ap.add_argument("--policies", default="incremental,adaserve")
     ap.add_argument("--kv-mb", type=int, default=16, help="KV cache per model in the memory cells")
     ap.add_argument("--llama-bench", default="", help="a llama-bench binary: the peer, same GGUF and threads")
+    ap.add_argument("--profiled", action="store_true",
+                    help="engines built as a worker builds them (profiled costs and bounds) instead of B = 32")
     ap.add_argument("--rss-child", nargs=2, metavar=("WEIGHTS", "POLICY"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_child:
@@ -147,7 +160,7 @@ def main() -> None:
     for label in args.weights.split(","):
         pair = resolve(DEFAULT_MODEL, progress=False, weights=label)
         for policy in args.policies.split(","):
-            engines[label, policy] = bench_engine(pair, policy, label)
+            engines[label, policy] = bench_engine(pair, policy, label, profiled=args.profiled)
     samples: dict[tuple[int, str, str], dict[str, list[float]]] = {}
     outputs: dict[tuple[int, str, str], list[int]] = {}
     peer: dict[int, list[float]] = {t: [] for t in threads}
@@ -158,9 +171,15 @@ def main() -> None:
                 eng = built.engine
                 prompts = [instruction_ids(built.tokenizer, p) for p in PROMPTS[: args.concurrency]]
                 run(eng, prompts[:1], 4)  # warm-up
+                eng.history.clear()  # each run's own iterations for speculated_share
                 lone_s, lone_cpu, lone_n, lone = run(eng, prompts[:1], args.tokens)
+                lone_spec = speculated_share(eng)
+                eng.history.clear()
                 many_s, _, many_n, _ = run(eng, prompts, args.tokens)
-                cell = samples.setdefault((t, label, policy), {"wall": [], "cpu": [], "tps": []})
+                cell = samples.setdefault((t, label, policy), {"wall": [], "cpu": [], "tps": [], "spec_lone": [],
+                                                               "spec_many": []})
+                cell["spec_lone"].append(lone_spec)
+                cell["spec_many"].append(speculated_share(eng))
                 cell["wall"].append(1e3 * lone_s / lone_n)
                 cell["cpu"].append(1e3 * lone_cpu / lone_n)
                 cell["tps"].append(many_n / many_s)
@@ -186,6 +205,9 @@ def main() -> None:
                 "lone_cpu_ms_per_token": spread(s["cpu"]),
                 f"concurrent{args.concurrency}_tokens_per_s": spread(s["tps"], 1),
                 "target_weight_mb": round(weight_bytes(eng.target.model) / 2**20, 1),
+                # the share of decoding iterations that drafted a tree, after the lone and the concurrent runs
+                "speculated_share_lone": s["spec_lone"],
+                f"speculated_share_concurrent{args.concurrency}": s["spec_many"],
                 "lone_output_same_as_incremental": outputs[t, label, policy] == outputs[t, label, "incremental"]
                 if (t, label, "incremental") in outputs
                 else None,
@@ -215,7 +237,8 @@ def main() -> None:
                 "gguf": smollm2_gguf().name,
                 "tokens": args.tokens,
                 "repeats": args.repeats,
-                "budget": 32,
+                "budget": "profiled" if args.profiled else 32,
+                "profiled": args.profiled,
                 "cells": cells,
                 "memory": memory,
                 "peer": {"llama.cpp llama-bench tg, ms per token": {str(t): spread(v) for t, v in peer.items() if v}}

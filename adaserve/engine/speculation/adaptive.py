@@ -144,18 +144,19 @@ def goodput_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget
 
     ``goodput_depth`` prices only the best path, so width looked free there. It is where the forward's cost
     is flat (an accelerator below its knee: the widest beam wins, as before), but not on a CPU, where every
-    drafted and verified token costs compute: on the demo pair a second beam raised accepted tokens per
-    verification from 3.08 to 3.05 (its rank-1 children were accepted 2-14% of the time) while the
-    iteration grew by a third (docs/benchmarks.md, issue 29's wall clock). Ties go to the narrower tree.
+    drafted and verified token costs compute and the demo pair's rank-1 children are rarely accepted
+    (acceptance.py): chains win there (docs/results/width-rule-{before,after}-cpu-demo-tiny.json, issue 29's
+    wall clock in docs/benchmarks.md). Ties go to the narrower tree.
     """
     if max_width < 1 or len(rank_rates) < max_width:
         raise ValueError(f"goodput_shape needs a rate for each of {max_width} sibling ranks, got {len(rank_rates)}")
     best_shape, best = (max(d_min, 1), 1), -1.0
     for w in range(1, max_width + 1):
         alpha = min(float(sum(rank_rates[:w])), MAX_ALPHA)
+        step = t_draft(n_context, n * w)  # one beam level: the same for every depth
         for d in range(max(d_min, 1), max(d_max, 1) + 1):
             verified = min(n * (1 + d * w), max(budget, n * (d + 1)))
-            cost = d * t_draft(n_context, n * w) + t_target(n_context, verified + extra_tokens)
+            cost = d * step + t_target(n_context, verified + extra_tokens)
             rate = n * expected_emitted(alpha, d) / max(cost, 1e-12)
             if rate > best * (1 + 1e-9):
                 best_shape, best = (d, w), rate

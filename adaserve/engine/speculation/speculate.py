@@ -87,6 +87,7 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     checks: list[torch.Tensor] = []
     base = torch.zeros((n, 1), dtype=torch.float64, device=dev)  # the frontier's log path probabilities
     anc = torch.ones((n, 1, 1), dtype=torch.bool, device=dev)  # ancestor rows of the tree so far
+    chains = max(sizes) == 1  # every level one node (width 1): no level reads ancestor rows, none are grown
     paths = _Paths(inputs) if any(x.grammar is not None for x in inputs) else None
     frontier = 0  # tree index of the frontier's first node; the frontier is level ``step``, ``rows`` its logits
     for step in range(depth):
@@ -102,7 +103,8 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
         if step == depth - 1:
             break
         frontier += sizes[step]
-        anc = _grow_ancestors(anc, parent)
+        if not chains:
+            anc = _grow_ancestors(anc, parent)
         chain = max(sizes[: step + 2]) == 1  # one node per level so far: every tree is a chain, no rows needed
         assert forwards is not None
         rows = forwards.forward(step + 1, tok.reshape(-1), None if chain else anc)

@@ -239,23 +239,43 @@ def select_adaserve(cands: Sequence[TokenTree], requirements: Sequence[float], *
     the bonus, i.e. A(r) - 1: Figure 5 is reproduced by A(r0) = 1.6, A(r1) = 1.8
     (tests/engine/speculation/test_selection.py::test_figure5_worked_example).
     """
-    _, total = adaserve_phases(cands, requirements, budget=budget, depth=depth, n_max=n_max, order=order,
-                               min_value=min_value)
+    req = _validated(cands, requirements, budget=budget, depth=depth, n_max=n_max)
+    _check_options(order, min_value)
+    lps = [strict_log_probs(c) for c in cands]
+    if _every_node_kept(lps, budget=budget, min_value=min_value):
+        return [list(range(len(lp))) for lp in lps]
+    _, total = adaserve_phases(cands, req, budget=budget, depth=depth, n_max=n_max, order=order,
+                               min_value=min_value, lps=lps)
     return _as_lists(total)
 
 
-def adaserve_phases(cands: Sequence[TokenTree], requirements: Sequence[float], *, budget: int, depth: int,
-                    n_max: int, order: str = "largest-need",
-                    min_value: float = 0.0) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _every_node_kept(lps: Sequence[np.ndarray], *, budget: int, min_value: float) -> bool:
+    """Whether Algorithm 2 keeps every candidate node: they all fit in the budget and none is worth less than
+    the floor. The SLO phase then grants every wish in full and the floor cuts nothing, so the throughput phase
+    has room for every node left (all of them finite): the whole trees, which a small batch often sends
+    (issue 29: the host time selection costs adaserve against a chain). Checked in two numpy passes instead of
+    running both phases."""
+    if sum(len(lp) for lp in lps) > budget:
+        return False
+    if not lps:
+        return True
+    drafted = np.concatenate([lp[1:] for lp in lps])
+    if not np.isfinite(drafted).all():
+        return False
+    return min_value <= 0 or bool(np.exp(drafted.min(initial=0.0)) >= min_value)
+
+
+def adaserve_phases(cands: Sequence[TokenTree], requirements: Sequence[float] | np.ndarray, *, budget: int,
+                    depth: int, n_max: int, order: str = "largest-need", min_value: float = 0.0,
+                    lps: Sequence[np.ndarray] | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Algorithm 2's two phases apart: the nodes after the SLO phase and after the throughput phase, per
-    request (unsorted). The bench counts how many nodes each phase assigned."""
+    request (unsorted). The bench counts how many nodes each phase assigned. ``lps``: the candidates'
+    ``strict_log_probs``, when the caller has them already."""
     req = _validated(cands, requirements, budget=budget, depth=depth, n_max=n_max)
-    lps = [strict_log_probs(c) for c in cands]
-    if order not in SLO_ORDERS:
-        raise ValueError(f"SLO order must be one of {', '.join(SLO_ORDERS)}, got {order!r}")
+    _check_options(order, min_value)
+    if lps is None:
+        lps = [strict_log_probs(c) for c in cands]
     padded = _padded(lps)  # once for both phases
-    if not min_value >= 0:
-        raise ValueError(f"min_value must be >= 0, got {min_value}")
     slo, cut = _slo_phase_and_cut(padded, req, budget=budget, depth=depth, n_max=n_max, order=order,
                                   min_value=min_value)
     return slo, _throughput_phase(padded, slo, budget=budget - cut)  # what the floor kept out is not handed on
@@ -280,6 +300,13 @@ def select_equal_greedy(cands: Sequence[TokenTree], *, budget: int) -> list[list
         order = _rank(strict_log_probs(c), np.arange(1, c.size))
         out.append(np.concatenate(([0], order[: share - 1])))
     return _as_lists(out)
+
+
+def _check_options(order: str, min_value: float) -> None:
+    if order not in SLO_ORDERS:
+        raise ValueError(f"SLO order must be one of {', '.join(SLO_ORDERS)}, got {order!r}")
+    if not min_value >= 0:
+        raise ValueError(f"min_value must be >= 0, got {min_value}")
 
 
 def _validated(cands: Sequence[TokenTree], requirements: Sequence[float], *, budget: int, depth: int,

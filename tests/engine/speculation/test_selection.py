@@ -333,3 +333,22 @@ def test_a_floor_only_ever_shrinks_the_slo_phase(b: dict, floor: float):
         assert set(f.tolist()) <= set(fin)
     # what the floor keeps out leaves the iteration: never more verified than without the floor
     assert sum(map(len, final)) <= sum(map(len, selection.select_adaserve(cands, list(req), **kw)))
+
+
+@given(batch(), st.sampled_from([0.0, 0.001, 0.05, 0.3]), st.sampled_from(selection.SLO_ORDERS))
+def test_the_whole_trees_shortcut_is_what_both_phases_choose(b: dict, floor: float, order: str):
+    """select_adaserve skips both phases when every node fits the budget and passes the floor: the same nodes
+    as the phases pick, whichever way the batch falls (budgets reach past the trees' total here)."""
+    kw = {"budget": b["budget"], "depth": b["depth"], "n_max": b["n_max"], "order": order, "min_value": floor}
+    _, phases = selection.adaserve_phases(b["cands"], b["requirements"], **kw)
+    assert selection.select_adaserve(b["cands"], b["requirements"], **kw) == [np.sort(t).tolist() for t in phases]
+
+
+def test_whole_trees_are_kept_only_when_every_node_fits_and_pays() -> None:
+    chain = tree([-1, 0, 1], [1.0, 0.5, 0.02])
+    assert selection.select_adaserve([chain], [1.0], budget=3, depth=2, n_max=16) == [[0, 1, 2]]
+    # a node below the floor, which the SLO phase wants: it stops short of it, and the throughput phase gets
+    # nothing for it
+    assert selection.select_adaserve([chain], [3.0], budget=3, depth=2, n_max=16, min_value=0.1) == [[0, 1]]
+    # one slot short of the whole tree
+    assert selection.select_adaserve([chain], [1.0], budget=2, depth=2, n_max=16) == [[0, 1]]

@@ -145,8 +145,9 @@ class RankAcceptance:
         if forest.drafted.size == 0:
             return
         on_path = np.zeros(forest.size, bool)
-        for nodes, o in zip(accepted, forest.offsets, strict=True):
-            on_path[np.asarray(nodes, np.int64) + o] = True
+        # every tree's accepted nodes at once, in forest indices (one array, not one per tree)
+        on_path[np.fromiter((v + o for nodes, o in zip(accepted, forest.offsets.tolist(), strict=True) for v in nodes),
+                            np.int64)] = True
         drafted_tree = np.array([t.size > 1 for t in trees])
         later = np.cumsum(drafted_tree[::-1])[::-1] - drafted_tree  # trees with drafted nodes after each one
         self.hits *= self.decay ** int(drafted_tree.sum())

@@ -27,6 +27,7 @@ exactly the target's, whatever f says (§7).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -98,6 +99,12 @@ class _Forest:
             jump[live] = jump[jump[live]]
 
 
+@functools.cache
+def _prefix(a: int) -> list[int]:
+    """[0, 1, .., a]: a chain's accepted path that reaches depth a (compared, never modified)."""
+    return list(range(a + 1))
+
+
 # verified nodes of a sibling rank (decayed counts) before its rate steers the tree's width
 MIN_RANK_TRIALS = 16.0
 
@@ -122,7 +129,10 @@ class RankAcceptance:
         return self.calibrate_many([tree])[0]
 
     def calibrate_many(self, trees: Sequence[TokenTree]) -> list[TokenTree]:
-        """``calibrate`` for a whole batch in one pass over the trees laid end to end (_Forest)."""
+        """``calibrate`` for a whole batch in one pass over the trees laid end to end (_Forest); chains of one
+        length (a width-1 beam search) as one ``[n, K]`` array (``_calibrate_chains``), to the same bits."""
+        if len(trees) > 0 and trees[0].size > 1 and all(t.is_chain and t.size == trees[0].size for t in trees):
+            return self._calibrate_chains(trees)
         forest = _Forest.of(trees)
         if forest.drafted.size == 0:
             return list(trees)
@@ -134,6 +144,22 @@ class RankAcceptance:
         return [t if t.size <= 1 else TokenTree.trusted(t.tokens, t.parents, lf[o : o + t.size])
                 for t, o in zip(trees, forest.offsets, strict=True)]
 
+    def _calibrate_chains(self, trees: Sequence[TokenTree]) -> list[TokenTree]:
+        """``calibrate_many`` for chains of one length K > 1: every drafted node is its parent's only child (rank
+        0) and node j's parent is node j - 1, so the forest's arrays are the ``[n, K]`` stack's columns. The
+        path sums are ``_Forest.path_sums``' passes, s[j] += s[j - 2^k], in the same order: the same bits."""
+        lp = np.stack([t.log_probs for t in trees])
+        q = np.exp(lp[:, 1:] - lp[:, :-1])  # q(v) = f(v) / f(parent)
+        bins = np.minimum((q * self.q_bins).astype(np.int64), self.q_bins - 1)
+        p = (self.hits[0, bins] + self.prior_weight * q) / (self.trials[0, bins] + self.prior_weight)
+        s = np.zeros(lp.shape)
+        s[:, 1:] = np.log(np.clip(p, 1e-9, 1.0 - 1e-9))
+        k = 1
+        while k < s.shape[1]:  # pointer jumping on a chain: each pass adds the sum 2^k nodes up
+            s[:, k:] = s[:, k:] + s[:, :-k]
+            k *= 2
+        return [TokenTree.trusted(t.tokens, t.parents, s[i]) for i, t in enumerate(trees)]
+
     def observe(self, tree: TokenTree, accepted_nodes: list[int]) -> None:
         """Count one verified tree: every node whose parent was accepted is a trial."""
         self.observe_many([tree], [accepted_nodes])
@@ -141,6 +167,8 @@ class RankAcceptance:
     def observe_many(self, trees: Sequence[TokenTree], accepted: Sequence[Sequence[int]]) -> None:
         """``observe`` for a batch, in order: counts decay once per tree with drafted nodes, so a tree's counts
         carry decay ** (such trees after it in the batch), as one ``observe`` after another would give."""
+        if self._observe_chains(trees, accepted):
+            return
         forest = _Forest.of(trees)
         if forest.drafted.size == 0:
             return
@@ -158,6 +186,43 @@ class RankAcceptance:
         cells = (ranks[tried], bins[tried])
         np.add.at(self.trials, cells, weight)
         np.add.at(self.hits, cells, weight * on_path[forest.drafted][tried])
+
+    def _observe_chains(self, trees: Sequence[TokenTree], accepted: Sequence[Sequence[int]]) -> bool:
+        """``observe_many`` for chains whose accepted nodes are a prefix 0..a (what verification accepts on a
+        chain): node j was tried if j <= a + 1 and accepted if j <= a, all rank 0. The same counts, added in the
+        same order, as the forest's pass; False (nothing counted) for any other batch."""
+        if len(accepted) != len(trees):
+            raise ValueError(f"{len(trees)} trees but {len(accepted)} accepted paths")
+        idx: list[int] = []  # the tried nodes' forest indices, tree by tree
+        a_of: list[int] = []  # per tried node: its tree's accepted depth a
+        tree_of: list[int] = []
+        at = drafted = 0
+        for t, nodes in zip(trees, accepted, strict=True):
+            a = len(nodes) - 1
+            if not t.is_chain or a < 0 or a >= t.size or not isinstance(nodes, list) or nodes != _prefix(a):
+                return False
+            last = min(a + 1, t.size - 1)
+            idx.extend(range(at + 1, at + last + 1))
+            a_of.extend([at + a] * last)
+            tree_of.extend([drafted] * last)
+            drafted += t.size > 1
+            at += t.size
+        if drafted == 0:
+            return True
+        self.hits *= self.decay ** drafted
+        self.trials *= self.decay ** drafted
+        if not idx:
+            return True
+        lp = np.concatenate([t.log_probs for t in trees])
+        nodes_at = np.asarray(idx, np.int64)
+        q = np.exp(lp[nodes_at] - lp[nodes_at - 1])
+        bins = np.minimum((q * self.q_bins).astype(np.int64), self.q_bins - 1)
+        # decay ** (trees with drafted nodes after this one); only such trees have tried nodes
+        weight = self.decay ** (drafted - 1 - np.asarray(tree_of, np.int64))
+        cells = (np.zeros(len(idx), np.int64), bins)
+        np.add.at(self.trials, cells, weight)
+        np.add.at(self.hits, cells, weight * (nodes_at <= np.asarray(a_of, np.int64)))
+        return True
 
     def _cells(self, forest: _Forest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rank, q bin, q) of every drafted node of the forest, in ``forest.drafted`` order."""

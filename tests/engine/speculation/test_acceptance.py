@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.speculation.acceptance import RankAcceptance, sibling_ranks
@@ -131,3 +133,54 @@ def test_rank_rates_wait_for_trials_then_give_each_ranks_acceptance() -> None:
     assert rates[1] == 0.0
     assert acc.rank_rates(3) is None  # rank 2 never tried
     assert acc.rank_rates(0) is None
+
+
+@st.composite
+def chains_and_paths(draw: st.DrawFn) -> tuple[list[TokenTree], list[list[int]], list[list[int]]]:
+    """A batch of chains (draft log path probabilities falling down each chain), each with an accepted
+    prefix, and the same batch's candidates: one length K, as a width-1 beam search drafts them."""
+    k = draw(st.integers(2, 7))
+    cands, verified, paths = [], [], []
+    for _ in range(draw(st.integers(1, 6))):
+        q = draw(st.lists(st.floats(0.001, 1.0), min_size=k - 1, max_size=k - 1))
+        lp = np.concatenate(([0.0], np.cumsum(np.log(q))))
+        cands.append(TokenTree.trusted(np.arange(k), np.arange(-1, k - 1), lp))
+        size = draw(st.integers(1, k))  # the selected prefix
+        verified.append(TokenTree.trusted(np.arange(size), np.arange(-1, size - 1), lp[:size]))
+        paths.append(list(range(draw(st.integers(1, size)))))
+    return cands, verified, paths
+
+
+@settings(max_examples=60, deadline=None)
+@given(chains_and_paths(), st.integers(1, 8))
+def test_chains_take_a_shortcut_to_the_same_bits_as_the_forest(batch, q_bins: int) -> None:
+    """Width-1 beam searches draft chains: calibrate_many and observe_many read them as one [n, K] array and
+    one index list; the counts and the calibrated values equal the general forest pass bit for bit."""
+    cands, verified, paths = batch
+    fast, slow = RankAcceptance(q_bins=q_bins), RankAcceptance(q_bins=q_bins)
+    general = pytest.MonkeyPatch()
+    for _ in range(3):
+        fast.observe_many(verified, paths)
+        with general.context() as m:
+            m.setattr(RankAcceptance, "_observe_chains", lambda *_: False)
+            slow.observe_many(verified, paths)
+        assert np.array_equal(fast.hits, slow.hits) and np.array_equal(fast.trials, slow.trials)
+    got = fast.calibrate_many(cands)
+    with general.context() as m:
+        m.setattr(RankAcceptance, "_calibrate_chains", lambda self, trees: self.calibrate_many(
+            [TokenTree.trusted(t.tokens, t.parents, t.log_probs, is_chain=False) for t in trees]))
+        want = slow.calibrate_many(cands)
+    for g, w in zip(got, want, strict=True):
+        assert np.array_equal(g.log_probs, w.log_probs)
+
+
+def test_a_path_that_is_not_a_prefix_is_counted_by_the_forest() -> None:
+    chain = TokenTree.chain([1, 2, 3, 4])
+    assert not RankAcceptance()._observe_chains([chain], [[0, 2, 3]])  # the shortcut declines it
+    a, b = RankAcceptance(), RankAcceptance()
+    a.observe_many([chain], [[0, 2, 3]])  # not what verification accepts on a chain, but counted as given
+    b.observe_many([chain], [[0, 1]])
+    assert a.trials.sum() == 2 and a.hits.sum() == 1  # node 1 (missed), node 3 (under accepted node 2, hit)
+    assert b.trials.sum() == 2 and b.hits.sum() == 1  # node 1 (hit), node 2 (missed)
+    with pytest.raises(ValueError):
+        a.observe_many([chain, chain], [[0]])

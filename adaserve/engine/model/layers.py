@@ -135,7 +135,11 @@ class DecoderLayer(nn.Module):
 class Body(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Built on the meta device only (the loader, bench/random_arch.py), its weights assigned after: so no
+        # init. The default one (normal_) on meta runs a Python decomposition that imports torch._dynamo, and
+        # with it sympy, fx and torch.distributed.tensor: ~60 MB resident in a worker that never uses them.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

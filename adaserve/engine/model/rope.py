@@ -14,9 +14,14 @@ from adaserve.engine.model.config import ModelConfig
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """[head_dim/2] float32 inverse frequencies, after the configured scaling."""
+    """[head_dim/2] float32 inverse frequencies, after the configured scaling; always computed on the CPU.
+
+    Even while a model is built on the meta device (the loader, which replaces the module once loaded):
+    there ``arange`` runs a Python decomposition that imports torch._dynamo, sympy and fx, ~60 MB resident
+    in a worker that never uses them."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu")
+    inv_freq = 1.0 / (cfg.rope_theta ** (steps.float() / dim))
     kind = cfg.rope_type
     if kind == "linear":
         return inv_freq / float(cfg.rope_scaling["factor"])

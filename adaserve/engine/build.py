@@ -14,7 +14,7 @@ from adaserve.engine.config import EngineConfig
 from adaserve.engine.cost.profiler import Profile, profile_models
 from adaserve.engine.engine import Engine
 from adaserve.engine.loading.catalog import TOKENIZER_FILES
-from adaserve.engine.loading.loader import load_model, load_tokenizer
+from adaserve.engine.loading.loader import load_model, load_tokenizer, trim_heap
 from adaserve.engine.model.config import UnsupportedModelError
 from adaserve.engine.model.kv_cache import KVCacheConfig, bytes_per_token
 from adaserve.engine.model.kv_sizing import KVSizingError, device_memory, kv_budget_bytes, pages_for_budget
@@ -208,4 +208,5 @@ def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Pat
         # structured output: llguidance's view of the vocabulary is built on the first constrained request
         engine.grammars = GrammarCompiler.from_hf(tokenizer, vocab_size=engine.target.vocab_size,
                                                   stop_ids=engine.stop_ids)
+    trim_heap()  # what loading, profiling and the tokenizer freed (~40 MB on the default int4 pair)
     return BuiltEngine(engine, tokenizer, prof)

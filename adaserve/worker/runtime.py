@@ -26,7 +26,7 @@ from adaserve.engine.build import BuiltEngine, EngineBuildError, build_engine
 from adaserve.engine.engine import Engine, StepMetrics, TokenEvent
 from adaserve.engine.loading.catalog import ModelNotFoundError, resolve_drafts
 from adaserve.engine.loading.chat import ChatTemplateError, chat_text, has_chat_template
-from adaserve.engine.loading.loader import load_tokenizer
+from adaserve.engine.loading.loader import load_tokenizer, trim_heap
 from adaserve.engine.loop import EngineLoop
 from adaserve.engine.request import Request
 from adaserve.engine.speculation.grammar import GrammarSpec
@@ -212,6 +212,7 @@ class Runtime:
             warm_up(built.engine)
             lone = measure_lone(built.engine, lone_prompt_ids(built.engine, built.tokenizer))
         tokenizer = load_tokenizer(pair.target) if built.tokenizer is not None else None
+        trim_heap()  # what the warm-up and this tokenizer's loading freed (build_engine gave back the rest)
         return built, tokenizer, lone
 
     def _fail(self, message: str) -> None:

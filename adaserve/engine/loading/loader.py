@@ -211,8 +211,48 @@ def trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+# tokenizer classes whose tokenizer_config.json names them for any model type (transformers >= 5)
+_GENERIC_TOKENIZERS = ("TokenizersBackend",)
+
+
 def load_tokenizer(path: str | Path) -> Any:
-    """The checkpoint's tokenizer through transformers (local files only, never a hub)."""
+    """The checkpoint's tokenizer through transformers (local files only, never a hub).
+
+    ``AutoTokenizer`` reads the model's config through its config class to pick a tokenizer class, and in
+    transformers 5 importing a model's config class (LlamaConfig, ...) imports much of the modelling stack
+    (torch.distributed.tensor, sympy, accelerate): ~50 MB of resident memory in a worker that never uses it.
+    Where ``AutoTokenizer`` would pick ``TokenizersBackend`` whatever the config says (the tokenizer config
+    names it, no remote code, and the model type is not one transformers overrides), that class is loaded
+    directly: the same tokenizer (tests/engine/loading/test_loader_tokenizer.py compares them). Anything else
+    goes through ``AutoTokenizer``."""
+    path = Path(path)
+    if _generic_tokenizer(path):
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(path), local_files_only=True)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _generic_tokenizer(path: Path) -> bool:
+    """Whether ``AutoTokenizer`` resolves ``path``'s tokenizer to ``TokenizersBackend`` without needing the
+    model's config class: tokenizer_config.json names it and has no ``auto_map``, and the model type (plain
+    config.json) neither has a tokenizer class of its own in transformers' table nor is one whose declared
+    class transformers replaces (transformers.models.auto.tokenization_auto's two tables)."""
+    try:
+        tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
+        cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    except (OSError, ValueError):
+        return False
+    if not isinstance(tok_cfg, dict) or not isinstance(cfg, dict):
+        return False
+    if tok_cfg.get("tokenizer_class") not in _GENERIC_TOKENIZERS or "auto_map" in tok_cfg:
+        return False
+    from transformers.models.auto import tokenization_auto as auto
+
+    overridden = getattr(auto, "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS", None)
+    if overridden is None:  # another transformers than the one this was checked against
+        return False
+    names = [cfg.get("model_type"), cfg.get("model_name")]
+    return all(n is None or (auto.TOKENIZER_MAPPING_NAMES.get(n) is None and n not in overridden) for n in names)

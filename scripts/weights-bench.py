@@ -99,12 +99,13 @@ def speculated_share(eng: Any) -> float | None:
 
 
 def rss_child(weights: str, policy: str, kv_mb: int) -> None:
-    """In a fresh process: RSS with imports and tokenizer only, then with the engine built and one request run."""
-    from transformers import AutoTokenizer
+    """In a fresh process: RSS with imports and tokenizer only, then with the engine built and one request run.
+    The tokenizer is loaded as the engine loads it (``load_tokenizer``), so the first figure is a worker's."""
+    from adaserve.engine.loading.loader import load_tokenizer
 
     torch.set_num_threads(1)
     pair = resolve(DEFAULT_MODEL, progress=False, weights=weights)
-    AutoTokenizer.from_pretrained(str(pair.target), local_files_only=True)
+    load_tokenizer(pair.target)
     base = status_mb()
     built = bench_engine(pair, policy, weights, kv_memory_mb=kv_mb)
     run(built.engine, [instruction_ids(built.tokenizer, PROMPTS[0])], 8)

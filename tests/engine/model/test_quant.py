@@ -278,3 +278,23 @@ def test_int8_head_resolves_a_near_tie_its_bfloat16_output_cannot() -> None:
     top = ref[0].topk(4).indices
     torch.testing.assert_close(got[0, top], ref[0, top], rtol=1e-5, atol=1e-4)
     assert torch.equal(got[0], got[2])  # one function of the row: the batch does not change it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_quantization_in_row_blocks_is_the_whole_tables(dtype: torch.dtype) -> None:
+    """quantize_int8 works ``rows`` rows at a time (a few MB of temporaries, not several tables): every step is
+    per row, so blocks of any size give the codes and scales of one pass over the table, bit for bit."""
+    from adaserve.engine.model.quant import quantize_int8
+
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(300, 48, generator=gen) * 3).to(dtype)
+    w[7] = 0  # a zero row: the smallest scale
+    whole = quantize_int8(w, rows=len(w))
+    for rows in (1, 7, 64, 299):
+        q, s = quantize_int8(w, rows=rows)
+        assert q.dtype == torch.int8 and s.dtype == torch.float32
+        assert torch.equal(q, whole[0]) and torch.equal(s, whole[1])
+    ref = w.float()
+    scales = (ref.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    assert torch.equal(whole[1], scales)
+    assert torch.equal(whole[0], torch.round(ref / scales[:, None]).clamp(-127, 127).to(torch.int8))

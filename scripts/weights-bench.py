@@ -16,6 +16,10 @@ per row); ``int4`` with --weights int4 (the file's Q4_1 blocks as they are: what
 (bfloat16 on disk) is quantized at load to the same kind; quantized models serve their LM head and embedding in
 int8 (quant.py). Resident memory: each option's engine is built again in a fresh process, which decodes one
 request and reports its RSS (``--kv-mb`` of KV cache per model; the imports and tokenizer alone are reported too).
+``--memory-only`` runs just those, ``--repeats`` fresh processes per option (no timing, light on a shared machine):
+
+    PYTHONPATH=. python scripts/weights-bench.py --memory-only --weights int4,float --repeats 3 \\
+        > docs/results/weights-rss-cpu.json
 """
 
 from __future__ import annotations
@@ -128,6 +132,61 @@ def rss_child(weights: str, policy: str, kv_mb: int) -> None:
     )
 
 
+def memory_cell(weights: str, kv_mb: int) -> dict[str, Any]:
+    """``rss_child`` in a fresh process, for the adaserve policy."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--rss-child", weights, "adaserve", "--kv-mb", str(kv_mb)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ},
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def machine() -> dict[str, Any]:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "") if Path("/proc/cpuinfo").is_file() else ""
+    return {
+        "host": platform.node(),
+        "cpu": cpu or platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "cores": os.cpu_count(),
+        "load_average_at_end": os.getloadavg(),
+    }
+
+
+def memory_only(labels: list[str], kv_mb: int, repeats: int) -> None:
+    """Each option's ``rss_child`` ``repeats`` times (fresh processes, rounds alternating the options), the
+    median RSS after one request, and each option's ratio to float32's where float is among them."""
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
+    for _ in range(repeats):
+        for label in labels:
+            runs[label].append(memory_cell(label, kv_mb))
+    median = {label: statistics.median(r["engine_after_one_request"]["VmRSS"] for r in rs)
+              for label, rs in runs.items()}
+    print(
+        json.dumps(
+            {
+                "machine": machine(),
+                "command": " ".join(["python", "scripts/weights-bench.py", *sys.argv[1:]]),
+                "model": DEFAULT_MODEL,
+                "gguf": smollm2_gguf().name,
+                "policy": "adaserve",
+                "budget": 32,
+                "kv_mb_per_model": kv_mb,
+                "threads": 1,
+                "median_vmrss_mb_after_one_request": median,
+                "float_over": {label: round(median["float"] / m, 3) for label, m in median.items()}
+                if "float" in median
+                else None,
+                "runs": runs,
+            },
+            indent=1,
+        )
+    )
+
+
 def llama_bench(binary: str, threads: int, tokens: int) -> float:
     """llama.cpp's own generation speed on the same GGUF: ms per token of ``tokens`` generated (llama-bench tg)."""
     out = subprocess.run(
@@ -151,10 +210,15 @@ def main() -> None:
     ap.add_argument("--llama-bench", default="", help="a llama-bench binary: the peer, same GGUF and threads")
     ap.add_argument("--profiled", action="store_true",
                     help="engines built as a worker builds them (profiled costs and bounds) instead of B = 32")
+    ap.add_argument("--memory-only", action="store_true",
+                    help="only the resident-memory cells, --repeats fresh processes per option")
     ap.add_argument("--rss-child", nargs=2, metavar=("WEIGHTS", "POLICY"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_child:
         rss_child(*args.rss_child, args.kv_mb)
+        return
+    if args.memory_only:
+        memory_only(args.weights.split(","), args.kv_mb, args.repeats)
         return
     threads = [int(t) for t in args.threads.split(",")]
     engines: dict[tuple[str, str], Any] = {}
@@ -215,16 +279,7 @@ def main() -> None:
                 "lone_output_head": outputs[t, label, policy][:12],
             }
         )
-    memory = []
-    for label in args.weights.split(","):
-        out = subprocess.run(
-            [sys.executable, __file__, "--rss-child", label, "adaserve", "--kv-mb", str(args.kv_mb)],
-            capture_output=True,
-            text=True,
-            check=True,
-            env={**os.environ},
-        ).stdout
-        memory.append(json.loads(out.strip().splitlines()[-1]))
+    memory = [memory_cell(label, args.kv_mb) for label in args.weights.split(",")]
     print(
         json.dumps(
             {

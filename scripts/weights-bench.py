@@ -18,16 +18,21 @@ int8 (quant.py). Resident memory: each option's engine is built again in a fresh
 request and reports its RSS (``--kv-mb`` of KV cache per model; the imports and tokenizer alone are reported too).
 ``--memory-only`` runs just those, ``--repeats`` fresh processes per option (no timing, light on a shared machine):
 
-    PYTHONPATH=. python scripts/weights-bench.py --memory-only --weights int4,float --repeats 3 \\
+    PYTHONPATH=. python scripts/weights-bench.py --memory-only --workers --weights int4,float --repeats 3 \\
         > docs/results/weights-rss-cpu.json
+
+``--workers`` also starts a worker process per option and repeat (``adaserve worker``, local mode, the same
+settings), which holds what a deployed worker does beyond the engine (the HTTP server, a second tokenizer).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -76,9 +81,9 @@ def spread(xs: list[float], digits: int = 2) -> dict[str, float]:
     }
 
 
-def status_mb() -> dict[str, int]:
+def status_mb(pid: int | str = "self") -> dict[str, int]:
     out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, value = line.partition(":")
         if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
             out[key] = int(value.split()[0]) // 1024
@@ -144,6 +149,40 @@ def memory_cell(weights: str, kv_mb: int) -> dict[str, Any]:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def worker_cell(weights: str, kv_mb: int) -> dict[str, Any]:
+    """A worker process (``adaserve worker``, local mode, the adaserve policy at B = 32, one torch thread): its
+    RSS once ready (model loaded, warmed up) and after one chat request of 8 tokens. Beyond ``rss_child``'s
+    engine it holds the HTTP server's imports and the event loop's own tokenizer (worker/runtime.py)."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "adaserve", "worker", "--weights", weights, "--budget", "32", "--kv-memory-mb",
+           str(kv_mb), "--host", "127.0.0.1", "--port", str(port)]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(cmd, env={**os.environ, "ADASERVE_TORCH_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 600
+        while proc.poll() is None and time.time() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.5)
+        else:
+            raise RuntimeError(f"worker {' '.join(cmd)} did not get ready")
+        ready = status_mb(proc.pid)
+        body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 8,
+                "temperature": 0}
+        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).raise_for_status()
+        return {"weights": weights, "policy": "adaserve", "kv_mb_per_model": kv_mb, "ready": ready,
+                "after_one_request": status_mb(proc.pid)}
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
 def machine() -> dict[str, Any]:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "") if Path("/proc/cpuinfo").is_file() else ""
@@ -156,15 +195,25 @@ def machine() -> dict[str, Any]:
     }
 
 
-def memory_only(labels: list[str], kv_mb: int, repeats: int) -> None:
+def memory_only(labels: list[str], kv_mb: int, repeats: int, workers: bool) -> None:
     """Each option's ``rss_child`` ``repeats`` times (fresh processes, rounds alternating the options), the
-    median RSS after one request, and each option's ratio to float32's where float is among them."""
+    median RSS after one request, and each option's ratio to float32's where float is among them; with
+    ``workers``, the same for worker processes (``worker_cell``)."""
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
+    worker_runs: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
     for _ in range(repeats):
         for label in labels:
             runs[label].append(memory_cell(label, kv_mb))
+            if workers:
+                worker_runs[label].append(worker_cell(label, kv_mb))
+
+    def ratios(median: dict[str, float]) -> dict[str, float] | None:
+        return {label: round(median["float"] / m, 3) for label, m in median.items()} if "float" in median else None
+
     median = {label: statistics.median(r["engine_after_one_request"]["VmRSS"] for r in rs)
               for label, rs in runs.items()}
+    worker_median = {label: statistics.median(r["after_one_request"]["VmRSS"] for r in rs)
+                     for label, rs in worker_runs.items() if rs}
     print(
         json.dumps(
             {
@@ -176,11 +225,12 @@ def memory_only(labels: list[str], kv_mb: int, repeats: int) -> None:
                 "budget": 32,
                 "kv_mb_per_model": kv_mb,
                 "threads": 1,
+                "few_row_kernels": os.environ.get("ADASERVE_FEW_ROW_KERNELS", "on"),
                 "median_vmrss_mb_after_one_request": median,
-                "float_over": {label: round(median["float"] / m, 3) for label, m in median.items()}
-                if "float" in median
-                else None,
+                "float_over": ratios(median),
                 "runs": runs,
+                "workers": {"median_vmrss_mb_after_one_request": worker_median, "float_over": ratios(worker_median),
+                            "runs": worker_runs} if workers else "not run",
             },
             indent=1,
         )
@@ -212,13 +262,15 @@ def main() -> None:
                     help="engines built as a worker builds them (profiled costs and bounds) instead of B = 32")
     ap.add_argument("--memory-only", action="store_true",
                     help="only the resident-memory cells, --repeats fresh processes per option")
+    ap.add_argument("--workers", action="store_true",
+                    help="with --memory-only: also measure worker processes (adaserve worker, local mode)")
     ap.add_argument("--rss-child", nargs=2, metavar=("WEIGHTS", "POLICY"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_child:
         rss_child(*args.rss_child, args.kv_mb)
         return
     if args.memory_only:
-        memory_only(args.weights.split(","), args.kv_mb, args.repeats)
+        memory_only(args.weights.split(","), args.kv_mb, args.repeats, args.workers)
         return
     threads = [int(t) for t in args.threads.split(",")]
     engines: dict[tuple[str, str], Any] = {}

@@ -254,5 +254,7 @@ def _generic_tokenizer(path: Path) -> bool:
     overridden = getattr(auto, "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS", None)
     if overridden is None:  # another transformers than the one this was checked against
         return False
-    names = [cfg.get("model_type"), cfg.get("model_name")]
-    return all(n is None or (auto.TOKENIZER_MAPPING_NAMES.get(n) is None and n not in overridden) for n in names)
+    names = [n for n in (cfg.get("model_type"), cfg.get("model_name")) if n is not None]
+    if not all(isinstance(n, str) for n in names):
+        return False
+    return all(auto.TOKENIZER_MAPPING_NAMES.get(n) is None and n not in overridden for n in names)

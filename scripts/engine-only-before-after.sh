@@ -2,7 +2,8 @@
 # The engine's own cost before and after a change (docs/benchmarks.md, "The engine's own cost").
 # Two git worktrees, one per version; every (mode, batch) cell runs once in each, back to back, so both
 # versions see the same machine conditions; ROUNDS rounds; then one combined JSON with the table.
-# Usage: bash scripts/engine-only-before-after.sh BEFORE_DIR AFTER_DIR OUT.json [THREADS] [ROUNDS] [STEPS]
+# Usage: [MODEL=demo-tiny] [BATCHES="1 8 16 32"] bash scripts/engine-only-before-after.sh BEFORE_DIR AFTER_DIR OUT.json \
+#            [THREADS] [ROUNDS] [STEPS]
 #   BEFORE_DIR / AFTER_DIR: checkouts of the two versions (git worktree add --detach DIR COMMIT); the
 #   measuring module is taken from this checkout's adaserve/bench, so both are measured the same way.
 set -euo pipefail
@@ -15,11 +16,11 @@ for dir in "$BEFORE" "$AFTER"; do
 done
 for r in $(seq 1 "$ROUNDS"); do
   for mode in spec plain; do
-    for n in 1 8 16 32; do
+    for n in ${BATCHES:-1 8 16 32}; do
       for v in before after; do
         dir=$BEFORE; [ "$v" = after ] && dir=$AFTER
         (cd "$dir" && PYTHONPATH="$dir" "$PY" -m adaserve.bench.engine_only --threads "$THREADS" --repeats 1 \
-          --steps "$STEPS" --modes "$mode" --batches "$n" --json "$TMP/$v-$mode-$n-r$r.json" > /dev/null)
+          --steps "$STEPS" ${MODEL:+--model "$MODEL"} --modes "$mode" --batches "$n" --json "$TMP/$v-$mode-$n-r$r.json" > /dev/null)
       done
     done
   done

@@ -105,8 +105,11 @@ def _prefix(a: int) -> list[int]:
     return list(range(a + 1))
 
 
-# verified nodes of a sibling rank (decayed counts) before its rate steers the tree's width
+# verified nodes of a sibling rank before its rate steers the tree's width
 MIN_RANK_TRIALS = 16.0
+# a rank's decayed trials below which its rate is no longer read (the counts have decayed to nothing: a
+# rank unused for ~100k verified trees; its rate would be a ratio of denormals)
+MIN_DECAYED_TRIALS = 1e-100
 
 
 @dataclass
@@ -117,12 +120,18 @@ class RankAcceptance:
     decay: float = 0.998  # per observed tree: counts halve over ~350 verified trees
     hits: np.ndarray = field(init=False)  # [max_rank + 1, q_bins]
     trials: np.ndarray = field(init=False)
+    # trials per rank, never decayed: whether a rank has ever been tried enough for its rate to be read.
+    # Decay scales a rank's hits and trials alike, so its rate stays what it was while no tree of that width
+    # is drafted; gating on the decayed trials instead made a rate expire within a second of chains at a busy
+    # batch, and the width fell back to Eq. 9's widest beam until it was learnt again (issue 29's wall clock)
+    tried: np.ndarray = field(init=False)  # [max_rank + 1]
 
     def __post_init__(self) -> None:
         if self.max_rank < 0 or self.q_bins < 1:
             raise ValueError(f"RankAcceptance: need max_rank >= 0 and q_bins >= 1, got {self.max_rank}, {self.q_bins}")
         self.hits = np.zeros((self.max_rank + 1, self.q_bins))
         self.trials = np.zeros((self.max_rank + 1, self.q_bins))
+        self.tried = np.zeros(self.max_rank + 1)
 
     def calibrate(self, tree: TokenTree) -> TokenTree:
         """The same tree with log f(v) = sum of log p along v's path (see the module docstring)."""
@@ -184,6 +193,7 @@ class RankAcceptance:
         tried = on_path[forest.parents[forest.drafted]]  # drafted nodes whose parent was accepted
         weight = (self.decay ** later[forest.tree_of[forest.drafted]])[tried]
         cells = (ranks[tried], bins[tried])
+        self.tried += np.bincount(cells[0], minlength=self.max_rank + 1)
         np.add.at(self.trials, cells, weight)
         np.add.at(self.hits, cells, weight * on_path[forest.drafted][tried])
 
@@ -220,6 +230,7 @@ class RankAcceptance:
         # decay ** (trees with drafted nodes after this one); only such trees have tried nodes
         weight = self.decay ** (drafted - 1 - np.asarray(tree_of, np.int64))
         cells = (np.zeros(len(idx), np.int64), bins)
+        self.tried[0] += len(idx)
         np.add.at(self.trials, cells, weight)
         np.add.at(self.hits, cells, weight * (nodes_at <= np.asarray(a_of, np.int64)))
         return True
@@ -234,11 +245,14 @@ class RankAcceptance:
     def rank_rates(self, ranks: int, min_trials: float = MIN_RANK_TRIALS) -> tuple[float, ...] | None:
         """P(a rank-r child is accepted | its parent was) for r < ``ranks``, over every q bin: what a beam of
         that many siblings is worth (adaptive.goodput_shape). None until every one of those ranks has been
-        tried ``min_trials`` times (decayed counts): until then the tree keeps its width and learns."""
+        tried ``min_trials`` times (``tried``: counted once, never decayed): until then the tree keeps its
+        width and learns. Once learnt a rate is kept while its rank goes untried (narrower trees); None again
+        only if its decayed counts have run down to nothing (~350 verified trees per halving), so a width
+        unused for that long is tried afresh."""
         if ranks < 1 or ranks > self.max_rank + 1:
             return None
         hits, trials = self.hits[:ranks].sum(axis=1), self.trials[:ranks].sum(axis=1)
-        if (trials < min_trials).any():
+        if (self.tried[:ranks] < min_trials).any() or (trials < MIN_DECAYED_TRIALS).any():
             return None
         return tuple(float(h / t) for h, t in zip(hits, trials, strict=True))
 

@@ -135,6 +135,25 @@ def test_rank_rates_wait_for_trials_then_give_each_ranks_acceptance() -> None:
     assert acc.rank_rates(0) is None
 
 
+def test_a_learnt_rate_outlives_the_trees_that_stop_trying_its_rank() -> None:
+    """Once the width rule has learnt that a second sibling rarely pays, it drafts chains; rank 1's decayed
+    counts then run down while rank 0's keep coming. Its rate must stay readable (decay scales hits and
+    trials alike), else the width falls back to the widest beam to learn it again, and back, every second
+    of a busy batch."""
+    acc = RankAcceptance(q_bins=1)
+    wide = TokenTree.trusted(np.array([1, 2, 3]), np.array([-1, 0, 0]), np.log(np.array([1.0, 0.7, 0.2])))
+    for i in range(40):
+        acc.observe(wide, [0, 2] if i % 10 == 0 else [0, 1])
+    learnt = acc.rank_rates(2)
+    assert learnt is not None and learnt[1] == pytest.approx(0.1, abs=0.01)
+    chain = TokenTree.chain([1, 2, 3])
+    for _ in range(3000):  # ~9 halvings of every count: rank 1's decayed trials fall far below 16
+        acc.observe_many([chain], [[0, 1, 2]])
+    assert acc.trials[1].sum() < 1.0
+    later = acc.rank_rates(2)
+    assert later is not None and later[1] == pytest.approx(learnt[1])
+
+
 @st.composite
 def chains_and_paths(draw: st.DrawFn) -> tuple[list[TokenTree], list[list[int]], list[list[int]]]:
     """A batch of chains (draft log path probabilities falling down each chain), each with an accepted
@@ -165,6 +184,7 @@ def test_chains_take_a_shortcut_to_the_same_bits_as_the_forest(batch, q_bins: in
             m.setattr(RankAcceptance, "_observe_chains", lambda *_: False)
             slow.observe_many(verified, paths)
         assert np.array_equal(fast.hits, slow.hits) and np.array_equal(fast.trials, slow.trials)
+        assert np.array_equal(fast.tried, slow.tried)
     got = fast.calibrate_many(cands)
     with general.context() as m:
         m.setattr(RankAcceptance, "_calibrate_chains", lambda self, trees: self.calibrate_many(

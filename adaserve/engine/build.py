@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from adaserve.engine.config import EngineConfig
@@ -38,7 +39,15 @@ def adaptive_for(cfg: AdaptiveConfig, data: dict[str, Any], *, pinned: set[str] 
         return cfg
     t_target = float(data["target"]["table"][0]["latency_ms"]) / 1e3  # n = 1 at the reference context
     t_draft = float(data["draft"]["table"][0]["latency_ms"]) / 1e3
-    tuned = bounds_for_device(cfg, t_target_s=t_target, t_draft_s=t_draft, draft_budget=int(data["draft"]["budget"]))
+    table = data["target"]["table"]
+    ns = np.array([float(r["n_tokens"]) for r in table])
+    ts = np.array([float(r["latency_ms"]) / 1e3 for r in table])
+
+    def t_verify(k: int) -> float:  # the measured forward at k tokens, between the table's points linearly
+        return float(np.interp(k, ns, ts))
+
+    tuned = bounds_for_device(cfg, t_target_s=t_target, t_draft_s=t_draft, draft_budget=int(data["draft"]["budget"]),
+                              t_verify=t_verify)
     return replace(tuned, **{k: getattr(cfg, k) for k in pinned})
 
 

@@ -95,7 +95,13 @@ def depth_width(n_active: int, cfg: AdaptiveConfig) -> tuple[int, int]:
     return d, w
 
 
-def bounds_for_device(cfg: AdaptiveConfig, *, t_target_s: float, t_draft_s: float, draft_budget: int) -> AdaptiveConfig:
+# a beam wider than a chain only where verifying its tree costs at most this much more than the chain's of the
+# same depth (bounds_for_device)
+WIDTH_TOLERANCE = 0.1
+
+
+def bounds_for_device(cfg: AdaptiveConfig, *, t_target_s: float, t_draft_s: float, draft_budget: int,
+                      t_verify: Callable[[int], float] | None = None) -> AdaptiveConfig:
     """``cfg`` with d_max, w_max and B2 set from the profiled costs instead of CPU-tuned constants.
 
     r = t_target(1) / t_draft(1): how many draft forwards one target forward buys.
@@ -114,12 +120,24 @@ def bounds_for_device(cfg: AdaptiveConfig, *, t_target_s: float, t_draft_s: floa
                                               draft is compute-bound and its knee small: it keeps 2.
         B2    = the draft's own knee          draft tokens per beam step that still cost about one token
         d_min = 0 with the goodput depth rule  plain decoding where no tree is predicted to pay (measured costs)
+
+    ``t_verify(k)``: the target's measured forward at k tokens (the profile's table). The width then also
+    shrinks until t_verify(1 + d_max w) <= (1 + WIDTH_TOLERANCE) t_verify(1 + d_max): a beam is worth its
+    siblings where the verifier is flat, as below an accelerator's knee (the artifact's table: 13 tokens
+    cost what 5 do, width 3 stays), not where each verified token costs compute. On this CPU the demo
+    target's 9 tokens cost 1.3x its 5, and with w_max 3 the width rule drafted 2-wide beams in nearly every
+    iteration at 1 req/s with a worse TPOT than chain:4's (the sum of the ranks' rates overvalues a beam and
+    the straight-line cost model underprices its verification: docs/benchmarks.md, issue 29's wall clock).
     """
     if not (t_target_s > 0 and t_draft_s > 0):
         return cfg
     r = t_target_s / t_draft_s
     d_max = min(max(round(0.75 * r), 2), 8)
     w_max = 4 if r >= 10 else 3 if draft_budget >= 64 else 2
+    if t_verify is not None:
+        chain = t_verify(1 + d_max)
+        while w_max > 1 and t_verify(1 + d_max * w_max) > (1 + WIDTH_TOLERANCE) * chain:
+            w_max -= 1
     # measured costs may also say no tree pays: the goodput depth rule may then choose plain decoding (d = 0)
     d_min = 0 if cfg.depth_rule == "goodput" else cfg.d_min
     return replace(cfg, d_min=d_min, d_max=max(d_max, cfg.d_min), w_max=w_max, b2=max(1, draft_budget))

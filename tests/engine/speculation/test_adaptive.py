@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -106,6 +107,25 @@ def test_bounds_follow_the_draft_to_target_cost_ratio() -> None:
     assert bounds_for_device(AdaptiveConfig(), t_target_s=0.0, t_draft_s=1.0, draft_budget=1) == AdaptiveConfig()
 
 
+def test_the_width_stays_a_chain_where_each_verified_token_costs_compute() -> None:
+    from adaserve.engine.speculation.adaptive import bounds_for_device
+
+    def cpu(k: int) -> float:  # the demo target's table on a 2-core CPU: 3.5 ms at 4 tokens, 4.9 at 8, 6.2 at 16
+        return float(np.interp(k, [1, 2, 4, 8, 16, 32], [3.16, 3.15, 3.52, 4.85, 6.23, 7.29])) / 1e3
+
+    def gpu(k: int) -> float:  # the artifact's Llama-3.1-70B table: 30 ms at 1 token, 31.4 at 8, 33 at 16
+        return float(np.interp(k, [1, 8, 16, 32, 128], [30.0, 31.4, 33.0, 36.1, 55.0])) / 1e3
+
+    kw = {"t_target_s": 0.0032, "t_draft_s": 0.0006, "draft_budget": 64}
+    assert bounds_for_device(AdaptiveConfig(), **kw).w_max == 3  # the draft's knee alone allows 3
+    assert bounds_for_device(AdaptiveConfig(), **kw, t_verify=cpu).w_max == 1  # 9 tokens cost 1.3x 5
+    paper = {"t_target_s": 0.030, "t_draft_s": 0.005, "draft_budget": 64}
+    assert bounds_for_device(AdaptiveConfig(), **paper, t_verify=gpu).w_max == 3  # 13 tokens cost what 5 do
+    # the depth bound and the rest do not move
+    narrow, wide = bounds_for_device(AdaptiveConfig(), **kw, t_verify=cpu), bounds_for_device(AdaptiveConfig(), **kw)
+    assert (narrow.d_max, narrow.d_min, narrow.b2) == (wide.d_max, wide.d_min, wide.b2)
+
+
 def _flat_then_linear(flat_s: float, per_token_s: float, ridge: int) -> Callable[[int, int], float]:
     return lambda ctx, k: flat_s + per_token_s * max(0, k - ridge)
 
@@ -177,3 +197,23 @@ def test_the_policy_turns_speculation_off_when_plain_decoding_is_predicted_faste
     assert policy.adaptive.d_min == 0
     assert policy.tree_shape(BatchView(n_active=8, n_context=1024, budget=64, **rows)) is None
     assert policy.tree_shape(BatchView(n_active=1, n_context=128, budget=64, **rows)) is not None
+
+
+def test_plain_decoding_drafts_its_best_tree_now_and_then() -> None:
+    """A run of plain iterations learns nothing about trees: every PLAIN_STREAK-th one drafts the best tree,
+    so costs and acceptance measured on it can turn speculation back on."""
+    from adaserve.engine.speculation.adaptive import bounds_for_device
+    from adaserve.engine.speculation.policies import PLAIN_STREAK, BatchView, make_policy
+
+    rows = {"predict_target": _flat_then_linear(0.022, 0.005, 1), "predict_draft": _flat_then_linear(0.003, 5e-4, 1)}
+    policy = make_policy("adaserve")
+    object.__setattr__(policy, "adaptive", bounds_for_device(policy.adaptive, t_target_s=0.022, t_draft_s=0.003,
+                                                            draft_budget=16))
+    busy = BatchView(n_active=8, n_context=1024, budget=64, **rows)
+    shapes = [policy.tree_shape(busy) for _ in range(3 * PLAIN_STREAK)]
+    drafted = [i for i, s in enumerate(shapes) if s is not None]
+    assert drafted == [PLAIN_STREAK - 1, 2 * PLAIN_STREAK - 1, 3 * PLAIN_STREAK - 1]
+    assert all(s.depth >= 1 for s in shapes if s is not None)
+    # a tree that pays resets the count
+    assert policy.tree_shape(BatchView(n_active=1, n_context=128, budget=64, **rows)) is not None
+    assert policy.tree_shape(busy) is None

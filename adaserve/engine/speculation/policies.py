@@ -201,6 +201,10 @@ class SmartSpec:
         return None
 
 
+# plain iterations in a row after which the adaptive policies draft their best tree once (tree_shape)
+PLAIN_STREAK = 32
+
+
 @dataclass(frozen=True)
 class _Adaptive(_NoFeedback):
     """Shared by the budgeted tree policies: width from Eq. 9; depth by predicted goodput (or Eq. 8). With the
@@ -209,13 +213,29 @@ class _Adaptive(_NoFeedback):
 
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     paths: PathAcceptance = field(default_factory=PathAcceptance)  # mutable state in a frozen policy
+    _plain_streak: list[int] = field(default_factory=lambda: [0])  # iterations in a row decoded plainly
 
     @property
     def max_shape(self) -> TreeShape | None:
         return TreeShape(self.adaptive.d_max, self.adaptive.w_max)
 
     def tree_shape(self, view: BatchView) -> TreeShape | None:
-        cfg = replace(self.adaptive, b1=view.budget)
+        """The iteration's (d, w), or None: plain decoding, where the goodput rules predict no tree pays. After
+        ``PLAIN_STREAK`` plain iterations in a row the best tree is drafted once anyway: a prediction made on
+        costs and acceptance that plain decoding no longer updates cannot hold plain decoding forever (the demo
+        pair's wall clock at 6 req/s: a backlog, plain decoding predicted, the backlog longer, no tree again)."""
+        d, w = self._shape(view, self.adaptive)
+        if d > 0 or self.adaptive.d_min > 0:
+            self._plain_streak[0] = 0
+        else:
+            self._plain_streak[0] += 1
+            if self._plain_streak[0] >= PLAIN_STREAK:
+                self._plain_streak[0] = 0
+                d, w = self._shape(view, replace(self.adaptive, d_min=1))
+        return TreeShape(d, w) if d > 0 else None
+
+    def _shape(self, view: BatchView, adaptive: AdaptiveConfig) -> tuple[int, int]:
+        cfg = replace(adaptive, b1=view.budget)
         d, w = depth_width(view.n_active, cfg)
         goodput = cfg.depth_rule == "goodput"  # the depth from [d_min, d_max] by goodput, not Eq. 8's
         rates = view.rank_rates(w) if view.rank_rates is not None and goodput else None
@@ -228,7 +248,7 @@ class _Adaptive(_NoFeedback):
             d = goodput_depth(max(view.n_active, 1), w, alpha=self.paths.alpha, d_min=cfg.d_min, d_max=cfg.d_max,
                               n_context=view.n_context, extra_tokens=view.prefill_tokens,
                               t_target=view.predict_target, t_draft=view.predict_draft)
-        return TreeShape(d, w) if d > 0 else None
+        return d, w
 
     def observe_paths(self, accepted: int, rejections: int) -> None:
         self.paths.observe(accepted, rejections)

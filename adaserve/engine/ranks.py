@@ -57,6 +57,7 @@ def _rank_main(rank: int, size: int, port: int, target: str, device: str, dtype:
     runner = ModelRunner(load_model(Path(target), device=dev, dtype=dtype, weights=weights, tp=tp), settings)
     served = parallel.serve(runner, tp)
     log.info("tensor-parallel rank %d stopped after %d forwards", rank, served)
+    parallel.leave()
 
 
 def check_size(ref: str | Path, size: int) -> None:

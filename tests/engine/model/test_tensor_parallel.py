@@ -104,6 +104,7 @@ def rank_main(rank: int, size: int, port: int, case_dirs: list[tuple[Path, Path]
             runner.close()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
+    parallel.leave()
 
 
 @pytest.fixture(scope="module")

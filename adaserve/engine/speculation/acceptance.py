@@ -201,8 +201,6 @@ class RankAcceptance:
         """``observe_many`` for chains whose accepted nodes are a prefix 0..a (what verification accepts on a
         chain): node j was tried if j <= a + 1 and accepted if j <= a, all rank 0. The same counts, added in the
         same order, as the forest's pass; False (nothing counted) for any other batch."""
-        if len(accepted) != len(trees):
-            raise ValueError(f"{len(trees)} trees but {len(accepted)} accepted paths")
         idx: list[int] = []  # the tried nodes' forest indices, tree by tree
         a_of: list[int] = []  # per tried node: its tree's accepted depth a
         tree_of: list[int] = []

@@ -244,8 +244,7 @@ def select_adaserve(cands: Sequence[TokenTree], requirements: Sequence[float], *
     lps = [strict_log_probs(c) for c in cands]
     if _every_node_kept(lps, budget=budget, min_value=min_value):
         return [list(range(len(lp))) for lp in lps]
-    _, total = adaserve_phases(cands, req, budget=budget, depth=depth, n_max=n_max, order=order,
-                               min_value=min_value, lps=lps)
+    _, total = _phases(lps, req, budget=budget, depth=depth, n_max=n_max, order=order, min_value=min_value)
     return _as_lists(total)
 
 
@@ -265,16 +264,20 @@ def _every_node_kept(lps: Sequence[np.ndarray], *, budget: int, min_value: float
     return min_value <= 0 or bool(np.exp(drafted.min(initial=0.0)) >= min_value)
 
 
-def adaserve_phases(cands: Sequence[TokenTree], requirements: Sequence[float] | np.ndarray, *, budget: int,
-                    depth: int, n_max: int, order: str = "largest-need", min_value: float = 0.0,
-                    lps: Sequence[np.ndarray] | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def adaserve_phases(cands: Sequence[TokenTree], requirements: Sequence[float], *, budget: int, depth: int,
+                    n_max: int, order: str = "largest-need",
+                    min_value: float = 0.0) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Algorithm 2's two phases apart: the nodes after the SLO phase and after the throughput phase, per
-    request (unsorted). The bench counts how many nodes each phase assigned. ``lps``: the candidates'
-    ``strict_log_probs``, when the caller has them already."""
+    request (unsorted). The bench counts how many nodes each phase assigned."""
     req = _validated(cands, requirements, budget=budget, depth=depth, n_max=n_max)
     _check_options(order, min_value)
-    if lps is None:
-        lps = [strict_log_probs(c) for c in cands]
+    return _phases([strict_log_probs(c) for c in cands], req, budget=budget, depth=depth, n_max=n_max, order=order,
+                   min_value=min_value)
+
+
+def _phases(lps: Sequence[np.ndarray], req: np.ndarray, *, budget: int, depth: int, n_max: int, order: str,
+            min_value: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """``adaserve_phases`` on arguments already checked, from the candidates' ``strict_log_probs``."""
     padded = _padded(lps)  # once for both phases
     slo, cut = _slo_phase_and_cut(padded, req, budget=budget, depth=depth, n_max=n_max, order=order,
                                   min_value=min_value)

@@ -120,6 +120,11 @@ def bounds_for_device(cfg: AdaptiveConfig, *, t_target_s: float, t_draft_s: floa
                                               draft is compute-bound and its knee small: it keeps 2.
         B2    = the draft's own knee          draft tokens per beam step that still cost about one token
         d_min = 0 with the goodput depth rule  plain decoding where no tree is predicted to pay (measured costs)
+        d_max = CHAIN_DEPTH (8) where the      chains whose length the goodput rule picks from the latest
+                width bound is 1 (goodput rule)  iterations' acceptance, as SmartSpec's (``chain_rates``): the
+                                              draft-ratio bound above capped the demo CPU pair at 2 (r = 3.2),
+                                              where SmartSpec's 5-8 token chains emitted a token every 1.7-2.0 ms
+                                              against 2.6 ms for 2-token ones (issue 29's wall clock)
 
     ``t_verify(k)``: the target's measured forward at k tokens (the profile's table). The width then also
     shrinks until t_verify(1 + d_max w) <= (1 + WIDTH_TOLERANCE) t_verify(1 + d_max): a beam is worth its
@@ -138,6 +143,8 @@ def bounds_for_device(cfg: AdaptiveConfig, *, t_target_s: float, t_draft_s: floa
         chain = t_verify(1 + d_max)
         while w_max > 1 and t_verify(1 + d_max * w_max) > (1 + WIDTH_TOLERANCE) * chain:
             w_max -= 1
+    if w_max == 1 and cfg.depth_rule == "goodput":
+        d_max = CHAIN_DEPTH  # chains, their length by goodput: SmartSpec's bound (``chain_rates``)
     # measured costs may also say no tree pays: the goodput depth rule may then choose plain decoding (d = 0)
     d_min = 0 if cfg.depth_rule == "goodput" else cfg.d_min
     return replace(cfg, d_min=d_min, d_max=max(d_max, cfg.d_min), w_max=w_max, b2=max(1, draft_budget))
@@ -145,6 +152,27 @@ def bounds_for_device(cfg: AdaptiveConfig, *, t_target_s: float, t_draft_s: floa
 
 # the most a level's continuation probability may be taken to be (l(alpha, d) stays finite, d still matters)
 MAX_ALPHA = 0.99
+# the deepest chain the goodput rule may draft where every tree is a chain (SmartSpec's proposal length bound, and
+# SpecInfer's depth)
+CHAIN_DEPTH = 8
+
+
+def chain_rates(rank_rates: Sequence[float], recent: float | None) -> tuple[float, ...]:
+    """The rank rates with the chain's own, rank 0's, replaced by ``recent``: SmartSpec's acceptance, the mean of
+    accepted / proposed over the latest iterations (``smartspec.AcceptanceAverage``; None before the first).
+
+    The learnt rates are counted over hundreds of trees; they say what a child is worth on average, not how
+    predictable the text being written is now, which changes within a request (boilerplate, then a name). On the
+    demo pair at 4 req/s (issue 29's wall clock, docs/benchmarks.md) the long-run rate held nearly every chain at
+    2 tokens and decoding cost 1.77 ms per token, SmartSpec's window 1.66: it drafted 1-8 tokens and emitted 7.7
+    of 9 in its 8-token chains. The geometric estimate over the same window, accepted / (accepted + rejections),
+    went deep too eagerly (6.2 of 9 emitted at 8; 1.75 ms per token); SmartSpec's ratio, which a short accepted
+    prefix of a long chain pulls down at once, gave 1.71. For chains only (``policies._Adaptive``): in a beam
+    only one of a level's w nodes can be accepted, so the ratio would say little about a path."""
+    rates = tuple(float(r) for r in rank_rates)
+    if recent is None or not rates:
+        return rates
+    return (float(recent), *rates[1:])
 
 
 def goodput_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,

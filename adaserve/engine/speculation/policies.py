@@ -31,6 +31,7 @@ from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.speculation.adaptive import (
     AdaptiveConfig,
     PathAcceptance,
+    chain_rates,
     depth_width,
     goodput_depth,
     goodput_shape,
@@ -213,6 +214,8 @@ class _Adaptive(_NoFeedback):
 
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     paths: PathAcceptance = field(default_factory=PathAcceptance)  # mutable state in a frozen policy
+    # SmartSpec's window of accepted / proposed: a chain's depth follows the latest iterations (adaptive.chain_rates)
+    recent: AcceptanceAverage = field(default_factory=AcceptanceAverage)
     _plain_streak: list[int] = field(default_factory=lambda: [0])  # iterations in a row decoded plainly
 
     @property
@@ -239,6 +242,8 @@ class _Adaptive(_NoFeedback):
         d, w = depth_width(view.n_active, cfg)
         goodput = cfg.depth_rule == "goodput"  # the depth from [d_min, d_max] by goodput, not Eq. 8's
         rates = view.rank_rates(w) if view.rank_rates is not None and goodput else None
+        if rates is not None and cfg.w_max == 1:  # chains: rank 0 at the latest iterations' rate
+            rates = chain_rates(rates, self.recent.alpha if self.recent.rates else None)
         if rates is not None:  # depth and width together, siblings at their learnt worth
             d, w = goodput_shape(max(view.n_active, 1), max_width=w, rank_rates=rates, budget=view.budget,
                                  d_min=cfg.d_min, d_max=cfg.d_max, n_context=view.n_context,
@@ -249,6 +254,9 @@ class _Adaptive(_NoFeedback):
                               n_context=view.n_context, extra_tokens=view.prefill_tokens,
                               t_target=view.predict_target, t_draft=view.predict_draft)
         return d, w
+
+    def observe(self, accepted: int, proposed: int) -> None:
+        self.recent.observe(accepted, proposed)
 
     def observe_paths(self, accepted: int, rejections: int) -> None:
         self.paths.observe(accepted, rejections)

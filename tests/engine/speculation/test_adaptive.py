@@ -121,9 +121,12 @@ def test_the_width_stays_a_chain_where_each_verified_token_costs_compute() -> No
     assert bounds_for_device(AdaptiveConfig(), **kw, t_verify=cpu).w_max == 1  # 9 tokens cost 1.3x 5
     paper = {"t_target_s": 0.030, "t_draft_s": 0.005, "draft_budget": 64}
     assert bounds_for_device(AdaptiveConfig(), **paper, t_verify=gpu).w_max == 3  # 13 tokens cost what 5 do
-    # the depth bound and the rest do not move
+    # the rest does not move; chains, their length by goodput, may be SmartSpec's 8 long (chain_rates)
     narrow, wide = bounds_for_device(AdaptiveConfig(), **kw, t_verify=cpu), bounds_for_device(AdaptiveConfig(), **kw)
-    assert (narrow.d_max, narrow.d_min, narrow.b2) == (wide.d_max, wide.d_min, wide.b2)
+    assert (narrow.d_min, narrow.b2) == (wide.d_min, wide.b2)
+    assert (narrow.d_max, wide.d_max) == (8, 4)
+    eq8 = AdaptiveConfig(depth_rule="eq8")
+    assert bounds_for_device(eq8, **kw, t_verify=cpu).d_max == bounds_for_device(eq8, **kw).d_max == 4
 
 
 def _flat_then_linear(flat_s: float, per_token_s: float, ridge: int) -> Callable[[int, int], float]:
@@ -217,3 +220,36 @@ def test_plain_decoding_drafts_its_best_tree_now_and_then() -> None:
     # a tree that pays resets the count
     assert policy.tree_shape(BatchView(n_active=1, n_context=128, budget=64, **rows)) is not None
     assert policy.tree_shape(busy) is None
+
+
+
+def test_chain_rates_put_the_latest_acceptance_in_place_of_the_chains_long_run_rate() -> None:
+    from adaserve.engine.speculation.adaptive import chain_rates
+
+    assert chain_rates((0.6, 0.2), None) == (0.6, 0.2)  # nothing observed yet: the learnt rates
+    assert chain_rates((0.6, 0.2), 0.9) == (0.9, 0.2)
+    assert chain_rates((0.6,), 0.1) == (0.1,)
+
+
+def test_a_chains_depth_follows_the_latest_iterations() -> None:
+    """Learnt rank rates say a chain's next token is accepted 60% of the time; the latest iterations accepted
+    every drafted token (predictable text): the chain grows, and shrinks again once they stop. Only where the
+    device's width bound is 1: a beam's depth keeps the learnt rates."""
+    from adaserve.engine.speculation.policies import BatchView, make_policy
+
+    costs = {"predict_target": _flat_then_linear(0.003, 4e-4, 1), "predict_draft": _flat_then_linear(0.001, 1e-5, 8)}
+    view = BatchView(n_active=1, n_context=256, budget=128, rank_rates=lambda w: (0.6,) * w, **costs)
+    chains, beams = make_policy("adaserve"), make_policy("adaserve")
+    object.__setattr__(chains, "adaptive", AdaptiveConfig(d_min=1, d_max=8, w_max=1))
+    object.__setattr__(beams, "adaptive", AdaptiveConfig(d_min=1, d_max=8, w_max=2, b2=1))  # Eq. 9: one beam
+    shallow = chains.tree_shape(view)
+    assert shallow is not None and shallow == beams.tree_shape(view)
+    for policy in (chains, beams):
+        for _ in range(32):
+            policy.observe(8, 8)  # whole 8-token chains accepted
+    deep = chains.tree_shape(view)
+    assert deep is not None and deep.depth > shallow.depth
+    assert beams.tree_shape(view) == shallow
+    for _ in range(32):  # the window forgets them: every chain rejected at its first token
+        chains.observe(0, 8)
+    assert chains.tree_shape(view).depth <= shallow.depth

@@ -6,7 +6,11 @@ The bench's own workload for that (rate, seed) on the demo pair (`adaserve bench
 baseline TPOT pinned as in docs/benchmarks.md's wall-clock runs), served on the wall clock by one engine built
 as the bench builds it (this machine's profile and tree bounds), with a step listener: per iteration the
 requests decoding, the (depth, width) drafted ((0, 0): plain decoding), and the learnt rank-0 rate. The JSON
-holds the shape counts, the runs of plain decoding, the requests' mean TPOT and the first iterations.
+holds the shape counts, the runs of plain decoding, the requests' mean TPOT and the first iterations; and, for the
+iterations without prefill, by (requests decoding, capped at 4; depth): how many, their mean wall time (the engine's
+own clock, as ``StepMetrics.t_wall_s``), predicted time and tokens emitted per request, and the whole run's
+decode-only milliseconds per emitted token; beside them the iterations that carried prefill (count, wall time).
+The baseline TPOT is this machine's pinned one with ``--baseline-tpot-ms``.
 """
 
 from __future__ import annotations
@@ -30,20 +34,23 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--duration", type=float, default=30.0)
     p.add_argument("--json", type=Path, required=True)
+    p.add_argument("--baseline-tpot-ms", type=float, default=BASELINE_TPOT_MS)
     a = p.parse_args()
     pair = resolve("demo-tiny")
     cfg = BenchConfig(target=pair.target, draft=pair.draft, policies=(a.policy,), rates=(a.rate,),
-                      duration_s=a.duration, baseline_tpot_ms=BASELINE_TPOT_MS, seed=a.seed)
+                      duration_s=a.duration, baseline_tpot_ms=a.baseline_tpot_ms, seed=a.seed)
     shared = load_shared(cfg, progress=False)
     eng = make_engine(shared, named_variant(a.policy, shared.budget))
     rows: list[tuple[int, int, int, float | None]] = []
+    steps: list[StepMetrics] = []
 
     def on_step(m: StepMetrics) -> None:
         rates = eng.acceptance.rank_rates(1) if eng.acceptance is not None else None
         rows.append((m.n_decode, m.depth, m.width, None if rates is None else round(rates[0], 3)))
+        steps.append(m)
 
     eng.step_listeners.append(on_step)
-    point = sweep_points(cfg, BASELINE_TPOT_MS)[0]
+    point = sweep_points(cfg, a.baseline_tpot_ms)[0]
     arrivals = to_requests(point.requests(), shared, cfg)
     serve(shared, eng, arrivals)
     decoding = [r for r in rows if r[0] > 0]
@@ -66,9 +73,31 @@ def main() -> None:
         "plain_runs": runs,
         "mean_tpot_ms": sum(tpot) / len(tpot) if tpot else None,
         "first_iterations": [{"decoding": n, "depth": d, "width": w, "rank0_rate": r} for n, d, w, r in decoding[:40]],
+        **cost_by_shape(steps),
     }
     a.json.write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps({k: report[k] for k in ("iterations", "shapes", "plain_runs", "mean_tpot_ms")}))
+    print(json.dumps({k: report[k] for k in ("iterations", "shapes", "plain_runs", "mean_tpot_ms",
+                                             "decode_ms_per_token")}))
+
+
+def cost_by_shape(steps: list[StepMetrics]) -> dict:
+    """Decode-only iterations by (requests decoding, capped at 4; depth): count, mean wall and predicted ms,
+    tokens emitted per request; their ms per emitted token over the run; the prefill iterations' count and time."""
+    decode = [m for m in steps if m.n_decode > 0 and m.n_prefill == 0]
+    groups: dict[tuple[int, int], list[StepMetrics]] = collections.defaultdict(list)
+    for m in decode:
+        groups[(min(m.n_decode, 4), m.depth)].append(m)
+    by_shape = [{"decoding": n, "depth": d, "iterations": len(ms),
+                 "wall_ms": round(1e3 * sum(m.t_wall_s for m in ms) / len(ms), 3),
+                 "predicted_ms": round(1e3 * sum(m.predicted_iter_s for m in ms) / len(ms), 3),
+                 "emitted_per_request": round(sum(m.tokens_emitted / m.n_decode for m in ms) / len(ms), 3)}
+                for (n, d), ms in sorted(groups.items())]
+    prefill = [m for m in steps if m.n_prefill > 0]
+    emitted = sum(m.tokens_emitted for m in decode)
+    prefill_ms = round(1e3 * sum(m.t_wall_s for m in prefill), 1)
+    return {"decode_ms_per_token": round(1e3 * sum(m.t_wall_s for m in decode) / emitted, 4) if emitted else None,
+            "prefill_iterations": {"iterations": len(prefill), "wall_ms": prefill_ms},
+            "by_shape": by_shape}
 
 
 if __name__ == "__main__":

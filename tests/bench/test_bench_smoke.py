@@ -70,3 +70,42 @@ def test_bench_refuses_more_ranks_than_heads() -> None:
                           "--tensor-parallel-size", "5"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "tensor parallel size 5 is more than num_attention_heads=4" in res.stderr
+
+
+@pytest.mark.skipif(not (DEMO / "target" / "config.json").is_file(), reason="demo pair not in this checkout")
+def test_the_wall_clock_measures_selections_after_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the wall clock a listener's time is the requests' time: the budget-use and Algorithm 1 measurements of
+    adaserve's selections run once the run is over, never inside its iterations (they charged adaserve alone)."""
+    from adaserve.bench import runner
+    from adaserve.bench.budget_use import BudgetUse
+    from adaserve.bench.selection_gap import SelectionGap
+
+    serving, seen = [False], {"use": 0, "gap": 0}
+    real_serve, real_use, real_gap = runner.serve, BudgetUse.observe, SelectionGap.observe
+
+    def serve(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        serving[0] = True
+        try:
+            return real_serve(*args, **kwargs)
+        finally:
+            serving[0] = False
+
+    def use(self: BudgetUse, rec: object) -> None:
+        assert not serving[0], "budget use measured inside a timed iteration"
+        seen["use"] += 1
+        real_use(self, rec)
+
+    def gap(self: SelectionGap, rec: object) -> None:
+        assert not serving[0], "Algorithm 1's records taken inside a timed iteration"
+        seen["gap"] += 1
+        real_gap(self, rec)
+
+    monkeypatch.setattr(runner, "serve", serve)
+    monkeypatch.setattr(BudgetUse, "observe", use)
+    monkeypatch.setattr(SelectionGap, "observe", gap)
+    cfg = runner.BenchConfig(target=DEMO / "target", draft=DEMO / "draft", policies=("adaserve",), rates=(2.0,),
+                             duration_s=2.0, baseline_tpot_ms=5.0, max_tokens_cap=8)
+    report = runner.run_bench(cfg, progress=False)
+    rows = report["results"]
+    assert seen["use"] == seen["gap"] == sum(r["budget_use"]["iterations"] for r in rows) > 0
+    assert sum(r["selection_vs_optimal"]["iterations"] for r in rows) == seen["gap"]

@@ -5,17 +5,19 @@ The worker, the gateway and the operator each talk to the same Redis (docs/k8s-c
 travels in the URL (the URL is in the pods' env in clear and in logs), but as its own setting from a Secret.
 TLS is the URL's scheme (``rediss://``); a private CA comes as a file (the services, from a mounted Secret) or as
 PEM text (the operator, which reads the Secret itself). A leaf: only the Redis driver and the standard library.
+The driver is imported when a client is made: a worker in local mode (no Redis) reads ``RedisAuth`` in its
+settings and never holds redis-py's modules (issue 35's resident memory).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import ssl
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import redis.asyncio as aioredis
-from redis.exceptions import AuthenticationError, RedisError, ResponseError
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
 
 # what Redis answers a client without the right credentials (redis-py raises some of these as ResponseError)
 REFUSALS = ("NOAUTH", "WRONGPASS", "invalid password", "invalid username-password", "AUTH", "NOPERM")
@@ -37,6 +39,8 @@ class RedisAuth:
 
 def connect(url: str, auth: RedisAuth | None = None, *, timeout_s: float, **options: Any) -> aioredis.Redis:
     """A client for ``url`` with ``auth``; ``options`` go to redis-py as they are (decode_responses, ...)."""
+    import redis.asyncio as aioredis
+
     auth = auth or RedisAuth()
     if auth.password is not None:
         options["password"] = auth.password
@@ -61,6 +65,8 @@ async def check_credentials(url: str, auth: RedisAuth, *, timeout_s: float = 5.0
     An unreachable Redis is an outage the services ride out (they retry); refused credentials or a certificate
     that does not verify are settings that no retry fixes, so a service stops at start with this message.
     """
+    from redis.exceptions import AuthenticationError, RedisError, ResponseError
+
     client = connect(url, auth, timeout_s=timeout_s)
     try:
         await client.ping()

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from adaserve.contract.generate import GenerateRequest
 from adaserve.contract.registration import Profile, Registration
@@ -37,8 +37,10 @@ from adaserve.worker import published
 from adaserve.worker.lone import Lone, lone_prompt_ids, measure_lone, serve_alone
 from adaserve.worker.measurements import Measurements
 from adaserve.worker.metrics import WorkerMetrics
-from adaserve.worker.registry import Registry
 from adaserve.worker.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from adaserve.worker.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +174,8 @@ class Runtime:
         self.metrics.ready.set(1)
         self._watch = asyncio.create_task(self._watch_engine())
         if self.settings.redis_url:
+            from adaserve.worker.registry import Registry  # redis-py only where there is a Redis (redis_client.py)
+
             self.registry = Registry(self.settings, self.registration)
             await self.registry.start()
         else:

@@ -26,13 +26,25 @@ import json
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import llguidance
 import numpy as np
 import torch
 
+if TYPE_CHECKING:
+    import llguidance
+
 KINDS = ("json", "regex", "grammar", "choice")
 MAX_CHOICES = 1024
+
+
+def _llguidance() -> ModuleType:
+    """llguidance, imported on the first structured-output request: a worker that never gets one does not hold its
+    library's pages (issue 35's resident memory)."""
+    import llguidance
+
+    return llguidance
 
 
 @dataclass(frozen=True)
@@ -67,11 +79,11 @@ def grammar_text(spec: GrammarSpec) -> str:
             raise ValueError(f"structured output (json schema): not JSON: {e}") from None
         if not isinstance(schema, dict | bool):
             raise ValueError("structured output (json schema): a schema is a JSON object")
-        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+        return _llguidance().LLMatcher.grammar_from_json_schema(json.dumps(schema))
     if spec.kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(spec.source)
+        return _llguidance().LLMatcher.grammar_from_regex(spec.source)
     if spec.kind == "grammar":
-        return llguidance.LLMatcher.grammar_from_lark(spec.source)
+        return _llguidance().LLMatcher.grammar_from_lark(spec.source)
     try:
         choices = json.loads(spec.source)
     except ValueError as e:
@@ -80,7 +92,7 @@ def grammar_text(spec: GrammarSpec) -> str:
             or not all(isinstance(c, str) and c for c in choices)):
         raise ValueError(f"structured output (choice): a list of 1 to {MAX_CHOICES} non-empty strings")
     # Lark string literals take JSON's escapes
-    return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    return _llguidance().LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
 
 
 class GrammarCompiler:
@@ -92,8 +104,8 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: llguidance.LLTokenizer | Callable[[], llguidance.LLTokenizer], *, vocab_size: int,
                  stop_ids: Iterable[int]) -> None:
-        self._tokenizer = tokenizer if isinstance(tokenizer, llguidance.LLTokenizer) else None
-        self._make = None if self._tokenizer is not None else tokenizer
+        self._tokenizer = None if callable(tokenizer) else tokenizer  # a function builds it on first use
+        self._make = tokenizer if callable(tokenizer) else None
         self._lock = threading.Lock()
         self.vocab_size = vocab_size
         self.stop_ids = tuple(sorted(t for t in stop_ids if 0 <= t < vocab_size))
@@ -124,14 +136,14 @@ class GrammarCompiler:
     def executor(self) -> llguidance.LLExecutor:
         with self._lock:
             if self._executor is None:
-                self._executor = llguidance.LLExecutor()
+                self._executor = _llguidance().LLExecutor()
             return self._executor
 
     def check(self, spec: GrammarSpec) -> str:
         """The grammar's text; ValueError with llguidance's message when it is invalid (an unknown type in a
         schema, an unclosed group in a regex, an undefined rule)."""
         text = grammar_text(spec)
-        error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
+        error = _llguidance().LLMatcher.validate_grammar(text, self.tokenizer)
         if error:
             raise ValueError(f"structured output ({spec.kind}): {error.strip()}")
         return text
@@ -139,7 +151,7 @@ class GrammarCompiler:
     def start(self, spec: GrammarSpec, consumed: Sequence[int] = ()) -> GrammarState:
         """A request's matcher, past ``consumed`` (a continuation's earlier output); ValueError when the grammar is
         invalid or refuses ``consumed``."""
-        matcher = llguidance.LLMatcher(self.tokenizer, self.check(spec), log_level=0)
+        matcher = _llguidance().LLMatcher(self.tokenizer, self.check(spec), log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured output ({spec.kind}): {matcher.get_error()}")
         state = GrammarState(matcher, self)

@@ -66,7 +66,7 @@ def main() -> None:
     tpot = [(r.metrics.last_token_s - r.metrics.first_token_s) / (len(r.output_ids) - 1) * 1e3 for r in reqs]
     report = {
         "command": f"python scripts/shape-trace.py --policy {a.policy} --rate {a.rate:g} --seed {a.seed} "
-                   f"--duration {a.duration:g}",
+                   f"--duration {a.duration:g} --baseline-tpot-ms {a.baseline_tpot_ms!r}",
         "adaptive": vars(eng.policy.adaptive) if hasattr(eng.policy, "adaptive") else None,
         "iterations": len(decoding),
         "shapes": {f"{d},{w}": n for (d, w), n in collections.Counter((r[1], r[2]) for r in decoding).most_common()},

@@ -83,7 +83,7 @@ def test_the_wall_clock_measures_selections_after_the_run(monkeypatch: pytest.Mo
     serving, seen = [False], {"use": 0, "gap": 0}
     real_serve, real_use, real_gap = runner.serve, BudgetUse.observe, SelectionGap.observe
 
-    def serve(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def serve(*args: object, **kwargs: object) -> object:
         serving[0] = True
         try:
             return real_serve(*args, **kwargs)

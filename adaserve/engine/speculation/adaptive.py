@@ -123,8 +123,9 @@ def bounds_for_device(cfg: AdaptiveConfig, *, t_target_s: float, t_draft_s: floa
         d_max = CHAIN_DEPTH (8) where the      chains whose length the goodput rule picks from the latest
                 width bound is 1 (goodput rule)  iterations' acceptance, as SmartSpec's (``chain_rates``): the
                                               draft-ratio bound above capped the demo CPU pair at 2 (r = 3.2),
-                                              where SmartSpec's 5-8 token chains emitted a token every 1.7-2.0 ms
-                                              against 2.6 ms for 2-token ones (issue 29's wall clock)
+                                              where SmartSpec's 8-token chains emitted a token every 2.1 ms
+                                              against 3.7 ms for 2-token ones (issue 29's wall clock; a trace in
+                                              docs/results/shape-trace-041ca92-smartspec-rate4-seed0.json)
 
     ``t_verify(k)``: the target's measured forward at k tokens (the profile's table). The width then also
     shrinks until t_verify(1 + d_max w) <= (1 + WIDTH_TOLERANCE) t_verify(1 + d_max): a beam is worth its

@@ -166,7 +166,8 @@ def chain_rates(rank_rates: Sequence[float], recent: float | None) -> tuple[floa
     predictable the text being written is now, which changes within a request (boilerplate, then a name). On the
     demo pair at 4 req/s (issue 29's wall clock, docs/benchmarks.md) the long-run rate held every chain at 2
     tokens, decoding at 2.25 ms per token, SmartSpec's window 2.12: it drafted 1-8 tokens and emitted 8.3 of 9
-    in its 8-token chains; with this rule 2.19 (docs/results/shape-trace-*-rate4-seed0.json). The geometric
+    in its 8-token chains; with this rule its shapes are SmartSpec's, at 2.19 (one trace each, within the ~5%
+    run-to-run spread: docs/results/shape-trace-*-rate4-seed0.json). The geometric
     estimate over the same window, accepted / (accepted + rejections), went deep too eagerly (6.2 of 9 emitted
     at 8, a scratch run); SmartSpec's ratio, which a short accepted prefix of a long chain pulls down at once,
     does not. For chains only (``policies._Adaptive``): in a beam only one of a level's w nodes can be accepted,

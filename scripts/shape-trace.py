@@ -8,8 +8,8 @@ as the bench builds it (this machine's profile and tree bounds), with a step lis
 requests decoding, the (depth, width) drafted ((0, 0): plain decoding), and the learnt rank-0 rate. The JSON
 holds the shape counts, the runs of plain decoding, the requests' mean TPOT and the first iterations; and, for the
 iterations without prefill, by (requests decoding, capped at 4; depth): how many, their mean wall time (the engine's
-own clock, as ``StepMetrics.t_wall_s``), predicted time and tokens emitted per request, and the whole run's
-decode-only milliseconds per emitted token; beside them the iterations that carried prefill (count, wall time).
+own clock, as ``StepMetrics.t_wall_s``), predicted time, tokens verified and emitted per request, and the whole
+run's decode-only milliseconds per emitted token; beside them the iterations that carried prefill (count, wall time).
 The baseline TPOT is this machine's pinned one with ``--baseline-tpot-ms``.
 """
 
@@ -82,7 +82,8 @@ def main() -> None:
 
 def cost_by_shape(steps: list[StepMetrics]) -> dict:
     """Decode-only iterations by (requests decoding, capped at 4; depth): count, mean wall and predicted ms,
-    tokens emitted per request; their ms per emitted token over the run; the prefill iterations' count and time."""
+    tokens verified (roots included) and emitted per request; their ms per emitted token over the run; the prefill
+    iterations' count and time."""
     decode = [m for m in steps if m.n_decode > 0 and m.n_prefill == 0]
     groups: dict[tuple[int, int], list[StepMetrics]] = collections.defaultdict(list)
     for m in decode:
@@ -90,7 +91,8 @@ def cost_by_shape(steps: list[StepMetrics]) -> dict:
     by_shape = [{"decoding": n, "depth": d, "iterations": len(ms),
                  "wall_ms": round(1e3 * sum(m.t_wall_s for m in ms) / len(ms), 3),
                  "predicted_ms": round(1e3 * sum(m.predicted_iter_s for m in ms) / len(ms), 3),
-                 "emitted_per_request": round(sum(m.tokens_emitted / m.n_decode for m in ms) / len(ms), 3)}
+                 "emitted_per_request": round(sum(m.tokens_emitted / m.n_decode for m in ms) / len(ms), 3),
+                 "verified_per_request": round(sum(m.tokens_verified / m.n_decode for m in ms) / len(ms), 3)}
                 for (n, d), ms in sorted(groups.items())]
     prefill = [m for m in steps if m.n_prefill > 0]
     emitted = sum(m.tokens_emitted for m in decode)

@@ -158,9 +158,10 @@ MAX_ALPHA = 0.99
 CHAIN_DEPTH = 8
 
 
-def chain_rates(rank_rates: Sequence[float], recent: float | None) -> tuple[float, ...]:
+def chain_rates(rank_rates: Sequence[float] | None, recent: float) -> tuple[float, ...]:
     """The rank rates with the chain's own, rank 0's, replaced by ``recent``: SmartSpec's acceptance, the mean of
-    accepted / proposed over the latest iterations (``smartspec.AcceptanceAverage``; None before the first).
+    accepted / proposed over the latest iterations (``smartspec.AcceptanceAverage``, its prior before the first).
+    ``rank_rates`` None (not learnt yet, or draft values): the chain's rate alone.
 
     The learnt rates are counted over hundreds of trees; they say what a child is worth on average, not how
     predictable the text being written is now, which changes within a request (boilerplate, then a name). On the
@@ -170,11 +171,12 @@ def chain_rates(rank_rates: Sequence[float], recent: float | None) -> tuple[floa
     run-to-run spread: docs/results/shape-trace-*-rate4-seed0.json). The geometric
     estimate over the same window, accepted / (accepted + rejections), went deep too eagerly (6.2 of 9 emitted
     at 8, a scratch run); SmartSpec's ratio, which a short accepted prefix of a long chain pulls down at once,
-    does not. For chains only (``policies._Adaptive``): in a beam only one of a level's w nodes can be accepted,
-    so the ratio would say little about a path."""
-    rates = tuple(float(r) for r in rank_rates)
-    if recent is None or not rates:
-        return rates
+    does not. Before the rank rates are learnt the window stands alone: the geometric estimate, which has no
+    prior, read one rejected first token as alpha 0 and decoded plainly for ``policies.PLAIN_STREAK`` iterations
+    at a time, the first ~55 iterations of every fresh engine on the demo pair at 1 req/s
+    (docs/results/shape-trace-fe393e2-rate1-seed0.json). For chains only (``policies._Adaptive``): in a beam only
+    one of a level's w nodes can be accepted, so the ratio would say little about a path."""
+    rates = () if rank_rates is None else tuple(float(r) for r in rank_rates)
     return (float(recent), *rates[1:])
 
 

@@ -50,11 +50,9 @@ def goodput_budget(cands: Sequence[TokenTree], *, floor: int, t_spent_s: float,
                    t_target: Callable[[int], float]) -> int:
     """B for this iteration (see the module docstring); ``t_target(k)``: seconds to verify k tokens."""
     n = len(cands)
-    if n == 0:
+    if n == 0 or sum(c.size for c in cands) <= floor:  # every candidate fits under the knee: nothing to choose
         return floor
     f = np.sort(np.concatenate([np.exp(c.log_probs[1:]) for c in cands]))[::-1]
-    if n + len(f) <= floor:  # every candidate fits under the knee: nothing to choose
-        return floor
     expected = n + np.concatenate(([0.0], np.cumsum(f)))  # E(n + j) = expected[j]
 
     def rate(j: int) -> float:

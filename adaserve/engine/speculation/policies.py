@@ -210,7 +210,9 @@ PLAIN_STREAK = 32
 class _Adaptive(_NoFeedback):
     """Shared by the budgeted tree policies: width from Eq. 9; depth by predicted goodput (or Eq. 8). With the
     goodput rule and learnt sibling rates (``BatchView.rank_rates``), depth and width by predicted goodput
-    together (adaptive.goodput_shape), Eq. 9's width then the widest allowed."""
+    together (adaptive.goodput_shape), Eq. 9's width then the widest allowed. Where every tree is a chain
+    (w_max 1) the goodput rule reads the chain's rate from SmartSpec's window (adaptive.chain_rates), learnt
+    rates or not."""
 
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     paths: PathAcceptance = field(default_factory=PathAcceptance)  # mutable state in a frozen policy
@@ -242,8 +244,8 @@ class _Adaptive(_NoFeedback):
         d, w = depth_width(view.n_active, cfg)
         goodput = cfg.depth_rule == "goodput"  # the depth from [d_min, d_max] by goodput, not Eq. 8's
         rates = view.rank_rates(w) if view.rank_rates is not None and goodput else None
-        if rates is not None and cfg.w_max == 1:  # chains: rank 0 at the latest iterations' rate
-            rates = chain_rates(rates, self.recent.alpha if self.recent.rates else None)
+        if goodput and cfg.w_max == 1:  # chains: rank 0 at the latest iterations' rate, from the first iteration
+            rates = chain_rates(rates, self.recent.alpha)
         if rates is not None:  # depth and width together, siblings at their learnt worth
             d, w = goodput_shape(max(view.n_active, 1), max_width=w, rank_rates=rates, budget=view.budget,
                                  d_min=cfg.d_min, d_max=cfg.d_max, n_context=view.n_context,

@@ -226,9 +226,35 @@ def test_plain_decoding_drafts_its_best_tree_now_and_then() -> None:
 def test_chain_rates_put_the_latest_acceptance_in_place_of_the_chains_long_run_rate() -> None:
     from adaserve.engine.speculation.adaptive import chain_rates
 
-    assert chain_rates((0.6, 0.2), None) == (0.6, 0.2)  # nothing observed yet: the learnt rates
     assert chain_rates((0.6, 0.2), 0.9) == (0.9, 0.2)
     assert chain_rates((0.6,), 0.1) == (0.1,)
+    assert chain_rates(None, 0.7) == (0.7,)  # no learnt rates yet: the window (its prior before the first) alone
+
+
+def test_a_fresh_chains_depth_is_smartspecs_from_the_first_iteration() -> None:
+    """Before any rank rate is learnt, a chain's depth is the one SmartSpec picks from the same window and costs,
+    plain decoding included: one rejected first token does not read as alpha 0 (the geometric estimate, which has
+    no prior, decoded plainly for whole PLAIN_STREAKs at the start of every fresh engine on the demo pair)."""
+    from adaserve.engine.speculation.policies import BatchView, make_policy
+    from adaserve.engine.speculation.smartspec import best_length
+
+    costs = {"predict_target": _flat_then_linear(0.003, 3e-4, 1), "predict_draft": _flat_then_linear(0.0008, 1e-5, 8)}
+    view = BatchView(n_active=1, n_context=256, budget=128, rank_rates=lambda w: None, **costs)
+    chains = make_policy("adaserve")
+    object.__setattr__(chains, "adaptive", AdaptiveConfig(d_min=0, d_max=8, w_max=1))
+    smart = make_policy("smartspec")
+    steps = [(0, 2), (0, 1), (1, 3), (0, 4), (4, 4), (8, 8), (8, 8), (0, 8), (2, 2)]
+    depths, theirs = [], []
+    for accepted, proposed in steps:
+        chains.observe(accepted, proposed)
+        chains.observe_paths(accepted, int(accepted < proposed))
+        smart.observe(accepted, proposed)
+        shape = chains.tree_shape(view)
+        depths.append(0 if shape is None else shape.depth)
+        theirs.append(best_length(n=1, n_context=256, alpha=smart.acceptance.alpha, max_k=8,
+                                  t_target=view.predict_target, t_draft=view.predict_draft))
+    assert depths == theirs
+    assert depths[0] > 0  # after one rejected 2-token chain the geometric estimate said 0: plain decoding
 
 
 def test_a_chains_depth_follows_the_latest_iterations() -> None:

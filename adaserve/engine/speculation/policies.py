@@ -243,9 +243,10 @@ class _Adaptive(_NoFeedback):
         cfg = replace(adaptive, b1=view.budget)
         d, w = depth_width(view.n_active, cfg)
         goodput = cfg.depth_rule == "goodput"  # the depth from [d_min, d_max] by goodput, not Eq. 8's
-        rates = view.rank_rates(w) if view.rank_rates is not None and goodput else None
         if goodput and cfg.w_max == 1:  # chains: rank 0 at the latest iterations' rate, from the first iteration
-            rates = chain_rates(rates, self.recent.alpha)
+            rates: tuple[float, ...] | None = chain_rates(None, self.recent.alpha)  # rank 0's is the only rate read
+        else:
+            rates = view.rank_rates(w) if view.rank_rates is not None and goodput else None
         if rates is not None:  # depth and width together, siblings at their learnt worth
             d, w = goodput_shape(max(view.n_active, 1), max_width=w, rank_rates=rates, budget=view.budget,
                                  d_min=cfg.d_min, d_max=cfg.d_max, n_context=view.n_context,

@@ -9,7 +9,8 @@ requests decoding, the (depth, width) drafted ((0, 0): plain decoding), and the 
 holds the shape counts, the runs of plain decoding, the requests' mean TPOT and the first iterations; and, for the
 iterations without prefill, by (requests decoding, capped at 4; depth): how many, their mean wall time (the engine's
 own clock, as ``StepMetrics.t_wall_s``), predicted time, tokens verified and emitted per request, and the whole
-run's decode-only milliseconds per emitted token; beside them the iterations that carried prefill (count, wall time).
+run's decode-only milliseconds per emitted token; beside them the iterations that carried prefill (count, wall time,
+and by depth: their mean wall time, prompt tokens, requests decoding, tokens verified and emitted).
 The baseline TPOT is this machine's pinned one with ``--baseline-tpot-ms``.
 """
 
@@ -83,7 +84,7 @@ def main() -> None:
 def cost_by_shape(steps: list[StepMetrics]) -> dict:
     """Decode-only iterations by (requests decoding, capped at 4; depth): count, mean wall and predicted ms,
     tokens verified (roots included) and emitted per request; their ms per emitted token over the run; the prefill
-    iterations' count and time."""
+    iterations' count and time, and by depth."""
     decode = [m for m in steps if m.n_decode > 0 and m.n_prefill == 0]
     groups: dict[tuple[int, int], list[StepMetrics]] = collections.defaultdict(list)
     for m in decode:
@@ -97,8 +98,18 @@ def cost_by_shape(steps: list[StepMetrics]) -> dict:
     prefill = [m for m in steps if m.n_prefill > 0]
     emitted = sum(m.tokens_emitted for m in decode)
     prefill_ms = round(1e3 * sum(m.t_wall_s for m in prefill), 1)
+    by_depth: dict[int, list[StepMetrics]] = collections.defaultdict(list)
+    for m in prefill:
+        by_depth[m.depth].append(m)
+    prefill_by_depth = [{"depth": d, "iterations": len(ms),
+                         "wall_ms": round(1e3 * sum(m.t_wall_s for m in ms) / len(ms), 3),
+                         "prompt_tokens": round(sum(m.prefill_tokens for m in ms) / len(ms), 1),
+                         "decoding": round(sum(m.n_decode for m in ms) / len(ms), 2),
+                         "verified": round(sum(m.tokens_verified for m in ms) / len(ms), 2),
+                         "emitted": round(sum(m.tokens_emitted for m in ms) / len(ms), 2)}
+                        for d, ms in sorted(by_depth.items())]
     return {"decode_ms_per_token": round(1e3 * sum(m.t_wall_s for m in decode) / emitted, 4) if emitted else None,
-            "prefill_iterations": {"iterations": len(prefill), "wall_ms": prefill_ms},
+            "prefill_iterations": {"iterations": len(prefill), "wall_ms": prefill_ms, "by_depth": prefill_by_depth},
             "by_shape": by_shape}
 
 

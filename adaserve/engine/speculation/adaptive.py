@@ -173,7 +173,7 @@ def chain_rates(rank_rates: Sequence[float] | None, recent: float) -> tuple[floa
     at 8, a scratch run); SmartSpec's ratio, which a short accepted prefix of a long chain pulls down at once,
     does not. Before the rank rates are learnt the window stands alone: the geometric estimate, which has no
     prior, read one rejected first token as alpha 0 and decoded plainly for ``policies.PLAIN_STREAK`` iterations
-    at a time, the first ~55 iterations of every fresh engine on the demo pair at 1 req/s
+    at a time: 55 of a fresh engine's first 63 iterations on the demo pair at 1 req/s in one trace
     (docs/results/shape-trace-fe393e2-rate1-seed0.json). For chains only (``policies._Adaptive``): in a beam only
     one of a level's w nodes can be accepted, so the ratio would say little about a path."""
     rates = () if rank_rates is None else tuple(float(r) for r in rank_rates)

@@ -158,10 +158,10 @@ MAX_ALPHA = 0.99
 CHAIN_DEPTH = 8
 
 
-def chain_rates(rank_rates: Sequence[float] | None, recent: float) -> tuple[float, ...]:
-    """The rank rates with the chain's own, rank 0's, replaced by ``recent``: SmartSpec's acceptance, the mean of
-    accepted / proposed over the latest iterations (``smartspec.AcceptanceAverage``, its prior before the first).
-    ``rank_rates`` None (not learnt yet, or draft values): the chain's rate alone.
+def chain_rates(recent: float) -> tuple[float, ...]:
+    """The sibling rates ``goodput_shape`` reads for a chain: rank 0's alone (a chain has no rank 1), and that one
+    ``recent``, SmartSpec's acceptance, the mean of accepted / proposed over the latest iterations
+    (``smartspec.AcceptanceAverage``, its prior before the first), whether or not rank rates were learnt.
 
     The learnt rates are counted over hundreds of trees; they say what a child is worth on average, not how
     predictable the text being written is now, which changes within a request (boilerplate, then a name). On the
@@ -176,8 +176,7 @@ def chain_rates(rank_rates: Sequence[float] | None, recent: float) -> tuple[floa
     at a time: 55 of a fresh engine's first 63 iterations on the demo pair at 1 req/s in one trace
     (docs/results/shape-trace-fe393e2-rate1-seed0.json). For chains only (``policies._Adaptive``): in a beam only
     one of a level's w nodes can be accepted, so the ratio would say little about a path."""
-    rates = () if rank_rates is None else tuple(float(r) for r in rank_rates)
-    return (float(recent), *rates[1:])
+    return (float(recent),)
 
 
 def goodput_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,

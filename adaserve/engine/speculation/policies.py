@@ -244,7 +244,7 @@ class _Adaptive(_NoFeedback):
         d, w = depth_width(view.n_active, cfg)
         goodput = cfg.depth_rule == "goodput"  # the depth from [d_min, d_max] by goodput, not Eq. 8's
         if goodput and cfg.w_max == 1:  # chains: rank 0 at the latest iterations' rate, from the first iteration
-            rates: tuple[float, ...] | None = chain_rates(None, self.recent.alpha)  # rank 0's is the only rate read
+            rates: tuple[float, ...] | None = chain_rates(self.recent.alpha)
         else:
             rates = view.rank_rates(w) if view.rank_rates is not None and goodput else None
         if rates is not None:  # depth and width together, siblings at their learnt worth

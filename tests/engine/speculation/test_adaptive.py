@@ -223,14 +223,6 @@ def test_plain_decoding_drafts_its_best_tree_now_and_then() -> None:
 
 
 
-def test_chain_rates_put_the_latest_acceptance_in_place_of_the_chains_long_run_rate() -> None:
-    from adaserve.engine.speculation.adaptive import chain_rates
-
-    assert chain_rates((0.6, 0.2), 0.9) == (0.9, 0.2)
-    assert chain_rates((0.6,), 0.1) == (0.1,)
-    assert chain_rates(None, 0.7) == (0.7,)  # no learnt rates yet: the window (its prior before the first) alone
-
-
 def test_a_fresh_chains_depth_is_smartspecs_from_the_first_iteration() -> None:
     """Before any rank rate is learnt, a chain's depth is the one SmartSpec picks from the same window and costs,
     plain decoding included: one rejected first token does not read as alpha 0 (the geometric estimate, which has

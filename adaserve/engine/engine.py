@@ -32,7 +32,7 @@ from adaserve.engine.request import Phase, Request, requirement, requirement_lin
 from adaserve.engine.speculation.acceptance import RankAcceptance
 from adaserve.engine.speculation.draft_bandit import make_selector
 from adaserve.engine.speculation.grammar import GrammarCompiler, mask_logits
-from adaserve.engine.speculation.iteration_budget import goodput_budget, slo_budget, token_price
+from adaserve.engine.speculation.iteration_budget import drafted_values, goodput_budget, slo_budget, token_price
 from adaserve.engine.speculation.logits_processors import path_tokens, process_tree_logits
 from adaserve.engine.speculation.logprobs import TokenLogprob, token_logprobs
 from adaserve.engine.speculation.policies import (
@@ -518,8 +518,9 @@ class Engine:
         acc = self.acceptances
         scored = cands if acc[0] is None else self._calibrated(decoding, cands)
         budget = max(self.cfg.budget, len(decoding))
+        values = drafted_values(scored) if is_budgeted(self.policy) else None  # f(v), sorted once for both rules
         if self.cfg.budget_rule == "goodput" and is_budgeted(self.policy):
-            budget = goodput_budget(scored, floor=budget, t_spent_s=t1 - t_start,
+            budget = goodput_budget(scored, floor=budget, t_spent_s=t1 - t_start, values=values,
                                     t_target=lambda k: self.target_time.predict(n_ctx, k + m.prefill_tokens))
         elif self.cfg.budget_rule == "slo" and is_budgeted(self.policy):
             lines = np.array([requirement_line(r, now_s=t_start) for r in decoding]).reshape(-1, 2)
@@ -535,7 +536,7 @@ class Engine:
         t_iter = (t1 - t_start) + self.target_time.predict(n_ctx, verify)
         floor = 0.0
         if self.cfg.slo_floor == "price" and is_budgeted(self.policy):
-            floor = token_price(scored, budget=budget, t_spent_s=t1 - t_start,
+            floor = token_price(scored, budget=budget, t_spent_s=t1 - t_start, values=values,
                                 t_target=lambda k: self.target_time.predict(n_ctx, k + m.prefill_tokens))
         ctx = SelectionContext(budget=budget, depth=shape.depth, now_s=t_start, t_iter_s=t_iter, min_value=floor)
         # A(r) (§5) plus the margin the SLO phase aims above it
@@ -553,6 +554,8 @@ class Engine:
 
     def _calibrated(self, decoding: list[Request], cands: list[TokenTree]) -> list[TokenTree]:
         """Each candidate tree valued by its own draft's learnt acceptance (acceptance.py), one pass per draft."""
+        if len(self.acceptances) == 1 and self.acceptances[0] is not None:  # one draft: the whole batch is its
+            return self.acceptances[0].calibrate_many(cands)
         out: list[TokenTree] = list(cands)
         for k, acc in enumerate(self.acceptances):
             mine = [i for i, r in enumerate(decoding) if r.draft_index == k]

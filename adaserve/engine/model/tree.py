@@ -48,15 +48,17 @@ class TokenTree:
     # ---- constructors -------------------------------------------------------------------------
     @classmethod
     def trusted(cls, tokens: np.ndarray, parents: np.ndarray, log_probs: np.ndarray, *,
-                depths: np.ndarray | None = None, is_chain: bool | None = None) -> TokenTree:
+                depths: np.ndarray | None = None, is_chain: bool | None = None,
+                strict: bool | None = None) -> TokenTree:
         """A tree from arrays whose invariants hold by construction (a subtree of a valid tree, a builder
         that appends children after their parents): the checks of ``__post_init__`` are skipped, which
         matters where thousands of trees are built per second (the replay clock, bench/sim/replay.py, and
         every iteration's candidate, selected and root trees, issue 30).
 
-        ``depths`` / ``is_chain``: the structure when the builder already knows it (a subtree keeps its
-        nodes' depths, every beam tree of one search has the same level sizes); they seed the caches that
-        ``depths()`` and ``is_chain`` would otherwise compute. ``depths`` must be read-only."""
+        ``depths`` / ``is_chain`` / ``strict``: what the builder already knows (a subtree keeps its nodes'
+        depths, every beam tree of one search has the same level sizes, a batch checked its trees' decrease
+        at once); they seed the caches that ``depths()``, ``is_chain`` and ``strictly_decreasing`` would
+        otherwise compute. ``depths`` must be read-only."""
         tree = object.__new__(cls)
         object.__setattr__(tree, "tokens", tokens)
         object.__setattr__(tree, "parents", parents)
@@ -66,6 +68,8 @@ class TokenTree:
             tree.__dict__["_depths"] = depths
         if is_chain is not None:
             tree.__dict__["_is_chain"] = is_chain
+        if strict is not None:
+            tree.__dict__["_strict"] = strict
         return tree
 
     @staticmethod
@@ -102,6 +106,17 @@ class TokenTree:
     @cached_property
     def _is_chain(self) -> bool:
         return bool(np.array_equal(self.parents, np.arange(-1, self.size - 1)))
+
+    @property
+    def strictly_decreasing(self) -> bool:
+        """f(child) < f(parent) at every node: what greedy selection by f needs to keep trees connected
+        (selection.strict_log_probs nudges a tree where it does not hold)."""
+        return self._strict
+
+    @cached_property
+    def _strict(self) -> bool:
+        lp = self.log_probs
+        return self.size <= 1 or bool(np.all(lp[1:] < lp[self.parents[1:]]))
 
     def depths(self) -> np.ndarray:
         """depth[0] = 0, depth[i] = depth[parent[i]] + 1. Positions are ``prefix_len + depth``. Read-only."""
@@ -167,7 +182,9 @@ class TokenTree:
         # closed under parents: every kept node keeps its depth
         depths = self.depths()[keep]
         depths.flags.writeable = False
-        return TokenTree.trusted(self.tokens[keep], parents, self.log_probs[keep], depths=depths)  # checked above
+        # checked above; a strict tree's subtree keeps every (parent, child) pair it has, so it stays strict
+        return TokenTree.trusted(self.tokens[keep], parents, self.log_probs[keep], depths=depths,
+                                 strict=True if self.__dict__.get("_strict") else None)
 
     def with_strict_decrease(self, eps: float = STRICT_DECREASE_EPS) -> TokenTree:
         """Nudge ties so every child's path probability is strictly below its parent's (the same tree when

@@ -150,7 +150,10 @@ class RankAcceptance:
         log_p = np.zeros(forest.size)
         log_p[forest.drafted] = np.log(np.clip(p, 1e-9, 1.0 - 1e-9))
         lf = forest.path_sums(log_p)  # log f(v) = log f(parent) + log p(v)
-        return [t if t.size <= 1 else TokenTree.trusted(t.tokens, t.parents, lf[o : o + t.size])
+        below = np.ones(forest.size, bool)  # each tree's f decreases (selection): every node below its parent
+        below[forest.drafted] = lf[forest.drafted] < lf[forest.parents[forest.drafted]]
+        return [t if t.size <= 1 else TokenTree.trusted(t.tokens, t.parents, lf[o : o + t.size],
+                                                        strict=bool(below[o : o + t.size].all()))
                 for t, o in zip(trees, forest.offsets, strict=True)]
 
     def _calibrate_chains(self, trees: Sequence[TokenTree]) -> list[TokenTree]:
@@ -167,7 +170,9 @@ class RankAcceptance:
         while k < s.shape[1]:  # pointer jumping on a chain: each pass adds the sum 2^k nodes up
             s[:, k:] = s[:, k:] + s[:, :-k]
             k *= 2
-        return [TokenTree.trusted(t.tokens, t.parents, s[i]) for i, t in enumerate(trees)]
+        strict = np.all(s[:, 1:] < s[:, :-1], axis=1).tolist()  # each chain's f decreases (selection)
+        return [TokenTree.trusted(t.tokens, t.parents, s[i], depths=t.__dict__.get("_depths"), is_chain=True,
+                                  strict=strict[i]) for i, t in enumerate(trees)]
 
     def observe(self, tree: TokenTree, accepted_nodes: list[int]) -> None:
         """Count one verified tree: every node whose parent was accepted is a trial."""

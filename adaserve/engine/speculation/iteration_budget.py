@@ -46,13 +46,20 @@ SLO_BUDGET_STEPS = 16
 PRICE_STEP = 16
 
 
+def drafted_values(cands: Sequence[TokenTree]) -> np.ndarray:
+    """Every drafted node's f(v) over the batch, highest first: the ordering E(k) sums (module docstring).
+    The budget rules and the price read the same array; the engine sorts it once per iteration."""
+    return np.sort(np.concatenate([np.exp(c.log_probs[1:]) for c in cands]))[::-1]
+
+
 def goodput_budget(cands: Sequence[TokenTree], *, floor: int, t_spent_s: float,
-                   t_target: Callable[[int], float]) -> int:
-    """B for this iteration (see the module docstring); ``t_target(k)``: seconds to verify k tokens."""
+                   t_target: Callable[[int], float], values: np.ndarray | None = None) -> int:
+    """B for this iteration (see the module docstring); ``t_target(k)``: seconds to verify k tokens;
+    ``values``: ``drafted_values(cands)`` if already computed."""
     n = len(cands)
     if n == 0 or sum(c.size for c in cands) <= floor:  # every candidate fits under the knee: nothing to choose
         return floor
-    f = np.sort(np.concatenate([np.exp(c.log_probs[1:]) for c in cands]))[::-1]
+    f = drafted_values(cands) if values is None else values
     expected = n + np.concatenate(([0.0], np.cumsum(f)))  # E(n + j) = expected[j]
 
     def rate(j: int) -> float:
@@ -80,7 +87,7 @@ def slo_budget(cands: Sequence[TokenTree], *, base: np.ndarray, rate: np.ndarray
         return 0
     nodes = RankedNodes.of([strict_log_probs(c) for c in cands])
     total = int(nodes.sizes.sum())
-    f = np.sort(np.concatenate([np.exp(c.log_probs[1:]) for c in cands]))[::-1]
+    f = drafted_values(cands)
     expected = n + np.concatenate(([0.0], np.cumsum(f)))  # E(n + j): roots' bonus tokens + the top j nodes
     reach = nodes.reach(n_max)
     grid = np.unique(np.linspace(n, total, SLO_BUDGET_STEPS + 1).round().astype(np.int64))
@@ -99,16 +106,16 @@ def slo_budget(cands: Sequence[TokenTree], *, base: np.ndarray, rate: np.ndarray
 
 
 def token_price(cands: Sequence[TokenTree], *, budget: int, t_spent_s: float,
-                t_target: Callable[[int], float]) -> float:
+                t_target: Callable[[int], float], values: np.ndarray | None = None) -> float:
     """What one more verified token costs the batch, in expected tokens: the iteration's expected rate at B,
     E(B) / T(B) (the module docstring's E and T, the top B - n nodes by f), times the seconds one more token
     adds to the forward at B (the cost curve's slope over the next PRICE_STEP tokens). 0 where tokens are
     free (below the knee). A node worth less than this slows the iteration by more than it yields; the SLO
-    phase takes none (selection.select_adaserve's ``min_value``)."""
+    phase takes none (selection.select_adaserve's ``min_value``). ``values``: ``drafted_values(cands)``."""
     n = len(cands)
     if n == 0:
         return 0.0
-    f = np.sort(np.concatenate([np.exp(c.log_probs[1:]) for c in cands]))[::-1]
+    f = drafted_values(cands) if values is None else values
     k = min(max(budget - n, 0), len(f))
     verify = n + k
     t = t_spent_s + t_target(verify)

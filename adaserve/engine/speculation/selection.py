@@ -62,10 +62,7 @@ def requirement_line(*, elapsed_s: float, tokens_so_far: int, tpot_slo_s: float)
 # ---- helpers ------------------------------------------------------------------------------------------
 def strict_log_probs(cand: TokenTree) -> np.ndarray:
     """log f with f(child) < f(parent); ties (e.g. a draft probability of exactly 1) are nudged."""
-    lp = cand.log_probs
-    if cand.size > 1 and not np.all(lp[1:] < lp[cand.parents[1:]]):
-        lp = cand.with_strict_decrease().log_probs
-    return lp
+    return cand.log_probs if cand.strictly_decreasing else cand.with_strict_decrease().log_probs
 
 
 def _rank(lp: np.ndarray, nodes: np.ndarray) -> np.ndarray:

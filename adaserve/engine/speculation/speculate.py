@@ -153,7 +153,9 @@ def build_trees(roots: np.ndarray, toks: np.ndarray, pars: np.ndarray, lps: np.n
     depths = np.repeat(np.arange(len(level_sizes) + 1), [1, *level_sizes])
     depths.flags.writeable = False
     chain = all(size == 1 for size in level_sizes)
-    return [TokenTree.trusted(toks[r], pars[r], lps[r], depths=depths, is_chain=chain) for r in range(n)]
+    strict = np.all(lps[:, 1:] < lps[rows, pars[:, 1:]], axis=1).tolist()  # each tree's f decreases (selection)
+    return [TokenTree.trusted(toks[r], pars[r], lps[r], depths=depths, is_chain=chain, strict=strict[r])
+            for r in range(n)]
 
 
 class _Paths:

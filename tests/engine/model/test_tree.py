@@ -141,3 +141,17 @@ def test_strict_decrease_of_a_strict_tree_is_the_tree() -> None:
     nudged = tied.with_strict_decrease()
     assert nudged.log_probs.tolist() == [0.0, -1.0, -1.0 - 1e-6, -2.0]
     assert nudged.depths().tolist() == [0, 1, 2, 2]
+
+
+def test_strictly_decreasing_is_computed_seeded_and_kept_by_subtrees() -> None:
+    """Selection reads whether f falls from every parent to its child (``strictly_decreasing``); a builder that
+    checked a whole batch seeds it, and a subtree of a strict tree is strict without a check of its own."""
+    strict = TokenTree.from_lists([1, 2, 3, 4], [-1, 0, 1, 1], [0.0, -1.0, -1.5, -2.0])
+    tied = TokenTree.from_lists([1, 2, 3, 4], [-1, 0, 1, 1], [0.0, -1.0, -1.0, -2.0])
+    assert strict.strictly_decreasing and not tied.strictly_decreasing
+    assert tied.with_strict_decrease().strictly_decreasing
+    assert TokenTree.root(7).strictly_decreasing
+    sub = strict.subtree([0, 1, 3])
+    assert sub.__dict__.get("_strict") is True and sub.strictly_decreasing
+    assert not tied.subtree([0, 1, 2]).strictly_decreasing  # the tie kept: computed, not seeded
+    assert tied.subtree([0, 1, 3]).strictly_decreasing

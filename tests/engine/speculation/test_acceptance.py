@@ -192,6 +192,9 @@ def test_chains_take_a_shortcut_to_the_same_bits_as_the_forest(batch, q_bins: in
         want = slow.calibrate_many(cands)
     for g, w in zip(got, want, strict=True):
         assert np.array_equal(g.log_probs, w.log_probs)
+        # each pass seeds the decrease selection reads; both equal what the values say
+        fresh = TokenTree.from_lists(g.tokens.tolist(), g.parents.tolist(), g.log_probs).strictly_decreasing
+        assert g.strictly_decreasing == w.strictly_decreasing == fresh
 
 
 def test_a_path_that_is_not_a_prefix_is_counted_by_the_forest() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from adaserve.engine.model.tree import TokenTree
-from adaserve.engine.speculation.iteration_budget import goodput_budget, slo_budget, token_price
+from adaserve.engine.speculation.iteration_budget import drafted_values, goodput_budget, slo_budget, token_price
 
 
 def chain(probs: list[float]) -> TokenTree:
@@ -109,3 +109,16 @@ def test_a_token_is_free_below_the_knee_and_priced_by_the_batch_rate_above_it() 
     # a budget beyond every node is priced at every node
     assert np.isclose(token_price(cands, budget=100, t_spent_s=0.0, t_target=linear), 9.6 / 0.032 * 0.001)
     assert token_price([], budget=8, t_spent_s=0.0, t_target=linear) == 0.0
+
+
+def test_the_values_sorted_once_give_both_rules_their_own_answer() -> None:
+    """The engine sorts the batch's f(v) once (drafted_values) and hands it to the budget rule and the price."""
+    cands = [chain([0.9, 0.5, 0.2]), chain([0.6]), chain([0.99, 0.3])]
+    values = drafted_values(cands)
+    assert values.tolist() == sorted(np.exp(np.concatenate([c.log_probs[1:] for c in cands])).tolist(), reverse=True)
+    linear = lambda k: 0.02 + 0.004 * k  # noqa: E731
+    for floor in (3, 4, 6, 9):
+        assert goodput_budget(cands, floor=floor, t_spent_s=0.01, t_target=linear, values=values) == goodput_budget(
+            cands, floor=floor, t_spent_s=0.01, t_target=linear)
+        assert token_price(cands, budget=floor, t_spent_s=0.01, t_target=linear, values=values) == token_price(
+            cands, budget=floor, t_spent_s=0.01, t_target=linear)

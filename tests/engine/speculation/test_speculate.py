@@ -34,3 +34,4 @@ def test_batched_trees_equal_the_per_tree_construction(level_sizes: list[int]) -
         fresh = TokenTree.from_lists(ref.tokens.tolist(), ref.parents.tolist(), ref.log_probs)
         assert tree.depths().tolist() == fresh.depths().tolist()
         assert tree.is_chain == fresh.is_chain
+        assert tree.strictly_decreasing == fresh.strictly_decreasing  # seeded from one batch check

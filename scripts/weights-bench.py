@@ -22,7 +22,8 @@ request and reports its RSS (``--kv-mb`` of KV cache per model; the imports and 
         > docs/results/weights-rss-cpu.json
 
 ``--workers`` also starts a worker process per option and repeat (``adaserve worker``, local mode, the same
-settings), which holds what a deployed worker does beyond the engine (the HTTP server, a second tokenizer).
+settings), which holds what a deployed worker does beyond the engine (the HTTP server; a second tokenizer
+where the model needs transformers' own).
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ def memory_cell(weights: str, kv_mb: int) -> dict[str, Any]:
 def worker_cell(weights: str, kv_mb: int) -> dict[str, Any]:
     """A worker process (``adaserve worker``, local mode, the adaserve policy at B = 32, one torch thread): its
     RSS once ready (model loaded, warmed up) and after one chat request of 8 tokens. Beyond ``rss_child``'s
-    engine it holds the HTTP server's imports and the event loop's own tokenizer (worker/runtime.py)."""
+    engine it holds the HTTP server's imports (and, for a transformers tokenizer, the event loop's own copy:
+    worker/runtime.py)."""
     import httpx
 
     with socket.socket() as s:

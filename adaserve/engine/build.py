@@ -208,7 +208,7 @@ def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Pat
     if any((target / f).is_file() for f in TOKENIZER_FILES):
         try:
             tokenizer = load_tokenizer(target)
-        except Exception as e:  # transformers raises many types for an odd tokenizer; it is optional
+        except Exception as e:  # an odd tokenizer raises many types (tokenizers, jinja2, transformers); it is optional
             first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
             log.warning("cannot load the tokenizer in %s (%s): only prompt_token_ids inputs will work",
                         target, first_line)

@@ -27,6 +27,7 @@ from adaserve.engine.engine import Engine, StepMetrics, TokenEvent
 from adaserve.engine.loading.catalog import ModelNotFoundError, resolve_drafts
 from adaserve.engine.loading.chat import ChatTemplateError, chat_text, has_chat_template
 from adaserve.engine.loading.loader import load_tokenizer, trim_heap
+from adaserve.engine.loading.tokenizer import Tokenizer
 from adaserve.engine.loop import EngineLoop
 from adaserve.engine.request import Request
 from adaserve.engine.speculation.grammar import GrammarSpec
@@ -125,7 +126,7 @@ class Runtime:
         self.failure: str | None = None
         self.built: BuiltEngine | None = None
         self.loop: EngineLoop | None = None
-        self.tokenizer: Any | None = None  # the event loop's own copy: the engine thread uses the other
+        self.tokenizer: Any | None = None  # the event loop's (the engine's too, unless transformers': _prepare)
         self.max_token_chars = 0  # the most characters one token spans (0: unknown, no early length check)
         self.active: dict[str, InFlight] = {}
         self.registry: Registry | None = None
@@ -215,8 +216,14 @@ class Runtime:
         if s.warmup:
             warm_up(built.engine)
             lone = measure_lone(built.engine, lone_prompt_ids(built.engine, built.tokenizer))
-        tokenizer = load_tokenizer(pair.target) if built.tokenizer is not None else None
-        trim_heap()  # what the warm-up and this tokenizer's loading freed (build_engine gave back the rest)
+        # The event loop encodes and decodes while the engine thread decodes. adaserve's own tokenizer never
+        # changes after loading (loading/tokenizer.py), so both share it. A transformers tokenizer may reset its
+        # Rust tokenizer's truncation, padding or special-token splitting inside a call, and a call on another
+        # thread at that moment fails ("Already borrowed"): the loop gets its own copy of one.
+        tokenizer = built.tokenizer
+        if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+            tokenizer = load_tokenizer(pair.target)
+        trim_heap()  # what the warm-up and any second tokenizer's loading freed (build_engine gave back the rest)
         return built, tokenizer, lone
 
     def _fail(self, message: str) -> None:

@@ -209,3 +209,15 @@ def test_a_refused_sequence_aborts_those_already_submitted() -> None:
     ok = Runtime()
     flights = asyncio.run(_submit_all(ok, [SimpleNamespace(request_id=f"c-{i}") for i in range(2)]))  # type: ignore[arg-type]
     assert [f.request_id for f in flights] == ["c-0", "c-1"] and ok.aborted == []
+
+
+def test_one_tokenizer_serves_the_event_loop_and_the_engine_thread() -> None:
+    """A worker whose model takes adaserve's own tokenizer (loading/tokenizer.py: it is never changed after
+    loading, so threads may share it) holds one copy, the engine's; the transformers fallback would load a
+    second for the event loop (runtime.py says why)."""
+    from adaserve.engine.loading.tokenizer import Tokenizer
+    from adaserve.worker.runtime import Runtime
+
+    runtime = Runtime(WorkerSettings(target="demo-tiny", budget=8, warmup=False))
+    built, tokenizer, _ = runtime._prepare()
+    assert isinstance(tokenizer, Tokenizer) and tokenizer is built.tokenizer

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from adaserve.engine.loading.tokenizer import Tokenizer
 from adaserve.engine.model.config import ModelConfig, UnsupportedModelError
 from adaserve.engine.model.layers import CausalLM
 from adaserve.engine.model.parallel import TensorParallel, install_all_reduce, local_config, read_tensor
@@ -213,19 +214,34 @@ def trim_heap() -> None:
 
 # tokenizer classes whose tokenizer_config.json names them for any model type (transformers >= 5)
 _GENERIC_TOKENIZERS = ("TokenizersBackend",)
+# tokenizer_config.json classes that transformers 5 loads as its generic TokenizersBackend, which tokenizer.py
+# reproduces (PreTrainedTokenizerFast is another name of that class, and the demo pair's)
+_NATIVE_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# model types (config.json) for which AutoTokenizer loads either class as it is, from transformers 5.24's tables
+# (transformers.models.auto.tokenization_auto): ``llama`` has no tokenizer class of its own there; ``qwen3`` has
+# one (Qwen2Tokenizer) but is not among the types whose declared class transformers replaces, so the declared
+# generic class stands. Not here: ``qwen2`` (declared classes replaced by Qwen2Tokenizer, which rebuilds the
+# pre-tokenizer), ``mistral`` (MistralCommonBackend where mistral-common is installed, and a pre-tokenizer patch
+# for some checkpoints). tests/engine/loading/test_tokenizer.py checks each type against AutoTokenizer.
+NATIVE_MODEL_TYPES = ("llama", "qwen3")
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """The checkpoint's tokenizer through transformers (local files only, never a hub).
+    """The checkpoint's tokenizer (local files only, never a hub).
 
-    ``AutoTokenizer`` reads the model's config through its config class to pick a tokenizer class, and in
-    transformers 5 importing a model's config class (LlamaConfig, ...) imports much of the modelling stack
-    (torch.distributed.tensor, sympy, accelerate): ~50 MB of resident memory in a worker that never uses it.
-    Where ``AutoTokenizer`` would pick ``TokenizersBackend`` whatever the config says (the tokenizer config
-    names it, no remote code, and the model type is not one transformers overrides), that class is loaded
-    directly: the same tokenizer (tests/engine/loading/test_loader_tokenizer.py compares them). Anything else
-    goes through ``AutoTokenizer``."""
+    Where transformers would load its generic ``TokenizersBackend`` from tokenizer.json (``_native_tokenizer``
+    says when), tokenizer.py's ``Tokenizer`` loads the same tokenizer without importing transformers (~20 MB
+    of resident memory a process, issue 35), and one copy serves every thread. Anything else goes through
+    transformers: ``TokenizersBackend`` directly where ``AutoTokenizer`` would pick it whatever the config
+    says (``_generic_tokenizer``: it skips the model's config class, whose import pulls in much of the
+    modelling stack, ~50 MB), else ``AutoTokenizer``. tests/engine/loading/ compares each with
+    ``AutoTokenizer``."""
     path = Path(path)
+    return Tokenizer.from_dir(path) if _native_tokenizer(path) else _transformers_tokenizer(path)
+
+
+def _transformers_tokenizer(path: Path) -> Any:
+    """``path``'s tokenizer through transformers (load_tokenizer says how)."""
     if _generic_tokenizer(path):
         from transformers import TokenizersBackend
 
@@ -233,6 +249,28 @@ def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _native_tokenizer(path: Path) -> bool:
+    """Whether transformers' ``AutoTokenizer`` would load ``path``'s tokenizer.json as its generic
+    ``TokenizersBackend``, which tokenizer.py reproduces, decided from the files alone (no transformers import):
+    tokenizer_config.json names that class (``_NATIVE_CLASSES``) and no remote code (``auto_map``) nor another
+    tokenizer file (``fast_tokenizer_files``); there is no legacy added_tokens.json (which tokenizer.py does
+    not read); and config.json, without remote code, has a model type (and model name, if any) in
+    ``NATIVE_MODEL_TYPES``, the types for which transformers keeps the declared class."""
+    try:
+        if not (path / "tokenizer.json").is_file() or (path / "added_tokens.json").exists():
+            return False
+        tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(tok_cfg, dict) or not isinstance(cfg, dict):
+        return False
+    if tok_cfg.get("tokenizer_class") not in _NATIVE_CLASSES or {"auto_map", "fast_tokenizer_files"} & tok_cfg.keys():
+        return False
+    names = [cfg.get("model_type"), *([cfg["model_name"]] if "model_name" in cfg else [])]
+    return "auto_map" not in cfg and all(n in NATIVE_MODEL_TYPES for n in names)
 
 
 def _generic_tokenizer(path: Path) -> bool:

@@ -113,10 +113,16 @@ class GrammarCompiler:
 
     @classmethod
     def from_hf(cls, hf_tokenizer: object, *, vocab_size: int, stop_ids: Iterable[int]) -> GrammarCompiler:
-        """A compiler over a Hugging Face fast tokenizer (converted on first use)."""
+        """A compiler over the model's tokenizer (converted on first use): adaserve's own (loading/tokenizer.py)
+        or a transformers fast tokenizer. Both reach llguidance as the Rust tokenizer's JSON; llguidance.hf,
+        which imports transformers, is used only for the second."""
         stops = sorted(stop_ids)
 
         def make() -> llguidance.LLTokenizer:
+            backend_json = getattr(hf_tokenizer, "backend_json", None)
+            if callable(backend_json):  # what llguidance.hf does with a transformers tokenizer, without it
+                eos = stops or getattr(hf_tokenizer, "eos_token_id", None)
+                return _llguidance().LLTokenizer(backend_json(), n_vocab=vocab_size, eos_token=eos)
             import llguidance.hf
 
             return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=stops or None)

@@ -5,7 +5,8 @@
 Each FILE is one ``adaserve bench --json`` result (one seed, the same policies and rates). Per rate: every
 policy's SLO attainment in each file, and the system's gap to the best other policy of the same file (the same
 run, so the same machine state for both), with the gaps' mean, min and max over the files; then the system's mean
-TPOT over each other policy's, per file, and its mean gap to each other policy. A gap inside the spread of the
+TPOT over each other policy's, per file, and its mean gap to each other policy with that mean's 95% interval
+(Student's t over the files' paired gaps) and how many files put it ahead and behind. A gap inside the spread of the
 gaps is a tie; and the best of several equal systems' noisy cells is above each of them on average, so the gap to
 the best other leans negative even between equals (the per-policy gaps do not). Prints a markdown table
 and a JSON summary (also written to ``--json``).
@@ -52,9 +53,26 @@ def summary(docs: list[dict], system: str) -> dict:
             "gap_min": min(gaps, default=None),
             "gap_max": max(gaps, default=None),
             "gap_mean_vs": {p: statistics.fmean(v) for p, v in vs.items()},
+            "gap_vs": {p: [round(x, 4) for x in v] for p, v in vs.items()},
+            "gap_ci95_vs": {p: ci95(v) for p, v in vs.items()},
             "tpot_ratio_vs": {p: [round(x, 3) for x in v] for p, v in tpot_ratio.items()},
         })
     return {"system": system, "files": len(docs), "policies": policies, "rates": rows}
+
+
+# two-sided 95% quantiles of Student's t by degrees of freedom (1-30); beyond, the normal's 1.96
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def ci95(gaps: list[float]) -> list[float] | None:
+    """The 95% interval of the mean of paired gaps (one per file: the same arrivals, back to back), by Student's
+    t; None for fewer than two files. An interval that holds 0 is a tie at this many seeds."""
+    if len(gaps) < 2:
+        return None
+    m, half = statistics.fmean(gaps), statistics.stdev(gaps) / len(gaps) ** 0.5
+    t = T975[len(gaps) - 2] if len(gaps) - 1 <= len(T975) else 1.96
+    return [round(m - t * half, 4), round(m + t * half, 4)]
 
 
 def markdown(s: dict) -> str:
@@ -66,6 +84,18 @@ def markdown(s: dict) -> str:
         gap = (" / ".join(f"{x:+.3f}" for x in g) + f"; {row['gap_mean']:+.3f} [{row['gap_min']:+.3f}, "
                f"{row['gap_max']:+.3f}]") if g else "-"
         lines.append(f"| {row['rate_rps']:g} | " + " | ".join(att) + f" | {gap} |")
+    others = [p for p in s["policies"] if p != s["system"]]
+    lines += ["", f"| rate (req/s) | {s['system']} - other: mean gap [95% interval], files ahead / behind |",
+              "|---|---|"]
+    for row in s["rates"]:
+        cells = []
+        for p in others:
+            g, ci = row["gap_vs"].get(p, []), row["gap_ci95_vs"].get(p)
+            if g:
+                interval = f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else ""
+                ahead, behind = sum(x > 0 for x in g), sum(x < 0 for x in g)
+                cells.append(f"{p} {statistics.fmean(g):+.3f}{interval}, {ahead} / {behind}")
+        lines.append(f"| {row['rate_rps']:g} | " + "; ".join(cells) + " |")
     return "\n".join(lines)
 
 

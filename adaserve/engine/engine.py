@@ -518,7 +518,9 @@ class Engine:
         acc = self.acceptances
         scored = cands if acc[0] is None else self._calibrated(decoding, cands)
         budget = max(self.cfg.budget, len(decoding))
-        values = drafted_values(scored) if is_budgeted(self.policy) else None  # f(v), sorted once for both rules
+        # f(v) over the batch, sorted once for the budget rule and the price, where either runs
+        reads_values = self.cfg.budget_rule in ("goodput", "slo") or self.cfg.slo_floor == "price"
+        values = drafted_values(scored) if reads_values and is_budgeted(self.policy) else None
         if self.cfg.budget_rule == "goodput" and is_budgeted(self.policy):
             budget = goodput_budget(scored, floor=budget, t_spent_s=t1 - t_start, values=values,
                                     t_target=lambda k: self.target_time.predict(n_ctx, k + m.prefill_tokens))
@@ -526,7 +528,7 @@ class Engine:
             lines = np.array([requirement_line(r, now_s=t_start) for r in decoding]).reshape(-1, 2)
             budget = slo_budget(scored, base=lines[:, 0], rate=lines[:, 1],
                                 margin=np.where(lines[:, 1] > 0, self.cfg.slo_margin, 0.0), depth=shape.depth,
-                                n_max=self.cfg.n_max, order=self.cfg.slo_order, t_spent_s=t1 - t_start,
+                                n_max=self.cfg.n_max, order=self.cfg.slo_order, t_spent_s=t1 - t_start, values=values,
                                 t_target=lambda k: self.target_time.predict(n_ctx, k + m.prefill_tokens))
         m.budget = budget
         # A(r): this iteration's tokens land at t_start + t_iter, t_iter = the draft time already spent plus
@@ -554,8 +556,6 @@ class Engine:
 
     def _calibrated(self, decoding: list[Request], cands: list[TokenTree]) -> list[TokenTree]:
         """Each candidate tree valued by its own draft's learnt acceptance (acceptance.py), one pass per draft."""
-        if len(self.acceptances) == 1 and self.acceptances[0] is not None:  # one draft: the whole batch is its
-            return self.acceptances[0].calibrate_many(cands)
         out: list[TokenTree] = list(cands)
         for k, acc in enumerate(self.acceptances):
             mine = [i for i, r in enumerate(decoding) if r.draft_index == k]

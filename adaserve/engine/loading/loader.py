@@ -230,7 +230,7 @@ def load_tokenizer(path: str | Path) -> Any:
     """The checkpoint's tokenizer (local files only, never a hub).
 
     Where transformers would load its generic ``TokenizersBackend`` from tokenizer.json (``_native_tokenizer``
-    says when), tokenizer.py's ``Tokenizer`` loads the same tokenizer without importing transformers (~20 MB
+    says when), tokenizer.py's ``Tokenizer`` loads the same tokenizer without importing transformers (~30 MB
     of resident memory a process, issue 35), and one copy serves every thread. Anything else goes through
     transformers: ``TokenizersBackend`` directly where ``AutoTokenizer`` would pick it whatever the config
     says (``_generic_tokenizer``: it skips the model's config class, whose import pulls in much of the
@@ -258,19 +258,28 @@ def _native_tokenizer(path: Path) -> bool:
     tokenizer file (``fast_tokenizer_files``); there is no legacy added_tokens.json (which tokenizer.py does
     not read); and config.json, without remote code, has a model type (and model name, if any) in
     ``NATIVE_MODEL_TYPES``, the types for which transformers keeps the declared class."""
-    try:
-        if not (path / "tokenizer.json").is_file() or (path / "added_tokens.json").exists():
-            return False
-        tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
+    if not (path / "tokenizer.json").is_file() or (path / "added_tokens.json").exists():
         return False
-    if not isinstance(tok_cfg, dict) or not isinstance(cfg, dict):
+    configs = _tokenizer_configs(path, config_required=True)
+    if configs is None:
         return False
+    tok_cfg, cfg = configs
     if tok_cfg.get("tokenizer_class") not in _NATIVE_CLASSES or {"auto_map", "fast_tokenizer_files"} & tok_cfg.keys():
         return False
     names = [cfg.get("model_type"), *([cfg["model_name"]] if "model_name" in cfg else [])]
     return "auto_map" not in cfg and all(n in NATIVE_MODEL_TYPES for n in names)
+
+
+def _tokenizer_configs(path: Path, *, config_required: bool) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(tokenizer_config.json, config.json) as objects, the second {} when absent unless ``config_required``;
+    None where either cannot be read or is not a JSON object (the tokenizer rules then decline)."""
+    try:
+        tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
+        has_cfg = config_required or (path / "config.json").is_file()
+        cfg = json.loads((path / "config.json").read_text()) if has_cfg else {}
+    except (OSError, ValueError):
+        return None
+    return (tok_cfg, cfg) if isinstance(tok_cfg, dict) and isinstance(cfg, dict) else None
 
 
 def _generic_tokenizer(path: Path) -> bool:
@@ -278,13 +287,10 @@ def _generic_tokenizer(path: Path) -> bool:
     model's config class: tokenizer_config.json names it and has no ``auto_map``, and the model type (plain
     config.json) neither has a tokenizer class of its own in transformers' table nor is one whose declared
     class transformers replaces (transformers.models.auto.tokenization_auto's two tables)."""
-    try:
-        tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
-        cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
-    except (OSError, ValueError):
+    configs = _tokenizer_configs(path, config_required=False)
+    if configs is None:
         return False
-    if not isinstance(tok_cfg, dict) or not isinstance(cfg, dict):
-        return False
+    tok_cfg, cfg = configs
     if tok_cfg.get("tokenizer_class") not in _GENERIC_TOKENIZERS or "auto_map" in tok_cfg:
         return False
     from transformers.models.auto import tokenization_auto as auto

@@ -78,16 +78,18 @@ def goodput_budget(cands: Sequence[TokenTree], *, floor: int, t_spent_s: float,
 
 
 def slo_budget(cands: Sequence[TokenTree], *, base: np.ndarray, rate: np.ndarray, margin: np.ndarray, depth: int,
-               n_max: int, order: str, t_spent_s: float, t_target: Callable[[int], float]) -> int:
+               n_max: int, order: str, t_spent_s: float, t_target: Callable[[int], float],
+               values: np.ndarray | None = None) -> int:
     """B for this iteration by the SLO rule (module docstring). Per request, A_r(T) = base_r + rate_r * T:
     ``base`` = (l_r / tpot_r - o_r), ``rate`` = 1 / tpot_r (both 0 without an SLO); ``margin``: the SLO
-    phase's aim above A(r) (0 without an SLO). ``depth``, ``n_max``, ``order``: the selection's own."""
+    phase's aim above A(r) (0 without an SLO). ``depth``, ``n_max``, ``order``: the selection's own; ``values``:
+    ``drafted_values(cands)`` if already computed."""
     n = len(cands)
     if n == 0:
         return 0
     nodes = RankedNodes.of([strict_log_probs(c) for c in cands])
     total = int(nodes.sizes.sum())
-    f = drafted_values(cands)
+    f = drafted_values(cands) if values is None else values
     expected = n + np.concatenate(([0.0], np.cumsum(f)))  # E(n + j): roots' bonus tokens + the top j nodes
     reach = nodes.reach(n_max)
     grid = np.unique(np.linspace(n, total, SLO_BUDGET_STEPS + 1).round().astype(np.int64))

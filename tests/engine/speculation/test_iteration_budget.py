@@ -112,7 +112,7 @@ def test_a_token_is_free_below_the_knee_and_priced_by_the_batch_rate_above_it() 
 
 
 def test_the_values_sorted_once_give_both_rules_their_own_answer() -> None:
-    """The engine sorts the batch's f(v) once (drafted_values) and hands it to the budget rule and the price."""
+    """The engine sorts the batch's f(v) once (drafted_values) and hands it to the budget rules and the price."""
     cands = [chain([0.9, 0.5, 0.2]), chain([0.6]), chain([0.99, 0.3])]
     values = drafted_values(cands)
     assert values.tolist() == sorted(np.exp(np.concatenate([c.log_probs[1:] for c in cands])).tolist(), reverse=True)
@@ -122,3 +122,6 @@ def test_the_values_sorted_once_give_both_rules_their_own_answer() -> None:
             cands, floor=floor, t_spent_s=0.01, t_target=linear)
         assert token_price(cands, budget=floor, t_spent_s=0.01, t_target=linear, values=values) == token_price(
             cands, budget=floor, t_spent_s=0.01, t_target=linear)
+    slo = {"base": np.array([1.0, -2.0, 3.0]), "rate": np.array([100.0, 0.0, 50.0]), "margin": np.zeros(3),
+           "depth": 3, "n_max": 16, "order": "smallest-need", "t_spent_s": 0.01, "t_target": linear}
+    assert slo_budget(cands, values=values, **slo) == slo_budget(cands, **slo)

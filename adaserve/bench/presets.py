@@ -60,6 +60,7 @@ class Preset:
     slo_margin: float | None = None
     slo_floor: str | None = None
     tree: TreeBounds | None = None
+    depth_rule: str | None = None  # the tree's depth rule alone (adaptive.DEPTH_RULES), on the bench's bounds
 
     def engine_config(self, base: EngineConfig) -> EngineConfig:
         """``base`` (the bench's settings for this variant) with this preset's fields, policy included."""
@@ -69,6 +70,8 @@ class Preset:
         adaptive = base.adaptive if self.tree is None else replace(
             base.adaptive, d_min=self.tree.d_min, d_max=self.tree.d_max, w_max=self.tree.w_max,
             depth_rule=self.tree.depth_rule)
+        if self.depth_rule is not None:
+            adaptive = replace(adaptive, depth_rule=self.depth_rule)
         return replace(base, policy=self.policy, adaptive=adaptive, **fields)
 
     def describe(self) -> dict:
@@ -98,6 +101,8 @@ ADASERVE_REFINEMENTS = {
     "adaserve+text-order": {"slo_order": "largest-need"},
 }
 OURS = "adaserve+ours"
+# ours with the tree's shape chosen SLO first (adaptive.slo_shape), on the bench's measured bounds
+OURS_SLO_SHAPE = "adaserve+ours+slo-shape"
 
 PRESETS: dict[str, Preset] = {
     # exps/test.sh, ENABLE_VLLM_SERVER_BENCHMARK: --enable-chunked-prefill False, MAX_REQUESTS_PER_BATCH=512
@@ -111,6 +116,7 @@ PRESETS: dict[str, Preset] = {
     "adaserve-paper": replace(ADASERVE_PAPER, name="adaserve-paper"),
     **{name: replace(ADASERVE_PAPER, name=name, **kw) for name, kw in ADASERVE_REFINEMENTS.items()},
     OURS: Preset(OURS, "adaserve"),
+    OURS_SLO_SHAPE: Preset(OURS_SLO_SHAPE, "adaserve", depth_rule="slo"),
 }
 NAMES = (*PRESETS, f"{VLLM_SPEC}:K")
 

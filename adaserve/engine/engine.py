@@ -42,6 +42,7 @@ from adaserve.engine.speculation.policies import (
     TreeShape,
     is_budgeted,
     make_policy,
+    reads_slo_lines,
     split_policy,
 )
 from adaserve.engine.speculation.speculate import DraftInput, beam_search
@@ -489,9 +490,13 @@ class Engine:
         predict_draft = self.draft_time.predict if self.pool is None else self.pool.predict_draft(decoding)
         # one draft's learnt sibling rates steer the width (several drafts: each has its own; Eq. 9 then)
         rates = self.acceptance.rank_rates if self.acceptance is not None and self.pool is None else None
+        # A(r) = base + rate * t_iter per request, where the shape or the budget rule prices SLOs
+        slo_budgeted = self.cfg.budget_rule == "slo" and is_budgeted(self.policy)
+        lines = (np.array([requirement_line(r, now_s=t_start) for r in decoding]).reshape(-1, 2)
+                 if slo_budgeted or reads_slo_lines(self.policy) else None)
         view = BatchView(n_active=len(decoding), n_context=n_ctx, budget=self.cfg.budget,
                          predict_target=self.target_time.predict, predict_draft=predict_draft,
-                         prefill_tokens=m.prefill_tokens, rank_rates=rates)
+                         prefill_tokens=m.prefill_tokens, rank_rates=rates, slo_lines=lines)
         shape = self.policy.tree_shape(view)
         m.predicted_iter_s = self.predict_iteration(shape, len(decoding), n_ctx, m.prefill_tokens, predict_draft)
         if shape is None or shape.depth < 1 or self.draft is None:
@@ -524,8 +529,7 @@ class Engine:
         if self.cfg.budget_rule == "goodput" and is_budgeted(self.policy):
             budget = goodput_budget(scored, floor=budget, t_spent_s=t1 - t_start, values=values,
                                     t_target=lambda k: self.target_time.predict(n_ctx, k + m.prefill_tokens))
-        elif self.cfg.budget_rule == "slo" and is_budgeted(self.policy):
-            lines = np.array([requirement_line(r, now_s=t_start) for r in decoding]).reshape(-1, 2)
+        elif slo_budgeted and lines is not None:
             budget = slo_budget(scored, base=lines[:, 0], rate=lines[:, 1],
                                 margin=np.where(lines[:, 1] > 0, self.cfg.slo_margin, 0.0), depth=shape.depth,
                                 n_max=self.cfg.n_max, order=self.cfg.slo_order, t_spent_s=t1 - t_start, values=values,

@@ -62,6 +62,7 @@ from adaserve.engine.speculation.policies import (
     TreeShape,
     is_budgeted,
     make_policy,
+    reads_slo_lines,
 )
 from adaserve.engine.speculation.selection import requirement_line, slo_requirement
 
@@ -374,10 +375,20 @@ class ReplayEngine:
             return [], 0.0
         roots = [ROOT_ONLY] * len(decoding)
         n_ctx = sum(r.kv_len for r in decoding)
+        # A(r) = base + rate * t_iter per request, where the shape or the budget rule prices SLOs (as Engine's)
+        slo_budgeted = self.cfg.budget_rule == "slo" and is_budgeted(self.policy)
+        has_slo = [r.tpot_slo_ms is not None and r.first_s is not None for r in decoding]
+        lines = None
+        if slo_budgeted or reads_slo_lines(self.policy):
+            lines = np.array([requirement_line(elapsed_s=max(0.0, t_start - r.first_s),
+                                               tokens_so_far=max(0, r.emitted - 1),
+                                               tpot_slo_s=r.tpot_slo_ms / 1e3) if s else (0.0, 0.0)
+                              for r, s in zip(decoding, has_slo, strict=True)]).reshape(-1, 2)
         view = BatchView(n_active=len(decoding), n_context=n_ctx, budget=self.cfg.budget,
                          predict_target=self.target_cost.predict, predict_draft=self.draft_cost.predict,
                          prefill_tokens=prefill_tokens,
-                         rank_rates=None if self.acceptance is None else self.acceptance.rank_rates)
+                         rank_rates=None if self.acceptance is None else self.acceptance.rank_rates,
+                         slo_lines=lines)
         shape = self.policy.tree_shape(view)
         if shape is None or shape.depth < 1:
             return roots, 0.0
@@ -405,15 +416,10 @@ class ReplayEngine:
         if self.cfg.budget_rule == "goodput" and is_budgeted(self.policy):
             budget = goodput_budget(scored, floor=budget, t_spent_s=t1 - t_start,
                                     t_target=lambda k: self.target_cost.predict(n_ctx, k + prefill_tokens))
-        elif self.cfg.budget_rule == "slo" and is_budgeted(self.policy):
-            has_slo = [r.tpot_slo_ms is not None and r.first_s is not None for r in decoding]
-            lines = np.array([requirement_line(elapsed_s=max(0.0, t_start - r.first_s),
-                                               tokens_so_far=max(0, r.emitted - 1),
-                                               tpot_slo_s=r.tpot_slo_ms / 1e3) if s else (0.0, 0.0)
-                              for r, s in zip(decoding, has_slo, strict=True)]).reshape(-1, 2)
-            base, rate = lines[:, 0], lines[:, 1]
-            budget = slo_budget(scored, base=base, rate=rate, margin=np.where(has_slo, self.cfg.slo_margin, 0.0),
-                                depth=shape.depth, n_max=self.cfg.n_max, order=self.cfg.slo_order,
+        elif slo_budgeted and lines is not None:
+            budget = slo_budget(scored, base=lines[:, 0], rate=lines[:, 1],
+                                margin=np.where(has_slo, self.cfg.slo_margin, 0.0), depth=shape.depth,
+                                n_max=self.cfg.n_max, order=self.cfg.slo_order,
                                 t_spent_s=t1 - t_start,
                                 t_target=lambda k: self.target_cost.predict(n_ctx, k + prefill_tokens))
         verify = min(budget, sum(c.size for c in cands)) + prefill_tokens

@@ -1,16 +1,22 @@
 """Adaptive speculation shape: beam-search depth d and width w from the number of active requests
 (AdaServe section 5.2, Eq. 8-9). Busy batches get shallow, narrow trees; idle ones deep, wide trees.
 The bounds and constants are ``AdaptiveConfig``; ``speculation_floor`` is the least budget they need.
+Where the shape is priced (measured costs), ``goodput_shape`` picks the one with the most expected tokens per
+second and ``slo_shape`` the one keeping the most requests on their TPOT SLO, then goodput.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from adaserve.engine.checks import at_least, is_int
 from adaserve.engine.speculation.smartspec import expected_emitted
+
+DEPTH_RULES = ("goodput", "slo", "eq8")
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,8 @@ class AdaptiveConfig:
     c1: int = 1  # > 0 so n + c1 never hits zero, and one request never claims the whole budget
     c2: int = 0
     # "goodput": depth by predicted tokens per second (adaptive.goodput_depth), width by Eq. 9;
+    # "slo": as "goodput" where the shape is chosen from rates (chains, learnt sibling rates), but the shape
+    # keeping the most requests on their TPOT SLO first, then goodput (adaptive.slo_shape);
     # "eq8": the paper's Eq. 8, depth tied to the budget
     depth_rule: str = "goodput"
 
@@ -54,8 +62,15 @@ class AdaptiveConfig:
         at_least("AdaptiveConfig", "c1", self.c1, 0)
         if not is_int(self.c2):
             raise ValueError(f"AdaptiveConfig.c2 must be an int, got {self.c2!r}")
-        if self.depth_rule not in ("goodput", "eq8"):
-            raise ValueError(f"AdaptiveConfig.depth_rule must be 'goodput' or 'eq8', got {self.depth_rule!r}")
+        if self.depth_rule not in DEPTH_RULES:
+            raise ValueError(f"AdaptiveConfig.depth_rule must be one of {', '.join(DEPTH_RULES)}, "
+                             f"got {self.depth_rule!r}")
+
+    @property
+    def by_goodput(self) -> bool:
+        """Whether the depth comes from predicted tokens per second ("goodput", and "slo", which prices the same
+        shapes), not from Eq. 8."""
+        return self.depth_rule != "eq8"
 
 
 def speculation_floor(adaptive: AdaptiveConfig | None = None) -> int:
@@ -144,10 +159,10 @@ def bounds_for_device(cfg: AdaptiveConfig, *, t_target_s: float, t_draft_s: floa
         chain = t_verify(1 + d_max)
         while w_max > 1 and t_verify(1 + d_max * w_max) > (1 + WIDTH_TOLERANCE) * chain:
             w_max -= 1
-    if w_max == 1 and cfg.depth_rule == "goodput":
+    if w_max == 1 and cfg.by_goodput:
         d_max = CHAIN_DEPTH  # chains, their length by goodput: SmartSpec's bound (``chain_rates``)
     # measured costs may also say no tree pays: the goodput depth rule may then choose plain decoding (d = 0)
-    d_min = 0 if cfg.depth_rule == "goodput" else cfg.d_min
+    d_min = 0 if cfg.by_goodput else cfg.d_min
     return replace(cfg, d_min=d_min, d_max=max(d_max, cfg.d_min), w_max=w_max, b2=max(1, draft_budget))
 
 
@@ -179,6 +194,23 @@ def chain_rates(recent: float) -> tuple[float, ...]:
     return (float(recent),)
 
 
+def _priced_shapes(n: int, *, max_width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,
+                   n_context: int, extra_tokens: int, t_target: Callable[[int, int], float],
+                   t_draft: Callable[[int, int], float]) -> Iterator[tuple[int, int, float, float]]:
+    """Every shape ``goodput_shape`` and ``slo_shape`` weigh, as (d, w, seconds, tokens one request is expected to
+    emit), narrowest and shallowest first; plain decoding (0, 1) first of all where ``d_min`` is 0."""
+    if max_width < 1 or len(rank_rates) < max_width:
+        raise ValueError(f"a shape rule needs a rate for each of {max_width} sibling ranks, got {len(rank_rates)}")
+    if d_min == 0:
+        yield 0, 1, t_target(n_context, n + extra_tokens), 1.0
+    for w in range(1, max_width + 1):
+        alpha = min(float(sum(rank_rates[:w])), MAX_ALPHA)
+        step = t_draft(n_context, n * w)  # one beam level: the same for every depth
+        for d in range(max(d_min, 1), max(d_max, 1) + 1):
+            verified = min(n * (1 + d * w), max(budget, n * (d + 1)))
+            yield d, w, d * step + t_target(n_context, verified + extra_tokens), expected_emitted(alpha, d)
+
+
 def goodput_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,
                   n_context: int, extra_tokens: int, t_target: Callable[[int, int], float],
                   t_draft: Callable[[int, int], float]) -> tuple[int, int]:
@@ -196,22 +228,49 @@ def goodput_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget
     is flat (an accelerator below its knee: the widest beam wins, as before), but not on a CPU, where every
     drafted and verified token costs compute and the demo pair's rank-1 children are rarely accepted
     (acceptance.py): chains win there (docs/results/width-rule-{before,after}-cpu-demo-tiny.json, issue 29's
-    wall clock in docs/benchmarks.md). Ties go to the narrower tree.
+    wall clock in docs/benchmarks.md). Ties go to the narrower tree, and to plain decoding (d = 0, where
+    ``d_min`` is 0) when no tree is predicted to emit more tokens per second than one token per request.
     """
-    if max_width < 1 or len(rank_rates) < max_width:
-        raise ValueError(f"goodput_shape needs a rate for each of {max_width} sibling ranks, got {len(rank_rates)}")
     best_shape, best = (max(d_min, 1), 1), -1.0
-    for w in range(1, max_width + 1):
-        alpha = min(float(sum(rank_rates[:w])), MAX_ALPHA)
-        step = t_draft(n_context, n * w)  # one beam level: the same for every depth
-        for d in range(max(d_min, 1), max(d_max, 1) + 1):
-            verified = min(n * (1 + d * w), max(budget, n * (d + 1)))
-            cost = d * step + t_target(n_context, verified + extra_tokens)
-            rate = n * expected_emitted(alpha, d) / max(cost, 1e-12)
-            if rate > best * (1 + 1e-9):
-                best_shape, best = (d, w), rate
-    if d_min == 0 and plain_rate(n, n_context, extra_tokens, t_target) >= best:
-        return 0, 1  # no tree pays for itself: plain decoding
+    for d, w, cost, emitted in _priced_shapes(n, max_width=max_width, rank_rates=rank_rates, budget=budget,
+                                              d_min=d_min, d_max=d_max, n_context=n_context,
+                                              extra_tokens=extra_tokens, t_target=t_target, t_draft=t_draft):
+        rate = n * emitted / max(cost, 1e-12)
+        if rate > best * (1 + 1e-9):
+            best_shape, best = (d, w), rate
+    return best_shape
+
+
+def slo_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,
+              n_context: int, extra_tokens: int, t_target: Callable[[int, int], float],
+              t_draft: Callable[[int, int], float], base: np.ndarray, rate: np.ndarray) -> tuple[int, int]:
+    """The shape by the SLO rule: of ``goodput_shape``'s candidates, the one that keeps the most requests on
+    their TPOT SLO, then the most expected tokens per second (Algorithm 2's order, SLO first, applied to the
+    tree the draft builds, as ``iteration_budget.slo_budget`` applies it to B):
+
+        T(d, w)      = d * T_draft(N_ctx, n * w) + T_target(N_ctx, verified + extra)   (goodput_shape's)
+        on_slo(d, w) = #{ r with an SLO : A_r(T(d, w)) <= l(alpha(w), d) }
+                       A_r(T) = base_r + rate_r * T: what r must emit this iteration (selection.requirement_line)
+        shape        = argmax (on_slo, n * l(alpha(w), d) / T(d, w))
+
+    Why: one depth serves the whole batch, and goodput alone picks the depth that suits the batch. On the demo
+    pair at 6 req/s it picked 2-token chains in most iterations, where a coding request, at 1.2x the baseline's
+    TPOT, needs more tokens per iteration than two drafted ones yield; chain:4, which drafts 4 whatever the
+    batch, kept more coding requests on target (issue 29's wall clock, docs/benchmarks.md). The selection can
+    only trim a tree, never deepen it: the depth must already hold what the tightest requests need. A deeper
+    tree also lengthens the iteration, raising every A_r; the count weighs both. Requests a shape cannot keep on
+    target at any depth do not pull it deeper; requests with slack pull it shallower only through goodput.
+    ``base``, ``rate``: per request, 0 and 0 without an SLO (never counted).
+    """
+    slo = rate > 0
+    best_shape, best = (max(d_min, 1), 1), (-1, -1.0)
+    for d, w, cost, emitted in _priced_shapes(n, max_width=max_width, rank_rates=rank_rates, budget=budget,
+                                              d_min=d_min, d_max=d_max, n_context=n_context,
+                                              extra_tokens=extra_tokens, t_target=t_target, t_draft=t_draft):
+        on_slo = int(np.count_nonzero(slo & (base + rate * cost <= emitted)))
+        goodput = n * emitted / max(cost, 1e-12)
+        if on_slo > best[0] or (on_slo == best[0] and goodput > best[1] * (1 + 1e-9)):
+            best_shape, best = (d, w), (on_slo, goodput)
     return best_shape
 
 

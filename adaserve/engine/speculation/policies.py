@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+import numpy as np
+
 from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.speculation.adaptive import (
     AdaptiveConfig,
@@ -36,6 +38,7 @@ from adaserve.engine.speculation.adaptive import (
     depth_width,
     goodput_depth,
     goodput_shape,
+    slo_shape,
 )
 from adaserve.engine.speculation.selection import (
     SPECINFER_EXPANSION,
@@ -76,6 +79,9 @@ class BatchView:
     # P(a rank-r sibling is accepted | its parent was), learnt (acceptance.RankAcceptance.rank_rates); None:
     # not learnt (draft values) or not yet, and the width is Eq. 9's
     rank_rates: Callable[[int], tuple[float, ...] | None] | None = None
+    # per decoding request (base, rate) with A(r) = base + rate * t_iter (selection.requirement_line), [n, 2]; read
+    # by the "slo" depth rule (adaptive.slo_shape); None: not given (the rule then prices goodput alone)
+    slo_lines: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -218,9 +224,9 @@ PLAIN_STREAK = 32
 class _Adaptive(_NoFeedback):
     """Shared by the budgeted tree policies: width from Eq. 9; depth by predicted goodput (or Eq. 8). With the
     goodput rule and learnt sibling rates (``BatchView.rank_rates``), depth and width by predicted goodput
-    together (adaptive.goodput_shape), Eq. 9's width then the widest allowed. Where every tree is a chain
-    (w_max 1) the goodput rule reads the chain's rate from SmartSpec's window (adaptive.chain_rates), learnt
-    rates or not."""
+    together (adaptive.goodput_shape; the "slo" rule: the most requests on their SLO first, adaptive.slo_shape),
+    Eq. 9's width then the widest allowed. Where every tree is a chain (w_max 1) both read the chain's rate from
+    SmartSpec's window (adaptive.chain_rates), learnt rates or not."""
 
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     paths: PathAcceptance = field(default_factory=PathAcceptance)  # mutable state in a frozen policy
@@ -250,16 +256,23 @@ class _Adaptive(_NoFeedback):
     def _shape(self, view: BatchView, adaptive: AdaptiveConfig) -> tuple[int, int]:
         cfg = _with_budget(adaptive, view.budget)
         d, w = depth_width(view.n_active, cfg)
-        goodput = cfg.depth_rule == "goodput"  # the depth from [d_min, d_max] by goodput, not Eq. 8's
+        goodput = cfg.by_goodput  # the depth from [d_min, d_max] by goodput (or SLOs, then goodput), not Eq. 8's
         if goodput and cfg.w_max == 1:  # chains: rank 0 at the latest iterations' rate, from the first iteration
             rates: tuple[float, ...] | None = chain_rates(self.recent.alpha)
         else:
             rates = view.rank_rates(w) if view.rank_rates is not None and goodput else None
         if rates is not None:  # depth and width together, siblings at their learnt worth
-            d, w = goodput_shape(max(view.n_active, 1), max_width=w, rank_rates=rates, budget=view.budget,
-                                 d_min=cfg.d_min, d_max=cfg.d_max, n_context=view.n_context,
-                                 extra_tokens=view.prefill_tokens, t_target=view.predict_target,
-                                 t_draft=view.predict_draft)
+            n = max(view.n_active, 1)
+            lines = view.slo_lines if cfg.depth_rule == "slo" else None
+            if lines is not None and len(lines):  # the most requests on target, then goodput
+                d, w = slo_shape(n, max_width=w, rank_rates=rates, budget=view.budget, d_min=cfg.d_min,
+                                 d_max=cfg.d_max, n_context=view.n_context, extra_tokens=view.prefill_tokens,
+                                 t_target=view.predict_target, t_draft=view.predict_draft, base=lines[:, 0],
+                                 rate=lines[:, 1])
+            else:
+                d, w = goodput_shape(n, max_width=w, rank_rates=rates, budget=view.budget, d_min=cfg.d_min,
+                                     d_max=cfg.d_max, n_context=view.n_context, extra_tokens=view.prefill_tokens,
+                                     t_target=view.predict_target, t_draft=view.predict_draft)
         elif goodput:
             d = goodput_depth(max(view.n_active, 1), w, alpha=self.paths.alpha, d_min=cfg.d_min, d_max=cfg.d_max,
                               n_context=view.n_context, extra_tokens=view.prefill_tokens,
@@ -319,6 +332,11 @@ class FixedBeam(_NoFeedback):
 
     def select(self, cands: list[TokenTree], needs: list[float], ctx: SelectionContext) -> list[list[int]]:
         return select_global_greedy(cands, budget=ctx.budget)
+
+
+def reads_slo_lines(policy: Policy) -> bool:
+    """Whether the policy's tree shape reads the requests' SLO lines (``BatchView.slo_lines``: the "slo" depth rule)."""
+    return isinstance(policy, _Adaptive) and policy.adaptive.depth_rule == "slo"
 
 
 def is_budgeted(policy: Policy) -> bool:

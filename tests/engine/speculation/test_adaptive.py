@@ -271,3 +271,67 @@ def test_a_chains_depth_follows_the_latest_iterations() -> None:
     for _ in range(32):  # the window forgets them: every chain rejected at its first token
         chains.observe(0, 8)
     assert chains.tree_shape(view).depth <= shallow.depth
+
+
+def _slo_costs() -> dict:
+    # 8 requests at alpha 0.8: goodput peaks at 2-token chains (27.6 ms for 2.44 tokens each)
+    return {"max_width": 1, "rank_rates": (0.8,), "budget": 64, "d_min": 0, "d_max": 8, "n_context": 0,
+            "extra_tokens": 0, "t_target": _flat_then_linear(0.010, 5e-4, 0),
+            "t_draft": _flat_then_linear(0.002, 1e-4, 0)}
+
+
+def test_the_slo_shape_goes_deeper_for_a_request_behind_its_target() -> None:
+    import numpy as np
+
+    from adaserve.engine.speculation.adaptive import goodput_shape, slo_shape
+
+    kw = _slo_costs()
+    assert goodput_shape(8, **kw) == (2, 1)
+    # A(r) = base + rate * T: request 0 owes 2 tokens at a 30 ms TPOT SLO, request 1 is on schedule, the rest have
+    # no SLO. Request 0 needs 2 + T / 30 ms: 2.92 tokens at depth 2 (2.44 expected), 3.6 at depth 5 (3.69)
+    base, rate = np.zeros(8), np.zeros(8)
+    base[0], rate[:2] = 2.0, 1 / 0.030
+    assert slo_shape(8, base=base, rate=rate, **kw) == (5, 1)  # the shallowest, fastest depth that serves both
+    # no SLO among them, or one no depth can serve (owing 10 tokens): goodput's shape
+    assert slo_shape(8, base=np.zeros(8), rate=np.zeros(8), **kw) == (2, 1)
+    base[0] = 10.0
+    assert slo_shape(8, base=base, rate=rate, **kw) == (2, 1)
+
+
+def test_the_slo_shape_keeps_a_short_iteration_when_a_deeper_one_pushes_a_tight_request_off() -> None:
+    import numpy as np
+
+    from adaserve.engine.speculation.adaptive import slo_shape
+
+    kw = _slo_costs()
+    # on schedule at a 12 ms TPOT SLO: A = T / 12 ms, met up to depth 3 (2.87 of 2.95 at 34.4 ms), not at 4
+    # (3.43 of 3.36); a request owing 2 tokens at 30 ms is met from depth 5 only: one each way, goodput decides
+    base, rate = np.zeros(8), np.zeros(8)
+    rate[0], base[1], rate[1] = 1 / 0.012, 2.0, 1 / 0.030
+    assert slo_shape(8, base=base, rate=rate, **kw) == (2, 1)
+    base[3], rate[3] = 2.0, 1 / 0.030
+    assert slo_shape(8, base=base, rate=rate, **kw) == (5, 1)  # two behind outnumber one tight request
+    rate[2] = 1 / 0.012
+    assert slo_shape(8, base=base, rate=rate, **kw) == (2, 1)  # two tight ones: a tie again, goodput decides
+
+
+def test_the_slo_depth_rule_reads_the_batch_slo_lines() -> None:
+    import numpy as np
+
+    from adaserve.engine.speculation.adaptive import AdaptiveConfig
+    from adaserve.engine.speculation.policies import AdaServe, BatchView, reads_slo_lines
+
+    bounds = {"d_min": 0, "d_max": 8, "w_max": 1}
+    costs = {"predict_target": _flat_then_linear(0.010, 5e-4, 0), "predict_draft": _flat_then_linear(0.002, 1e-4, 0)}
+    lines = np.zeros((8, 2))
+    # at the policy's prior alpha (0.7) goodput drafts one token; owing 1.2 tokens at 30 ms needs two
+    lines[0] = (1.2, 1 / 0.030)
+    goodput = AdaServe(adaptive=AdaptiveConfig(**bounds))
+    slo = AdaServe(adaptive=AdaptiveConfig(**bounds, depth_rule="slo"))
+    assert not reads_slo_lines(goodput) and reads_slo_lines(slo)
+    view = BatchView(n_active=8, n_context=0, budget=64, slo_lines=lines, **costs)
+    plain_view = BatchView(n_active=8, n_context=0, budget=64, **costs)
+    shallow = goodput.tree_shape(view)
+    assert shallow is not None and slo.tree_shape(plain_view) == shallow  # no lines: goodput's shape
+    deep = slo.tree_shape(view)
+    assert deep is not None and deep.depth > shallow.depth and deep.width == 1

@@ -30,6 +30,7 @@ from adaserve.engine.multi_draft import DraftPool
 from adaserve.engine.prefill_chunk import DecodingSLO, PrefillTTFT, recent_figures, slo_prefill_chunk, ttft_left_s
 from adaserve.engine.request import Phase, Request, requirement, requirement_line
 from adaserve.engine.speculation.acceptance import RankAcceptance
+from adaserve.engine.speculation.adaptive import recent_ratios
 from adaserve.engine.speculation.draft_bandit import make_selector
 from adaserve.engine.speculation.grammar import GrammarCompiler, mask_logits
 from adaserve.engine.speculation.iteration_budget import drafted_values, goodput_budget, slo_budget, token_price
@@ -492,11 +493,14 @@ class Engine:
         rates = self.acceptance.rank_rates if self.acceptance is not None and self.pool is None else None
         # A(r) = base + rate * t_iter per request, where the shape or the budget rule prices SLOs
         slo_budgeted = self.cfg.budget_rule == "slo" and is_budgeted(self.policy)
+        slo_shaped = reads_slo_lines(self.policy)
         lines = (np.array([requirement_line(r, now_s=t_start) for r in decoding]).reshape(-1, 2)
-                 if slo_budgeted or reads_slo_lines(self.policy) else None)
+                 if slo_budgeted or slo_shaped else None)
+        ratios = (np.array([recent_ratios(r.metrics.accepted_per_step, r.metrics.verified_per_step)
+                            for r in decoding]).reshape(-1, 2) if slo_shaped else None)
         view = BatchView(n_active=len(decoding), n_context=n_ctx, budget=self.cfg.budget,
                          predict_target=self.target_time.predict, predict_draft=predict_draft,
-                         prefill_tokens=m.prefill_tokens, rank_rates=rates, slo_lines=lines)
+                         prefill_tokens=m.prefill_tokens, rank_rates=rates, slo_lines=lines, request_ratios=ratios)
         shape = self.policy.tree_shape(view)
         m.predicted_iter_s = self.predict_iteration(shape, len(decoding), n_ctx, m.prefill_tokens, predict_draft)
         if shape is None or shape.depth < 1 or self.draft is None:

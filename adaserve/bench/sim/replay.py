@@ -54,6 +54,7 @@ from adaserve.engine.cost.cost_model import CostModel
 from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.prefill_chunk import DecodingSLO, PrefillTTFT, recent_figures, slo_prefill_chunk, ttft_left_s
 from adaserve.engine.speculation.acceptance import RankAcceptance
+from adaserve.engine.speculation.adaptive import recent_ratios
 from adaserve.engine.speculation.iteration_budget import goodput_budget, slo_budget, token_price
 from adaserve.engine.speculation.policies import (
     BatchView,
@@ -384,11 +385,13 @@ class ReplayEngine:
                                                tokens_so_far=max(0, r.emitted - 1),
                                                tpot_slo_s=r.tpot_slo_ms / 1e3) if s else (0.0, 0.0)
                               for r, s in zip(decoding, has_slo, strict=True)]).reshape(-1, 2)
+        ratios = (np.array([recent_ratios(r.accepted_per_step, r.verified_per_step) for r in decoding]).reshape(-1, 2)
+                  if reads_slo_lines(self.policy) else None)
         view = BatchView(n_active=len(decoding), n_context=n_ctx, budget=self.cfg.budget,
                          predict_target=self.target_cost.predict, predict_draft=self.draft_cost.predict,
                          prefill_tokens=prefill_tokens,
                          rank_rates=None if self.acceptance is None else self.acceptance.rank_rates,
-                         slo_lines=lines)
+                         slo_lines=lines, request_ratios=ratios)
         shape = self.policy.tree_shape(view)
         if shape is None or shape.depth < 1:
             return roots, 0.0

@@ -243,15 +243,20 @@ def goodput_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget
 
 def slo_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,
               n_context: int, extra_tokens: int, t_target: Callable[[int, int], float],
-              t_draft: Callable[[int, int], float], base: np.ndarray, rate: np.ndarray) -> tuple[int, int]:
+              t_draft: Callable[[int, int], float], base: np.ndarray, rate: np.ndarray,
+              alphas: np.ndarray | None = None) -> tuple[int, int]:
     """The shape by the SLO rule: of ``goodput_shape``'s candidates, the one that keeps the most requests on
     their TPOT SLO, then the most expected tokens per second (Algorithm 2's order, SLO first, applied to the
     tree the draft builds, as ``iteration_budget.slo_budget`` applies it to B):
 
         T(d, w)      = d * T_draft(N_ctx, n * w) + T_target(N_ctx, verified + extra)   (goodput_shape's)
-        on_slo(d, w) = #{ r with an SLO : A_r(T(d, w)) <= l(alpha(w), d) }
+        on_slo(d, w) = #{ r with an SLO : A_r(T(d, w)) <= l(alpha_r(w), d) }
                        A_r(T) = base_r + rate_r * T: what r must emit this iteration (selection.requirement_line)
-        shape        = argmax (on_slo, n * l(alpha(w), d) / T(d, w))
+        shape        = argmax (on_slo, sum_r l(alpha_r(w), d) / T(d, w))
+
+    alpha_r(w) is the batch's alpha(w), or for chains with ``alphas`` each request's own rate (``request_alphas``):
+    code continues more predictably than a summary, and the depth a coding request at a tight SLO needs is what its
+    own acceptance says, not the batch's mean.
 
     Why: one depth serves the whole batch, and goodput alone picks the depth that suits the batch. On the demo
     pair at 6 req/s it picked 2-token chains in most iterations, where a coding request, at 1.2x the baseline's
@@ -263,15 +268,42 @@ def slo_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget: in
     ``base``, ``rate``: per request, 0 and 0 without an SLO (never counted).
     """
     slo = rate > 0
+    own = None if alphas is None else np.minimum(alphas, MAX_ALPHA)
     best_shape, best = (max(d_min, 1), 1), (-1, -1.0)
     for d, w, cost, emitted in _priced_shapes(n, max_width=max_width, rank_rates=rank_rates, budget=budget,
                                               d_min=d_min, d_max=d_max, n_context=n_context,
                                               extra_tokens=extra_tokens, t_target=t_target, t_draft=t_draft):
-        on_slo = int(np.count_nonzero(slo & (base + rate * cost <= emitted)))
-        goodput = n * emitted / max(cost, 1e-12)
+        each = (1 - own ** (d + 1)) / (1 - own) if own is not None and w == 1 else np.full(len(base), emitted)
+        on_slo = int(np.count_nonzero(slo & (base + rate * cost <= each)))
+        goodput = float(each.sum()) / max(cost, 1e-12)
         if on_slo > best[0] or (on_slo == best[0] and goodput > best[1] * (1 + 1e-9)):
             best_shape, best = (d, w), (on_slo, goodput)
     return best_shape
+
+
+# a request's own chain rate: SmartSpec's accepted / proposed over its latest verifications, the batch's rate counting
+# as this many of them (so a new request starts at the batch's rate and a few verifications move it)
+REQUEST_WINDOW = 8
+REQUEST_PRIOR_WEIGHT = 2.0
+
+
+def recent_ratios(accepted: Sequence[int], verified: Sequence[int], window: int = REQUEST_WINDOW) -> tuple[float, int]:
+    """(sum of accepted / proposed, how many) over a request's latest ``window`` verifications that proposed a
+    token (``verified`` counts the tree's tokens, the root included)."""
+    total, count = 0.0, 0
+    for a, v in zip(reversed(accepted), reversed(verified), strict=False):
+        if v > 1:
+            total += min(1.0, a / (v - 1))
+            count += 1
+            if count == window:
+                break
+    return total, count
+
+
+def request_alphas(ratios: np.ndarray, batch_alpha: float) -> np.ndarray:
+    """Each request's chain rate from its ``recent_ratios`` rows [n, 2], shrunk towards ``batch_alpha``:
+    (sum + w0 * batch) / (count + w0), w0 = REQUEST_PRIOR_WEIGHT."""
+    return (ratios[:, 0] + REQUEST_PRIOR_WEIGHT * batch_alpha) / (ratios[:, 1] + REQUEST_PRIOR_WEIGHT)
 
 
 @dataclass

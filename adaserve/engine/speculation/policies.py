@@ -38,6 +38,7 @@ from adaserve.engine.speculation.adaptive import (
     depth_width,
     goodput_depth,
     goodput_shape,
+    request_alphas,
     slo_shape,
 )
 from adaserve.engine.speculation.selection import (
@@ -82,6 +83,9 @@ class BatchView:
     # per decoding request (base, rate) with A(r) = base + rate * t_iter (selection.requirement_line), [n, 2]; read
     # by the "slo" depth rule (adaptive.slo_shape); None: not given (the rule then prices goodput alone)
     slo_lines: np.ndarray | None = None
+    # per decoding request, its latest chain acceptance (adaptive.recent_ratios: sum of accepted / proposed, count),
+    # [n, 2]; the "slo" rule's per-request chain rates (adaptive.request_alphas); None: the batch's rate for all
+    request_ratios: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -265,10 +269,12 @@ class _Adaptive(_NoFeedback):
             n = max(view.n_active, 1)
             lines = view.slo_lines if cfg.depth_rule == "slo" else None
             if lines is not None and len(lines):  # the most requests on target, then goodput
+                own = (request_alphas(view.request_ratios, self.recent.alpha)
+                       if cfg.w_max == 1 and view.request_ratios is not None else None)
                 d, w = slo_shape(n, max_width=w, rank_rates=rates, budget=view.budget, d_min=cfg.d_min,
                                  d_max=cfg.d_max, n_context=view.n_context, extra_tokens=view.prefill_tokens,
                                  t_target=view.predict_target, t_draft=view.predict_draft, base=lines[:, 0],
-                                 rate=lines[:, 1])
+                                 rate=lines[:, 1], alphas=own)
             else:
                 d, w = goodput_shape(n, max_width=w, rank_rates=rates, budget=view.budget, d_min=cfg.d_min,
                                      d_max=cfg.d_max, n_context=view.n_context, extra_tokens=view.prefill_tokens,

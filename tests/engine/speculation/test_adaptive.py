@@ -335,3 +335,34 @@ def test_the_slo_depth_rule_reads_the_batch_slo_lines() -> None:
     assert shallow is not None and slo.tree_shape(plain_view) == shallow  # no lines: goodput's shape
     deep = slo.tree_shape(view)
     assert deep is not None and deep.depth > shallow.depth and deep.width == 1
+
+
+def test_the_slo_shape_reads_each_request_s_own_chain_rate() -> None:
+    import numpy as np
+
+    from adaserve.engine.speculation.adaptive import slo_shape
+
+    kw = _slo_costs()
+    base, rate = np.zeros(8), np.zeros(8)
+    base[0], rate[0] = 2.0, 1 / 0.030  # owes 2 tokens at 30 ms: depth 5 at the batch's 0.8 (the test above)
+    alphas = np.full(8, 0.8)
+    assert slo_shape(8, base=base, rate=rate, alphas=alphas, **kw) == (5, 1)
+    alphas[0] = 0.95  # its own text is predictable: 3 tokens reach 3.71 against the 3.15 it needs
+    assert slo_shape(8, base=base, rate=rate, alphas=alphas, **kw) == (3, 1)
+    alphas[0] = 0.6  # and where it is not, no depth serves it: goodput's shape
+    assert slo_shape(8, base=base, rate=rate, alphas=alphas, **kw) == (2, 1)
+
+
+def test_a_request_s_chain_rate_is_its_latest_acceptance_shrunk_towards_the_batch() -> None:
+    import numpy as np
+
+    from adaserve.engine.speculation.adaptive import REQUEST_WINDOW, recent_ratios, request_alphas
+
+    # verifications of the root alone propose nothing and are skipped; a ratio is accepted / (verified - 1)
+    assert recent_ratios([0, 2, 0, 4], [1, 5, 1, 5]) == (0.5 + 1.0, 2)
+    assert recent_ratios([], []) == (0.0, 0)
+    many = recent_ratios([4] * 20 + [0] * REQUEST_WINDOW, [5] * (20 + REQUEST_WINDOW))
+    assert many == (0.0, REQUEST_WINDOW)  # only the latest window counts
+    alphas = request_alphas(np.array([[0.0, 0], [8.0, 8], [0.0, 8]]), 0.7)
+    assert alphas[0] == 0.7  # nothing seen: the batch's rate
+    assert 0.7 < alphas[1] < 1.0 and 0.0 < alphas[2] < 0.7

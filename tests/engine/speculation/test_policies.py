@@ -98,6 +98,28 @@ def test_budget_rules_are_lossless(budget_rule: str, target_dir: Path, reference
         assert len({m.budget for m in spec}) > 1
 
 
+@pytest.mark.parametrize("draft", ["random", "self"])
+def test_the_slo_depth_rule_is_lossless(draft: str, target_dir: Path, draft_dir: Path, references) -> None:
+    """The SLO-first shape (adaptive.slo_shape) reads each request's SLO line and own chain rate; it only changes
+    how deep the chains are drafted."""
+    from adaserve.engine.config import EngineConfig
+    from adaserve.engine.engine import Engine
+    from adaserve.engine.speculation.adaptive import AdaptiveConfig
+
+    cfg = EngineConfig(policy="adaserve", budget=20, prefill_chunk=24,
+                       adaptive=AdaptiveConfig(d_min=0, d_max=8, w_max=1, depth_rule="slo"))
+    eng = Engine(runner(target_dir), runner(target_dir if draft == "self" else draft_dir), cfg)
+    reqs = mixed_workload(12, 3)
+    for r in reqs:
+        eng.add_request(r)
+    while eng.has_work:
+        eng.step()
+    assert all(r.output_ids == references[r.request_id] for r in reqs)
+    assert all(m.width <= 1 for m in eng.history)
+    if draft == "self":  # every token accepted: the chains go deep
+        assert max(m.depth for m in eng.history) > 2
+
+
 def test_tight_slo_gets_more_verified_tokens(target_dir: Path) -> None:
     """Same batch, same prompts: requests 5 ms behind schedule get deeper trees than relaxed ones.
 

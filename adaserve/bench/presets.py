@@ -101,8 +101,8 @@ ADASERVE_REFINEMENTS = {
     "adaserve+text-order": {"slo_order": "largest-need"},
 }
 OURS = "adaserve+ours"
-# ours with the tree's shape chosen SLO first (adaptive.slo_shape), on the bench's measured bounds
-OURS_SLO_SHAPE = "adaserve+ours+slo-shape"
+# ours with the tree's shape by goodput alone (adaptive.goodput_shape), as before the SLO-first shape (slo_shape)
+OURS_GOODPUT_SHAPE = "adaserve+ours+goodput-shape"
 
 PRESETS: dict[str, Preset] = {
     # exps/test.sh, ENABLE_VLLM_SERVER_BENCHMARK: --enable-chunked-prefill False, MAX_REQUESTS_PER_BATCH=512
@@ -116,7 +116,7 @@ PRESETS: dict[str, Preset] = {
     "adaserve-paper": replace(ADASERVE_PAPER, name="adaserve-paper"),
     **{name: replace(ADASERVE_PAPER, name=name, **kw) for name, kw in ADASERVE_REFINEMENTS.items()},
     OURS: Preset(OURS, "adaserve"),
-    OURS_SLO_SHAPE: Preset(OURS_SLO_SHAPE, "adaserve", depth_rule="slo"),
+    OURS_GOODPUT_SHAPE: Preset(OURS_GOODPUT_SHAPE, "adaserve", depth_rule="goodput"),
 }
 NAMES = (*PRESETS, f"{VLLM_SPEC}:K")
 

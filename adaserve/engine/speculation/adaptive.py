@@ -48,10 +48,12 @@ class AdaptiveConfig:
     c1: int = 1  # > 0 so n + c1 never hits zero, and one request never claims the whole budget
     c2: int = 0
     # "goodput": depth by predicted tokens per second (adaptive.goodput_depth), width by Eq. 9;
-    # "slo": as "goodput" where the shape is chosen from rates (chains, learnt sibling rates), but the shape
-    # keeping the most requests on their TPOT SLO first, then goodput (adaptive.slo_shape);
+    # "slo": as "goodput", but where the shape is chosen from rates (chains, learnt sibling rates) the shape
+    # keeping the most requests on their TPOT SLO first, then goodput (adaptive.slo_shape). The default: on the
+    # demo pair at 10 req/s it kept 0.035 more requests on target than "goodput" over 20 paired seeds
+    # (docs/benchmarks.md, issue 29's wall clock);
     # "eq8": the paper's Eq. 8, depth tied to the budget
-    depth_rule: str = "goodput"
+    depth_rule: str = "slo"
 
     def __post_init__(self) -> None:
         if not is_int(self.d_min) or self.d_min < 0 or not is_int(self.d_max) or self.d_max < self.d_min:

@@ -326,7 +326,7 @@ def test_the_slo_depth_rule_reads_the_batch_slo_lines() -> None:
     lines = np.zeros((8, 2))
     # at the policy's prior alpha (0.7) goodput drafts one token; owing 1.2 tokens at 30 ms needs two
     lines[0] = (1.2, 1 / 0.030)
-    goodput = AdaServe(adaptive=AdaptiveConfig(**bounds))
+    goodput = AdaServe(adaptive=AdaptiveConfig(**bounds, depth_rule="goodput"))
     slo = AdaServe(adaptive=AdaptiveConfig(**bounds, depth_rule="slo"))
     assert not reads_slo_lines(goodput) and reads_slo_lines(slo)
     view = BatchView(n_active=8, n_context=0, budget=64, slo_lines=lines, **costs)

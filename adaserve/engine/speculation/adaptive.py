@@ -8,7 +8,7 @@ second and ``slo_shape`` the one keeping the most requests on their TPOT SLO, th
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -196,9 +196,25 @@ def chain_rates(recent: float) -> tuple[float, ...]:
     return (float(recent),)
 
 
+def beam_alpha(w: int, rank_rates: Sequence[float], measured: Mapping[int, float] | None = None) -> float:
+    """alpha(w), P(the accepted path goes one level deeper) in a beam of width w: what trees of that width showed
+    (``measured``, ``WidthAcceptance.alphas``), else the sum of the ranks' rates, capped at MAX_ALPHA.
+
+    The sum is exact for w children of one node; a beam keeps the w best paths of a level, often all below the
+    top child, so the sum overrates it, and at the cap every width looks alike. On the artifact's table (replay,
+    4.72 req/s) the learnt rates summed past the cap at width 2, the rule drafted 2-wide trees in 2947 of 3321
+    iterations, and accepted 2.27 tokens per request where 3-wide ones had accepted 2.51 (attainment 0.851
+    against 0.987; docs/benchmarks.md). A width's own trees say what it is worth; a width not yet drafted keeps
+    the optimistic sum, so it is tried and then measured."""
+    if measured is not None and w in measured:
+        return min(measured[w], MAX_ALPHA)
+    return min(float(sum(rank_rates[:w])), MAX_ALPHA)
+
+
 def _priced_shapes(n: int, *, max_width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,
                    n_context: int, extra_tokens: int, t_target: Callable[[int, int], float],
-                   t_draft: Callable[[int, int], float]) -> Iterator[tuple[int, int, float, float]]:
+                   t_draft: Callable[[int, int], float], measured: Mapping[int, float] | None = None
+                   ) -> Iterator[tuple[int, int, float, float]]:
     """Every shape ``goodput_shape`` and ``slo_shape`` weigh, as (d, w, seconds, tokens one request is expected to
     emit), narrowest and shallowest first; plain decoding (0, 1) first of all where ``d_min`` is 0."""
     if max_width < 1 or len(rank_rates) < max_width:
@@ -206,7 +222,7 @@ def _priced_shapes(n: int, *, max_width: int, rank_rates: Sequence[float], budge
     if d_min == 0:
         yield 0, 1, t_target(n_context, n + extra_tokens), 1.0
     for w in range(1, max_width + 1):
-        alpha = min(float(sum(rank_rates[:w])), MAX_ALPHA)
+        alpha = beam_alpha(w, rank_rates, measured)
         step = t_draft(n_context, n * w)  # one beam level: the same for every depth
         for d in range(max(d_min, 1), max(d_max, 1) + 1):
             verified = min(n * (1 + d * w), max(budget, n * (d + 1)))
@@ -215,14 +231,16 @@ def _priced_shapes(n: int, *, max_width: int, rank_rates: Sequence[float], budge
 
 def goodput_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,
                   n_context: int, extra_tokens: int, t_target: Callable[[int, int], float],
-                  t_draft: Callable[[int, int], float]) -> tuple[int, int]:
+                  t_draft: Callable[[int, int], float], measured: Mapping[int, float] | None = None
+                  ) -> tuple[int, int]:
     """The shape (d, w), w <= ``max_width`` (Eq. 9's), with the most expected tokens per second, where a beam
     of w siblings is worth what the verified trees showed siblings are worth:
 
         alpha(w)    = min(sum of rank_rates[:w], MAX_ALPHA)   P(the path goes one level deeper) with w
                       candidates at a level: rank_rates[r] = P(the rank-r child is accepted | its parent was),
                       learnt from verification (acceptance.RankAcceptance.rank_rates); one child at most is
-                      accepted, so the ranks' chances add
+                      accepted, so the ranks' chances add; or, once trees of width w were verified, what
+                      they showed (``measured``; ``beam_alpha``)
         verified    = min(n * (1 + d * w), max(B, n * (d + 1)))     the whole trees, up to the budget
         goodput     = n * l(alpha(w), d) / (d * T_draft(N_ctx, n * w) + T_target(N_ctx, verified + extra))
 
@@ -236,7 +254,8 @@ def goodput_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget
     best_shape, best = (max(d_min, 1), 1), -1.0
     for d, w, cost, emitted in _priced_shapes(n, max_width=max_width, rank_rates=rank_rates, budget=budget,
                                               d_min=d_min, d_max=d_max, n_context=n_context,
-                                              extra_tokens=extra_tokens, t_target=t_target, t_draft=t_draft):
+                                              extra_tokens=extra_tokens, t_target=t_target, t_draft=t_draft,
+                                              measured=measured):
         rate = n * emitted / max(cost, 1e-12)
         if rate > best * (1 + 1e-9):
             best_shape, best = (d, w), rate
@@ -246,7 +265,7 @@ def goodput_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget
 def slo_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,
               n_context: int, extra_tokens: int, t_target: Callable[[int, int], float],
               t_draft: Callable[[int, int], float], base: np.ndarray, rate: np.ndarray,
-              alphas: np.ndarray | None = None) -> tuple[int, int]:
+              alphas: np.ndarray | None = None, measured: Mapping[int, float] | None = None) -> tuple[int, int]:
     """The shape by the SLO rule: of ``goodput_shape``'s candidates, the one that keeps the most requests on
     their TPOT SLO, then the most expected tokens per second (Algorithm 2's order, SLO first, applied to the
     tree the draft builds, as ``iteration_budget.slo_budget`` applies it to B):
@@ -274,7 +293,8 @@ def slo_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget: in
     best_shape, best = (max(d_min, 1), 1), (-1, -1.0)
     for d, w, cost, emitted in _priced_shapes(n, max_width=max_width, rank_rates=rank_rates, budget=budget,
                                               d_min=d_min, d_max=d_max, n_context=n_context,
-                                              extra_tokens=extra_tokens, t_target=t_target, t_draft=t_draft):
+                                              extra_tokens=extra_tokens, t_target=t_target, t_draft=t_draft,
+                                              measured=measured):
         each = (1 - own ** (d + 1)) / (1 - own) if own is not None and w == 1 else np.full(len(base), emitted)
         on_slo = int(np.count_nonzero(slo & (base + rate * cost <= each)))
         goodput = float(each.sum()) / max(cost, 1e-12)
@@ -333,6 +353,28 @@ class PathAcceptance:
         self.samples.append((accepted, rejections))
         while len(self.samples) > self.window:
             self.samples.popleft()
+
+
+# verified iterations of one width before its path acceptance replaces the ranks' sum (beam_alpha)
+MIN_WIDTH_SAMPLES = 4
+
+
+@dataclass
+class WidthAcceptance:
+    """``PathAcceptance`` per beam width: how far down the trees of each width the accepted paths reached, over
+    that width's latest verified iterations (``beam_alpha``)."""
+
+    window: int = 32
+    by_width: dict[int, PathAcceptance] = field(default_factory=dict)
+
+    def observe(self, width: int, accepted: int, rejections: int) -> None:
+        if width < 1:
+            return
+        self.by_width.setdefault(width, PathAcceptance(window=self.window)).observe(accepted, rejections)
+
+    def alphas(self) -> dict[int, float]:
+        """alpha per width with at least MIN_WIDTH_SAMPLES iterations observed."""
+        return {w: p.alpha for w, p in self.by_width.items() if len(p.samples) >= MIN_WIDTH_SAMPLES}
 
 
 def goodput_depth(n: int, width: int, *, alpha: float, d_min: int, d_max: int, n_context: int,

@@ -34,6 +34,7 @@ from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.speculation.adaptive import (
     AdaptiveConfig,
     PathAcceptance,
+    WidthAcceptance,
     chain_rates,
     depth_width,
     goodput_depth,
@@ -236,6 +237,9 @@ class _Adaptive(_NoFeedback):
     paths: PathAcceptance = field(default_factory=PathAcceptance)  # mutable state in a frozen policy
     # SmartSpec's window of accepted / proposed: a chain's depth follows the latest iterations (adaptive.chain_rates)
     recent: AcceptanceAverage = field(default_factory=AcceptanceAverage)
+    # each beam width's own path acceptance (adaptive.beam_alpha), and the width of the latest tree drafted
+    widths: WidthAcceptance = field(default_factory=WidthAcceptance)
+    _last_width: list[int] = field(default_factory=lambda: [0])
     _plain_streak: list[int] = field(default_factory=lambda: [0])  # iterations in a row decoded plainly
 
     @property
@@ -255,16 +259,19 @@ class _Adaptive(_NoFeedback):
             if self._plain_streak[0] >= PLAIN_STREAK:
                 self._plain_streak[0] = 0
                 d, w = self._shape(view, replace(self.adaptive, d_min=1))
+        self._last_width[0] = w if d > 0 else 0
         return TreeShape(d, w) if d > 0 else None
 
     def _shape(self, view: BatchView, adaptive: AdaptiveConfig) -> tuple[int, int]:
         cfg = _with_budget(adaptive, view.budget)
         d, w = depth_width(view.n_active, cfg)
         goodput = cfg.by_goodput  # the depth from [d_min, d_max] by goodput (or SLOs, then goodput), not Eq. 8's
+        measured = None
         if goodput and cfg.w_max == 1:  # chains: rank 0 at the latest iterations' rate, from the first iteration
             rates: tuple[float, ...] | None = chain_rates(self.recent.alpha)
         else:
             rates = view.rank_rates(w) if view.rank_rates is not None and goodput else None
+            measured = self.widths.alphas()  # beams: each width at what its own trees showed, once they did
         if rates is not None:  # depth and width together, siblings at their learnt worth
             n = max(view.n_active, 1)
             lines = view.slo_lines if cfg.depth_rule == "slo" else None
@@ -274,11 +281,11 @@ class _Adaptive(_NoFeedback):
                 d, w = slo_shape(n, max_width=w, rank_rates=rates, budget=view.budget, d_min=cfg.d_min,
                                  d_max=cfg.d_max, n_context=view.n_context, extra_tokens=view.prefill_tokens,
                                  t_target=view.predict_target, t_draft=view.predict_draft, base=lines[:, 0],
-                                 rate=lines[:, 1], alphas=own)
+                                 rate=lines[:, 1], alphas=own, measured=measured)
             else:
                 d, w = goodput_shape(n, max_width=w, rank_rates=rates, budget=view.budget, d_min=cfg.d_min,
                                      d_max=cfg.d_max, n_context=view.n_context, extra_tokens=view.prefill_tokens,
-                                     t_target=view.predict_target, t_draft=view.predict_draft)
+                                     t_target=view.predict_target, t_draft=view.predict_draft, measured=measured)
         elif goodput:
             d = goodput_depth(max(view.n_active, 1), w, alpha=self.paths.alpha, d_min=cfg.d_min, d_max=cfg.d_max,
                               n_context=view.n_context, extra_tokens=view.prefill_tokens,
@@ -290,6 +297,7 @@ class _Adaptive(_NoFeedback):
 
     def observe_paths(self, accepted: int, rejections: int) -> None:
         self.paths.observe(accepted, rejections)
+        self.widths.observe(self._last_width[0], accepted, rejections)
 
 
 @dataclass(frozen=True)

@@ -366,3 +366,36 @@ def test_a_request_s_chain_rate_is_its_latest_acceptance_shrunk_towards_the_batc
     alphas = request_alphas(np.array([[0.0, 0], [8.0, 8], [0.0, 8]]), 0.7)
     assert alphas[0] == 0.7  # nothing seen: the batch's rate
     assert 0.7 < alphas[1] < 1.0 and 0.0 < alphas[2] < 0.7
+
+
+def test_a_beam_width_is_priced_at_what_its_own_trees_showed_once_they_did() -> None:
+    from adaserve.engine.speculation.adaptive import MAX_ALPHA, MIN_WIDTH_SAMPLES, WidthAcceptance, beam_alpha
+
+    rates = (0.8, 0.25, 0.1)
+    # the ranks' sum saturates: widths 2 and 3 look alike to it
+    assert beam_alpha(2, rates) == beam_alpha(3, rates) == MAX_ALPHA
+    widths = WidthAcceptance()
+    for _ in range(MIN_WIDTH_SAMPLES - 1):
+        widths.observe(2, accepted=6, rejections=4)  # 2-wide trees: 6 accepted, 4 paths stopped by a rejection
+    assert widths.alphas() == {}  # too few iterations yet: the sum still prices width 2
+    widths.observe(2, accepted=6, rejections=4)
+    widths.observe(0, accepted=5, rejections=5)  # plain iterations are nobody's width
+    measured = widths.alphas()
+    assert measured == {2: 0.6}
+    assert beam_alpha(2, rates, measured) == 0.6 and beam_alpha(3, rates, measured) == MAX_ALPHA
+
+
+def test_the_policy_learns_each_drafted_width_s_own_acceptance() -> None:
+    from adaserve.engine.speculation.adaptive import MIN_WIDTH_SAMPLES, AdaptiveConfig
+    from adaserve.engine.speculation.policies import AdaServe, BatchView
+
+    # an accelerator below its knee: every width costs the same, so the rates decide
+    gpu = {"predict_target": _flat_then_linear(0.025, 1e-4, 512), "predict_draft": _flat_then_linear(0.002, 1e-5, 256)}
+    policy = AdaServe(adaptive=AdaptiveConfig(d_min=0, d_max=4, w_max=3, depth_rule="goodput"))
+    view = BatchView(n_active=8, n_context=0, budget=128, rank_rates=lambda w: (0.8, 0.25, 0.1)[:w], **gpu)
+    first = policy.tree_shape(view)
+    assert first is not None and first.width == 2  # the sums tie at the cap: the narrower beam
+    for _ in range(MIN_WIDTH_SAMPLES):  # its trees accept little: half the paths stop at each level
+        policy.observe_paths(accepted=8, rejections=8)
+    after = policy.tree_shape(view)
+    assert after is not None and after.width == 3  # the untried width, at its (optimistic) sum, is tried

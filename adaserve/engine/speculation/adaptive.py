@@ -213,15 +213,15 @@ def beam_alpha(w: int, rank_rates: Sequence[float], measured: Mapping[int, float
 
 def _priced_shapes(n: int, *, max_width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,
                    n_context: int, extra_tokens: int, t_target: Callable[[int, int], float],
-                   t_draft: Callable[[int, int], float], measured: Mapping[int, float] | None = None
-                   ) -> Iterator[tuple[int, int, float, float]]:
+                   t_draft: Callable[[int, int], float], measured: Mapping[int, float] | None = None,
+                   min_width: int = 1) -> Iterator[tuple[int, int, float, float]]:
     """Every shape ``goodput_shape`` and ``slo_shape`` weigh, as (d, w, seconds, tokens one request is expected to
     emit), narrowest and shallowest first; plain decoding (0, 1) first of all where ``d_min`` is 0."""
     if max_width < 1 or len(rank_rates) < max_width:
         raise ValueError(f"a shape rule needs a rate for each of {max_width} sibling ranks, got {len(rank_rates)}")
     if d_min == 0:
         yield 0, 1, t_target(n_context, n + extra_tokens), 1.0
-    for w in range(1, max_width + 1):
+    for w in range(min(max(min_width, 1), max_width), max_width + 1):
         alpha = beam_alpha(w, rank_rates, measured)
         step = t_draft(n_context, n * w)  # one beam level: the same for every depth
         for d in range(max(d_min, 1), max(d_max, 1) + 1):
@@ -231,8 +231,8 @@ def _priced_shapes(n: int, *, max_width: int, rank_rates: Sequence[float], budge
 
 def goodput_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,
                   n_context: int, extra_tokens: int, t_target: Callable[[int, int], float],
-                  t_draft: Callable[[int, int], float], measured: Mapping[int, float] | None = None
-                  ) -> tuple[int, int]:
+                  t_draft: Callable[[int, int], float], measured: Mapping[int, float] | None = None,
+                  min_width: int = 1) -> tuple[int, int]:
     """The shape (d, w), w <= ``max_width`` (Eq. 9's), with the most expected tokens per second, where a beam
     of w siblings is worth what the verified trees showed siblings are worth:
 
@@ -255,7 +255,7 @@ def goodput_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget
     for d, w, cost, emitted in _priced_shapes(n, max_width=max_width, rank_rates=rank_rates, budget=budget,
                                               d_min=d_min, d_max=d_max, n_context=n_context,
                                               extra_tokens=extra_tokens, t_target=t_target, t_draft=t_draft,
-                                              measured=measured):
+                                              measured=measured, min_width=min_width):
         rate = n * emitted / max(cost, 1e-12)
         if rate > best * (1 + 1e-9):
             best_shape, best = (d, w), rate
@@ -265,7 +265,8 @@ def goodput_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget
 def slo_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,
               n_context: int, extra_tokens: int, t_target: Callable[[int, int], float],
               t_draft: Callable[[int, int], float], base: np.ndarray, rate: np.ndarray,
-              alphas: np.ndarray | None = None, measured: Mapping[int, float] | None = None) -> tuple[int, int]:
+              alphas: np.ndarray | None = None, measured: Mapping[int, float] | None = None,
+              min_width: int = 1) -> tuple[int, int]:
     """The shape by the SLO rule: of ``goodput_shape``'s candidates, the one that keeps the most requests on
     their TPOT SLO, then the most expected tokens per second (Algorithm 2's order, SLO first, applied to the
     tree the draft builds, as ``iteration_budget.slo_budget`` applies it to B):
@@ -294,7 +295,7 @@ def slo_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget: in
     for d, w, cost, emitted in _priced_shapes(n, max_width=max_width, rank_rates=rank_rates, budget=budget,
                                               d_min=d_min, d_max=d_max, n_context=n_context,
                                               extra_tokens=extra_tokens, t_target=t_target, t_draft=t_draft,
-                                              measured=measured):
+                                              measured=measured, min_width=min_width):
         each = (1 - own ** (d + 1)) / (1 - own) if own is not None and w == 1 else np.full(len(base), emitted)
         on_slo = int(np.count_nonzero(slo & (base + rate * cost <= each)))
         goodput = float(each.sum()) / max(cost, 1e-12)

@@ -228,10 +228,17 @@ PLAIN_STREAK = 32
 @dataclass(frozen=True)
 class _Adaptive(_NoFeedback):
     """Shared by the budgeted tree policies: width from Eq. 9; depth by predicted goodput (or Eq. 8). With the
-    goodput rule and learnt sibling rates (``BatchView.rank_rates``), depth and width by predicted goodput
-    together (adaptive.goodput_shape; the "slo" rule: the most requests on their SLO first, adaptive.slo_shape),
-    Eq. 9's width then the widest allowed. Where every tree is a chain (w_max 1) both read the chain's rate from
-    SmartSpec's window (adaptive.chain_rates), learnt rates or not."""
+    goodput rule and learnt sibling rates (``BatchView.rank_rates``), the depth at Eq. 9's width by predicted
+    goodput (adaptive.goodput_shape; the "slo" rule: the most requests on their SLO first, adaptive.slo_shape),
+    the width priced at what its own trees showed (adaptive.beam_alpha). Where every tree is a chain (w_max 1)
+    both read the chain's rate from SmartSpec's window (adaptive.chain_rates), learnt rates or not.
+
+    Why not the width by goodput too: the rule prices a level by whether the accepted path goes on, not by the
+    better candidates a wider level gives the selection, so it drafted 2-wide trees where the artifact's table
+    verifies 3-wide ones at the same price: adaserve+ours fell from 0.993 to 0.915 at Fig 10's 0.3 (0.952 with
+    each width at its own measured rate) and from 0.987 to 0.851 at Fig 8's 4.72 req/s (replay, seed 0;
+    docs/benchmarks.md). Where a wider tree does cost more to
+    verify, ``bounds_for_device`` already narrows w_max (a CPU: chains)."""
 
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     paths: PathAcceptance = field(default_factory=PathAcceptance)  # mutable state in a frozen policy
@@ -266,12 +273,14 @@ class _Adaptive(_NoFeedback):
         cfg = _with_budget(adaptive, view.budget)
         d, w = depth_width(view.n_active, cfg)
         goodput = cfg.by_goodput  # the depth from [d_min, d_max] by goodput (or SLOs, then goodput), not Eq. 8's
-        measured = None
+        measured, wide = None, 1
         if goodput and cfg.w_max == 1:  # chains: rank 0 at the latest iterations' rate, from the first iteration
             rates: tuple[float, ...] | None = chain_rates(self.recent.alpha)
         else:
             rates = view.rank_rates(w) if view.rank_rates is not None and goodput else None
-            measured = self.widths.alphas()  # beams: each width at what its own trees showed, once they did
+            # beams: Eq. 9's width (within bounds_for_device's, where verifying it costs about what a chain does),
+            # priced at what trees of that width showed once they did; the depth by the rule
+            measured, wide = self.widths.alphas(), w
         if rates is not None:  # depth and width together, siblings at their learnt worth
             n = max(view.n_active, 1)
             lines = view.slo_lines if cfg.depth_rule == "slo" else None
@@ -281,11 +290,12 @@ class _Adaptive(_NoFeedback):
                 d, w = slo_shape(n, max_width=w, rank_rates=rates, budget=view.budget, d_min=cfg.d_min,
                                  d_max=cfg.d_max, n_context=view.n_context, extra_tokens=view.prefill_tokens,
                                  t_target=view.predict_target, t_draft=view.predict_draft, base=lines[:, 0],
-                                 rate=lines[:, 1], alphas=own, measured=measured)
+                                 rate=lines[:, 1], alphas=own, measured=measured, min_width=wide)
             else:
                 d, w = goodput_shape(n, max_width=w, rank_rates=rates, budget=view.budget, d_min=cfg.d_min,
                                      d_max=cfg.d_max, n_context=view.n_context, extra_tokens=view.prefill_tokens,
-                                     t_target=view.predict_target, t_draft=view.predict_draft, measured=measured)
+                                     t_target=view.predict_target, t_draft=view.predict_draft, measured=measured,
+                                     min_width=wide)
         elif goodput:
             d = goodput_depth(max(view.n_active, 1), w, alpha=self.paths.alpha, d_min=cfg.d_min, d_max=cfg.d_max,
                               n_context=view.n_context, extra_tokens=view.prefill_tokens,

@@ -155,18 +155,19 @@ def test_goodput_shape_keeps_siblings_where_tokens_are_free_and_drops_them_where
         goodput_shape(1, rank_rates=(0.5,), **kw, **gpu)
 
 
-def test_the_adaserve_policy_narrows_its_tree_only_once_sibling_rates_are_learnt() -> None:
+def test_the_adaserve_policy_keeps_eq9_s_width_for_beams_learnt_rates_or_not() -> None:
+    """Where bounds_for_device allows beams (verifying them costs about what a chain does), the width is Eq. 9's;
+    the learnt rates price its depth (the width by goodput drafted narrower trees than the replay's table pays
+    for: policies._Adaptive)."""
     from adaserve.engine.speculation.policies import BatchView, make_policy
 
     policy = make_policy("adaserve")
     cpu = {"predict_target": _flat_then_linear(0.0023, 2.7e-4, 0), "predict_draft": _flat_then_linear(5e-4, 2e-4, 0)}
-    view = BatchView(n_active=1, n_context=128, budget=64, **cpu)
     unlearnt = policy.tree_shape(BatchView(n_active=1, n_context=128, budget=64, rank_rates=lambda w: None, **cpu))
-    assert policy.tree_shape(view) == unlearnt  # no rates: Eq. 9's width, as before
     assert unlearnt is not None and unlearnt.width == policy.adaptive.w_max
     learnt = policy.tree_shape(BatchView(n_active=1, n_context=128, budget=64,
                                          rank_rates=lambda w: (0.75, 0.02, 0.01, 0.0)[:w], **cpu))
-    assert learnt is not None and learnt.width == 1
+    assert learnt is not None and learnt.width == policy.adaptive.w_max
 
 
 def test_plain_decoding_where_no_tree_pays_for_itself() -> None:
@@ -385,17 +386,17 @@ def test_a_beam_width_is_priced_at_what_its_own_trees_showed_once_they_did() -> 
     assert beam_alpha(2, rates, measured) == 0.6 and beam_alpha(3, rates, measured) == MAX_ALPHA
 
 
-def test_the_policy_learns_each_drafted_width_s_own_acceptance() -> None:
+def test_the_policy_prices_its_width_at_what_its_trees_showed() -> None:
     from adaserve.engine.speculation.adaptive import MIN_WIDTH_SAMPLES, AdaptiveConfig
     from adaserve.engine.speculation.policies import AdaServe, BatchView
 
-    # an accelerator below its knee: every width costs the same, so the rates decide
-    gpu = {"predict_target": _flat_then_linear(0.025, 1e-4, 512), "predict_draft": _flat_then_linear(0.002, 1e-5, 256)}
-    policy = AdaServe(adaptive=AdaptiveConfig(d_min=0, d_max=4, w_max=3, depth_rule="goodput"))
-    view = BatchView(n_active=8, n_context=0, budget=128, rank_rates=lambda w: (0.8, 0.25, 0.1)[:w], **gpu)
+    # drafting costs a little per level: the depth follows the width's alpha
+    costs = {"predict_target": _flat_then_linear(0.025, 1e-4, 512), "predict_draft": _flat_then_linear(0.004, 1e-5, 256)}
+    policy = AdaServe(adaptive=AdaptiveConfig(d_min=0, d_max=4, w_max=2, depth_rule="goodput"))
+    view = BatchView(n_active=8, n_context=0, budget=128, rank_rates=lambda w: (0.8, 0.25)[:w], **costs)
     first = policy.tree_shape(view)
-    assert first is not None and first.width == 2  # the sums tie at the cap: the narrower beam
-    for _ in range(MIN_WIDTH_SAMPLES):  # its trees accept little: half the paths stop at each level
+    assert first is not None and (first.depth, first.width) == (4, 2)  # the ranks' sum: 0.99 per level
+    for _ in range(MIN_WIDTH_SAMPLES):  # its trees accept little: as many paths stop as tokens are accepted
         policy.observe_paths(accepted=8, rejections=8)
     after = policy.tree_shape(view)
-    assert after is not None and after.width == 3  # the untried width, at its (optimistic) sum, is tried
+    assert after is not None and after.width == 2 and after.depth < first.depth

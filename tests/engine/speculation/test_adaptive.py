@@ -391,7 +391,8 @@ def test_the_policy_prices_its_width_at_what_its_trees_showed() -> None:
     from adaserve.engine.speculation.policies import AdaServe, BatchView
 
     # drafting costs a little per level: the depth follows the width's alpha
-    costs = {"predict_target": _flat_then_linear(0.025, 1e-4, 512), "predict_draft": _flat_then_linear(0.004, 1e-5, 256)}
+    costs = {"predict_target": _flat_then_linear(0.025, 1e-4, 512),
+             "predict_draft": _flat_then_linear(0.004, 1e-5, 256)}
     policy = AdaServe(adaptive=AdaptiveConfig(d_min=0, d_max=4, w_max=2, depth_rule="goodput"))
     view = BatchView(n_active=8, n_context=0, budget=128, rank_rates=lambda w: (0.8, 0.25)[:w], **costs)
     first = policy.tree_shape(view)

@@ -14,7 +14,7 @@ from adaserve.engine.request import Request
 from adaserve.engine.speculation.policies import POLICY_NAMES, make_policy
 from adaserve.engine.speculation.sampling import SamplingParams
 from adaserve.engine.speculation.speculate import DraftInput, beam_search
-from tests.engine.helpers import engine, hf_greedy, runner
+from tests.engine.helpers import engine, hf_greedy, outputs, runner
 
 POLICIES = ["adaserve", "incremental", "chain:3", "specinfer", "smartspec", "equal-greedy", "global-greedy"]
 SLOS = [None, 5.0, 50.0, 1000.0]
@@ -86,11 +86,7 @@ def test_budget_rules_are_lossless(budget_rule: str, target_dir: Path, reference
     """The SLO budget rule (iteration_budget.slo_budget) and the fixed knee only change how much is verified."""
     eng = engine(target_dir, target_dir, "adaserve", budget=20, prefill_chunk=24, budget_rule=budget_rule)
     reqs = mixed_workload(12, 3)
-    for r in reqs:
-        eng.add_request(r)
-    while eng.has_work:
-        eng.step()
-    assert all(r.output_ids == references[r.request_id] for r in reqs)
+    assert outputs(eng, reqs) == [references[r.request_id] for r in reqs]
     assert sum(m.tokens_accepted for m in eng.history) > 0
     if budget_rule == "slo":  # B moves with the batch's SLOs, from the roots up, never past the candidates
         spec = [m for m in eng.history if m.depth]
@@ -110,11 +106,7 @@ def test_the_slo_depth_rule_is_lossless(draft: str, target_dir: Path, draft_dir:
                        adaptive=AdaptiveConfig(d_min=0, d_max=8, w_max=1, depth_rule="slo"))
     eng = Engine(runner(target_dir), runner(target_dir if draft == "self" else draft_dir), cfg)
     reqs = mixed_workload(12, 3)
-    for r in reqs:
-        eng.add_request(r)
-    while eng.has_work:
-        eng.step()
-    assert all(r.output_ids == references[r.request_id] for r in reqs)
+    assert outputs(eng, reqs) == [references[r.request_id] for r in reqs]
     assert all(m.width <= 1 for m in eng.history)
     if draft == "self":  # every token accepted: the chains go deep
         assert max(m.depth for m in eng.history) > 2

@@ -237,8 +237,8 @@ class _Adaptive(_NoFeedback):
     better candidates a wider level gives the selection, so it drafted 2-wide trees where the artifact's table
     verifies 3-wide ones at the same price: adaserve+ours fell from 0.993 to 0.915 at Fig 10's 0.3 (0.952 with
     each width at its own measured rate) and from 0.987 to 0.851 at Fig 8's 4.72 req/s (replay, seed 0;
-    docs/benchmarks.md). Where a wider tree does cost more to
-    verify, ``bounds_for_device`` already narrows w_max (a CPU: chains)."""
+    docs/benchmarks.md). Where a wider tree does cost more to verify, ``bounds_for_device`` already narrows w_max
+    (a CPU: chains)."""
 
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     paths: PathAcceptance = field(default_factory=PathAcceptance)  # mutable state in a frozen policy
@@ -281,7 +281,7 @@ class _Adaptive(_NoFeedback):
             # beams: Eq. 9's width (within bounds_for_device's, where verifying it costs about what a chain does),
             # priced at what trees of that width showed once they did; the depth by the rule
             measured, wide = self.widths.alphas(), w
-        if rates is not None:  # depth and width together, siblings at their learnt worth
+        if rates is not None:  # the depth at that width, its levels at their learnt (or measured) worth
             n = max(view.n_active, 1)
             lines = view.slo_lines if cfg.depth_rule == "slo" else None
             if lines is not None and len(lines):  # the most requests on target, then goodput

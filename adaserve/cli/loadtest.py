@@ -123,10 +123,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, url: str, worker_url: str | None, plain_url: str | None) -> dict[str, Any]:
+    import httpx
+
     try:
         return asyncio.run(_measure(args, url, worker_url, plain_url))
     except ValueError as e:  # bad options, or the gateway unreachable or answering errors
         raise CliError(str(e)) from None
+    except httpx.TransportError as e:  # a server that answered at first stopped answering during the run
+        raise CliError(f"lost the connection during the run ({url}, or the worker or balancer beside it): "
+                       f"{e or type(e).__name__}") from None
 
 
 def gateway_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -63,3 +63,21 @@ def test_loadtest_unreachable_gateway_is_one_line_and_exit_2() -> None:
     r = subprocess.run([sys.executable, "-m", "adaserve", "loadtest", "--url", "http://x", "--compare"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--compare-url" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_gateway_lost_during_the_run_is_a_cli_error_not_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stack answered at first, then stopped (killed, crashed) while the rates ran: the fetch's transport error
+    becomes the CLI's one-line error (exit 2), not httpx's traceback."""
+    import argparse
+
+    import httpx
+
+    from adaserve.cli import loadtest
+    from adaserve.cli_error import CliError
+
+    async def lost(*_: object) -> dict:
+        raise httpx.ConnectError("All connection attempts failed")
+
+    monkeypatch.setattr(loadtest, "_measure", lost)
+    with pytest.raises(CliError, match=r"lost the connection during the run \(http://127\.0\.0\.1:1.*All connection"):
+        loadtest._run(argparse.Namespace(), "http://127.0.0.1:1", None, None)

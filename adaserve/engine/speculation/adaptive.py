@@ -1,7 +1,7 @@
 """Adaptive speculation shape: beam-search depth d and width w from the number of active requests
 (AdaServe section 5.2, Eq. 8-9). Busy batches get shallow, narrow trees; idle ones deep, wide trees.
 The bounds and constants are ``AdaptiveConfig``; ``speculation_floor`` is the least budget they need.
-Where the shape is priced (measured costs), ``goodput_shape`` picks the one with the most expected tokens per
+Where the shape is priced (measured costs), ``goodput_shape`` picks the depth with the most expected tokens per
 second and ``slo_shape`` the one keeping the most requests on their TPOT SLO, then goodput.
 """
 
@@ -204,37 +204,34 @@ def beam_alpha(w: int, rank_rates: Sequence[float], measured: Mapping[int, float
     top child, so the sum overrates it, and at the cap every width looks alike. On the artifact's table (replay,
     4.72 req/s) the learnt rates summed past the cap at width 2, the rule drafted 2-wide trees in 2947 of 3321
     iterations, and accepted 2.27 tokens per request where 3-wide ones had accepted 2.51 (attainment 0.851
-    against 0.987; docs/benchmarks.md). A width's own trees say what it is worth; a width not yet drafted keeps
-    the optimistic sum, so it is tried and then measured."""
+    against 0.987; docs/benchmarks.md). A width's own trees say what it is worth; until they have, the sum."""
     if measured is not None and w in measured:
         return min(measured[w], MAX_ALPHA)
     return min(float(sum(rank_rates[:w])), MAX_ALPHA)
 
 
-def _priced_shapes(n: int, *, max_width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,
+def _priced_depths(n: int, *, width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,
                    n_context: int, extra_tokens: int, t_target: Callable[[int, int], float],
-                   t_draft: Callable[[int, int], float], measured: Mapping[int, float] | None = None,
-                   min_width: int = 1) -> Iterator[tuple[int, int, float, float]]:
-    """Every shape ``goodput_shape`` and ``slo_shape`` weigh, as (d, w, seconds, tokens one request is expected to
-    emit), narrowest and shallowest first; plain decoding (0, 1) first of all where ``d_min`` is 0."""
-    if max_width < 1 or len(rank_rates) < max_width:
-        raise ValueError(f"a shape rule needs a rate for each of {max_width} sibling ranks, got {len(rank_rates)}")
+                   t_draft: Callable[[int, int], float], measured: Mapping[int, float] | None = None
+                   ) -> Iterator[tuple[int, float, float]]:
+    """Every depth ``goodput_shape`` and ``slo_shape`` weigh at ``width``, as (d, seconds, tokens one request is
+    expected to emit), shallowest first; plain decoding (d = 0) first of all where ``d_min`` is 0."""
+    if width < 1 or len(rank_rates) < width:
+        raise ValueError(f"a shape rule needs a rate for each of {width} sibling ranks, got {len(rank_rates)}")
     if d_min == 0:
-        yield 0, 1, t_target(n_context, n + extra_tokens), 1.0
-    for w in range(min(max(min_width, 1), max_width), max_width + 1):
-        alpha = beam_alpha(w, rank_rates, measured)
-        step = t_draft(n_context, n * w)  # one beam level: the same for every depth
-        for d in range(max(d_min, 1), max(d_max, 1) + 1):
-            verified = min(n * (1 + d * w), max(budget, n * (d + 1)))
-            yield d, w, d * step + t_target(n_context, verified + extra_tokens), expected_emitted(alpha, d)
+        yield 0, t_target(n_context, n + extra_tokens), 1.0
+    alpha = beam_alpha(width, rank_rates, measured)
+    step = t_draft(n_context, n * width)  # one beam level: the same for every depth
+    for d in range(max(d_min, 1), max(d_max, 1) + 1):
+        verified = min(n * (1 + d * width), max(budget, n * (d + 1)))
+        yield d, d * step + t_target(n_context, verified + extra_tokens), expected_emitted(alpha, d)
 
 
-def goodput_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,
+def goodput_shape(n: int, *, width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,
                   n_context: int, extra_tokens: int, t_target: Callable[[int, int], float],
-                  t_draft: Callable[[int, int], float], measured: Mapping[int, float] | None = None,
-                  min_width: int = 1) -> tuple[int, int]:
-    """The shape (d, w), w <= ``max_width`` (Eq. 9's), with the most expected tokens per second, where a beam
-    of w siblings is worth what the verified trees showed siblings are worth:
+                  t_draft: Callable[[int, int], float], measured: Mapping[int, float] | None = None) -> int:
+    """The depth d of a tree ``width`` wide (Eq. 9's) with the most expected tokens per second, where a beam
+    of w siblings is worth what the verified trees showed siblings are worth (0: plain decoding):
 
         alpha(w)    = min(sum of rank_rates[:w], MAX_ALPHA)   P(the path goes one level deeper) with w
                       candidates at a level: rank_rates[r] = P(the rank-r child is accepted | its parent was),
@@ -244,39 +241,35 @@ def goodput_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget
         verified    = min(n * (1 + d * w), max(B, n * (d + 1)))     the whole trees, up to the budget
         goodput     = n * l(alpha(w), d) / (d * T_draft(N_ctx, n * w) + T_target(N_ctx, verified + extra))
 
-    ``goodput_depth`` prices only the best path, so width looked free there. It is where the forward's cost
-    is flat (an accelerator below its knee: the widest beam wins, as before), but not on a CPU, where every
-    drafted and verified token costs compute and the demo pair's rank-1 children are rarely accepted
-    (acceptance.py): chains win there (docs/results/width-rule-{before,after}-cpu-demo-tiny.json, issue 29's
-    wall clock in docs/benchmarks.md). Ties go to the narrower tree, and to plain decoding (d = 0, where
-    ``d_min`` is 0) when no tree is predicted to emit more tokens per second than one token per request.
+    The width is not chosen here: it once was (the widest of Eq. 9's by the same goodput), and on the artifact's
+    table that drafted 2-wide trees where 3-wide ones verify at the same price (policies._Adaptive). Ties go to
+    the shallower tree, and to plain decoding (where ``d_min`` is 0) when no tree is predicted to emit more tokens
+    per second than one token per request.
     """
-    best_shape, best = (max(d_min, 1), 1), -1.0
-    for d, w, cost, emitted in _priced_shapes(n, max_width=max_width, rank_rates=rank_rates, budget=budget,
-                                              d_min=d_min, d_max=d_max, n_context=n_context,
-                                              extra_tokens=extra_tokens, t_target=t_target, t_draft=t_draft,
-                                              measured=measured, min_width=min_width):
+    best_d, best = max(d_min, 1), -1.0
+    for d, cost, emitted in _priced_depths(n, width=width, rank_rates=rank_rates, budget=budget, d_min=d_min,
+                                           d_max=d_max, n_context=n_context, extra_tokens=extra_tokens,
+                                           t_target=t_target, t_draft=t_draft, measured=measured):
         rate = n * emitted / max(cost, 1e-12)
         if rate > best * (1 + 1e-9):
-            best_shape, best = (d, w), rate
-    return best_shape
+            best_d, best = d, rate
+    return best_d
 
 
-def slo_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,
+def slo_shape(n: int, *, width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,
               n_context: int, extra_tokens: int, t_target: Callable[[int, int], float],
               t_draft: Callable[[int, int], float], base: np.ndarray, rate: np.ndarray,
-              alphas: np.ndarray | None = None, measured: Mapping[int, float] | None = None,
-              min_width: int = 1) -> tuple[int, int]:
-    """The shape by the SLO rule: of ``goodput_shape``'s candidates, the one that keeps the most requests on
+              alphas: np.ndarray | None = None, measured: Mapping[int, float] | None = None) -> int:
+    """The depth by the SLO rule: of ``goodput_shape``'s candidates, the one that keeps the most requests on
     their TPOT SLO, then the most expected tokens per second (Algorithm 2's order, SLO first, applied to the
     tree the draft builds, as ``iteration_budget.slo_budget`` applies it to B):
 
-        T(d, w)      = d * T_draft(N_ctx, n * w) + T_target(N_ctx, verified + extra)   (goodput_shape's)
-        on_slo(d, w) = #{ r with an SLO : A_r(T(d, w)) <= l(alpha_r(w), d) }
-                       A_r(T) = base_r + rate_r * T: what r must emit this iteration (selection.requirement_line)
-        shape        = argmax (on_slo, sum_r l(alpha_r(w), d) / T(d, w))
+        T(d)      = d * T_draft(N_ctx, n * w) + T_target(N_ctx, verified + extra)   (goodput_shape's)
+        on_slo(d) = #{ r with an SLO : A_r(T(d)) <= l(alpha_r, d) }
+                    A_r(T) = base_r + rate_r * T: what r must emit this iteration (selection.requirement_line)
+        d         = argmax (on_slo, sum_r l(alpha_r, d) / T(d))
 
-    alpha_r(w) is the batch's alpha(w), or for chains with ``alphas`` each request's own rate (``request_alphas``):
+    alpha_r is the batch's alpha(w), or for chains with ``alphas`` each request's own rate (``request_alphas``):
     code continues more predictably than a summary, and the depth a coding request at a tight SLO needs is what its
     own acceptance says, not the batch's mean.
 
@@ -285,23 +278,23 @@ def slo_shape(n: int, *, max_width: int, rank_rates: Sequence[float], budget: in
     TPOT, needs more tokens per iteration than two drafted ones yield; chain:4, which drafts 4 whatever the
     batch, kept more coding requests on target (issue 29's wall clock, docs/benchmarks.md). The selection can
     only trim a tree, never deepen it: the depth must already hold what the tightest requests need. A deeper
-    tree also lengthens the iteration, raising every A_r; the count weighs both. Requests a shape cannot keep on
-    target at any depth do not pull it deeper; requests with slack pull it shallower only through goodput.
+    tree also lengthens the iteration, raising every A_r; the count weighs both. Requests a depth cannot keep on
+    target do not pull it deeper; requests with slack pull it shallower only through goodput.
     ``base``, ``rate``: per request, 0 and 0 without an SLO (never counted).
     """
     slo = rate > 0
-    own = None if alphas is None else np.minimum(alphas, MAX_ALPHA)
-    best_shape, best = (max(d_min, 1), 1), (-1, -1.0)
-    for d, w, cost, emitted in _priced_shapes(n, max_width=max_width, rank_rates=rank_rates, budget=budget,
-                                              d_min=d_min, d_max=d_max, n_context=n_context,
-                                              extra_tokens=extra_tokens, t_target=t_target, t_draft=t_draft,
-                                              measured=measured, min_width=min_width):
-        each = (1 - own ** (d + 1)) / (1 - own) if own is not None and w == 1 else np.full(len(base), emitted)
+    own = None if alphas is None or width != 1 else np.minimum(alphas, MAX_ALPHA)
+    best_d, best = max(d_min, 1), (-1, -1.0)
+    for d, cost, emitted in _priced_depths(n, width=width, rank_rates=rank_rates, budget=budget, d_min=d_min,
+                                           d_max=d_max, n_context=n_context, extra_tokens=extra_tokens,
+                                           t_target=t_target, t_draft=t_draft, measured=measured):
+        # l(alpha_r, d) per request (smartspec.expected_emitted, alpha_r < 1)
+        each = np.full(len(base), emitted) if own is None else (1 - own ** (d + 1)) / (1 - own)
         on_slo = int(np.count_nonzero(slo & (base + rate * cost <= each)))
         goodput = float(each.sum()) / max(cost, 1e-12)
         if on_slo > best[0] or (on_slo == best[0] and goodput > best[1] * (1 + 1e-9)):
-            best_shape, best = (d, w), (on_slo, goodput)
-    return best_shape
+            best_d, best = d, (on_slo, goodput)
+    return best_d
 
 
 # a request's own chain rate: SmartSpec's accepted / proposed over its latest verifications, the batch's rate counting

@@ -273,29 +273,28 @@ class _Adaptive(_NoFeedback):
         cfg = _with_budget(adaptive, view.budget)
         d, w = depth_width(view.n_active, cfg)
         goodput = cfg.by_goodput  # the depth from [d_min, d_max] by goodput (or SLOs, then goodput), not Eq. 8's
-        measured, wide = None, 1
+        measured = None
         if goodput and cfg.w_max == 1:  # chains: rank 0 at the latest iterations' rate, from the first iteration
             rates: tuple[float, ...] | None = chain_rates(self.recent.alpha)
         else:
             rates = view.rank_rates(w) if view.rank_rates is not None and goodput else None
             # beams: Eq. 9's width (within bounds_for_device's, where verifying it costs about what a chain does),
-            # priced at what trees of that width showed once they did; the depth by the rule
-            measured, wide = self.widths.alphas(), w
+            # priced at what trees of that width showed once they did
+            measured = self.widths.alphas()
         if rates is not None:  # the depth at that width, its levels at their learnt (or measured) worth
             n = max(view.n_active, 1)
             lines = view.slo_lines if cfg.depth_rule == "slo" else None
             if lines is not None and len(lines):  # the most requests on target, then goodput
                 own = (request_alphas(view.request_ratios, self.recent.alpha)
-                       if cfg.w_max == 1 and view.request_ratios is not None else None)
-                d, w = slo_shape(n, max_width=w, rank_rates=rates, budget=view.budget, d_min=cfg.d_min,
-                                 d_max=cfg.d_max, n_context=view.n_context, extra_tokens=view.prefill_tokens,
-                                 t_target=view.predict_target, t_draft=view.predict_draft, base=lines[:, 0],
-                                 rate=lines[:, 1], alphas=own, measured=measured, min_width=wide)
+                       if view.request_ratios is not None else None)
+                d = slo_shape(n, width=w, rank_rates=rates, budget=view.budget, d_min=cfg.d_min, d_max=cfg.d_max,
+                              n_context=view.n_context, extra_tokens=view.prefill_tokens,
+                              t_target=view.predict_target, t_draft=view.predict_draft, base=lines[:, 0],
+                              rate=lines[:, 1], alphas=own, measured=measured)
             else:
-                d, w = goodput_shape(n, max_width=w, rank_rates=rates, budget=view.budget, d_min=cfg.d_min,
-                                     d_max=cfg.d_max, n_context=view.n_context, extra_tokens=view.prefill_tokens,
-                                     t_target=view.predict_target, t_draft=view.predict_draft, measured=measured,
-                                     min_width=wide)
+                d = goodput_shape(n, width=w, rank_rates=rates, budget=view.budget, d_min=cfg.d_min,
+                                  d_max=cfg.d_max, n_context=view.n_context, extra_tokens=view.prefill_tokens,
+                                  t_target=view.predict_target, t_draft=view.predict_draft, measured=measured)
         elif goodput:
             d = goodput_depth(max(view.n_active, 1), w, alpha=self.paths.alpha, d_min=cfg.d_min, d_max=cfg.d_max,
                               n_context=view.n_context, extra_tokens=view.prefill_tokens,

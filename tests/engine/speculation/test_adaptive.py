@@ -133,24 +133,18 @@ def _flat_then_linear(flat_s: float, per_token_s: float, ridge: int) -> Callable
     return lambda ctx, k: flat_s + per_token_s * max(0, k - ridge)
 
 
-def test_goodput_shape_keeps_siblings_where_tokens_are_free_and_drops_them_where_they_cost() -> None:
+def test_goodput_shape_prices_a_beam_at_its_ranks_summed_rates() -> None:
     from adaserve.engine.speculation.adaptive import goodput_shape
 
-    kw = {"max_width": 3, "budget": 64, "d_min": 1, "d_max": 4, "n_context": 0, "extra_tokens": 0}
-    worth = (0.6, 0.2, 0.1)  # rank-1 and rank-2 siblings add a third to a level's chance
-    # an accelerator below its knee: more candidates cost nothing, the widest beam wins
-    gpu = {"t_target": _flat_then_linear(0.025, 1e-4, 128), "t_draft": _flat_then_linear(0.002, 1e-5, 64)}
-    assert goodput_shape(1, rank_rates=worth, **kw, **gpu) == (4, 3)
-    # a CPU: every drafted and verified token costs compute; siblings worth 2% are not worth their price
+    kw = {"width": 3, "budget": 64, "d_min": 1, "d_max": 4, "n_context": 0, "extra_tokens": 0}
+    # a CPU: every drafted and verified token costs compute, so the depth follows what a level is worth
     cpu = {"t_target": _flat_then_linear(0.0023, 6.8e-5 * 4, 0), "t_draft": _flat_then_linear(0.0005, 2e-4, 0)}
-    assert goodput_shape(1, rank_rates=(0.75, 0.02, 0.01), **kw, **cpu)[1] == 1
-    # the verification alone prices them (every candidate under the budget is verified), a free draft or not
-    verify_only = {**cpu, "t_draft": _flat_then_linear(0.0005, 0.0, 0)}
-    assert goodput_shape(1, rank_rates=(0.75, 0.02, 0.01), **kw, **verify_only)[1] == 1
-    # the same CPU with siblings worth much more: a wider beam pays for itself again
-    assert goodput_shape(1, rank_rates=(0.4, 0.35, 0.2), **kw, **cpu)[1] > 1
-    # never wider than Eq. 9 allows, never deeper than d_max
-    assert goodput_shape(1, rank_rates=worth, **{**kw, "max_width": 2}, **gpu) == (4, 2)
+    poor = goodput_shape(1, rank_rates=(0.3, 0.02, 0.01), **kw, **cpu)
+    rich = goodput_shape(1, rank_rates=(0.4, 0.35, 0.2), **kw, **cpu)  # the siblings add to a level's chance
+    assert rich > poor
+    # an accelerator below its knee: depth is nearly free, the deepest tree wins
+    gpu = {"t_target": _flat_then_linear(0.025, 1e-4, 128), "t_draft": _flat_then_linear(0.002, 1e-5, 64)}
+    assert goodput_shape(1, rank_rates=(0.6, 0.2, 0.1), **kw, **gpu) == 4
     with pytest.raises(ValueError, match="rate for each"):
         goodput_shape(1, rank_rates=(0.5,), **kw, **gpu)
 
@@ -179,7 +173,7 @@ def test_plain_decoding_where_no_tree_pays_for_itself() -> None:
     draft = _flat_then_linear(0.003, 0.0005, 1)
     kw = {"d_max": 4, "n_context": 0, "extra_tokens": 0, "t_target": rows, "t_draft": draft}
     assert goodput_depth(8, 1, alpha=0.7, d_min=0, **kw) == 0
-    assert goodput_shape(8, max_width=2, rank_rates=(0.7, 0.05), budget=64, d_min=0, **kw) == (0, 1)
+    assert goodput_shape(8, width=2, rank_rates=(0.7, 0.05), budget=64, d_min=0, **kw) == 0
     # d_min = 1 keeps speculating; a lone request, where a tree costs little more than a token, speculates
     assert goodput_depth(8, 1, alpha=0.7, d_min=1, **kw) >= 1
     assert goodput_depth(1, 1, alpha=0.7, d_min=0, **kw) >= 1
@@ -276,7 +270,7 @@ def test_a_chains_depth_follows_the_latest_iterations() -> None:
 
 def _slo_costs() -> dict:
     # 8 requests at alpha 0.8: goodput peaks at 2-token chains (27.6 ms for 2.44 tokens each)
-    return {"max_width": 1, "rank_rates": (0.8,), "budget": 64, "d_min": 0, "d_max": 8, "n_context": 0,
+    return {"width": 1, "rank_rates": (0.8,), "budget": 64, "d_min": 0, "d_max": 8, "n_context": 0,
             "extra_tokens": 0, "t_target": _flat_then_linear(0.010, 5e-4, 0),
             "t_draft": _flat_then_linear(0.002, 1e-4, 0)}
 
@@ -287,16 +281,16 @@ def test_the_slo_shape_goes_deeper_for_a_request_behind_its_target() -> None:
     from adaserve.engine.speculation.adaptive import goodput_shape, slo_shape
 
     kw = _slo_costs()
-    assert goodput_shape(8, **kw) == (2, 1)
+    assert goodput_shape(8, **kw) == 2
     # A(r) = base + rate * T: request 0 owes 2 tokens at a 30 ms TPOT SLO, request 1 is on schedule, the rest have
     # no SLO. Request 0 needs 2 + T / 30 ms: 2.92 tokens at depth 2 (2.44 expected), 3.6 at depth 5 (3.69)
     base, rate = np.zeros(8), np.zeros(8)
     base[0], rate[:2] = 2.0, 1 / 0.030
-    assert slo_shape(8, base=base, rate=rate, **kw) == (5, 1)  # the shallowest, fastest depth that serves both
+    assert slo_shape(8, base=base, rate=rate, **kw) == 5  # the shallowest, fastest depth that serves both
     # no SLO among them, or one no depth can serve (owing 10 tokens): goodput's shape
-    assert slo_shape(8, base=np.zeros(8), rate=np.zeros(8), **kw) == (2, 1)
+    assert slo_shape(8, base=np.zeros(8), rate=np.zeros(8), **kw) == 2
     base[0] = 10.0
-    assert slo_shape(8, base=base, rate=rate, **kw) == (2, 1)
+    assert slo_shape(8, base=base, rate=rate, **kw) == 2
 
 
 def test_the_slo_shape_keeps_a_short_iteration_when_a_deeper_one_pushes_a_tight_request_off() -> None:
@@ -309,11 +303,11 @@ def test_the_slo_shape_keeps_a_short_iteration_when_a_deeper_one_pushes_a_tight_
     # (3.43 of 3.36); a request owing 2 tokens at 30 ms is met from depth 5 only: one each way, goodput decides
     base, rate = np.zeros(8), np.zeros(8)
     rate[0], base[1], rate[1] = 1 / 0.012, 2.0, 1 / 0.030
-    assert slo_shape(8, base=base, rate=rate, **kw) == (2, 1)
+    assert slo_shape(8, base=base, rate=rate, **kw) == 2
     base[3], rate[3] = 2.0, 1 / 0.030
-    assert slo_shape(8, base=base, rate=rate, **kw) == (5, 1)  # two behind outnumber one tight request
+    assert slo_shape(8, base=base, rate=rate, **kw) == 5  # two behind outnumber one tight request
     rate[2] = 1 / 0.012
-    assert slo_shape(8, base=base, rate=rate, **kw) == (2, 1)  # two tight ones: a tie again, goodput decides
+    assert slo_shape(8, base=base, rate=rate, **kw) == 2  # two tight ones: a tie again, goodput decides
 
 
 def test_the_slo_depth_rule_reads_the_batch_slo_lines() -> None:
@@ -347,11 +341,11 @@ def test_the_slo_shape_reads_each_request_s_own_chain_rate() -> None:
     base, rate = np.zeros(8), np.zeros(8)
     base[0], rate[0] = 2.0, 1 / 0.030  # owes 2 tokens at 30 ms: depth 5 at the batch's 0.8 (the test above)
     alphas = np.full(8, 0.8)
-    assert slo_shape(8, base=base, rate=rate, alphas=alphas, **kw) == (5, 1)
+    assert slo_shape(8, base=base, rate=rate, alphas=alphas, **kw) == 5
     alphas[0] = 0.95  # its own text is predictable: 3 tokens reach 3.71 against the 3.15 it needs
-    assert slo_shape(8, base=base, rate=rate, alphas=alphas, **kw) == (3, 1)
+    assert slo_shape(8, base=base, rate=rate, alphas=alphas, **kw) == 3
     alphas[0] = 0.6  # and where it is not, no depth serves it: goodput's shape
-    assert slo_shape(8, base=base, rate=rate, alphas=alphas, **kw) == (2, 1)
+    assert slo_shape(8, base=base, rate=rate, alphas=alphas, **kw) == 2
 
 
 def test_a_request_s_chain_rate_is_its_latest_acceptance_shrunk_towards_the_batch() -> None:

@@ -59,13 +59,14 @@ class Preset:
     slo_order: str | None = None
     slo_margin: float | None = None
     slo_floor: str | None = None
+    host_cost: bool | None = None
     tree: TreeBounds | None = None
     depth_rule: str | None = None  # the tree's depth rule alone (adaptive.DEPTH_RULES), on the bench's bounds
 
     def engine_config(self, base: EngineConfig) -> EngineConfig:
         """``base`` (the bench's settings for this variant) with this preset's fields, policy included."""
         names = ("max_batch", "prefill_chunk", "prefill_mode", "prefill_rule", "budget_rule", "node_value",
-                 "slo_order", "slo_margin", "slo_floor")
+                 "slo_order", "slo_margin", "slo_floor", "host_cost")
         fields = {k: v for k in names if (v := getattr(self, k)) is not None}
         adaptive = base.adaptive if self.tree is None else replace(
             base.adaptive, d_min=self.tree.d_min, d_max=self.tree.d_max, w_max=self.tree.w_max,
@@ -103,6 +104,8 @@ ADASERVE_REFINEMENTS = {
 OURS = "adaserve+ours"
 # ours with the tree's shape by goodput alone (adaptive.goodput_shape), as before the SLO-first shape (slo_shape)
 OURS_GOODPUT_SHAPE = "adaserve+ours+goodput-shape"
+# ours with the shape rules pricing the forwards alone, as before they priced the engine's host time (host_cost.py)
+OURS_FORWARDS_ONLY = "adaserve+ours+forwards-only"
 
 PRESETS: dict[str, Preset] = {
     # exps/test.sh, ENABLE_VLLM_SERVER_BENCHMARK: --enable-chunked-prefill False, MAX_REQUESTS_PER_BATCH=512
@@ -117,6 +120,7 @@ PRESETS: dict[str, Preset] = {
     **{name: replace(ADASERVE_PAPER, name=name, **kw) for name, kw in ADASERVE_REFINEMENTS.items()},
     OURS: Preset(OURS, "adaserve"),
     OURS_GOODPUT_SHAPE: Preset(OURS_GOODPUT_SHAPE, "adaserve", depth_rule="goodput"),
+    OURS_FORWARDS_ONLY: Preset(OURS_FORWARDS_ONLY, "adaserve", host_cost=False),
 }
 NAMES = (*PRESETS, f"{VLLM_SPEC}:K")
 

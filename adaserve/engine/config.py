@@ -89,6 +89,9 @@ class EngineConfig:
     # "none": Algorithm 2's SLO phase, every node until A(r) is met.
     slo_floor: str = "price"
     smartspec_max_k: int = 8  # SmartSpec: the longest chain it may choose
+    # the adaptive policies' shape rules price an iteration's host time (cost/host_cost.py: learnt from the
+    # engine's own iterations, wall minus forwards) beside its forwards; False: the forwards alone, as before
+    host_cost: bool = True
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
 
     # ---- how much an iteration takes on (engine.py) ----

@@ -22,6 +22,7 @@ import torch
 
 from adaserve.engine.config import EngineConfig
 from adaserve.engine.cost.cost_model import CostModel
+from adaserve.engine.cost.host_cost import HostCost
 from adaserve.engine.cost.timing import ForwardSplitter, OnlineCostModel, scaled
 from adaserve.engine.model.batch import Segment
 from adaserve.engine.model.runner import ModelRunner
@@ -161,6 +162,8 @@ class Engine:
         # pages promised to admitted requests: target, then each draft
         self.reserved = [0] * (1 + max(1, len(drafts)))
         self.history: deque[StepMetrics] = deque(maxlen=cfg.history_len)
+        # host seconds per iteration outside the forwards, learnt from decode-only iterations (host_cost.py)
+        self.host_time = HostCost()
         self.totals = RunTotals()
         self.step_listeners: list[Callable[[StepMetrics], None]] = []
         # called with every speculative iteration's candidates and choice; nothing is recorded without one
@@ -397,6 +400,8 @@ class Engine:
         events = self._emit(emitted, m, logprobs)
         m.t_step_s = self.clock() - t_start
         m.t_wall_s, m.t_forward_s = (b - a for a, b in zip(own_start, self._own_time(), strict=True))
+        if m.n_decode and not m.n_prefill:
+            self.host_time.observe(m.depth, m.n_decode, m.t_wall_s - m.t_forward_s)
         self.history.append(m)
         self.totals.add(m)
         for listener in self.step_listeners:
@@ -500,7 +505,8 @@ class Engine:
                             for r in decoding]).reshape(-1, 2) if slo_shaped else None)
         view = BatchView(n_active=len(decoding), n_context=n_ctx, budget=self.cfg.budget,
                          predict_target=self.target_time.predict, predict_draft=predict_draft,
-                         prefill_tokens=m.prefill_tokens, rank_rates=rates, slo_lines=lines, request_ratios=ratios)
+                         prefill_tokens=m.prefill_tokens, rank_rates=rates, slo_lines=lines, request_ratios=ratios,
+                         predict_host=self.host_time.predict if self.cfg.host_cost else None)
         shape = self.policy.tree_shape(view)
         m.predicted_iter_s = self.predict_iteration(shape, len(decoding), n_ctx, m.prefill_tokens, predict_draft)
         if shape is None or shape.depth < 1 or self.draft is None:

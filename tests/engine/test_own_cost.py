@@ -45,3 +45,30 @@ def test_forward_time_is_wall_time(target_dir: Path, draft_dir: Path) -> None:
     wall = time.perf_counter() - t0
     steps = list(eng.history)
     assert 0 < sum(m.t_forward_s for m in steps) <= sum(m.t_wall_s for m in steps) <= wall
+
+
+@pytest.mark.parametrize("priced", [True, False])
+def test_decode_only_steps_teach_the_host_time_the_shape_rules_price(target_dir: Path, draft_dir: Path,
+                                                                     priced: bool) -> None:
+    """Each decode-only step hands its wall minus forward seconds to ``Engine.host_time`` at its depth; the
+    policy's view carries that prediction unless ``EngineConfig.host_cost`` is off (cost/host_cost.py)."""
+    from adaserve.engine.speculation.policies import BatchView
+
+    eng = engine(target_dir, draft_dir, "adaserve", budget=16, host_cost=priced)
+    seen: list[BatchView] = []
+    shape = eng.policy.tree_shape  # a frozen dataclass: the spy shadows its method on this instance
+    object.__setattr__(eng.policy, "tree_shape", lambda view: (seen.append(view), shape(view))[1])
+    observed: list[tuple[int, int, float]] = []
+    real = eng.host_time.observe
+    eng.host_time.observe = lambda d, n, s: (observed.append((d, n, s)), real(d, n, s))[1]
+    for i in range(2):
+        eng.add_request(Request(f"r{i}", [5, 6, 7 + i], SamplingParams(max_tokens=24, ignore_eos=True)))
+    while eng.has_work:
+        eng.step()
+    decode_only = [m for m in eng.history if m.n_decode and not m.n_prefill]
+    assert [(d, n) for d, n, _ in observed] == [(m.depth, m.n_decode) for m in decode_only]
+    assert all(s == pytest.approx(m.t_wall_s - m.t_forward_s) for (_, _, s), m in zip(observed, decode_only,
+                                                                                        strict=True))
+    assert seen and all((v.predict_host is not None) == priced for v in seen)
+    if priced:
+        assert seen[-1].predict_host is not None and seen[-1].predict_host(2, 1) == eng.host_time.predict(2, 1)

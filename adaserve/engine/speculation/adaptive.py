@@ -212,24 +212,27 @@ def beam_alpha(w: int, rank_rates: Sequence[float], measured: Mapping[int, float
 
 def _priced_depths(n: int, *, width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,
                    n_context: int, extra_tokens: int, t_target: Callable[[int, int], float],
-                   t_draft: Callable[[int, int], float], measured: Mapping[int, float] | None = None
-                   ) -> Iterator[tuple[int, float, float]]:
+                   t_draft: Callable[[int, int], float], measured: Mapping[int, float] | None = None,
+                   t_host: Callable[[int, int], float] | None = None) -> Iterator[tuple[int, float, float]]:
     """Every depth ``goodput_shape`` and ``slo_shape`` weigh at ``width``, as (d, seconds, tokens one request is
-    expected to emit), shallowest first; plain decoding (d = 0) first of all where ``d_min`` is 0."""
+    expected to emit), shallowest first; plain decoding (d = 0) first of all where ``d_min`` is 0. ``t_host``:
+    the iteration's host seconds outside the forwards for (d, n) (cost.host_cost), added to each; None: 0."""
     if width < 1 or len(rank_rates) < width:
         raise ValueError(f"a shape rule needs a rate for each of {width} sibling ranks, got {len(rank_rates)}")
+    host = (lambda d: 0.0) if t_host is None else (lambda d: t_host(d, n))
     if d_min == 0:
-        yield 0, t_target(n_context, n + extra_tokens), 1.0
+        yield 0, t_target(n_context, n + extra_tokens) + host(0), 1.0
     alpha = beam_alpha(width, rank_rates, measured)
     step = t_draft(n_context, n * width)  # one beam level: the same for every depth
     for d in range(max(d_min, 1), max(d_max, 1) + 1):
         verified = min(n * (1 + d * width), max(budget, n * (d + 1)))
-        yield d, d * step + t_target(n_context, verified + extra_tokens), expected_emitted(alpha, d)
+        yield d, d * step + t_target(n_context, verified + extra_tokens) + host(d), expected_emitted(alpha, d)
 
 
 def goodput_shape(n: int, *, width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,
                   n_context: int, extra_tokens: int, t_target: Callable[[int, int], float],
-                  t_draft: Callable[[int, int], float], measured: Mapping[int, float] | None = None) -> int:
+                  t_draft: Callable[[int, int], float], measured: Mapping[int, float] | None = None,
+                  t_host: Callable[[int, int], float] | None = None) -> int:
     """The depth d of a tree ``width`` wide (Eq. 9's) with the most expected tokens per second, where a beam
     of w siblings is worth what the verified trees showed siblings are worth (0: plain decoding):
 
@@ -239,17 +242,23 @@ def goodput_shape(n: int, *, width: int, rank_rates: Sequence[float], budget: in
                       accepted, so the ranks' chances add; or, once trees of width w were verified, what
                       they showed (``measured``; ``beam_alpha``)
         verified    = min(n * (1 + d * w), max(B, n * (d + 1)))     the whole trees, up to the budget
-        goodput     = n * l(alpha(w), d) / (d * T_draft(N_ctx, n * w) + T_target(N_ctx, verified + extra))
+        goodput     = n * l(alpha(w), d) / (d * T_draft(N_ctx, n * w) + T_target(N_ctx, verified + extra) + H(d, n))
+                      H: the iteration's host time outside the forwards (``t_host``, cost.host_cost; 0 if None)
 
     The width is not chosen here: it once was (the widest of Eq. 9's by the same goodput), and on the artifact's
     table that drafted 2-wide trees where 3-wide ones verify at the same price (policies._Adaptive). Ties go to
     the shallower tree, and to plain decoding (where ``d_min`` is 0) when no tree is predicted to emit more tokens
     per second than one token per request.
+
+    Why H: on a CPU an iteration's own host time (drafting's planning, selection, the verification walk) is as long
+    as the target's forward, most of it paid once per iteration whatever the depth, so pricing the forwards alone
+    made every tree look cheaper than it is by about that much and favoured shallow trees, each paying it again
+    for fewer tokens (and trees over plain decoding, whose host time is a fraction of a tree's).
     """
     best_d, best = max(d_min, 1), -1.0
     for d, cost, emitted in _priced_depths(n, width=width, rank_rates=rank_rates, budget=budget, d_min=d_min,
                                            d_max=d_max, n_context=n_context, extra_tokens=extra_tokens,
-                                           t_target=t_target, t_draft=t_draft, measured=measured):
+                                           t_target=t_target, t_draft=t_draft, measured=measured, t_host=t_host):
         rate = n * emitted / max(cost, 1e-12)
         if rate > best * (1 + 1e-9):
             best_d, best = d, rate
@@ -259,12 +268,13 @@ def goodput_shape(n: int, *, width: int, rank_rates: Sequence[float], budget: in
 def slo_shape(n: int, *, width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,
               n_context: int, extra_tokens: int, t_target: Callable[[int, int], float],
               t_draft: Callable[[int, int], float], base: np.ndarray, rate: np.ndarray,
-              alphas: np.ndarray | None = None, measured: Mapping[int, float] | None = None) -> int:
+              alphas: np.ndarray | None = None, measured: Mapping[int, float] | None = None,
+              t_host: Callable[[int, int], float] | None = None) -> int:
     """The depth by the SLO rule: of ``goodput_shape``'s candidates, the one that keeps the most requests on
     their TPOT SLO, then the most expected tokens per second (Algorithm 2's order, SLO first, applied to the
     tree the draft builds, as ``iteration_budget.slo_budget`` applies it to B):
 
-        T(d)      = d * T_draft(N_ctx, n * w) + T_target(N_ctx, verified + extra)   (goodput_shape's)
+        T(d)      = d * T_draft(N_ctx, n * w) + T_target(N_ctx, verified + extra) + H(d, n)   (goodput_shape's)
         on_slo(d) = #{ r with an SLO : A_r(T(d)) <= l(alpha_r, d) }
                     A_r(T) = base_r + rate_r * T: what r must emit this iteration (selection.requirement_line)
         d         = argmax (on_slo, sum_r l(alpha_r, d) / T(d))
@@ -287,7 +297,7 @@ def slo_shape(n: int, *, width: int, rank_rates: Sequence[float], budget: int, d
     best_d, best = max(d_min, 1), (-1, -1.0)
     for d, cost, emitted in _priced_depths(n, width=width, rank_rates=rank_rates, budget=budget, d_min=d_min,
                                            d_max=d_max, n_context=n_context, extra_tokens=extra_tokens,
-                                           t_target=t_target, t_draft=t_draft, measured=measured):
+                                           t_target=t_target, t_draft=t_draft, measured=measured, t_host=t_host):
         # l(alpha_r, d) per request (smartspec.expected_emitted, alpha_r < 1)
         each = np.full(len(base), emitted) if own is None else (1 - own ** (d + 1)) / (1 - own)
         on_slo = int(np.count_nonzero(slo & (base + rate * cost <= each)))
@@ -373,12 +383,12 @@ class WidthAcceptance:
 
 def goodput_depth(n: int, width: int, *, alpha: float, d_min: int, d_max: int, n_context: int,
                   extra_tokens: int, t_target: Callable[[int, int], float],
-                  t_draft: Callable[[int, int], float]) -> int:
+                  t_draft: Callable[[int, int], float], t_host: Callable[[int, int], float] | None = None) -> int:
     """The depth d in [max(d_min, 1), d_max] with the most expected tokens per second (SmartSpec's rule,
     for the best path of a beam tree), or 0 (plain decoding) where ``d_min`` is 0 and one token per request
     per forward is predicted to be at least as fast (``plain_rate``):
 
-        goodput(d) = n * l(alpha, d) / (d * T_draft(N_ctx, n * w) + T_target(N_ctx, n * (d + 1) + extra))
+        goodput(d) = n * l(alpha, d) / (d * T_draft(N_ctx, n * w) + T_target(N_ctx, n * (d + 1) + extra) + H(d, n))
 
     with l(alpha, d) = (1 - alpha^(d+1)) / (1 - alpha) tokens per request (bonus included). Each beam
     step runs n * w draft tokens; verification is priced for the best path (the selection may verify
@@ -390,12 +400,16 @@ def goodput_depth(n: int, width: int, *, alpha: float, d_min: int, d_max: int, n
     best_d, best = max(d_min, 1), -1.0
     for d in range(max(d_min, 1), max(d_max, 1) + 1):
         cost = d * t_draft(n_context, n * width) + t_target(n_context, n * (d + 1) + extra_tokens)
+        cost += 0.0 if t_host is None else t_host(d, n)
         rate = n * expected_emitted(alpha, d) / max(cost, 1e-12)
         if rate > best:
             best_d, best = d, rate
-    return 0 if d_min == 0 and plain_rate(n, n_context, extra_tokens, t_target) >= best else best_d
+    return 0 if d_min == 0 and plain_rate(n, n_context, extra_tokens, t_target, t_host) >= best else best_d
 
 
-def plain_rate(n: int, n_context: int, extra_tokens: int, t_target: Callable[[int, int], float]) -> float:
-    """Tokens per second without speculation: one token per request per target forward (d = 0)."""
-    return n / max(t_target(n_context, n + extra_tokens), 1e-12)
+def plain_rate(n: int, n_context: int, extra_tokens: int, t_target: Callable[[int, int], float],
+               t_host: Callable[[int, int], float] | None = None) -> float:
+    """Tokens per second without speculation: one token per request per target forward (d = 0), plus its host
+    time where ``t_host`` is given."""
+    host = 0.0 if t_host is None else t_host(0, n)
+    return n / max(t_target(n_context, n + extra_tokens) + host, 1e-12)

@@ -87,6 +87,9 @@ class BatchView:
     # per decoding request, its latest chain acceptance (adaptive.recent_ratios: sum of accepted / proposed, count),
     # [n, 2]; the "slo" rule's per-request chain rates (adaptive.request_alphas); None: the batch's rate for all
     request_ratios: np.ndarray | None = None
+    # host seconds of an iteration outside its forwards for (draft levels, decoding requests), 0 levels: plain
+    # (cost.host_cost.HostCost); priced by the goodput and SLO shape rules beside the forwards. None: not priced
+    predict_host: Callable[[int, int], float] | None = None
 
 
 @dataclass(frozen=True)
@@ -290,15 +293,16 @@ class _Adaptive(_NoFeedback):
                 d = slo_shape(n, width=w, rank_rates=rates, budget=view.budget, d_min=cfg.d_min, d_max=cfg.d_max,
                               n_context=view.n_context, extra_tokens=view.prefill_tokens,
                               t_target=view.predict_target, t_draft=view.predict_draft, base=lines[:, 0],
-                              rate=lines[:, 1], alphas=own, measured=measured)
+                              rate=lines[:, 1], alphas=own, measured=measured, t_host=view.predict_host)
             else:
                 d = goodput_shape(n, width=w, rank_rates=rates, budget=view.budget, d_min=cfg.d_min,
                                   d_max=cfg.d_max, n_context=view.n_context, extra_tokens=view.prefill_tokens,
-                                  t_target=view.predict_target, t_draft=view.predict_draft, measured=measured)
+                                  t_target=view.predict_target, t_draft=view.predict_draft, measured=measured,
+                                  t_host=view.predict_host)
         elif goodput:
             d = goodput_depth(max(view.n_active, 1), w, alpha=self.paths.alpha, d_min=cfg.d_min, d_max=cfg.d_max,
                               n_context=view.n_context, extra_tokens=view.prefill_tokens,
-                              t_target=view.predict_target, t_draft=view.predict_draft)
+                              t_target=view.predict_target, t_draft=view.predict_draft, t_host=view.predict_host)
         return d, w
 
     def observe(self, accepted: int, proposed: int) -> None:

@@ -395,3 +395,35 @@ def test_the_policy_prices_its_width_at_what_its_trees_showed() -> None:
         policy.observe_paths(accepted=8, rejections=8)
     after = policy.tree_shape(view)
     assert after is not None and after.width == 2 and after.depth < first.depth
+
+
+def test_host_time_priced_beside_the_forwards_deepens_the_tree_or_stops_it() -> None:
+    """H(d, n), the iteration's host time outside the forwards (cost.host_cost): paid once per iteration, it makes
+    deeper trees (more tokens for it) worth more; where a tree's host time dwarfs plain decoding's, plain wins."""
+    from adaserve.engine.speculation.adaptive import goodput_depth, goodput_shape, slo_shape
+
+    kw = _slo_costs()
+    assert goodput_shape(8, **kw) == 2 and goodput_shape(8, **kw, t_host=None) == 2
+    depths = [goodput_shape(8, **kw, t_host=lambda d, n, h=h: h) for h in (0.0, 0.004, 0.008, 0.02)]
+    assert depths == sorted(depths) and depths[-1] > depths[0]  # a larger fixed cost, a deeper tree
+    spec_heavy = {"t_host": lambda d, n: 0.030 if d else 0.0005}
+    assert goodput_shape(1, **kw, **spec_heavy) == 0
+    base, rate = np.zeros(8), np.zeros(8)
+    assert slo_shape(8, base=base, rate=rate, **kw, t_host=lambda d, n: 0.008) == goodput_shape(
+        8, **kw, t_host=lambda d, n: 0.008)
+    chain = {k: v for k, v in kw.items() if k not in ("rank_rates", "budget", "width")}
+    assert goodput_depth(8, 1, alpha=0.8, **chain) == 2
+    assert goodput_depth(8, 1, alpha=0.8, **chain, t_host=lambda d, n: 0.008) > 2
+    assert goodput_depth(8, 1, alpha=0.8, **chain, **spec_heavy) == 0
+
+
+def test_the_adaptive_policy_reads_the_host_time_its_view_gives() -> None:
+    from adaserve.engine.speculation.policies import BatchView, make_policy
+
+    costs = {"predict_target": _flat_then_linear(0.0023, 2.7e-4, 0), "predict_draft": _flat_then_linear(5e-4, 2e-4, 0)}
+    policy = make_policy("adaserve")
+    view = BatchView(n_active=1, n_context=128, budget=64, rank_rates=lambda w: (0.7, 0.1, 0.05), **costs)
+    free = policy.tree_shape(view)
+    heavy = policy.tree_shape(BatchView(n_active=1, n_context=128, budget=64, rank_rates=lambda w: (0.7, 0.1, 0.05),
+                                        predict_host=lambda d, n: 0.02, **costs))
+    assert free is not None and heavy is not None and heavy.depth > free.depth

@@ -8,8 +8,9 @@ Beam nodes' draft KV is scratch, dropped when speculation ends.
 
 The levels never visit the host (issue 30): the beam state (tokens, parents, log path probabilities),
 the top-k and the next level's inputs stay on the device. A level's layout needs no picks: positions,
-slots and mask bounds depend only on the level and the widths, so every level is planned at once before
-the first (``model/levels.py``: one host pass, one copy), the picked ids feed the forward as they are, and
+slots and mask bounds depend only on the level and the widths, so every level, the catch-up of step 1 included
+(on the torch backend), is planned at once before the first (``model/levels.py``: one host pass, one copy), the
+picked ids feed the forward as they are, and
 the ancestor rows grow on the device (a new node's row is its parent's plus itself). The whole candidate
 tree comes to the host in one copy at the end.
 """
@@ -71,17 +72,23 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
             raise ValueError("every static expansion factor must be >= 1")
     if depth < 1 or width < 1:
         raise ValueError("beam search needs depth >= 1 and width >= 1")
-    segs = [Segment(x.seq, x.seq.length, TokenTree.chain(x.pending)) for x in inputs]
-    rows = draft.forward_joined(segs, all_logits=[False] * len(segs))  # [n, V]: each root's logits
-    _seen(draft, on_forward)
-    for x in inputs:  # the pending tokens are real: they stay in the draft KV
-        draft.cache.truncate(x.seq, x.seq.length + len(x.pending))
-
     n = len(inputs)
+    sizes = level_sizes(depth, width, expansion, draft.vocab_size)  # nodes per tree at each level, the root first
+    committed = [x.seq.length + len(x.pending) for x in inputs]  # the pending tokens are real: they stay in the KV
+    # the catch-up and levels 1 .. depth-1 are fed to the draft: their positions, slots and mask bounds planned
+    # here, at once (the catch-up only on the torch grid: elsewhere it is laid out like any forward)
+    forwards = BeamLevels(draft, [x.seq for x in inputs], sizes[:depth], pending=[x.pending for x in inputs])
+    if forwards.folds_catch_up:
+        rows = forwards.catch_up()  # [n, V]: each root's logits; the pending tokens are committed at the end
+    else:
+        segs = [Segment(x.seq, x.seq.length, TokenTree.chain(x.pending)) for x in inputs]
+        rows = draft.forward_joined(segs, all_logits=[False] * n)
+        for x, c in zip(inputs, committed, strict=True):
+            draft.cache.truncate(x.seq, c)
+    _seen(draft, on_forward)
+    if rows.shape[-1] != draft.vocab_size:
+        raise ValueError(f"the draft's logits have {rows.shape[-1]} columns for a vocabulary of {draft.vocab_size}")
     dev = rows.device
-    sizes = level_sizes(depth, width, expansion, rows.shape[-1])  # nodes per tree at each level, the root first
-    # levels 1 .. depth-1 are fed to the draft: their positions, slots and mask bounds planned here, at once
-    forwards = BeamLevels(draft, [x.seq for x in inputs], sizes[:depth]) if depth > 1 else None
     # on the device, per level: tokens, parents (tree index), log path probabilities, each [n, k]
     levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     checks: list[torch.Tensor] = []
@@ -106,12 +113,11 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
         if not chains:
             anc = _grow_ancestors(anc, parent)
         chain = max(sizes[: step + 2]) == 1  # one node per level so far: every tree is a chain, no rows needed
-        assert forwards is not None
         rows = forwards.forward(step + 1, tok.reshape(-1), None if chain else anc)
         _seen(draft, on_forward)
 
-    for x in inputs:  # drop the scratch beams
-        draft.cache.truncate(x.seq, x.seq.length)
+    for x, c in zip(inputs, committed, strict=True):  # commit the pending tokens, drop the scratch beams
+        draft.cache.truncate(x.seq, c)
     toks, pars, lps = _to_host(levels, checks)
     roots = np.asarray([x.pending[-1] for x in inputs], np.int64)[:, None]
     return build_trees(roots, toks, pars, lps, sizes[1:])

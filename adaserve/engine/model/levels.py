@@ -146,16 +146,16 @@ class BeamLevels:
             chain = size == level + 1  # one node per level so far
 
             index = prefix[:, None] + c + np.arange(a)  # [n, a] key index of each new node
-            put(f"{level}.positions", _padded(np.broadcast_to((prefix + level)[:, None], (n, a)), 0, g, q))
+            put(f"{level}.positions", _padded((prefix + level).repeat(a).reshape(n, a), 0, g, q))
             put(f"{level}.write_slots", _padded(table[b, index // ps] * ps + index % ps, scratch, g, q))
             k_idx = np.minimum(np.arange(k)[None, :], (prefix + size - 1)[:, None])  # padding: the last real key
             keys = table[b, k_idx // ps] * ps + k_idx % ps
             put(f"{level}.key_slots", keys if g == n else np.concatenate([keys, np.full((g - n, k), scratch)]))
             hi = prefix + size if chain else prefix  # chains see their own nodes through the bound
-            put(f"{level}.hi", _padded(np.broadcast_to(hi[:, None, None], (n, a, 1)), 1, g, q))  # padding: key 0 only
+            put(f"{level}.hi", _padded(hi.repeat(a).reshape(n, a, 1), 1, g, q))  # padding: key 0 only
             if window is not None:  # positions by depth: a new node is at L_b + level
                 lo = np.maximum(prefix + level - window + 1, 0)
-                put(f"{level}.lo", _padded(np.broadcast_to(lo[:, None, None], (n, a, 1)), 0, g, q))
+                put(f"{level}.lo", _padded(lo.repeat(a).reshape(n, a, 1), 0, g, q))
             if not chain:
                 # tree cell (b, r, j): key L_b + j of row r, its value ancestor bit [b, c + r, j] of the [n, s, s]
                 # rows; with a window only the keys within it (query depth ``level``, key depth depths[j])

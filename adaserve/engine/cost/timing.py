@@ -163,7 +163,10 @@ class OnlineCostModel:
         self._since_refit += 1
         if self._since_fit >= self.refit_every and len(self.samples) >= self.min_samples:
             self._since_fit = 0
-            self._recalibrate(_columns(self.samples))
+            # an unprofiled model between refits keeps its last one: no window to read (issue 30: three checks
+            # in four built the window's columns and two medians only to return)
+            if self.frozen or self._refit_due():
+                self._recalibrate(_columns(self.samples))
 
     def _refit_due(self) -> bool:
         """A least-squares refit now: none has succeeded yet, or a quarter of the window is new since the last."""

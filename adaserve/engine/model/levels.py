@@ -23,6 +23,11 @@ from the level's own layout: ``tests/engine/speculation/test_beam_on_device.py``
 
 The flashinfer backend, tensor parallel ranks and a level no static bucket fits lay out each level from its
 placeholder trees, as any forward (``"laid_out"``): one plan and one copy per level, as before.
+
+With ``pending`` (each request's tokens the draft has not seen, the root last) the plan also holds level 0, the
+catch-up forward that feeds them, on the torch backend's grid (``catch_up``): the arrays ``build_layout`` and
+``TorchAttention.plan`` make for those chains, so one speculation plans and copies once (issue 30). The static
+path and the other backends lay the catch-up out as before (``folds_catch_up`` is False).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import numpy as np
 import torch
 
 from adaserve.engine.model.attention.masks import fill_grid_mask
-from adaserve.engine.model.attention.torch_sdpa import TorchAttention
+from adaserve.engine.model.attention.torch_sdpa import TorchAttention, group_segments
 from adaserve.engine.model.batch import DeviceNodes, Segment, page_table
 from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.runner import ModelRunner, joined_rows
@@ -55,8 +60,9 @@ class BeamLevels:
     """The draft forwards of levels 1 .. len(sizes) - 1 of a beam search over ``seqs``.
 
     ``sizes[l]``: nodes per tree at level l (``sizes[0] == 1``, the root). Each sequence's ``length`` counts its
-    committed tokens, the root last. ``forward(l, ids, ancestors)`` runs level l and returns its logits
-    ``[n * sizes[l], V]``, request-major.
+    committed tokens, the root last; with ``pending`` its committed tokens before the catch-up (``catch_up``),
+    which the caller commits once the search is done (until then ``truncate`` would drop the levels' pages).
+    ``forward(l, ids, ancestors)`` runs level l and returns its logits ``[n * sizes[l], V]``, request-major.
 
     Each level runs one of three ways, chosen here: on the torch backend's grid (``"torch"``: ``[n, sizes[l]]``
     rows, exactly the arrays ``TorchAttention.plan`` would make), on a static bucket (``"static"``: the same
@@ -65,15 +71,40 @@ class BeamLevels:
     the static buckets, the static path's poison test).
     """
 
-    def __init__(self, runner: ModelRunner, seqs: Sequence[SequenceKV], sizes: Sequence[int]) -> None:
-        if len(sizes) < 2 or sizes[0] != 1 or min(sizes) < 1:
+    def __init__(self, runner: ModelRunner, seqs: Sequence[SequenceKV], sizes: Sequence[int],
+                 pending: Sequence[Sequence[int]] | None = None) -> None:
+        if len(sizes) < (1 if pending is not None else 2) or sizes[0] != 1 or min(sizes) < 1:
             raise ValueError(f"beam levels need the root and at least one level of nodes, got sizes {list(sizes)}")
+        if pending is not None and (len(pending) != len(seqs) or min(map(len, pending), default=1) < 1):
+            raise ValueError("the catch-up needs every sequence's pending tokens, the root last")
         self.runner, self.seqs, self.sizes = runner, list(seqs), list(sizes)
-        self.prefix = np.fromiter((s.length - 1 for s in self.seqs), np.int64, len(self.seqs))  # L_b
+        # L_b: each root's key index (the committed tokens before it; with ``pending``, the catch-up's too)
+        waiting = [0] * len(self.seqs) if pending is None else [len(p) for p in pending]
+        self.prefix = np.fromiter((s.length + w - 1 for s, w in zip(self.seqs, waiting, strict=True)), np.int64,
+                                  len(self.seqs))
+        self.pending = None if pending is None else [list(p) for p in pending]
         self.ends = np.cumsum(self.sizes)  # tree size after each level
         self.stage = HostStage(runner.device)
-        self._grids: list[tuple[str, int, int, int]] = [("", 0, 0, 0)]  # per level: how, G, Q, K
+        # per level: how, G, Q, K; level 0 is the catch-up (planned only with ``pending`` on the torch grid)
+        self._grids: list[tuple[str, int, int, int]] = [self._how_catch_up()]
         self._plan()
+
+    @property
+    def folds_catch_up(self) -> bool:
+        """Level 0, the catch-up forward, runs from this plan (``forward(0)``); otherwise the caller lays it out."""
+        return self._grids[0][0] == "torch"
+
+    def _how_catch_up(self) -> tuple[str, int, int, int]:
+        """How the catch-up runs: on the torch backend's grid when ``TorchAttention.plan`` would put its chains
+        in one group (G = n, Q = the most pending tokens, K = the longest context), else not here."""
+        runner = self.runner
+        if (self.pending is None or type(runner).compute is not ModelRunner.compute or runner.static is not None
+                or not isinstance(runner.backend, TorchAttention)):
+            return "", 0, 0, 0
+        counts = [len(p) for p in self.pending]
+        if len(group_segments(counts)) != 1:
+            return "", 0, 0, 0
+        return "torch", len(counts), max(counts), int(self.prefix.max()) + 1
 
     def _how(self, level: int) -> tuple[str, int, int, int]:
         """How level ``level`` runs, and its grid: (G, Q, K)."""
@@ -93,19 +124,21 @@ class BeamLevels:
     def _plan(self) -> None:
         """Every planned level's host arrays, staged for one copy (the first level's forward sends them)."""
         self._grids += [self._how(level) for level in range(1, len(self.sizes))]
-        if all(how == "laid_out" for how, *_ in self._grids[1:]):
+        if all(how in ("laid_out", "") for how, *_ in self._grids):
             return
         cache = self.runner.cache
         ps = cache.page_size
         n, prefix = len(self.seqs), self.prefix
-        for s in self.seqs:  # the deepest level's pages: every level's slots exist from here on
-            cache.ensure(s, s.length - 1 + int(self.ends[-1]))
+        for s, end in zip(self.seqs, (prefix + int(self.ends[-1])).tolist(), strict=True):
+            cache.ensure(s, end)  # the deepest level's pages: every level's slots exist from here on
         table = page_table([s.pages for s in self.seqs], prefix + int(self.ends[-1]), ps)
         b = np.arange(n)[:, None]
         scratch = cache.scratch_slot
         window = self.runner.model.cfg.sliding_window
         depths = np.repeat(np.arange(len(self.sizes)), self.sizes)  # of every tree node
         put = self.stage.put
+        if self.folds_catch_up:
+            self._plan_catch_up(table, window)
         for level, (how, g, q, k) in enumerate(self._grids):
             if level == 0 or how == "laid_out":
                 continue
@@ -113,16 +146,16 @@ class BeamLevels:
             chain = size == level + 1  # one node per level so far
 
             index = prefix[:, None] + c + np.arange(a)  # [n, a] key index of each new node
-            put(f"{level}.positions", _padded(np.broadcast_to((prefix + level)[:, None], (n, a)), 0, g, q))
+            put(f"{level}.positions", _padded((prefix + level).repeat(a).reshape(n, a), 0, g, q))
             put(f"{level}.write_slots", _padded(table[b, index // ps] * ps + index % ps, scratch, g, q))
             k_idx = np.minimum(np.arange(k)[None, :], (prefix + size - 1)[:, None])  # padding: the last real key
             keys = table[b, k_idx // ps] * ps + k_idx % ps
             put(f"{level}.key_slots", keys if g == n else np.concatenate([keys, np.full((g - n, k), scratch)]))
             hi = prefix + size if chain else prefix  # chains see their own nodes through the bound
-            put(f"{level}.hi", _padded(np.broadcast_to(hi[:, None, None], (n, a, 1)), 1, g, q))  # padding: key 0 only
+            put(f"{level}.hi", _padded(hi.repeat(a).reshape(n, a, 1), 1, g, q))  # padding: key 0 only
             if window is not None:  # positions by depth: a new node is at L_b + level
                 lo = np.maximum(prefix + level - window + 1, 0)
-                put(f"{level}.lo", _padded(np.broadcast_to(lo[:, None, None], (n, a, 1)), 0, g, q))
+                put(f"{level}.lo", _padded(lo.repeat(a).reshape(n, a, 1), 0, g, q))
             if not chain:
                 # tree cell (b, r, j): key L_b + j of row r, its value ancestor bit [b, c + r, j] of the [n, s, s]
                 # rows; with a window only the keys within it (query depth ``level``, key depth depths[j])
@@ -132,6 +165,60 @@ class BeamLevels:
                 put(f"{level}.src", ((b[:, :, None] * size + c + r) * size + j).ravel())
             if how == "static":
                 put(f"{level}.at", (b * q + np.arange(a)).ravel())  # grid row of each real token
+
+    def _plan_catch_up(self, table: np.ndarray, window: int | None) -> None:
+        """The catch-up's arrays, as ``build_layout`` and ``TorchAttention.plan`` make them for the chains of pending
+        tokens (prefix ``P_b = L_b + 1 - p_b``, p_b tokens, one group of G = n segments):
+
+            token r of request b        key index P_b + r = its position; grid row b * Q + r
+            key k of request b          key min(k, L_b)   (padding repeats the last real key)
+            mask bound                  hi = P_b + r + 1 for a real row, 1 for a padding row; with a window
+                                        lo = max(P_b + r - window + 1, 0), 0 for padding
+            logits rows                 each request's last token (none staged when every row is one)
+        """
+        _, g, q, k = self._grids[0]
+        assert self.pending is not None
+        ps, put = self.runner.cache.page_size, self.stage.put
+        counts = np.fromiter(map(len, self.pending), np.int64, g)
+        seg = np.repeat(np.arange(g), counts)
+        starts = np.cumsum(counts) - counts  # each request's first flat token
+        r = np.arange(int(counts.sum())) - starts[seg]
+        first = self.prefix + 1 - counts  # P_b
+        index = first[seg] + r
+        put("0.ids", np.concatenate(self.pending) if g > 1 else np.asarray(self.pending[0], np.int64))
+        put("0.positions", index)
+        put("0.write_slots", table[seg, index // ps] * ps + index % ps)
+        if g > 1:
+            put("0.rows", seg * q + r)
+        k_idx = np.minimum(np.arange(k)[None, :], self.prefix[:, None])
+        put("0.key_slots", table[np.arange(g)[:, None], k_idx // ps] * ps + k_idx % ps)
+        row = np.arange(q)[None, :]
+        real = row < counts[:, None]
+        put("0.hi", np.where(real, first[:, None] + row + 1, 1)[:, :, None])
+        if window is not None:
+            put("0.lo", np.where(real, np.maximum(first[:, None] + row - window + 1, 0), 0)[:, :, None])
+        if len(seg) != g:
+            put("0.logits_rows", starts + counts - 1)
+
+    def catch_up(self) -> torch.Tensor:
+        """The catch-up forward planned here (``folds_catch_up``): logits ``[n, V]`` of each request's last pending
+        token, the root, exactly as ``ModelRunner.forward`` of the chains with ``all_logits`` False computes them;
+        reported to the runner's listeners like any forward. The caller commits the pending tokens afterwards."""
+        if not self.folds_catch_up:
+            raise ValueError("the catch-up is not planned here: lay it out (ModelRunner.forward)")
+        t0 = time.perf_counter()
+        runner, get, stage = self.runner, self.stage.get, self.stage
+        _, g, _, k = self._grids[0]
+        backend = runner.backend
+        assert isinstance(backend, TorchAttention) and self.pending is not None
+        lo = get("0.lo") if runner.model.cfg.sliding_window is not None else None
+        mask = fill_grid_mask(backend.columns(k, runner.device), get("0.hi"), lo, None, None)
+        backend.use_grid(get("0.write_slots"), get("0.key_slots"), mask, get("0.rows") if g > 1 else None)
+        rows = get("0.logits_rows") if "0.logits_rows" in stage else None
+        logits = runner.model(get("0.ids"), get("0.positions"), backend=backend, cache=runner.cache, logits_rows=rows)
+        n_new = sum(map(len, self.pending))
+        runner.record(n_new=n_new, n_context=int(self.prefix.sum()) + g - n_new, t0=t0)
+        return logits
 
     def forward(self, level: int, ids: torch.Tensor, ancestors: torch.Tensor | None) -> torch.Tensor:
         """Level ``level``'s logits ``[n * sizes[level], V]``; ``ids`` [n * sizes[level]] its picked tokens in
@@ -182,7 +269,7 @@ class BeamLevels:
         for lv in range(1, level + 1):
             parents[self.ends[lv - 1] : self.ends[lv]] = self.ends[lv - 2] if lv > 1 else 0
         tree = TokenTree.trusted(np.zeros(size, np.int64), parents, np.zeros(size))
-        segs = [Segment(s, s.length - 1, tree, num_cached=c) for s in self.seqs]
+        segs = [Segment(s, p, tree, num_cached=c) for s, p in zip(self.seqs, self.prefix.tolist(), strict=True)]
         out = self.runner.forward(segs, all_logits=[True] * len(segs),
                                   on_device=DeviceNodes(ids, None if tree.is_chain else ancestors))
         return joined_rows(out)

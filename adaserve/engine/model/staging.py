@@ -26,12 +26,14 @@ class HostStage:
         self.device = device
         self._pending: list[tuple[str, np.ndarray, torch.dtype]] = []
         self._sent: dict[str, torch.Tensor] = {}
+        self._names: set[str] = set()  # every name staged, pending or sent (``put`` refuses a second one)
         self.copies = 0  # transfers made (one per forward when used as meant)
 
     def put(self, name: str, array: np.ndarray | list[int], dtype: torch.dtype = torch.int64) -> None:
         """Queue ``array`` (integers or bools) for the device under ``name``; it arrives as ``dtype``."""
-        if name in self._sent or any(n == name for n, _, _ in self._pending):
+        if name in self._names:
             raise ValueError(f"{name!r} is already staged")
+        self._names.add(name)
         self._pending.append((name, np.asarray(array), dtype))
 
     def bind(self, name: str, tensor: torch.Tensor) -> None:
@@ -40,6 +42,7 @@ class HostStage:
             raise ValueError(f"{name!r} is already staged")
         if tensor.device != self.device:
             raise ValueError(f"{name!r} is on {tensor.device}, the stage sends to {self.device}")
+        self._names.add(name)
         self._sent[name] = tensor
 
     def get(self, name: str) -> torch.Tensor:
@@ -49,7 +52,7 @@ class HostStage:
         return self._sent[name]
 
     def __contains__(self, name: str) -> bool:
-        return name in self._sent or any(n == name for n, _, _ in self._pending)
+        return name in self._names
 
     def send(self) -> None:
         """One copy of every pending array to the device, not waited for."""
@@ -62,13 +65,20 @@ class HostStage:
             host = torch.empty(max(total, 1), dtype=torch.int64, pin_memory=True)
             np.concatenate(flat, out=host.numpy()[:total], casting="unsafe")
         else:  # the device's own memory: the concatenation is the buffer
-            host = torch.from_numpy(np.concatenate([a.astype(np.int64, copy=False) for a in flat]))
+            host = torch.from_numpy(np.concatenate(flat, dtype=np.int64, casting="unsafe"))
         # The pinned host buffer stays referenced by ``self`` until the stage is dropped, after the forward
         # that reads it has been queued behind the copy on the same stream.
         self._host = host
         dev = host.to(self.device, non_blocking=True)
         self.copies += 1
-        for (name, a, dtype), part in zip(self._pending, torch.split(dev[:total], sizes), strict=True):
-            part = part.view(a.shape)
+        if dev is host:  # a CPU stage: the buffer is the device's; numpy slices cost a third of torch.split's views
+            buf, at, parts = host.numpy(), 0, []
+            for size, (_, a, _) in zip(sizes, self._pending, strict=True):
+                parts.append(torch.from_numpy(buf[at : at + size].reshape(a.shape)))
+                at += size
+        else:
+            parts = [p.view(a.shape) for p, (_, a, _) in zip(torch.split(dev[:total], sizes), self._pending,
+                                                                strict=True)]
+        for (name, _, dtype), part in zip(self._pending, parts, strict=True):
             self._sent[name] = part if dtype == torch.int64 else part.to(dtype)
         self._pending = []

@@ -8,8 +8,9 @@ Beam nodes' draft KV is scratch, dropped when speculation ends.
 
 The levels never visit the host (issue 30): the beam state (tokens, parents, log path probabilities),
 the top-k and the next level's inputs stay on the device. A level's layout needs no picks: positions,
-slots and mask bounds depend only on the level and the widths, so every level is planned at once before
-the first (``model/levels.py``: one host pass, one copy), the picked ids feed the forward as they are, and
+slots and mask bounds depend only on the level and the widths, so every level, the catch-up of step 1 included
+(on the torch backend), is planned at once before the first (``model/levels.py``: one host pass, one copy), the
+picked ids feed the forward as they are, and
 the ancestor rows grow on the device (a new node's row is its parent's plus itself). The whole candidate
 tree comes to the host in one copy at the end.
 """
@@ -71,20 +72,26 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
             raise ValueError("every static expansion factor must be >= 1")
     if depth < 1 or width < 1:
         raise ValueError("beam search needs depth >= 1 and width >= 1")
-    segs = [Segment(x.seq, x.seq.length, TokenTree.chain(x.pending)) for x in inputs]
-    rows = draft.forward_joined(segs, all_logits=[False] * len(segs))  # [n, V]: each root's logits
-    _seen(draft, on_forward)
-    for x in inputs:  # the pending tokens are real: they stay in the draft KV
-        draft.cache.truncate(x.seq, x.seq.length + len(x.pending))
-
     n = len(inputs)
+    sizes = level_sizes(depth, width, expansion, draft.vocab_size)  # nodes per tree at each level, the root first
+    committed = [x.seq.length + len(x.pending) for x in inputs]  # the pending tokens are real: they stay in the KV
+    # the catch-up and levels 1 .. depth-1 are fed to the draft: their positions, slots and mask bounds planned
+    # here, at once (the catch-up only on the torch grid: elsewhere it is laid out like any forward)
+    forwards = BeamLevels(draft, [x.seq for x in inputs], sizes[:depth], pending=[x.pending for x in inputs])
+    if forwards.folds_catch_up:
+        rows = forwards.catch_up()  # [n, V]: each root's logits; the pending tokens are committed at the end
+    else:
+        segs = [Segment(x.seq, x.seq.length, TokenTree.chain(x.pending)) for x in inputs]
+        rows = draft.forward_joined(segs, all_logits=[False] * n)
+        for x, c in zip(inputs, committed, strict=True):
+            draft.cache.truncate(x.seq, c)
+    _seen(draft, on_forward)
+    if rows.shape[-1] != draft.vocab_size:
+        raise ValueError(f"the draft's logits have {rows.shape[-1]} columns for a vocabulary of {draft.vocab_size}")
     dev = rows.device
-    sizes = level_sizes(depth, width, expansion, rows.shape[-1])  # nodes per tree at each level, the root first
-    # levels 1 .. depth-1 are fed to the draft: their positions, slots and mask bounds planned here, at once
-    forwards = BeamLevels(draft, [x.seq for x in inputs], sizes[:depth]) if depth > 1 else None
     # on the device, per level: tokens, parents (tree index), log path probabilities, each [n, k]
     levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    checks: list[torch.Tensor] = []
+    checks: list[tuple[torch.Tensor, torch.Tensor]] = []
     base = torch.zeros((n, 1), dtype=torch.float64, device=dev)  # the frontier's log path probabilities
     anc = torch.ones((n, 1, 1), dtype=torch.bool, device=dev)  # ancestor rows of the tree so far
     chains = max(sizes) == 1  # every level one node (width 1): no level reads ancestor rows, none are grown
@@ -106,12 +113,11 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
         if not chains:
             anc = _grow_ancestors(anc, parent)
         chain = max(sizes[: step + 2]) == 1  # one node per level so far: every tree is a chain, no rows needed
-        assert forwards is not None
         rows = forwards.forward(step + 1, tok.reshape(-1), None if chain else anc)
         _seen(draft, on_forward)
 
-    for x in inputs:  # drop the scratch beams
-        draft.cache.truncate(x.seq, x.seq.length)
+    for x, c in zip(inputs, committed, strict=True):  # commit the pending tokens, drop the scratch beams
+        draft.cache.truncate(x.seq, c)
     toks, pars, lps = _to_host(levels, checks)
     roots = np.asarray([x.pending[-1] for x in inputs], np.int64)[:, None]
     return build_trees(roots, toks, pars, lps, sizes[1:])
@@ -197,21 +203,19 @@ def _grow_ancestors(anc: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
 
 
 def _to_host(levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-             checks: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+             checks: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every level's (tokens, parents, log path probabilities) in one copy, each [n, nodes]; raises when a
-    level's logits were not all finite."""
-    tok = torch.cat([t for t, _, _ in levels], dim=1)
-    par = torch.cat([p for _, p, _ in levels], dim=1)
-    val = torch.cat([v for _, _, v in levels], dim=1)
-    n, k = tok.shape
-    # one float64 buffer: the integers are exact (< 2**53)
-    host = torch.cat([val.flatten(), tok.flatten().double(), par.flatten().double(),
-                      torch.cat(checks).double()]).cpu().numpy()
+    level's logits were not all finite (``checks``: each level's least and greatest logit)."""
+    n = levels[0][0].shape[0]
+    # [n, 3K], one float64 buffer from one cat (issue 30: four ops, not seventeen): the log path probabilities,
+    # then the tokens, then the parents, promoted to float64 (the integers are exact: < 2**53)
+    grid = torch.cat([v for _, _, v in levels] + [t for t, _, _ in levels] + [p for _, p, _ in levels], dim=1)
+    k = grid.shape[1] // 3
+    host = torch.cat([grid.flatten(), torch.stack([x for pair in checks for x in pair])]).cpu().numpy()
     if not np.isfinite(host[3 * n * k :]).all():
         raise FloatingPointError("draft produced non-finite log-probs: refusing to build a tree")
-    return (host[n * k : 2 * n * k].astype(np.int64).reshape(n, k),
-            host[2 * n * k : 3 * n * k].astype(np.int64).reshape(n, k),
-            host[: n * k].reshape(n, k))
+    both = host[: 3 * n * k].reshape(n, 3 * k)
+    return both[:, k : 2 * k].astype(np.int64), both[:, 2 * k :].astype(np.int64), both[:, :k]
 
 
 def expand_level(logits: list[torch.Tensor], base: np.ndarray | torch.Tensor, *, width: int,
@@ -236,9 +240,9 @@ def expand_level(logits: list[torch.Tensor], base: np.ndarray | torch.Tensor, *,
 
 def _expand_on_device(logits: list[torch.Tensor] | torch.Tensor, base: np.ndarray | torch.Tensor, *, width: int,
                       per_node: int | None = None, allowed: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """``expand_level`` left on the device: tokens, frontier index of the parent, log path probabilities
-    (each [n, k]) and a [2] tensor (the least and greatest logit) that is finite iff every logit is.
+    (each [n, k]) and the least and the greatest logit (0-d tensors), both finite iff every logit is.
     ``allowed`` [n, F, V]: the tokens a grammar allows at each frontier node; the others get REFUSED_LOGIT."""
     n, f = base.shape
     if isinstance(logits, list) and (any(lg.shape[0] != f for lg in logits) or len(logits) != n):
@@ -252,7 +256,7 @@ def _expand_on_device(logits: list[torch.Tensor] | torch.Tensor, base: np.ndarra
     x = joined.float().view(n, f, v)
     # the least and the greatest logit: both finite iff every logit is (NaN propagates); one pass, no float64
     # sum over [n, F, V] (several times dearer on a CPU)
-    check = torch.stack(torch.aminmax(x))
+    lo, hi = torch.aminmax(x)
     if allowed is not None:
         x = x.masked_fill(~allowed, REFUSED_LOGIT)
     top_f = torch.topk(x, k_node, dim=-1)
@@ -272,4 +276,4 @@ def _expand_on_device(logits: list[torch.Tensor] | torch.Tensor, base: np.ndarra
     else:
         values = score.view(n, -1)
         parent = (torch.arange(f * k_node, device=values.device) // k_node).expand(n, -1)
-    return tok, parent, values, check
+    return tok, parent, values, (lo, hi)

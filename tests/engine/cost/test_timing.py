@@ -194,3 +194,43 @@ def test_refit_is_fit_cost_model_on_the_window():
     knee = CostModel(1e-6, 1e-4, 1e-3, gamma_above=2e-4, knee=20)
     k = feed(OnlineCostModel(knee), forwards(np.random.default_rng(11), 64, model=knee))
     assert k.model == fit_cost_model(list(k.samples), knee=20)[0]
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_checks_between_refits_change_nothing_and_unprofiled_ones_read_no_window(
+        monkeypatch: pytest.MonkeyPatch, frozen: bool) -> None:
+    """Issue 30: an unprofiled model reads its window only when a refit is due; every prediction is the one a
+    model that recalibrated at every check (the former way) makes, profiled or not."""
+    import adaserve.engine.cost.timing as timing
+
+    rng = np.random.default_rng(11)
+    samples = forwards(rng, 400, stall_share=0.05)
+    initial = scaled(TRUE, 3.0)  # a profile off by 3x: scaled, then refit or not
+    fast, every = OnlineCostModel(initial, frozen=frozen), OnlineCostModel(initial, frozen=frozen)
+    calls: list[bool] = []
+    recalibrate = OnlineCostModel._recalibrate
+
+    def counted(self: OnlineCostModel, window: np.ndarray) -> None:
+        if self is fast:
+            calls.append(self._refit_due())
+        recalibrate(self, window)
+
+    monkeypatch.setattr(OnlineCostModel, "_recalibrate", counted)
+    checks = 0
+    for c, b, y in samples:
+        fast.observe(c, b, y)
+        # the former way: every check recalibrates
+        every.samples.append((c, b, y))
+        while len(every.samples) > every.window:
+            every.samples.popleft()
+        every._since_fit += 1
+        every._since_refit += 1
+        if every._since_fit >= every.refit_every and len(every.samples) >= every.min_samples:
+            every._since_fit = 0
+            checks += 1
+            recalibrate(every, timing._columns(every.samples))
+        assert fast.predict(c, b) == every.predict(c, b) and fast.source == every.source
+    if frozen:
+        assert len(calls) == checks
+    else:
+        assert all(calls) and 0 < len(calls) < checks  # only the due ones, and some were not

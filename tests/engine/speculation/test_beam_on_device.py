@@ -101,8 +101,9 @@ def test_beam_search_waits_on_the_device_once(draft_dir: Path, static: bool) -> 
         trees = beam_search(draft, inputs, depth=4, width=3)
     assert sync.counts["d2h"] == 1, sync.counts  # the whole candidate tree, in one copy
     assert sync.counts["sync"] == sync.counts["h2d"] == sync.counts["data_shape"] == 0
-    # one non-blocking copy for the catch-up forward, one for every beam level's arrays (model/levels.py)
-    assert sync.counts["async_copy"] == 2
+    # one non-blocking copy for the catch-up's and every beam level's arrays (model/levels.py); the static path
+    # lays the catch-up out: one copy for it, one for the levels
+    assert sync.counts["async_copy"] == (2 if static else 1)
     assert all(t.size == 1 + 4 * 3 for t in trees)
 
 
@@ -186,3 +187,44 @@ def test_planned_levels_give_each_level_laid_out_logits_bit_for_bit(
         assert (rec.n_new, rec.n_context) == (draft.last_forward.n_new, draft.last_forward.n_context)
     for s in seqs:
         draft.cache.release(s)
+
+
+@pytest.mark.parametrize("window", [None, 2])
+@pytest.mark.parametrize("pending", [[[9], [10, 11], [4]], [[9], [10], [4]], [[7, 8, 9]], [[3]], [[1] * 40, [2]]])
+def test_planned_catch_up_gives_the_laid_out_logits_bit_for_bit(
+        draft_dir: Path, monkeypatch: pytest.MonkeyPatch, window: int | None, pending: list[list[int]]) -> None:
+    """The draft's catch-up planned with the levels (``BeamLevels(..., pending=...)``, the torch grid) computes the
+    logits, the KV and the forward record of the catch-up laid out alone (``ModelRunner.forward`` of the chains,
+    last rows only), bit for bit; chains that ``TorchAttention.plan`` would split into groups are not planned."""
+    from dataclasses import replace
+
+    from adaserve.engine.model.levels import BeamLevels
+
+    draft = runner(draft_dir)
+    monkeypatch.setattr(draft.model, "cfg", replace(draft.model.cfg, sliding_window=window))
+    monkeypatch.setattr(draft.backend, "sliding_window", window)
+    prompts = [[5, 6, 7, 8, 9], [8], [3] * 9][: len(pending)]
+    ref_in, got_in = contexts(draft, prompts, pending), contexts(draft, prompts, pending)
+    levels = BeamLevels(draft, [x.seq for x in got_in], [1, 2, 2], pending=[x.pending for x in got_in])
+    if max(map(len, pending)) > 32:  # one long chain beside short ones: plan would group them apart
+        assert not levels.folds_catch_up
+        with pytest.raises(ValueError, match="not planned"):
+            levels.catch_up()
+        return
+    assert levels.folds_catch_up
+    got = levels.catch_up().clone()
+    rec = draft.last_forward
+    segs = [Segment(x.seq, x.seq.length, TokenTree.chain(x.pending)) for x in ref_in]
+    want = draft.forward_joined(segs, all_logits=[False] * len(segs))
+    assert got.shape == want.shape == (len(pending), draft.vocab_size)
+    assert torch.equal(got, want)
+    assert rec is not None and draft.last_forward is not None and rec is not draft.last_forward
+    assert (rec.n_new, rec.n_context) == (draft.last_forward.n_new, draft.last_forward.n_context)
+    for r, g in zip(ref_in, got_in, strict=True):  # the same keys and values written for the pending tokens
+        slots = [torch.from_numpy(x.seq.slots(x.seq.length, x.seq.length + len(x.pending), draft.cache.page_size))
+                 for x in (r, g)]
+        for layer in range(len(draft.cache.k)):
+            for cache in (draft.cache.k, draft.cache.v):
+                assert torch.equal(cache[layer][slots[0]], cache[layer][slots[1]])
+    for x in (*ref_in, *got_in):
+        draft.cache.release(x.seq)

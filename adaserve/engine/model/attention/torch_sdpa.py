@@ -105,11 +105,13 @@ class TorchAttention:
                                        stage.get(f"sdpa.{j}.key_slots"), mask[:, None]))
         self._write_slots = layout.write_slots
 
-    def use_grid(self, write_slots: torch.Tensor, key_slots: torch.Tensor, mask: torch.Tensor) -> None:
+    def use_grid(self, write_slots: torch.Tensor, key_slots: torch.Tensor, mask: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> None:
         """Plan a forward of g segments with Q new tokens each, in order (a beam level, model/levels.py), from
         arrays already on the device: ``write_slots`` [g * Q], ``key_slots`` [g, K], ``mask`` [g, Q, K] bool.
-        ``plan`` would make the same single group from the level's layout."""
-        self._groups = [_Group(None, None, int(mask.shape[1]), key_slots, mask[:, None])]
+        With ``rows`` [T] the segments are ragged (the draft's catch-up): token t sits at grid row ``rows[t]``
+        and ``write_slots`` is [T]. ``plan`` would make the same single group from the forward's layout."""
+        self._groups = [_Group(None, rows, int(mask.shape[1]), key_slots, mask[:, None])]
         self._write_slots = write_slots
 
     def columns(self, k_max: int, device: torch.device) -> torch.Tensor:

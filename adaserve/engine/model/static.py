@@ -86,8 +86,9 @@ class GridAttention:
                 cache: PagedKVCache) -> torch.Tensor:
         g = self.grid
         write_kv(layer, k, v, cache, g.write_slots)
-        kp = cache.k[layer][g.key_slots].to(q.dtype)  # [G, K, Hkv, D]
-        vp = cache.v[layer][g.key_slots].to(q.dtype)
+        grid, slots = (*g.key_slots.shape, *cache.k.shape[2:]), g.key_slots.view(-1)  # index_select: see torch_sdpa
+        kp = cache.k[layer].index_select(0, slots).view(grid).to(q.dtype)  # [G, K, Hkv, D]
+        vp = cache.v[layer].index_select(0, slots).view(grid).to(q.dtype)
         qp = q.view(g.g, g.q, *q.shape[1:])
         if layer == 0 or self._bias is None:  # once per forward, not once per layer (SDPA would convert the
             # boolean mask to this very tensor in every layer: the same values, two kernels a layer more)

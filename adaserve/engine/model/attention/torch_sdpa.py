@@ -5,17 +5,24 @@ not pad every decoding request's rows to 256. Per group, ragged queries are scat
 ``[g, Qmax]`` grid, keys gathered into ``[g, Kmax]`` from each request's slots, and the mask (prefix,
 tree and padding structure, ``masks.grid_mask``) is built on the device once per forward, from bounds
 and cells staged with the layout: a few ops, whatever the batch.
+
+Per layer the work is kept to what the layer needs (issue 35: a lone decode step of a small model is bound by
+its op count on a CPU): the mask goes to SDPA in the additive form SDPA would otherwise rebuild from the
+boolean one in every layer, made once a forward; a group whose every row sees every key (a lone decode step)
+runs without one on a CPU; keys and values are gathered by ``index_select``. None of it changes a bit
+(tests/engine/model/test_sdpa_masks.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from adaserve.engine.model.attention.base import write_kv
+from adaserve.engine.model.attention.base import write_kv_into
 from adaserve.engine.model.attention.masks import fill_grid_mask, grid_mask
 from adaserve.engine.model.batch import BatchLayout
 from adaserve.engine.model.kv_cache import PagedKVCache
@@ -47,6 +54,7 @@ class _Group:
     q_max: int
     key_slots: torch.Tensor  # [g, Kmax] int64
     mask: torch.Tensor  # [g, 1, Qmax, Kmax] bool
+    full: bool = False  # every cell of the mask is true (known on the host): SDPA runs without one
 
 
 class TorchAttention:
@@ -58,6 +66,7 @@ class TorchAttention:
         self._write_slots: torch.Tensor | None = None  # [T] the planned forward's cache slots for its K/V
         self._groups: list[_Group] = []
         self._cols: torch.Tensor | None = None  # arange(Kmax) on the device, grown as needed
+        self._additive: list[torch.Tensor | None] = []  # per group: its mask as SDPA's 0 / -inf, once a forward
 
     def plan(self, layout: BatchLayout, cache: PagedKVCache) -> None:
         """Every group's index arrays and mask bounds (``masks.grid_mask``) are staged on the host with the
@@ -92,17 +101,21 @@ class TorchAttention:
             for name in ("hi", "lo", "cells", "src"):
                 if (arr := getattr(gm, name)) is not None:
                     stage.put(f"sdpa.{j}.{name}", arr)
-            shapes.append((len(members), every, q_max, k_max, gm))
+            # every row sees every key (a lone decode step, equal-length decodes): no mask at all
+            full = (gm.cells is None and bool((gm.hi == k_max).all())
+                    and (gm.lo is None or not bool(gm.lo.any())))
+            shapes.append((len(members), every, q_max, k_max, gm, full))
         anc = stage.get("mask.anc").reshape(-1) if device_rows else None  # the first read: one copy
         self._groups = []
-        for j, (size, every, q_max, k_max, gm) in enumerate(shapes):
+        for j, (size, every, q_max, k_max, gm, full) in enumerate(shapes):
             got = {name: stage.get(f"sdpa.{j}.{name}") if getattr(gm, name) is not None else None
                    for name in ("hi", "lo", "cells", "src")}
             values = None if got["src"] is None or anc is None else anc[got["src"]]
             mask = fill_grid_mask(self.columns(k_max, layout.device), got["hi"], got["lo"], got["cells"], values)
             self._groups.append(_Group(None if every else stage.get(f"sdpa.{j}.tok"),
                                        stage.get(f"sdpa.{j}.rows") if size > 1 else None, q_max,
-                                       stage.get(f"sdpa.{j}.key_slots"), mask[:, None]))
+                                       stage.get(f"sdpa.{j}.key_slots"), mask[:, None], full))
+        self._additive = [None] * len(self._groups)
         self._write_slots = layout.write_slots
 
     def use_grid(self, write_slots: torch.Tensor, key_slots: torch.Tensor, mask: torch.Tensor,
@@ -112,6 +125,7 @@ class TorchAttention:
         With ``rows`` [T] the segments are ragged (the draft's catch-up): token t sits at grid row ``rows[t]``
         and ``write_slots`` is [T]. ``plan`` would make the same single group from the forward's layout."""
         self._groups = [_Group(None, rows, int(mask.shape[1]), key_slots, mask[:, None])]
+        self._additive = [None]
         self._write_slots = write_slots
 
     def columns(self, k_max: int, device: torch.device) -> torch.Tensor:
@@ -124,28 +138,53 @@ class TorchAttention:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cache: PagedKVCache) -> torch.Tensor:
         assert self._write_slots is not None and self._groups, "plan() must run before forward()"
-        write_kv(layer, k, v, cache, self._write_slots)
+        kv = cache.k[layer], cache.v[layer]  # this layer's [slots, Hkv, D], written then read
+        write_kv_into(*kv, k, v, self._write_slots)
         if len(self._groups) == 1 and self._groups[0].tokens is None:
-            return self._attend(self._groups[0], q, layer, cache)
+            return self._attend(0, q, kv)
         out = q.new_empty(q.shape)
-        for g in self._groups:
+        for j, g in enumerate(self._groups):
             assert g.tokens is not None
-            out[g.tokens] = self._attend(g, q[g.tokens], layer, cache)
+            out[g.tokens] = self._attend(j, q[g.tokens], kv)
         return out
 
-    def _attend(self, g: _Group, q: torch.Tensor, layer: int, cache: PagedKVCache) -> torch.Tensor:
-        """q [t, H, D] of the group's tokens -> attention output [t, H, D]."""
+    def _mask(self, j: int, q: torch.Tensor) -> torch.Tensor | None:
+        """Group j's mask as SDPA takes it: the additive 0 / -inf mask in q's dtype, made by the first layer and
+        reused by the others (SDPA turns a boolean mask into exactly this one, ``where(mask, 0, -inf)``, on every
+        call: the same values, a few ops a layer fewer, as static.GridAttention does). On a CPU, none at all
+        where every cell is true (a lone decode step): the CPU flash kernel adds the mask to the scores, and
+        adding 0 leaves them as they are, so a row's output is bitwise the same with or without it
+        (tests/engine/model/test_sdpa_masks.py); a GPU could pick another kernel without one, so it keeps it."""
+        g = self._groups[j]
+        if g.full and q.device.type == "cpu":
+            return None
+        add = self._additive[j]
+        if add is None or add.dtype != q.dtype:
+            add = torch.zeros(g.mask.shape, dtype=q.dtype, device=g.mask.device).masked_fill_(~g.mask, -math.inf)
+            self._additive[j] = add
+        return add
+
+    def _attend(self, j: int, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """q [t, H, D] of group j's tokens, the layer's cache tensors ``kv`` -> attention output [t, H, D]."""
+        g = self._groups[j]
         if g.rows is None:  # the tokens fill the grid in order
             qp = q.view(g.key_slots.shape[0], g.q_max, *q.shape[1:])
         else:
             qp = q.new_zeros((g.key_slots.shape[0] * g.q_max, *q.shape[1:]))
             qp[g.rows] = q
             qp = qp.view(g.key_slots.shape[0], g.q_max, *q.shape[1:])
-        kp = cache.k[layer][g.key_slots].to(q.dtype)  # [g, Kmax, Hkv, D]
-        vp = cache.v[layer][g.key_slots].to(q.dtype)
+        # the keys' slots gathered by index_select on the flat slot list: the same copy as advanced indexing,
+        # in fewer dispatcher steps
+        k_cache, v_cache = kv
+        grid = (*g.key_slots.shape, *k_cache.shape[1:])
+        slots = g.key_slots.reshape(-1)
+        kp = k_cache.index_select(0, slots).view(grid)  # [g, Kmax, Hkv, D]
+        vp = v_cache.index_select(0, slots).view(grid)
+        if kp.dtype != q.dtype:
+            kp, vp = kp.to(q.dtype), vp.to(q.dtype)
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
-            attn_mask=g.mask, scale=self.scale, enable_gqa=True,
+            attn_mask=self._mask(j, q), scale=self.scale, enable_gqa=True,
         ).transpose(1, 2)  # [g, Qmax, H, D]
         out = out.reshape(-1, *out.shape[2:])
         return out if g.rows is None else out[g.rows]

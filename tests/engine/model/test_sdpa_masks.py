@@ -1,0 +1,69 @@
+"""The torch backend's cheaper masks change no bit (issue 35): on a CPU, SDPA without a mask equals SDPA with an
+all-true one, and the additive 0 / -inf mask made once a forward equals the boolean mask SDPA converts in every
+layer; a lone decode step, which runs without a mask, gives bitwise the logits of the masked forms."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from adaserve.engine.model.attention.torch_sdpa import TorchAttention
+from adaserve.engine.model.batch import Segment
+from adaserve.engine.model.kv_cache import SequenceKV
+from adaserve.engine.model.tree import TokenTree
+from tests.engine.helpers import runner
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cpu_sdpa_without_mask_equals_all_true_and_additive_masks(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(20):
+        g, q, k = (int(torch.randint(1, n, (), generator=gen)) for n in (4, 9, 700))
+        query = torch.randn(g, 6, q, 32, generator=gen)
+        key, value = (3 * torch.randn(g, 2, k, 32, generator=gen) for _ in range(2))
+        every = torch.ones(g, 1, q, k, dtype=torch.bool)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=every, scale=0.2, enable_gqa=True)
+        bare = F.scaled_dot_product_attention(query, key, value, scale=0.2, enable_gqa=True)
+        zeros = F.scaled_dot_product_attention(query, key, value, attn_mask=torch.zeros(every.shape), scale=0.2,
+                                               enable_gqa=True)
+        assert torch.equal(out, bare) and torch.equal(out, zeros)
+        some = torch.rand(g, 1, q, k, generator=gen) < 0.7
+        some[..., 0] = True  # every row sees a key
+        additive = torch.zeros(some.shape).masked_fill_(~some, float("-inf"))
+        masked = [F.scaled_dot_product_attention(query, key, value, attn_mask=m, scale=0.2, enable_gqa=True)
+                  for m in (some, additive)]
+        assert torch.equal(*masked)
+
+
+def _decode_logits(target_dir: Path, mask: str, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, list[bool]]:
+    """Logits of a prefill chunk beside nothing, then of one lone decode step; ``mask``: ``fast`` (as served),
+    ``additive`` (never the no-mask shortcut) or ``bool`` (the boolean mask straight to SDPA, as before)."""
+    full: list[bool] = []
+    fast = TorchAttention._mask
+
+    def chosen(self: TorchAttention, j: int, q: torch.Tensor) -> torch.Tensor | None:
+        g = self._groups[j]
+        full.append(g.full)
+        if mask == "bool":
+            return g.mask
+        if mask == "additive" and g.full:
+            self._groups[j] = type(g)(g.tokens, g.rows, g.q_max, g.key_slots, g.mask, False)
+        return fast(self, j, q)
+
+    monkeypatch.setattr(TorchAttention, "_mask", chosen)
+    r = runner(target_dir, page_size=4)
+    seq, prompt = SequenceKV(), list(range(2, 21))
+    prefill = r.forward([Segment(seq, 0, TokenTree.chain(prompt))], all_logits=[True])[0]
+    step = r.forward([Segment(seq, len(prompt), TokenTree.chain([7]))], all_logits=[True])[0]
+    monkeypatch.setattr(TorchAttention, "_mask", fast)
+    return torch.cat([prefill, step]), full
+
+
+def test_lone_decode_runs_without_a_mask_and_changes_no_bit(target_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    served, full = _decode_logits(target_dir, "fast", monkeypatch)
+    assert True in full and False in full  # the decode step had no mask, the causal prefill had one
+    for other in ("additive", "bool"):
+        assert torch.equal(served, _decode_logits(target_dir, other, monkeypatch)[0])

@@ -104,8 +104,8 @@ ADASERVE_REFINEMENTS = {
 OURS = "adaserve+ours"
 # ours with the tree's shape by goodput alone (adaptive.goodput_shape), as before the SLO-first shape (slo_shape)
 OURS_GOODPUT_SHAPE = "adaserve+ours+goodput-shape"
-# ours with the shape rules pricing the forwards alone, as before they priced the engine's host time (host_cost.py)
-OURS_FORWARDS_ONLY = "adaserve+ours+forwards-only"
+# ours with the shape rules pricing the engine's host time beside the forwards (host_cost.py; EngineConfig.host_cost)
+OURS_HOST_COST = "adaserve+ours+host-cost"
 
 PRESETS: dict[str, Preset] = {
     # exps/test.sh, ENABLE_VLLM_SERVER_BENCHMARK: --enable-chunked-prefill False, MAX_REQUESTS_PER_BATCH=512
@@ -120,7 +120,7 @@ PRESETS: dict[str, Preset] = {
     **{name: replace(ADASERVE_PAPER, name=name, **kw) for name, kw in ADASERVE_REFINEMENTS.items()},
     OURS: Preset(OURS, "adaserve"),
     OURS_GOODPUT_SHAPE: Preset(OURS_GOODPUT_SHAPE, "adaserve", depth_rule="goodput"),
-    OURS_FORWARDS_ONLY: Preset(OURS_FORWARDS_ONLY, "adaserve", host_cost=False),
+    OURS_HOST_COST: Preset(OURS_HOST_COST, "adaserve", host_cost=True),
 }
 NAMES = (*PRESETS, f"{VLLM_SPEC}:K")
 

@@ -90,8 +90,10 @@ class EngineConfig:
     slo_floor: str = "price"
     smartspec_max_k: int = 8  # SmartSpec: the longest chain it may choose
     # the adaptive policies' shape rules price an iteration's host time (cost/host_cost.py: learnt from the
-    # engine's own iterations, wall minus forwards) beside its forwards; False: the forwards alone, as before
-    host_cost: bool = True
+    # engine's own iterations, wall minus forwards) beside its forwards. Off by default: on the demo pair on an
+    # AVX2 CPU it tied with the forwards alone, leaning behind (-0.013 and -0.022 attainment over 12 paired seeds
+    # at 1.5 and 3.5 req/s; docs/benchmarks.md); where host time is as long as the forwards it is untested
+    host_cost: bool = False
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
 
     # ---- how much an iteration takes on (engine.py) ----

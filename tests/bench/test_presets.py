@@ -68,6 +68,11 @@ def test_ours_is_the_engines_defaults() -> None:
     assert BASE.policy == "adaserve" and BASE.budget_rule == "goodput" and BASE.max_batch == 64  # serving unchanged
 
 
+def test_ours_variants_change_one_setting_each() -> None:
+    assert config("adaserve+ours+goodput-shape") == EngineConfig(adaptive=BASE.adaptive.__class__(depth_rule="goodput"))
+    assert not BASE.host_cost and config("adaserve+ours+host-cost") == EngineConfig(host_cost=True)
+
+
 def test_engine_policies_keep_their_meaning() -> None:
     for name in ("specinfer", "incremental", "chain:4", "smartspec", "beam:3,2"):
         assert resolve(name) is None

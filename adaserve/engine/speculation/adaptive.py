@@ -253,7 +253,8 @@ def goodput_shape(n: int, *, width: int, rank_rates: Sequence[float], budget: in
     Why H: on a CPU an iteration's own host time (drafting's planning, selection, the verification walk) is as long
     as the target's forward, most of it paid once per iteration whatever the depth, so pricing the forwards alone
     made every tree look cheaper than it is by about that much and favoured shallow trees, each paying it again
-    for fewer tokens (and trees over plain decoding, whose host time is a fraction of a tree's).
+    for fewer tokens (and trees over plain decoding, whose host time is a fraction of a tree's). The engine passes H
+    only where ``EngineConfig.host_cost`` is on (off by default: a tie on an AVX2 VM, docs/benchmarks.md).
     """
     best_d, best = max(d_min, 1), -1.0
     for d, cost, emitted in _priced_depths(n, width=width, rank_rates=rank_rates, budget=budget, d_min=d_min,

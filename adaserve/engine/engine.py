@@ -400,7 +400,7 @@ class Engine:
         events = self._emit(emitted, m, logprobs)
         m.t_step_s = self.clock() - t_start
         m.t_wall_s, m.t_forward_s = (b - a for a, b in zip(own_start, self._own_time(), strict=True))
-        if m.n_decode and not m.n_prefill:
+        if self.cfg.host_cost and m.n_decode and not m.n_prefill:
             self.host_time.observe(m.depth, m.n_decode, m.t_wall_s - m.t_forward_s)
         self.history.append(m)
         self.totals.add(m)

@@ -50,8 +50,9 @@ def test_forward_time_is_wall_time(target_dir: Path, draft_dir: Path) -> None:
 @pytest.mark.parametrize("priced", [True, False])
 def test_decode_only_steps_teach_the_host_time_the_shape_rules_price(target_dir: Path, draft_dir: Path,
                                                                      priced: bool) -> None:
-    """Each decode-only step hands its wall minus forward seconds to ``Engine.host_time`` at its depth; the
-    policy's view carries that prediction unless ``EngineConfig.host_cost`` is off (cost/host_cost.py)."""
+    """With ``EngineConfig.host_cost`` each decode-only step hands its wall minus forward seconds to
+    ``Engine.host_time`` at its depth and the policy's view carries that prediction; without it, neither
+    (cost/host_cost.py)."""
     from adaserve.engine.speculation.policies import BatchView
 
     eng = engine(target_dir, draft_dir, "adaserve", budget=16, host_cost=priced)
@@ -66,9 +67,9 @@ def test_decode_only_steps_teach_the_host_time_the_shape_rules_price(target_dir:
     while eng.has_work:
         eng.step()
     decode_only = [m for m in eng.history if m.n_decode and not m.n_prefill]
-    assert [(d, n) for d, n, _ in observed] == [(m.depth, m.n_decode) for m in decode_only]
+    assert [(d, n) for d, n, _ in observed] == ([(m.depth, m.n_decode) for m in decode_only] if priced else [])
     assert all(s == pytest.approx(m.t_wall_s - m.t_forward_s) for (_, _, s), m in zip(observed, decode_only,
-                                                                                        strict=True))
+                                                                                        strict=False))
     assert seen and all((v.predict_host is not None) == priced for v in seen)
     if priced:
         assert seen[-1].predict_host is not None and seen[-1].predict_host(2, 1) == eng.host_time.predict(2, 1)

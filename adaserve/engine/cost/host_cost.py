@@ -2,10 +2,12 @@
 
 The cost model (timing.py) predicts forwards. An iteration also spends host time around them: drafting's
 planning and top-k, selection, the verification walk, bookkeeping. On a GPU that is a fraction of a
-millisecond; on a CPU serving the demo pair it is as long as the target's forward (issue 30's microbench:
-~3 ms per speculative iteration at one request, ~0.6 ms plain, against a ~1.6 ms target forward). A shape
-rule that prices only the forwards then sees every depth cheaper than it is, by a fixed amount, and so
-favours shallow trees, each of which pays the fixed host time again for fewer tokens.
+millisecond; on a fast CPU serving the demo pair it is as long as the target's forward (issue 30's
+microbench: ~3 ms per speculative iteration at one request, ~0.6 ms plain, against a ~1.6 ms target forward).
+A shape rule that prices only the forwards then sees every depth cheaper than it is, by a fixed amount, and
+so favours shallow trees, each of which pays the fixed host time again for fewer tokens. The engine learns
+and prices it only with ``EngineConfig.host_cost`` (off by default: on an AVX2 CPU, where the host time is a
+small share, it tied with the forwards alone; docs/benchmarks.md).
 
 ``HostCost`` keeps the latest decode-only iterations' host seconds (wall minus forwards, ``StepMetrics``) and
 fits, by least squares, one line for speculative iterations and one for plain ones:

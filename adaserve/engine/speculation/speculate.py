@@ -76,15 +76,15 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     sizes = level_sizes(depth, width, expansion, draft.vocab_size)  # nodes per tree at each level, the root first
     committed = [x.seq.length + len(x.pending) for x in inputs]  # the pending tokens are real: they stay in the KV
     # the catch-up and levels 1 .. depth-1 are fed to the draft: their positions, slots and mask bounds planned
-    # here, at once (the catch-up only on the torch grid: elsewhere it is laid out like any forward)
+    # here, at once (the catch-up only on the torch grid: elsewhere it is laid out like any forward). The pending
+    # tokens are committed when the search ends, either way: a truncate before it would free the pages the plan
+    # already gave the levels
     forwards = BeamLevels(draft, [x.seq for x in inputs], sizes[:depth], pending=[x.pending for x in inputs])
     if forwards.folds_catch_up:
-        rows = forwards.catch_up()  # [n, V]: each root's logits; the pending tokens are committed at the end
+        rows = forwards.catch_up()  # [n, V]: each root's logits
     else:
         segs = [Segment(x.seq, x.seq.length, TokenTree.chain(x.pending)) for x in inputs]
         rows = draft.forward_joined(segs, all_logits=[False] * n)
-        for x, c in zip(inputs, committed, strict=True):
-            draft.cache.truncate(x.seq, c)
     _seen(draft, on_forward)
     if rows.shape[-1] != draft.vocab_size:
         raise ValueError(f"the draft's logits have {rows.shape[-1]} columns for a vocabulary of {draft.vocab_size}")

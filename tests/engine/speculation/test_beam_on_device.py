@@ -94,6 +94,24 @@ def test_device_levels_give_the_host_levels_trees_bit_for_bit(draft_dir: Path, s
 
 
 @pytest.mark.parametrize("static", [False, True])
+def test_beam_search_frees_no_page_before_its_last_forward(draft_dir: Path, static: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The levels' pages are taken when the search is planned (model/levels.py); a truncate before the last level
+    would hand them back to the pool while later levels still write and read them. The pending tokens are
+    committed once, at the end, on the planned and the laid-out catch-up alike."""
+    draft = runner(draft_dir, static_shapes=static)
+    inputs = contexts(draft, [[5, 6, 7], [8], [3] * 9], [[9], [10, 11], [4]])
+    events: list[str] = []
+    truncate, record = draft.cache.truncate, draft.record
+    monkeypatch.setattr(draft.cache, "truncate", lambda *a, **k: (events.append("truncate"), truncate(*a, **k))[1])
+    monkeypatch.setattr(draft, "record", lambda *a, **k: (events.append("forward"), record(*a, **k))[1])
+    beam_search(draft, inputs, depth=4, width=2)
+    assert events.count("forward") == 4 and events[:4] == ["forward"] * 4, events
+    assert events[4:] == ["truncate"] * len(inputs)
+    assert [x.seq.length for x in inputs] == [4, 3, 10]
+
+
+@pytest.mark.parametrize("static", [False, True])
 def test_beam_search_waits_on_the_device_once(draft_dir: Path, static: bool) -> None:
     draft = runner(draft_dir, static_shapes=static)
     inputs = contexts(draft, [[5, 6, 7], [8]], [[9], [10, 11]])

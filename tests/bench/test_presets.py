@@ -12,6 +12,7 @@ from adaserve.bench.presets import PRESETS, VLLM_PREFILL_TOKENS, resolve
 from adaserve.bench.runner import BenchConfig, named_variant
 from adaserve.cli.main import main
 from adaserve.engine.config import EngineConfig
+from adaserve.engine.speculation.adaptive import AdaptiveConfig
 
 BASE = EngineConfig()
 
@@ -69,7 +70,7 @@ def test_ours_is_the_engines_defaults() -> None:
 
 
 def test_ours_variants_change_one_setting_each() -> None:
-    assert config("adaserve+ours+goodput-shape") == EngineConfig(adaptive=BASE.adaptive.__class__(depth_rule="goodput"))
+    assert config("adaserve+ours+goodput-shape") == EngineConfig(adaptive=AdaptiveConfig(depth_rule="goodput"))
     assert not BASE.host_cost and config("adaserve+ours+host-cost") == EngineConfig(host_cost=True)
 
 

@@ -54,6 +54,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--slo-classes-file", help="JSON list of SLO classes (default: coding, "
                    "chat and summarization scaled to this machine's per-token latency)")
     p.add_argument("--api-keys-file", help="JSON API keys; unset = no authentication")
+    p.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S, metavar="SECONDS",
+                   help=f"how long to wait for the worker to load, profile and warm up (default "
+                        f"{READY_TIMEOUT_S:.0f}; a first start on a slow or busy CPU can need more)")
     p.set_defaults(func=run)
 
 
@@ -149,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
     from adaserve.gateway.slo import load_catalog
 
     ref, draft, model = resolve_models(args)
+    if not args.ready_timeout > 0:  # also refuses nan
+        raise CliError(f"--ready-timeout must be a positive number of seconds, not {args.ready_timeout}")
     worker_port = args.worker_port or free_port("127.0.0.1")
     worker_url = f"http://127.0.0.1:{worker_port}"
     given: dict[str, Any] = {"host": args.host, "port": args.port, "workers": [worker_url], "model_name": model,
@@ -192,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
     # minutes of model loading would otherwise leave it running, orphaned, on its port.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return asyncio.run(_serve(settings, worker, derive=derive, keys=args.api_keys_file is not None))
+        return asyncio.run(_serve(settings, worker, derive=derive, keys=args.api_keys_file is not None,
+                                  ready_timeout_s=args.ready_timeout))
     finally:
         signal.signal(signal.SIGTERM, previous)
         worker.stop(timeout_s=40)  # drains: in-flight requests finish
@@ -211,7 +217,7 @@ def _check_port_free(host: str, port: int) -> None:
             raise CliError(f"cannot listen on {host}:{port}: {e.strerror} (use --port)") from None
 
 
-async def _serve(settings: Any, worker: ServerProcess, *, derive: bool, keys: bool) -> int:
+async def _serve(settings: Any, worker: ServerProcess, *, derive: bool, keys: bool, ready_timeout_s: float) -> int:
     import httpx
 
     from adaserve.contract.registration import parse_registration
@@ -220,9 +226,10 @@ async def _serve(settings: Any, worker: ServerProcess, *, derive: bool, keys: bo
     from adaserve.gateway.slo import class_feasibility, load_catalog, local_classes
 
     try:
-        await worker.wait_ready("/readyz", timeout_s=READY_TIMEOUT_S)
+        await worker.wait_ready("/readyz", timeout_s=ready_timeout_s)
     except NotReady as e:
-        raise CliError(str(e)) from None
+        hint = "" if e.returncode is not None else " (a slow or busy machine may need a longer --ready-timeout)"
+        raise CliError(f"{e}{hint}") from None
     try:
         async with httpx.AsyncClient(timeout=10.0) as client:
             status = (await client.get(f"{worker.url}/v1/status")).raise_for_status().json()

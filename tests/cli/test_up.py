@@ -71,3 +71,21 @@ def test_adaserve_up_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "adaserve", "up", "--slo-classes-file", str(bad)], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "tpotMs" in r.stderr and "Traceback" not in r.stderr
+    for bad in ("0", "-5", "nan"):
+        r = subprocess.run([sys.executable, "-m", "adaserve", "up", "--ready-timeout", bad], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "--ready-timeout must be a positive number" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+
+
+def test_adaserve_up_gives_up_after_its_ready_timeout_and_stops_the_worker(tmp_path: Path) -> None:
+    """A worker still loading when --ready-timeout runs out: one line naming the flag, exit 2, no worker left."""
+    name = f"ready-timeout-{os.getpid()}"  # names this test's worker alone among the processes
+    r = subprocess.run([sys.executable, "-m", "adaserve", "up", "--model", "demo-tiny", "--model-name", name,
+                        "--port", str(free_port("127.0.0.1")), "--ready-timeout", "0.5"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "the worker was not ready after 0s" in r.stderr or "the worker was not ready after 1s" in r.stderr
+    assert "--ready-timeout" in r.stderr and "Traceback" not in r.stderr
+    left = subprocess.run(["pgrep", "-f", f"--model-name {name}"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", "the worker outlived adaserve up"

@@ -268,6 +268,9 @@ def main() -> None:
                     help="with --memory-only: also measure worker processes (adaserve worker, local mode)")
     ap.add_argument("--rss-child", nargs=2, metavar=("WEIGHTS", "POLICY"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    for name in ("concurrency", "tokens", "repeats"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1")
     if args.rss_child:
         rss_child(*args.rss_child, args.kv_mb)
         return

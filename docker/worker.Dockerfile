@@ -40,6 +40,11 @@ ENV ADASERVE_DEVICE=cuda
 # ---- CPU base: Python, torch (CPU) ---------------------------------------------------------------------
 FROM ${CPU_IMAGE} AS base-cpu
 ARG TORCH_CPU_INDEX
+# a C compiler: quantized models build their integer kernels at first start on AVX2 CPUs
+# (adaserve/engine/model/native_kernels.py; without one they run on torch's slower kernels)
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PIP_NO_CACHE_DIR=1 \

@@ -9,7 +9,14 @@ float dtype). The kernels are torch's own (the layout gpt-fast uses), so there i
            CPU:  _convert_weight_to_int4pack_for_cpu / _weight_int4pack_mm_for_cpu
            CUDA: _convert_weight_to_int4pack / _weight_int4pack_mm (bfloat16 activations)
 
-Both kernels run on bfloat16 activations, on CPU as on CUDA: layer inputs are rounded to bfloat16,
+On a CPU without AVX512-BF16 (``native_kernels.chosen``), both kinds run instead on integer kernels built from
+``native/q8dot.c``: the activations are quantized to int8 per block of 32, as llama.cpp does, and the products
+are exact integer sums (native_kernels.py). There torch's bfloat16 kernels have no bfloat16 instructions; the
+integer ones are ~2.2x faster at one row (SmolLM2's 1536x576 product: 0.067 against 0.147 ms, one thread, on an
+AVX2-only EPYC; docs/benchmarks.md). Their rows are independent too, bitwise, so the same holds as below; the
+served model is then the one with int8 activations.
+
+Torch's kernels run on bfloat16 activations, on CPU as on CUDA: layer inputs are rounded to bfloat16,
 outputs come back in bfloat16 and are widened to the model's dtype. On the development CPU (AVX512-BF16,
 one thread, SmolLM2's 1536x576 MLP product at one row) float32 ``x @ W^T`` takes ~0.4-0.7 ms, int4 on
 bfloat16 0.14 ms and int8 0.21 ms, while the same kernels on float32 activations take 3.8 and 1.4 ms
@@ -53,6 +60,9 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+from adaserve.engine.model import native_kernels
+from adaserve.engine.model.native_kernels import NativeKernels
 
 WEIGHTS = ("float", "int8", "int4", "auto")  # "auto": the precision the file holds
 KINDS = ("int8", "int4")
@@ -133,8 +143,11 @@ class Int8Linear(QuantLinear):
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scales", scales.to(KERNEL_DTYPE).contiguous())  # the kernel wants x's dtype
         self.register_buffer("scales32", scales.float().clone(), persistent=False)  # embedding, dequantized()
+        self.native = native_for(qweight.device, k)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.mm_q8(x.float().contiguous(), self.qweight, self.scales32).to(x.dtype)
         return torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.qweight, self.scales).to(x.dtype)
 
     def dequantized(self) -> torch.Tensor:
@@ -165,6 +178,12 @@ class Int4Linear(QuantLinear):
         self.source = (pack_nibbles(codes), d, m) if keep_source else None
         dev = codes.device
         self.cuda = dev.type == "cuda"
+        self.native = native_for(dev, k) if group == native_kernels.BLOCK else None
+        if self.native is not None:  # the integer kernels' own form: codes in blocks, float32 d and m
+            self.register_buffer("blocks", native_kernels.q4_blocks(codes))
+            self.register_buffer("d32", d.float().contiguous())
+            self.register_buffer("m32", m.float().contiguous())
+            return
         # (scale, zero) per group for ``(q - 8) * scale + zero``: zero = m + 8 d, computed in float32
         sz = torch.stack([d.float(), m.float() + 8 * d.float()], dim=-1)  # [N, G, 2]
         self.register_buffer("scales_and_zeros", sz.transpose(0, 1).contiguous().to(KERNEL_DTYPE))
@@ -186,12 +205,27 @@ class Int4Linear(QuantLinear):
         """A layer from CPU-packed codes and their (scale, zero) table as they are (``concat_linears``)."""
         layer = cls.__new__(cls)
         QuantLinear.__init__(layer, in_features, packed.shape[0], bias, dtype=dtype, device=packed.device)
-        layer.group, layer.source, layer.cuda = group, source, False
+        layer.group, layer.source, layer.cuda, layer.native = group, source, False, None
         layer.register_buffer("scales_and_zeros", scales_and_zeros)
         layer.register_buffer("packed", packed)
         return layer
 
+    @classmethod
+    def joined_native(cls, parts: Sequence[Int4Linear], *, bias: torch.Tensor | None, dtype: torch.dtype,
+                      source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> Int4Linear:
+        """A layer from parts on the integer kernels: their blocks, d and m stacked (every output row is its own)."""
+        layer = cls.__new__(cls)
+        blocks = torch.cat([p.blocks for p in parts])
+        QuantLinear.__init__(layer, parts[0].in_features, blocks.shape[0], bias, dtype=dtype, device=blocks.device)
+        layer.group, layer.source, layer.cuda, layer.native = parts[0].group, source, False, parts[0].native
+        layer.register_buffer("blocks", blocks)
+        layer.register_buffer("d32", torch.cat([p.d32 for p in parts]))
+        layer.register_buffer("m32", torch.cat([p.m32 for p in parts]))
+        return layer
+
     def product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.mm_q4(x.float().contiguous(), self.blocks, self.d32, self.m32).to(x.dtype)
         mm = torch.ops.aten._weight_int4pack_mm if self.cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
         return mm(x.to(KERNEL_DTYPE), self.packed, self.group, self.scales_and_zeros).to(x.dtype)
 
@@ -207,6 +241,14 @@ class Int4Linear(QuantLinear):
     def stored_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         packed, d, m = self._source()
         return {f"{prefix}.qweight": packed.cpu(), f"{prefix}.d": d.cpu(), f"{prefix}.m": m.cpu()}
+
+
+def native_for(device: torch.device, in_features: int) -> NativeKernels | None:
+    """The integer kernels (native_kernels.py) for a new layer on ``device``, or None for torch's: CPU layers
+    whose K is whole blocks of 32, where ``native_kernels.chosen`` picks them."""
+    if device.type != "cpu" or in_features % native_kernels.BLOCK:
+        return None
+    return native_kernels.chosen()
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -323,13 +365,18 @@ def concat_linears(layers: Sequence[nn.Module]) -> QuantLinear | None:
         return Int8Linear(torch.cat([m.qweight for m in joined8]), torch.cat([m.scales32 for m in joined8]), bias,
                           dtype=dtype)
     joined4 = [m for m in parts if isinstance(m, Int4Linear)]
-    if len({m.group for m in joined4}) != 1 or any(m.out_features % _CPU_PACK_ROWS for m in joined4[:-1]):
+    native = {m.native is not None for m in joined4}
+    if len({m.group for m in joined4}) != 1 or len(native) != 1:
         return None
     sources = [m.source for m in joined4 if m.source is not None]
     source = None
     if len(sources) == len(joined4):  # every part kept its codes: so does the joined layer
         source = (torch.cat([p for p, _, _ in sources]), torch.cat([d for _, d, _ in sources]),
                   torch.cat([m for _, _, m in sources]))
+    if native == {True}:
+        return Int4Linear.joined_native(joined4, bias=bias, dtype=dtype, source=source)
+    if any(m.out_features % _CPU_PACK_ROWS for m in joined4[:-1]):
+        return None
     return Int4Linear.joined(torch.cat([m.packed for m in joined4]),
                              torch.cat([m.scales_and_zeros for m in joined4], dim=1), in_features=first.in_features,
                              group=joined4[0].group, bias=bias, dtype=dtype, source=source)

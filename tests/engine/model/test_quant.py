@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from adaserve.engine.config import EngineConfig
 from adaserve.engine.engine import Engine
 from adaserve.engine.loading.loader import load_model
+from adaserve.engine.model import native_kernels
 from adaserve.engine.model.kv_cache import KVCacheConfig
 from adaserve.engine.model.quant import (
     KERNEL_DTYPE,
@@ -34,7 +35,20 @@ CPU = torch.device("cpu")
 # The kernels take bfloat16 activations and (int4) a bfloat16 scale/zero table, and return bfloat16: against
 # x @ W_deq^T in float32 a layer is off by bfloat16's rounding of its input, table and output, about 2^-8 of
 # the output's size. Stated bound: 1% of the largest |output|.
+# The integer kernels (native_kernels.py) quantize the activations to int8 per 32: about 2^-8 of a block's
+# largest |x| per input, well inside the same bound.
 REL_TOL = 1e-2
+
+
+@pytest.fixture(autouse=True, params=["torch", "native"])
+def cpu_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here on both CPU kernel families: torch's bfloat16 kernels and the integer ones."""
+    if request.param == "native" and native_kernels.kernels() is None:
+        if native_kernels.supported_cpu():
+            pytest.fail("the integer kernels did not build on a CPU that takes them (is a C compiler installed?)")
+        pytest.skip("the integer kernels need x86-64 Linux with AVX2 and FMA")
+    monkeypatch.setenv(native_kernels.ENV, "on" if request.param == "native" else "off")
+    return str(request.param)
 
 
 def within_tolerance(layer: QuantLinear, x: torch.Tensor) -> tuple[float, float]:
@@ -71,7 +85,10 @@ def test_q4_1_block_maps_to_the_kernels_scale_and_zero() -> None:
         assert torch.equal(layer.dequantized(), exact)
         err, tol = within_tolerance(layer, torch.randn(5, k))
         assert err <= tol
-    # the (scale, zero) table the kernel reads: [K/32, N, 2]
+    if layer.native is not None:  # the integer kernels read d and m as they are
+        assert torch.equal(layer.d32, d.float()) and torch.equal(layer.m32, m.float())
+        return
+    # the (scale, zero) table torch's kernel reads: [K/32, N, 2]
     assert layer.scales_and_zeros.shape == (k // 32, n, 2) and layer.scales_and_zeros.dtype == KERNEL_DTYPE
     assert torch.equal(layer.scales_and_zeros[..., 1].float(), torch.zeros(k // 32, n))  # Q4_0: zero is 0
 
@@ -120,7 +137,7 @@ def test_loader_weights_option_on_a_float_checkpoint(target_dir: Path, weights: 
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_joined_layers_give_their_parts_outputs_bitwise(kind: str) -> None:
+def test_joined_layers_give_their_parts_outputs_bitwise(kind: str, cpu_kernels: str) -> None:
     """q/k/v and gate/up joined into one product: the same function, only fewer calls."""
     torch.manual_seed(3)
     sizes = (128, 64, 32)  # int4: parts but the last fill the CPU packing's 64-row blocks
@@ -132,8 +149,11 @@ def test_joined_layers_give_their_parts_outputs_bitwise(kind: str) -> None:
         assert torch.equal(joined(x), torch.cat([p(x) for p in parts], dim=-1)), (kind, m)
     assert torch.equal(joined.dequantized(), torch.cat([p.dequantized() for p in parts]))
     assert concat_linears([parts[0], quantize_linear(torch.randn(32, 64), None, kind)]) is None  # other K
-    unaligned = concat_linears([parts[2], parts[1]])  # int4: a 32-row part first would shift the blocks
-    assert (unaligned is None) == (kind == "int4")
+    unaligned = concat_linears([parts[2], parts[1]])  # torch's int4: a 32-row part first would shift its blocks
+    assert (unaligned is None) == (kind == "int4" and cpu_kernels == "torch")
+    if unaligned is not None:  # the integer kernels keep every output row on its own: any order joins
+        x = torch.randn(5, 128)
+        assert torch.equal(unaligned(x), torch.cat([parts[2](x), parts[1](x)], dim=-1))
 
 
 def test_int8_head_and_embedding_match_their_float_table() -> None:
@@ -257,7 +277,7 @@ def test_auto_serves_stored_layers_as_stored_on_a_cpu_and_as_float_on_a_gpu(targ
     assert isinstance(kept.model.layers[0].mlp.down_proj, QuantLinear)
 
 
-def test_int8_head_resolves_a_near_tie_its_bfloat16_output_cannot() -> None:
+def test_int8_head_resolves_a_near_tie_its_bfloat16_output_cannot(cpu_kernels: str) -> None:
     """Two rows whose float32 logits differ by 0.025 at ~25 (bfloat16's step there is 0.125): the kernel's
     output ties them, the refined head keeps them apart as the dequantized float32 product does."""
     from adaserve.engine.model.quant import Int8Head, quantize_int8
@@ -272,10 +292,13 @@ def test_int8_head_resolves_a_near_tie_its_bfloat16_output_cannot() -> None:
     plain = Int8Linear(head.qweight, head.scales32)(x)
     got = head(x)
     assert float(ref[0, 1] - ref[0, 0]) > 0.01  # apart in float32 ...
-    assert float(plain[0, 0]) == float(plain[0, 1])  # ... tied in the kernel's bfloat16 output
-    assert int(plain[0].argmax()) == 0  # what greedy took before
+    if cpu_kernels == "torch":
+        assert float(plain[0, 0]) == float(plain[0, 1])  # ... tied in the kernel's bfloat16 output
+        assert int(plain[0].argmax()) == 0  # what greedy took before
+    else:  # the integer kernels return float32: apart already (the refinement still gives float32's values)
+        assert int(plain[0].argmax()) == 1
     assert int(got[0].argmax()) == int(ref[0].argmax()) == 1
-    top = ref[0].topk(4).indices
+    top = plain[0].float().topk(4).indices  # the rows the head recomputed: float32's values there
     torch.testing.assert_close(got[0, top], ref[0, top], rtol=1e-5, atol=1e-4)
     assert torch.equal(got[0], got[2])  # one function of the row: the batch does not change it
 

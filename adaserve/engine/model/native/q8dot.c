@@ -1,0 +1,198 @@
+/* Integer dot products for weight-quantized linear layers on x86-64 CPUs with AVX2 and FMA.
+ *
+ * y[r, n] = sum_k x[r, k] W[n, k], with the activations quantized per row in blocks of 32 (GGUF's Q8 form):
+ *     x[r, k] ~ s[r, g] * a[r, k],  a int8 in -127..127,  s = max|x[r, block g]| / 127
+ * and the weights in one of two forms:
+ *     int4   W[n, k] = d[n, g] * q[n, k] + m[n, g],  q in 0..15       (GGUF Q4_1)
+ *            y[r, n] = sum_g s[r, g] d[n, g] (q . a)_g  +  m[n, g] (s[r, g] sum_g a)
+ *     int8   W[n, k] = c[n] * q[n, k],  q int8                        (one scale per output row)
+ *            y[r, n] = c[n] * sum_g s[r, g] (q . a)_g
+ * The products within a block, (q . a)_g, are integers, exact in any order (_mm256_maddubs_epi16 then
+ * _mm256_madd_epi16: |15 * 127 * 2| and |127 * 127 * 2| fit int16). Every (r, n) is computed by one thread in one
+ * fixed sequence of float operations (eight lanes accumulated over the blocks in order, then one horizontal sum),
+ * whatever the number of rows M, the row blocking and the thread count, so a row's result never depends on the
+ * batch it came in: the property lossless speculation needs. Built with -ffp-contract=off so that the compiler
+ * fuses no multiply-add on its own in one loop and not in another.
+ *
+ * Layouts: a int8 [M, K]; s and s*sum(a) float [M, K/32]; int4 weights [N, K/32, 16] bytes, byte j of a block
+ * holding column j in its low nibble and column j + 16 in its high one; d, m float [N, K/32]; int8 weights [N, K];
+ * c float [N]; y float [M, N]. K is a multiple of 32.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define BLOCK 32
+#define ROWS 4 /* activation rows sharing one decode of a weight block */
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_hadd_ps(lo, lo);
+    lo = _mm_hadd_ps(lo, lo);
+    return _mm_cvtss_f32(lo);
+}
+
+/* (q . a) of one block as eight int32 lanes, converted to float; q unsigned 0..15 (or |w|), a signed */
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+static inline __m256 block_dot(__m256i q, __m256i a) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, a), ones));
+}
+
+static inline __m256i unpack_q4(const uint8_t *p) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+}
+
+/* The activations' int8 codes per block of 32: a = round(x * (127 / amax)), half to even (the vector
+ * rounding and nearbyintf in the default mode agree), s = amax / 127, and s * sum(a). */
+void quantize_rows_q8(const float *x, int M, int K, int8_t *a, float *s, float *s_sum) {
+    int G = K / BLOCK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (long r = 0; r < M; r++)
+        for (int g = 0; g < G; g++) {
+            const float *p = x + r * K + (long)g * BLOCK;
+            int8_t *out = a + r * K + (long)g * BLOCK;
+            __m256 v[4], mx = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(p + 8 * i);
+                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+            }
+            float amax = hmax8(mx);
+            __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+            __m256i q[4];
+            for (int i = 0; i < 4; i++)
+                q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv),
+                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            /* int32 -> int16 -> int8 with saturation (|q| <= 127 already); packs interleave 128-bit lanes */
+            __m256i q16 = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
+            __m256i q8 = _mm256_packs_epi16(q16, q16b);
+            q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)out, q8);
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_hadd_epi32(s4, s4);
+            s4 = _mm_hadd_epi32(s4, s4);
+            s[r * G + g] = amax / 127.f;
+            s_sum[r * G + g] = (amax / 127.f) * (float)_mm_cvtsi128_si32(s4);
+        }
+}
+
+void mm_q4_q8(const int8_t *a, const float *s, const float *s_sum, int M, int K, const uint8_t *w,
+              const float *d, const float *m, int N, float *y, int threads) {
+    int G = K / BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = 0; n < N; n++) {
+        const uint8_t *wn = w + (long)n * G * 16;
+        const float *dn = d + (long)n * G, *mn = m + (long)n * G;
+        int r = 0;
+        for (; r + ROWS <= M; r += ROWS) {
+            __m256 acc[ROWS];
+            float macc[ROWS];
+            for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps(), macc[i] = 0.f;
+            for (int g = 0; g < G; g++) {
+                __m256i q = unpack_q4(wn + g * 16);
+                for (int i = 0; i < ROWS; i++) {
+                    long row = r + i;
+                    __m256i av = _mm256_loadu_si256((const __m256i *)(a + row * K + (long)g * BLOCK));
+                    acc[i] = _mm256_fmadd_ps(block_dot(q, av), _mm256_set1_ps(dn[g] * s[row * G + g]), acc[i]);
+                    macc[i] += mn[g] * s_sum[row * G + g];
+                }
+            }
+            for (int i = 0; i < ROWS; i++) y[(long)(r + i) * N + n] = hsum8(acc[i]) + macc[i];
+        }
+        for (; r < M; r++) {
+            __m256 acc = _mm256_setzero_ps();
+            float macc = 0.f;
+            for (int g = 0; g < G; g++) {
+                __m256i q = unpack_q4(wn + g * 16);
+                __m256i av = _mm256_loadu_si256((const __m256i *)(a + (long)r * K + (long)g * BLOCK));
+                acc = _mm256_fmadd_ps(block_dot(q, av), _mm256_set1_ps(dn[g] * s[(long)r * G + g]), acc);
+                macc += mn[g] * s_sum[(long)r * G + g];
+            }
+            y[(long)r * N + n] = hsum8(acc) + macc;
+        }
+    }
+}
+
+void mm_q8_q8(const int8_t *a, const float *s, int M, int K, const int8_t *w, const float *c, int N, float *y,
+              int threads) {
+    int G = K / BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = 0; n < N; n++) {
+        const int8_t *wn = w + (long)n * K;
+        int r = 0;
+        for (; r + ROWS <= M; r += ROWS) {
+            __m256 acc[ROWS];
+            for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps();
+            for (int g = 0; g < G; g++) {
+                __m256i wv = _mm256_loadu_si256((const __m256i *)(wn + (long)g * BLOCK));
+                __m256i wabs = _mm256_sign_epi8(wv, wv); /* |w|, and a takes w's sign: q . a unchanged */
+                for (int i = 0; i < ROWS; i++) {
+                    long row = r + i;
+                    __m256i av = _mm256_loadu_si256((const __m256i *)(a + row * K + (long)g * BLOCK));
+                    acc[i] = _mm256_fmadd_ps(block_dot(wabs, _mm256_sign_epi8(av, wv)),
+                                             _mm256_set1_ps(s[row * G + g]), acc[i]);
+                }
+            }
+            for (int i = 0; i < ROWS; i++) y[(long)(r + i) * N + n] = c[n] * hsum8(acc[i]);
+        }
+        for (; r < M; r++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int g = 0; g < G; g++) {
+                __m256i wv = _mm256_loadu_si256((const __m256i *)(wn + (long)g * BLOCK));
+                __m256i av = _mm256_loadu_si256((const __m256i *)(a + (long)r * K + (long)g * BLOCK));
+                acc = _mm256_fmadd_ps(block_dot(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv)),
+                                      _mm256_set1_ps(s[(long)r * G + g]), acc);
+            }
+            y[(long)r * N + n] = c[n] * hsum8(acc);
+        }
+    }
+}
+
+/* The layers' entry points: x float32 [M, K] quantized here (scratch from malloc), then the product. Return 0,
+ * or -1 when the scratch could not be allocated (y is then untouched). */
+static int scratch(int M, int K, int8_t **a, float **s, float **s_sum) {
+    long G = K / BLOCK;
+    *a = (int8_t *)malloc((size_t)M * K);
+    *s = (float *)malloc(sizeof(float) * (size_t)M * G * 2);
+    *s_sum = *s ? *s + (size_t)M * G : 0;
+    if (!*a || !*s) {
+        free(*a);
+        free(*s);
+        return -1;
+    }
+    return 0;
+}
+
+int linear_q4(const float *x, int M, int K, const uint8_t *w, const float *d, const float *m, int N, float *y,
+              int threads) {
+    int8_t *a;
+    float *s, *s_sum;
+    if (scratch(M, K, &a, &s, &s_sum)) return -1;
+    quantize_rows_q8(x, M, K, a, s, s_sum);
+    mm_q4_q8(a, s, s_sum, M, K, w, d, m, N, y, threads);
+    free(a);
+    free(s);
+    return 0;
+}
+
+int linear_q8(const float *x, int M, int K, const int8_t *w, const float *c, int N, float *y, int threads) {
+    int8_t *a;
+    float *s, *s_sum;
+    if (scratch(M, K, &a, &s, &s_sum)) return -1;
+    quantize_rows_q8(x, M, K, a, s, s_sum);
+    mm_q8_q8(a, s, M, K, w, c, N, y, threads);
+    free(a);
+    free(s);
+    return 0;
+}

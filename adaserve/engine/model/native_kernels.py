@@ -1,0 +1,178 @@
+"""Integer dot-product kernels for quantized layers on CPUs with AVX2 (``native/q8dot.c``), built at first use.
+
+Why: torch's CPU int4 and int8 kernels run on bfloat16 activations, and a CPU without AVX512-BF16 has no
+bfloat16 arithmetic: there they are ~70% of a lone int4 decode step, and llama.cpp is ~2.5x faster on the same
+GGUF (docs/benchmarks.md). llama.cpp quantizes the activations to int8 in blocks of 32 and multiplies integers
+(``maddubs``); these kernels do the same, so a block's products are exact integers and every output is computed
+in one fixed order, whatever the batch (the C file's comment gives the maths). The served function is then that
+of int8 activations, not bfloat16 ones: another quantized model, equally the target of every path (decode,
+prefill, verification), so speculation stays lossless against it.
+
+The C file is compiled once per machine with the system's C compiler (``$CC``, else ``cc``) into the cache
+directory (cache_dir.py), keyed by the source, the flags and the compiler, and loaded with ctypes; the OpenMP
+runtime is the one torch already loaded (the same ``libgomp.so.1``), so the kernels use torch's thread count
+without a second pool. Where that cannot happen (not x86-64 Linux, no AVX2/FMA, no compiler, a failed build),
+``kernels()`` returns None and the layers keep torch's kernels; ``ADASERVE_NATIVE_KERNELS=off`` does so too.
+
+May import torch and cache_dir only: quant.py decides which layers use it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from adaserve.engine.cache_dir import default_cache_dir
+
+ENV = "ADASERVE_NATIVE_KERNELS"  # auto (default) | on | off: see ``chosen``
+SOURCE = Path(__file__).parent / "native" / "q8dot.c"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+BLOCK = 32  # activation block (and int4 weight group) the kernels take
+BUILD_TIMEOUT_S = 120
+
+_P, _I = ctypes.c_void_p, ctypes.c_int
+
+
+@dataclass(frozen=True)
+class NativeKernels:
+    """The loaded library and where it came from."""
+
+    lib: ctypes.CDLL
+    path: Path
+
+    def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x float32 [M, K] -> (a int8 [M, K], s [M, K/32], s * sum(a) [M, K/32]) per 32-block (Q8)."""
+        m, k = x.shape
+        a = torch.empty(m, k, dtype=torch.int8)
+        s = torch.empty(m, k // BLOCK)
+        s_sum = torch.empty(m, k // BLOCK)
+        self.lib.quantize_rows_q8(x.data_ptr(), m, k, a.data_ptr(), s.data_ptr(), s_sum.data_ptr())
+        return a, s, s_sum
+
+    def mm_q4(self, x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """x float32 [M, K] contiguous; w uint8 [N, K/32, 16] (``q4_blocks``); d, m float32 [N, K/32]."""
+        y = torch.empty(x.shape[0], w.shape[0])
+        if self.lib.linear_q4(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), d.data_ptr(), m.data_ptr(),
+                              w.shape[0], y.data_ptr(), torch.get_num_threads()):
+            raise MemoryError("the int4 kernel could not allocate its activation scratch")
+        return y
+
+    def mm_q8(self, x: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """x float32 [M, K] contiguous; w int8 [N, K]; c float32 [N] (one scale per output row)."""
+        y = torch.empty(x.shape[0], w.shape[0])
+        if self.lib.linear_q8(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), c.data_ptr(), w.shape[0],
+                              y.data_ptr(), torch.get_num_threads()):
+            raise MemoryError("the int8 kernel could not allocate its activation scratch")
+        return y
+
+
+def q4_blocks(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes [N, K] (0..15) in the kernel's layout [N, K/32, 16] uint8: byte j of a block holds column j
+    in its low nibble and column j + 16 in its high one."""
+    n, k = codes.shape
+    c = codes.reshape(n, k // BLOCK, BLOCK).to(torch.uint8)
+    return (c[:, :, :16] | (c[:, :, 16:] << 4)).contiguous()
+
+
+def mode() -> str:
+    value = os.environ.get(ENV, "auto").lower()
+    if value not in ("auto", "on", "off"):
+        raise ValueError(f"{ENV}={value!r}: use auto, on or off")
+    return value
+
+
+def chosen() -> NativeKernels | None:
+    """The kernels a new CPU layer should use, or None for torch's. ``on``: wherever they build; ``off``: never;
+    ``auto`` (the default): where they build and the CPU has no AVX512-BF16, whose bfloat16 instructions make
+    torch's kernels the faster (docs/benchmarks.md, issue 35)."""
+    how = mode()
+    if how == "off" or (how == "auto" and has_avx512_bf16()):
+        return None
+    return kernels()
+
+
+def has_avx512_bf16() -> bool:
+    return "avx512_bf16" in _cpu_flags()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
+
+
+def supported_cpu() -> bool:
+    """x86-64 Linux with AVX2 and FMA (torch's own dispatch level says AVX2 or better)."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return False
+    return {"avx2", "fma"} <= _cpu_flags()
+
+
+_loaded: dict[str, NativeKernels | None] = {}
+
+
+def kernels() -> NativeKernels | None:
+    """The kernels, built (once per machine) and loaded (once per process); None where they cannot be."""
+    if "lib" not in _loaded:
+        _loaded["lib"] = _build_and_load() if supported_cpu() else None
+    return _loaded["lib"]
+
+
+def _build_and_load() -> NativeKernels | None:
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    path = default_cache_dir() / "native" / f"q8dot-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            out = Path(tmp) / path.name
+            try:
+                done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True,
+                                      timeout=BUILD_TIMEOUT_S)
+            except (OSError, subprocess.SubprocessError):
+                return None
+            if done.returncode != 0:
+                tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                print(f"adaserve: the integer kernels did not build ({tail}); quantized layers use torch's kernels",
+                      file=sys.stderr)
+                return None
+            os.replace(out, path)  # atomic: a process beside this one loads a whole library or builds its own
+        for old in path.parent.glob("q8dot-*.so"):  # earlier sources' builds (a process using one keeps its map)
+            if old != path:
+                old.unlink(missing_ok=True)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError:
+        return None
+    lib.quantize_rows_q8.argtypes = [_P, _I, _I, _P, _P, _P]
+    lib.quantize_rows_q8.restype = None
+    lib.mm_q4_q8.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P, _I, _P, _I]
+    lib.mm_q4_q8.restype = None
+    lib.mm_q8_q8.argtypes = [_P, _P, _I, _I, _P, _P, _I, _P, _I]
+    lib.mm_q8_q8.restype = None
+    lib.linear_q4.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P, _I]
+    lib.linear_q4.restype = _I
+    lib.linear_q8.argtypes = [_P, _I, _I, _P, _P, _I, _P, _I]
+    lib.linear_q8.restype = _I
+    return NativeKernels(lib, path)

@@ -22,7 +22,8 @@ from adaserve.engine.model.config import ModelConfig
 from adaserve.engine.model.device_timer import DeviceTimer
 from adaserve.engine.model.few_rows import FewRowLinear
 from adaserve.engine.model.kv_cache import PagedKVCache
-from adaserve.engine.model.quant import concat_linears
+from adaserve.engine.model.native_kernels import NativeKernels
+from adaserve.engine.model.quant import QuantLinear, concat_linears
 from adaserve.engine.model.rope import Rotary, apply_rotary
 
 
@@ -56,10 +57,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        # a model served on the integer kernels normalises with them too (quant.use_native_norms): one call,
+        # not torch's ~9-op composite, on every row alike
+        self.native: NativeKernels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x / rms(x) computed in fp32, then scaled: Hugging Face's order of operations
         dtype = x.dtype
+        if self.native is not None and dtype == torch.float32 and x.device.type == "cpu":
+            dim = self.weight.shape[0]
+            return self.native.rms_norm(x.reshape(-1, dim).contiguous(), self.weight, self.eps).view(x.shape)
         if dtype == torch.float32:  # the same operations in one call, without the no-op casts (bitwise equal)
             return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # half precision: x / rms(x) in fp32 by one call (a fused kernel on a GPU: 4 kernels, not 8), rounded,
@@ -183,6 +190,16 @@ class CausalLM(nn.Module):
                 mlp.gate_up_proj = join_linears([mlp.gate_proj, mlp.up_proj])
                 if mlp.gate_up_proj is not None:
                     mlp.gate_proj = mlp.up_proj = None
+
+    def use_native_norms(self) -> None:
+        """Served on the integer kernels (quant.py, native_kernels.py): the norms use them too. A model on
+        torch's kernels, or float, is left as it is."""
+        native = next((m.native for m in self.modules() if isinstance(m, QuantLinear) and m.native is not None),
+                      None)
+        if native is not None:
+            for m in self.modules():
+                if isinstance(m, RMSNorm):
+                    m.native = native
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *, backend: AttentionBackend,
                 cache: PagedKVCache, logits_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -75,6 +75,12 @@ class NativeKernels:
             raise MemoryError("the int8 kernel could not allocate its activation scratch")
         return y
 
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each row of x float32 [M, K] contiguous, weight w float32 [K]."""
+        y = torch.empty_like(x)
+        self.lib.rms_norm_f32(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), eps, y.data_ptr())
+        return y
+
 
 def q4_blocks(codes: torch.Tensor) -> torch.Tensor:
     """int4 codes [N, K] (0..15) in the kernel's layout [N, K/32, 16] uint8: byte j of a block holds column j
@@ -175,4 +181,6 @@ def _build_and_load() -> NativeKernels | None:
     lib.linear_q4.restype = _I
     lib.linear_q8.argtypes = [_P, _I, _I, _P, _P, _I, _P, _I]
     lib.linear_q8.restype = _I
+    lib.rms_norm_f32.argtypes = [_P, _I, _I, _P, ctypes.c_float, _P]
+    lib.rms_norm_f32.restype = None
     return NativeKernels(lib, path)

@@ -103,6 +103,15 @@ def test_a_rows_result_is_bitwise_the_same_in_any_batch_and_thread_count(kernels
         torch.set_num_threads(threads)
 
 
+def test_rms_norm_is_torchs_within_rounding_and_one_function_of_the_row(kernels: nk.NativeKernels) -> None:
+    torch.manual_seed(4)
+    for k in (576, 100):  # whole 8-lane steps, and a tail
+        x, w = torch.randn(9, k) * 3, torch.rand(k)
+        y = kernels.rms_norm(x, w, 1e-5)
+        torch.testing.assert_close(y, torch.rms_norm(x, (k,), w, 1e-5), rtol=1e-6, atol=1e-6)
+        assert torch.equal(torch.cat([kernels.rms_norm(x[i:i + 1].contiguous(), w, 1e-5) for i in range(9)]), y)
+
+
 def test_built_once_per_machine_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                kernels: nk.NativeKernels) -> None:
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))

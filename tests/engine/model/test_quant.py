@@ -119,7 +119,7 @@ def test_shapes_the_int4_kernel_cannot_take_stay_float() -> None:
 
 
 @pytest.mark.parametrize("weights", ["float", "auto", "int8", "int4"])
-def test_loader_weights_option_on_a_float_checkpoint(target_dir: Path, weights: str) -> None:
+def test_loader_weights_option_on_a_float_checkpoint(target_dir: Path, weights: str, cpu_kernels: str) -> None:
     model = load_model(target_dir, device=CPU, weights=weights)
     blocks = {type(m).__name__ for n, m in model.named_modules() if isinstance(m, QuantLinear) and ".layers." in n}
     assert blocks == ({"Int8Linear"} if weights == "int8" else {"Int4Linear"} if weights == "int4" else set())
@@ -132,8 +132,10 @@ def test_loader_weights_option_on_a_float_checkpoint(target_dir: Path, weights: 
         assert mlp.gate_up_proj is not None and mlp.gate_proj is None
         assert (attn.qkv_proj is None) == (attn.q_proj is not None)  # joined, or (int4, k/v of 32 rows) apart
         assert weight_bytes(model) < weight_bytes(load_model(target_dir, device=CPU)) / 3
+        # on the integer kernels the norms use them too (layers.CausalLM.use_native_norms)
+        assert (model.model.norm.native is not None) == (cpu_kernels == "native")
     else:
-        assert not isinstance(model.lm_head, QuantLinear)
+        assert not isinstance(model.lm_head, QuantLinear) and model.model.norm.native is None
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

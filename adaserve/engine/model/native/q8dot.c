@@ -196,3 +196,26 @@ int linear_q8(const float *x, int M, int K, const int8_t *w, const float *c, int
     free(s);
     return 0;
 }
+
+/* RMSNorm of each row, Hugging Face's order: y = w * (x / sqrt(mean(x^2) + eps)), the squares summed in eight
+ * lanes then the tail, one fixed order per row. x, y float32 [M, K]; w float32 [K]. */
+void rms_norm_f32(const float *x, int M, int K, const float *w, float eps, float *y) {
+    for (long r = 0; r < M; r++) {
+        const float *p = x + r * K;
+        float *out = y + r * K;
+        __m256 acc = _mm256_setzero_ps();
+        int k = 0;
+        for (; k + 8 <= K; k += 8) {
+            __m256 v = _mm256_loadu_ps(p + k);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum8(acc);
+        for (; k < K; k++) ss += p[k] * p[k];
+        __m256 inv = _mm256_set1_ps(1.0f / sqrtf(ss / (float)K + eps));
+        k = 0;
+        for (; k + 8 <= K; k += 8)
+            _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_loadu_ps(w + k),
+                                                    _mm256_mul_ps(_mm256_loadu_ps(p + k), inv)));
+        for (; k < K; k++) out[k] = w[k] * (p[k] * _mm256_cvtss_f32(inv));
+    }
+}

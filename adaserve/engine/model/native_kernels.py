@@ -62,6 +62,8 @@ class NativeKernels:
     def mm_q4(self, x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         """x float32 [M, K] contiguous; w uint8 [N, K/32, 16] (``q4_blocks``); d, m float32 [N, K/32]."""
         y = torch.empty(x.shape[0], w.shape[0])
+        if x.shape[0] == 0:
+            return y
         if self.lib.linear_q4(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), d.data_ptr(), m.data_ptr(),
                               w.shape[0], y.data_ptr(), torch.get_num_threads()):
             raise MemoryError("the int4 kernel could not allocate its activation scratch")
@@ -70,6 +72,8 @@ class NativeKernels:
     def mm_q8(self, x: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         """x float32 [M, K] contiguous; w int8 [N, K]; c float32 [N] (one scale per output row)."""
         y = torch.empty(x.shape[0], w.shape[0])
+        if x.shape[0] == 0:
+            return y
         if self.lib.linear_q8(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), c.data_ptr(), w.shape[0],
                               y.data_ptr(), torch.get_num_threads()):
             raise MemoryError("the int8 kernel could not allocate its activation scratch")

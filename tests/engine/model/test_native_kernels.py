@@ -99,6 +99,7 @@ def test_a_rows_result_is_bitwise_the_same_in_any_batch_and_thread_count(kernels
             torch.set_num_threads(t)
             for m in (1, 3, 4, 5, 8, 11):  # blocks of 4 rows and the tail
                 assert torch.equal(mm(x[:m].contiguous()), alone[:m]), (kind, t, m)
+            assert mm(x[:0].contiguous()).shape == (0, n)  # no rows: no scratch, no error
     finally:
         torch.set_num_threads(threads)
 

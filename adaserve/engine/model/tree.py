@@ -7,6 +7,7 @@ degenerate cases: a chain (``parents = [-1, 0, 1, ...]``) and a single root.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -164,7 +165,12 @@ class TokenTree:
 
     # ---- transformations ----------------------------------------------------------------------
     def subtree(self, selected: Sequence[int]) -> TokenTree:
-        """The tree made of ``selected`` nodes (must include 0 and be closed under parents), reindexed."""
+        """The tree made of ``selected`` nodes (must include 0 and be closed under parents), reindexed. Every node,
+        in order (a selection that keeps the whole candidate, as a small batch's often does): the tree itself."""
+        m = self.size
+        if (isinstance(selected, list) and len(selected) == m and selected[0] == 0 and selected[-1] == m - 1
+                and all(a < b for a, b in itertools.pairwise(selected))):  # m increasing ints from 0 to m - 1
+            return self
         keep = np.asarray(selected, np.int64)
         if keep.size > 1 and not bool((keep[1:] > keep[:-1]).all()):  # selections come sorted: no sort then
             keep = np.unique(keep)

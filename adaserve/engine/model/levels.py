@@ -90,6 +90,11 @@ class BeamLevels:
         self._plan()
 
     @property
+    def tree_size(self) -> int:
+        """S: each tree's nodes after the last level, the side of the ancestor rows ``forward`` reads."""
+        return int(self.ends[-1])
+
+    @property
     def folds_catch_up(self) -> bool:
         """Level 0, the catch-up forward, runs from this plan (``forward(0)``); otherwise the caller lays it out."""
         return self._grids[0][0] == "torch"
@@ -136,6 +141,7 @@ class BeamLevels:
         scratch = cache.scratch_slot
         window = self.runner.model.cfg.sliding_window
         depths = np.repeat(np.arange(len(self.sizes)), self.sizes)  # of every tree node
+        side = self.tree_size  # of the [n, S, S] ancestor rows every level reads
         put = self.stage.put
         if self.folds_catch_up:
             self._plan_catch_up(table, window)
@@ -157,12 +163,12 @@ class BeamLevels:
                 lo = np.maximum(prefix + level - window + 1, 0)
                 put(f"{level}.lo", _padded(lo.repeat(a).reshape(n, a, 1), 0, g, q))
             if not chain:
-                # tree cell (b, r, j): key L_b + j of row r, its value ancestor bit [b, c + r, j] of the [n, s, s]
+                # tree cell (b, r, j): key L_b + j of row r, its value ancestor bit [b, c + r, j] of the [n, S, S]
                 # rows; with a window only the keys within it (query depth ``level``, key depth depths[j])
                 j = np.flatnonzero(level - depths[:size] < window) if window is not None else np.arange(size)
                 r = np.arange(a)[None, :, None]
                 put(f"{level}.cells", ((b[:, :, None] * q + r) * k + prefix[:, None, None] + j).ravel())
-                put(f"{level}.src", ((b[:, :, None] * size + c + r) * size + j).ravel())
+                put(f"{level}.src", ((b[:, :, None] * side + c + r) * side + j).ravel())
             if how == "static":
                 put(f"{level}.at", (b * q + np.arange(a)).ravel())  # grid row of each real token
 
@@ -222,8 +228,12 @@ class BeamLevels:
 
     def forward(self, level: int, ids: torch.Tensor, ancestors: torch.Tensor | None) -> torch.Tensor:
         """Level ``level``'s logits ``[n * sizes[level], V]``; ``ids`` [n * sizes[level]] its picked tokens in
-        request-major order, ``ancestors`` [n, s, s] the trees' ancestor rows so far (None while every tree is a
-        chain). Reports the forward to the runner's listeners, as ``ModelRunner.forward`` does."""
+        request-major order, ``ancestors`` [n, S, S] (S = ``tree_size``) the trees' ancestor rows, filled for every
+        node up to this level's (None while every tree is a chain; later rows are not read). Reports the forward
+        to the runner's listeners, as ``ModelRunner.forward`` does."""
+        want = (len(self.seqs), self.tree_size, self.tree_size)
+        if ancestors is not None and tuple(ancestors.shape) != want:
+            raise ValueError(f"ancestor rows of shape {tuple(ancestors.shape)}, expected {want}")
         how, g, q, k = self._grids[level]
         if how == "laid_out":
             return self._forward_laid_out(level, ids, ancestors)
@@ -270,6 +280,6 @@ class BeamLevels:
             parents[self.ends[lv - 1] : self.ends[lv]] = self.ends[lv - 2] if lv > 1 else 0
         tree = TokenTree.trusted(np.zeros(size, np.int64), parents, np.zeros(size))
         segs = [Segment(s, p, tree, num_cached=c) for s, p in zip(self.seqs, self.prefix.tolist(), strict=True)]
-        out = self.runner.forward(segs, all_logits=[True] * len(segs),
-                                  on_device=DeviceNodes(ids, None if tree.is_chain else ancestors))
+        rows = None if tree.is_chain or ancestors is None else ancestors[:, :size, :size]  # the tree so far
+        out = self.runner.forward(segs, all_logits=[True] * len(segs), on_device=DeviceNodes(ids, rows))
         return joined_rows(out)

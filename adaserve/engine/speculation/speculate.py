@@ -160,8 +160,25 @@ def build_trees(roots: np.ndarray, toks: np.ndarray, pars: np.ndarray, lps: np.n
     depths.flags.writeable = False
     chain = all(size == 1 for size in level_sizes)
     strict = np.all(lps[:, 1:] < lps[rows, pars[:, 1:]], axis=1).tolist()  # each tree's f decreases (selection)
-    return [TokenTree.trusted(toks[r], pars[r], lps[r], depths=depths, is_chain=chain, strict=strict[r])
-            for r in range(n)]
+    anc = None if chain else _ancestor_matrices(pars, level_sizes)
+    return [TokenTree.trusted(toks[r], pars[r], lps[r], depths=depths, is_chain=chain, strict=strict[r],
+                              ancestors=None if anc is None else anc[r]) for r in range(n)]
+
+
+def _ancestor_matrices(pars: np.ndarray, level_sizes: list[int]) -> np.ndarray:
+    """[n, M, M] bool, read-only: every tree's ``ancestor_matrix`` at once from its parents [n, M] (the root's -1
+    first), level by level over the shared level sizes: a node's row is its parent's row and itself. The
+    verification's mask reads them (attention/masks.py), one tree at a time, level by level, otherwise."""
+    n, m = pars.shape
+    anc = np.zeros((n, m, m), bool)
+    anc[:, np.arange(m), np.arange(m)] = True
+    rows = np.arange(n)[:, None]
+    start = 1
+    for size in level_sizes:  # parents' rows are final before their children's
+        anc[:, start : start + size] |= anc[rows, pars[:, start : start + size]]
+        start += size
+    anc.flags.writeable = False
+    return anc
 
 
 class _Paths:

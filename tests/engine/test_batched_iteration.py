@@ -176,10 +176,13 @@ def test_greedy_draws_are_argmax_with_ties_infinities_and_nan(dtype: torch.dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_blocked_argmax_is_argmax_with_ties_infinities_and_nan(dtype: torch.dtype) -> None:
+def test_blocked_argmax_is_argmax_with_ties_infinities_and_nan(dtype: torch.dtype,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """first_argmax's two steps over blocks (many rows on a CPU, issue 30) give argmax's first maximum, NaN first."""
     from adaserve.engine.speculation import verify
 
+    assert verify.first_argmax(torch.zeros(2, verify.ARGMAX_BLOCKED_MIN // 2)).tolist() == [0, 0]  # blocked
+    monkeypatch.setattr(verify, "ARGMAX_BLOCKED_MIN", 1)  # every shape below takes the blocks where it can
     gen = torch.Generator().manual_seed(1)
     for trial in range(80):
         n = int(torch.randint(1, 48, (), generator=gen))
@@ -197,7 +200,7 @@ def test_blocked_argmax_is_argmax_with_ties_infinities_and_nan(dtype: torch.dtyp
         want = rows.argmax(-1)
         assert torch.equal(verify.first_argmax(rows), want), trial
         assert torch.equal(verify.first_argmax(rows.T.contiguous().T), want), trial  # not contiguous: max(-1)
-    x = torch.zeros(2, verify.ARGMAX_BLOCKED_MIN // 2)
+    x = torch.zeros(2, 4096)
     x[0, -1], x[1, 5] = 1.0, -0.0  # -0.0 equals 0.0: the first maximum is still index 0
     assert verify.first_argmax(x).tolist() == [x.shape[1] - 1, 0]
 

@@ -175,6 +175,36 @@ def test_greedy_draws_are_argmax_with_ties_infinities_and_nan(dtype: torch.dtype
         assert drawn == [b.argmax(-1).tolist() for b in blocks]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_argmax_is_argmax_with_ties_infinities_and_nan(dtype: torch.dtype,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """first_argmax's two steps over blocks (many rows on a CPU, issue 30) give argmax's first maximum, NaN first."""
+    from adaserve.engine.speculation import verify
+
+    assert verify.first_argmax(torch.zeros(2, verify.ARGMAX_BLOCKED_MIN // 2)).tolist() == [0, 0]  # blocked
+    monkeypatch.setattr(verify, "ARGMAX_BLOCKED_MIN", 1)  # every shape below takes the blocks where it can
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(80):
+        n = int(torch.randint(1, 48, (), generator=gen))
+        v = verify.ARGMAX_BLOCK * int(torch.randint(1, 80, (), generator=gen)) + (3 if trial % 9 == 0 else 0)
+        big = torch.randint(-2, 2, (n + 2, v), generator=gen).to(dtype)  # small ints: ties within and across blocks
+        if trial % 3 == 0:
+            big[torch.rand(big.shape, generator=gen) < 0.4] = float("-inf")
+        if trial % 4 == 0:
+            big[1] = float("-inf")
+        if trial % 5 == 0:
+            big[torch.rand(big.shape, generator=gen) < 0.002] = float("nan")
+        if trial % 7 == 0:
+            big[torch.rand(big.shape, generator=gen) < 0.01] = float("inf")
+        rows = big[1:-1]
+        want = rows.argmax(-1)
+        assert torch.equal(verify.first_argmax(rows), want), trial
+        assert torch.equal(verify.first_argmax(rows.T.contiguous().T), want), trial  # not contiguous: max(-1)
+    x = torch.zeros(2, 4096)
+    x[0, -1], x[1, 5] = 1.0, -0.0  # -0.0 equals 0.0: the first maximum is still index 0
+    assert verify.first_argmax(x).tolist() == [x.shape[1] - 1, 0]
+
+
 def test_root_walk_respects_budget_and_stop() -> None:
     root = TokenTree.root(3)
     assert walk(root, [5], stop_ids=frozenset(), budget=0) == WalkResult([], [0])

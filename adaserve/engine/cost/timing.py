@@ -196,20 +196,22 @@ class OnlineCostModel:
         return model
 
     def _recalibrate(self, samples: np.ndarray) -> None:
+        if not self.frozen:
+            if not self._refit_due():  # unprofiled: the last refit stands until the next is due
+                return
+            refit = self._refit(samples)
+            # any refit beats the flat guess, so the scaled guess's two medians are only read when it fails
+            # (issue 30); ``err`` is logged for a profiled model only
+            if refit is not None:
+                self._set(refit, 1.0, 0.0)
+                return
         k = self._scale_for(samples)
         err = median_rel_error(scaled(self.initial, k), samples)
         if self.frozen and err <= self.tolerance:  # the (scaled) profile fits: keep its shape
             self._set(None, k, err)
             return
-        if not self._refit_due():
-            if not self.frozen:  # unprofiled: the last refit stands until the next is due
-                return
-            refit = None
-        else:
-            refit = self._refit(samples)
-        if refit is not None and not self.frozen:  # unprofiled: any refit beats the flat guess
-            self._set(refit, 1.0, err)
-            return
+        # unprofiled, the refit above failed; profiled, a refit only when one is due
+        refit = self._refit(samples) if self.frozen and self._refit_due() else None
         # otherwise the better of the scaled initial model and a refit (this one, else the last one)
         refit = refit or self._model
         if refit is not None and median_rel_error(refit, samples) < err:

@@ -261,5 +261,7 @@ class PagedKVCache:
         stage.put("src", src)
         stage.put("dst", dst)
         s_idx, d_idx = stage.get("src"), stage.get("dst")
-        self.k[:, d_idx] = self.k[:, s_idx]
-        self.v[:, d_idx] = self.v[:, s_idx]
+        # index_select and index_copy_ over the slot dimension: the copy ``k[:, dst] = k[:, src]`` makes (the
+        # sources are read whole before any write), at half its cost on a CPU (issue 30)
+        self.k.index_copy_(1, d_idx, self.k.index_select(1, s_idx))
+        self.v.index_copy_(1, d_idx, self.v.index_select(1, s_idx))

@@ -82,12 +82,18 @@ class BeamLevels:
         waiting = [0] * len(self.seqs) if pending is None else [len(p) for p in pending]
         self.prefix = np.fromiter((s.length + w - 1 for s, w in zip(self.seqs, waiting, strict=True)), np.int64,
                                   len(self.seqs))
+        self.context = int(self.prefix.sum())  # the committed keys all requests' roots see
         self.pending = None if pending is None else [list(p) for p in pending]
         self.ends = np.cumsum(self.sizes)  # tree size after each level
         self.stage = HostStage(runner.device)
         # per level: how, G, Q, K; level 0 is the catch-up (planned only with ``pending`` on the torch grid)
         self._grids: list[tuple[str, int, int, int]] = [self._how_catch_up()]
         self._plan()
+
+    @property
+    def tree_size(self) -> int:
+        """S: each tree's nodes after the last level, the side of the ancestor rows ``forward`` reads."""
+        return int(self.ends[-1])
 
     @property
     def folds_catch_up(self) -> bool:
@@ -132,13 +138,17 @@ class BeamLevels:
         for s, end in zip(self.seqs, (prefix + int(self.ends[-1])).tolist(), strict=True):
             cache.ensure(s, end)  # the deepest level's pages: every level's slots exist from here on
         table = page_table([s.pages for s in self.seqs], prefix + int(self.ends[-1]), ps)
+        # [n, pages * P]: the cache slot of every key index of each sequence, up to the deepest level's (issue 30:
+        # one lookup per array below, not the page arithmetic of each)
+        slots = (table[:, :, None] * ps + np.arange(ps)).reshape(n, -1)
         b = np.arange(n)[:, None]
         scratch = cache.scratch_slot
         window = self.runner.model.cfg.sliding_window
         depths = np.repeat(np.arange(len(self.sizes)), self.sizes)  # of every tree node
+        side = self.tree_size  # of the [n, S, S] ancestor rows every level reads
         put = self.stage.put
         if self.folds_catch_up:
-            self._plan_catch_up(table, window)
+            self._plan_catch_up(slots, window)
         for level, (how, g, q, k) in enumerate(self._grids):
             if level == 0 or how == "laid_out":
                 continue
@@ -146,10 +156,11 @@ class BeamLevels:
             chain = size == level + 1  # one node per level so far
 
             index = prefix[:, None] + c + np.arange(a)  # [n, a] key index of each new node
-            put(f"{level}.positions", _padded((prefix + level).repeat(a).reshape(n, a), 0, g, q))
-            put(f"{level}.write_slots", _padded(table[b, index // ps] * ps + index % ps, scratch, g, q))
+            # flat [G * Q], as the forward reads them
+            put(f"{level}.positions", _padded((prefix + level).repeat(a).reshape(n, a), 0, g, q).ravel())
+            put(f"{level}.write_slots", _padded(slots[b, index], scratch, g, q).ravel())
             k_idx = np.minimum(np.arange(k)[None, :], (prefix + size - 1)[:, None])  # padding: the last real key
-            keys = table[b, k_idx // ps] * ps + k_idx % ps
+            keys = slots[b, k_idx]
             put(f"{level}.key_slots", keys if g == n else np.concatenate([keys, np.full((g - n, k), scratch)]))
             hi = prefix + size if chain else prefix  # chains see their own nodes through the bound
             put(f"{level}.hi", _padded(hi.repeat(a).reshape(n, a, 1), 1, g, q))  # padding: key 0 only
@@ -157,16 +168,16 @@ class BeamLevels:
                 lo = np.maximum(prefix + level - window + 1, 0)
                 put(f"{level}.lo", _padded(lo.repeat(a).reshape(n, a, 1), 0, g, q))
             if not chain:
-                # tree cell (b, r, j): key L_b + j of row r, its value ancestor bit [b, c + r, j] of the [n, s, s]
+                # tree cell (b, r, j): key L_b + j of row r, its value ancestor bit [b, c + r, j] of the [n, S, S]
                 # rows; with a window only the keys within it (query depth ``level``, key depth depths[j])
                 j = np.flatnonzero(level - depths[:size] < window) if window is not None else np.arange(size)
                 r = np.arange(a)[None, :, None]
                 put(f"{level}.cells", ((b[:, :, None] * q + r) * k + prefix[:, None, None] + j).ravel())
-                put(f"{level}.src", ((b[:, :, None] * size + c + r) * size + j).ravel())
+                put(f"{level}.src", ((b[:, :, None] * side + c + r) * side + j).ravel())
             if how == "static":
                 put(f"{level}.at", (b * q + np.arange(a)).ravel())  # grid row of each real token
 
-    def _plan_catch_up(self, table: np.ndarray, window: int | None) -> None:
+    def _plan_catch_up(self, slots: np.ndarray, window: int | None) -> None:
         """The catch-up's arrays, as ``build_layout`` and ``TorchAttention.plan`` make them for the chains of pending
         tokens (prefix ``P_b = L_b + 1 - p_b``, p_b tokens, one group of G = n segments):
 
@@ -175,10 +186,12 @@ class BeamLevels:
             mask bound                  hi = P_b + r + 1 for a real row, 1 for a padding row; with a window
                                         lo = max(P_b + r - window + 1, 0), 0 for padding
             logits rows                 each request's last token (none staged when every row is one)
+
+        ``slots`` [n, K']: the cache slot of each sequence's key indices (``_plan``).
         """
         _, g, q, k = self._grids[0]
         assert self.pending is not None
-        ps, put = self.runner.cache.page_size, self.stage.put
+        put = self.stage.put
         counts = np.fromiter(map(len, self.pending), np.int64, g)
         seg = np.repeat(np.arange(g), counts)
         starts = np.cumsum(counts) - counts  # each request's first flat token
@@ -187,11 +200,11 @@ class BeamLevels:
         index = first[seg] + r
         put("0.ids", np.concatenate(self.pending) if g > 1 else np.asarray(self.pending[0], np.int64))
         put("0.positions", index)
-        put("0.write_slots", table[seg, index // ps] * ps + index % ps)
+        put("0.write_slots", slots[seg, index])
         if g > 1:
             put("0.rows", seg * q + r)
         k_idx = np.minimum(np.arange(k)[None, :], self.prefix[:, None])
-        put("0.key_slots", table[np.arange(g)[:, None], k_idx // ps] * ps + k_idx % ps)
+        put("0.key_slots", slots[np.arange(g)[:, None], k_idx])
         row = np.arange(q)[None, :]
         real = row < counts[:, None]
         put("0.hi", np.where(real, first[:, None] + row + 1, 1)[:, :, None])
@@ -217,13 +230,17 @@ class BeamLevels:
         rows = get("0.logits_rows") if "0.logits_rows" in stage else None
         logits = runner.model(get("0.ids"), get("0.positions"), backend=backend, cache=runner.cache, logits_rows=rows)
         n_new = sum(map(len, self.pending))
-        runner.record(n_new=n_new, n_context=int(self.prefix.sum()) + g - n_new, t0=t0)
+        runner.record(n_new=n_new, n_context=self.context + g - n_new, t0=t0)
         return logits
 
     def forward(self, level: int, ids: torch.Tensor, ancestors: torch.Tensor | None) -> torch.Tensor:
         """Level ``level``'s logits ``[n * sizes[level], V]``; ``ids`` [n * sizes[level]] its picked tokens in
-        request-major order, ``ancestors`` [n, s, s] the trees' ancestor rows so far (None while every tree is a
-        chain). Reports the forward to the runner's listeners, as ``ModelRunner.forward`` does."""
+        request-major order, ``ancestors`` [n, S, S] (S = ``tree_size``) the trees' ancestor rows, filled for every
+        node up to this level's (None while every tree is a chain; later rows are not read). Reports the forward
+        to the runner's listeners, as ``ModelRunner.forward`` does."""
+        want = (len(self.seqs), self.tree_size, self.tree_size)
+        if ancestors is not None and tuple(ancestors.shape) != want:
+            raise ValueError(f"ancestor rows of shape {tuple(ancestors.shape)}, expected {want}")
         how, g, q, k = self._grids[level]
         if how == "laid_out":
             return self._forward_laid_out(level, ids, ancestors)
@@ -234,15 +251,15 @@ class BeamLevels:
         if size > level + 1:  # not a chain: the tree cells
             if ancestors is None:
                 raise ValueError("trees that are not chains need their ancestor rows on the device")
-            cells, values = get(f"{level}.cells"), ancestors.reshape(-1)[get(f"{level}.src")]
+            cells, values = get(f"{level}.cells"), torch.take(ancestors, get(f"{level}.src"))
         if runner.model.cfg.sliding_window is not None:
             lo = get(f"{level}.lo")
         if how == "torch":
             backend = runner.backend
             assert isinstance(backend, TorchAttention)
             mask = fill_grid_mask(backend.columns(k, runner.device), get(f"{level}.hi"), lo, cells, values)
-            backend.use_grid(get(f"{level}.write_slots").view(-1), get(f"{level}.key_slots"), mask)
-            logits = runner.model(ids, get(f"{level}.positions").view(-1), backend=backend, cache=runner.cache)
+            backend.use_grid(get(f"{level}.write_slots"), get(f"{level}.key_slots"), mask)
+            logits = runner.model(ids, get(f"{level}.positions"), backend=backend, cache=runner.cache)
         else:
             static = runner.static
             assert static is not None
@@ -251,14 +268,14 @@ class BeamLevels:
             at = get(f"{level}.at")
             grid.ids.zero_()
             grid.ids.index_copy_(0, at, ids)
-            grid.positions.copy_(get(f"{level}.positions").view(-1))
-            grid.write_slots.copy_(get(f"{level}.write_slots").view(-1))
+            grid.positions.copy_(get(f"{level}.positions"))
+            grid.write_slots.copy_(get(f"{level}.write_slots"))
             grid.key_slots.copy_(get(f"{level}.key_slots"))
             grid.mask[:, 0].copy_(mask)  # padded segments' rows, like padded rows, see key 0 only
             logits = static.run(grid, at)
         n = len(self.seqs)
         c = int(self.ends[level - 1])
-        runner.record(n_new=n * a, n_context=int(self.prefix.sum()) + n * c, t0=t0)
+        runner.record(n_new=n * a, n_context=self.context + n * c, t0=t0)
         return logits
 
     def _forward_laid_out(self, level: int, ids: torch.Tensor, ancestors: torch.Tensor | None) -> torch.Tensor:
@@ -270,6 +287,6 @@ class BeamLevels:
             parents[self.ends[lv - 1] : self.ends[lv]] = self.ends[lv - 2] if lv > 1 else 0
         tree = TokenTree.trusted(np.zeros(size, np.int64), parents, np.zeros(size))
         segs = [Segment(s, p, tree, num_cached=c) for s, p in zip(self.seqs, self.prefix.tolist(), strict=True)]
-        out = self.runner.forward(segs, all_logits=[True] * len(segs),
-                                  on_device=DeviceNodes(ids, None if tree.is_chain else ancestors))
+        rows = None if tree.is_chain or ancestors is None else ancestors[:, :size, :size]  # the tree so far
+        out = self.runner.forward(segs, all_logits=[True] * len(segs), on_device=DeviceNodes(ids, rows))
         return joined_rows(out)

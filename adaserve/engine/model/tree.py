@@ -7,6 +7,7 @@ degenerate cases: a chain (``parents = [-1, 0, 1, ...]``) and a single root.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -49,16 +50,17 @@ class TokenTree:
     @classmethod
     def trusted(cls, tokens: np.ndarray, parents: np.ndarray, log_probs: np.ndarray, *,
                 depths: np.ndarray | None = None, is_chain: bool | None = None,
-                strict: bool | None = None) -> TokenTree:
+                strict: bool | None = None, ancestors: np.ndarray | None = None) -> TokenTree:
         """A tree from arrays whose invariants hold by construction (a subtree of a valid tree, a builder
         that appends children after their parents): the checks of ``__post_init__`` are skipped, which
         matters where thousands of trees are built per second (the replay clock, bench/sim/replay.py, and
         every iteration's candidate, selected and root trees, issue 30).
 
-        ``depths`` / ``is_chain`` / ``strict``: what the builder already knows (a subtree keeps its nodes'
-        depths, every beam tree of one search has the same level sizes, a batch checked its trees' decrease
-        at once); they seed the caches that ``depths()``, ``is_chain`` and ``strictly_decreasing`` would
-        otherwise compute. ``depths`` must be read-only."""
+        ``depths`` / ``is_chain`` / ``strict`` / ``ancestors``: what the builder already knows (a subtree keeps its
+        nodes' depths, every beam tree of one search has the same level sizes, a batch checked its trees' decrease
+        and built their ancestor matrices at once); they seed the caches that ``depths()``, ``is_chain``,
+        ``strictly_decreasing`` and ``ancestor_matrix()`` would otherwise compute. ``depths`` and ``ancestors``
+        must be read-only."""
         tree = object.__new__(cls)
         object.__setattr__(tree, "tokens", tokens)
         object.__setattr__(tree, "parents", parents)
@@ -70,6 +72,8 @@ class TokenTree:
             tree.__dict__["_is_chain"] = is_chain
         if strict is not None:
             tree.__dict__["_strict"] = strict
+        if ancestors is not None:
+            tree.__dict__["_ancestors"] = ancestors
         return tree
 
     @staticmethod
@@ -164,7 +168,12 @@ class TokenTree:
 
     # ---- transformations ----------------------------------------------------------------------
     def subtree(self, selected: Sequence[int]) -> TokenTree:
-        """The tree made of ``selected`` nodes (must include 0 and be closed under parents), reindexed."""
+        """The tree made of ``selected`` nodes (must include 0 and be closed under parents), reindexed. Every node,
+        in order (a selection that keeps the whole candidate, as a small batch's often does): the tree itself."""
+        m = self.size
+        if (isinstance(selected, list) and len(selected) == m and selected[0] == 0 and selected[-1] == m - 1
+                and all(a < b for a, b in itertools.pairwise(selected))):  # m increasing ints from 0 to m - 1
+            return self
         keep = np.asarray(selected, np.int64)
         if keep.size > 1 and not bool((keep[1:] > keep[:-1]).all()):  # selections come sorted: no sort then
             keep = np.unique(keep)
@@ -182,9 +191,15 @@ class TokenTree:
         # closed under parents: every kept node keeps its depth
         depths = self.depths()[keep]
         depths.flags.writeable = False
+        # closed under parents: a kept node's ancestors are all kept, so its row of the ancestor matrix is its
+        # old row at the kept columns (when the matrix is known already: a beam tree's, issue 30)
+        anc = self.__dict__.get("_ancestors")
+        if anc is not None:
+            anc = anc[np.ix_(keep, keep)]
+            anc.flags.writeable = False
         # checked above; a strict tree's subtree keeps every (parent, child) pair it has, so it stays strict
         return TokenTree.trusted(self.tokens[keep], parents, self.log_probs[keep], depths=depths,
-                                 strict=True if self.__dict__.get("_strict") else None)
+                                 strict=True if self.__dict__.get("_strict") else None, ancestors=anc)
 
     def with_strict_decrease(self, eps: float = STRICT_DECREASE_EPS) -> TokenTree:
         """Nudge ties so every child's path probability is strictly below its parent's (the same tree when

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from adaserve.engine.model.batch import Segment
 from adaserve.engine.model.kv_cache import SequenceKV
@@ -93,15 +92,16 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     checks: list[tuple[torch.Tensor, torch.Tensor]] = []
     base = torch.zeros((n, 1), dtype=torch.float64, device=dev)  # the frontier's log path probabilities
-    anc = torch.ones((n, 1, 1), dtype=torch.bool, device=dev)  # ancestor rows of the tree so far
     chains = max(sizes) == 1  # every level one node (width 1): no level reads ancestor rows, none are grown
+    # ancestor rows of every node the draft is fed, made once and filled level by level (None: chains)
+    anc = None if chains else _ancestor_rows(n, forwards.tree_size, dev)
     paths = _Paths(inputs) if any(x.grammar is not None for x in inputs) else None
     frontier = 0  # tree index of the frontier's first node; the frontier is level ``step``, ``rows`` its logits
     for step in range(depth):
         k = None if expansion is None else expansion[step]
         allowed = None if paths is None else paths.allowed(frontier, sizes[step]).to(dev, non_blocking=True)
-        tok, parent, value, check = _expand_on_device(rows, base, width=width, per_node=k, allowed=allowed)
-        parent = parent + frontier
+        tok, parent, value, check = _expand_on_device(rows, base, width=width, per_node=k, allowed=allowed,
+                                                      frontier=frontier)
         if paths is not None:
             paths.add(tok, parent)
         levels.append((tok, parent, value))
@@ -110,8 +110,8 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
         if step == depth - 1:
             break
         frontier += sizes[step]
-        if not chains:
-            anc = _grow_ancestors(anc, parent)
+        if anc is not None:
+            _grow_ancestors(anc, frontier, parent)
         chain = max(sizes[: step + 2]) == 1  # one node per level so far: every tree is a chain, no rows needed
         rows = forwards.forward(step + 1, tok.reshape(-1), None if chain else anc)
         _seen(draft, on_forward)
@@ -160,8 +160,25 @@ def build_trees(roots: np.ndarray, toks: np.ndarray, pars: np.ndarray, lps: np.n
     depths.flags.writeable = False
     chain = all(size == 1 for size in level_sizes)
     strict = np.all(lps[:, 1:] < lps[rows, pars[:, 1:]], axis=1).tolist()  # each tree's f decreases (selection)
-    return [TokenTree.trusted(toks[r], pars[r], lps[r], depths=depths, is_chain=chain, strict=strict[r])
-            for r in range(n)]
+    anc = None if chain else _ancestor_matrices(pars, level_sizes)
+    return [TokenTree.trusted(toks[r], pars[r], lps[r], depths=depths, is_chain=chain, strict=strict[r],
+                              ancestors=None if anc is None else anc[r]) for r in range(n)]
+
+
+def _ancestor_matrices(pars: np.ndarray, level_sizes: list[int]) -> np.ndarray:
+    """[n, M, M] bool, read-only: every tree's ``ancestor_matrix`` at once from its parents [n, M] (the root's -1
+    first), level by level over the shared level sizes: a node's row is its parent's row and itself. The
+    verification's mask reads them (attention/masks.py), one tree at a time, level by level, otherwise."""
+    n, m = pars.shape
+    anc = np.zeros((n, m, m), bool)
+    anc[:, np.arange(m), np.arange(m)] = True
+    rows = np.arange(n)[:, None]
+    start = 1
+    for size in level_sizes:  # parents' rows are final before their children's
+        anc[:, start : start + size] |= anc[rows, pars[:, start : start + size]]
+        start += size
+    anc.flags.writeable = False
+    return anc
 
 
 class _Paths:
@@ -191,15 +208,22 @@ def _seen(draft: ModelRunner, on_forward: Callable[[ForwardRecord], None] | None
         on_forward(draft.last_forward)
 
 
-def _grow_ancestors(anc: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
-    """[n, m, m] ancestor rows and a new level's parents [n, k] -> [n, m + k, m + k]: a new node's row is
-    its parent's row plus itself (on the device: no parent is read on the host)."""
-    n, m, _ = anc.shape
+def _ancestor_rows(n: int, size: int, device: torch.device) -> torch.Tensor:
+    """[n, size, size] bool ancestor rows of ``n`` trees of ``size`` nodes, before any level is filled in: each node
+    its own ancestor (the diagonal) and nothing else. ``_grow_ancestors`` fills them level by level, in place."""
+    rows = torch.zeros((n, size, size), dtype=torch.bool, device=device)
+    rows.diagonal(dim1=1, dim2=2).fill_(True)
+    return rows
+
+
+def _grow_ancestors(anc: torch.Tensor, start: int, parent: torch.Tensor) -> None:
+    """Rows ``start`` .. ``start + k`` of the [n, S, S] ancestor rows, for a new level's parents [n, k] (tree indices
+    below ``start``), filled in place: a new node's row is its parent's row or'ed into its own, which holds only its
+    diagonal bit (``_ancestor_rows``). On the device: no parent is read on the host, and two ops a level (issue 30:
+    growing a new [n, m + k, m + k] tensor took five)."""
+    n, size, _ = anc.shape
     k = parent.shape[1]
-    wide = F.pad(anc, (0, k))  # [n, m, m + k]: the rows so far; no new node is an ancestor of an old one
-    new = torch.gather(wide, 1, parent[:, :, None].expand(n, k, m + k))  # each new node's parent's row
-    new[:, :, m:] = torch.eye(k, dtype=torch.bool, device=anc.device)  # and itself
-    return torch.cat([wide, new], dim=1)
+    anc[:, start : start + k].logical_or_(torch.gather(anc, 1, parent[:, :, None].expand(n, k, size)))
 
 
 def _to_host(levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
@@ -239,10 +263,11 @@ def expand_level(logits: list[torch.Tensor], base: np.ndarray | torch.Tensor, *,
 
 
 def _expand_on_device(logits: list[torch.Tensor] | torch.Tensor, base: np.ndarray | torch.Tensor, *, width: int,
-                      per_node: int | None = None, allowed: torch.Tensor | None = None
+                      per_node: int | None = None, allowed: torch.Tensor | None = None, frontier: int = 0
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """``expand_level`` left on the device: tokens, frontier index of the parent, log path probabilities
-    (each [n, k]) and the least and the greatest logit (0-d tensors), both finite iff every logit is.
+    """``expand_level`` left on the device: tokens, parent (``frontier`` + its frontier index: its tree index when
+    ``frontier`` is the frontier's first node), log path probabilities (each [n, k]) and the least and the greatest
+    logit (0-d tensors), both finite iff every logit is.
     ``allowed`` [n, F, V]: the tokens a grammar allows at each frontier node; the others get REFUSED_LOGIT."""
     n, f = base.shape
     if isinstance(logits, list) and (any(lg.shape[0] != f for lg in logits) or len(logits) != n):
@@ -261,19 +286,27 @@ def _expand_on_device(logits: list[torch.Tensor] | torch.Tensor, base: np.ndarra
         x = x.masked_fill(~allowed, REFUSED_LOGIT)
     top_f = torch.topk(x, k_node, dim=-1)
     # [n, F, k]: the picks' log-probabilities (one log_softmax pass costs half a logsumexp's on a CPU, issue 30)
-    values = torch.log_softmax(x, dim=-1).gather(-1, top_f.indices).double()
+    values = torch.log_softmax(x, dim=-1).gather(-1, top_f.indices)
     if isinstance(base, np.ndarray):
         base = torch.from_numpy(np.ascontiguousarray(base, np.float64)).to(values.device, non_blocking=True)
     elif base.dtype != torch.float64:
         base = base.to(torch.float64)
+    # the sums in float64: the float32 picks are promoted exactly, as ``.double()`` would (one op fewer)
     score = base[:, :, None] + values
     # candidate j of a request's [F * k] grid: frontier node j // k, token top_f.indices[.., j] (issue 30:
     # no flat [F, V] index to build and take apart)
     tok = top_f.indices.view(n, f * k_node)
+    if f * k_node == 1:  # one candidate per request (a chain's level): it is the level, nothing to rank
+        return tok, torch.full((n, 1), frontier, dtype=torch.int64, device=tok.device), score.view(n, 1), (lo, hi)
     if per_node is None:
         top = torch.topk(score.view(n, f * k_node), min(width, f * k_node), dim=-1)
-        values, tok, parent = top.values, tok.gather(1, top.indices), top.indices // k_node
+        values, tok = top.values, tok.gather(1, top.indices)
+        parent = top.indices // k_node if k_node > 1 else top.indices
+        if frontier:
+            parent = parent + frontier
     else:
         values = score.view(n, -1)
-        parent = (torch.arange(f * k_node, device=values.device) // k_node).expand(n, -1)
+        # frontier + j // k for every candidate j, exactly: (frontier * k + j) // k
+        parent = (torch.arange(frontier * k_node, (frontier + f) * k_node, device=values.device) // k_node
+                  ).expand(n, -1)
     return tok, parent, values, (lo, hi)

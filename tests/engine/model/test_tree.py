@@ -34,6 +34,34 @@ def test_subtree_reindexes_and_refuses_orphans() -> None:
         t.subtree([1, 3])
 
 
+def test_subtree_keeps_a_known_ancestor_matrix() -> None:
+    """A subtree of a tree whose ancestor matrix is known takes its rows at the kept nodes: the subtree's own."""
+    t = example()
+    t.ancestor_matrix()
+    for keep in ([0], [0, 1], [0, 2, 5], [0, 1, 3, 4], [0, 1, 2, 4, 5]):
+        s = t.subtree(keep)
+        assert "_ancestors" in s.__dict__
+        fresh = TokenTree.from_lists(s.tokens.tolist(), s.parents.tolist())
+        assert np.array_equal(s.ancestor_matrix(), fresh.ancestor_matrix())
+        assert not s.ancestor_matrix().flags.writeable
+    assert "_ancestors" not in example().subtree([0, 1]).__dict__  # not known: not computed here either
+
+
+def test_subtree_of_every_node_is_the_tree() -> None:
+    """A selection of every node, in order (the engine's list), is the tree itself (issue 30: no copy per request);
+    any other form of it goes the general way, to the same arrays."""
+    t = example()
+    assert t.subtree(list(range(t.size))) is t
+    for same in (np.arange(t.size), list(range(t.size))[::-1], tuple(range(t.size))):
+        s = t.subtree(same)
+        assert s is not t
+        for a, b in ((s.tokens, t.tokens), (s.parents, t.parents), (s.log_probs, t.log_probs)):
+            assert np.array_equal(a, b)
+        assert np.array_equal(s.depths(), t.depths())
+    assert t.subtree([0, 1, 2, 3, 4]).size == 5  # one short: not the tree
+    assert TokenTree.root(7).subtree([0]).tokens.tolist() == [7]
+
+
 @pytest.mark.parametrize("parents", [[0, 0], [-1, 1], [-1, 0, 5]])
 def test_invalid_topology_rejected(parents: list[int]) -> None:
     with pytest.raises(ValueError):

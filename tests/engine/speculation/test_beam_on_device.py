@@ -20,7 +20,13 @@ from adaserve.engine.model.host_sync import HostSync
 from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.model.tree import TokenTree
-from adaserve.engine.speculation.speculate import DraftInput, _grow_ancestors, beam_search, expand_level
+from adaserve.engine.speculation.speculate import (
+    DraftInput,
+    _ancestor_rows,
+    _grow_ancestors,
+    beam_search,
+    expand_level,
+)
 from tests.engine.helpers import runner
 
 
@@ -126,17 +132,23 @@ def test_beam_search_waits_on_the_device_once(draft_dir: Path, static: bool) -> 
 
 
 def test_grown_ancestor_rows_are_the_trees_matrices() -> None:
+    """The rows are made once for the whole tree and filled level by level in place: after each level, the rows
+    of every node so far are its tree's ancestor matrix, and the rows still to come hold only their own bit."""
     rng = np.random.default_rng(3)
-    n, parents = 3, np.full((3, 1), -1)
-    anc = torch.ones((n, 1, 1), dtype=torch.bool)
-    for k in (2, 3, 1, 4):
+    n, levels = 3, (2, 3, 1, 4)
+    side = 1 + sum(levels)
+    parents = np.full((n, 1), -1)
+    anc = _ancestor_rows(n, side, torch.device("cpu"))
+    for k in levels:
         m = parents.shape[1]
         new = rng.integers(0, m, (n, k))
         parents = np.concatenate([parents, new], axis=1)
-        anc = _grow_ancestors(anc, torch.from_numpy(new))
+        _grow_ancestors(anc, m, torch.from_numpy(new))
         for r in range(n):
             tree = TokenTree(np.zeros(m + k, np.int64), parents[r], np.zeros(m + k))
-            assert np.array_equal(anc[r].numpy(), tree.ancestor_matrix())
+            assert np.array_equal(anc[r, : m + k, : m + k].numpy(), tree.ancestor_matrix())
+            assert not anc[r, : m + k, m + k :].any()
+            assert np.array_equal(anc[r, m + k :].numpy(), np.eye(side, dtype=bool)[m + k :])
 
 
 def test_device_nodes_are_checked_against_the_layout(draft_dir: Path) -> None:
@@ -194,8 +206,16 @@ def test_planned_levels_give_each_level_laid_out_logits_bit_for_bit(
         trees = [TokenTree(np.zeros(size, np.int64), parents[b, :size], np.zeros(size)) for b in range(n)]
         chain = trees[0].is_chain
         anc = None if chain else torch.from_numpy(np.stack([t.ancestor_matrix() for t in trees]))
+        # the level reads [n, S, S] rows of the whole search (S: the last level's tree), those past it unfilled
+        rows = None if anc is None else torch.zeros((n, ends[-1], ends[-1]), dtype=torch.bool)
+        if rows is not None:
+            rows[:, :size, :size] = anc
+            rows[:, size:].diagonal(offset=size, dim1=1, dim2=2).fill_(True)
         ids = torch.from_numpy(rng.integers(2, 97, n * sizes[lv]))
-        got = levels.forward(lv, ids, anc).clone()
+        if anc is not None and size < ends[-1]:  # the level's own [n, s, s] rows are not the search's
+            with pytest.raises(ValueError, match="ancestor rows of shape"):
+                levels.forward(lv, ids, anc)
+        got = levels.forward(lv, ids, rows).clone()
         rec = draft.last_forward
         segs = [Segment(s, s.length - 1, t, num_cached=c) for s, t in zip(seqs, trees, strict=True)]
         want = torch.cat(draft.forward(segs, all_logits=[True] * n, on_device=DeviceNodes(ids, anc)))

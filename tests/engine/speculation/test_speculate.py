@@ -35,3 +35,6 @@ def test_batched_trees_equal_the_per_tree_construction(level_sizes: list[int]) -
         assert tree.depths().tolist() == fresh.depths().tolist()
         assert tree.is_chain == fresh.is_chain
         assert tree.strictly_decreasing == fresh.strictly_decreasing  # seeded from one batch check
+        # seeded from one batched pass over the levels (issue 30), read-only like a computed one
+        assert np.array_equal(tree.ancestor_matrix(), fresh.ancestor_matrix())
+        assert not tree.ancestor_matrix().flags.writeable

@@ -241,5 +241,8 @@ def fill_grid_mask(cols: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor | None
     if lo is not None:
         mask &= cols >= lo
     if cells is not None:
-        mask.view(-1)[cells] = True if values is None else values
+        if values is None:
+            mask.view(-1)[cells] = True
+        else:
+            mask.put_(cells, values)  # put_ indexes the mask as 1-D: no view to make
     return mask

@@ -404,9 +404,10 @@ class Int8Embedding(nn.Module):
 
 
 class Int8Head(Int8Linear):
-    """The int8 LM head, its ``refine`` largest logits of each row recomputed in float32 (on torch's kernel).
+    """The int8 LM head, its ``refine`` largest logits of each row recomputed in float32.
 
-    The kernel's output is bfloat16: at a logit of 25 its resolution is 0.125, so a float32 near-tie becomes
+    Torch's kernel's output is bfloat16 (the integer kernels' carries the activations' int8 rounding, which
+    moves logits by as much): at a logit of 25 its resolution is 0.125, so a float32 near-tie becomes
     an exact one and greedy takes the lower token id (the shipped SmolLM2 served as int4 answered "What is the
     capital of France?" with "L'..." instead of "The capital ... Paris": 25.243 against 25.325 in float32, 25.25
     both in bfloat16). Recomputing the top rows from the int8 codes and float32 scales against the float32
@@ -418,9 +419,9 @@ class Int8Head(Int8Linear):
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype = torch.float32,
                  refine: int = 16) -> None:
         super().__init__(qweight, scales, dtype=dtype)
-        # the integer kernels return float32: no bfloat16 ties to resolve, and a top-k over the vocabulary per
-        # row (~0.3 ms at 49152) saved in every decode and verification row
-        self.refine = 0 if self.native is not None else min(refine, qweight.shape[0])
+        # on the integer kernels too: their float32 output carries the activations' int8 rounding, which flips
+        # near-ties as bfloat16's does (the same "L'..." answer, seen through `adaserve up`)
+        self.refine = min(refine, qweight.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)

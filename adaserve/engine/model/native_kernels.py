@@ -12,7 +12,8 @@ The C file is compiled once per machine with the system's C compiler (``$CC``, e
 directory (cache_dir.py), keyed by the source, the flags and the compiler, and loaded with ctypes; the OpenMP
 runtime is the one torch already loaded (the same ``libgomp.so.1``), so the kernels use torch's thread count
 without a second pool. Where that cannot happen (not x86-64 Linux, no AVX2/FMA, no compiler, a failed build),
-``kernels()`` returns None and the layers keep torch's kernels; ``ADASERVE_NATIVE_KERNELS=off`` does so too.
+``kernels()`` returns None and the layers keep torch's kernels. They are opt-in (``ADASERVE_NATIVE_KERNELS=auto``
+or ``on``; see ``chosen`` for why).
 
 May import torch and cache_dir only: quant.py decides which layers use it.
 """
@@ -34,7 +35,7 @@ import torch
 
 from adaserve.engine.cache_dir import default_cache_dir
 
-ENV = "ADASERVE_NATIVE_KERNELS"  # auto (default) | on | off: see ``chosen``
+ENV = "ADASERVE_NATIVE_KERNELS"  # off (default) | auto | on: see ``chosen``
 SOURCE = Path(__file__).parent / "native" / "q8dot.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 BLOCK = 32  # activation block (and int4 weight group) the kernels take
@@ -95,16 +96,18 @@ def q4_blocks(codes: torch.Tensor) -> torch.Tensor:
 
 
 def mode() -> str:
-    value = os.environ.get(ENV, "auto").lower()
+    value = os.environ.get(ENV, "off").lower()
     if value not in ("auto", "on", "off"):
         raise ValueError(f"{ENV}={value!r}: use auto, on or off")
     return value
 
 
 def chosen() -> NativeKernels | None:
-    """The kernels a new CPU layer should use, or None for torch's. ``on``: wherever they build; ``off``: never;
-    ``auto`` (the default): where they build and the CPU has no AVX512-BF16, whose bfloat16 instructions make
-    torch's kernels the faster (docs/benchmarks.md, issue 35)."""
+    """The kernels a new CPU layer should use, or None for torch's. ``on``: wherever they build; ``off`` (the
+    default): never; ``auto``: where they build and the CPU has no AVX512-BF16, whose bfloat16 instructions make
+    torch's kernels the faster (docs/benchmarks.md, issue 35). Opt-in for now: with int8 activations the default
+    SmolLM2 answers "What is the capital of France?" with "L'Étoile ..." instead of "Paris" (a near-tie in its
+    first token that the activations' rounding flips), so the served model's quality needs a look first."""
     how = mode()
     if how == "off" or (how == "auto" and has_avx512_bf16()):
         return None

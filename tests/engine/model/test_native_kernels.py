@@ -127,6 +127,8 @@ def test_built_once_per_machine_into_the_cache(tmp_path: Path, monkeypatch: pyte
 
 
 def test_the_mode_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch, kernels: nk.NativeKernels) -> None:
+    monkeypatch.delenv(nk.ENV, raising=False)
+    assert nk.chosen() is None  # opt-in (native_kernels.chosen says why)
     monkeypatch.setenv(nk.ENV, "off")
     assert nk.chosen() is None
     monkeypatch.setenv(nk.ENV, "on")

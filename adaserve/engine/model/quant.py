@@ -420,8 +420,9 @@ class Int8Head(Int8Linear):
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype = torch.float32,
                  refine: int = 16) -> None:
         super().__init__(qweight, scales, dtype=dtype)
-        # on the integer kernels too: their float32 output carries the activations' int8 rounding, which flips
-        # near-ties as bfloat16's does (the same "L'..." answer, seen through `adaserve up`)
+        # on the integer kernels too: their float32 output carries the head input's int8 rounding; the top rows
+        # come back to float32's product with the row's hidden state (a hidden state that the decoder's own int8
+        # activations have moved is not undone: docs/models.md, "Two kernel families on a CPU")
         self.refine = min(refine, qweight.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,8 @@ run instead on integer kernels built from
 ``native/q8dot.c``: the activations are quantized to int8 per block of 32, as llama.cpp does, and the products
 are exact integer sums (native_kernels.py). There torch's bfloat16 kernels have no bfloat16 instructions; the
 integer ones are ~2.2x faster at one row (SmolLM2's 1536x576 product: 0.067 against 0.147 ms, one thread, on an
-AVX2-only EPYC; docs/benchmarks.md). Their rows are independent too, bitwise, so the same holds as below; the
-served model is then the one with int8 activations.
+AVX2-only EPYC, timed under load; docs/benchmarks.md). Their rows are independent too, bitwise, so the same
+holds as below; the served model is then the one with int8 activations.
 
 Torch's kernels run on bfloat16 activations, on CPU as on CUDA: layer inputs are rounded to bfloat16,
 outputs come back in bfloat16 and are widened to the model's dtype. On the development CPU (AVX512-BF16,

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from adaserve.engine.config import EngineConfig
+from adaserve.engine.speculation.adaptive import CHAIN_DEPTH
 from adaserve.engine.speculation.policies import make_policy, split_policy
 
 # vLLM v0 without chunked prefill batches prompts up to max_num_batched_tokens = max(max_model_len, 2048)
@@ -62,6 +63,7 @@ class Preset:
     host_cost: bool | None = None
     tree: TreeBounds | None = None
     depth_rule: str | None = None  # the tree's depth rule alone (adaptive.DEPTH_RULES), on the bench's bounds
+    chains: bool | None = None  # every tree a chain: w_max 1 and, with a goodput depth rule, chains up to CHAIN_DEPTH
 
     def engine_config(self, base: EngineConfig) -> EngineConfig:
         """``base`` (the bench's settings for this variant) with this preset's fields, policy included."""
@@ -73,6 +75,8 @@ class Preset:
             depth_rule=self.tree.depth_rule)
         if self.depth_rule is not None:
             adaptive = replace(adaptive, depth_rule=self.depth_rule)
+        if self.chains:  # as adaptive.bounds_for_device bounds a device whose verifier charges per token
+            adaptive = replace(adaptive, w_max=1, d_max=CHAIN_DEPTH if adaptive.by_goodput else adaptive.d_max)
         return replace(base, policy=self.policy, adaptive=adaptive, **fields)
 
     def describe(self) -> dict:
@@ -106,6 +110,9 @@ OURS = "adaserve+ours"
 OURS_GOODPUT_SHAPE = "adaserve+ours+goodput-shape"
 # ours with the shape rules pricing the engine's host time beside the forwards (host_cost.py; EngineConfig.host_cost)
 OURS_HOST_COST = "adaserve+ours+host-cost"
+# ours with every tree a chain (w_max 1, so chains up to adaptive.CHAIN_DEPTH), whatever width the device's bounds
+# allow: on a CPU whose verifier looks flat in the profile the bounds give beams, which may still not pay
+OURS_CHAINS = "adaserve+ours+chains"
 
 PRESETS: dict[str, Preset] = {
     # exps/test.sh, ENABLE_VLLM_SERVER_BENCHMARK: --enable-chunked-prefill False, MAX_REQUESTS_PER_BATCH=512
@@ -121,6 +128,7 @@ PRESETS: dict[str, Preset] = {
     OURS: Preset(OURS, "adaserve"),
     OURS_GOODPUT_SHAPE: Preset(OURS_GOODPUT_SHAPE, "adaserve", depth_rule="goodput"),
     OURS_HOST_COST: Preset(OURS_HOST_COST, "adaserve", host_cost=True),
+    OURS_CHAINS: Preset(OURS_CHAINS, "adaserve", chains=True),
 }
 NAMES = (*PRESETS, f"{VLLM_SPEC}:K")
 

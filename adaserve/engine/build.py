@@ -43,11 +43,18 @@ def adaptive_for(cfg: AdaptiveConfig, data: dict[str, Any], *, pinned: set[str] 
     ns = np.array([float(r["n_tokens"]) for r in table])
     ts = np.array([float(r["latency_ms"]) / 1e3 for r in table])
 
+    dtable = data["draft"].get("table") or []
+    dns = np.array([float(r["n_tokens"]) for r in dtable])
+    dts = np.array([float(r["latency_ms"]) / 1e3 for r in dtable])
+
     def t_verify(k: int) -> float:  # the measured forward at k tokens, between the table's points linearly
         return float(np.interp(k, ns, ts))
 
+    def t_draft_at(k: int) -> float:  # the draft's, likewise
+        return float(np.interp(k, dns, dts))
+
     tuned = bounds_for_device(cfg, t_target_s=t_target, t_draft_s=t_draft, draft_budget=int(data["draft"]["budget"]),
-                              t_verify=t_verify)
+                              t_verify=t_verify, t_draft_at=t_draft_at if len(dtable) else None)
     return replace(tuned, **{k: getattr(cfg, k) for k in pinned})
 
 

@@ -12,7 +12,7 @@ from adaserve.bench.presets import PRESETS, VLLM_PREFILL_TOKENS, resolve
 from adaserve.bench.runner import BenchConfig, named_variant
 from adaserve.cli.main import main
 from adaserve.engine.config import EngineConfig
-from adaserve.engine.speculation.adaptive import AdaptiveConfig
+from adaserve.engine.speculation.adaptive import CHAIN_DEPTH, AdaptiveConfig
 
 BASE = EngineConfig()
 
@@ -72,6 +72,13 @@ def test_ours_is_the_engines_defaults() -> None:
 def test_ours_variants_change_one_setting_each() -> None:
     assert config("adaserve+ours+goodput-shape") == EngineConfig(adaptive=AdaptiveConfig(depth_rule="goodput"))
     assert not BASE.host_cost and config("adaserve+ours+host-cost") == EngineConfig(host_cost=True)
+    # chains whatever the device's bounds allow: width 1, and chains as deep as the goodput rule may go
+    wide = EngineConfig(adaptive=AdaptiveConfig(d_max=3, w_max=2))
+    chains = resolve("adaserve+ours+chains")
+    assert chains is not None
+    assert chains.engine_config(wide) == EngineConfig(adaptive=AdaptiveConfig(d_max=CHAIN_DEPTH, w_max=1))
+    eq8 = EngineConfig(adaptive=AdaptiveConfig(d_max=3, w_max=2, depth_rule="eq8"))
+    assert chains.engine_config(eq8).adaptive == AdaptiveConfig(d_max=3, w_max=1, depth_rule="eq8")
 
 
 def test_engine_policies_keep_their_meaning() -> None:

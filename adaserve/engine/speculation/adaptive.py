@@ -112,13 +112,14 @@ def depth_width(n_active: int, cfg: AdaptiveConfig) -> tuple[int, int]:
     return d, w
 
 
-# a beam wider than a chain only where verifying its tree costs at most this much more than the chain's of the
-# same depth (bounds_for_device)
-WIDTH_TOLERANCE = 0.1
+# a beam wider than a chain only where its iteration (draft levels and verification) costs at most this much more
+# than the chain's of the same depth (bounds_for_device)
+WIDTH_TOLERANCE = 0.05
 
 
 def bounds_for_device(cfg: AdaptiveConfig, *, t_target_s: float, t_draft_s: float, draft_budget: int,
-                      t_verify: Callable[[int], float] | None = None) -> AdaptiveConfig:
+                      t_verify: Callable[[int], float] | None = None,
+                      t_draft_at: Callable[[int], float] | None = None) -> AdaptiveConfig:
     """``cfg`` with d_max, w_max and B2 set from the profiled costs instead of CPU-tuned constants.
 
     r = t_target(1) / t_draft(1): how many draft forwards one target forward buys.
@@ -144,13 +145,23 @@ def bounds_for_device(cfg: AdaptiveConfig, *, t_target_s: float, t_draft_s: floa
                                               against 3.7 ms for 2-token ones (issue 29's wall clock; a trace in
                                               docs/results/shape-trace-041ca92-smartspec-rate4-seed0.json)
 
-    ``t_verify(k)``: the target's measured forward at k tokens (the profile's table). The width then also
-    shrinks until t_verify(1 + d_max w) <= (1 + WIDTH_TOLERANCE) t_verify(1 + d_max): a beam is worth its
-    siblings where the verifier is flat, as below an accelerator's knee (the artifact's table: 13 tokens
-    cost what 5 do, width 3 stays), not where each verified token costs compute. On this CPU the demo
-    target's 9 tokens cost 1.3x its 5, and with w_max 3 the width rule drafted 2-wide beams in nearly every
-    iteration at 1 req/s with a worse TPOT than chain:4's (the sum of the ranks' rates overvalues a beam and
-    the straight-line cost model underprices its verification: docs/benchmarks.md, issue 29's wall clock).
+    ``t_verify(k)``: the target's measured forward at k tokens (the profile's table); ``t_draft_at(k)`` the
+    draft's. The width then also shrinks until the beam's whole iteration costs at most WIDTH_TOLERANCE more
+    than the chain's of the same depth, the draft's levels included:
+
+        iteration(w) = t_draft(1) + (d_max - 1) t_draft(w) + t_verify(1 + d_max w)   (catch-up, levels, verify)
+        w_max        = the widest w with iteration(w) <= (1 + WIDTH_TOLERANCE) iteration(1)
+
+    A beam is worth its siblings where the models are flat, as below an accelerator's knee (the artifact's
+    table: 13 tokens cost what 5 do, width 3 stays), not where each drafted and verified token costs compute.
+    On this CPU the demo target's 9 tokens cost 1.3x its 5, and with w_max 3 the width rule drafted 2-wide
+    beams in nearly every iteration at 1 req/s with a worse TPOT than chain:4's (the sum of the ranks' rates
+    overvalues a beam and the straight-line cost model underprices its verification: docs/benchmarks.md,
+    issue 29's wall clock). The draft counts too, and the tolerance is tight, because the table prices a tree
+    as a chain of as many tokens: on a 2-core Xeon with AMX the profile put 7 verified tokens at 1.06x the price
+    of 4 (2-wide beams, verification alone), the whole iteration at 1.098x, and the 2-wide trees then ran 28%
+    longer than chains of the same depth (8.2 against 6.4 ms at one request: the tree mask, the second beam's
+    draft rows, the levels' planning), which lost to chains (docs/benchmarks.md, issue 29's wall clock).
     """
     if not (t_target_s > 0 and t_draft_s > 0):
         return cfg
@@ -158,8 +169,12 @@ def bounds_for_device(cfg: AdaptiveConfig, *, t_target_s: float, t_draft_s: floa
     d_max = min(max(round(0.75 * r), 2), 8)
     w_max = 4 if r >= 10 else 3 if draft_budget >= 64 else 2
     if t_verify is not None:
-        chain = t_verify(1 + d_max)
-        while w_max > 1 and t_verify(1 + d_max * w_max) > (1 + WIDTH_TOLERANCE) * chain:
+        draft = t_draft_at if t_draft_at is not None else (lambda k: t_draft_s)  # no draft table: a flat draft
+
+        def iteration(w: int) -> float:  # the catch-up, d_max - 1 levels of w beams, the verification
+            return draft(1) + (d_max - 1) * draft(w) + t_verify(1 + d_max * w)
+
+        while w_max > 1 and iteration(w_max) > (1 + WIDTH_TOLERANCE) * iteration(1):
             w_max -= 1
     if w_max == 1 and cfg.by_goodput:
         d_max = CHAIN_DEPTH  # chains, their length by goodput: SmartSpec's bound (``chain_rates``)

@@ -129,6 +129,33 @@ def test_the_width_stays_a_chain_where_each_verified_token_costs_compute() -> No
     assert bounds_for_device(eq8, **kw, t_verify=cpu).d_max == bounds_for_device(eq8, **kw).d_max == 4
 
 
+def test_the_width_counts_the_drafts_levels_too() -> None:
+    from adaserve.engine.speculation.adaptive import bounds_for_device
+
+    def flat(k: int) -> float:  # a verifier flat over these sizes (below an accelerator's knee)
+        return 0.030 + 1e-5 * k
+
+    def slow_draft(k: int) -> float:  # a draft whose beams cost: 5 ms a row, 1.5 ms more for every further row
+        return 0.005 + 0.0015 * (k - 1)
+
+    paper = {"t_target_s": 0.030, "t_draft_s": 0.005, "draft_budget": 64}
+    assert bounds_for_device(AdaptiveConfig(), **paper, t_verify=flat).w_max == 3  # verification alone: free
+    # d_max 4: the chain's iteration 5 + 3 x 5 + 30 ms, the 3-wide beam's 5 + 3 x 8 + 30: 18% more; 2-wide: 9%
+    assert bounds_for_device(AdaptiveConfig(), **paper, t_verify=flat, t_draft_at=slow_draft).w_max == 1
+    assert bounds_for_device(AdaptiveConfig(), **paper, t_verify=flat, t_draft_at=lambda k: 0.005).w_max == 3
+
+    # a 2-core Xeon with AMX (issue 29's wall clock): 7 verified tokens at 1.06x the price of 4, so beams no more
+    def xeon(k: int) -> float:
+        return float(np.interp(k, [1, 2, 4, 8, 16], [3.229, 4.025, 4.852, 5.25, 6.843])) / 1e3
+
+    def xeon_draft(k: int) -> float:
+        return float(np.interp(k, [1, 2, 4, 8], [0.873, 1.091, 1.018, 1.246])) / 1e3
+
+    amx = bounds_for_device(AdaptiveConfig(), t_target_s=0.003229, t_draft_s=0.000873, draft_budget=64,
+                            t_verify=xeon, t_draft_at=xeon_draft)
+    assert (amx.d_max, amx.w_max) == (8, 1)  # chains, as long as the goodput rule finds they pay
+
+
 def _flat_then_linear(flat_s: float, per_token_s: float, ridge: int) -> Callable[[int, int], float]:
     return lambda ctx, k: flat_s + per_token_s * max(0, k - ridge)
 

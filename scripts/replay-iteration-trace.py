@@ -17,7 +17,11 @@ reports, per system:
   the SLO phase's value floor, depth, width, iteration seconds (mean and quantiles), split by whether prompt
   tokens rode along;
 - requests of the first system that missed where another system met them, with both systems' per-request
-  figures (the "who loses what" view).
+  figures (the "who loses what" view);
+- per system, every request that missed its TPOT target (id, class, TPOT over target), and with
+  ``--timeline ID,...`` those requests' iterations one by one: when, the tree's depth and width, requests decoding,
+  A(r) with the SLO margin as selection saw it, verified tree size, tokens emitted, the tree's believed value,
+  prompt tokens in the forward, the iteration's milliseconds and the budget.
 """
 
 from __future__ import annotations
@@ -62,6 +66,24 @@ def run(system: str, trace_path: Path, s: SweepSettings, seed: int) -> tuple[lis
     config = {"budget": cfg.budget, "budget_rule": cfg.budget_rule, "prefill_rule": cfg.prefill_rule,
               "slo_margin": cfg.slo_margin, "slo_floor": cfg.slo_floor, "tree": vars(cfg.adaptive)}
     return reqs, {"steps": steps, "selections": sels, "config": config}
+
+
+def timeline(rid: str, trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """Request ``rid``'s iterations, one row each (module docstring)."""
+    steps = {st["t_start"]: st for st in trace["steps"]}
+    rows = []
+    for sel in trace["selections"]:
+        if rid not in sel["ids"]:
+            continue
+        i = sel["ids"].index(rid)
+        st = steps.get(sel["t_start"], {})
+        rows.append({"t_s": round(sel["t_start"], 4), "depth": sel["depth"], "width": sel["width"],
+                     "n_decode": len(sel["ids"]), "need": round(sel["needs"][i], 2), "size": sel["sizes"][i],
+                     "emitted": sel["accepted"][i] + 1, "believed": round(sel["believed"][i], 2),
+                     "prefill_tokens": st.get("prefill_tokens"),
+                     "iteration_ms": round(1e3 * (st.get("t_draft", 0.0) + st.get("t_target", 0.0)), 1),
+                     "budget": sel["budget"]})
+    return rows
 
 
 def met(r: ReplayRequest) -> bool:
@@ -141,6 +163,7 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=1024)
     ap.add_argument("--prefill-rule", default="slo", choices=["fixed", "slo"])
     ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--timeline", default="", help="comma-separated request ids: their iterations one by one")
     a = ap.parse_args()
     s = SweepSettings(pool=str(a.pool), max_batch=a.max_batch, prefill_chunk=a.prefill_chunk,
                       prefill_rule=a.prefill_rule)
@@ -152,6 +175,12 @@ def main() -> None:
         reqs, trace = run(system, a.trace_json, s, a.seed)
         runs[system] = reqs
         out["systems"][system] = summarise(reqs, trace)
+        out["systems"][system]["missed"] = [
+            {"id": r.request_id, "class": r.slo_class, "tpot_over_target": round(r.tpot_ms / r.tpot_slo_ms, 4)}
+            for r in reqs if not met(r)]
+        wanted = [x for x in a.timeline.split(",") if x]
+        if wanted:
+            out["systems"][system]["timelines"] = {rid: timeline(rid, trace) for rid in wanted}
     first, *others = systems
     lost = {}
     for other in others:

@@ -192,7 +192,7 @@ class Int4Linear(QuantLinear):
             tiles = next((t for t in _CUDA_INNER_K_TILES if k % (t * 16) == 0), None)
             if tiles is None or n % 8:
                 raise ValueError(f"int4 on CUDA needs K a multiple of 32 and N of 8, got K={k}, N={n}")
-            packed = torch.ops.aten._convert_weight_to_int4pack(self.packed_codes, tiles)
+            packed = torch.ops.aten._convert_weight_to_int4pack(pack_nibbles_for_cuda(codes), tiles)
         else:
             if n % 16:
                 raise ValueError(f"int4 on CPU needs N a multiple of 16, got N={n}")
@@ -255,6 +255,12 @@ def native_for(device: torch.device, in_features: int) -> NativeKernels | None:
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """int4 codes [N, K] (0..15) two a byte, the even column in the low nibble: [N, K/2] uint8."""
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).contiguous()
+
+
+def pack_nibbles_for_cuda(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes [N, K] (0..15) two a byte as CUDA's ``_convert_weight_to_int4pack`` takes them: [N, K/2] uint8,
+    the even column in the high nibble (the order of torch's own tests, the reverse of ``pack_nibbles``)."""
+    return ((codes[:, 0::2] << 4) | codes[:, 1::2]).to(torch.uint8).contiguous()
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:

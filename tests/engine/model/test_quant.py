@@ -23,6 +23,8 @@ from adaserve.engine.model.quant import (
     QuantLinear,
     concat_linears,
     dequantize_stored,
+    pack_nibbles,
+    pack_nibbles_for_cuda,
     quantize_head,
     quantize_linear,
     weight_bytes,
@@ -219,9 +221,10 @@ def test_stored_quantized_layers_load_as_stored_or_as_asked(target_dir: Path, tm
 
 # ---- losslessness: the quantized model is the target ------------------------------------------------------
 
-def quantized_runner(path: Path, weights: str) -> ModelRunner:
+def quantized_runner(path: Path, weights: str, device: torch.device = CPU) -> ModelRunner:
     cfg = EngineConfig(attention="torch", kv=KVCacheConfig(page_size=4, num_pages=4000))
-    return ModelRunner(load_model(path, device=CPU, weights=weights), cfg)
+    # float32 activations around the kernels on a GPU too: greedy equality is exact there, not up to near-ties
+    return ModelRunner(load_model(path, device=device, dtype=torch.float32, weights=weights), cfg)
 
 
 def workload(n: int, seed: int) -> list[Request]:
@@ -230,11 +233,11 @@ def workload(n: int, seed: int) -> list[Request]:
                     SamplingParams(max_tokens=rng.randrange(2, 30), ignore_eos=True)) for i in range(n)]
 
 
-def own_greedy(target: Path, weights: str, reqs: list[Request]) -> dict[str, list[int]]:
+def own_greedy(target: Path, weights: str, reqs: list[Request], device: torch.device = CPU) -> dict[str, list[int]]:
     """The quantized target's greedy output without speculation, one request at a time, prefill unchunked."""
     out = {}
     for r in reqs:
-        eng = Engine(quantized_runner(target, weights), None, EngineConfig(policy="incremental"))
+        eng = Engine(quantized_runner(target, weights, device), None, EngineConfig(policy="incremental"))
         req = Request(r.request_id, list(r.prompt_ids), r.params)
         eng.add_request(req)
         while eng.has_work:
@@ -323,3 +326,51 @@ def test_int8_quantization_in_row_blocks_is_the_whole_tables(dtype: torch.dtype)
     scales = (ref.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
     assert torch.equal(whole[1], scales)
     assert torch.equal(whole[0], torch.round(ref / scales[:, None]).clamp(-127, 127).to(torch.int8))
+
+
+# ---- CUDA: torch's int4 and int8 kernels there (run with --with-gpu; scripts/gpu-checklist.sh) ----------------
+
+def test_cuda_int4_packing_puts_the_even_column_in_the_high_nibble() -> None:
+    """``_convert_weight_to_int4pack`` on CUDA takes [N, K/2] uint8 with the even column high (torch's own tests
+    pack so), the reverse of the stored form's ``pack_nibbles``."""
+    codes = torch.tensor([[1, 2, 3, 4], [15, 0, 7, 8]], dtype=torch.uint8)
+    assert pack_nibbles_for_cuda(codes).tolist() == [[0x12, 0x34], [0xF0, 0x78]]
+    assert pack_nibbles(codes).tolist() == [[0x21, 0x43], [0x0F, 0x87]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_layer_matches_dequantized_reference_on_cuda(kind: str, cpu_kernels: str) -> None:
+    if cpu_kernels == "native":
+        pytest.skip("one kernel family on CUDA: torch's")
+    torch.manual_seed(0)
+    cuda = torch.device("cuda")
+    w = (torch.randn(576, 1536) * 0.2).to(cuda)
+    layer = quantize_linear(w, torch.randn(576, device=cuda), kind, keep_source=True)
+    assert layer is not None and next(layer.buffers()).device.type == "cuda"
+    x = torch.randn(7, 1536, device=cuda)
+    ref = x @ layer.dequantized().t() + layer.bias
+    err, tol = (layer(x) - ref).abs().max().item(), REL_TOL * ref.abs().max().item()
+    assert err <= tol, (kind, err, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+@pytest.mark.parametrize("policy", ["adaserve", "chain:4"])
+def test_speculation_is_lossless_against_the_quantized_target_on_cuda(target_dir: Path, weights: str, policy: str,
+                                                                       cpu_kernels: str) -> None:
+    if cpu_kernels == "native":
+        pytest.skip("one kernel family on CUDA: torch's")
+    cuda = torch.device("cuda")
+    reqs = workload(8, 5)
+    ref = own_greedy(target_dir, weights, reqs, cuda)
+    eng = Engine(quantized_runner(target_dir, weights, cuda), quantized_runner(target_dir, weights, cuda),
+                 EngineConfig(policy=policy, budget=20, prefill_chunk=12, static_shapes=False))
+    queue = list(reqs)
+    while queue or eng.has_work:
+        if queue:
+            eng.add_request(queue.pop(0))
+        eng.step()
+    for r in reqs:
+        assert r.output_ids == ref[r.request_id], (weights, policy, r.request_id)
+    assert sum(m.tokens_accepted for m in eng.history) > 0  # the target drafting for itself agrees with itself

@@ -13,7 +13,10 @@ same module measures any version of the engine (the before/after table in docs/b
 After the timed iterations, ``count_steps`` more run under ``host_sync.HostSync``, which counts per
 iteration every call that on a GPU makes the host wait for the device (``h2d``, ``d2h``, ``data_shape``,
 ``sync``) or copies without waiting (``async_copy``), with the code location of each. Counting runs every
-torch call through Python, so it has its own iterations and never touches the timed ones.
+torch call through Python, so it has its own iterations and never touches the timed ones. The same iterations count
+the device operations (``OpCount``: aten calls that are not views, each a kernel launch on a GPU) inside the models'
+forwards and outside them: on a GPU each one outside costs the host a launch, whatever the device does, so their
+number is the CPU's measure of the host work a GPU iteration cannot hide.
 Speculation on is the ``adaserve`` policy (adaptive depth and width, Eq. 8-9) at a fixed budget; off is
 ``incremental`` (continuous batching). Greedy, ``ignore_eos``: every request keeps decoding.
 
@@ -30,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,6 +41,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from adaserve.bench.microbench_options import (
     MODES,
@@ -193,17 +198,58 @@ def run_cell(target: ModelRunner, draft: ModelRunner, prompt_ids: list[list[int]
     return out, crossings
 
 
+class OpCount(TorchDispatchMode):
+    """Device operations (aten calls that are not views: a kernel launch each on a GPU), counted apart inside the
+    given models' forwards and outside them, with the most frequent outside by name."""
+
+    def __init__(self, models: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.inside = self.outside = 0
+        self.names: Counter[str] = Counter()
+        self._depth = 0
+        self._hooks = [h for m in models for h in (m.register_forward_pre_hook(self._enter),
+                                                    m.register_forward_hook(self._leave))]
+
+    def _enter(self, *_: Any) -> None:
+        self._depth += 1
+
+    def _leave(self, *_: Any) -> None:
+        self._depth -= 1
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not func.is_view:
+            if self._depth:
+                self.inside += 1
+            else:
+                self.outside += 1
+                self.names[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
 def count_crossings(eng: Engine, steps: int) -> dict[str, Any]:
     """Per iteration, over ``steps`` iterations: host-device crossings of each kind (host_sync.py), the
-    blocking ones together, and where in the code each comes from (calls per iteration)."""
+    blocking ones together, and where in the code each comes from (calls per iteration); and the device
+    operations inside the models' forwards and outside them (``OpCount``), the ten most frequent outside."""
     if steps < 1:
         return {}
-    with HostSync() as hs:
-        for _ in range(steps):
-            eng.step()
+    models = [r.model for r in (eng.target, *([] if eng.draft is None else [eng.draft]))]
+    ops = OpCount(models)
+    try:
+        with HostSync() as hs, ops:
+            for _ in range(steps):
+                eng.step()
+    finally:
+        ops.remove()
     per = {f"{k}_per_iteration": hs.counts[k] / steps for k in KINDS}
     per["blocking_per_iteration"] = sum(hs.counts[k] for k in BLOCKING) / steps
     per["where_per_iteration"] = {w: n / steps for w, n in hs.where.most_common()}
+    per["ops_outside_forwards_per_iteration"] = ops.outside / steps
+    per["ops_inside_forwards_per_iteration"] = ops.inside / steps
+    per["ops_outside_by_name_per_iteration"] = {k: n / steps for k, n in ops.names.most_common(10)}
     return per
 
 
@@ -230,7 +276,8 @@ def run_engine_only(target: ModelRunner, draft: ModelRunner, tokenizer: Any, cfg
     return {"cells": cell_stats(runs)}
 
 
-CROSSING_KEYS = (*(f"{k}_per_iteration" for k in KINDS), "blocking_per_iteration")
+CROSSING_KEYS = (*(f"{k}_per_iteration" for k in KINDS), "blocking_per_iteration",
+                 "ops_outside_forwards_per_iteration", "ops_inside_forwards_per_iteration")
 
 
 def cell_stats(runs: dict[tuple[str, int], list[dict[str, Any]]]) -> list[dict[str, Any]]:

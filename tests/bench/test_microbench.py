@@ -59,6 +59,14 @@ def test_engine_only_on_the_demo_pair(demo: tuple) -> None:
         assert c["sync_per_iteration"] == c["h2d_per_iteration"] == c["data_shape_per_iteration"] == 0
         where = c["repeats"][0]["where_per_iteration"]
         assert any(w.startswith("async_copy Tensor.to at engine/model/staging.py") for w in where), where
+    # device operations (a kernel launch each on a GPU): the forwards hold most; speculation's levels add their picks
+    # outside them, plain decoding only the walk's few
+    for c in cells.values():
+        assert c["ops_inside_forwards_per_iteration"] > c["ops_outside_forwards_per_iteration"] > 0
+        assert sum(c["repeats"][0]["ops_outside_by_name_per_iteration"].values()) <= \
+            c["repeats"][0]["ops_outside_forwards_per_iteration"]
+    assert spec["ops_outside_forwards_per_iteration"] > plain["ops_outside_forwards_per_iteration"]
+    assert "topk" in spec["repeats"][0]["ops_outside_by_name_per_iteration"]
 
 
 def test_peer_race_on_the_demo_pair(demo: tuple) -> None:

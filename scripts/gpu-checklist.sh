@@ -163,7 +163,7 @@ if [ "$PART" = b ] || [ "$PART" = all ]; then
   summarize "$OUT/microbench-cuda-eager.json" "$OUT/microbench-cuda-static.json" | tee "$OUT/tpot-summary.jsonl"
   step "weights on cuda: float, int8 and int4 (torch's CUDA kernels), lone TPOT, 8 concurrent, device memory"
   OUT_JSON=$OUT/weights-cuda.json run weights-cuda sh -c '"$0" scripts/weights-bench.py "$@" > "$OUT_JSON"' "$PY" \
-    --device cuda --weights int4,int8,float --policies incremental,adaserve --threads 1 --tokens 32 --repeats 3 \
+    --device cuda --weights int4,int8,float --policies incremental,adaserve --threads 1 --tokens 24 --repeats 2 \
     --concurrency 8 --kv-mb 256
 fi
 forwards_summary

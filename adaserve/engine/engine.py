@@ -381,7 +381,9 @@ class Engine:
             m.tokens_accepted += res.num_accepted
             proposed += tree.size - 1
             # the accepted path stopped short of the tree's deepest level: a rejection
-            rejections += tree.size > 1 and res.num_accepted < int(tree.depths().max())
+            # (a chain's depth is its size - 1: no reduction over its depths, issue 30)
+            deepest = tree.size - 1 if tree.is_chain else int(tree.depths().max())
+            rejections += tree.size > 1 and res.num_accepted < deepest
             emitted[req.request_id] = res.tokens
         if self.acceptance is not None:  # each draft's values learn from the trees it drafted, in batch order
             for k, acc in enumerate(self.acceptances):

@@ -229,6 +229,21 @@ def test_root_walk_respects_budget_and_stop() -> None:
     assert walk(root, [5], stop_ids=frozenset(), budget=2) == WalkResult([5], [0])
 
 
+def test_chain_walk_equals_the_child_table_walk() -> None:
+    """A chain's walk (node i's child is i + 1) is the general walk's, stops and budgets included."""
+    rng = np.random.default_rng(5)
+    for _ in range(400):
+        m = int(rng.integers(2, 7))
+        toks = rng.integers(0, 4, m)
+        drawn = rng.integers(0, 4, m).tolist()
+        chain = TokenTree.chain(toks.tolist())
+        general = TokenTree.trusted(chain.tokens, chain.parents, chain.log_probs, is_chain=False)
+        stops = frozenset(rng.choice(4, int(rng.integers(0, 2)), replace=False).tolist())
+        budget = int(rng.integers(0, m + 2))
+        assert walk(chain, drawn, stop_ids=stops, budget=budget) == walk(general, drawn, stop_ids=stops,
+                                                                          budget=budget)
+
+
 def test_draw_rows_falls_back_to_the_last_token_with_mass() -> None:
     probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.25, 0.75, 0.0]], dtype=torch.float64)
     assert draw_rows(probs, torch.tensor([0.0, 0.0])).tolist() == [0, 1]

@@ -83,6 +83,17 @@ def walk(tree: TokenTree, drawn: list[int], *, stop_ids: frozenset[int], budget:
         if budget > 0:
             tokens.append(drawn[0])
         return WalkResult(tokens, path)
+    if tree.is_chain:  # node i's only child is i + 1: no child table to build (issue 30: 32 chains an iteration)
+        toks = tree.tokens.tolist()
+        node = 0
+        while len(tokens) < budget:
+            y = drawn[node]
+            tokens.append(y)
+            if y in stop_ids or node + 1 >= len(toks) or toks[node + 1] != y:
+                break  # a stop token, or y is the bonus token
+            node += 1
+            path.append(node)
+        return WalkResult(tokens, path)
     # (parent, token) -> its first child with that token, from host lists (issue 30: no per-node numpy reads)
     child: dict[tuple[int, int], int] = {}
     for i, key in enumerate(zip(tree.parents.tolist()[1:], tree.tokens.tolist()[1:], strict=True), 1):

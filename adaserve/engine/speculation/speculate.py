@@ -98,7 +98,7 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     base = torch.zeros((n, 1), dtype=torch.float64, device=dev)  # the frontier's log path probabilities
     chains = max(sizes) == 1  # every level one node (width 1): no level reads ancestor rows, none are grown
     # ancestor rows of every node the draft is fed, made once and filled level by level (None: chains)
-    anc = None if chains else _ancestor_rows(n, forwards.tree_size, dev)
+    anc = None if chains else _ancestor_rows(n, forwards.tree_size, dev, first_level=sizes[1])
     paths = _Paths(inputs) if any(x.grammar is not None for x in inputs) else None
     frontier = 0  # tree index of the frontier's first node; the frontier is level ``step``, ``rows`` its logits
     for step in range(depth):
@@ -114,7 +114,7 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
         if step == depth - 1:
             break
         frontier += sizes[step]
-        if anc is not None:
+        if anc is not None and step > 0:  # level 1's rows (children of the root) were made with the rows
             _grow_ancestors(anc, frontier, parent)
         chain = max(sizes[: step + 2]) == 1  # one node per level so far: every tree is a chain, no rows needed
         rows = forwards.forward(step + 1, tok.reshape(-1), None if chain else anc)
@@ -212,11 +212,15 @@ def _seen(draft: ModelRunner, on_forward: Callable[[ForwardRecord], None] | None
         on_forward(draft.last_forward)
 
 
-def _ancestor_rows(n: int, size: int, device: torch.device) -> torch.Tensor:
-    """[n, size, size] bool ancestor rows of ``n`` trees of ``size`` nodes, before any level is filled in: each node
-    its own ancestor (the diagonal) and nothing else. ``_grow_ancestors`` fills them level by level, in place."""
+def _ancestor_rows(n: int, size: int, device: torch.device, *, first_level: int = 0) -> torch.Tensor:
+    """[n, size, size] bool ancestor rows of ``n`` trees of ``size`` nodes, before any level past the first is filled
+    in: each node its own ancestor (the diagonal), and the ``first_level`` nodes after the root (level 1, whose
+    parent is always the root) the root too, as ``_grow_ancestors(rows, 1, zeros)`` would make them (issue 30: the
+    picks need not be read for them). ``_grow_ancestors`` fills the other levels, in place."""
     rows = torch.zeros((n, size, size), dtype=torch.bool, device=device)
     rows.diagonal(dim1=1, dim2=2).fill_(True)
+    if first_level:
+        rows[:, 1 : 1 + first_level, 0] = True
     return rows
 
 

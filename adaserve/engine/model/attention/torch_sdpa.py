@@ -98,7 +98,8 @@ class TorchAttention:
             # key index k of a segment lives in slot pages[k // page_size] * page_size + k % page_size;
             # padding keys repeat the last real one
             k_idx = np.minimum(np.arange(k_max)[None, :], kv_lens[g][:, None] - 1)
-            pages = layout.page_table[g[:, None], k_idx // ps]
+            table = layout.page_table  # one flat take, not two-array indexing (half its cost at 32 requests)
+            pages = table.ravel()[g[:, None] * table.shape[1] + k_idx // ps]
             stage.put(f"sdpa.{j}.key_slots", pages * ps + k_idx % ps)
             gm = grid_mask(layout.segments, members, q_max, k_max, self.sliding_window, device_rows=device_rows)
             for name in ("hi", "lo", "cells", "src"):

@@ -17,6 +17,7 @@ tree comes to the host in one copy at the end.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -217,6 +218,12 @@ def _ancestor_rows(n: int, size: int, device: torch.device, *, first_level: int 
     in: each node its own ancestor (the diagonal), and the ``first_level`` nodes after the root (level 1, whose
     parent is always the root) the root too, as ``_grow_ancestors(rows, 1, zeros)`` would make them (issue 30: the
     picks need not be read for them). ``_grow_ancestors`` fills the other levels, in place."""
+    return _initial_rows(n, size, first_level, torch.device(device)).clone()  # one op: the shape's rows recur
+
+
+@functools.lru_cache(maxsize=64)
+def _initial_rows(n: int, size: int, first_level: int, device: torch.device) -> torch.Tensor:
+    """``_ancestor_rows``' content, made once per shape (never written: callers get a clone)."""
     rows = torch.zeros((n, size, size), dtype=torch.bool, device=device)
     rows.diagonal(dim1=1, dim2=2).fill_(True)
     if first_level:

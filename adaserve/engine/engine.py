@@ -119,6 +119,7 @@ class RunTotals:
 
 
 MIN_TPOT_SLO_MS = 1e-3  # the least TPOT target a request may ask for (1 microsecond)
+_NO_STOP_IDS: frozenset[int] = frozenset()
 
 
 class Engine:
@@ -381,7 +382,9 @@ class Engine:
             m.tokens_accepted += res.num_accepted
             proposed += tree.size - 1
             # the accepted path stopped short of the tree's deepest level: a rejection
-            rejections += tree.size > 1 and res.num_accepted < int(tree.depths().max())
+            # (a chain's depth is its size - 1: no reduction over its depths, issue 30)
+            deepest = tree.size - 1 if tree.is_chain else int(tree.depths().max())
+            rejections += tree.size > 1 and res.num_accepted < deepest
             emitted[req.request_id] = res.tokens
         if self.acceptance is not None:  # each draft's values learn from the trees it drafted, in batch order
             for k, acc in enumerate(self.acceptances):
@@ -430,6 +433,8 @@ class Engine:
                                    emitted=len(req.output_ids), stop_ids=self._stop_ids(req))
 
     def _stop_ids(self, req: Request) -> frozenset[int]:
+        if not req.params.stop_token_ids:  # no set to build per request and call (twice an iteration each)
+            return _NO_STOP_IDS if req.params.ignore_eos else self.stop_ids
         ids = frozenset(req.params.stop_token_ids)
         return ids if req.params.ignore_eos else ids | self.stop_ids
 
@@ -489,9 +494,8 @@ class Engine:
 
     def _speculate_and_select(self, decoding: list[Request], m: StepMetrics, t_start: float) -> list[TokenTree]:
         m.n_decode = len(decoding)
-        roots = [TokenTree.root(r.last_token) for r in decoding]
         if not decoding:
-            return roots
+            return []
         n_ctx = sum(r.target_kv.length for r in decoding)
         predict_draft = self.draft_time.predict if self.pool is None else self.pool.predict_draft(decoding)
         # one draft's learnt sibling rates steer the width (several drafts: each has its own; Eq. 9 then)
@@ -510,6 +514,8 @@ class Engine:
         shape = self.policy.tree_shape(view)
         m.predicted_iter_s = self.predict_iteration(shape, len(decoding), n_ctx, m.prefill_tokens, predict_draft)
         if shape is None or shape.depth < 1 or self.draft is None:
+            # plain decoding: each request's lone root (built only here: a speculating iteration never reads them)
+            roots = [TokenTree.root(r.last_token) for r in decoding]
             m.tokens_verified = len(roots)
             m.per_request_verified = {r.request_id: 1 for r in decoding}
             return roots

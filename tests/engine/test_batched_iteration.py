@@ -89,6 +89,23 @@ def test_expand_level_static_and_beam_by_hand() -> None:
     assert np.allclose(np.exp(value[1]), [0.6, 0.07])
 
 
+@pytest.mark.parametrize("rows", [2, 16])  # below and above CHAIN_ARGMAX_BLOCKED_MIN's 8 rows of 4096
+def test_one_wide_levels_pick_the_first_maximum(rows: int) -> None:
+    """A 1-wide level (chains, 1-wide static levels) picks each row's first maximum, as greedy decoding does,
+    whichever path first_argmax takes: ties at the top go to the lowest token id; the value is that logit's
+    log-probability."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 4, (rows, 4096), generator=gen).float()  # every row's top value repeated
+    logits[0, 4000] = 9.0  # a unique maximum in a late block
+    base = np.log(np.linspace(0.2, 1.0, rows))[:, None]
+    want = [int(np.flatnonzero(r == r.max())[0]) for r in logits.numpy()]
+    for expansion in (None, 1):  # a chain's level, and a static level of one child per node
+        tok, parent, value = expand_level(list(logits[:, None]), base, width=1, per_node=expansion)
+        assert tok[:, 0].tolist() == want and parent[:, 0].tolist() == [0] * rows
+        expect = base[:, 0] + torch.log_softmax(logits, -1)[torch.arange(rows), want].double().numpy()
+        assert value[:, 0].tolist() == expect.tolist()
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_draft_log_probs_fail_loudly(bad: float) -> None:
     logits = torch.zeros(2, 5)
@@ -210,6 +227,21 @@ def test_root_walk_respects_budget_and_stop() -> None:
     assert walk(root, [5], stop_ids=frozenset(), budget=0) == WalkResult([], [0])
     assert walk(root, [5], stop_ids=frozenset({5}), budget=1) == WalkResult([5], [0])
     assert walk(root, [5], stop_ids=frozenset(), budget=2) == WalkResult([5], [0])
+
+
+def test_chain_walk_equals_the_child_table_walk() -> None:
+    """A chain's walk (node i's child is i + 1) is the general walk's, stops and budgets included."""
+    rng = np.random.default_rng(5)
+    for _ in range(400):
+        m = int(rng.integers(2, 7))
+        toks = rng.integers(0, 4, m)
+        drawn = rng.integers(0, 4, m).tolist()
+        chain = TokenTree.chain(toks.tolist())
+        general = TokenTree.trusted(chain.tokens, chain.parents, chain.log_probs, is_chain=False)
+        stops = frozenset(rng.choice(4, int(rng.integers(0, 2)), replace=False).tolist())
+        budget = int(rng.integers(0, m + 2))
+        assert walk(chain, drawn, stop_ids=stops, budget=budget) == walk(general, drawn, stop_ids=stops,
+                                                                          budget=budget)
 
 
 def test_draw_rows_falls_back_to_the_last_token_with_mass() -> None:

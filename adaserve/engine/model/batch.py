@@ -136,7 +136,7 @@ def build_layout(segments: list[Segment], *, page_size: int, device: torch.devic
     seg = np.repeat(np.arange(len(segments)), n_new)
     qo_indptr = np.concatenate([[0], np.cumsum(n_new)])
     index = prefix[seg] + cached[seg] + (np.arange(len(seg)) - qo_indptr[seg])
-    slots = table[seg, index // page_size] * page_size + index % page_size
+    slots = table.ravel()[seg * table.shape[1] + index // page_size] * page_size + index % page_size  # one flat take
 
     first = trees[0]
     if all(t.is_chain for t in trees):  # a chain's node index is its depth: position = token index

@@ -241,8 +241,11 @@ class PagedKVCache:
             s, d = np.asarray(src, np.int64), np.asarray(dst, np.int64)
             keep = s != d
             if keep.any():
-                s_all.append(seq.slots_at(s[keep], self.page_size))
-                d_all.append(seq.slots_at(d[keep], self.page_size))
+                # both ends' slots from one page array (``slots_at`` makes one per call)
+                index, ps = np.concatenate([s[keep], d[keep]]), self.page_size
+                slots = np.asarray(seq.pages, np.int64)[index // ps] * ps + index % ps
+                s_all.append(slots[: len(index) // 2])
+                d_all.append(slots[len(index) // 2 :])
         if not s_all:
             return
         dst = np.concatenate(d_all)

@@ -7,7 +7,7 @@ degenerate cases: a chain (``parents = [-1, 0, 1, ...]``) and a single root.
 
 from __future__ import annotations
 
-import itertools
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -17,6 +17,12 @@ import numpy as np
 # Smallest gap kept between a parent's and a child's log path probability, so that a greedy pick by
 # path probability can never take a child before its parent (docs/architecture.md §5: ties orphan nodes).
 STRICT_DECREASE_EPS = 1e-6
+
+@functools.cache
+def _first(k: int) -> list[int]:
+    """[0, 1, .., k - 1], compared with a selection in one list comparison (never modified)."""
+    return list(range(k))
+
 
 _ROOT_PARENTS = np.array([-1], np.int64)
 _ROOT_PARENTS.flags.writeable = False
@@ -171,9 +177,19 @@ class TokenTree:
         """The tree made of ``selected`` nodes (must include 0 and be closed under parents), reindexed. Every node,
         in order (a selection that keeps the whole candidate, as a small batch's often does): the tree itself."""
         m = self.size
-        if (isinstance(selected, list) and len(selected) == m and selected[0] == 0 and selected[-1] == m - 1
-                and all(a < b for a, b in itertools.pairwise(selected))):  # m increasing ints from 0 to m - 1
-            return self
+        if isinstance(selected, list) and 0 < len(selected) <= m and selected == _first(len(selected)):
+            # nodes 0 .. k - 1 (parents come first, so a prefix is closed under parents): every node keeps its
+            # index, so the arrays are the first k of each, with no reindexing (issue 30: a chain's accepted
+            # prefix, or the whole tree, which is the tree itself)
+            k = len(selected)
+            if k == m:
+                return self
+            anc = self.__dict__.get("_ancestors")
+            depths = self.depths()[:k]
+            return TokenTree.trusted(self.tokens[:k], self.parents[:k], self.log_probs[:k], depths=depths,
+                                     is_chain=True if self.__dict__.get("_is_chain") else None,
+                                     strict=True if self.__dict__.get("_strict") else None,
+                                     ancestors=None if anc is None else anc[:k, :k])
         keep = np.asarray(selected, np.int64)
         if keep.size > 1 and not bool((keep[1:] > keep[:-1]).all()):  # selections come sorted: no sort then
             keep = np.unique(keep)

@@ -17,6 +17,7 @@ tree comes to the host in one copy at the end.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,10 +30,14 @@ from adaserve.engine.model.levels import BeamLevels
 from adaserve.engine.model.runner import ForwardRecord, ModelRunner, joined_rows
 from adaserve.engine.model.tree import STRICT_DECREASE_EPS, TokenTree
 from adaserve.engine.speculation.grammar import GrammarState
+from adaserve.engine.speculation.verify import first_argmax
 
 # a draft logit the grammar does not allow: finite, so a row's log-softmax and the path sums stay finite (a beam
 # that must take a refused token, with fewer allowed than its width, gets a path probability of exp(-1e30) = 0)
 REFUSED_LOGIT = -1e30
+# a 1-wide level's picks take first_argmax's blocked reduction from this many logits (8 rows of a 4096-token
+# vocabulary): measured in the engine on a CPU, below it the plain max(-1) costs no more
+CHAIN_ARGMAX_BLOCKED_MIN = 1 << 15
 
 
 @dataclass
@@ -94,7 +99,7 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     base = torch.zeros((n, 1), dtype=torch.float64, device=dev)  # the frontier's log path probabilities
     chains = max(sizes) == 1  # every level one node (width 1): no level reads ancestor rows, none are grown
     # ancestor rows of every node the draft is fed, made once and filled level by level (None: chains)
-    anc = None if chains else _ancestor_rows(n, forwards.tree_size, dev)
+    anc = None if chains else _ancestor_rows(n, forwards.tree_size, dev, first_level=sizes[1])
     paths = _Paths(inputs) if any(x.grammar is not None for x in inputs) else None
     frontier = 0  # tree index of the frontier's first node; the frontier is level ``step``, ``rows`` its logits
     for step in range(depth):
@@ -110,7 +115,7 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
         if step == depth - 1:
             break
         frontier += sizes[step]
-        if anc is not None:
+        if anc is not None and step > 0:  # level 1's rows (children of the root) were made with the rows
             _grow_ancestors(anc, frontier, parent)
         chain = max(sizes[: step + 2]) == 1  # one node per level so far: every tree is a chain, no rows needed
         rows = forwards.forward(step + 1, tok.reshape(-1), None if chain else anc)
@@ -208,11 +213,21 @@ def _seen(draft: ModelRunner, on_forward: Callable[[ForwardRecord], None] | None
         on_forward(draft.last_forward)
 
 
-def _ancestor_rows(n: int, size: int, device: torch.device) -> torch.Tensor:
-    """[n, size, size] bool ancestor rows of ``n`` trees of ``size`` nodes, before any level is filled in: each node
-    its own ancestor (the diagonal) and nothing else. ``_grow_ancestors`` fills them level by level, in place."""
+def _ancestor_rows(n: int, size: int, device: torch.device, *, first_level: int = 0) -> torch.Tensor:
+    """[n, size, size] bool ancestor rows of ``n`` trees of ``size`` nodes, before any level past the first is filled
+    in: each node its own ancestor (the diagonal), and the ``first_level`` nodes after the root (level 1, whose
+    parent is always the root) the root too, as ``_grow_ancestors(rows, 1, zeros)`` would make them (issue 30: the
+    picks need not be read for them). ``_grow_ancestors`` fills the other levels, in place."""
+    return _initial_rows(n, size, first_level, torch.device(device)).clone()  # one op: the shape's rows recur
+
+
+@functools.lru_cache(maxsize=64)
+def _initial_rows(n: int, size: int, first_level: int, device: torch.device) -> torch.Tensor:
+    """``_ancestor_rows``' content, made once per shape (never written: callers get a clone)."""
     rows = torch.zeros((n, size, size), dtype=torch.bool, device=device)
     rows.diagonal(dim1=1, dim2=2).fill_(True)
+    if first_level:
+        rows[:, 1 : 1 + first_level, 0] = True
     return rows
 
 
@@ -284,18 +299,25 @@ def _expand_on_device(logits: list[torch.Tensor] | torch.Tensor, base: np.ndarra
     lo, hi = torch.aminmax(x)
     if allowed is not None:
         x = x.masked_fill(~allowed, REFUSED_LOGIT)
-    top_f = torch.topk(x, k_node, dim=-1)
+    if k_node == 1:
+        # one child per node (chains, SpecInfer's 1-wide levels): its first maximum, as greedy decoding picks it.
+        # On a CPU topk(1) is a scalar pass over the row (~1.2 ms per draft level at 32 chains of a 4096-token
+        # vocabulary, issue 30); first_argmax's blocked reduction is vectorised. A tie at the top goes to the
+        # lowest token id (topk left its order unspecified); the value is the same maximum either way
+        picks = first_argmax(x.view(n * f, v), blocked_min=CHAIN_ARGMAX_BLOCKED_MIN).view(n, f, 1)
+    else:
+        picks = torch.topk(x, k_node, dim=-1).indices
     # [n, F, k]: the picks' log-probabilities (one log_softmax pass costs half a logsumexp's on a CPU, issue 30)
-    values = torch.log_softmax(x, dim=-1).gather(-1, top_f.indices)
+    values = torch.log_softmax(x, dim=-1).gather(-1, picks)
     if isinstance(base, np.ndarray):
         base = torch.from_numpy(np.ascontiguousarray(base, np.float64)).to(values.device, non_blocking=True)
     elif base.dtype != torch.float64:
         base = base.to(torch.float64)
     # the sums in float64: the float32 picks are promoted exactly, as ``.double()`` would (one op fewer)
     score = base[:, :, None] + values
-    # candidate j of a request's [F * k] grid: frontier node j // k, token top_f.indices[.., j] (issue 30:
+    # candidate j of a request's [F * k] grid: frontier node j // k, token picks[.., j] (issue 30:
     # no flat [F, V] index to build and take apart)
-    tok = top_f.indices.view(n, f * k_node)
+    tok = picks.view(n, f * k_node)
     if f * k_node == 1:  # one candidate per request (a chain's level): it is the level, nothing to rank
         return tok, torch.full((n, 1), frontier, dtype=torch.int64, device=tok.device), score.view(n, 1), (lo, hi)
     if per_node is None:

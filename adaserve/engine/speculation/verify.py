@@ -83,6 +83,17 @@ def walk(tree: TokenTree, drawn: list[int], *, stop_ids: frozenset[int], budget:
         if budget > 0:
             tokens.append(drawn[0])
         return WalkResult(tokens, path)
+    if tree.is_chain:  # node i's only child is i + 1: no child table to build (issue 30: 32 chains an iteration)
+        toks = tree.tokens.tolist()
+        node = 0
+        while len(tokens) < budget:
+            y = drawn[node]
+            tokens.append(y)
+            if y in stop_ids or node + 1 >= len(toks) or toks[node + 1] != y:
+                break  # a stop token, or y is the bonus token
+            node += 1
+            path.append(node)
+        return WalkResult(tokens, path)
     # (parent, token) -> its first child with that token, from host lists (issue 30: no per-node numpy reads)
     child: dict[tuple[int, int], int] = {}
     for i, key in enumerate(zip(tree.parents.tolist()[1:], tree.tokens.tolist()[1:], strict=True), 1):
@@ -149,7 +160,7 @@ ARGMAX_BLOCK = 64
 ARGMAX_BLOCKED_MIN = 1 << 18
 
 
-def first_argmax(rows: torch.Tensor) -> torch.Tensor:
+def first_argmax(rows: torch.Tensor, *, blocked_min: int = ARGMAX_BLOCKED_MIN) -> torch.Tensor:
     """[n, V] -> [n] int64: each row's ``argmax``, its first maximum (a NaN counting as the maximum), bit for bit.
 
     On a CPU ``max(-1).indices`` is argmax's index at ~0.6 of its cost, and both track the index in a scalar
@@ -160,11 +171,12 @@ def first_argmax(rows: torch.Tensor) -> torch.Tensor:
         i  = the first maximum within block j                    (max(-1) over ARGMAX_BLOCK logits)
 
     and j * ARGMAX_BLOCK + i is the row's first maximum: no block before j holds a value equal to it (nor a NaN).
+    ``blocked_min``: the fewest logits that take the two steps (a caller whose rows are not cold may go lower).
     """
     if rows.device.type != "cpu":
         return rows.argmax(-1)
     n, v = rows.shape
-    if rows.numel() < ARGMAX_BLOCKED_MIN or v % ARGMAX_BLOCK or not rows.is_contiguous():
+    if rows.numel() < blocked_min or v % ARGMAX_BLOCK or not rows.is_contiguous():
         return rows.max(-1).indices
     blocks = rows.view(n, v // ARGMAX_BLOCK, ARGMAX_BLOCK)
     j = blocks.amax(-1).max(-1).indices

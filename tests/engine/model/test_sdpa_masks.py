@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from adaserve.engine.model.attention.torch_sdpa import TorchAttention
-from adaserve.engine.model.batch import Segment
-from adaserve.engine.model.kv_cache import SequenceKV
+from adaserve.engine.model.batch import BatchLayout, Segment
+from adaserve.engine.model.kv_cache import PagedKVCache, SequenceKV
 from adaserve.engine.model.tree import TokenTree
 from tests.engine.helpers import runner
 
@@ -67,3 +67,25 @@ def test_lone_decode_runs_without_a_mask_and_changes_no_bit(target_dir: Path, mo
     assert True in full and False in full  # the decode step had no mask, the causal prefill had one
     for other in ("additive", "bool"):
         assert torch.equal(served, _decode_logits(target_dir, other, monkeypatch)[0])
+
+
+def test_equal_segments_fill_the_grid_without_a_row_scatter(target_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Segments with as many new tokens as the grid has rows (equal chains, decode steps) plan no row index, and
+    give bitwise the logits of the scattered grid (rows = every token in order), as planned before."""
+    r = runner(target_dir, page_size=4)
+    seqs = [SequenceKV() for _ in range(3)]
+    for s, n in zip(seqs, (5, 9, 7), strict=True):  # contexts of different lengths
+        r.forward([Segment(s, 0, TokenTree.chain(list(range(2, 2 + n))))], all_logits=[False])
+        r.cache.truncate(s, n)
+    segs = [Segment(s, s.length, TokenTree.chain([3, 4, 5])) for s in seqs]
+    planned = TorchAttention.plan
+
+    def scattered(self: TorchAttention, layout: BatchLayout, cache: PagedKVCache) -> None:
+        planned(self, layout, cache)
+        assert all(g.rows is None for g in self._groups)
+        self._groups = [type(g)(g.tokens, torch.arange(g.key_slots.shape[0] * g.q_max), g.q_max, g.key_slots, g.mask,
+                                g.full) for g in self._groups]
+
+    served = r.forward_joined(segs, all_logits=[True] * 3)
+    monkeypatch.setattr(TorchAttention, "plan", scattered)
+    assert torch.equal(served, r.forward_joined(segs, all_logits=[True] * 3))

@@ -47,6 +47,21 @@ def test_subtree_keeps_a_known_ancestor_matrix() -> None:
     assert "_ancestors" not in example().subtree([0, 1]).__dict__  # not known: not computed here either
 
 
+def test_a_prefix_subtree_equals_the_general_path() -> None:
+    """Selecting nodes 0 .. k - 1 (a list, as the engine passes it) keeps every index: the same arrays, depths,
+    ancestor rows, chain flag and strictness as the reindexing path (an array selection) gives."""
+    for t in (example(), TokenTree.chain([4, 5, 6, 7])):
+        t.ancestor_matrix()
+        for k in range(1, t.size):
+            fast, general = t.subtree(list(range(k))), t.subtree(np.arange(k))
+            for a, b in ((fast.tokens, general.tokens), (fast.parents, general.parents),
+                         (fast.log_probs, general.log_probs), (fast.depths(), general.depths()),
+                         (fast.ancestor_matrix(), general.ancestor_matrix())):
+                assert np.array_equal(a, b)
+            assert fast.is_chain == general.is_chain and fast.strictly_decreasing == general.strictly_decreasing
+            assert not fast.depths().flags.writeable and not fast.ancestor_matrix().flags.writeable
+
+
 def test_subtree_of_every_node_is_the_tree() -> None:
     """A selection of every node, in order (the engine's list), is the tree itself (issue 30: no copy per request);
     any other form of it goes the general way, to the same arrays."""

@@ -26,6 +26,23 @@ def test_sibling_ranks_order_children_by_the_drafts_conditional_probability() ->
     assert sibling_ranks(TokenTree.chain([4, 5, 6])).tolist() == [0, 0, 0]
 
 
+def test_sibling_ranks_by_their_definition_ties_to_the_earlier_node() -> None:
+    """rank(v) = how many of v's siblings have a greater q, or an equal q and a smaller index; one tree and forests."""
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        size = int(rng.integers(1, 14))
+        parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, size)], np.int64)
+        lq = np.log(rng.choice([0.2, 0.5, 0.8], size))  # few values: sibling ties are common
+        lp = np.zeros(size)
+        for i in range(1, size):
+            lp[i] = lp[parents[i]] + lq[i]
+        t = TokenTree(np.arange(size, dtype=np.int64), parents, lp)
+        cond = lp - lp[np.maximum(parents, 0)]
+        want = [0] + [sum(1 for u in range(1, size) if parents[u] == parents[v] and
+                          (cond[u] > cond[v] or (cond[u] == cond[v] and u < v))) for v in range(1, size)]
+        assert sibling_ranks(t).tolist() == want
+
+
 def test_without_data_the_value_is_the_drafts_own_path_probability() -> None:
     t = tree()
     cal = RankAcceptance().calibrate(t)

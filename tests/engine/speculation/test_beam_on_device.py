@@ -151,6 +151,14 @@ def test_grown_ancestor_rows_are_the_trees_matrices() -> None:
             assert np.array_equal(anc[r, m + k :].numpy(), np.eye(side, dtype=bool)[m + k :])
 
 
+def test_rows_made_with_the_first_level_are_the_grown_ones() -> None:
+    """Level 1 hangs off the root, so its rows are made with the others: the same bits as growing them."""
+    n, side, first = 3, 9, 2
+    grown = _ancestor_rows(n, side, torch.device("cpu"))
+    _grow_ancestors(grown, 1, torch.zeros((n, first), dtype=torch.int64))
+    assert torch.equal(_ancestor_rows(n, side, torch.device("cpu"), first_level=first), grown)
+
+
 def test_device_nodes_are_checked_against_the_layout(draft_dir: Path) -> None:
     draft = runner(draft_dir)
     s = SequenceKV()

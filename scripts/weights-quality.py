@@ -22,6 +22,7 @@ import ast
 import gzip
 import importlib.resources
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -127,7 +128,7 @@ def main() -> None:
             n = sum(t["n"] for t, _ in pairs)
             nll = sum(t["nll"] for t, _ in pairs) / n
             same = sum(sum(x == y for x, y in zip(t["argmax"], f["argmax"], strict=True)) for t, f in pairs)
-            row[kind] = {"tokens": n, "nll": round(nll, 5), "perplexity": round(float(2.718281828459045**nll), 4),
+            row[kind] = {"tokens": n, "nll": round(nll, 5), "perplexity": round(math.exp(nll), 4),
                          "top1_agreement_with_float32": round(same / n, 5)}
         row["per_text_nll_delta_vs_float32"] = {
             "median": round(statistics.median(t["nll"] / t["n"] - f["nll"] / f["n"]

@@ -206,14 +206,22 @@ class OpCount(TorchDispatchMode):
         super().__init__()
         self.inside = self.outside = 0
         self.names: Counter[str] = Counter()
-        self._depth = 0
-        self._hooks = [h for m in models for h in (m.register_forward_pre_hook(self._enter),
-                                                    m.register_forward_hook(self._leave))]
+        self._models, self._hooks, self._depth = list(models), [], 0
 
-    def _enter(self, *_: Any) -> None:
+    def __enter__(self) -> OpCount:  # the models' hooks live as long as the mode
+        self._hooks = [h for m in self._models for h in (m.register_forward_pre_hook(self._in),
+                                                          m.register_forward_hook(self._out))]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._hooks:
+            h.remove()
+        super().__exit__(*exc)
+
+    def _in(self, *_: Any) -> None:
         self._depth += 1
 
-    def _leave(self, *_: Any) -> None:
+    def _out(self, *_: Any) -> None:
         self._depth -= 1
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -225,10 +233,6 @@ class OpCount(TorchDispatchMode):
                 self.names[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
-
 
 def count_crossings(eng: Engine, steps: int) -> dict[str, Any]:
     """Per iteration, over ``steps`` iterations: host-device crossings of each kind (host_sync.py), the
@@ -237,13 +241,9 @@ def count_crossings(eng: Engine, steps: int) -> dict[str, Any]:
     if steps < 1:
         return {}
     models = [r.model for r in (eng.target, *([] if eng.draft is None else [eng.draft]))]
-    ops = OpCount(models)
-    try:
-        with HostSync() as hs, ops:
-            for _ in range(steps):
-                eng.step()
-    finally:
-        ops.remove()
+    with HostSync() as hs, OpCount(models) as ops:
+        for _ in range(steps):
+            eng.step()
     per = {f"{k}_per_iteration": hs.counts[k] / steps for k in KINDS}
     per["blocking_per_iteration"] = sum(hs.counts[k] for k in BLOCKING) / steps
     per["where_per_iteration"] = {w: n / steps for w, n in hs.where.most_common()}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,13 @@ log = logging.getLogger(__name__)
 
 
 
+def _interpolated(table: Sequence[dict[str, Any]]) -> Callable[[int], float]:
+    """Seconds of a profiled forward at k tokens, between the table's points linearly."""
+    ns = np.array([float(r["n_tokens"]) for r in table])
+    ts = np.array([float(r["latency_ms"]) / 1e3 for r in table])
+    return lambda k: float(np.interp(k, ns, ts))
+
+
 def adaptive_for(cfg: AdaptiveConfig, data: dict[str, Any], *, pinned: set[str] = frozenset()) -> AdaptiveConfig:
     """``cfg`` with the tree bounds the profiled draft:target cost ratio allows (adaptive.bounds_for_device),
     except the ``pinned`` fields the user set. Unchanged without a draft profile."""
@@ -39,22 +46,10 @@ def adaptive_for(cfg: AdaptiveConfig, data: dict[str, Any], *, pinned: set[str] 
         return cfg
     t_target = float(data["target"]["table"][0]["latency_ms"]) / 1e3  # n = 1 at the reference context
     t_draft = float(data["draft"]["table"][0]["latency_ms"]) / 1e3
-    table = data["target"]["table"]
-    ns = np.array([float(r["n_tokens"]) for r in table])
-    ts = np.array([float(r["latency_ms"]) / 1e3 for r in table])
-
     dtable = data["draft"].get("table") or []
-    dns = np.array([float(r["n_tokens"]) for r in dtable])
-    dts = np.array([float(r["latency_ms"]) / 1e3 for r in dtable])
-
-    def t_verify(k: int) -> float:  # the measured forward at k tokens, between the table's points linearly
-        return float(np.interp(k, ns, ts))
-
-    def t_draft_at(k: int) -> float:  # the draft's, likewise
-        return float(np.interp(k, dns, dts))
-
     tuned = bounds_for_device(cfg, t_target_s=t_target, t_draft_s=t_draft, draft_budget=int(data["draft"]["budget"]),
-                              t_verify=t_verify, t_draft_at=t_draft_at if len(dtable) else None)
+                              t_verify=_interpolated(data["target"]["table"]),
+                              t_draft_at=_interpolated(dtable) if dtable else None)
     return replace(tuned, **{k: getattr(cfg, k) for k in pinned})
 
 

@@ -382,9 +382,7 @@ class Engine:
             m.tokens_accepted += res.num_accepted
             proposed += tree.size - 1
             # the accepted path stopped short of the tree's deepest level: a rejection
-            # (a chain's depth is its size - 1: no reduction over its depths, issue 30)
-            deepest = tree.size - 1 if tree.is_chain else int(tree.depths().max())
-            rejections += tree.size > 1 and res.num_accepted < deepest
+            rejections += tree.size > 1 and res.num_accepted < tree.depth
             emitted[req.request_id] = res.tokens
         if self.acceptance is not None:  # each draft's values learn from the trees it drafted, in batch order
             for k, acc in enumerate(self.acceptances):

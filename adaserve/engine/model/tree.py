@@ -128,6 +128,11 @@ class TokenTree:
         lp = self.log_probs
         return self.size <= 1 or bool(np.all(lp[1:] < lp[self.parents[1:]]))
 
+    @property
+    def depth(self) -> int:
+        """The deepest level (0 for a lone root): a chain's is its size less one, no reduction over its depths."""
+        return self.size - 1 if self.is_chain else int(self.depths().max())
+
     def depths(self) -> np.ndarray:
         """depth[0] = 0, depth[i] = depth[parent[i]] + 1. Positions are ``prefix_len + depth``. Read-only."""
         return self._depths

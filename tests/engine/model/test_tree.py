@@ -23,6 +23,13 @@ def test_depths_and_ancestors() -> None:
     assert t.children() == [[1, 2], [3, 4], [5], [], [], []]
 
 
+def test_depth_is_the_deepest_level() -> None:
+    assert TokenTree.root(5).depth == 0
+    assert TokenTree.chain([1, 2, 3, 4]).depth == 3
+    tree = TokenTree.from_lists([1, 2, 3, 4, 5], [-1, 0, 0, 2, 0], [0.0, -1.0, -1.5, -2.0, -3.0])
+    assert not tree.is_chain and tree.depth == int(tree.depths().max()) == 2
+
+
 def test_subtree_reindexes_and_refuses_orphans() -> None:
     t = example()
     s = t.subtree([0, 2, 5])

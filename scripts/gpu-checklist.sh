@@ -144,7 +144,7 @@ if [ "$PART" = a ] || [ "$PART" = all ]; then
   run static-shapes-tests "$PY" -m pytest --with-gpu -q -p no:cacheprovider tests/engine/model/test_static_shapes.py \
     tests/engine/speculation/test_beam_on_device.py --junitxml "$OUT/static-shapes-junit.xml"
   step "quantized layers on CUDA (issue 35): torch's int4 and int8 kernels against their dequantized weights, lossless"
-  run quant-cuda-tests "$PY" -m pytest --with-gpu -q -p no:cacheprovider tests/engine/model/test_quant.py -k on_cuda \
+  run quant-cuda-tests "$PY" -m pytest --with-gpu -q -p no:cacheprovider tests/engine/model/test_quant.py -k cuda \
     --junitxml "$OUT/quant-cuda-junit.xml"
   step "forward times of Llama-3.1-8B and its draft, eager against graphs"
   run forwards-llama8b "$PY" -m adaserve.bench.random_arch forwards --device cuda --target llama-3.1-8b \

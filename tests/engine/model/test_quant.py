@@ -58,14 +58,27 @@ def within_tolerance(layer: QuantLinear, x: torch.Tensor) -> tuple[float, float]
     return (layer(x) - ref).abs().max().item(), REL_TOL * ref.abs().max().item()
 
 
+# CUDA runs torch's kernels only (run with --with-gpu; scripts/gpu-checklist.sh): not twice, under both CPU families
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def on_device(device: str, cpu_kernels: str) -> torch.device:
+    if device == "cuda" and cpu_kernels == "native":
+        pytest.skip("one kernel family on CUDA: torch's")
+    return torch.device(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(64, 64), (96, 128), (1536, 576), (576, 1536)])
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_layer_matches_dequantized_reference(shape: tuple[int, int], kind: str) -> None:
+def test_layer_matches_dequantized_reference(shape: tuple[int, int], kind: str, device: str, cpu_kernels: str) -> None:
+    dev = on_device(device, cpu_kernels)
     torch.manual_seed(0)
-    w = torch.randn(*shape) * 0.2
-    layer = quantize_linear(w, torch.randn(shape[0]), kind, keep_source=True)
+    w = (torch.randn(*shape) * 0.2).to(dev)
+    layer = quantize_linear(w, torch.randn(shape[0]).to(dev), kind, keep_source=True)
     assert isinstance(layer, Int8Linear if kind == "int8" else Int4Linear)
-    x = torch.randn(7, shape[1])
+    assert next(layer.buffers()).device.type == dev.type
+    x = torch.randn(7, shape[1]).to(dev)
     ref = x @ layer.dequantized().t() + layer.bias
     err, tol = (layer(x) - ref).abs().max().item(), REL_TOL * ref.abs().max().item()
     assert err <= tol, (kind, shape, err, tol)
@@ -246,15 +259,18 @@ def own_greedy(target: Path, weights: str, reqs: list[Request], device: torch.de
     return out
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 @pytest.mark.parametrize("policy", ["adaserve", "chain:4", "specinfer"])
 @pytest.mark.parametrize("draft", ["random", "self"])
 def test_speculation_is_lossless_against_the_quantized_target(target_dir: Path, draft_dir: Path, weights: str,
-                                                               policy: str, draft: str) -> None:
+                                                               policy: str, draft: str, device: str,
+                                                               cpu_kernels: str) -> None:
+    dev = on_device(device, cpu_kernels)
     reqs = workload(8, 5)
-    ref = own_greedy(target_dir, weights, reqs)
-    drf = quantized_runner(target_dir if draft == "self" else draft_dir, weights)
-    eng = Engine(quantized_runner(target_dir, weights), drf,
+    ref = own_greedy(target_dir, weights, reqs, dev)
+    drf = quantized_runner(target_dir if draft == "self" else draft_dir, weights, dev)
+    eng = Engine(quantized_runner(target_dir, weights, dev), drf,
                  EngineConfig(policy=policy, budget=20, prefill_chunk=12))
     queue = list(reqs)
     while queue or eng.has_work:  # arrivals while others are mid-generation
@@ -336,41 +352,3 @@ def test_cuda_int4_packing_puts_the_even_column_in_the_high_nibble() -> None:
     codes = torch.tensor([[1, 2, 3, 4], [15, 0, 7, 8]], dtype=torch.uint8)
     assert pack_nibbles_for_cuda(codes).tolist() == [[0x12, 0x34], [0xF0, 0x78]]
     assert pack_nibbles(codes).tolist() == [[0x21, 0x43], [0x0F, 0x87]]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_layer_matches_dequantized_reference_on_cuda(kind: str, cpu_kernels: str) -> None:
-    if cpu_kernels == "native":
-        pytest.skip("one kernel family on CUDA: torch's")
-    torch.manual_seed(0)
-    cuda = torch.device("cuda")
-    w = (torch.randn(576, 1536) * 0.2).to(cuda)
-    layer = quantize_linear(w, torch.randn(576, device=cuda), kind, keep_source=True)
-    assert layer is not None and next(layer.buffers()).device.type == "cuda"
-    x = torch.randn(7, 1536, device=cuda)
-    ref = x @ layer.dequantized().t() + layer.bias
-    err, tol = (layer(x) - ref).abs().max().item(), REL_TOL * ref.abs().max().item()
-    assert err <= tol, (kind, err, tol)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("weights", ["int4", "int8"])
-@pytest.mark.parametrize("policy", ["adaserve", "chain:4"])
-def test_speculation_is_lossless_against_the_quantized_target_on_cuda(target_dir: Path, weights: str, policy: str,
-                                                                       cpu_kernels: str) -> None:
-    if cpu_kernels == "native":
-        pytest.skip("one kernel family on CUDA: torch's")
-    cuda = torch.device("cuda")
-    reqs = workload(8, 5)
-    ref = own_greedy(target_dir, weights, reqs, cuda)
-    eng = Engine(quantized_runner(target_dir, weights, cuda), quantized_runner(target_dir, weights, cuda),
-                 EngineConfig(policy=policy, budget=20, prefill_chunk=12, static_shapes=False))
-    queue = list(reqs)
-    while queue or eng.has_work:
-        if queue:
-            eng.add_request(queue.pop(0))
-        eng.step()
-    for r in reqs:
-        assert r.output_ids == ref[r.request_id], (weights, policy, r.request_id)
-    assert sum(m.tokens_accepted for m in eng.history) > 0  # the target drafting for itself agrees with itself

@@ -222,6 +222,33 @@ def test_blocked_argmax_is_argmax_with_ties_infinities_and_nan(dtype: torch.dtyp
     assert verify.first_argmax(x).tolist() == [x.shape[1] - 1, 0]
 
 
+
+def test_top_k_indices_blocked_matches_topk() -> None:
+    """top_k_indices' blocked pass (many rows on a CPU, issue 30) picks the k greatest logits of every row,
+    greatest first, as torch.topk does: the same values (which of equal logits fills the k-th place may differ),
+    distinct indices, over leading dims, with ties within and across blocks, -inf and NaN rows."""
+    from adaserve.engine.speculation import verify
+
+    gen = torch.Generator().manual_seed(2)
+    for trial in range(60):
+        n, f = int(torch.randint(1, 40, (), generator=gen)), int(torch.randint(1, 4, (), generator=gen))
+        v = verify.ARGMAX_BLOCK * int(torch.randint(1, 70, (), generator=gen)) + (5 if trial % 11 == 0 else 0)
+        k = int(torch.randint(1, 6, (), generator=gen))
+        # odd trials: small integers, ties everywhere
+        x = torch.randint(-3, 3, (n, f, v), generator=gen).float() if trial % 2 else torch.randn(n, f, v, generator=gen)
+        if trial % 3 == 0:
+            x[torch.rand(x.shape, generator=gen) < 0.5] = float("-inf")
+        if trial % 7 == 0:
+            x[0, 0, int(torch.randint(0, v, (), generator=gen))] = float("nan")
+        k = min(k, v)
+        got = verify.top_k_indices(x, k, blocked_min=1)
+        want = torch.topk(x, k, dim=-1)
+        assert got.shape == (n, f, k), trial
+        assert torch.allclose(x.gather(-1, got), want.values, rtol=0, atol=0, equal_nan=True), trial  # exactly
+        assert (got.sort(-1).values.diff(dim=-1) > 0).all(), trial  # k distinct logits of the row
+    x = torch.randn(8, 4096)
+    assert torch.equal(verify.top_k_indices(x, 3), torch.topk(x, 3).indices)  # distinct values: the same indices
+
 def test_root_walk_respects_budget_and_stop() -> None:
     root = TokenTree.root(3)
     assert walk(root, [5], stop_ids=frozenset(), budget=0) == WalkResult([], [0])

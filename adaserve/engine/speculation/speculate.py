@@ -30,7 +30,7 @@ from adaserve.engine.model.levels import BeamLevels
 from adaserve.engine.model.runner import ForwardRecord, ModelRunner, joined_rows
 from adaserve.engine.model.tree import STRICT_DECREASE_EPS, TokenTree
 from adaserve.engine.speculation.grammar import GrammarState
-from adaserve.engine.speculation.verify import first_argmax
+from adaserve.engine.speculation.verify import first_argmax, top_k_indices
 
 # a draft logit the grammar does not allow: finite, so a row's log-softmax and the path sums stay finite (a beam
 # that must take a refused token, with fewer allowed than its width, gets a path probability of exp(-1e30) = 0)
@@ -305,8 +305,8 @@ def _expand_on_device(logits: list[torch.Tensor] | torch.Tensor, base: np.ndarra
         # vocabulary, issue 30); first_argmax's blocked reduction is vectorised. A tie at the top goes to the
         # lowest token id (topk left its order unspecified); the value is the same maximum either way
         picks = first_argmax(x.view(n * f, v), blocked_min=CHAIN_ARGMAX_BLOCKED_MIN).view(n, f, 1)
-    else:
-        picks = torch.topk(x, k_node, dim=-1).indices
+    else:  # blocked on a CPU, where torch.topk is a scalar pass over each row (issue 30)
+        picks = top_k_indices(x, k_node)
     # [n, F, k]: the picks' log-probabilities (one log_softmax pass costs half a logsumexp's on a CPU, issue 30)
     values = torch.log_softmax(x, dim=-1).gather(-1, picks)
     if isinstance(base, np.ndarray):

@@ -1,0 +1,156 @@
+"""Where an iteration's host time goes, function by function (issue 30).
+
+Decodes ``--requests`` requests with speculation (the microbench's ``spec`` mode: the adaserve policy, greedy,
+one torch thread) and wraps each function below in a timer that charges it its own wall time minus the time
+spent inside either model's forward while it ran. Inclusive: a function's figure contains its callees' (the
+table is a tree, not a partition). Prints JSON: per function, milliseconds and calls per iteration, with the
+iteration's total time outside the forwards and the tree shapes drafted.
+
+    PYTHONPATH=. python scripts/host-time-breakdown.py --requests 1 --iterations 1500 > out.json
+
+Each wrapper costs ~1 us a call: the totals read a few percent above ``adaserve microbench``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+from adaserve.bench.engine_only import host_cpu, load_pair, prompts, source_version
+from adaserve.bench.microbench_options import MODES
+from adaserve.engine.config import EngineConfig
+from adaserve.engine.engine import Engine
+from adaserve.engine.request import Phase, Request
+from adaserve.engine.speculation.sampling import SamplingParams
+
+FUNCTIONS = [  # (module, qualified name)
+    ("adaserve.engine.engine", "Engine.step"),
+    ("adaserve.engine.engine", "Engine._speculate_and_select"),
+    ("adaserve.engine.speculation.speculate", "beam_search"),
+    ("adaserve.engine.speculation.speculate", "_expand_on_device"),
+    ("adaserve.engine.speculation.speculate", "build_trees"),
+    ("adaserve.engine.speculation.speculate", "_to_host"),
+    ("adaserve.engine.model.levels", "BeamLevels.__init__"),
+    ("adaserve.engine.model.levels", "BeamLevels.catch_up"),
+    ("adaserve.engine.model.levels", "BeamLevels.forward"),
+    ("adaserve.engine.model.runner", "ModelRunner.forward"),
+    ("adaserve.engine.model.batch", "build_layout"),
+    ("adaserve.engine.model.attention.torch_sdpa", "TorchAttention.plan"),
+    ("adaserve.engine.model.staging", "HostStage.send"),
+    ("adaserve.engine.speculation.policies", "_Adaptive.tree_shape"),
+    ("adaserve.engine.speculation.policies", "AdaServe.select"),
+    ("adaserve.engine.engine", "Engine._calibrated"),
+    ("adaserve.engine.speculation.acceptance", "RankAcceptance.observe_many"),
+    ("adaserve.engine.speculation.verify", "draw_at_nodes"),
+    ("adaserve.engine.speculation.verify", "walk_trees"),
+    ("adaserve.engine.model.kv_cache", "PagedKVCache.move_many"),
+    ("adaserve.engine.model.kv_cache", "PagedKVCache.truncate"),
+    ("adaserve.engine.cost.timing", "OnlineCostModel.observe"),
+    ("adaserve.engine.engine", "Engine._emit"),
+]
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.in_forwards = 0.0  # seconds inside either model's forward so far
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.on = False
+
+    def wrap(self, module: str, qualname: str) -> None:
+        mod = importlib.import_module(module)
+        owner_name, _, name = qualname.rpartition(".")
+        owner = getattr(mod, owner_name) if owner_name else mod
+        fn = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0, f0 = time.perf_counter(), self.in_forwards
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.on:
+                    self.seconds[qualname] += time.perf_counter() - t0 - (self.in_forwards - f0)
+                    self.calls[qualname] += 1
+
+        setattr(owner, name, timed)
+        if not owner_name:  # a module-level function: rebind the names other modules imported
+            for m in list(sys.modules.values()):
+                if getattr(m, "__name__", "").startswith("adaserve") and getattr(m, name, None) is fn:
+                    setattr(m, name, timed)
+
+    def hook(self, model: torch.nn.Module) -> None:
+        start = [0.0]
+
+        def pre(*_: Any) -> None:
+            start[0] = time.perf_counter()
+
+        def post(*_: Any) -> None:
+            self.in_forwards += time.perf_counter() - start[0]
+
+        model.register_forward_pre_hook(pre)
+        model.register_forward_hook(post)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="demo-tiny")
+    ap.add_argument("--requests", type=int, default=1)
+    ap.add_argument("--iterations", type=int, default=1500)
+    ap.add_argument("--max-tokens", type=int, default=1500, help="each request's cap; a batch restarts near it")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    timers = Timers()
+    for module, qualname in FUNCTIONS:
+        timers.wrap(module, qualname)
+    target, draft, tok = load_pair(args.model, "cpu", 512)
+    timers.hook(target.model)
+    timers.hook(draft.model)
+    ids = prompts(tok, args.requests, 128)
+
+    def fresh() -> Engine:
+        eng = Engine(target, draft, EngineConfig(policy=MODES["spec"], max_batch=max(64, args.requests)))
+        for i, p in enumerate(ids):
+            eng.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)))
+        while eng.waiting or any(r.phase is not Phase.DECODE for r in eng.running):
+            eng.step()
+        for _ in range(5):
+            eng.step()
+        return eng
+
+    step_s = 0.0
+    shapes: collections.Counter[str] = collections.Counter()
+    eng = fresh()
+    for _ in range(args.iterations):
+        if eng.running[0].target_kv.length > args.max_tokens - 40:  # restart untimed before anyone finishes
+            for r in list(eng.running):
+                eng.abort(r.request_id)
+            eng = fresh()
+        f0 = timers.in_forwards
+        timers.on = True
+        t0 = time.perf_counter()
+        eng.step()
+        step_s += time.perf_counter() - t0 - (timers.in_forwards - f0)
+        timers.on = False
+        m = eng.history[-1]
+        shapes[f"{m.depth},{m.width}"] += 1
+    n = args.iterations
+    print(json.dumps({
+        "benchmark": "host-time-breakdown", "source": source_version(), "cpu": host_cpu(), "model": args.model,
+        "requests": args.requests, "iterations": n, "threads": 1, "policy": MODES["spec"],
+        "outside_forwards_ms_per_iteration": round(step_s / n * 1e3, 3),
+        "shapes_d_w": dict(shapes.most_common()),
+        "functions": [{"function": k, "ms_per_iteration": round(v / n * 1e3, 3),
+                       "calls_per_iteration": round(timers.calls[k] / n, 2)}
+                      for k, v in timers.seconds.most_common()],
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

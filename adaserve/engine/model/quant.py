@@ -438,7 +438,10 @@ class Int8Head(Int8Linear):
         flat = y.reshape(-1, self.out_features)
         top = flat.float().topk(self.refine, dim=-1).indices  # [R, k]
         rows = self.qweight[top].float() * self.scales32[top][..., None]  # [R, k, K]
-        exact = torch.einsum("rkd,rd->rk", rows, x.reshape(-1, self.in_features).float())
+        # each row's dot products as a product and a sum over K, not ``einsum``: its batched matmul sums in an order
+        # that depends on the number of rows, so a verification's row would differ from the same row decoded
+        # alone (by ~1e-5 here: a greedy near-tie could flip, and losslessness needs every row to be one function)
+        exact = (rows * x.reshape(-1, 1, self.in_features).float()).sum(-1)
         return flat.scatter(1, top, exact.to(flat.dtype)).reshape(y.shape)
 
 

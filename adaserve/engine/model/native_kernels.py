@@ -105,9 +105,10 @@ def mode() -> str:
 def chosen() -> NativeKernels | None:
     """The kernels a new CPU layer should use, or None for torch's. ``on``: wherever they build; ``off`` (the
     default): never; ``auto``: where they build and the CPU has no AVX512-BF16, whose bfloat16 instructions make
-    torch's kernels the faster (docs/benchmarks.md, issue 35). Opt-in for now: with int8 activations the default
-    SmolLM2 answers "What is the capital of France?" with "L'Étoile ..." instead of "Paris" (a near-tie in its
-    first token that the activations' rounding flips), so the served model's quality needs a look first."""
+    torch's kernels the faster (docs/benchmarks.md, issue 35). Opt-in for now: the attention is not bitwise
+    row-invariant (~1e-7), torch's kernels absorb that in their bfloat16 input rounding, these pass it into their
+    float32 block scales and int8 rounding amplifies it, so a verified row can leave the same row decoded alone and
+    greedy speculation stops being lossless in practice (docs/models.md; ``scripts/row-invariance.py``)."""
     how = mode()
     if how == "off" or (how == "auto" and has_avx512_bf16()):
         return None

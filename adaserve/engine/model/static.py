@@ -29,9 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from adaserve.engine.model.attention.base import write_kv
+from adaserve.engine.model.attention.base import grid_sdpa, sum_dtype, write_kv
 from adaserve.engine.model.attention.masks import fill_grid_mask, grid_mask
 from adaserve.engine.model.batch import BatchLayout
 from adaserve.engine.model.kv_cache import PagedKVCache
@@ -92,11 +91,10 @@ class GridAttention:
         qp = q.view(g.g, g.q, *q.shape[1:])
         if layer == 0 or self._bias is None:  # once per forward, not once per layer (SDPA would convert the
             # boolean mask to this very tensor in every layer: the same values, two kernels a layer more)
-            self._bias = torch.zeros(g.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~g.mask, -math.inf)
-        out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
-            attn_mask=self._bias, scale=self.scale, enable_gqa=True,
-        ).transpose(1, 2)  # [G, Q, H, D]
+            dtype = sum_dtype(q.device) or q.dtype  # float64 on a CPU, as the eager path (base.sum_dtype)
+            self._bias = torch.zeros(g.mask.shape, dtype=dtype, device=q.device).masked_fill_(~g.mask, -math.inf)
+        out = grid_sdpa(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), self._bias,
+                        self.scale).transpose(1, 2)  # [G, Q, H, D]
         return out.reshape(q.shape)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from adaserve.engine.model.batch import BatchLayout
 from adaserve.engine.model.kv_cache import PagedKVCache
@@ -32,3 +33,29 @@ def write_kv_into(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
     ``select`` a tensor fewer); a cast only where the dtypes differ (no call that would return k itself)."""
     k_cache.index_copy_(0, slots, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
     v_cache.index_copy_(0, slots, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
+
+
+def sum_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype SDPA sums in on ``device``: float64 on a CPU, the inputs' own elsewhere (None).
+
+    Lossless verification needs a token's logits to be one function of its visible keys, whether the token is
+    decoded alone or verified among other rows. Torch's CPU SDPA is not bitwise so: a row's sums follow the
+    number of query rows, the padded keys and the thread split (~1e-7 of the output). Quantized layers round
+    their input (to bfloat16 for torch's kernels, to int8 for the integer ones), which turns such a difference
+    into a step of their rounding, and greedy outputs part: the default int4 model's plain and speculative
+    answers differed on 4-6 of 16 batched chat prompts within 48 tokens (docs/benchmarks.md, "Row invariance").
+    Summed in float64 and rounded back, a row's float32 output differs only where the float64 sum lies within
+    ~1e-16 of a float32 rounding boundary: 0 of 16 there, on both kernel families."""
+    return torch.float64 if device.type == "cpu" else None
+
+
+def grid_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+              scale: float) -> torch.Tensor:
+    """SDPA over ``[G, H, Q, D]`` grids (GQA), ``bias`` the additive mask already in ``sum_dtype`` where there is
+    one; the output in q's dtype."""
+    wide = sum_dtype(q.device)
+    if wide is None or q.dtype == wide:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q.to(wide), k.to(wide), v.to(wide), attn_mask=bias, scale=scale,
+                                         enable_gqa=True)
+    return out.to(q.dtype)

@@ -20,9 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from adaserve.engine.model.attention.base import write_kv_into
+from adaserve.engine.model.attention.base import grid_sdpa, sum_dtype, write_kv_into
 from adaserve.engine.model.attention.masks import fill_grid_mask, grid_mask
 from adaserve.engine.model.batch import BatchLayout
 from adaserve.engine.model.kv_cache import PagedKVCache
@@ -163,8 +162,9 @@ class TorchAttention:
         if g.full and q.device.type == "cpu":
             return None
         add = self._additive[j]
-        if add is None or add.dtype != q.dtype:
-            add = torch.zeros(g.mask.shape, dtype=q.dtype, device=g.mask.device).masked_fill_(~g.mask, -math.inf)
+        dtype = sum_dtype(q.device) or q.dtype  # what SDPA sums in (base.sum_dtype)
+        if add is None or add.dtype != dtype:
+            add = torch.zeros(g.mask.shape, dtype=dtype, device=g.mask.device).masked_fill_(~g.mask, -math.inf)
             self._additive[j] = add
         return add
 
@@ -186,9 +186,8 @@ class TorchAttention:
         vp = v_cache.index_select(0, slots).view(grid)
         if kp.dtype != q.dtype:
             kp, vp = kp.to(q.dtype), vp.to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
-            attn_mask=self._mask(j, q), scale=self.scale, enable_gqa=True,
-        ).transpose(1, 2)  # [g, Qmax, H, D]
+        # in float64 on a CPU: a row's output then does not follow the grid around it (base.sum_dtype)
+        out = grid_sdpa(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), self._mask(j, q),
+                        self.scale).transpose(1, 2)  # [g, Qmax, H, D]
         out = out.reshape(-1, *out.shape[2:])
         return out if g.rows is None else out[g.rows]

@@ -12,8 +12,8 @@ The C file is compiled once per machine with the system's C compiler (``$CC``, e
 directory (cache_dir.py), keyed by the source, the flags and the compiler, and loaded with ctypes; the OpenMP
 runtime is the one torch already loaded (the same ``libgomp.so.1``), so the kernels use torch's thread count
 without a second pool. Where that cannot happen (not x86-64 Linux, no AVX2/FMA, no compiler, a failed build),
-``kernels()`` returns None and the layers keep torch's kernels. They are opt-in (``ADASERVE_NATIVE_KERNELS=auto``
-or ``on``; see ``chosen`` for why).
+``kernels()`` returns None and the layers keep torch's kernels. By default (``ADASERVE_NATIVE_KERNELS=auto``) they
+serve where they are the faster, a CPU without AVX512-BF16; ``on`` and ``off`` force them (see ``chosen``).
 
 May import torch and cache_dir only: quant.py decides which layers use it.
 """
@@ -35,7 +35,7 @@ import torch
 
 from adaserve.engine.cache_dir import default_cache_dir
 
-ENV = "ADASERVE_NATIVE_KERNELS"  # off (default) | auto | on: see ``chosen``
+ENV = "ADASERVE_NATIVE_KERNELS"  # auto (default) | on | off: see ``chosen``
 SOURCE = Path(__file__).parent / "native" / "q8dot.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 BLOCK = 32  # activation block (and int4 weight group) the kernels take
@@ -96,19 +96,19 @@ def q4_blocks(codes: torch.Tensor) -> torch.Tensor:
 
 
 def mode() -> str:
-    value = os.environ.get(ENV, "off").lower()
+    value = os.environ.get(ENV, "auto").lower()
     if value not in ("auto", "on", "off"):
         raise ValueError(f"{ENV}={value!r}: use auto, on or off")
     return value
 
 
 def chosen() -> NativeKernels | None:
-    """The kernels a new CPU layer should use, or None for torch's. ``on``: wherever they build; ``off`` (the
-    default): never; ``auto``: where they build and the CPU has no AVX512-BF16, whose bfloat16 instructions make
-    torch's kernels the faster (docs/benchmarks.md, issue 35). Opt-in for now: the attention is not bitwise
-    row-invariant (~1e-7), torch's kernels absorb that in their bfloat16 input rounding, these pass it into their
-    float32 block scales and int8 rounding amplifies it, so a verified row can leave the same row decoded alone and
-    greedy speculation stops being lossless in practice (docs/models.md; ``scripts/row-invariance.py``)."""
+    """The kernels a new CPU layer should use, or None for torch's. ``auto`` (the default): where they build and
+    the CPU has no AVX512-BF16, whose bfloat16 instructions make torch's kernels the faster (docs/benchmarks.md,
+    issue 35); ``on``: wherever they build; ``off``: never. The served model is then the one with int8 activations
+    (llama.cpp's on the same GGUF: docs/models.md); speculation stays lossless against it because the attention
+    sums in float64 on a CPU (attention/base.py: without that, a verified row's ~1e-7 difference passed into the
+    block scales and the int8 rounding amplified it)."""
     how = mode()
     if how == "off" or (how == "auto" and has_avx512_bf16()):
         return None

@@ -9,7 +9,7 @@ float dtype). The kernels are torch's own (the layout gpt-fast uses), so there i
            CPU:  _convert_weight_to_int4pack_for_cpu / _weight_int4pack_mm_for_cpu
            CUDA: _convert_weight_to_int4pack / _weight_int4pack_mm (bfloat16 activations)
 
-Opt-in (``ADASERVE_NATIVE_KERNELS=auto``: on a CPU without AVX512-BF16; ``native_kernels.chosen``), both kinds
+By default on a CPU without AVX512-BF16 (``ADASERVE_NATIVE_KERNELS=auto``; ``native_kernels.chosen``), both kinds
 run instead on integer kernels built from
 ``native/q8dot.c``: the activations are quantized to int8 per block of 32, as llama.cpp does, and the products
 are exact integer sums (native_kernels.py). There torch's bfloat16 kernels have no bfloat16 instructions; the

@@ -14,6 +14,7 @@ from adaserve.engine.build import build_engine
 from adaserve.engine.loading import catalog
 from adaserve.engine.request import Request
 from adaserve.engine.speculation.sampling import SamplingParams
+from tests.engine.helpers import use_cpu_kernels
 from tests.models import smollm2_pair
 
 PROMPTS = ("What is the capital of France?", "Write a Python function that reverses a list.")
@@ -93,13 +94,8 @@ def test_int4_speculation_on_a_batch_equals_plain_decoding(kernels: str, monkeyp
     from adaserve.bench.workload import chat_prompts, humaneval_prompts
     from adaserve.engine.loading.chat import instruction_ids
     from adaserve.engine.loading.loader import load_tokenizer
-    from adaserve.engine.model import native_kernels
 
-    if kernels == "native" and native_kernels.kernels() is None:
-        if native_kernels.supported_cpu():
-            pytest.fail("the integer kernels did not build on a CPU that takes them (is a C compiler installed?)")
-        pytest.skip("the integer kernels need x86-64 Linux with AVX2 and FMA")
-    monkeypatch.setenv(native_kernels.ENV, "on" if kernels == "native" else "off")
+    use_cpu_kernels(kernels, monkeypatch)
     pair = catalog.resolve(catalog.DEFAULT_MODEL, progress=False, weights="int4")
     tok = load_tokenizer(pair.target)
     prompts = [instruction_ids(tok, p)[-256:] for p in (*chat_prompts()[:8], *humaneval_prompts()[:8])]

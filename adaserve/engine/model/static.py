@@ -23,14 +23,13 @@ the key length, because the torch attention reads a dense key grid instead of a 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from adaserve.engine.model.attention.base import grid_sdpa, sum_dtype, write_kv
+from adaserve.engine.model.attention.base import additive_mask, grid_sdpa, write_kv
 from adaserve.engine.model.attention.masks import fill_grid_mask, grid_mask
 from adaserve.engine.model.batch import BatchLayout
 from adaserve.engine.model.kv_cache import PagedKVCache
@@ -86,13 +85,12 @@ class GridAttention:
         g = self.grid
         write_kv(layer, k, v, cache, g.write_slots)
         grid, slots = (*g.key_slots.shape, *cache.k.shape[2:]), g.key_slots.view(-1)  # index_select: see torch_sdpa
-        kp = cache.k[layer].index_select(0, slots).view(grid).to(q.dtype)  # [G, K, Hkv, D]
-        vp = cache.v[layer].index_select(0, slots).view(grid).to(q.dtype)
+        kp = cache.k[layer].index_select(0, slots).view(grid)  # [G, K, Hkv, D], cast in grid_sdpa
+        vp = cache.v[layer].index_select(0, slots).view(grid)
         qp = q.view(g.g, g.q, *q.shape[1:])
         if layer == 0 or self._bias is None:  # once per forward, not once per layer (SDPA would convert the
             # boolean mask to this very tensor in every layer: the same values, two kernels a layer more)
-            dtype = sum_dtype(q.device) or q.dtype  # float64 on a CPU, as the eager path (base.sum_dtype)
-            self._bias = torch.zeros(g.mask.shape, dtype=dtype, device=q.device).masked_fill_(~g.mask, -math.inf)
+            self._bias = additive_mask(g.mask, q)  # float64 on a CPU, as the eager path (base.sum_dtype)
         out = grid_sdpa(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), self._bias,
                         self.scale).transpose(1, 2)  # [G, Q, H, D]
         return out.reshape(q.shape)

@@ -13,7 +13,6 @@ from safetensors.torch import save_file
 from adaserve.engine.config import EngineConfig
 from adaserve.engine.engine import Engine
 from adaserve.engine.loading.loader import load_model
-from adaserve.engine.model import native_kernels
 from adaserve.engine.model.kv_cache import KVCacheConfig
 from adaserve.engine.model.quant import (
     KERNEL_DTYPE,
@@ -32,6 +31,7 @@ from adaserve.engine.model.quant import (
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.request import Request
 from adaserve.engine.speculation.sampling import SamplingParams
+from tests.engine.helpers import use_cpu_kernels
 
 CPU = torch.device("cpu")
 # The kernels take bfloat16 activations and (int4) a bfloat16 scale/zero table, and return bfloat16: against
@@ -45,11 +45,7 @@ REL_TOL = 1e-2
 @pytest.fixture(autouse=True, params=["torch", "native"])
 def cpu_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test here on both CPU kernel families: torch's bfloat16 kernels and the integer ones."""
-    if request.param == "native" and native_kernels.kernels() is None:
-        if native_kernels.supported_cpu():
-            pytest.fail("the integer kernels did not build on a CPU that takes them (is a C compiler installed?)")
-        pytest.skip("the integer kernels need x86-64 Linux with AVX2 and FMA")
-    monkeypatch.setenv(native_kernels.ENV, "on" if request.param == "native" else "off")
+    use_cpu_kernels(str(request.param), monkeypatch)
     return str(request.param)
 
 

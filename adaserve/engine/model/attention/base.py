@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -49,13 +50,18 @@ def sum_dtype(device: torch.device) -> torch.dtype | None:
     return torch.float64 if device.type == "cpu" else None
 
 
+def additive_mask(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """A boolean mask as SDPA adds it, 0 / -inf, in the dtype ``grid_sdpa`` sums q's rows in (made once a forward
+    and reused by every layer: SDPA would rebuild this very tensor from the boolean one in each)."""
+    dtype = sum_dtype(q.device) or q.dtype
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
+
+
 def grid_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
               scale: float) -> torch.Tensor:
-    """SDPA over ``[G, H, Q, D]`` grids (GQA), ``bias`` the additive mask already in ``sum_dtype`` where there is
-    one; the output in q's dtype."""
-    wide = sum_dtype(q.device)
-    if wide is None or q.dtype == wide:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
-    out = F.scaled_dot_product_attention(q.to(wide), k.to(wide), v.to(wide), attn_mask=bias, scale=scale,
+    """SDPA over ``[G, H, Q, D]`` grids (GQA), ``bias`` from ``additive_mask`` or None; q, k and v are cast to
+    ``sum_dtype`` (q's own dtype on a GPU) here, once, and the output comes back in q's dtype."""
+    dtype = sum_dtype(q.device) or q.dtype
+    out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=bias, scale=scale,
                                          enable_gqa=True)
     return out.to(q.dtype)

@@ -15,13 +15,12 @@ runs without one on a CPU; keys and values are gathered by ``index_select``. Non
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from adaserve.engine.model.attention.base import grid_sdpa, sum_dtype, write_kv_into
+from adaserve.engine.model.attention.base import additive_mask, grid_sdpa, sum_dtype, write_kv_into
 from adaserve.engine.model.attention.masks import fill_grid_mask, grid_mask
 from adaserve.engine.model.batch import BatchLayout
 from adaserve.engine.model.kv_cache import PagedKVCache
@@ -152,9 +151,9 @@ class TorchAttention:
         return out
 
     def _mask(self, j: int, q: torch.Tensor) -> torch.Tensor | None:
-        """Group j's mask as SDPA takes it: the additive 0 / -inf mask in q's dtype, made by the first layer and
-        reused by the others (SDPA turns a boolean mask into exactly this one, ``where(mask, 0, -inf)``, on every
-        call: the same values, a few ops a layer fewer, as static.GridAttention does). On a CPU, none at all
+        """Group j's mask as SDPA takes it: the additive 0 / -inf mask (``base.additive_mask``), made by the first
+        layer and reused by the others (SDPA turns a boolean mask into exactly this one, ``where(mask, 0, -inf)``,
+        on every call: the same values, a few ops a layer fewer, as static.GridAttention does). On a CPU, none at all
         where every cell is true (a lone decode step): the CPU flash kernel adds the mask to the scores, and
         adding 0 leaves them as they are, so a row's output is bitwise the same with or without it
         (tests/engine/model/test_sdpa_masks.py); a GPU could pick another kernel without one, so it keeps it."""
@@ -162,10 +161,8 @@ class TorchAttention:
         if g.full and q.device.type == "cpu":
             return None
         add = self._additive[j]
-        dtype = sum_dtype(q.device) or q.dtype  # what SDPA sums in (base.sum_dtype)
-        if add is None or add.dtype != dtype:
-            add = torch.zeros(g.mask.shape, dtype=dtype, device=g.mask.device).masked_fill_(~g.mask, -math.inf)
-            self._additive[j] = add
+        if add is None or add.dtype != (sum_dtype(q.device) or q.dtype):
+            add = self._additive[j] = additive_mask(g.mask, q)
         return add
 
     def _attend(self, j: int, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -184,9 +181,8 @@ class TorchAttention:
         slots = g.key_slots.reshape(-1)
         kp = k_cache.index_select(0, slots).view(grid)  # [g, Kmax, Hkv, D]
         vp = v_cache.index_select(0, slots).view(grid)
-        if kp.dtype != q.dtype:
-            kp, vp = kp.to(q.dtype), vp.to(q.dtype)
-        # in float64 on a CPU: a row's output then does not follow the grid around it (base.sum_dtype)
+        # k and v cast once, in grid_sdpa, to what the sums run in: float64 on a CPU, so that a row's output
+        # does not follow the grid around it (base.sum_dtype)
         out = grid_sdpa(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), self._mask(j, q),
                         self.scale).transpose(1, 2)  # [g, Qmax, H, D]
         out = out.reshape(-1, *out.shape[2:])

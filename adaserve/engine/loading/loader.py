@@ -151,7 +151,7 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | N
     if swapped:  # served quantized: the head and embedding in int8 too, q/k/v and gate/up joined (quant.py)
         quantize_head(model)
         model.fuse_projections()
-        model.use_native_norms()
+        model.use_native_kernels()
         own_memory(model)
     elif device.type == "cuda":  # float on a GPU: q/k/v and gate/up joined, fewer kernels a forward (issue 30)
         model.fuse_projections()

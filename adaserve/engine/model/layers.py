@@ -57,7 +57,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        # a model served on the integer kernels normalises with them too (quant.use_native_norms): one call,
+        # a model served on the integer kernels normalises with them too (CausalLM.use_native_kernels): one call,
         # not torch's ~9-op composite, on every row alike
         self.native: NativeKernels | None = None
 
@@ -162,6 +162,8 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(cfg)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # the integer kernels the model is served on (use_native_kernels), or None: its attention backends read it
+        self.native: NativeKernels | None = None
         # seconds spent in ``forward``, summed: the engine's time outside forwards is the rest of an
         # iteration (StepMetrics.t_forward_s). CUDA forwards are timed by events, never synchronised.
         self.timer = DeviceTimer()
@@ -191,12 +193,14 @@ class CausalLM(nn.Module):
                 if mlp.gate_up_proj is not None:
                     mlp.gate_proj = mlp.up_proj = None
 
-    def use_native_norms(self) -> None:
-        """Served on the integer kernels (quant.py, native_kernels.py): the norms use them too. A model on
-        torch's kernels, or float, is left as it is."""
+    def use_native_kernels(self) -> None:
+        """Served on the integer kernels (quant.py, native_kernels.py): the norms use them too, and so does
+        attention (``self.native``, read by the CPU attention backends: native/attend.c). A model on torch's
+        kernels, or float, is left as it is."""
         native = next((m.native for m in self.modules() if isinstance(m, QuantLinear) and m.native is not None),
                       None)
         if native is not None:
+            self.native = native
             for m in self.modules():
                 if isinstance(m, RMSNorm):
                     m.native = native

@@ -34,6 +34,7 @@ from adaserve.engine.model.attention.masks import fill_grid_mask, grid_mask
 from adaserve.engine.model.batch import BatchLayout
 from adaserve.engine.model.kv_cache import PagedKVCache
 from adaserve.engine.model.layers import CausalLM
+from adaserve.engine.model.native_kernels import NativeKernels
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_KEYS = 64
@@ -72,9 +73,10 @@ class GridAttention:
 
     name = "grid"
 
-    def __init__(self, grid: Grid, *, head_dim: int) -> None:
+    def __init__(self, grid: Grid, *, head_dim: int, native: NativeKernels | None = None) -> None:
         self.grid = grid
         self.scale = head_dim**-0.5
+        self.native = native  # a model on the integer kernels attends with them, as the eager torch backend does
         self._bias: torch.Tensor | None = None  # the mask as 0 / -inf, made by the forward's first layer
 
     def plan(self, layout: BatchLayout, cache: PagedKVCache) -> None:  # the grid is filled by StaticForward
@@ -84,6 +86,9 @@ class GridAttention:
                 cache: PagedKVCache) -> torch.Tensor:
         g = self.grid
         write_kv(layer, k, v, cache, g.write_slots)
+        if self.native is not None:
+            return self.native.attend(q.view(g.g, g.q, *q.shape[1:]), cache.k[layer], cache.v[layer], g.key_slots,
+                                      g.mask[:, 0], self.scale)
         grid, slots = (*g.key_slots.shape, *cache.k.shape[2:]), g.key_slots.view(-1)  # index_select: see torch_sdpa
         kp = cache.k[layer].index_select(0, slots).view(grid)  # [G, K, Hkv, D], cast in grid_sdpa
         vp = cache.v[layer].index_select(0, slots).view(grid)
@@ -214,7 +219,7 @@ class StaticForward:
     # ---- running: the function, eagerly or as a captured graph ---------------------------------------
     def _function(self, grid: Grid) -> Callable[[], torch.Tensor]:
         """What a graph captures: the model over the grid's buffers (untimed: the replay is timed)."""
-        attention = GridAttention(grid, head_dim=self.model.cfg.head_dim)
+        attention = GridAttention(grid, head_dim=self.model.cfg.head_dim, native=self.model.native)
 
         def run() -> torch.Tensor:
             return self.model._logits(grid.ids, grid.positions, attention, self.cache, None)
@@ -224,7 +229,7 @@ class StaticForward:
     def _runner(self, grid: Grid) -> Callable[[], None]:
         """The eager call goes through the module (its timer, and any hooks on it); a replay is timed alone."""
         if not self.graphs:
-            attention = GridAttention(grid, head_dim=self.model.cfg.head_dim)
+            attention = GridAttention(grid, head_dim=self.model.cfg.head_dim, native=self.model.native)
 
             def eager() -> None:
                 grid.logits = self.model(grid.ids, grid.positions, backend=attention, cache=self.cache)

@@ -138,3 +138,104 @@ def test_the_mode_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setenv(nk.ENV, "fast")
     with pytest.raises(ValueError, match="ADASERVE_NATIVE_KERNELS='fast': use auto, on or off"):
         nk.chosen()
+
+
+def test_a_vnni_build_gives_bitwise_the_avx2_builds_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            kernels: nk.NativeKernels) -> None:
+    """VNNI forms each block's eight lanes of four exact products in one instruction: the same integers, so the
+    same floats after. Both builds run here only where the CPU has VNNI."""
+    vnni = nk.build_flags()
+    if vnni == nk.FLAGS:
+        pytest.skip("this CPU has no VNNI: only the AVX2 build can run")
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    cc = nk.shutil.which("cc") or nk.shutil.which("gcc")
+    assert cc is not None
+    builds = [nk._built(cc, "test", flags)[0] for flags in (nk.FLAGS, vnni)]
+    assert all(b is not None for b in builds) and builds[0] != builds[1]
+    avx2, fast = (nk.load(b) for b in builds if b is not None)
+    torch.manual_seed(5)
+    n, k = 64, 256
+    x = torch.randn(9, k)
+    x[0] = 5.0  # every activation code +127, against the largest weight codes
+    codes = torch.randint(0, 16, (n, k))
+    codes[0] = 15
+    q4 = (nk.q4_blocks(codes), torch.rand(n, k // 32), torch.randn(n, k // 32))
+    w8, c8 = torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n)
+    w8[0] = -128
+    for m in (1, 4, 9):
+        assert torch.equal(fast.mm_q4(x[:m].contiguous(), *q4), avx2.mm_q4(x[:m].contiguous(), *q4))
+        assert torch.equal(fast.mm_q8(x[:m].contiguous(), w8, c8), avx2.mm_q8(x[:m].contiguous(), w8, c8))
+
+
+def test_a_failed_vnni_build_falls_back_to_avx2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str], kernels: nk.NativeKernels) -> None:
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(nk, "_loaded", {})
+    monkeypatch.setattr(nk, "build_flags", lambda: (*nk.FLAGS, "-mno-such-option"))  # an older compiler's refusal
+    lib = nk.kernels()
+    assert lib is not None and lib.path.parent == tmp_path / "native"
+    assert [p.name for p in (tmp_path / "native").iterdir()] == [lib.path.name]
+    assert "did not build" not in capsys.readouterr().err
+    x, w, c = torch.randn(2, 64), torch.randint(-127, 128, (8, 64), dtype=torch.int8), torch.rand(8)
+    assert torch.equal(lib.mm_q8(x, w, c), kernels.mm_q8(x, w, c))
+
+
+def paged_reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, key_slots: torch.Tensor,
+                    mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """The attention ``attend`` states, in float64 by SDPA: q [G, Q, H, D] -> [G * Q, H, D]."""
+    g, rows, h, d = q.shape
+    k, v = (c[key_slots].double() for c in (kc, vc))  # [G, K, Hkv, D]
+    m = torch.ones(g, rows, key_slots.shape[1], dtype=torch.bool) if mask is None else mask
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.double().transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=m[:, None], scale=scale,
+        enable_gqa=True)
+    return out.transpose(1, 2).reshape(g * rows, h, d).float()
+
+
+def test_attention_is_softmax_over_the_visible_keys(kernels: nk.NativeKernels) -> None:
+    torch.manual_seed(6)
+    g, rows, h, hkv, d, k, slots = 3, 5, 6, 2, 64, 40, 200
+    kc, vc = torch.randn(slots, hkv, d), torch.randn(slots, hkv, d)
+    key_slots = torch.randperm(slots)[: g * k].reshape(g, k)
+    mask = torch.rand(g, rows, k) < 0.6
+    mask[:, :, 0] = True
+    q = torch.randn(g, rows, h, d) * 2
+    for m in (mask, None):
+        torch.testing.assert_close(kernels.attend(q, kc, vc, key_slots, m, 0.125),
+                                   paged_reference(q, kc, vc, key_slots, m, 0.125), rtol=2e-5, atol=2e-6)
+    # a row that sees nothing: zeros (no NaN into the layers after)
+    mask[1, 2] = False
+    assert kernels.attend(q, kc, vc, key_slots, mask, 0.125).reshape(g, rows, h, d)[1, 2].eq(0).all()
+    # rows strided as a fused q/k/v product leaves them: q is a slice of a wider row
+    wide = torch.randn(g * rows, h + 2 * hkv, d)
+    qs = wide[:, :h].view(g, rows, h, d)
+    torch.testing.assert_close(kernels.attend(qs, kc, vc, key_slots, mask, 0.125),
+                               kernels.attend(qs.contiguous(), kc, vc, key_slots, mask, 0.125), rtol=0, atol=0)
+
+
+def test_a_rows_attention_depends_only_on_the_keys_it_sees(kernels: nk.NativeKernels) -> None:
+    """The same token decoded alone (its keys, no mask) and verified in a wider grid (the same keys among masked
+    ones, padded rows, other rows, two threads): bitwise the same output."""
+    torch.manual_seed(7)
+    h, hkv, d, slots = 9, 3, 64, 300
+    kc, vc = torch.randn(slots, hkv, d), torch.randn(slots, hkv, d)
+    visible = torch.tensor(sorted(torch.randperm(slots)[:57].tolist()))
+    q = torch.randn(1, 1, h, d)
+    alone = kernels.attend(q, kc, vc, visible[None], None, 0.125)
+    k = 90
+    key_slots = torch.randint(0, slots, (4, k))
+    cols = torch.tensor(sorted(torch.randperm(k)[:57].tolist()))
+    key_slots[2, cols] = visible
+    mask = torch.rand(4, 6, k) < 0.5
+    mask[2, 3] = False
+    mask[2, 3, cols] = True
+    grid_q = torch.randn(4, 6, h, d)
+    grid_q[2, 3] = q[0, 0]
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            got = kernels.attend(grid_q, kc, vc, key_slots, mask, 0.125).reshape(4, 6, h, d)[2, 3]
+            assert torch.equal(got, alone[0]), t
+    finally:
+        torch.set_num_threads(threads)

@@ -148,7 +148,7 @@ def test_loader_weights_option_on_a_float_checkpoint(target_dir: Path, weights: 
         assert mlp.gate_up_proj is not None and mlp.gate_proj is None
         assert (attn.qkv_proj is None) == (attn.q_proj is not None)  # joined, or (int4, k/v of 32 rows) apart
         assert weight_bytes(model) < weight_bytes(load_model(target_dir, device=CPU)) / 3
-        # on the integer kernels the norms use them too (layers.CausalLM.use_native_norms)
+        # on the integer kernels the norms use them too (layers.CausalLM.use_native_kernels)
         assert (model.model.norm.native is not None) == (cpu_kernels == "native")
     else:
         assert not isinstance(model.lm_head, QuantLinear) and model.model.norm.native is None

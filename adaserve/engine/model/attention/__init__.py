@@ -9,6 +9,7 @@ import torch
 from adaserve.engine.model.attention.base import AttentionBackend
 from adaserve.engine.model.attention.torch_sdpa import TorchAttention
 from adaserve.engine.model.config import ModelConfig
+from adaserve.engine.model.native_kernels import NativeKernels
 
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")  # auto: flashinfer on CUDA when installed, else torch
 BACKENDS = ATTENTION_BACKENDS
@@ -28,10 +29,12 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     return name
 
 
-def make_backend(name: str, cfg: ModelConfig, device: torch.device) -> AttentionBackend:
+def make_backend(name: str, cfg: ModelConfig, device: torch.device, *,
+                 native: NativeKernels | None = None) -> AttentionBackend:
+    """``native``: the integer kernels a CPU model is served on; the torch backend then attends with them."""
     resolved = resolve_backend_name(name, device)
     if resolved == "flashinfer":
         from adaserve.engine.model.attention.flashinfer_paged import FlashInferAttention
 
         return FlashInferAttention(cfg, device=device)
-    return TorchAttention(head_dim=cfg.head_dim, sliding_window=cfg.sliding_window)
+    return TorchAttention(head_dim=cfg.head_dim, sliding_window=cfg.sliding_window, native=native)

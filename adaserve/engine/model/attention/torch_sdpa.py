@@ -11,6 +11,10 @@ its op count on a CPU): the mask goes to SDPA in the additive form SDPA would ot
 boolean one in every layer, made once a forward; a group whose every row sees every key (a lone decode step)
 runs without one on a CPU; keys and values are gathered by ``index_select``. None of it changes a bit
 (tests/engine/model/test_sdpa_masks.py).
+
+A model served on the integer kernels (``native``, native_kernels.py) attends with their ``attend`` instead: the
+same grid, keys read straight from the cache by slot, each row a function of the keys it sees alone (no float64
+sums needed for that), one call a layer where SDPA takes casts, a gather and its own set-up.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from adaserve.engine.model.attention.base import additive_mask, grid_sdpa, sum_d
 from adaserve.engine.model.attention.masks import fill_grid_mask, grid_mask
 from adaserve.engine.model.batch import BatchLayout
 from adaserve.engine.model.kv_cache import PagedKVCache
+from adaserve.engine.model.native_kernels import NativeKernels
 
 # A group with more query rows than this splits off segments with at most 1/SPLIT_RATIO of its rows:
 # decoding trees (up to a few dozen nodes) share one SDPA call, a prefill chunk gets its own.
@@ -58,9 +63,11 @@ class _Group:
 class TorchAttention:
     name = "torch"
 
-    def __init__(self, *, head_dim: int, sliding_window: int | None = None) -> None:
+    def __init__(self, *, head_dim: int, sliding_window: int | None = None,
+                 native: NativeKernels | None = None) -> None:
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
+        self.native = native  # the integer kernels' attention (module docstring), or None for SDPA
         self._write_slots: torch.Tensor | None = None  # [T] the planned forward's cache slots for its K/V
         self._groups: list[_Group] = []
         self._cols: torch.Tensor | None = None  # arange(Kmax) on the device, grown as needed
@@ -177,6 +184,9 @@ class TorchAttention:
         # the keys' slots gathered by index_select on the flat slot list: the same copy as advanced indexing,
         # in fewer dispatcher steps
         k_cache, v_cache = kv
+        if self.native is not None:
+            out = self.native.attend(qp, k_cache, v_cache, g.key_slots, None if g.full else g.mask[:, 0], self.scale)
+            return out if g.rows is None else out[g.rows]
         grid = (*g.key_slots.shape, *k_cache.shape[1:])
         slots = g.key_slots.reshape(-1)
         kp = k_cache.index_select(0, slots).view(grid)  # [g, Kmax, Hkv, D]

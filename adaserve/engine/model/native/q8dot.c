@@ -8,7 +8,9 @@
  *     int8   W[n, k] = c[n] * q[n, k],  q int8                        (one scale per output row)
  *            y[r, n] = c[n] * sum_g s[r, g] (q . a)_g
  * The products within a block, (q . a)_g, are integers, exact in any order (_mm256_maddubs_epi16 then
- * _mm256_madd_epi16: |15 * 127 * 2| and |127 * 127 * 2| fit int16). Every (r, n) is computed by one thread in one
+ * _mm256_madd_epi16: |15 * 127 * 2| and |127 * 127 * 2| fit int16; or, where the CPU has VNNI and the build
+ * enables it, _mm256_dpbusd_epi32, which forms the same eight lanes of four products in one instruction: the
+ * results are bitwise those of the AVX2 build). Every (r, n) is computed by one thread in one
  * fixed sequence of float operations (eight lanes accumulated over the blocks in order, then one horizontal sum),
  * whatever the number of rows M, the row blocking and the thread count, so a row's result never depends on the
  * batch it came in: the property lossless speculation needs. Built with -ffp-contract=off so that the compiler
@@ -34,7 +36,7 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-/* (q . a) of one block as eight int32 lanes, converted to float; q unsigned 0..15 (or |w|), a signed */
+/* the largest of eight lanes */
 static inline float hmax8(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -42,9 +44,17 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
+/* (q . a) of one block as eight int32 lanes, converted to float; q unsigned 0..15 (or |w|), a signed */
 static inline __m256 block_dot(__m256i q, __m256i a) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    /* one instruction for the two below, the same eight lanes: each the exact sum of four adjacent products */
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), q, a));
+#elif defined(__AVXVNNI__)
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, a));
+#else
     const __m256i ones = _mm256_set1_epi16(1);
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, a), ones));
+#endif
 }
 
 static inline __m256i unpack_q4(const uint8_t *p) {

@@ -52,6 +52,7 @@ import torch
 from adaserve.engine.build import build_engine
 from adaserve.engine.loading.catalog import DEFAULT_MODEL, resolve, smollm2_gguf
 from adaserve.engine.loading.chat import instruction_ids
+from adaserve.engine.model import native_kernels
 from adaserve.engine.model.quant import served_weights, weight_bytes
 from adaserve.engine.request import Request
 from adaserve.engine.speculation.sampling import SamplingParams
@@ -204,6 +205,8 @@ def worker_cell(weights: str, kv_mb: int) -> dict[str, Any]:
 
 
 def machine(device: str = "cpu") -> dict[str, Any]:
+    from adaserve.bench.engine_only import source_version  # here: the memory cells' children do not import it
+
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "") if Path("/proc/cpuinfo").is_file() else ""
     return {
@@ -213,6 +216,11 @@ def machine(device: str = "cpu") -> dict[str, Any]:
         "torch": torch.__version__,
         "cores": os.cpu_count(),
         "load_average_at_end": os.getloadavg(),
+        "source": source_version(),
+        # which CPU kernels the quantized layers ran on (ADASERVE_NATIVE_KERNELS and what it chose here)
+        "cpu_kernels": {"mode": native_kernels.mode(),
+                        "chosen": "integer" if native_kernels.chosen() is not None else "torch",
+                        "flags": list(native_kernels.build_flags()) if native_kernels.supported_cpu() else []},
     }
 
 

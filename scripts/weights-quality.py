@@ -137,7 +137,8 @@ def main() -> None:
     print(json.dumps({"model": "smollm2-135m-instruct", "threads": 1, "texts_per_kind": a.texts,
                       "max_tokens": a.max_tokens, "command": " ".join(["python", "scripts/weights-quality.py",
                                                                         *sys.argv[1:]]),
-                      "native_kernels_note": "int8 activations; auto picks them only on CPUs without AVX512-BF16",
+                      "native_kernels_note": ("int8 activations; auto picks them wherever they build (before the "
+                                             "twenty-fourth session: only on CPUs without AVX512-BF16)"),
                       "options": table}, indent=1))
 
 

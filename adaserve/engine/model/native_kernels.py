@@ -1,19 +1,26 @@
-"""Integer dot-product kernels for quantized layers on CPUs with AVX2 (``native/q8dot.c``), built at first use.
+"""CPU kernels for models served quantized, on x86-64 with AVX2, built at first use: integer dot products for the
+quantized layers (``native/q8dot.c``), RMSNorm, and attention over the paged cache (``native/attend.c``).
 
-Why: torch's CPU int4 and int8 kernels run on bfloat16 activations, and a CPU without AVX512-BF16 has no
-bfloat16 arithmetic: there they are ~70% of a lone int4 decode step, and llama.cpp is ~2.5x faster on the same
-GGUF (docs/benchmarks.md). llama.cpp quantizes the activations to int8 in blocks of 32 and multiplies integers
-(``maddubs``); these kernels do the same, so a block's products are exact integers and every output is computed
-in one fixed order, whatever the batch (the C file's comment gives the maths). The served function is then that
-of int8 activations, not bfloat16 ones: another quantized model, equally the target of every path (decode,
-prefill, verification), so speculation stays lossless against it.
+Why: torch's CPU int4 and int8 kernels run on bfloat16 activations. A CPU without AVX512-BF16 has no bfloat16
+arithmetic (there they are ~70% of a lone int4 decode step, and llama.cpp is ~2.5x faster on the same GGUF), and
+one with it still runs a lone int4 step ~1.5x slower on them than on these (docs/benchmarks.md). llama.cpp
+quantizes the activations to int8 in blocks of 32 and multiplies integers (``maddubs``); these kernels do the
+same, so a block's products are exact integers and every output is computed in one fixed order, whatever the
+batch (the C file's comment gives the maths). The served function is then that of int8 activations, not
+bfloat16 ones: another quantized model, equally the target of every path (decode, prefill, verification), so
+speculation stays lossless against it.
 
-The C file is compiled once per machine with the system's C compiler (``$CC``, else ``cc``) into the cache
-directory (cache_dir.py), keyed by the source, the flags and the compiler, and loaded with ctypes; the OpenMP
-runtime is the one torch already loaded (the same ``libgomp.so.1``), so the kernels use torch's thread count
-without a second pool. Where that cannot happen (not x86-64 Linux, no AVX2/FMA, no compiler, a failed build),
-``kernels()`` returns None and the layers keep torch's kernels. By default (``ADASERVE_NATIVE_KERNELS=auto``) they
-serve where they are the faster, a CPU without AVX512-BF16; ``on`` and ``off`` force them (see ``chosen``).
+Attention has its own kernel because torch's CPU SDPA sums a row in an order that follows the grid around it,
+which the int8 rounding of the next layer's input turns into different tokens (attention/base.py); attend.c
+computes a row from the keys it sees alone, in float32, in one call a layer.
+
+The C files are compiled once per machine with the system's C compiler (``$CC``, else ``cc``) into the cache
+directory (cache_dir.py), keyed by the sources, the flags (VNNI added where the CPU has it) and the compiler,
+and loaded with ctypes; the OpenMP runtime is the one torch already loaded (the same ``libgomp.so.1``), so the
+kernels use torch's thread count without a second pool. Where that cannot happen (not x86-64 Linux, no
+AVX2/FMA, no compiler, a failed build), ``kernels()`` returns None and the layers keep torch's kernels. By
+default (``ADASERVE_NATIVE_KERNELS=auto``) they serve wherever they build; ``off`` keeps torch's kernels (see
+``chosen``).
 
 May import torch and cache_dir only: quant.py decides which layers use it.
 """
@@ -128,20 +135,13 @@ def mode() -> str:
 
 
 def chosen() -> NativeKernels | None:
-    """The kernels a new CPU layer should use, or None for torch's. ``auto`` (the default): where they build and
-    the CPU has no AVX512-BF16, whose bfloat16 instructions make torch's kernels the faster (docs/benchmarks.md,
-    issue 35); ``on``: wherever they build; ``off``: never. The served model is then the one with int8 activations
-    (llama.cpp's on the same GGUF: docs/models.md); speculation stays lossless against it because the attention
-    sums in float64 on a CPU (attention/base.py: without that, a verified row's ~1e-7 difference passed into the
-    block scales and the int8 rounding amplified it)."""
-    how = mode()
-    if how == "off" or (how == "auto" and has_avx512_bf16()):
-        return None
-    return kernels()
-
-
-def has_avx512_bf16() -> bool:
-    return "avx512_bf16" in _cpu_flags()
+    """The kernels a new CPU layer should use, or None for torch's. ``auto`` (the default) and ``on``: wherever
+    they build; ``off``: never. Every CPU measured runs a lone int4 step faster on them: an AVX2-only EPYC 1.7-2.2x,
+    an AVX512-BF16 EPYC 1.5x, where torch's kernels have bfloat16 instructions (docs/benchmarks.md, issue 35; an
+    AMX Xeon was not measured with them). The served model is then the one with int8 activations (llama.cpp's on
+    the same GGUF: docs/models.md); speculation stays lossless against it because every row of every layer is one
+    function of its own inputs, attention included (attend.c)."""
+    return None if mode() == "off" else kernels()
 
 
 def _cpu_flags() -> set[str]:

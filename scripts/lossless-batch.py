@@ -2,9 +2,12 @@
 
 The first ``--requests`` chat and coding prompts (half each, their last 256 tokens) arrive together and are
 decoded greedily, ``--tokens`` each, by ``incremental`` and by each speculative policy; a request "parts" where
-its tokens differ from plain decoding's. Prints JSON.
+its tokens differ from plain decoding's (adaserve/bench/lossless_batch.py, the loop CI's test runs too). Prints
+JSON. ``--kernels`` picks a CPU's kernel family; ``--device cuda`` runs the same batch on a GPU (its kernels and
+attention backend, in the model's dtype: scripts/gpu-checklist.sh).
 
     PYTHONPATH=. python scripts/lossless-batch.py --weights int4 --kernels torch
+    PYTHONPATH=. python scripts/lossless-batch.py --weights int4 --device cuda
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import torch
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weights", default="int4", choices=["float", "int8", "int4"])
-    ap.add_argument("--kernels", default="torch", choices=["torch", "native"])
+    ap.add_argument("--kernels", default="native", choices=["torch", "native"], help="on a CPU")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--policies", default="chain:4,adaserve")
@@ -27,35 +31,19 @@ def main() -> None:
     args = ap.parse_args()
     os.environ["ADASERVE_NATIVE_KERNELS"] = "on" if args.kernels == "native" else "off"  # read at load
     from adaserve.bench.engine_only import host_cpu, source_version
-    from adaserve.bench.workload import chat_prompts, humaneval_prompts
-    from adaserve.engine.build import build_engine
+    from adaserve.bench.lossless_batch import batch_prompts, decode_batch
     from adaserve.engine.loading.catalog import DEFAULT_MODEL, resolve
-    from adaserve.engine.loading.chat import instruction_ids
-    from adaserve.engine.loading.loader import load_tokenizer
-    from adaserve.engine.request import Request
-    from adaserve.engine.speculation.sampling import SamplingParams
 
     torch.set_num_threads(args.threads)
     pair = resolve(DEFAULT_MODEL, progress=False, weights=args.weights)
-    tok = load_tokenizer(pair.target)
-    half = args.requests // 2
-    texts = [*chat_prompts()[:half], *humaneval_prompts()[: args.requests - half]]
-    prompts = [instruction_ids(tok, t)[-256:] for t in texts]
-    outputs: dict[str, list[list[int]]] = {}
-    accepted: dict[str, int] = {}
-    for policy in ("incremental", *args.policies.split(",")):
-        built = build_engine(target=pair.target, draft=None if policy == "incremental" else pair.draft,
-                             policy=policy, budget=64, profile=False, progress=False, weights=args.weights)
-        reqs = [Request(f"r{i}", ids, SamplingParams(max_tokens=args.tokens)) for i, ids in enumerate(prompts)]
-        built.engine.run([(0.0, r) for r in reqs])
-        outputs[policy] = [r.output_ids for r in reqs]
-        accepted[policy] = sum(sum(r.metrics.accepted_per_step) for r in reqs)
-    parted = {p: [i for i, (a, b) in enumerate(zip(outputs[p], outputs["incremental"], strict=True)) if a != b]
-              for p in outputs if p != "incremental"}
+    outcome = decode_batch(pair, batch_prompts(pair, args.requests), args.policies.split(","), weights=args.weights,
+                           tokens=args.tokens, device=args.device)
+    parted = outcome.parted()
     print(json.dumps({
         "benchmark": "lossless-batch", "source": source_version(), "cpu": host_cpu(), "model": DEFAULT_MODEL,
-        "weights": args.weights, "kernels": args.kernels, "threads": args.threads, "requests": args.requests,
-        "tokens": args.tokens, "accepted_tokens": accepted, "parted": parted,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "weights": args.weights, "kernels": args.kernels if args.device == "cpu" else "cuda", "threads": args.threads,
+        "requests": args.requests, "tokens": args.tokens, "accepted_tokens": outcome.accepted, "parted": parted,
         "parted_count": {p: len(v) for p, v in parted.items()},
     }, indent=2))
 

@@ -88,29 +88,19 @@ def test_every_policy_matches_transformers_greedy(pair: catalog.ModelPair, chats
 def test_int4_speculation_on_a_batch_equals_plain_decoding(kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The default CPU serving path (the shipped GGUF as int4) on a batch of chat and coding requests: greedy output
     with speculation equals plain decoding's, request by request, on torch's kernels and the integer ones. Before
-    the attention summed in float64 on a CPU (attention/base.py, ``sum_dtype``), a verified row's attention moved
-    by ~1e-7 against the same row decoded alone, the quantized layers' input rounding turned that into a step,
-    and 4-6 of these 16 requests parted within 48 tokens."""
-    from adaserve.bench.workload import chat_prompts, humaneval_prompts
-    from adaserve.engine.loading.chat import instruction_ids
-    from adaserve.engine.loading.loader import load_tokenizer
+    every row of attention was one function of its own keys on a CPU (float64 SDPA sums, attention/base.py; the
+    integer kernels' own attend.c), a verified row's attention moved by ~1e-7 against the same row decoded alone,
+    the quantized layers' input rounding turned that into a step, and 4-6 of these 16 requests parted within 48
+    tokens (adaserve/bench/lossless_batch.py; scripts/lossless-batch.py reports the same batch)."""
+    from adaserve.bench.lossless_batch import batch_prompts, decode_batch
 
     use_cpu_kernels(kernels, monkeypatch)
     pair = catalog.resolve(catalog.DEFAULT_MODEL, progress=False, weights="int4")
-    tok = load_tokenizer(pair.target)
-    prompts = [instruction_ids(tok, p)[-256:] for p in (*chat_prompts()[:8], *humaneval_prompts()[:8])]
-    outputs = {}
-    for policy in ("incremental", "chain:4", "adaserve"):
-        built = build_engine(target=pair.target, draft=None if policy == "incremental" else pair.draft,
-                             policy=policy, budget=64, profile=False, progress=False, weights="int4")
-        reqs = [Request(f"r{i}", ids, SamplingParams(max_tokens=48)) for i, ids in enumerate(prompts)]
-        built.engine.run([(0.0, r) for r in reqs])  # all arrive at once: batched, as a server runs them
-        outputs[policy] = [r.output_ids for r in reqs]
-        if policy != "incremental":
-            assert sum(sum(r.metrics.accepted_per_step) for r in reqs) > 0
-    for policy in ("chain:4", "adaserve"):
-        parted = [i for i, (a, b) in enumerate(zip(outputs[policy], outputs["incremental"], strict=True)) if a != b]
+    outcome = decode_batch(pair, batch_prompts(pair, 16), ("chain:4", "adaserve"), weights="int4", tokens=48)
+    assert outcome.accepted["chain:4"] > 0 and outcome.accepted["adaserve"] > 0
+    for policy, parted in outcome.parted().items():
         assert not parted, f"{policy} parted from plain decoding on requests {parted}"
+
 
 def test_named_model_resolves_to_the_same_directories(pair: catalog.ModelPair) -> None:
     again = catalog.resolve(catalog.DEFAULT_MODEL, progress=False)

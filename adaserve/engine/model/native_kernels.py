@@ -98,6 +98,11 @@ class NativeKernels:
         or None: every key) is set. Returns [G * Q, H, D]; float32 throughout (native/attend.c)."""
         g, rows, h, d = q.shape
         k = key_slots.shape[1]
+        if not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k_cache, v_cache)):
+            raise ValueError("attend: q and the cache must be float32 tensors on the CPU")
+        if key_slots.dtype != torch.int64 or d % 8 or d > 256:
+            raise ValueError(f"attend: int64 key slots and a head size that is a multiple of 8 up to 256, got "
+                             f"{key_slots.dtype} and {d}")
         out = torch.empty(g * rows, h, d)
         flat = q.reshape(g * rows, h, d)  # a view where the rows are evenly strided (a fused q/k/v's slice is)
         if flat.stride(2) != 1 or (h > 1 and flat.stride(1) != d):

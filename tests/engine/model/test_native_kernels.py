@@ -239,3 +239,34 @@ def test_a_rows_attention_depends_only_on_the_keys_it_sees(kernels: nk.NativeKer
             assert torch.equal(got, alone[0]), t
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_a_bfloat16_model_on_the_integer_kernels_attends_with_sdpa(target_dir: Path, kernels: nk.NativeKernels,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   static_shapes: bool) -> None:
+    """attend.c is float32: a model served in bfloat16 (its KV cache bfloat16) keeps SDPA, on both paths, and its
+    logits are what SDPA gives them (the kernel would have read the bfloat16 cache as float32)."""
+    from adaserve.engine.config import EngineConfig, KVCacheConfig
+    from adaserve.engine.loading.loader import load_model
+    from adaserve.engine.model.batch import Segment
+    from adaserve.engine.model.kv_cache import SequenceKV
+    from adaserve.engine.model.runner import ModelRunner
+    from adaserve.engine.model.tree import TokenTree
+
+    monkeypatch.setenv(nk.ENV, "on")
+    cfg = EngineConfig(attention="torch", kv=KVCacheConfig(page_size=4, num_pages=200), static_shapes=static_shapes)
+
+    def logits(native: bool) -> torch.Tensor:
+        model = load_model(target_dir, device=torch.device("cpu"), dtype=torch.bfloat16, weights="int4")
+        assert model.native is kernels
+        r = ModelRunner(model, cfg)
+        if not native:
+            r.backend.native = None
+            if r.static is not None:
+                model.native = None  # the static grids read it when they are made
+        seq, prompt = SequenceKV(), list(range(2, 14))
+        r.forward([Segment(seq, 0, TokenTree.chain(prompt))], all_logits=[True])
+        return r.forward([Segment(seq, len(prompt), TokenTree.chain([7, 9, 4]))], all_logits=[True])[0]
+
+    assert torch.equal(logits(native=True), logits(native=False))

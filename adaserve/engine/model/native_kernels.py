@@ -91,6 +91,13 @@ class NativeKernels:
             raise MemoryError("the int8 kernel could not allocate its activation scratch")
         return y
 
+    @staticmethod
+    def can_attend(q: torch.Tensor) -> bool:
+        """Whether ``attend`` takes these query rows: float32 on the CPU, a head size that is a multiple of 8 up to
+        256 (the backends keep SDPA otherwise)."""
+        d = q.shape[-1]
+        return q.dtype == torch.float32 and q.device.type == "cpu" and d % 8 == 0 and d <= 256
+
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_slots: torch.Tensor,
                mask: torch.Tensor | None, scale: float) -> torch.Tensor:
         """Attention of q [G, Q, H, D] (rows evenly strided or copied so) over one layer's cache [slots, Hkv, D]:
@@ -98,11 +105,10 @@ class NativeKernels:
         or None: every key) is set. Returns [G * Q, H, D]; float32 throughout (native/attend.c)."""
         g, rows, h, d = q.shape
         k = key_slots.shape[1]
-        if not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k_cache, v_cache)):
-            raise ValueError("attend: q and the cache must be float32 tensors on the CPU")
-        if key_slots.dtype != torch.int64 or d % 8 or d > 256:
-            raise ValueError(f"attend: int64 key slots and a head size that is a multiple of 8 up to 256, got "
-                             f"{key_slots.dtype} and {d}")
+        if not (self.can_attend(q) and k_cache.dtype == v_cache.dtype == torch.float32
+                and key_slots.dtype == torch.int64):
+            raise ValueError("attend: float32 rows and cache on the CPU, int64 key slots, head size a multiple of 8 "
+                             "up to 256 (check can_attend first)")
         out = torch.empty(g * rows, h, d)
         flat = q.reshape(g * rows, h, d)  # a view where the rows are evenly strided (a fused q/k/v's slice is)
         if flat.stride(2) != 1 or (h > 1 and flat.stride(1) != d):

@@ -86,7 +86,7 @@ class GridAttention:
                 cache: PagedKVCache) -> torch.Tensor:
         g = self.grid
         write_kv(layer, k, v, cache, g.write_slots)
-        if self.native is not None and q.dtype == torch.float32:  # as the eager backend (torch_sdpa.py)
+        if self.native is not None and self.native.can_attend(q):  # as the eager backend (torch_sdpa.py)
             return self.native.attend(q.view(g.g, g.q, *q.shape[1:]), cache.k[layer], cache.v[layer], g.key_slots,
                                       g.mask[:, 0], self.scale)
         grid, slots = (*g.key_slots.shape, *cache.k.shape[2:]), g.key_slots.view(-1)  # index_select: see torch_sdpa

@@ -184,7 +184,7 @@ class TorchAttention:
         # the keys' slots gathered by index_select on the flat slot list: the same copy as advanced indexing,
         # in fewer dispatcher steps
         k_cache, v_cache = kv
-        if self.native is not None and q.dtype == torch.float32:  # its kernel is float32 (a bf16 cache: SDPA)
+        if self.native is not None and self.native.can_attend(q):  # float32 rows (a bfloat16 cache: SDPA)
             out = self.native.attend(qp, k_cache, v_cache, g.key_slots, None if g.full else g.mask[:, 0], self.scale)
             return out if g.rows is None else out[g.rows]
         grid = (*g.key_slots.shape, *k_cache.shape[1:])

@@ -3,7 +3,8 @@ the model's answers? Incremental decoding, one thread, a few chat questions; pri
 
     python scripts/weights-answers.py [--json OUT] [--native] [--llama-completion PATH]
 
-``--native``: int8 and int4 also on the integer kernels (``ADASERVE_NATIVE_KERNELS=on``, int8 activations);
+int8 and int4 run on torch's kernels (``ADASERVE_NATIVE_KERNELS=off``, bfloat16 activations); ``--native``: also on
+the integer kernels (``=on``, int8 activations; what ``auto`` serves where they build);
 ``--llama-completion``: llama.cpp's ``llama-completion`` binary, asked the same prompts (the chat template
 applied here, greedy, one thread) on the shipped GGUF, for llama.cpp's answers beside ours.
 """
@@ -65,6 +66,7 @@ def main() -> int:
     p.add_argument("--llama-completion", type=Path, help="llama.cpp's llama-completion binary")
     args = p.parse_args()
     torch.set_num_threads(1)
+    os.environ["ADASERVE_NATIVE_KERNELS"] = "off"  # torch's kernels first, whatever auto picks (read at load)
     served = {w: dict(zip(QUESTIONS, answers(w), strict=True)) for w in ("float", "int8", "int4")}
     if args.native:
         os.environ["ADASERVE_NATIVE_KERNELS"] = "on"  # read at each layer's load (native_kernels.chosen)

@@ -1,7 +1,7 @@
 """How much a quantized serving path changes the default model itself (issue 35): teacher-forced negative
 log-likelihood per token and top-1 agreement with float32, on fixed code and prose, for float32, int8 and int4
 weights with torch's kernels (bfloat16 activations) and with the integer kernels (``native``: int8 activations,
-model/native_kernels.py, opt-in via ADASERVE_NATIVE_KERNELS); prints JSON.
+model/native_kernels.py, the default where they build); prints JSON.
 
     PYTHONPATH=. python scripts/weights-quality.py [--texts 40] > docs/results/weights-quality-cpu.json
 

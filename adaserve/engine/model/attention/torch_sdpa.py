@@ -181,12 +181,12 @@ class TorchAttention:
             qp = q.new_zeros((g.key_slots.shape[0] * g.q_max, *q.shape[1:]))
             qp[g.rows] = q
             qp = qp.view(g.key_slots.shape[0], g.q_max, *q.shape[1:])
-        # the keys' slots gathered by index_select on the flat slot list: the same copy as advanced indexing,
-        # in fewer dispatcher steps
         k_cache, v_cache = kv
         if self.native is not None and self.native.can_attend(q):  # float32 rows (a bfloat16 cache: SDPA)
             out = self.native.attend(qp, k_cache, v_cache, g.key_slots, None if g.full else g.mask[:, 0], self.scale)
             return out if g.rows is None else out[g.rows]
+        # the keys' slots gathered by index_select on the flat slot list: the same copy as advanced indexing,
+        # in fewer dispatcher steps
         grid = (*g.key_slots.shape, *k_cache.shape[1:])
         slots = g.key_slots.reshape(-1)
         kp = k_cache.index_select(0, slots).view(grid)  # [g, Kmax, Hkv, D]

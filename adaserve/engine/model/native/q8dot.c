@@ -97,6 +97,29 @@ void quantize_rows_q8(const float *x, int M, int K, int8_t *a, float *s, float *
         }
 }
 
+/* R activation rows (1 <= R <= ROWS) against output column n: each weight block decoded once for the R rows, every
+ * (r, n) summed in the order stated at the top (the tile a row falls in changes no bit). Called with constant R,
+ * so that the compiler unrolls the rows and keeps their accumulators in registers. */
+static inline __attribute__((always_inline)) void q4_rows(int R, const int8_t *a, const float *s,
+                                                          const float *s_sum, long r0, int K, const uint8_t *wn,
+                                                          const float *dn, const float *mn, long n, int N,
+                                                          float *y) {
+    int G = K / BLOCK;
+    __m256 acc[ROWS];
+    float macc[ROWS];
+    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps(), macc[i] = 0.f;
+    for (int g = 0; g < G; g++) {
+        __m256i q = unpack_q4(wn + g * 16);
+        for (int i = 0; i < R; i++) {
+            long row = r0 + i;
+            __m256i av = _mm256_loadu_si256((const __m256i *)(a + row * K + (long)g * BLOCK));
+            acc[i] = _mm256_fmadd_ps(block_dot(q, av), _mm256_set1_ps(dn[g] * s[row * G + g]), acc[i]);
+            macc[i] += mn[g] * s_sum[row * G + g];
+        }
+    }
+    for (int i = 0; i < R; i++) y[(r0 + i) * N + n] = hsum8(acc[i]) + macc[i];
+}
+
 void mm_q4_q8(const int8_t *a, const float *s, const float *s_sum, int M, int K, const uint8_t *w,
               const float *d, const float *m, int N, float *y, int threads) {
     int G = K / BLOCK;
@@ -104,67 +127,46 @@ void mm_q4_q8(const int8_t *a, const float *s, const float *s_sum, int M, int K,
     for (int n = 0; n < N; n++) {
         const uint8_t *wn = w + (long)n * G * 16;
         const float *dn = d + (long)n * G, *mn = m + (long)n * G;
-        int r = 0;
-        for (; r + ROWS <= M; r += ROWS) {
-            __m256 acc[ROWS];
-            float macc[ROWS];
-            for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps(), macc[i] = 0.f;
-            for (int g = 0; g < G; g++) {
-                __m256i q = unpack_q4(wn + g * 16);
-                for (int i = 0; i < ROWS; i++) {
-                    long row = r + i;
-                    __m256i av = _mm256_loadu_si256((const __m256i *)(a + row * K + (long)g * BLOCK));
-                    acc[i] = _mm256_fmadd_ps(block_dot(q, av), _mm256_set1_ps(dn[g] * s[row * G + g]), acc[i]);
-                    macc[i] += mn[g] * s_sum[row * G + g];
-                }
-            }
-            for (int i = 0; i < ROWS; i++) y[(long)(r + i) * N + n] = hsum8(acc[i]) + macc[i];
-        }
-        for (; r < M; r++) {
-            __m256 acc = _mm256_setzero_ps();
-            float macc = 0.f;
-            for (int g = 0; g < G; g++) {
-                __m256i q = unpack_q4(wn + g * 16);
-                __m256i av = _mm256_loadu_si256((const __m256i *)(a + (long)r * K + (long)g * BLOCK));
-                acc = _mm256_fmadd_ps(block_dot(q, av), _mm256_set1_ps(dn[g] * s[(long)r * G + g]), acc);
-                macc += mn[g] * s_sum[(long)r * G + g];
-            }
-            y[(long)r * N + n] = hsum8(acc) + macc;
+        long r = 0;
+        for (; r + ROWS <= M; r += ROWS) q4_rows(ROWS, a, s, s_sum, r, K, wn, dn, mn, n, N, y);
+        switch (M - r) { /* the last rows in one tile (a constant size, unrolled): a 2- or 3-row verification
+                          * decodes each weight block once, not once a row */
+        case 3: q4_rows(3, a, s, s_sum, r, K, wn, dn, mn, n, N, y); break;
+        case 2: q4_rows(2, a, s, s_sum, r, K, wn, dn, mn, n, N, y); break;
+        case 1: q4_rows(1, a, s, s_sum, r, K, wn, dn, mn, n, N, y); break;
         }
     }
 }
 
+static inline __attribute__((always_inline)) void q8_rows(int R, const int8_t *a, const float *s, long r0, int K,
+                                                          const int8_t *wn, float c, long n, int N, float *y) {
+    int G = K / BLOCK;
+    __m256 acc[ROWS];
+    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        __m256i wv = _mm256_loadu_si256((const __m256i *)(wn + (long)g * BLOCK));
+        __m256i wabs = _mm256_sign_epi8(wv, wv); /* |w|, and a takes w's sign: q . a unchanged */
+        for (int i = 0; i < R; i++) {
+            long row = r0 + i;
+            __m256i av = _mm256_loadu_si256((const __m256i *)(a + row * K + (long)g * BLOCK));
+            acc[i] = _mm256_fmadd_ps(block_dot(wabs, _mm256_sign_epi8(av, wv)), _mm256_set1_ps(s[row * G + g]),
+                                     acc[i]);
+        }
+    }
+    for (int i = 0; i < R; i++) y[(r0 + i) * N + n] = c * hsum8(acc[i]);
+}
+
 void mm_q8_q8(const int8_t *a, const float *s, int M, int K, const int8_t *w, const float *c, int N, float *y,
               int threads) {
-    int G = K / BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int n = 0; n < N; n++) {
         const int8_t *wn = w + (long)n * K;
-        int r = 0;
-        for (; r + ROWS <= M; r += ROWS) {
-            __m256 acc[ROWS];
-            for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps();
-            for (int g = 0; g < G; g++) {
-                __m256i wv = _mm256_loadu_si256((const __m256i *)(wn + (long)g * BLOCK));
-                __m256i wabs = _mm256_sign_epi8(wv, wv); /* |w|, and a takes w's sign: q . a unchanged */
-                for (int i = 0; i < ROWS; i++) {
-                    long row = r + i;
-                    __m256i av = _mm256_loadu_si256((const __m256i *)(a + row * K + (long)g * BLOCK));
-                    acc[i] = _mm256_fmadd_ps(block_dot(wabs, _mm256_sign_epi8(av, wv)),
-                                             _mm256_set1_ps(s[row * G + g]), acc[i]);
-                }
-            }
-            for (int i = 0; i < ROWS; i++) y[(long)(r + i) * N + n] = c[n] * hsum8(acc[i]);
-        }
-        for (; r < M; r++) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int g = 0; g < G; g++) {
-                __m256i wv = _mm256_loadu_si256((const __m256i *)(wn + (long)g * BLOCK));
-                __m256i av = _mm256_loadu_si256((const __m256i *)(a + (long)r * K + (long)g * BLOCK));
-                acc = _mm256_fmadd_ps(block_dot(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv)),
-                                      _mm256_set1_ps(s[(long)r * G + g]), acc);
-            }
-            y[(long)r * N + n] = c[n] * hsum8(acc);
+        long r = 0;
+        for (; r + ROWS <= M; r += ROWS) q8_rows(ROWS, a, s, r, K, wn, c[n], n, N, y);
+        switch (M - r) {
+        case 3: q8_rows(3, a, s, r, K, wn, c[n], n, N, y); break;
+        case 2: q8_rows(2, a, s, r, K, wn, c[n], n, N, y); break;
+        case 1: q8_rows(1, a, s, r, K, wn, c[n], n, N, y); break;
         }
     }
 }

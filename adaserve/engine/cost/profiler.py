@@ -106,6 +106,12 @@ def device_name(device: torch.device) -> str:
     return f"cpu:{cpu}:{torch.get_num_threads()}threads"
 
 
+def kernels_served(model: torch.nn.Module) -> str:
+    """``torch`` or the integer kernels' build a quantized model runs on (model/native_kernels.py)."""
+    native = getattr(model, "native", None)
+    return "torch" if native is None else native.path.stem
+
+
 def model_identity(path: Path) -> str:
     """A content hash of the config and the weight files' names and sizes (cheap; no weight hashing)."""
     h = hashlib.sha256((path / "config.json").read_bytes())
@@ -370,6 +376,9 @@ def profile_models(target: ModelRunner, draft: ModelRunner | None, *, target_pat
     served = [served_weights(r.model) for r in (target, draft) if r is not None]
     if any(w != "float" for w in served):  # one checkpoint quantized at load is another model (quant.py)
         ident += ":weights=" + "/".join(served)
+        # and its costs are those of the kernels it runs on: torch's, or the integer kernels of one build (their
+        # library's name hashes its sources, flags and compiler), so a kernel change measures afresh
+        ident += ":kernels=" + "/".join(kernels_served(r.model) for r in (target, draft) if r is not None)
     if target.tensor_parallel_size > 1:  # a sharded target is another engine: its own B and cost model
         ident += f":tp={target.tensor_parallel_size}"
     knee = f"{cfg.knee.criterion}:{cfg.knee.max_elasticity}:{cfg.knee.eps}"

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from adaserve.engine.cost.budget import TableCheck
 from adaserve.engine.cost.profile_cache import ProfileCache
@@ -47,6 +48,29 @@ def test_profile_then_reuse_cache(tmp_path: Path, target_dir: Path, draft_dir: P
 def test_model_identity_changes_with_config(tmp_path: Path, target_dir: Path, draft_dir: Path) -> None:
     assert model_identity(target_dir) != model_identity(draft_dir)
     assert model_identity(target_dir) == model_identity(target_dir)
+
+
+def test_a_quantized_model_on_other_kernels_is_profiled_afresh(tmp_path: Path, target_dir: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Costs belong to the kernels measured: the same int4 model on torch's kernels and on the integer ones (or on
+    another build of them) keeps two profiles, never one read for the other."""
+    from adaserve.engine.config import EngineConfig
+    from adaserve.engine.loading.loader import load_model
+    from adaserve.engine.model import native_kernels
+    from adaserve.engine.model.runner import ModelRunner
+
+    if native_kernels.kernels() is None:
+        pytest.skip("the integer kernels do not build here: only torch's can be profiled")
+    cache = ProfileCache(tmp_path / "cache")
+
+    def profiled(mode: str) -> bool:
+        monkeypatch.setenv(native_kernels.ENV, mode)
+        r = ModelRunner(load_model(target_dir, device=torch.device("cpu"), weights="int4"), EngineConfig())
+        return profile_models(r, None, target_path=target_dir, draft_path=None, cfg=FAST, cache=cache,
+                              progress=False, check=ANY_TABLE).cached
+
+    assert [profiled("off"), profiled("on"), profiled("off"), profiled("on")] == [False, False, True, True]
+    assert len(list((tmp_path / "cache").rglob("*.json"))) == 2
 
 
 @pytest.mark.parametrize("as_json", [True, False])

@@ -42,6 +42,7 @@ def add_weights_option(p: argparse.ArgumentParser, *, env: str | None = None, de
     """``--weights float|int8|int4|auto``, the same on every command that loads models (docs/models.md)."""
     where = f" [{env}, default {default or 'auto'}]" if env else " (default %(default)s)"
     p.add_argument("--weights", choices=WEIGHTS, default=default,
-                   help="decoder linear layers served as float, int8 or int4 weight-only (torch's packed kernels), "
+                   help="decoder linear layers served as float, int8 or int4 weight-only (on a CPU the integer "
+                        "kernels where they build, ADASERVE_NATIVE_KERNELS=off for torch's; torch's on a GPU), "
                         "or auto: a GGUF model's own precision on a CPU (Q4 blocks as int4, Q8_0 as int8), "
                         "float on a GPU" + where)

@@ -239,6 +239,8 @@ async def _serve(settings: Any, worker: ServerProcess, *, derive: bool, keys: bo
     if reg is None:
         raise CliError("the worker was ready but its status is not a registration document")
     unloaded, lone = reg.unloaded_tpot_ms, reg.lone_tpot_ms
+    if reg.models.weights is not None:
+        print(f"adaserve: weights {reg.models.weights}", file=sys.stderr, flush=True)
     if reg.kv_capacity_tokens is not None:
         print(f"adaserve: the KV cache holds {reg.kv_capacity_tokens} tokens", file=sys.stderr, flush=True)
     # what a lone request measurably gets, speculation included; else one profiled forward (a fixed --budget

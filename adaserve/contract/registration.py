@@ -43,6 +43,8 @@ class ModelNames(_Part):
     target: str | None = None
     draft: str | None = None  # the first (profiled) draft when there are several
     drafts: list[str] = Field(default_factory=list)  # every draft as configured, in order; [] when one or none
+    # how the target is served once loaded: "float", or e.g. "int4+int8 on the integer kernels (cpu-kernels-...)"
+    weights: str | None = None
 
 
 class Capacity(_Part):

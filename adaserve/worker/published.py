@@ -20,6 +20,7 @@ from adaserve.contract.registration import (
 from adaserve.engine.build import BuiltEngine
 from adaserve.engine.cost.profiler import device_name
 from adaserve.engine.engine import Engine
+from adaserve.engine.model.quant import served_description
 from adaserve.worker.lone import Lone
 from adaserve.worker.measurements import Measurements
 from adaserve.worker.metrics import WorkerMetrics
@@ -69,11 +70,13 @@ def context_tokens(engine: Engine) -> int:
     return sum(len(r.prompt_ids) + len(r.output_ids) for r in [*engine.running, *engine.waiting])
 
 
-def model_names(s: WorkerSettings) -> ModelNames:
-    """What the worker serves: the name, the target, and its draft (the first, profiled one) or drafts."""
+def model_names(s: WorkerSettings, built: BuiltEngine | None = None) -> ModelNames:
+    """What the worker serves: the name, the target, and its draft (the first, profiled one) or drafts; once
+    loaded, how the target's weights are served (quant.served_description)."""
     refs = s.draft_refs
     return ModelNames(name=s.served_model_name, target=str(s.target), draft=refs[0] if refs else None,
-                      drafts=refs if len(refs) > 1 else [])
+                      drafts=refs if len(refs) > 1 else [],
+                      weights=served_description(built.engine.target.model) if built else None)
 
 
 def registration(s: WorkerSettings, *, status: str, built: BuiltEngine | None, active_classes: list[str],
@@ -89,7 +92,7 @@ def registration(s: WorkerSettings, *, status: str, built: BuiltEngine | None, a
         address=s.address,
         status=status,
         version=__version__,
-        models=model_names(s),
+        models=model_names(s, built),
         capacity=Capacity(max_active_requests=s.max_active_requests,
                           max_batch=engine.cfg.max_batch if engine else None),
         load=Load(

@@ -29,6 +29,7 @@ from adaserve.engine.loading.chat import ChatTemplateError, chat_text, has_chat_
 from adaserve.engine.loading.loader import load_tokenizer, trim_heap
 from adaserve.engine.loading.tokenizer import Tokenizer
 from adaserve.engine.loop import EngineLoop
+from adaserve.engine.model.quant import served_description
 from adaserve.engine.request import Request
 from adaserve.engine.speculation.grammar import GrammarSpec
 from adaserve.engine.speculation.sampling import SamplingParams, skip_draws
@@ -169,7 +170,7 @@ class Runtime:
             self.measurements.on_step(step, gained)
         built.engine.step_listeners.append(self._measure_step)
         self.metrics.declare_classes([self.settings.default_slo_class, *self.settings.slo_classes])
-        self.metrics.declare_drafts(published.model_names(self.settings).drafts)
+        self.metrics.declare_drafts(published.model_names(self.settings, built).drafts)
         self.loop = EngineLoop(built.engine).start()
         self.state = State.READY
         self.metrics.ready.set(1)
@@ -181,8 +182,8 @@ class Runtime:
             await self.registry.start()
         else:
             log.info("no Redis configured (ADASERVE_REDIS_URL / --redis-url): local mode, not registering")
-        log.info("worker %s ready at %s (budget %d)", self.settings.worker_id, self.settings.address,
-                 built.engine.cfg.budget)
+        log.info("worker %s ready at %s (budget %d; weights %s)", self.settings.worker_id, self.settings.address,
+                 built.engine.cfg.budget, served_description(built.engine.target.model))
 
     def _measure_step(self, m: StepMetrics) -> None:
         """Engine thread, after each iteration: the curve, with what each decoding request of a known class gained

@@ -53,6 +53,11 @@ def test_adaserve_up_serves_the_default_model_then_stops(tmp_path: Path) -> None
         assert url in banner and "curl" in banner and "from openai import OpenAI" in banner
         assert "per-token latency: one forward" in banner and "a lone request served" in banner
         assert "INFEASIBLE" not in banner
+        # the worker says what it serves: the answers depend on the kernels (docs/models.md)
+        from adaserve.engine.model import native_kernels
+
+        on = "on the integer kernels" if native_kernels.chosen() is not None else "on torch's kernels"
+        assert f"adaserve: weights int4+int8 {on}" in banner, banner
         classes = httpx.get(f"{url}/v1/slo-classes").json()
         assert classes["default"] == "chat"
         tpot = {c["name"]: c["tpot_ms"] for c in classes["data"]}

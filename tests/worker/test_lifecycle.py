@@ -66,6 +66,7 @@ def test_registration_heartbeat_and_sigterm_drain(redis_prefix: tuple[redis.Redi
         assert reg["cost_model"]["target"] == profile["cost_model"]["target"]
         assert reg["status"] == "ready" and reg["address"] == w.url and reg["worker_id"] == wid
         assert reg["models"]["target"] == str(target) and reg["models"]["name"] == "target"
+        assert reg["models"]["weights"] == "float"  # a float checkpoint, served as it is
         assert r.zscore(f"{prefix}:workers", wid) is not None
         # adaserve's d_max, set from the profiled draft:target cost ratio; the worker holds nothing yet
         assert 2 <= reg["max_depth"] <= 8 and reg["load"]["context_tokens"] == 0

@@ -56,7 +56,7 @@ from adaserve.engine.cost.cost_model import CostModel, fit_cost_model
 from adaserve.engine.cost.profile_cache import ProfileCache, ProfileKey
 from adaserve.engine.model.batch import Segment
 from adaserve.engine.model.kv_cache import SequenceKV
-from adaserve.engine.model.quant import served_weights
+from adaserve.engine.model.quant import served_kernels, served_weights
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.speculation.adaptive import speculation_floor
@@ -104,12 +104,6 @@ def device_name(device: torch.device) -> str:
     except OSError:
         pass
     return f"cpu:{cpu}:{torch.get_num_threads()}threads"
-
-
-def kernels_served(model: torch.nn.Module) -> str:
-    """``torch`` or the integer kernels' build a quantized model runs on (model/native_kernels.py)."""
-    native = getattr(model, "native", None)
-    return "torch" if native is None else native.path.stem
 
 
 def model_identity(path: Path) -> str:
@@ -378,7 +372,7 @@ def profile_models(target: ModelRunner, draft: ModelRunner | None, *, target_pat
         ident += ":weights=" + "/".join(served)
         # and its costs are those of the kernels it runs on: torch's, or the integer kernels of one build (their
         # library's name hashes its sources, flags and compiler), so a kernel change measures afresh
-        ident += ":kernels=" + "/".join(kernels_served(r.model) for r in (target, draft) if r is not None)
+        ident += ":kernels=" + "/".join(served_kernels(r.model) for r in (target, draft) if r is not None)
     if target.tensor_parallel_size > 1:  # a sharded target is another engine: its own B and cost model
         ident += f":tp={target.tensor_parallel_size}"
     knee = f"{cfg.knee.criterion}:{cfg.knee.max_elasticity}:{cfg.knee.eps}"

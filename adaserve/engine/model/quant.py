@@ -467,6 +467,22 @@ def served_weights(model: nn.Module) -> str:
     return "+".join(kinds) if kinds else "float"
 
 
+def served_kernels(model: nn.Module) -> str:
+    """The CPU kernels a quantized model runs on: ``torch``, or the integer kernels' build (its library's name,
+    which hashes their sources, flags and compiler: native_kernels.py). ``CausalLM.native`` says which."""
+    native = getattr(model, "native", None)
+    return "torch" if native is None else native.path.stem
+
+
+def served_description(model: nn.Module) -> str:
+    """``float``, or the quantized kinds and the kernels they run on (a quantized model's answers depend on them:
+    docs/models.md), e.g. ``int4+int8 on the integer kernels (cpu-kernels-...)``."""
+    weights, kernels = served_weights(model), served_kernels(model)
+    if weights == "float":
+        return weights
+    return f"{weights} on " + ("torch's kernels" if kernels == "torch" else f"the integer kernels ({kernels})")
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes the model's parameters and buffers hold (quantized layers included), tied tensors once."""
     seen: set[int] = set()

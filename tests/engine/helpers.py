@@ -50,16 +50,26 @@ def outputs(eng: Engine, reqs: list[Request]) -> list[list[int]]:
     return [r.output_ids for r in reqs]
 
 
-def use_cpu_kernels(kind: str, monkeypatch: Any) -> None:
-    """Serve quantized layers on one CPU kernel family for the rest of the test: torch's (``"torch"``) or the
-    integer ones (``"native"``). Fails where the integer kernels should build and do not; skips where the CPU
-    cannot take them."""
+def integer_kernels() -> Any:
+    """The integer kernels (native_kernels.kernels()); fails the test where they should build and do not, skips it
+    where the CPU cannot take them."""
     import pytest
 
     from adaserve.engine.model import native_kernels
 
-    if kind == "native" and native_kernels.kernels() is None:
+    lib = native_kernels.kernels()
+    if lib is None:
         if native_kernels.supported_cpu():
             pytest.fail("the integer kernels did not build on a CPU that takes them (is a C compiler installed?)")
         pytest.skip("the integer kernels need x86-64 Linux with AVX2 and FMA")
+    return lib
+
+
+def use_cpu_kernels(kind: str, monkeypatch: Any) -> None:
+    """Serve quantized layers on one CPU kernel family for the rest of the test: torch's (``"torch"``) or the
+    integer ones (``"native"``, ``integer_kernels``)."""
+    from adaserve.engine.model import native_kernels
+
+    if kind == "native":
+        integer_kernels()
     monkeypatch.setenv(native_kernels.ENV, "on" if kind == "native" else "off")

@@ -205,6 +205,14 @@ class CausalLM(nn.Module):
                 if isinstance(m, RMSNorm):
                     m.native = native
 
+    def attention_kernels(self) -> NativeKernels | None:
+        """The integer kernels' attention for this model, decided once when a backend is made: served on them, in
+        float32, with a head size their ``attend`` takes; else None (SDPA)."""
+        native, dtype = self.native, self.lm_head.weight.dtype
+        if native is None or not native.can_attend(torch.empty(0, self.cfg.head_dim, dtype=dtype)):
+            return None
+        return native
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *, backend: AttentionBackend,
                 cache: PagedKVCache, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         with self.timer.region(input_ids.device):

@@ -94,7 +94,7 @@ class NativeKernels:
     @staticmethod
     def can_attend(q: torch.Tensor) -> bool:
         """Whether ``attend`` takes these query rows: float32 on the CPU, a head size that is a multiple of 8 up to
-        256 (the backends keep SDPA otherwise)."""
+        256 (a model's backends keep SDPA otherwise: CausalLM.attention_kernels, asked once)."""
         d = q.shape[-1]
         return q.dtype == torch.float32 and q.device.type == "cpu" and d % 8 == 0 and d <= 256
 

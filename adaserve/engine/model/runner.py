@@ -67,7 +67,7 @@ class ModelRunner:
         kv = cfg.kv if cfg is not None else KVCacheConfig()
         self.cache = PagedKVCache(model.cfg, kv, dtype=self.dtype, device=self.device)
         self.backend = make_backend(cfg.attention if cfg is not None else "auto", model.cfg, self.device,
-                                    native=model.native)
+                                    native=model.attention_kernels())
         # static shapes: CUDA graphs replayed on a GPU, the same function called eagerly on a CPU
         self.static = StaticForward(model, self.cache) if cfg is not None and cfg.static_shapes else None
         self.forward_listeners: list[Callable[[ForwardRecord], None]] = []

@@ -86,7 +86,7 @@ class GridAttention:
                 cache: PagedKVCache) -> torch.Tensor:
         g = self.grid
         write_kv(layer, k, v, cache, g.write_slots)
-        if self.native is not None and self.native.can_attend(q):  # as the eager backend (torch_sdpa.py)
+        if self.native is not None:  # as the eager backend (torch_sdpa.py)
             return self.native.attend(q.view(g.g, g.q, *q.shape[1:]), cache.k[layer], cache.v[layer], g.key_slots,
                                       g.mask[:, 0], self.scale)
         grid, slots = (*g.key_slots.shape, *cache.k.shape[2:]), g.key_slots.view(-1)  # index_select: see torch_sdpa
@@ -219,7 +219,7 @@ class StaticForward:
     # ---- running: the function, eagerly or as a captured graph ---------------------------------------
     def _function(self, grid: Grid) -> Callable[[], torch.Tensor]:
         """What a graph captures: the model over the grid's buffers (untimed: the replay is timed)."""
-        attention = GridAttention(grid, head_dim=self.model.cfg.head_dim, native=self.model.native)
+        attention = GridAttention(grid, head_dim=self.model.cfg.head_dim, native=self.model.attention_kernels())
 
         def run() -> torch.Tensor:
             return self.model._logits(grid.ids, grid.positions, attention, self.cache, None)
@@ -229,7 +229,7 @@ class StaticForward:
     def _runner(self, grid: Grid) -> Callable[[], None]:
         """The eager call goes through the module (its timer, and any hooks on it); a replay is timed alone."""
         if not self.graphs:
-            attention = GridAttention(grid, head_dim=self.model.cfg.head_dim, native=self.model.native)
+            attention = GridAttention(grid, head_dim=self.model.cfg.head_dim, native=self.model.attention_kernels())
 
             def eager() -> None:
                 grid.logits = self.model(grid.ids, grid.positions, backend=attention, cache=self.cache)

@@ -10,16 +10,12 @@ import torch
 
 from adaserve.engine.cache_dir import CACHE_DIR_ENV
 from adaserve.engine.model import native_kernels as nk
+from tests.engine.helpers import integer_kernels
 
 
 @pytest.fixture
 def kernels() -> nk.NativeKernels:
-    lib = nk.kernels()
-    if lib is None:
-        if nk.supported_cpu():
-            pytest.fail("the integer kernels did not build on a CPU that takes them (is a C compiler installed?)")
-        pytest.skip("the integer kernels need x86-64 Linux with AVX2 and FMA")
-    return lib
+    return integer_kernels()
 
 
 def q8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,7 +255,7 @@ def test_a_bfloat16_model_on_the_integer_kernels_attends_with_sdpa(target_dir: P
 
     def logits(native: bool) -> torch.Tensor:
         model = load_model(target_dir, device=torch.device("cpu"), dtype=torch.bfloat16, weights="int4")
-        assert model.native is kernels
+        assert model.native is kernels and model.attention_kernels() is None  # its layers on them, attention not
         r = ModelRunner(model, cfg)
         if not native:
             r.backend.native = None

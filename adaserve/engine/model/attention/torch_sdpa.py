@@ -182,7 +182,7 @@ class TorchAttention:
             qp[g.rows] = q
             qp = qp.view(g.key_slots.shape[0], g.q_max, *q.shape[1:])
         k_cache, v_cache = kv
-        if self.native is not None and self.native.can_attend(q):  # float32 rows (a bfloat16 cache: SDPA)
+        if self.native is not None:  # only where it takes the model's rows (CausalLM.attention_kernels)
             out = self.native.attend(qp, k_cache, v_cache, g.key_slots, None if g.full else g.mask[:, 0], self.scale)
             return out if g.rows is None else out[g.rows]
         # the keys' slots gathered by index_select on the flat slot list: the same copy as advanced indexing,

@@ -9,6 +9,10 @@ iteration's total time outside the forwards and the tree shapes drafted.
     PYTHONPATH=. python scripts/host-time-breakdown.py --requests 1 --iterations 1500 > out.json
 
 Each wrapper costs ~1 us a call: the totals read a few percent above ``adaserve microbench``'s.
+
+``--kernels-ab``: one engine whose iterations run in blocks of ``--block`` that alternate ADASERVE_NATIVE_KERNELS
+between ``off`` and ``on`` (the CPU kernels' beam picks and argmax, or the torch ops: read at each call), with a
+table per setting: a paired comparison, both halves under the same load, on a machine whose speed drifts.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import collections
 import importlib
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -27,6 +32,7 @@ from adaserve.bench.engine_only import host_cpu, load_pair, prompts, source_vers
 from adaserve.bench.microbench_options import MODES
 from adaserve.engine.config import EngineConfig
 from adaserve.engine.engine import Engine
+from adaserve.engine.model import native_kernels
 from adaserve.engine.request import Phase, Request
 from adaserve.engine.speculation.sampling import SamplingParams
 
@@ -104,6 +110,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1)
     ap.add_argument("--iterations", type=int, default=1500)
     ap.add_argument("--max-tokens", type=int, default=1500, help="each request's cap; a batch restarts near it")
+    ap.add_argument("--kernels-ab", action="store_true", help="alternate ADASERVE_NATIVE_KERNELS off / on by block")
+    ap.add_argument("--block", type=int, default=25, help="iterations per block with --kernels-ab")
     args = ap.parse_args()
     torch.set_num_threads(1)
     timers = Timers()
@@ -124,10 +132,18 @@ def main() -> None:
             eng.step()
         return eng
 
-    step_s = 0.0
-    shapes: collections.Counter[str] = collections.Counter()
+    settings = ["off", "on"] if args.kernels_ab else [os.environ.get(native_kernels.ENV, "auto")]
+    step_s = dict.fromkeys(settings, 0.0)
+    counts = dict.fromkeys(settings, 0)
+    seconds = {k: collections.Counter[str]() for k in settings}
+    calls = {k: collections.Counter[str]() for k in settings}
+    shapes = {k: collections.Counter[str]() for k in settings}
     eng = fresh()
-    for _ in range(args.iterations):
+    for it in range(args.iterations):
+        setting = settings[(it // args.block) % len(settings)]
+        if args.kernels_ab:
+            os.environ[native_kernels.ENV] = setting
+        timers.seconds, timers.calls = seconds[setting], calls[setting]  # this iteration's table
         if eng.running[0].target_kv.length > args.max_tokens - 40:  # restart untimed before anyone finishes
             for r in list(eng.running):
                 eng.abort(r.request_id)
@@ -136,20 +152,32 @@ def main() -> None:
         timers.on = True
         t0 = time.perf_counter()
         eng.step()
-        step_s += time.perf_counter() - t0 - (timers.in_forwards - f0)
+        step_s[setting] += time.perf_counter() - t0 - (timers.in_forwards - f0)
         timers.on = False
         m = eng.history[-1]
-        shapes[f"{m.depth},{m.width}"] += 1
-    n = args.iterations
-    print(json.dumps({
+        shapes[setting][f"{m.depth},{m.width}"] += 1
+        counts[setting] += 1
+
+    def table(k: str) -> dict[str, Any]:
+        n = counts[k]
+        return {
+            "iterations": n,
+            "outside_forwards_ms_per_iteration": round(step_s[k] / n * 1e3, 3),
+            "shapes_d_w": dict(shapes[k].most_common()),
+            "functions": [{"function": f, "ms_per_iteration": round(v / n * 1e3, 3),
+                           "calls_per_iteration": round(calls[k][f] / n, 2)} for f, v in seconds[k].most_common()],
+        }
+
+    report: dict[str, Any] = {
         "benchmark": "host-time-breakdown", "source": source_version(), "cpu": host_cpu(), "model": args.model,
-        "requests": args.requests, "iterations": n, "threads": 1, "policy": MODES["spec"],
-        "outside_forwards_ms_per_iteration": round(step_s / n * 1e3, 3),
-        "shapes_d_w": dict(shapes.most_common()),
-        "functions": [{"function": k, "ms_per_iteration": round(v / n * 1e3, 3),
-                       "calls_per_iteration": round(timers.calls[k] / n, 2)}
-                      for k, v in timers.seconds.most_common()],
-    }, indent=2))
+        "requests": args.requests, "iterations": args.iterations, "threads": 1, "policy": MODES["spec"],
+    }
+    if args.kernels_ab:
+        report |= {"kernels_ab": {"block": args.block, **{k: table(k) for k in settings}},
+                   "on_over_off": round(step_s["on"] / counts["on"] / (step_s["off"] / counts["off"]), 3)}
+    else:
+        report |= {native_kernels.ENV: settings[0], **table(settings[0])}
+    print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

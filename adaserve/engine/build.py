@@ -16,6 +16,7 @@ from adaserve.engine.cost.profiler import Profile, profile_models
 from adaserve.engine.engine import Engine
 from adaserve.engine.loading.catalog import TOKENIZER_FILES
 from adaserve.engine.loading.loader import load_model, load_tokenizer, trim_heap
+from adaserve.engine.model import native_kernels
 from adaserve.engine.model.config import UnsupportedModelError
 from adaserve.engine.model.kv_cache import KVCacheConfig, bytes_per_token
 from adaserve.engine.model.kv_sizing import KVSizingError, device_memory, kv_budget_bytes, pages_for_budget
@@ -188,6 +189,8 @@ def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Pat
     except (FileNotFoundError, UnsupportedModelError, ValueError) as e:
         raise EngineBuildError(str(e)) from None
     tgt, drf, extra = runners[0], (runners[1] if len(runners) > 1 else None), runners[2:]
+    if dev.type == "cpu":  # the CPU kernels (beam picks, argmax) built now, not during the first request
+        native_kernels.chosen()
     cache = tgt.cache
     log.info("KV cache: %d tokens per model (%d pages of %d; %.1f MiB for the target, %d model(s)%s)",
              cache.capacity_tokens, cache.num_pages, cache.page_size, cache.k.nbytes * 2 / 2**20, len(runners),

@@ -22,7 +22,7 @@ from adaserve.engine.request import Request
 from adaserve.engine.speculation.sampling import SamplingParams, draw_rows, make_generator, processed_probs
 from adaserve.engine.speculation.speculate import DraftInput, beam_search, expand_level
 from adaserve.engine.speculation.verify import WalkInput, WalkResult, commit_moves, draw_at_nodes, walk, walk_trees
-from tests.engine.helpers import runner
+from tests.engine.helpers import runner, use_cpu_kernels
 from tests.engine.model.test_tree_attention import random_tree
 
 
@@ -89,11 +89,13 @@ def test_expand_level_static_and_beam_by_hand() -> None:
     assert np.allclose(np.exp(value[1]), [0.6, 0.07])
 
 
+@pytest.mark.parametrize("picks", ["torch", "native"])
 @pytest.mark.parametrize("rows", [2, 16])  # below and above CHAIN_ARGMAX_BLOCKED_MIN's 8 rows of 4096
-def test_one_wide_levels_pick_the_first_maximum(rows: int) -> None:
+def test_one_wide_levels_pick_the_first_maximum(rows: int, picks: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 1-wide level (chains, 1-wide static levels) picks each row's first maximum, as greedy decoding does,
     whichever path first_argmax takes: ties at the top go to the lowest token id; the value is that logit's
     log-probability."""
+    use_cpu_kernels(picks, monkeypatch)
     gen = torch.Generator().manual_seed(3)
     logits = torch.randint(0, 4, (rows, 4096), generator=gen).float()  # every row's top value repeated
     logits[0, 4000] = 9.0  # a unique maximum in a late block
@@ -103,11 +105,16 @@ def test_one_wide_levels_pick_the_first_maximum(rows: int) -> None:
         tok, parent, value = expand_level(list(logits[:, None]), base, width=1, per_node=expansion)
         assert tok[:, 0].tolist() == want and parent[:, 0].tolist() == [0] * rows
         expect = base[:, 0] + torch.log_softmax(logits, -1)[torch.arange(rows), want].double().numpy()
-        assert value[:, 0].tolist() == expect.tolist()
+        if picks == "torch":
+            assert value[:, 0].tolist() == expect.tolist()
+        else:  # native/picks.c: another exponential and summation order, float32 rounding apart
+            assert np.allclose(value[:, 0], expect, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("picks", ["torch", "native"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_non_finite_draft_log_probs_fail_loudly(bad: float) -> None:
+def test_non_finite_draft_log_probs_fail_loudly(bad: float, picks: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    use_cpu_kernels(picks, monkeypatch)
     logits = torch.zeros(2, 5)
     logits[1, 3] = bad
     with pytest.raises(FloatingPointError, match="non-finite"):
@@ -192,11 +199,15 @@ def test_greedy_draws_are_argmax_with_ties_infinities_and_nan(dtype: torch.dtype
         assert drawn == [b.argmax(-1).tolist() for b in blocks]
 
 
+@pytest.mark.parametrize("picks", ["torch", "native"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_blocked_argmax_is_argmax_with_ties_infinities_and_nan(dtype: torch.dtype,
+def test_blocked_argmax_is_argmax_with_ties_infinities_and_nan(dtype: torch.dtype, picks: str,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """first_argmax's two steps over blocks (many rows on a CPU, issue 30) give argmax's first maximum, NaN first."""
+    """first_argmax's two steps over blocks (many rows on a CPU, issue 30), and the integer kernels' scan (float32
+    rows, native/picks.c), give argmax's first maximum, NaN first: the target's greedy draws take it."""
     from adaserve.engine.speculation import verify
+
+    use_cpu_kernels(picks, monkeypatch)
 
     assert verify.first_argmax(torch.zeros(2, verify.ARGMAX_BLOCKED_MIN // 2)).tolist() == [0, 0]  # blocked
     monkeypatch.setattr(verify, "ARGMAX_BLOCKED_MIN", 1)  # every shape below takes the blocks where it can

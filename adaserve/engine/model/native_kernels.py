@@ -22,7 +22,13 @@ AVX2/FMA, no compiler, a failed build), ``kernels()`` returns None and the layer
 default (``ADASERVE_NATIVE_KERNELS=auto``) they serve wherever they build; ``off`` keeps torch's kernels (see
 ``chosen``).
 
-May import torch and cache_dir only: quant.py decides which layers use it.
+The library also holds two kernels that are not a model's (``native/picks.c``): a beam search level's picks, the
+vocabulary-wide log-softmax and top-k a draft level reduces its logits by, in one call instead of a dozen torch
+ops, and the first maximum of each row that greedy draws take (issue 30: on a CPU this arithmetic ran in the host
+time of every speculative iteration). Beam search (speculation/speculate.py) and the draws (verify.py) take them
+on the CPU wherever the library loads and the kernels are not ``off``.
+
+May import numpy, torch and cache_dir only: quant.py decides which layers use it.
 """
 
 from __future__ import annotations
@@ -38,12 +44,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from adaserve.engine.cache_dir import default_cache_dir
 
 ENV = "ADASERVE_NATIVE_KERNELS"  # auto (default) | on | off: see ``chosen``
-SOURCES = tuple(Path(__file__).parent / "native" / name for name in ("q8dot.c", "attend.c"))
+SOURCES = tuple(Path(__file__).parent / "native" / name for name in ("q8dot.c", "attend.c", "picks.c"))
+HEADERS = (Path(__file__).parent / "native" / "vexp.h",)  # included by the sources: part of the build's key
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 VNNI_FLAGS = {  # CPU flag(s) -> what lets the C file form a block's products in one instruction (same results)
     ("avx512_vnni", "avx512vl"): ("-mavx512vl", "-mavx512vnni"),
@@ -121,6 +129,34 @@ class NativeKernels:
                                  key_slots.data_ptr(), mask.data_ptr() if mask is not None else None, g, rows, k,
                                  h, k_cache.shape[1], d, scale, out.data_ptr(), torch.get_num_threads()):
             raise MemoryError("the attention kernel could not allocate its scratch")
+        return out
+
+    def beam_picks(self, x: torch.Tensor, base: torch.Tensor, *, k: int, width: int | None, frontier: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """One beam level's picks (native/picks.c): x float32 [n * F, V] contiguous, the frontier rows' logits;
+        base float64 [n, F] contiguous, their log path probabilities; each row's top ``k`` children, then the top
+        ``width`` of a request's F * k candidates (None: all of them, in order, a static tree's level). Returns
+        (tokens, parents as tree indices from ``frontier``, log path probabilities), each [n, kept], or None when
+        a logit is not finite."""
+        n, f = base.shape
+        v = x.shape[1]
+        kept = f * k if width is None else min(width, f * k)
+        # numpy's allocations and torch's view of them: a third of torch.empty's cost, each
+        tok, parent = (torch.from_numpy(np.empty((n, kept), np.int64)) for _ in range(2))
+        score = torch.from_numpy(np.empty((n, kept)))
+        status = self.lib.beam_picks(x.data_ptr(), n, f, v, base.data_ptr(), k, 0 if width is None else width,
+                                     frontier, tok.data_ptr(), parent.data_ptr(), score.data_ptr(),
+                                     torch.get_num_threads())
+        if status < 0:
+            raise MemoryError("the beam picks kernel could not allocate its scratch")
+        return None if status else (tok, parent, score)
+
+    def first_argmax(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows float32 [n, V] contiguous -> [n] int64: each row's ``argmax`` (its first maximum, a NaN counting as
+        the maximum), bit for bit: comparisons only (native/picks.c)."""
+        n, v = rows.shape
+        out = torch.from_numpy(np.empty(n, np.int64))
+        self.lib.first_argmax(rows.data_ptr(), n, v, out.data_ptr(), torch.get_num_threads())
         return out
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -219,7 +255,7 @@ def _build_and_load() -> NativeKernels | None:
 def _built(cc: str, version: str, flags: tuple[str, ...]) -> tuple[Path | None, str]:
     """The library built from the source with ``flags`` (from the cache, or compiled into it now), or None and
     the compiler's last line."""
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(flags).encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS)) + " ".join(flags).encode()
                          + version.encode()).hexdigest()[:16]
     path = default_cache_dir() / "native" / f"cpu-kernels-{key}.so"
     if path.exists():
@@ -255,4 +291,8 @@ def load(path: Path) -> NativeKernels:
     lib.rms_norm_f32.restype = None
     lib.attend_paged.argtypes = [_P, ctypes.c_long, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _I]
     lib.attend_paged.restype = _I
+    lib.beam_picks.argtypes = [_P, _I, _I, _I, _P, _I, _I, ctypes.c_int64, _P, _P, _P, _I]
+    lib.beam_picks.restype = _I
+    lib.first_argmax.argtypes = [_P, ctypes.c_long, _I, _P, _I]
+    lib.first_argmax.restype = None
     return NativeKernels(lib, path)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from adaserve.engine.model import native_kernels
 from adaserve.engine.model.batch import Segment
 from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.levels import BeamLevels
@@ -293,6 +294,11 @@ def _expand_on_device(logits: list[torch.Tensor] | torch.Tensor, base: np.ndarra
         raise ValueError(f"expected {n} requests' logits of {f} rows each (one per frontier node)")
     v = joined.shape[-1]
     k_node = min(per_node if per_node is not None else width, v)
+    if allowed is None:
+        native = _native_level(joined, base, k_node=k_node, width=None if per_node is not None else width,
+                               frontier=frontier)
+        if native is not None:
+            return native
     x = joined.float().view(n, f, v)
     # the least and the greatest logit: both finite iff every logit is (NaN propagates); one pass, no float64
     # sum over [n, F, V] (several times dearer on a CPU)
@@ -332,3 +338,40 @@ def _expand_on_device(logits: list[torch.Tensor] | torch.Tensor, base: np.ndarra
         parent = (torch.arange(frontier * k_node, (frontier + f) * k_node, device=values.device) // k_node
                   ).expand(n, -1)
     return tok, parent, values, (lo, hi)
+
+
+# the picks kernel's limits (native/picks.c keeps a row's k picks and a request's F * k candidates on the stack)
+NATIVE_MAX_K, NATIVE_MAX_CANDIDATES = 64, 1024
+# a finite level's check in ``_to_host``: both bounds 0
+_FINITE = torch.zeros(())
+_NOT_FINITE = torch.full((), float("nan"))
+
+
+def _native_level(logits: torch.Tensor, base: np.ndarray | torch.Tensor, *, k_node: int, width: int | None,
+                  frontier: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                      tuple[torch.Tensor, torch.Tensor]] | None:
+    """``_expand_on_device``'s level in one call of the CPU kernels' ``beam_picks`` (native/picks.c), where they
+    load and are not ``off`` (native_kernels.chosen): on a CPU the dozen torch ops of a level cost more than
+    the level's arithmetic (issue 30). None where the torch ops run instead: another device, no kernels, a
+    k past the kernel's limits. The picks are the same tokens as the torch ops' (ties to the lower id); a
+    value may differ in its last float32 bits (another exponential, another summation order)."""
+    if logits.device.type != "cpu":
+        return None
+    kernels = native_kernels.chosen()
+    n, f = base.shape
+    if kernels is None or k_node > NATIVE_MAX_K or f * k_node > NATIVE_MAX_CANDIDATES:
+        return None
+    x = logits.float()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if isinstance(base, np.ndarray):
+        base = torch.from_numpy(np.ascontiguousarray(base, np.float64))
+    elif base.dtype != torch.float64 or not base.is_contiguous():
+        base = base.to(torch.float64).contiguous()
+    out = kernels.beam_picks(x, base, k=k_node, width=width, frontier=frontier)
+    if out is None:  # a logit that is not finite: ``_to_host`` refuses the tree once the search is done
+        kept = f * k_node if width is None else min(width, f * k_node)
+        zeros = torch.zeros((n, kept), dtype=torch.int64)
+        return zeros, zeros + frontier, torch.zeros((n, kept), dtype=torch.float64), (_NOT_FINITE, _NOT_FINITE)
+    tok, parent, value = out
+    return tok, parent, value, (_FINITE, _FINITE)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from adaserve.engine.model import native_kernels
 from adaserve.engine.model.runner import joined_rows
 from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.speculation.sampling import SamplingParams, draw_rows, processed_probs
@@ -163,8 +164,11 @@ ARGMAX_BLOCKED_MIN = 1 << 18
 def first_argmax(rows: torch.Tensor, *, blocked_min: int | None = None) -> torch.Tensor:
     """[n, V] -> [n] int64: each row's ``argmax``, its first maximum (a NaN counting as the maximum), bit for bit.
 
-    On a CPU ``max(-1).indices`` is argmax's index at ~0.6 of its cost, and both track the index in a scalar
-    loop (~4 ns a logit on an AVX2 core: 0.7 ms for a 160-node verification of a 4096-token vocabulary, issue 30).
+    On a CPU, float32 rows go to the integer kernels' ``first_argmax`` (native/picks.c: a vectorised max, then
+    the first index that holds it; comparisons only) where they load and are not ``off``. Otherwise, and on
+    another device: on a CPU ``max(-1).indices`` is argmax's index at ~0.6 of its cost, and both track the index
+    in a scalar loop (~4 ns a logit on an AVX2 core: 0.7 ms for a 160-node verification of a 4096-token
+    vocabulary, issue 30).
     Many rows take two steps instead, the long one vectorised: with the rows cut into blocks of ARGMAX_BLOCK,
 
         j  = the first block whose ``amax`` is the greatest      (amax propagates NaN: the first block with one)
@@ -176,6 +180,10 @@ def first_argmax(rows: torch.Tensor, *, blocked_min: int | None = None) -> torch
     """
     if rows.device.type != "cpu":
         return rows.argmax(-1)
+    # the integer kernels' scan, where they load: one call, a third of the blocked steps' time at 32 requests
+    kernels = native_kernels.chosen() if rows.dtype == torch.float32 and rows.is_contiguous() else None
+    if kernels is not None:
+        return kernels.first_argmax(rows)
     n, v = rows.shape
     least = ARGMAX_BLOCKED_MIN if blocked_min is None else blocked_min
     if rows.numel() < least or v % ARGMAX_BLOCK or not rows.is_contiguous():

@@ -4,7 +4,9 @@ that copied each level's picks to the host and laid the next level out from them
 ``host_beam_search`` below is that implementation, kept as the reference: each level's tokens, parents and
 log path probabilities come to the host (``expand_level``), and the next forward is laid out from real
 trees (host ids, host ancestor rows). The device version must give identical tokens, parents and float64
-log-probs on the eager and the static path, with the torch attention's grouping and the static grid alike.
+log-probs on the eager and the static path, with the torch attention's grouping and the static grid alike,
+and with either implementation of a level's picks on a CPU: the torch ops a GPU runs, or the integer kernels'
+``beam_picks`` (native/picks.c), whose trees ``test_native_picks_give_the_torch_ops_trees`` holds to the torch ops'.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from adaserve.engine.speculation.speculate import (
     beam_search,
     expand_level,
 )
-from tests.engine.helpers import runner
+from tests.engine.helpers import runner, use_cpu_kernels
 
 
 def host_beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, width: int,
@@ -78,8 +80,11 @@ SHAPES = [(1, 1, None), (2, 1, None), (3, 2, None), (4, 3, None), (5, 4, None), 
           (0, 1, (2, 2, 1)), (0, 1, (1, 1, 1))]
 
 
+@pytest.mark.parametrize("picks", ["torch", "native"])
 @pytest.mark.parametrize("static", [False, True])
-def test_device_levels_give_the_host_levels_trees_bit_for_bit(draft_dir: Path, static: bool) -> None:
+def test_device_levels_give_the_host_levels_trees_bit_for_bit(draft_dir: Path, static: bool, picks: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    use_cpu_kernels(picks, monkeypatch)
     draft = runner(draft_dir, static_shapes=static)
     rng = np.random.default_rng(7)
     for depth, width, expansion in SHAPES:
@@ -117,8 +122,11 @@ def test_beam_search_frees_no_page_before_its_last_forward(draft_dir: Path, stat
     assert [x.seq.length for x in inputs] == [4, 3, 10]
 
 
+@pytest.mark.parametrize("picks", ["torch", "native"])
 @pytest.mark.parametrize("static", [False, True])
-def test_beam_search_waits_on_the_device_once(draft_dir: Path, static: bool) -> None:
+def test_beam_search_waits_on_the_device_once(draft_dir: Path, static: bool, picks: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    use_cpu_kernels(picks, monkeypatch)
     draft = runner(draft_dir, static_shapes=static)
     inputs = contexts(draft, [[5, 6, 7], [8]], [[9], [10, 11]])
     with HostSync() as sync:
@@ -129,6 +137,29 @@ def test_beam_search_waits_on_the_device_once(draft_dir: Path, static: bool) -> 
     # lays the catch-up out: one copy for it, one for the levels
     assert sync.counts["async_copy"] == (2 if static else 1)
     assert all(t.size == 1 + 4 * 3 for t in trees)
+
+
+def test_native_picks_give_the_torch_ops_trees(draft_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every shape of SHAPES, on the draft's real logits: the same tokens and parents whichever implementation
+    picks a level on a CPU; the log path probabilities agree to float32 rounding (another exponential, another
+    summation order)."""
+    draft = runner(draft_dir)
+    rng = np.random.default_rng(11)
+    for depth, width, expansion in SHAPES:
+        n = int(rng.integers(1, 7))
+        prompts = [rng.integers(2, 97, int(rng.integers(1, 20))).tolist() for _ in range(n)]
+        pending = [rng.integers(2, 97, int(rng.integers(1, 4))).tolist() for _ in range(n)]
+        trees = {}
+        for picks in ("torch", "native"):
+            use_cpu_kernels(picks, monkeypatch)
+            inputs = contexts(draft, prompts, pending)
+            trees[picks] = beam_search(draft, inputs, depth=depth, width=width, expansion=expansion)
+            for x in inputs:
+                draft.cache.release(x.seq)
+        for t, nat in zip(trees["torch"], trees["native"], strict=True):
+            assert np.array_equal(t.tokens, nat.tokens), (depth, width, expansion)
+            assert np.array_equal(t.parents, nat.parents), (depth, width, expansion)
+            assert np.allclose(t.log_probs, nat.log_probs, rtol=0, atol=1e-5), (depth, width, expansion)
 
 
 def test_grown_ancestor_rows_are_the_trees_matrices() -> None:

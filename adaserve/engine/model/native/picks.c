@@ -1,0 +1,215 @@
+/* Picks over a vocabulary's logits on a CPU: one level of the draft's beam search for every request at once
+ * (beam_picks: speculate.py, _expand_on_device), and the greedy draws' first maximum of each row (first_argmax:
+ * verify.py).
+ *
+ * beam_picks.
+ * Row (b, f) of x [n * F, V] (float32) holds the draft's logits at request b's frontier node f, and base[b, f]
+ * (float64) that node's log path probability. For each row:
+ *     m          = max_v x[v]
+ *     lse        = log(sum_v exp(x[v] - m))          (float32: eight lanes over the row, then across the lanes)
+ *     picks      = the row's k greatest logits, greatest first, ties to the lower token id
+ *     value_i    = (x[pick_i] - m) - lse               (the log-softmax at pick i, float32)
+ *     score_i    = base[b, f] + value_i                (float64)
+ * Request b's candidate j = f * k + i is token picks_i of row (b, f), child of tree node frontier + f.
+ * A beam (width > 0) keeps the ``width`` candidates with the greatest scores, greatest first, ties to the lower j;
+ * a static tree (width == 0) keeps every candidate, in order. Only a node's own top k children can be among a
+ * level's best, and the log-softmax keeps a row's order, so the [F * V] scores are never formed.
+ *
+ * Every exponential is exp8 (vexp.h). Torch's log_softmax sums in another order with another exponential, so a
+ * value may differ from its float32 result in the last bits: the draft's guesses, never the verified output.
+ *
+ * Returns 0; 1 when a logit is not finite (NaN or +-inf: the outputs are then unspecified, and beam search
+ * refuses the tree); -1 when the scratch could not be allocated.
+ *
+ * first_argmax. out[r] = the index of row r's first maximum, a NaN counting as the maximum (its first NaN): what
+ * torch.argmax returns, bit for bit (comparisons only, no arithmetic). The target's greedy draws take it, so it
+ * must be exact: it decides the emitted tokens.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "vexp.h"
+
+/* Below this many logits a level runs on one thread: forking costs more than it saves. */
+#define PARALLEL_MIN (1L << 16)
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+}
+
+/* Insert (value, index) into the k greatest so far (``top`` sorted greatest first, ties by index: an equal value
+ * seen later goes after the ones already held). ``count`` < k until the list is full. */
+static inline void insert(float *top, int64_t *at, int *count, int k, float value, int64_t index) {
+    int c = *count;
+    if (c == k) {
+        if (!(value > top[k - 1])) return;
+        c = k - 1;
+    } else {
+        *count = c + 1;
+    }
+    while (c > 0 && value > top[c - 1]) {
+        top[c] = top[c - 1];
+        at[c] = at[c - 1];
+        c--;
+    }
+    top[c] = value;
+    at[c] = index;
+}
+
+/* One row: its k picks (token ids, log-softmax values). Returns 1 when a logit is not finite. */
+static int row_picks(const float *x, int V, int k, int64_t *pick, float *value) {
+    __m256 vmax = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
+    int v = 0;
+    for (; v + 8 <= V; v += 8) {
+        __m256 xv = _mm256_loadu_ps(x + v);
+        vmax = _mm256_max_ps(vmax, xv);
+        __m256 d = _mm256_sub_ps(xv, xv); /* 0 for a finite logit, NaN for NaN and +-inf */
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(d, d, _CMP_UNORD_Q));
+    }
+    float m = hmax8(vmax);
+    int nonfinite = _mm256_movemask_ps(bad) != 0;
+    for (; v < V; v++) {
+        m = x[v] > m ? x[v] : m;
+        nonfinite |= !isfinite(x[v]);
+    }
+    if (nonfinite) return 1;
+
+    __m256 vm = _mm256_set1_ps(m), acc = _mm256_setzero_ps();
+    for (v = 0; v + 8 <= V; v += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + v), vm)));
+    float sum = hsum8(acc);
+    if (v < V) { /* the tail, padded with -inf (weighs nothing) */
+        float tail[8];
+        for (int t = 0; t < 8; t++) tail[t] = v + t < V ? x[v + t] : -INFINITY;
+        sum += hsum8(exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), vm)));
+    }
+    float lse = logf(sum);
+
+    float top[k];
+    int count = 0;
+    if (k == 1) { /* the first maximum */
+        for (v = 0; v + 8 <= V; v += 8)
+            if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + v), vm, _CMP_EQ_OQ))) break;
+        for (; v < V; v++)
+            if (x[v] == m) break;
+        top[0] = m;
+        pick[0] = v;
+    } else {
+        for (v = 0; v < k && v < V; v++) insert(top, pick, &count, k, x[v], v);
+        for (; v < V && (V - v) % 8; v++) insert(top, pick, &count, k, x[v], v); /* align the rest to 8 */
+        for (; v + 8 <= V; v += 8) {
+            __m256 xv = _mm256_loadu_ps(x + v);
+            int hit = _mm256_movemask_ps(_mm256_cmp_ps(xv, _mm256_set1_ps(top[k - 1]), _CMP_GT_OQ));
+            while (hit) {
+                int t = __builtin_ctz(hit);
+                insert(top, pick, &count, k, x[v + t], v + t);
+                hit &= hit - 1;
+            }
+        }
+    }
+    for (int i = 0; i < k; i++) value[i] = (top[i] - m) - lse;
+    return 0;
+}
+
+int beam_picks(const float *x, int n, int F, int V, const double *base, int k, int width, int64_t frontier,
+               int64_t *tok, int64_t *parent, double *score, int threads) {
+    long rows = (long)n * F;
+    int64_t *pick = (int64_t *)malloc(sizeof(int64_t) * (size_t)(rows * k));
+    float *value = (float *)malloc(sizeof(float) * (size_t)(rows * k));
+    if (!pick || !value) {
+        free(pick);
+        free(value);
+        return -1;
+    }
+    int bad = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : bad) if (rows * V >= PARALLEL_MIN)
+    for (long r = 0; r < rows; r++) bad |= row_picks(x + r * V, V, k, pick + r * k, value + r * k);
+    if (!bad) {
+        int cands = F * k, keep = width > 0 ? (width < cands ? width : cands) : cands;
+        for (int b = 0; b < n; b++) {
+            const int64_t *p = pick + (long)b * cands;
+            const float *val = value + (long)b * cands;
+            int64_t *t_out = tok + (long)b * keep, *p_out = parent + (long)b * keep;
+            double *s_out = score + (long)b * keep;
+            if (width == 0 || cands == 1) { /* every candidate, in order */
+                for (int j = 0; j < cands; j++) {
+                    t_out[j] = p[j];
+                    p_out[j] = frontier + j / k;
+                    s_out[j] = base[(long)b * F + j / k] + (double)val[j];
+                }
+                continue;
+            }
+            double s[cands];
+            char taken[cands];
+            for (int j = 0; j < cands; j++) {
+                s[j] = base[(long)b * F + j / k] + (double)val[j];
+                taken[j] = 0;
+            }
+            for (int o = 0; o < keep; o++) { /* the greatest not yet kept, ties to the lower j */
+                int best = -1;
+                for (int j = 0; j < cands; j++)
+                    if (!taken[j] && (best < 0 || s[j] > s[best])) best = j;
+                taken[best] = 1;
+                t_out[o] = p[best];
+                p_out[o] = frontier + best / k;
+                s_out[o] = s[best];
+            }
+        }
+    }
+    free(pick);
+    free(value);
+    return bad;
+}
+
+/* The first NaN of a row, or -1. */
+static long first_nan(const float *x, int V) {
+    int v = 0;
+    for (; v + 8 <= V; v += 8) {
+        __m256 xv = _mm256_loadu_ps(x + v);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(xv, xv, _CMP_UNORD_Q))) break;
+    }
+    for (; v < V; v++)
+        if (x[v] != x[v]) return v;
+    return -1;
+}
+
+void first_argmax(const float *x, long n, int V, int64_t *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * V >= PARALLEL_MIN)
+    for (long r = 0; r < n; r++) {
+        const float *row = x + r * V;
+        __m256 vmax = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+        int v = 0;
+        for (; v + 8 <= V; v += 8) {
+            __m256 xv = _mm256_loadu_ps(row + v);
+            vmax = _mm256_max_ps(vmax, xv);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
+        }
+        float m = hmax8(vmax);
+        int has_nan = _mm256_movemask_ps(nan) != 0;
+        for (int t = v; t < V; t++) {
+            has_nan |= row[t] != row[t];
+            m = row[t] > m ? row[t] : m;
+        }
+        if (has_nan) {
+            out[r] = first_nan(row, V);
+            continue;
+        }
+        __m256 vm = _mm256_set1_ps(m);
+        for (v = 0; v + 8 <= V; v += 8)
+            if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + v), vm, _CMP_EQ_OQ))) break;
+        for (; v < V; v++)
+            if (row[v] == m) break;
+        out[r] = v;
+    }
+}

@@ -16,7 +16,8 @@ iteration every call that on a GPU makes the host wait for the device (``h2d``, 
 torch call through Python, so it has its own iterations and never touches the timed ones. The same iterations count
 the device operations (``OpCount``: aten calls that are not views, each a kernel launch on a GPU) inside the models'
 forwards and outside them: on a GPU each one outside costs the host a launch, whatever the device does, so their
-number is the CPU's measure of the host work a GPU iteration cannot hide.
+number is the CPU's measure of the host work a GPU iteration cannot hide. They run with the torch ops a GPU runs for
+the beam picks and the greedy argmax (``torch_picks``), which the CPU kernels do in one call each on a CPU.
 Speculation on is the ``adaserve`` policy (adaptive depth and width, Eq. 8-9) at a fixed budget; off is
 ``incremental`` (continuous batching). Greedy, ``ignore_eos``: every request keeps decoding.
 
@@ -26,6 +27,7 @@ Speculation on is the ``adaserve`` policy (adaptive depth and width, Eq. 8-9) at
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -34,7 +36,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,7 @@ from adaserve.bench.microbench_options import (
 )
 from adaserve.engine.config import EngineConfig
 from adaserve.engine.engine import Engine
+from adaserve.engine.model import native_kernels
 from adaserve.engine.model.host_sync import BLOCKING, KINDS, HostSync
 from adaserve.engine.model.kv_cache import KVCacheConfig
 from adaserve.engine.model.runner import ModelRunner
@@ -234,6 +237,22 @@ class OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
+def torch_picks() -> Iterator[None]:
+    """Beam picks and greedy argmax by the torch ops a GPU launches, not the CPU kernels' one call each
+    (``native_kernels.ENV`` off, read at each call; layers already built keep their kernels): what the counts
+    below stand for is a GPU iteration's launches."""
+    before = os.environ.get(native_kernels.ENV)
+    os.environ[native_kernels.ENV] = "off"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[native_kernels.ENV]
+        else:
+            os.environ[native_kernels.ENV] = before
+
+
 def count_crossings(eng: Engine, steps: int) -> dict[str, Any]:
     """Per iteration, over ``steps`` iterations: host-device crossings of each kind (host_sync.py), the
     blocking ones together, and where in the code each comes from (calls per iteration); and the device
@@ -241,7 +260,7 @@ def count_crossings(eng: Engine, steps: int) -> dict[str, Any]:
     if steps < 1:
         return {}
     models = [r.model for r in (eng.target, *([] if eng.draft is None else [eng.draft]))]
-    with HostSync() as hs, OpCount(models) as ops:
+    with torch_picks(), HostSync() as hs, OpCount(models) as ops:
         for _ in range(steps):
             eng.step()
     per = {f"{k}_per_iteration": hs.counts[k] / steps for k in KINDS}

@@ -140,6 +140,12 @@ class NativeKernels:
         a logit is not finite."""
         n, f = base.shape
         v = x.shape[1]
+        # the C code reads raw pointers: refuse what it would misread (~1 us)
+        if (x.dtype != torch.float32 or base.dtype != torch.float64 or x.device.type != "cpu"
+                or base.device.type != "cpu" or not x.is_contiguous() or not base.is_contiguous()
+                or x.shape[0] != n * f or not 1 <= k <= v):
+            raise ValueError("beam_picks: float32 [n * F, V] logits and float64 [n, F] bases, contiguous, on the "
+                             "CPU, 1 <= k <= V")
         kept = f * k if width is None else min(width, f * k)
         # numpy's allocations and torch's view of them: a third of torch.empty's cost, each
         tok, parent = (torch.from_numpy(np.empty((n, kept), np.int64)) for _ in range(2))
@@ -155,6 +161,8 @@ class NativeKernels:
         """rows float32 [n, V] contiguous -> [n] int64: each row's ``argmax`` (its first maximum, a NaN counting as
         the maximum), bit for bit: comparisons only (native/picks.c)."""
         n, v = rows.shape
+        if rows.dtype != torch.float32 or rows.device.type != "cpu" or not rows.is_contiguous():
+            raise ValueError("first_argmax: float32 [n, V] rows, contiguous, on the CPU")
         out = torch.from_numpy(np.empty(n, np.int64))
         self.lib.first_argmax(rows.data_ptr(), n, v, out.data_ptr(), torch.get_num_threads())
         return out

@@ -266,3 +266,25 @@ def test_a_bfloat16_model_on_the_integer_kernels_attends_with_sdpa(target_dir: P
         return r.forward([Segment(seq, len(prompt), TokenTree.chain([7, 9, 4]))], all_logits=[True])[0]
 
     assert torch.equal(logits(native=True), logits(native=False))
+
+
+def test_the_picks_refuse_what_their_pointers_would_misread(kernels: nk.NativeKernels) -> None:
+    """beam_picks and first_argmax read raw pointers: another dtype, a strided view or a row count that does not
+    match the bases is a clear error, not a misread buffer."""
+    x, base = torch.randn(4, 64), torch.zeros(2, 2, dtype=torch.float64)
+    assert kernels.beam_picks(x, base, k=2, width=2, frontier=0) is not None
+    bad = [
+        (x.double(), base, 2),  # float64 logits
+        (x, base.float(), 2),  # float32 bases
+        (torch.randn(64, 4).t(), base, 2),  # strided logits
+        (x[:3], base, 2),  # 3 rows for 2 x 2 frontier nodes
+        (x, base, 0),  # no pick
+        (x, base, 65),  # more picks than the vocabulary
+    ]
+    for logits, bases, k in bad:
+        with pytest.raises(ValueError, match="beam_picks"):
+            kernels.beam_picks(logits, bases, k=k, width=2, frontier=0)
+    assert kernels.first_argmax(x).tolist() == x.argmax(-1).tolist()
+    for rows in (x.double(), torch.randn(64, 4).t()):
+        with pytest.raises(ValueError, match="first_argmax"):
+            kernels.first_argmax(rows)

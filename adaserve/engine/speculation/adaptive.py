@@ -355,17 +355,24 @@ class PathAcceptance:
     Each draft level is accepted with probability alpha until the first rejection; the maximum-likelihood
     alpha is accepted / (accepted + rejections) (a request whose whole path was accepted had no
     rejection). Summed over a window of recent iterations; ``prior`` until the first one.
+
+    ``prior_weight`` > 0 shrinks the estimate towards ``prior`` as that many levels tried would:
+    (accepted + w * prior) / (accepted + rejections + w). Without it one rejected first token reads as alpha 0
+    (SmartSpec's window has the same guard, smartspec.AcceptanceAverage).
     """
 
     window: int = 32
     prior: float = 0.7
+    prior_weight: float = 0.0
     samples: deque[tuple[int, int]] = field(default_factory=deque)
 
     @property
     def alpha(self) -> float:
         acc = sum(a for a, _ in self.samples)
         trials = acc + sum(r for _, r in self.samples)
-        return acc / trials if trials else self.prior
+        if trials + self.prior_weight <= 0:
+            return self.prior
+        return (acc + self.prior_weight * self.prior) / (trials + self.prior_weight)
 
     def observe(self, accepted: int, rejections: int) -> None:
         if accepted + rejections <= 0:

@@ -226,6 +226,11 @@ def _with_budget(adaptive: AdaptiveConfig, budget: int) -> AdaptiveConfig:
 
 # plain iterations in a row after which the adaptive policies draft their best tree once (tree_shape)
 PLAIN_STREAK = 32
+# the beams' path acceptance before rank rates are learnt (the goodput depth's alpha): its prior 0.7 counts as this
+# many draft levels tried, a lone request's 4-deep tree. Without it a fresh engine whose first drafted token was
+# rejected read alpha 0, predicted plain decoding and held it for PLAIN_STREAK iterations (docs/benchmarks.md,
+# issue 35 on an AVX2-only EPYC); after four such iterations in a row the estimate is 0.35
+PATH_PRIOR_WEIGHT = 4.0
 
 
 @dataclass(frozen=True)
@@ -244,7 +249,8 @@ class _Adaptive(_NoFeedback):
     (a CPU: chains)."""
 
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
-    paths: PathAcceptance = field(default_factory=PathAcceptance)  # mutable state in a frozen policy
+    # mutable state in a frozen policy; the prior counts as PATH_PRIOR_WEIGHT levels tried (the cold start)
+    paths: PathAcceptance = field(default_factory=lambda: PathAcceptance(prior_weight=PATH_PRIOR_WEIGHT))
     # SmartSpec's window of accepted / proposed: a chain's depth follows the latest iterations (adaptive.chain_rates)
     recent: AcceptanceAverage = field(default_factory=AcceptanceAverage)
     # each beam width's own path acceptance (adaptive.beam_alpha), and the width of the latest tree drafted

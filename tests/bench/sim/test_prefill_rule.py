@@ -51,13 +51,19 @@ def test_prompts_wait_in_smaller_chunks_while_a_tight_request_needs_the_time(tar
 
 def test_a_ttft_target_keeps_the_prompts_behind_a_tight_request_moving(target_dir: Path, draft_dir: Path) -> None:
     """The same arrivals, the long prompts now with a TTFT target: the rule may no longer hold their chunks back
-    past it, so their first tokens come no later than without one, the tight request's TPOT aside."""
+    past it, so a first token that came after the target without one comes sooner, and none comes later than both
+    its target and its time without one (the chunks the target asks for move the others within it), the tight
+    request's TPOT aside."""
+    target_ms = 250.0
     held, _ = serve(target_dir, draft_dir, "slo")
-    # without a target their first tokens come 107, 191, 251 and 363 ms after arrival; 250 ms binds the last three
-    timed, steps = serve(target_dir, draft_dir, "slo", ttft_ms=250.0)
+    # without a target their first tokens come ~113, 172, 256 and 349 ms after arrival: 250 ms binds the last two
+    timed, steps = serve(target_dir, draft_dir, "slo", ttft_ms=target_ms)
     assert [r.output_ids for r in timed] == [r.output_ids for r in held]  # the same tokens
     before = [r.metrics.ttft_ms for r in held[1:]]
     after = [r.metrics.ttft_ms for r in timed[1:]]
-    assert all(a is not None and b is not None and a <= b + 1e-6 for a, b in zip(after, before, strict=True))
-    assert sum(after) < sum(before)  # some first token came sooner
+    assert all(a is not None and b is not None for a, b in zip(after, before, strict=True))
+    late = [(a, b) for a, b in zip(after, before, strict=True) if b > target_ms]
+    assert len(late) >= 2  # the target binds
+    assert all(a < b for a, b in late)
+    assert all(a <= max(b, target_ms) + 1e-6 for a, b in zip(after, before, strict=True))
     assert max(m.prefill_tokens for m in steps if m.n_decode) > min(m.prefill_tokens for m in steps if m.n_decode)

@@ -469,3 +469,28 @@ def test_the_shipped_accelerator_profiles_keep_their_beams(ref: str, bounds: tup
 
     a = adaptive_for(AdaptiveConfig(), simulated_profile(load_profile_file(ref)))
     assert (a.d_max, a.w_max) == bounds
+
+
+def test_one_rejected_first_token_does_not_stop_a_fresh_beam() -> None:
+    """Before rank rates are learnt a beam's depth is priced at the path acceptance, whose prior counts as
+    PATH_PRIOR_WEIGHT levels tried: a fresh engine whose first drafted token is rejected keeps drafting (the
+    maximum-likelihood estimate read alpha 0 and decoded plainly for PLAIN_STREAK iterations), and a run of
+    rejections still turns speculation off."""
+    from adaserve.engine.speculation.policies import PATH_PRIOR_WEIGHT, BatchView, make_policy
+
+    costs = {"predict_target": _flat_then_linear(0.015, 1e-3, 2), "predict_draft": _flat_then_linear(0.0024, 1e-5, 8)}
+    view = BatchView(n_active=1, n_context=256, budget=128, rank_rates=lambda w: None, **costs)
+    policy = make_policy("adaserve")
+    object.__setattr__(policy, "adaptive", AdaptiveConfig(d_min=0, d_max=4, w_max=2))
+    assert policy.paths.prior_weight == PATH_PRIOR_WEIGHT
+    assert policy.tree_shape(view) is not None  # the prior alone: a tree pays
+    policy.observe_paths(0, 1)  # its first token rejected
+    assert policy.paths.alpha == pytest.approx(0.7 * PATH_PRIOR_WEIGHT / (1 + PATH_PRIOR_WEIGHT))
+    assert policy.tree_shape(view) is not None
+    for _ in range(32):
+        policy.observe_paths(0, 1)
+    assert policy.tree_shape(view) is None  # the evidence outweighs the prior
+    policy.paths.prior_weight = 0.0  # the plain estimate: one rejection already meant plain decoding
+    policy.paths.samples.clear()
+    policy.observe_paths(0, 1)
+    assert policy.paths.alpha == 0.0 and policy.tree_shape(view) is None

@@ -13,6 +13,14 @@ Each wrapper costs ~1 us a call: the totals read a few percent above ``adaserve 
 ``--kernels-ab``: one engine whose iterations run in blocks of ``--block`` that alternate ADASERVE_NATIVE_KERNELS
 between ``off`` and ``on`` (the CPU kernels' beam picks and argmax, or the torch ops: read at each call), with a
 table per setting: a paired comparison, both halves under the same load, on a machine whose speed drifts.
+
+``--replayed-forwards``: is the host time what the forwards leave in the caches? The iterations run twice, on two
+fresh engines: first with real forwards, each model's outputs recorded by their number of rows with their wall time;
+then with every forward served from that recording (the latest output of the same model and rows, in turn), returned
+after spinning for its recorded time, so the cost models see the same times and nothing a forward would read or
+write passes through the caches between the host's stages. A table per run; ``replay_missed_forwards`` counts the
+forwards of the second run whose shape was never recorded (they run for real). The outputs are not the ones their
+inputs would give, so the trees differ: compare the functions' times per call, and the shapes drafted.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from adaserve.bench.microbench_options import MODES
 from adaserve.engine.config import EngineConfig
 from adaserve.engine.engine import Engine
 from adaserve.engine.model import native_kernels
+from adaserve.engine.model.layers import CausalLM
 from adaserve.engine.request import Phase, Request
 from adaserve.engine.speculation.sampling import SamplingParams
 
@@ -104,6 +113,39 @@ class Timers:
         model.register_forward_hook(post)
 
 
+class ReplayedForwards:
+    """``--replayed-forwards`` (module docstring): ``CausalLM._logits`` recorded while ``mode`` is "record", served
+    from the recording while it is "replay", called as it is otherwise."""
+
+    def __init__(self) -> None:
+        self.mode = "real"
+        self.recorded: dict[tuple[int, int], list[tuple[torch.Tensor, float]]] = {}
+        self.turn = 0
+        self.missed = 0
+
+    def install(self) -> None:
+        real = CausalLM._logits
+
+        def logits(model: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor, backend: Any, cache: Any,
+                   logits_rows: torch.Tensor | None) -> torch.Tensor:
+            key = (id(model), int(logits_rows.shape[0] if logits_rows is not None else input_ids.shape[0]))
+            if self.mode == "replay" and key in self.recorded:
+                out, seconds = (got := self.recorded[key])[self.turn % len(got)]
+                self.turn += 1
+                end = time.perf_counter() + seconds
+                while time.perf_counter() < end:  # the forward's time, touching nothing
+                    pass
+                return out
+            self.missed += self.mode == "replay"
+            t0 = time.perf_counter()
+            out = real(model, input_ids, positions, backend, cache, logits_rows)
+            if self.mode == "record":
+                self.recorded.setdefault(key, []).append((out.clone(), time.perf_counter() - t0))
+            return out
+
+        CausalLM._logits = logits  # type: ignore[method-assign]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="demo-tiny")
@@ -112,7 +154,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=1500, help="each request's cap; a batch restarts near it")
     ap.add_argument("--kernels-ab", action="store_true", help="alternate ADASERVE_NATIVE_KERNELS off / on by block")
     ap.add_argument("--block", type=int, default=25, help="iterations per block with --kernels-ab")
+    ap.add_argument("--replayed-forwards", action="store_true",
+                    help="a second run with every forward served from the first's recording (module docstring)")
     args = ap.parse_args()
+    if args.kernels_ab and args.replayed_forwards:
+        ap.error("--kernels-ab and --replayed-forwards are separate experiments: choose one")
+    replayed = ReplayedForwards()
+    if args.replayed_forwards:
+        replayed.install()
     torch.set_num_threads(1)
     timers = Timers()
     for module, qualname in FUNCTIONS:
@@ -123,6 +172,7 @@ def main() -> None:
     ids = prompts(tok, args.requests, 128)
 
     def fresh() -> Engine:
+        mode, replayed.mode = replayed.mode, "real"  # prefill and warm-up always on real forwards
         eng = Engine(target, draft, EngineConfig(policy=MODES["spec"], max_batch=max(64, args.requests)))
         for i, p in enumerate(ids):
             eng.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)))
@@ -130,17 +180,32 @@ def main() -> None:
             eng.step()
         for _ in range(5):
             eng.step()
+        replayed.mode = mode
         return eng
 
-    settings = ["off", "on"] if args.kernels_ab else [os.environ.get(native_kernels.ENV, "auto")]
+    if args.kernels_ab:
+        settings = ["off", "on"]
+    elif args.replayed_forwards:
+        settings = ["real", "replayed"]
+    else:
+        settings = [os.environ.get(native_kernels.ENV, "auto")]
     step_s = dict.fromkeys(settings, 0.0)
     counts = dict.fromkeys(settings, 0)
     seconds = {k: collections.Counter[str]() for k in settings}
     calls = {k: collections.Counter[str]() for k in settings}
     shapes = {k: collections.Counter[str]() for k in settings}
+    replayed.mode = "record" if args.replayed_forwards else "real"
     eng = fresh()
-    for it in range(args.iterations):
-        setting = settings[(it // args.block) % len(settings)]
+    # --replayed-forwards: all the real iterations (recorded), then as many replayed ones on a fresh engine
+    total = args.iterations * (2 if args.replayed_forwards else 1)
+    for it in range(total):
+        if args.replayed_forwards:
+            setting = settings[it // args.iterations]
+            if it == args.iterations:
+                replayed.mode = "replay"
+                eng = fresh()
+        else:
+            setting = settings[(it // args.block) % len(settings)]
         if args.kernels_ab:
             os.environ[native_kernels.ENV] = setting
         timers.seconds, timers.calls = seconds[setting], calls[setting]  # this iteration's table
@@ -165,14 +230,19 @@ def main() -> None:
             "outside_forwards_ms_per_iteration": round(step_s[k] / n * 1e3, 3),
             "shapes_d_w": dict(shapes[k].most_common()),
             "functions": [{"function": f, "ms_per_iteration": round(v / n * 1e3, 3),
-                           "calls_per_iteration": round(calls[k][f] / n, 2)} for f, v in seconds[k].most_common()],
+                           "calls_per_iteration": round(calls[k][f] / n, 2),
+                           "us_per_call": round(v / calls[k][f] * 1e6, 1)} for f, v in seconds[k].most_common()],
         }
 
     report: dict[str, Any] = {
         "benchmark": "host-time-breakdown", "source": source_version(), "cpu": host_cpu(), "model": args.model,
         "requests": args.requests, "iterations": args.iterations, "threads": 1, "policy": MODES["spec"],
     }
-    if args.kernels_ab:
+    if args.replayed_forwards:
+        report |= {"replayed_forwards": {k: table(k) for k in settings}, "replay_missed_forwards": replayed.missed,
+                   "replayed_over_real": round(step_s["replayed"] / counts["replayed"]
+                                               / (step_s["real"] / counts["real"]), 3)}
+    elif args.kernels_ab:
         report |= {"kernels_ab": {"block": args.block, **{k: table(k) for k in settings}},
                    "on_over_off": round(step_s["on"] / counts["on"] / (step_s["off"] / counts["off"]), 3)}
     else:

@@ -228,8 +228,8 @@ def _with_budget(adaptive: AdaptiveConfig, budget: int) -> AdaptiveConfig:
 PLAIN_STREAK = 32
 # the beams' path acceptance before rank rates are learnt (the goodput depth's alpha): its prior 0.7 counts as this
 # many draft levels tried, a lone request's 4-deep tree. Without it a fresh engine whose first drafted token was
-# rejected read alpha 0, predicted plain decoding and held it for PLAIN_STREAK iterations (docs/benchmarks.md,
-# issue 35 on an AVX2-only EPYC); after four such iterations in a row the estimate is 0.35
+# rejected read alpha 0, predicted plain decoding and held it for PLAIN_STREAK iterations (docs/benchmarks.md, "The
+# cold start of a beam's path acceptance, fixed"); after four such iterations in a row the estimate is 0.35
 PATH_PRIOR_WEIGHT = 4.0
 
 

@@ -21,6 +21,10 @@ after spinning for its recorded time, so the cost models see the same times and 
 write passes through the caches between the host's stages. A table per run; ``replay_missed_forwards`` counts the
 forwards of the second run whose shape was never recorded (they run for real). The outputs are not the ones their
 inputs would give, so the trees differ: compare the functions' times per call, and the shapes drafted.
+
+``--alone F[,F]``: after the run, each named function (pure ones: ``_to_host``, ``build_trees``) is called again
+with its last arguments from the engine, ALONE_CALLS times in a row, and its warm time per call is reported beside
+its in-engine one: how much of a stage's cost is the stage, and how much the code that ran between its calls.
 """
 
 from __future__ import annotations
@@ -72,12 +76,17 @@ FUNCTIONS = [  # (module, qualified name)
 ]
 
 
+ALONE_CALLS = 2000
+
+
 class Timers:
     def __init__(self) -> None:
         self.in_forwards = 0.0  # seconds inside either model's forward so far
         self.seconds: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
         self.on = False
+        self.originals: dict[str, Any] = {}  # qualified name -> the unwrapped function
+        self.last: dict[str, tuple[tuple, dict]] = {}  # qualified name -> its latest call's arguments
 
     def wrap(self, module: str, qualname: str) -> None:
         mod = importlib.import_module(module)
@@ -85,7 +94,10 @@ class Timers:
         owner = getattr(mod, owner_name) if owner_name else mod
         fn = getattr(owner, name)
 
+        self.originals[qualname] = fn
+
         def timed(*args: Any, **kwargs: Any) -> Any:
+            self.last[qualname] = (args, kwargs)
             t0, f0 = time.perf_counter(), self.in_forwards
             try:
                 return fn(*args, **kwargs)
@@ -156,7 +168,11 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=25, help="iterations per block with --kernels-ab")
     ap.add_argument("--replayed-forwards", action="store_true",
                     help="a second run with every forward served from the first's recording (module docstring)")
+    ap.add_argument("--alone", default="", help="functions to time alone afterwards, comma-separated (docstring)")
     args = ap.parse_args()
+    alone = [f for f in args.alone.split(",") if f]
+    if unknown := [f for f in alone if f not in {q for _, q in FUNCTIONS}]:
+        ap.error(f"--alone: not among the timed functions: {', '.join(unknown)}")
     if args.kernels_ab and args.replayed_forwards:
         ap.error("--kernels-ab and --replayed-forwards are separate experiments: choose one")
     replayed = ReplayedForwards()
@@ -247,7 +263,21 @@ def main() -> None:
                    "on_over_off": round(step_s["on"] / counts["on"] / (step_s["off"] / counts["off"]), 3)}
     else:
         report |= {native_kernels.ENV: settings[0], **table(settings[0])}
+    if alone:
+        report["alone"] = {f: {"us_per_call_alone": time_alone(timers, f), "us_per_call_in_engine": round(
+            sum(t[f] for t in seconds.values()) / sum(c[f] for c in calls.values()) * 1e6, 1)} for f in alone}
     print(json.dumps(report, indent=2))
+
+
+def time_alone(timers: Timers, qualname: str) -> float:
+    """Microseconds per call of ``qualname`` called ALONE_CALLS times in a row with its latest in-engine arguments."""
+    fn, (args, kwargs) = timers.originals[qualname], timers.last[qualname]
+    for _ in range(ALONE_CALLS // 10):  # warm
+        fn(*args, **kwargs)
+    t0 = time.perf_counter()
+    for _ in range(ALONE_CALLS):
+        fn(*args, **kwargs)
+    return round((time.perf_counter() - t0) / ALONE_CALLS * 1e6, 1)
 
 
 if __name__ == "__main__":

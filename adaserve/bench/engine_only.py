@@ -36,10 +36,11 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
@@ -237,20 +238,11 @@ class OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@contextlib.contextmanager
-def torch_picks() -> Iterator[None]:
+def torch_picks() -> contextlib.AbstractContextManager[Any]:
     """Beam picks and greedy argmax by the torch ops a GPU launches, not the CPU kernels' one call each
-    (``native_kernels.ENV`` off, read at each call; layers already built keep their kernels): what the counts
-    below stand for is a GPU iteration's launches."""
-    before = os.environ.get(native_kernels.ENV)
-    os.environ[native_kernels.ENV] = "off"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[native_kernels.ENV]
-        else:
-            os.environ[native_kernels.ENV] = before
+    (``native_kernels.ENV`` off, read at each call; layers already built keep their kernels), the environment
+    restored after: what the counts below stand for is a GPU iteration's launches."""
+    return mock.patch.dict(os.environ, {native_kernels.ENV: "off"})
 
 
 def count_crossings(eng: Engine, steps: int) -> dict[str, Any]:

@@ -8,7 +8,9 @@ iteration's total time outside the forwards and the tree shapes drafted.
 
     PYTHONPATH=. python scripts/host-time-breakdown.py --requests 1 --iterations 1500 > out.json
 
-Each wrapper costs ~1 us a call: the totals read a few percent above ``adaserve microbench``'s.
+Each wrapper costs ~1 us a call: the totals read a few percent above ``adaserve microbench``'s. A listed function
+the engine does not have (an older commit's, run as ``PYTHONPATH=WORKTREE python scripts/host-time-breakdown.py`` for
+a paired comparison) is left out and named in ``not_timed``.
 
 ``--kernels-ab``: one engine whose iterations run in blocks of ``--block`` that alternate ADASERVE_NATIVE_KERNELS
 between ``off`` and ``on`` (the CPU kernels' beam picks and argmax, or the torch ops: read at each call), with a
@@ -53,8 +55,11 @@ FUNCTIONS = [  # (module, qualified name)
     ("adaserve.engine.engine", "Engine.step"),
     ("adaserve.engine.engine", "Engine._speculate_and_select"),
     ("adaserve.engine.speculation.speculate", "beam_search"),
+    ("adaserve.engine.speculation.speculate", "beam_arrays"),
     ("adaserve.engine.speculation.speculate", "_expand_on_device"),
     ("adaserve.engine.speculation.speculate", "build_trees"),
+    ("adaserve.engine.speculation.speculate", "candidate_arrays"),
+    ("adaserve.engine.speculation.speculate", "CandidateArrays.trees"),
     ("adaserve.engine.speculation.speculate", "_to_host"),
     ("adaserve.engine.model.levels", "BeamLevels.__init__"),
     ("adaserve.engine.model.levels", "BeamLevels.catch_up"),
@@ -66,6 +71,7 @@ FUNCTIONS = [  # (module, qualified name)
     ("adaserve.engine.speculation.policies", "_Adaptive.tree_shape"),
     ("adaserve.engine.speculation.policies", "AdaServe.select"),
     ("adaserve.engine.engine", "Engine._calibrated"),
+    ("adaserve.engine.speculation.acceptance", "RankAcceptance.calibrate_arrays"),
     ("adaserve.engine.speculation.acceptance", "RankAcceptance.observe_many"),
     ("adaserve.engine.speculation.verify", "draw_at_nodes"),
     ("adaserve.engine.speculation.verify", "walk_trees"),
@@ -87,12 +93,16 @@ class Timers:
         self.on = False
         self.originals: dict[str, Any] = {}  # qualified name -> the unwrapped function
         self.last: dict[str, tuple[tuple, dict]] = {}  # qualified name -> its latest call's arguments
+        self.absent: list[str] = []  # listed functions this version of the engine does not have
 
     def wrap(self, module: str, qualname: str) -> None:
         mod = importlib.import_module(module)
         owner_name, _, name = qualname.rpartition(".")
-        owner = getattr(mod, owner_name) if owner_name else mod
-        fn = getattr(owner, name)
+        owner = getattr(mod, owner_name, None) if owner_name else mod
+        fn = getattr(owner, name, None)
+        if fn is None:  # another version of the engine (a paired run against an older commit): not timed
+            self.absent.append(qualname)
+            return
 
         self.originals[qualname] = fn
 
@@ -253,6 +263,7 @@ def main() -> None:
     report: dict[str, Any] = {
         "benchmark": "host-time-breakdown", "source": source_version(), "cpu": host_cpu(), "model": args.model,
         "requests": args.requests, "iterations": args.iterations, "threads": 1, "policy": MODES["spec"],
+        "not_timed": timers.absent,
     }
     if args.replayed_forwards:
         report |= {"replayed_forwards": {k: table(k) for k in settings}, "replay_missed_forwards": replayed.missed,

@@ -47,7 +47,7 @@ from adaserve.engine.speculation.policies import (
     reads_slo_lines,
     split_policy,
 )
-from adaserve.engine.speculation.speculate import DraftInput, beam_arrays
+from adaserve.engine.speculation.speculate import DraftInput, beam_search
 from adaserve.engine.speculation.verify import WalkInput, commit_moves, draw_at_nodes, walk_trees
 from adaserve.engine.stop_strings import StopStringMatcher
 
@@ -528,21 +528,14 @@ class Engine:
             # each draft forward timed alone, with its own counts: the first also runs the catch-up tokens
             split = ForwardSplitter(self.clock)
             split.start()
-            drafted = beam_arrays(self.draft, inputs, depth=shape.depth, width=shape.width,
-                                  expansion=shape.expansion, on_forward=lambda rec: split(rec.n_context, rec.n_new))
+            cands = beam_search(self.draft, inputs, depth=shape.depth, width=shape.width, expansion=shape.expansion,
+                                on_forward=lambda rec: split(rec.n_context, rec.n_new))
             for c, b, y in split.finish():
                 self.draft_time.observe(c, b, y)
             t1 = self.clock()
-            cands = drafted.trees()
-        # selection weighs nodes by f(v); "learned": acceptance by sibling rank, not the draft's own guess (one
-        # draft: valued on the search's arrays, before its trees are built)
+        # selection weighs nodes by f(v); "learned": acceptance by sibling rank, not the draft's own guess
         acc = self.acceptances
-        if acc[0] is None:
-            scored = cands
-        elif self.pool is None:
-            scored = drafted.trees(*acc[0].calibrate_arrays(drafted.parents, drafted.log_probs))
-        else:
-            scored = self._calibrated(decoding, cands)
+        scored = cands if acc[0] is None else self._calibrated(decoding, cands)
         budget = max(self.cfg.budget, len(decoding))
         # f(v) over the batch, sorted once for the budget rule and the price, where either runs
         reads_values = self.cfg.budget_rule in ("goodput", "slo") or self.cfg.slo_floor == "price"

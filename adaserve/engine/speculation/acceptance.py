@@ -184,37 +184,6 @@ class RankAcceptance:
         return [TokenTree.trusted(t.tokens, t.parents, s[i], depths=t.__dict__.get("_depths"), is_chain=True,
                                   strict=strict[i]) for i, t in enumerate(trees)]
 
-    def calibrate_arrays(self, parents: np.ndarray, log_probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``calibrate_many`` for the trees of one beam search, given as ``[n, M]`` arrays (node 0 the root, parents
-        as node indices, -1 at the root), before any tree is built (speculate.CandidateArrays): each tree's log f
-        ``[n, M]`` and whether it strictly decreases ``[n]``, the bits ``calibrate_many`` gives those trees.
-
-        A node's siblings are the nodes with its parent, so its rank counts them over the whole row: those with a
-        greater q, or an equal q and a lower index (``_Forest.sibling_ranks``' order). The path sums are
-        ``_Forest.path_sums``' pointer jumping, element by element (issue 30: one stage fewer an iteration, no
-        forest of trees laid end to end and rebuilt)."""
-        n, m = parents.shape
-        rows = np.arange(n)[:, None]
-        par = parents[:, 1:]
-        cond = log_probs[:, 1:] - log_probs[rows, par]  # log q(v) = log f(v) - log f(parent)
-        # before[b, i, j]: drafted node i is sibling j's elder (same parent; greater q, or equal q and i < j)
-        same = par[:, :, None] == par[:, None, :]
-        ahead = (cond[:, :, None] > cond[:, None, :]) | ((cond[:, :, None] == cond[:, None, :])
-                                                         & np.tri(m - 1, k=-1, dtype=bool).T)
-        ranks = np.minimum(np.count_nonzero(same & ahead, axis=1), self.max_rank)
-        q = np.exp(cond)
-        bins = np.minimum((q * self.q_bins).astype(np.int64), self.q_bins - 1)
-        p = (self.hits[ranks, bins] + self.prior_weight * q) / (self.trials[ranks, bins] + self.prior_weight)
-        s = np.zeros((n, m))
-        s[:, 1:] = np.log(np.clip(p, 1e-9, 1.0 - 1e-9))
-        jump = parents.copy()
-        while (live := jump >= 0).any():  # s[v] += s[jump[v]], jump[v] = jump[jump[v]] where jump[v] is a node
-            up = np.maximum(jump, 0)
-            s = np.where(live, s + s[rows, up], s)
-            jump = np.where(live, jump[rows, up], jump)
-        strict = np.all(s[:, 1:] < s[rows, par], axis=1)
-        return s, strict
-
     def observe(self, tree: TokenTree, accepted_nodes: list[int]) -> None:
         """Count one verified tree: every node whose parent was accepted is a trial."""
         self.observe_many([tree], [accepted_nodes])

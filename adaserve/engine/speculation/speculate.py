@@ -51,16 +51,7 @@ class DraftInput:
 def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, width: int,
                 expansion: tuple[int, ...] | None = None,
                 on_forward: Callable[[ForwardRecord], None] | None = None) -> list[TokenTree]:
-    """Candidate trees (root + ``depth`` levels of ``width`` nodes) with draft path log-probs: ``beam_arrays``'
-    trees (its docstring says how the search runs)."""
-    return beam_arrays(draft, inputs, depth=depth, width=width, expansion=expansion, on_forward=on_forward).trees()
-
-
-def beam_arrays(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, width: int,
-                expansion: tuple[int, ...] | None = None,
-                on_forward: Callable[[ForwardRecord], None] | None = None) -> CandidateArrays:
-    """Candidate trees (root + ``depth`` levels of ``width`` nodes) with draft path log-probs, as ``[n, M]`` arrays
-    from which the trees are built (``CandidateArrays.trees``), with the draft's values or with learnt ones.
+    """Candidate trees (root + ``depth`` levels of ``width`` nodes) with draft path log-probs.
 
     With ``expansion`` (SpecInfer's static trees) every node at depth i instead keeps its own top
     ``expansion[i]`` children, and ``depth = len(expansion)``.
@@ -135,7 +126,7 @@ def beam_arrays(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
         draft.cache.truncate(x.seq, c)
     toks, pars, lps = _to_host(levels, checks)
     roots = np.asarray([x.pending[-1] for x in inputs], np.int64)[:, None]
-    return candidate_arrays(roots, toks, pars, lps, sizes[1:])
+    return build_trees(roots, toks, pars, lps, sizes[1:])
 
 
 def level_sizes(depth: int, width: int, expansion: tuple[int, ...] | None, vocab: int) -> list[int]:
@@ -152,36 +143,15 @@ def level_sizes(depth: int, width: int, expansion: tuple[int, ...] | None, vocab
     return sizes
 
 
-@dataclass(frozen=True)
-class CandidateArrays:
-    """One search's candidate trees as ``[n, M]`` arrays, node 0 the root: every tree has the same level sizes, so
-    the depths are one shared array and the ancestor matrices one ``[n, M, M]`` stack (None: chains). The log
-    path probabilities strictly decrease along every path (``TokenTree.with_strict_decrease``'s nudge, applied)."""
+def build_trees(roots: np.ndarray, toks: np.ndarray, pars: np.ndarray, lps: np.ndarray,
+                level_sizes: list[int], eps: float = STRICT_DECREASE_EPS) -> list[TokenTree]:
+    """Every request's candidate tree from the search's [n, nodes] arrays (roots [n, 1]; parents as tree
+    indices, the root being 0), with ``TokenTree.with_strict_decrease`` applied to all of them at once.
 
-    tokens: np.ndarray  # [n, M]
-    parents: np.ndarray  # [n, M] node indices, -1 at the root
-    log_probs: np.ndarray  # [n, M] the draft's log f
-    depths: np.ndarray  # [M] read-only
-    ancestors: np.ndarray | None  # [n, M, M] bool read-only, None where every tree is a chain
-
-    def trees(self, log_probs: np.ndarray | None = None, strict: np.ndarray | None = None) -> list[TokenTree]:
-        """The trees, valued by the draft (``log_probs`` None) or by ``log_probs`` [n, M] (the learnt acceptance's,
-        acceptance.RankAcceptance.calibrate_arrays) with ``strict`` [n], whether each decreases. No per-tree checks:
-        parents precede their children by construction and ``_to_host`` has refused non-finite log-probs."""
-        lps = self.log_probs if log_probs is None else log_probs
-        if strict is None:  # each tree's f decreases (selection)
-            strict = np.all(lps[:, 1:] < lps[np.arange(len(lps))[:, None], self.parents[:, 1:]], axis=1)
-        chain, anc = self.ancestors is None, self.ancestors
-        return [TokenTree.trusted(self.tokens[r], self.parents[r], lps[r], depths=self.depths, is_chain=chain,
-                                  strict=s, ancestors=None if anc is None else anc[r])
-                for r, s in enumerate(strict.tolist())]
-
-
-def candidate_arrays(roots: np.ndarray, toks: np.ndarray, pars: np.ndarray, lps: np.ndarray,
-                     level_sizes: list[int], eps: float = STRICT_DECREASE_EPS) -> CandidateArrays:
-    """The search's [n, nodes] arrays (roots [n, 1]; parents as tree indices, the root being 0) with the root
-    prepended and ``TokenTree.with_strict_decrease`` applied to every tree at once: the nudge runs level by level
-    over [n, level] columns (parents are final before their children)."""
+    Every tree of one search has the same level sizes, so the nudge runs level by level over [n, level]
+    columns, the depths are one shared array, and the trees need no per-tree checks: parents precede their
+    children by construction and ``_to_host`` has refused non-finite log-probs.
+    """
     n = roots.shape[0]
     toks = np.concatenate([roots, toks], axis=1)
     pars = np.concatenate([np.full((n, 1), -1, np.int64), pars], axis=1)
@@ -195,14 +165,10 @@ def candidate_arrays(roots: np.ndarray, toks: np.ndarray, pars: np.ndarray, lps:
     depths = np.repeat(np.arange(len(level_sizes) + 1), [1, *level_sizes])
     depths.flags.writeable = False
     chain = all(size == 1 for size in level_sizes)
-    return CandidateArrays(toks, pars, lps, depths, None if chain else _ancestor_matrices(pars, level_sizes))
-
-
-def build_trees(roots: np.ndarray, toks: np.ndarray, pars: np.ndarray, lps: np.ndarray,
-                level_sizes: list[int], eps: float = STRICT_DECREASE_EPS) -> list[TokenTree]:
-    """Every request's candidate tree from the search's [n, nodes] arrays (``candidate_arrays``), valued by the
-    draft."""
-    return candidate_arrays(roots, toks, pars, lps, level_sizes, eps).trees()
+    strict = np.all(lps[:, 1:] < lps[rows, pars[:, 1:]], axis=1).tolist()  # each tree's f decreases (selection)
+    anc = None if chain else _ancestor_matrices(pars, level_sizes)
+    return [TokenTree.trusted(toks[r], pars[r], lps[r], depths=depths, is_chain=chain, strict=strict[r],
+                              ancestors=None if anc is None else anc[r]) for r in range(n)]
 
 
 def _ancestor_matrices(pars: np.ndarray, level_sizes: list[int]) -> np.ndarray:

@@ -224,32 +224,3 @@ def test_a_path_that_is_not_a_prefix_is_counted_by_the_forest() -> None:
     assert b.trials.sum() == 2 and b.hits.sum() == 1  # node 1 (hit), node 2 (missed)
     with pytest.raises(ValueError):
         a.observe_many([chain, chain], [[0]])
-
-
-@pytest.mark.parametrize("level_sizes", [[1, 1, 1], [2, 2, 2], [2, 2], [3, 6], [2, 4, 8], [4, 4, 4, 4]])
-@pytest.mark.parametrize("q_bins", [1, 8])
-def test_a_searchs_arrays_are_calibrated_to_the_forests_bits(level_sizes: list[int], q_bins: int) -> None:
-    """The engine values one beam search's trees on its [n, M] arrays (calibrate_arrays, before any tree is
-    built): the same log f, bit for bit, and the same decrease flags as calibrate_many on the built trees, with
-    ties between siblings' q (rounded log-probs) and learnt counts in every cell."""
-    rng = np.random.default_rng(sum(level_sizes) * 10 + q_bins)
-    acc = RankAcceptance(q_bins=q_bins)
-    acc.hits[:] = rng.random(acc.hits.shape) * 20
-    acc.trials[:] = acc.hits + rng.random(acc.hits.shape) * 20
-    n, m = 6, 1 + sum(level_sizes)
-    parents, prev, start = [np.full((n, 1), -1)], [0], 1
-    for size in level_sizes:
-        parents.append(rng.choice(prev, size=(n, size)))
-        prev, start = list(range(start, start + size)), start + size
-    pars = np.concatenate(parents, axis=1)
-    lps = np.zeros((n, m))
-    cond = np.round(np.log(rng.uniform(0.05, 1.0, (n, m))), 1)  # rounded: equal q between siblings
-    for v in range(1, m):  # parents come first
-        lps[:, v] = lps[np.arange(n), pars[:, v]] + cond[:, v]
-    lps[:, 1:] = np.minimum(lps[:, 1:], lps[np.arange(n)[:, None], pars[:, 1:]] - 1e-9)
-    trees = [TokenTree.trusted(np.arange(m), pars[r], lps[r]) for r in range(n)]
-    want = acc.calibrate_many(trees)
-    got, strict = acc.calibrate_arrays(pars, lps)
-    for r, w in enumerate(want):
-        assert np.array_equal(got[r], w.log_probs)
-        assert strict[r] == w.strictly_decreasing

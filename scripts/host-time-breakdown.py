@@ -24,6 +24,12 @@ write passes through the caches between the host's stages. A table per run; ``re
 forwards of the second run whose shape was never recorded (they run for real). The outputs are not the ones their
 inputs would give, so the trees differ: compare the functions' times per call, and the shapes drafted.
 
+``--count-calls``: the same iterations under a profiling hook (``sys.setprofile``) that counts the calls made outside
+the forwards: Python functions and C functions (numpy's and torch's entry points, builtins), in all and per listed
+function, inclusive like the times (the wrappers' own calls are not counted). A measure of how much distinct work an
+iteration does that the machine's speed and load do not move: the times are then slower (the hook's cost), the
+counts are what to compare.
+
 ``--alone F[,F]``: after the run, each named function (pure ones: ``_to_host``, ``build_trees``) is called again
 with its last arguments from the engine, ALONE_CALLS times in a row, and its warm time per call is reported beside
 its in-engine one: how much of a stage's cost is the stage, and how much the code that ran between its calls.
@@ -90,6 +96,10 @@ class Timers:
         self.originals: dict[str, Any] = {}  # qualified name -> the unwrapped function
         self.last: dict[str, tuple[tuple, dict]] = {}  # qualified name -> its latest call's arguments
         self.absent: list[str] = []  # listed functions this version of the engine does not have
+        self.active: list[str] = []  # the listed functions running now, outermost first (--count-calls)
+        self.forwarding = False  # inside either model's forward
+        self.counted: collections.Counter[str] = collections.Counter()  # calls outside forwards ("" = all)
+        self.wrapper_code: Any = None  # the wrappers' own code object: their calls are not counted
 
     def wrap(self, module: str, qualname: str) -> None:
         mod = importlib.import_module(module)
@@ -104,6 +114,7 @@ class Timers:
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             self.last[qualname] = (args, kwargs)
+            self.active.append(qualname)
             t0, f0 = time.perf_counter(), self.in_forwards
             try:
                 return fn(*args, **kwargs)
@@ -111,6 +122,9 @@ class Timers:
                 if self.on:
                     self.seconds[qualname] += time.perf_counter() - t0 - (self.in_forwards - f0)
                     self.calls[qualname] += 1
+                self.active.pop()
+
+        self.wrapper_code = timed.__code__
 
         setattr(owner, name, timed)
         if not owner_name:  # a module-level function: rebind the names other modules imported
@@ -118,14 +132,24 @@ class Timers:
                 if getattr(m, "__name__", "").startswith("adaserve") and getattr(m, name, None) is fn:
                     setattr(m, name, timed)
 
+    def count(self, frame: Any, event: str, _arg: Any) -> None:
+        """The profiling hook of ``--count-calls``: one more call outside the forwards, for every listed function
+        running (and for all, under "")."""
+        if self.on and not self.forwarding and event in ("call", "c_call") and frame.f_code is not self.wrapper_code:
+            self.counted[""] += 1
+            for q in self.active:
+                self.counted[q] += 1
+
     def hook(self, model: torch.nn.Module) -> None:
         start = [0.0]
 
         def pre(*_: Any) -> None:
             start[0] = time.perf_counter()
+            self.forwarding = True
 
         def post(*_: Any) -> None:
             self.in_forwards += time.perf_counter() - start[0]
+            self.forwarding = False
 
         model.register_forward_pre_hook(pre)
         model.register_forward_hook(post)
@@ -174,6 +198,8 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=25, help="iterations per block with --kernels-ab")
     ap.add_argument("--replayed-forwards", action="store_true",
                     help="a second run with every forward served from the first's recording (module docstring)")
+    ap.add_argument("--count-calls", action="store_true",
+                    help="count the calls outside the forwards, per function (module docstring)")
     ap.add_argument("--alone", default="", help="functions to time alone afterwards, comma-separated (docstring)")
     args = ap.parse_args()
     alone = [f for f in args.alone.split(",") if f]
@@ -181,6 +207,8 @@ def main() -> None:
         ap.error(f"--alone: not among the timed functions: {', '.join(unknown)}")
     if args.kernels_ab and args.replayed_forwards:
         ap.error("--kernels-ab and --replayed-forwards are separate experiments: choose one")
+    if args.count_calls and (args.kernels_ab or args.replayed_forwards):
+        ap.error("--count-calls counts one engine's calls: run it without --kernels-ab or --replayed-forwards")
     replayed = ReplayedForwards()
     if args.replayed_forwards:
         replayed.install()
@@ -237,9 +265,12 @@ def main() -> None:
             eng = fresh()
         f0 = timers.in_forwards
         timers.on = True
+        if args.count_calls:
+            sys.setprofile(timers.count)
         t0 = time.perf_counter()
         eng.step()
         step_s[setting] += time.perf_counter() - t0 - (timers.in_forwards - f0)
+        sys.setprofile(None)
         timers.on = False
         m = eng.history[-1]
         shapes[setting][f"{m.depth},{m.width}"] += 1
@@ -253,7 +284,11 @@ def main() -> None:
             "shapes_d_w": dict(shapes[k].most_common()),
             "functions": [{"function": f, "ms_per_iteration": round(v / n * 1e3, 3),
                            "calls_per_iteration": round(calls[k][f] / n, 2),
-                           "us_per_call": round(v / calls[k][f] * 1e6, 1)} for f, v in seconds[k].most_common()],
+                           "us_per_call": round(v / calls[k][f] * 1e6, 1),
+                           **({"calls_inside_per_iteration": round(timers.counted[f] / n, 1)} if args.count_calls
+                              else {})} for f, v in seconds[k].most_common()],
+            **({"calls_outside_forwards_per_iteration": round(timers.counted[""] / n, 1)} if args.count_calls
+               else {}),
         }
 
     report: dict[str, Any] = {

@@ -102,7 +102,7 @@ class _Forest:
         s = x.astype(np.float64, copy=True)
         jump = self.parents.copy()
         while True:
-            live = np.flatnonzero(jump >= 0)
+            live = (jump >= 0).nonzero()[0]
             if live.size == 0:
                 return s
             s[live] = s[live] + s[jump[live]]
@@ -158,7 +158,7 @@ class RankAcceptance:
         ranks, bins, q = self._cells(forest)
         p = (self.hits[ranks, bins] + self.prior_weight * q) / (self.trials[ranks, bins] + self.prior_weight)
         log_p = np.zeros(forest.size)
-        log_p[forest.drafted] = np.log(np.clip(p, 1e-9, 1.0 - 1e-9))
+        log_p[forest.drafted] = np.log(np.minimum(np.maximum(p, 1e-9), 1.0 - 1e-9))  # np.clip's bits
         lf = forest.path_sums(log_p)  # log f(v) = log f(parent) + log p(v)
         below = np.ones(forest.size, bool)  # each tree's f decreases (selection): every node below its parent
         below[forest.drafted] = lf[forest.drafted] < lf[forest.parents[forest.drafted]]
@@ -201,7 +201,7 @@ class RankAcceptance:
         on_path[np.fromiter((v + o for nodes, o in zip(accepted, forest.offsets.tolist(), strict=True) for v in nodes),
                             np.int64)] = True
         drafted_tree = np.array([t.size > 1 for t in trees])
-        later = np.cumsum(drafted_tree[::-1])[::-1] - drafted_tree  # trees with drafted nodes after each one
+        later = drafted_tree[::-1].cumsum()[::-1] - drafted_tree  # trees with drafted nodes after each one
         self.hits *= self.decay ** int(drafted_tree.sum())
         self.trials *= self.decay ** int(drafted_tree.sum())
         ranks, bins, _ = self._cells(forest)

@@ -98,7 +98,7 @@ def _padded(lps: LogF) -> Padded:
         return lps
     sizes = np.fromiter((len(lp) for lp in lps), np.int64, len(lps))
     m = int(sizes.max(initial=1))
-    if np.all(sizes == m):
+    if (sizes == m).all():
         return Padded(np.stack(lps) if lps else np.zeros((0, m)), sizes)
     out = np.full((len(lps), m), -np.inf)
     for i, lp in enumerate(lps):
@@ -124,9 +124,9 @@ class RankedNodes:
         padded = _padded(lps)
         lp, sizes = padded.lp, padded.sizes
         n = len(lp)
-        ranked = np.argsort(-lp[:, 1:], axis=1, kind="stable") + 1
+        ranked = (-lp[:, 1:]).argsort(axis=1, kind="stable") + 1
         f = np.exp(np.take_along_axis(lp, ranked, axis=1))
-        n_acc = 1.0 + np.concatenate([np.zeros((n, 1)), np.cumsum(f, axis=1)], axis=1)
+        n_acc = 1.0 + np.concatenate([np.zeros((n, 1)), f.cumsum(axis=1)], axis=1)
         return cls(ranked, n_acc, sizes, f)
 
     def reach(self, n_max: int) -> np.ndarray:
@@ -140,19 +140,20 @@ def slo_wishes(nodes: RankedNodes, req: np.ndarray, *, depth: int, n_max: int, m
     n_acc[k] >= A_cap(r) = min(A(r), d+1), at most n_max - 1 and at most its drafted nodes, and none of
     them valued below ``min_value`` (0: no floor; see select_adaserve)."""
     a_cap = np.minimum(req, depth + 1)  # at most d drafted + 1 bonus
-    need = np.sum(nodes.n_acc < a_cap[:, None], axis=1)
+    need = (nodes.n_acc < a_cap[:, None]).sum(axis=1)
     if min_value > 0:  # ranked by f, highest first: the nodes worth at least min_value are a prefix
-        need = np.minimum(need, np.sum(nodes.value >= min_value, axis=1))
+        need = np.minimum(need, (nodes.value >= min_value).sum(axis=1))
     return np.maximum(0, np.minimum(np.minimum(need, n_max - 1), nodes.sizes - 1))
 
 
 def slo_grants(want: np.ndarray, req: np.ndarray, *, budget: int, order: str) -> np.ndarray:
     """What each request gets of its wish: the budget goes to wishes in ``order`` of A(r) (SLO_ORDERS),
     request i gets min(k(i), what the requests before it left), a clipped running sum; ties keep batch order."""
-    by_need = np.argsort(-req if order == "largest-need" else req, kind="stable")
-    before = np.cumsum(want[by_need]) - want[by_need]
+    by_need = (-req if order == "largest-need" else req).argsort(kind="stable")
+    before = want[by_need].cumsum() - want[by_need]
     k = np.empty(len(want), np.int64)
-    k[by_need] = np.clip(budget - len(want) - before, 0, want[by_need])  # every root costs 1; never over budget
+    # every root costs 1; never over budget (np.clip's values, without its Python layer)
+    k[by_need] = np.minimum(np.maximum(budget - len(want) - before, 0), want[by_need])
     return k
 
 
@@ -198,13 +199,14 @@ def _throughput_phase(lps: LogF, chosen: Sequence[np.ndarray], *, budget: int) -
     lp = _padded(lps).lp
     m = lp.shape[1]
     free = np.isfinite(lp)
-    free[np.repeat(np.arange(len(chosen)), counts), np.concatenate(chosen).astype(np.int64)] = False
-    flat = np.flatnonzero(free)  # row-major: by request, then node index
-    top = flat[np.argsort(-lp.reshape(-1)[flat], kind="stable")[:left]]  # one global heap, as a sort
-    # each request's share of ``top`` in top's order: a stable sort by request, split (no scan per request)
-    top = top[np.argsort(top // m, kind="stable")]
-    got = np.split(top % m, np.cumsum(np.bincount(top // m, minlength=len(chosen)))[:-1])
-    return [np.concatenate((c, g)) for c, g in zip(chosen, got, strict=True)]
+    free[np.arange(len(chosen)).repeat(counts), np.concatenate(chosen).astype(np.int64)] = False
+    flat = free.ravel().nonzero()[0]  # row-major: by request, then node index
+    top = flat[(-lp.reshape(-1)[flat]).argsort(kind="stable")[:left]]  # one global heap, as a sort
+    # each request's share of ``top`` in top's order: a stable sort by request, cut at each request's end
+    top = top[(top // m).argsort(kind="stable")]
+    ends = np.bincount(top // m, minlength=len(chosen)).cumsum().tolist()
+    nodes = top % m
+    return [np.concatenate((c, nodes[a:b])) for c, a, b in zip(chosen, [0, *ends[:-1]], ends, strict=True)]
 
 
 # ---- policies -----------------------------------------------------------------------------------------
@@ -320,6 +322,6 @@ def _validated(cands: Sequence[TokenTree], requirements: Sequence[float], *, bud
     req = np.asarray(requirements, np.float64).reshape(-1)
     if len(req) != len(cands):
         raise ValueError(f"{len(cands)} candidate trees but {len(req)} requirements")
-    if np.any(np.isnan(req)):
+    if np.isnan(req).any():
         raise ValueError("NaN SLO requirement")
     return req

@@ -209,7 +209,7 @@ def grid_mask(segments: Sequence[Segment], members: Sequence[int], q_max: int, k
         src = (np.asarray(members)[m] * size + tree_node) * size + col
     else:
         # each tree's rows below its cached nodes, flattened: the true cells only
-        flat = [np.flatnonzero(segs[m].tree.ancestor_matrix()[cached[m, 0]:]) for m in trees]
+        flat = [segs[m].tree.ancestor_matrix()[cached[m, 0]:].ravel().nonzero()[0] for m in trees]
         counts = np.fromiter((len(f) for f in flat), np.int64, len(flat))
         at = np.repeat(np.arange(len(t)), counts)
         e = np.concatenate(flat)

@@ -364,12 +364,14 @@ class PathAcceptance:
     window: int = 32
     prior: float = 0.7
     prior_weight: float = 0.0
-    samples: deque[tuple[int, int]] = field(default_factory=deque)
+    samples: deque[tuple[int, int]] = field(default_factory=deque)  # read-only: observe and clear change it
+    # the window's sums, kept as samples come and go (integers: exact); alpha is read every iteration (issue 30)
+    _accepted: int = field(default=0, repr=False)
+    _rejections: int = field(default=0, repr=False)
 
     @property
     def alpha(self) -> float:
-        acc = sum(a for a, _ in self.samples)
-        trials = acc + sum(r for _, r in self.samples)
+        acc, trials = self._accepted, self._accepted + self._rejections
         if trials + self.prior_weight <= 0:
             return self.prior
         return (acc + self.prior_weight * self.prior) / (trials + self.prior_weight)
@@ -378,8 +380,17 @@ class PathAcceptance:
         if accepted + rejections <= 0:
             return
         self.samples.append((accepted, rejections))
+        self._accepted += accepted
+        self._rejections += rejections
         while len(self.samples) > self.window:
-            self.samples.popleft()
+            a, r = self.samples.popleft()
+            self._accepted -= a
+            self._rejections -= r
+
+    def clear(self) -> None:
+        """Forget every sample: alpha is the prior again."""
+        self.samples.clear()
+        self._accepted = self._rejections = 0
 
 
 # verified iterations of one width before its path acceptance replaces the ranks' sum (beam_alpha)

@@ -75,6 +75,21 @@ def test_path_acceptance_is_the_geometric_mle() -> None:
     p.observe(2, 2)
     p.observe(4, 0)  # the window keeps the last two
     assert p.alpha == 6 / 8
+    p.clear()
+    assert p.alpha == 0.5 and not p.samples
+
+
+def test_path_acceptance_keeps_its_windows_sums_as_samples_come_and_go() -> None:
+    """alpha reads running sums (it is read every iteration): they stay the window's, sample by sample."""
+    from adaserve.engine.speculation.adaptive import PathAcceptance
+
+    rng = np.random.default_rng(3)
+    p = PathAcceptance(window=5, prior=0.6, prior_weight=2.0)
+    for _ in range(200):
+        p.observe(int(rng.integers(0, 5)), int(rng.integers(0, 3)))
+        acc, rej = sum(a for a, _ in p.samples), sum(r for _, r in p.samples)
+        assert len(p.samples) <= 5
+        assert p.alpha == (acc + 2.0 * 0.6) / (acc + rej + 2.0)
 
 
 def test_goodput_depth_goes_deep_when_draft_steps_are_cheap_and_shallow_when_not() -> None:
@@ -491,6 +506,6 @@ def test_one_rejected_first_token_does_not_stop_a_fresh_beam() -> None:
         policy.observe_paths(0, 1)
     assert policy.tree_shape(view) is None  # the evidence outweighs the prior
     policy.paths.prior_weight = 0.0  # the plain estimate: one rejection already meant plain decoding
-    policy.paths.samples.clear()
+    policy.paths.clear()
     policy.observe_paths(0, 1)
     assert policy.paths.alpha == 0.0 and policy.tree_shape(view) is None

@@ -119,9 +119,10 @@ class Timers:
             try:
                 return fn(*args, **kwargs)
             finally:
-                if self.on:
-                    self.seconds[qualname] += time.perf_counter() - t0 - (self.in_forwards - f0)
-                    self.calls[qualname] += 1
+                if self.on:  # dict.get, not the Counter's Python __missing__: no call of its own to count
+                    spent = time.perf_counter() - t0 - (self.in_forwards - f0)
+                    self.seconds[qualname] = self.seconds.get(qualname, 0.0) + spent
+                    self.calls[qualname] = self.calls.get(qualname, 0) + 1
                 self.active.pop()
 
         self.wrapper_code = timed.__code__
@@ -216,6 +217,8 @@ def main() -> None:
     timers = Timers()
     for module, qualname in FUNCTIONS:
         timers.wrap(module, qualname)
+    if missing := [f for f in alone if f in timers.absent]:
+        ap.error(f"--alone: this engine has no {', '.join(missing)}")
     target, draft, tok = load_pair(args.model, "cpu", 512)
     timers.hook(target.model)
     timers.hook(draft.model)

@@ -24,17 +24,17 @@ import torch
 class HostStage:
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._pending: list[tuple[str, np.ndarray, torch.dtype]] = []
+        # name -> (array, dtype) until sent; a name is staged once, pending or sent (issue 30: dict operations are
+        # not calls, and a forward stages a dozen arrays: no set to keep beside them)
+        self._pending: dict[str, tuple[np.ndarray, torch.dtype]] = {}
         self._sent: dict[str, torch.Tensor] = {}
-        self._names: set[str] = set()  # every name staged, pending or sent (``put`` refuses a second one)
         self.copies = 0  # transfers made (one per forward when used as meant)
 
     def put(self, name: str, array: np.ndarray | list[int], dtype: torch.dtype = torch.int64) -> None:
         """Queue ``array`` (integers or bools) for the device under ``name``; it arrives as ``dtype``."""
-        if name in self._names:
+        if name in self._pending or name in self._sent:
             raise ValueError(f"{name!r} is already staged")
-        self._names.add(name)
-        self._pending.append((name, np.asarray(array), dtype))
+        self._pending[name] = (np.asarray(array), dtype)
 
     def bind(self, name: str, tensor: torch.Tensor) -> None:
         """Serve ``name`` from a tensor already on the device (beam search's picks): nothing is copied."""
@@ -42,7 +42,6 @@ class HostStage:
             raise ValueError(f"{name!r} is already staged")
         if tensor.device != self.device:
             raise ValueError(f"{name!r} is on {tensor.device}, the stage sends to {self.device}")
-        self._names.add(name)
         self._sent[name] = tensor
 
     def get(self, name: str) -> torch.Tensor:
@@ -52,15 +51,16 @@ class HostStage:
         return self._sent[name]
 
     def __contains__(self, name: str) -> bool:
-        return name in self._names
+        return name in self._pending or name in self._sent
 
     def send(self) -> None:
         """One copy of every pending array to the device, not waited for."""
         if not self._pending:
             return
-        sizes = [a.size for _, a, _ in self._pending]
+        pending, self._pending = self._pending, {}
+        sizes = [a.size for a, _ in pending.values()]
         total = sum(sizes)
-        flat = [a.ravel() for _, a, _ in self._pending]
+        flat = [a.ravel() for a, _ in pending.values()]
         if self.device.type == "cuda":  # pinned, so that the copy does not wait
             host = torch.empty(max(total, 1), dtype=torch.int64, pin_memory=True)
             np.concatenate(flat, out=host.numpy()[:total], casting="unsafe")
@@ -71,14 +71,12 @@ class HostStage:
         self._host = host
         dev = host.to(self.device, non_blocking=True)
         self.copies += 1
-        if dev is host:  # a CPU stage: the buffer is the device's; numpy slices cost a third of torch.split's views
-            buf, at, parts = host.numpy(), 0, []
-            for size, (_, a, _) in zip(sizes, self._pending, strict=True):
-                parts.append(torch.from_numpy(buf[at : at + size].reshape(a.shape)))
-                at += size
-        else:
-            parts = [p.view(a.shape) for p, (_, a, _) in zip(torch.split(dev[:total], sizes), self._pending,
-                                                                strict=True)]
-        for (name, _, dtype), part in zip(self._pending, parts, strict=True):
+        # a CPU stage: the buffer is the device's; numpy slices cost a third of torch.split's views
+        buf = host.numpy() if dev is host else None
+        parts = None if buf is not None else torch.split(dev[:total], sizes)
+        at = 0
+        for j, (name, (a, dtype)) in enumerate(pending.items()):
+            part = (torch.from_numpy(buf[at : at + sizes[j]].reshape(a.shape)) if parts is None
+                    else parts[j].view(a.shape))
             self._sent[name] = part if dtype == torch.int64 else part.to(dtype)
-        self._pending = []
+            at += sizes[j]

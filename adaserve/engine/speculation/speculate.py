@@ -96,7 +96,7 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     dev = rows.device
     # on the device, per level: tokens, parents (tree index), log path probabilities, each [n, k]
     levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    checks: list[tuple[torch.Tensor, torch.Tensor]] = []
+    checks: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     base = torch.zeros((n, 1), dtype=torch.float64, device=dev)  # the frontier's log path probabilities
     chains = max(sizes) == 1  # every level one node (width 1): no level reads ancestor rows, none are grown
     # ancestor rows of every node the draft is fed, made once and filled level by level (None: chains)
@@ -243,16 +243,16 @@ def _grow_ancestors(anc: torch.Tensor, start: int, parent: torch.Tensor) -> None
 
 
 def _to_host(levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-             checks: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+             checks: list[tuple[torch.Tensor, torch.Tensor] | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every level's (tokens, parents, log path probabilities) in one copy, each [n, nodes]; raises when a
-    level's logits were not all finite (``checks``: each level's least and greatest logit)."""
+    level's logits were not all finite (``checks``: each level's least and greatest logit; None for a level whose picks
+    checked its logits already, the CPU kernels')."""
     n = levels[0][0].shape[0]
     # [n, 3K], one float64 buffer from one cat (issue 30: four ops, not seventeen): the log path probabilities,
     # then the tokens, then the parents, promoted to float64 (the integers are exact: < 2**53)
     grid = torch.cat([v for _, _, v in levels] + [t for t, _, _ in levels] + [p for _, p, _ in levels], dim=1)
     k = grid.shape[1] // 3
-    # the CPU kernels' levels checked their logits as they picked (``_FINITE``): nothing of theirs to copy
-    bounds = [x for pair in checks for x in pair if x is not _FINITE]
+    bounds = [x for pair in checks if pair is not None for x in pair]
     host = (torch.cat([grid.flatten(), torch.stack(bounds)]) if bounds else grid.flatten()).cpu().numpy()
     if bounds and not np.isfinite(host[3 * n * k :]).all():
         raise FloatingPointError("draft produced non-finite log-probs: refusing to build a tree")
@@ -282,10 +282,10 @@ def expand_level(logits: list[torch.Tensor], base: np.ndarray | torch.Tensor, *,
 
 def _expand_on_device(logits: list[torch.Tensor] | torch.Tensor, base: np.ndarray | torch.Tensor, *, width: int,
                       per_node: int | None = None, allowed: torch.Tensor | None = None, frontier: int = 0
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """``expand_level`` left on the device: tokens, parent (``frontier`` + its frontier index: its tree index when
     ``frontier`` is the frontier's first node), log path probabilities (each [n, k]) and the least and the greatest
-    logit (0-d tensors), both finite iff every logit is.
+    logit (0-d tensors), both finite iff every logit is (None: the CPU kernels' picks found every logit finite).
     ``allowed`` [n, F, V]: the tokens a grammar allows at each frontier node; the others get REFUSED_LOGIT."""
     n, f = base.shape
     if isinstance(logits, list) and (any(lg.shape[0] != f for lg in logits) or len(logits) != n):
@@ -344,14 +344,13 @@ def _expand_on_device(logits: list[torch.Tensor] | torch.Tensor, base: np.ndarra
 
 # the picks kernel's limits (native/picks.c keeps a row's k picks and a request's F * k candidates on the stack)
 NATIVE_MAX_K, NATIVE_MAX_CANDIDATES = 64, 1024
-# a finite level's check in ``_to_host``: both bounds 0
-_FINITE = torch.zeros(())
+# a level the kernel found not finite, as ``_to_host`` reads its check: both bounds NaN
 _NOT_FINITE = torch.full((), float("nan"))
 
 
 def _native_level(logits: torch.Tensor, base: np.ndarray | torch.Tensor, *, k_node: int, width: int | None,
                   frontier: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                      tuple[torch.Tensor, torch.Tensor]] | None:
+                                      tuple[torch.Tensor, torch.Tensor] | None] | None:
     """``_expand_on_device``'s level in one call of the CPU kernels' ``beam_picks`` (native/picks.c), where they
     load and are not ``off`` (native_kernels.chosen): on a CPU the dozen torch ops of a level cost more than
     the level's arithmetic (issue 30). None where the torch ops run instead: another device, no kernels, a
@@ -376,4 +375,4 @@ def _native_level(logits: torch.Tensor, base: np.ndarray | torch.Tensor, *, k_no
         zeros = torch.zeros((n, kept), dtype=torch.int64)
         return zeros, zeros + frontier, torch.zeros((n, kept), dtype=torch.float64), (_NOT_FINITE, _NOT_FINITE)
     tok, parent, value = out
-    return tok, parent, value, (_FINITE, _FINITE)
+    return tok, parent, value, None  # every logit finite: checked as they were picked

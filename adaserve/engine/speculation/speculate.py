@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ from adaserve.engine.model import native_kernels
 from adaserve.engine.model.batch import Segment
 from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.levels import BeamLevels
+from adaserve.engine.model.native_kernels import NativeKernels
 from adaserve.engine.model.runner import ForwardRecord, ModelRunner, joined_rows
 from adaserve.engine.model.tree import STRICT_DECREASE_EPS, TokenTree
 from adaserve.engine.speculation.grammar import GrammarState
@@ -102,12 +104,13 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     # ancestor rows of every node the draft is fed, made once and filled level by level (None: chains)
     anc = None if chains else _ancestor_rows(n, forwards.tree_size, dev, first_level=sizes[1])
     paths = _Paths(inputs) if any(x.grammar is not None for x in inputs) else None
+    kernels = native_kernels.chosen() if dev.type == "cpu" else None  # once a search, not once a level
     frontier = 0  # tree index of the frontier's first node; the frontier is level ``step``, ``rows`` its logits
     for step in range(depth):
         k = None if expansion is None else expansion[step]
         allowed = None if paths is None else paths.allowed(frontier, sizes[step]).to(dev, non_blocking=True)
         tok, parent, value, check = _expand_on_device(rows, base, width=width, per_node=k, allowed=allowed,
-                                                      frontier=frontier)
+                                                      frontier=frontier, kernels=kernels)
         if paths is not None:
             paths.add(tok, parent)
         levels.append((tok, parent, value))
@@ -281,12 +284,14 @@ def expand_level(logits: list[torch.Tensor], base: np.ndarray | torch.Tensor, *,
 
 
 def _expand_on_device(logits: list[torch.Tensor] | torch.Tensor, base: np.ndarray | torch.Tensor, *, width: int,
-                      per_node: int | None = None, allowed: torch.Tensor | None = None, frontier: int = 0
+                      per_node: int | None = None, allowed: torch.Tensor | None = None, frontier: int = 0,
+                      kernels: NativeKernels | Literal["chosen"] | None = "chosen"
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """``expand_level`` left on the device: tokens, parent (``frontier`` + its frontier index: its tree index when
     ``frontier`` is the frontier's first node), log path probabilities (each [n, k]) and the least and the greatest
     logit (0-d tensors), both finite iff every logit is (None: the CPU kernels' picks found every logit finite).
-    ``allowed`` [n, F, V]: the tokens a grammar allows at each frontier node; the others get REFUSED_LOGIT."""
+    ``allowed`` [n, F, V]: the tokens a grammar allows at each frontier node; the others get REFUSED_LOGIT.
+    ``kernels``: the CPU kernels to pick with (None: the torch ops), or "chosen": ``native_kernels.chosen()``'s."""
     n, f = base.shape
     if isinstance(logits, list) and (any(lg.shape[0] != f for lg in logits) or len(logits) != n):
         raise ValueError(f"expected {n} requests' logits of {f} rows each (one per frontier node)")
@@ -298,7 +303,8 @@ def _expand_on_device(logits: list[torch.Tensor] | torch.Tensor, base: np.ndarra
     k_node = min(per_node if per_node is not None else width, v)
     if allowed is None:
         native = _native_level(joined, base, k_node=k_node, width=None if per_node is not None else width,
-                               frontier=frontier)
+                               frontier=frontier,
+                               kernels=native_kernels.chosen() if isinstance(kernels, str) else kernels)
         if native is not None:
             return native
     x = joined.float().view(n, f, v)
@@ -349,16 +355,15 @@ _NOT_FINITE = torch.full((), float("nan"))
 
 
 def _native_level(logits: torch.Tensor, base: np.ndarray | torch.Tensor, *, k_node: int, width: int | None,
-                  frontier: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                      tuple[torch.Tensor, torch.Tensor] | None] | None:
+                  frontier: int, kernels: NativeKernels | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None:
     """``_expand_on_device``'s level in one call of the CPU kernels' ``beam_picks`` (native/picks.c), where they
-    load and are not ``off`` (native_kernels.chosen): on a CPU the dozen torch ops of a level cost more than
-    the level's arithmetic (issue 30). None where the torch ops run instead: another device, no kernels, a
+    load and are not ``off`` (``kernels``, native_kernels.chosen's): on a CPU the dozen torch ops of a level cost
+    more than the level's arithmetic (issue 30). None where the torch ops run instead: another device, no kernels, a
     k past the kernel's limits. The picks are the same tokens as the torch ops' (ties to the lower id); a
     value may differ in its last float32 bits (another exponential, another summation order)."""
     if logits.device.type != "cpu":
         return None
-    kernels = native_kernels.chosen()
     n, f = base.shape
     if kernels is None or k_node > NATIVE_MAX_K or f * k_node > NATIVE_MAX_CANDIDATES:
         return None

@@ -106,7 +106,7 @@ def page_table(pages_of: list[list[int]], kv_lens: np.ndarray, page_size: int) -
     """[B, max pages] int64: the first ceil(kv_len / page_size) of each sequence's pages, padded with 0."""
     n_pages = -(-kv_lens // page_size)
     counts = n_pages.tolist()
-    table = np.zeros((len(pages_of), int(n_pages.max())), np.int64)
+    table = np.zeros((len(pages_of), int(np.maximum.reduce(n_pages))), np.int64)
     flat: list[int] = []
     for b, (pages, n) in enumerate(zip(pages_of, counts, strict=True)):
         if n > len(pages):
@@ -126,21 +126,23 @@ def build_layout(segments: list[Segment], *, page_size: int, device: torch.devic
     prefix, cached, size = np.array([(s.prefix_len, s.num_cached, len(s.tree.tokens)) for s in segments],
                                     np.int64).reshape(len(segments), 3).T
     n_new = size - cached
-    if n_new.min() <= 0:
+    if np.minimum.reduce(n_new) <= 0:  # ufuncs' C forms, not the methods' Python layer (issue 30)
         raise ValueError("every segment must contribute at least one new token")
     kv_lens = prefix + size
     table = page_table([s.seq.pages for s in segments], kv_lens, page_size)
 
     ids = None if on_device is not None else np.concatenate([s.tree.tokens[s.num_cached:] for s in segments])
     # token t of segment b (row r of its new tokens) is tree node c_b + r, at token index L_b + c_b + r
-    seg = np.repeat(np.arange(len(segments)), n_new)
-    qo_indptr = np.concatenate([[0], np.cumsum(n_new)])
+    seg = np.arange(len(segments)).repeat(n_new)
+    qo_indptr = np.concatenate([[0], n_new.cumsum()])
     index = prefix[seg] + cached[seg] + (np.arange(len(seg)) - qo_indptr[seg])
     slots = table.ravel()[seg * table.shape[1] + index // page_size] * page_size + index % page_size  # one flat take
 
     first = trees[0]
     if all(t.is_chain for t in trees):  # a chain's node index is its depth: position = token index
         positions = index
+    elif len(segments) == 1:  # a lone tree (one request's verification): its depths past its cached nodes
+        positions = prefix[seg] + first.depths()[int(cached[0]):]
     elif all(t is first for t in trees) and (cached == cached[0]).all():  # one shape for all (beam levels)
         positions = prefix[seg] + np.tile(first.depths()[int(cached[0]):], len(segments))
     else:

@@ -82,9 +82,11 @@ class BeamLevels:
         waiting = [0] * len(self.seqs) if pending is None else [len(p) for p in pending]
         self.prefix = np.fromiter((s.length + w - 1 for s, w in zip(self.seqs, waiting, strict=True)), np.int64,
                                   len(self.seqs))
-        self.context = int(self.prefix.sum())  # the committed keys all requests' roots see
+        # the reductions' C forms (ufuncs), not the methods' Python layer (issue 30: planned once an iteration)
+        self.context = int(np.add.reduce(self.prefix))  # the committed keys all requests' roots see
+        self._longest = int(np.maximum.reduce(self.prefix))  # the longest root's key index
         self.pending = None if pending is None else [list(p) for p in pending]
-        self.ends = np.cumsum(self.sizes)  # tree size after each level
+        self.ends = np.array(self.sizes, np.int64).cumsum()  # tree size after each level
         self.stage = HostStage(runner.device)
         # per level: how, G, Q, K; level 0 is the catch-up (planned only with ``pending`` on the torch grid)
         self._grids: list[tuple[str, int, int, int]] = [self._how_catch_up()]
@@ -110,12 +112,12 @@ class BeamLevels:
         counts = [len(p) for p in self.pending]
         if len(group_segments(counts)) != 1:
             return "", 0, 0, 0
-        return "torch", len(counts), max(counts), int(self.prefix.max()) + 1
+        return "torch", len(counts), max(counts), self._longest + 1
 
     def _how(self, level: int) -> tuple[str, int, int, int]:
         """How level ``level`` runs, and its grid: (G, Q, K)."""
         runner, n, a = self.runner, len(self.seqs), self.sizes[level]
-        keys = int(self.prefix.max()) + int(self.ends[level])
+        keys = self._longest + int(self.ends[level])
         if type(runner).compute is not ModelRunner.compute:  # a runner that lays out its own forwards
             return "laid_out", 0, 0, 0
         if runner.static is not None:
@@ -146,7 +148,7 @@ class BeamLevels:
         flat, row0 = slots.ravel(), b * slots.shape[1]
         scratch = cache.scratch_slot
         window = self.runner.model.cfg.sliding_window
-        depths = np.repeat(np.arange(len(self.sizes)), self.sizes)  # of every tree node
+        depths = np.arange(len(self.sizes)).repeat(self.sizes)  # of every tree node
         side = self.tree_size  # of the [n, S, S] ancestor rows every level reads
         put = self.stage.put
         if self.folds_catch_up:
@@ -196,9 +198,9 @@ class BeamLevels:
         assert self.pending is not None
         put = self.stage.put
         counts = np.fromiter(map(len, self.pending), np.int64, g)
-        seg = np.repeat(np.arange(g), counts)
-        starts = np.cumsum(counts) - counts  # each request's first flat token
-        r = np.arange(int(counts.sum())) - starts[seg]
+        seg = np.arange(g).repeat(counts)
+        starts = counts.cumsum() - counts  # each request's first flat token
+        r = np.arange(len(seg)) - starts[seg]
         first = self.prefix + 1 - counts  # P_b
         index = first[seg] + r
         put("0.ids", np.concatenate(self.pending) if g > 1 else np.asarray(self.pending[0], np.int64))

@@ -58,14 +58,15 @@ class HostStage:
         if not self._pending:
             return
         pending, self._pending = self._pending, {}
-        sizes = [a.size for a, _ in pending.values()]
+        arrays = [a for a, _ in pending.values()]
+        sizes = [a.size for a in arrays]
         total = sum(sizes)
-        flat = [a.ravel() for a, _ in pending.values()]
+        # axis=None: each array flattened as it is joined (no ravel call per array)
         if self.device.type == "cuda":  # pinned, so that the copy does not wait
             host = torch.empty(max(total, 1), dtype=torch.int64, pin_memory=True)
-            np.concatenate(flat, out=host.numpy()[:total], casting="unsafe")
+            np.concatenate(arrays, axis=None, out=host.numpy()[:total], casting="unsafe")
         else:  # the device's own memory: the concatenation is the buffer
-            host = torch.from_numpy(np.concatenate(flat, dtype=np.int64, casting="unsafe"))
+            host = torch.from_numpy(np.concatenate(arrays, axis=None, dtype=np.int64, casting="unsafe"))
         # The pinned host buffer stays referenced by ``self`` until the stage is dropped, after the forward
         # that reads it has been queued behind the copy on the same stream.
         self._host = host

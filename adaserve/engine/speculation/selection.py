@@ -97,9 +97,10 @@ def _padded(lps: LogF) -> Padded:
     if isinstance(lps, Padded):
         return lps
     sizes = np.fromiter((len(lp) for lp in lps), np.int64, len(lps))
-    m = int(sizes.max(initial=1))
-    if (sizes == m).all():
-        return Padded(np.stack(lps) if lps else np.zeros((0, m)), sizes)
+    # C forms: ufunc reductions, np.array of equal rows for np.stack (issue 30: numpy's Python layer, every iteration)
+    m = int(np.maximum.reduce(sizes, initial=1))
+    if np.logical_and.reduce(sizes == m):
+        return Padded(np.array(lps, np.float64).reshape(len(lps), m), sizes)
     out = np.full((len(lps), m), -np.inf)
     for i, lp in enumerate(lps):
         out[i, : len(lp)] = lp
@@ -125,7 +126,7 @@ class RankedNodes:
         lp, sizes = padded.lp, padded.sizes
         n = len(lp)
         ranked = (-lp[:, 1:]).argsort(axis=1, kind="stable") + 1
-        f = np.exp(np.take_along_axis(lp, ranked, axis=1))
+        f = np.exp(lp[np.arange(n)[:, None], ranked])  # np.take_along_axis's values, without its Python layer
         n_acc = 1.0 + np.concatenate([np.zeros((n, 1)), f.cumsum(axis=1)], axis=1)
         return cls(ranked, n_acc, sizes, f)
 

@@ -87,11 +87,12 @@ class TorchAttention:
         ps = layout.page_size
         for j, members in enumerate(groups):
             g = np.asarray(members)
-            q_max, k_max = int(n_new[g].max()), int(kv_lens[g].max())
+            # the reductions' C forms (ufuncs), not the methods' Python layer (issue 30)
+            q_max, k_max = int(np.maximum.reduce(n_new[g])), int(np.maximum.reduce(kv_lens[g]))
             every = len(groups) == 1 and len(members) == len(n_new)  # one group: tokens already in order
             # every member has Qmax new tokens (equal chains, decode steps): its tokens fill the grid in order, so
             # no row index, and the forward views q as the grid instead of scattering it in every layer
-            uniform = bool((n_new[g] == q_max).all())
+            uniform = bool(np.logical_and.reduce(n_new[g] == q_max))
             if not every or (len(members) > 1 and not uniform):
                 # the group's flat token indices, segment by segment (issue 30: no arange per segment)
                 seg_local = np.repeat(np.arange(len(members)), n_new[g])
@@ -111,8 +112,8 @@ class TorchAttention:
                 if (arr := getattr(gm, name)) is not None:
                     stage.put(f"sdpa.{j}.{name}", arr)
             # every row sees every key (a lone decode step, equal-length decodes): no mask at all
-            full = (gm.cells is None and bool((gm.hi == k_max).all())
-                    and (gm.lo is None or not bool(gm.lo.any())))
+            full = (gm.cells is None and bool(np.logical_and.reduce(gm.hi == k_max, axis=None))
+                    and (gm.lo is None or not bool(np.logical_or.reduce(gm.lo, axis=None))))
             shapes.append((len(members) > 1 and not uniform, every, q_max, k_max, gm, full))
         anc = stage.get("mask.anc").reshape(-1) if device_rows else None  # the first read: one copy
         self._groups = []

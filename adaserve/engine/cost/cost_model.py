@@ -54,8 +54,9 @@ class CostModel:
         """T_fwd in seconds for a forward reading n_context cached tokens and computing n_batched new ones."""
         if n_context < 0 or n_batched < 0:
             raise ValueError(f"token counts must be >= 0, got n_context={n_context}, n_batched={n_batched}")
+        over = n_batched - self.knee  # max(0, over) without the call (issue 30: a dozen predictions an iteration)
         return (self.alpha * n_context + self.gamma * n_batched + self.delta
-                + self.gamma_above * max(0, n_batched - self.knee))
+                + self.gamma_above * (over if over > 0 else 0))
 
     def scaled(self, k: float) -> CostModel:
         """Every term times k (the same shape, k times slower)."""

@@ -151,12 +151,14 @@ class OnlineCostModel:
         return self._source
 
     def predict(self, n_context: int, n_batched: int) -> float:
-        return self.model.predict(max(0, n_context), max(0, n_batched))
+        # read a dozen times an iteration (issue 30): the kept model and the clamps without a call each
+        model = self._current if self._current is not None else self.model
+        return model.predict(n_context if n_context > 0 else 0, n_batched if n_batched > 0 else 0)
 
     def observe(self, n_context: int, n_batched: int, seconds: float) -> None:
         if not math.isfinite(seconds) or seconds <= 0:
             return
-        self.samples.append((max(0, n_context), max(0, n_batched), seconds))
+        self.samples.append((n_context if n_context > 0 else 0, n_batched if n_batched > 0 else 0, seconds))
         while len(self.samples) > self.window:
             self.samples.popleft()
         self._since_fit += 1

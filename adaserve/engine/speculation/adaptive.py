@@ -310,16 +310,25 @@ def slo_shape(n: int, *, width: int, rank_rates: Sequence[float], budget: int, d
     """
     slo = rate > 0
     own = None if alphas is None or width != 1 else np.minimum(alphas, MAX_ALPHA)
+    priced = list(_priced_depths(n, width=width, rank_rates=rank_rates, budget=budget, d_min=d_min, d_max=d_max,
+                                 n_context=n_context, extra_tokens=extra_tokens, t_target=t_target, t_draft=t_draft,
+                                 measured=measured, t_host=t_host))
+    if not priced:  # no depth in [d_min, d_max]
+        return max(d_min, 1)
+    depths = [d for d, _, _ in priced]
+    cost = np.array([c for _, c, _ in priced])  # [D]
+    # [D, n]: l(alpha_r, d) per depth and request (smartspec.expected_emitted, alpha_r < 1), every depth's row in
+    # one array (issue 30: the counts below are one op for all depths, not a few per depth)
+    if own is None:
+        each = np.repeat(np.array([e for _, _, e in priced])[:, None], len(base), axis=1)
+    else:
+        each = np.stack([(1 - own ** (d + 1)) / (1 - own) for d in depths]).reshape(len(depths), len(base))
+    on_slo = np.count_nonzero(slo & (base + rate * cost[:, None] <= each), axis=1).tolist()
+    goodput = (each.sum(axis=1) / np.maximum(cost, 1e-12)).tolist()
     best_d, best = max(d_min, 1), (-1, -1.0)
-    for d, cost, emitted in _priced_depths(n, width=width, rank_rates=rank_rates, budget=budget, d_min=d_min,
-                                           d_max=d_max, n_context=n_context, extra_tokens=extra_tokens,
-                                           t_target=t_target, t_draft=t_draft, measured=measured, t_host=t_host):
-        # l(alpha_r, d) per request (smartspec.expected_emitted, alpha_r < 1)
-        each = np.full(len(base), emitted) if own is None else (1 - own ** (d + 1)) / (1 - own)
-        on_slo = int(np.count_nonzero(slo & (base + rate * cost <= each)))
-        goodput = float(each.sum()) / max(cost, 1e-12)
-        if on_slo > best[0] or (on_slo == best[0] and goodput > best[1] * (1 + 1e-9)):
-            best_d, best = d, (on_slo, goodput)
+    for d, count, rate_d in zip(depths, on_slo, goodput, strict=True):
+        if count > best[0] or (count == best[0] and rate_d > best[1] * (1 + 1e-9)):
+            best_d, best = d, (count, rate_d)
     return best_d
 
 

@@ -322,8 +322,9 @@ def slo_shape(n: int, *, width: int, rank_rates: Sequence[float], budget: int, d
     if own is None:
         each = np.repeat(np.array([e for _, _, e in priced])[:, None], len(base), axis=1)
     else:
-        each = np.stack([(1 - own ** (d + 1)) / (1 - own) for d in depths]).reshape(len(depths), len(base))
-    on_slo = np.count_nonzero(slo & (base + rate * cost[:, None] <= each), axis=1).tolist()
+        each = np.array([(1 - own ** (d + 1)) / (1 - own) for d in depths]).reshape(len(depths), len(base))
+    # the count per depth: a bool sum along the rows (np.count_nonzero with an axis is numpy's Python layer)
+    on_slo = np.add.reduce(slo & (base + rate * cost[:, None] <= each), axis=1).tolist()
     goodput = (each.sum(axis=1) / np.maximum(cost, 1e-12)).tolist()
     best_d, best = max(d_min, 1), (-1, -1.0)
     for d, count, rate_d in zip(depths, on_slo, goodput, strict=True):

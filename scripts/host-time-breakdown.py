@@ -33,6 +33,11 @@ counts are what to compare.
 ``--alone F[,F]``: after the run, each named function (pure ones: ``_to_host``, ``build_trees``) is called again
 with its last arguments from the engine, ALONE_CALLS times in a row, and its warm time per call is reported beside
 its in-engine one: how much of a stage's cost is the stage, and how much the code that ran between its calls.
+
+``--again F[,F]``: in the engine, each named pure function (AGAIN_PURE) is called a second time right after each
+real call, with the same arguments, its result dropped; the first call's and the second's times are reported
+(``again``), and the second's are left out of every other figure. The second call runs with what the first left in
+the caches and the branch predictors: the gap between the two is what a stage pays for starting cold.
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ FUNCTIONS = [  # (module, qualified name)
 
 
 ALONE_CALLS = 2000
+AGAIN_PURE = ("_to_host", "build_trees", "_expand_on_device")  # --again: no state read or written but their outputs
 
 
 class Timers:
@@ -100,6 +106,9 @@ class Timers:
         self.forwarding = False  # inside either model's forward
         self.counted: collections.Counter[str] = collections.Counter()  # calls outside forwards ("" = all)
         self.wrapper_code: Any = None  # the wrappers' own code object: their calls are not counted
+        self.again: set[str] = set()  # --again: functions called a second time, timed apart
+        self.again_seconds: collections.Counter[str] = collections.Counter()  # their second calls' seconds
+        self.again_total = 0.0  # every second call's seconds: left out of the iteration's figure
 
     def wrap(self, module: str, qualname: str) -> None:
         mod = importlib.import_module(module)
@@ -115,14 +124,21 @@ class Timers:
         def timed(*args: Any, **kwargs: Any) -> Any:
             self.last[qualname] = (args, kwargs)
             self.active.append(qualname)
-            t0, f0 = time.perf_counter(), self.in_forwards
+            t0, f0, a0 = time.perf_counter(), self.in_forwards, self.again_total
             try:
                 return fn(*args, **kwargs)
             finally:
                 if self.on:  # dict.get, not the Counter's Python __missing__: no call of its own to count
-                    spent = time.perf_counter() - t0 - (self.in_forwards - f0)
+                    # neither the forwards nor a callee's second call (--again) is this function's time
+                    spent = time.perf_counter() - t0 - (self.in_forwards - f0) - (self.again_total - a0)
                     self.seconds[qualname] = self.seconds.get(qualname, 0.0) + spent
                     self.calls[qualname] = self.calls.get(qualname, 0) + 1
+                    if qualname in self.again:  # the same call once more, warm: timed apart, result dropped
+                        t1 = time.perf_counter()
+                        fn(*args, **kwargs)
+                        warm = time.perf_counter() - t1
+                        self.again_seconds[qualname] = self.again_seconds.get(qualname, 0.0) + warm
+                        self.again_total += warm
                 self.active.pop()
 
         self.wrapper_code = timed.__code__
@@ -202,10 +218,18 @@ def main() -> None:
     ap.add_argument("--count-calls", action="store_true",
                     help="count the calls outside the forwards, per function (module docstring)")
     ap.add_argument("--alone", default="", help="functions to time alone afterwards, comma-separated (docstring)")
+    ap.add_argument("--again", default="", help="pure functions to call twice in the engine, comma-separated "
+                                                f"(docstring): any of {', '.join(AGAIN_PURE)}")
     args = ap.parse_args()
     alone = [f for f in args.alone.split(",") if f]
     if unknown := [f for f in alone if f not in {q for _, q in FUNCTIONS}]:
         ap.error(f"--alone: not among the timed functions: {', '.join(unknown)}")
+    again = [f for f in args.again.split(",") if f]
+    if unknown := [f for f in again if f not in AGAIN_PURE]:
+        ap.error(f"--again: not a pure timed function: {', '.join(unknown)} (choose from {', '.join(AGAIN_PURE)})")
+    if again and (args.count_calls or args.kernels_ab or args.replayed_forwards):
+        ap.error("--again times one engine's calls twice: run it without --count-calls, --kernels-ab or "
+                 "--replayed-forwards")
     if args.kernels_ab and args.replayed_forwards:
         ap.error("--kernels-ab and --replayed-forwards are separate experiments: choose one")
     if args.count_calls and (args.kernels_ab or args.replayed_forwards):
@@ -215,10 +239,11 @@ def main() -> None:
         replayed.install()
     torch.set_num_threads(1)
     timers = Timers()
+    timers.again = set(again)
     for module, qualname in FUNCTIONS:
         timers.wrap(module, qualname)
-    if missing := [f for f in alone if f in timers.absent]:
-        ap.error(f"--alone: this engine has no {', '.join(missing)}")
+    if missing := [f for f in alone + again if f in timers.absent]:
+        ap.error(f"--alone/--again: this engine has no {', '.join(missing)}")
     target, draft, tok = load_pair(args.model, "cpu", 512)
     timers.hook(target.model)
     timers.hook(draft.model)
@@ -266,13 +291,13 @@ def main() -> None:
             for r in list(eng.running):
                 eng.abort(r.request_id)
             eng = fresh()
-        f0 = timers.in_forwards
+        f0, a0 = timers.in_forwards, timers.again_total
         timers.on = True
         if args.count_calls:
             sys.setprofile(timers.count)
         t0 = time.perf_counter()
         eng.step()
-        step_s[setting] += time.perf_counter() - t0 - (timers.in_forwards - f0)
+        step_s[setting] += time.perf_counter() - t0 - (timers.in_forwards - f0) - (timers.again_total - a0)
         sys.setprofile(None)
         timers.on = False
         m = eng.history[-1]
@@ -308,6 +333,12 @@ def main() -> None:
                    "on_over_off": round(step_s["on"] / counts["on"] / (step_s["off"] / counts["off"]), 3)}
     else:
         report |= {native_kernels.ENV: settings[0], **table(settings[0])}
+    if again:  # per call: the real (first) call against the same call made again right after it
+        report["again"] = {f: {"us_per_call_first": round(sum(t[f] for t in seconds.values())
+                                                          / sum(c[f] for c in calls.values()) * 1e6, 1),
+                               "us_per_call_again": round(timers.again_seconds[f]
+                                                          / sum(c[f] for c in calls.values()) * 1e6, 1)}
+                           for f in again}
     if alone:
         report["alone"] = {f: {"us_per_call_alone": time_alone(timers, f), "us_per_call_in_engine": round(
             sum(t[f] for t in seconds.values()) / sum(c[f] for c in calls.values()) * 1e6, 1)} for f in alone}

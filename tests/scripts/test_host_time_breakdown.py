@@ -63,3 +63,39 @@ def test_a_stages_calls_are_counted_outside_forwards_and_absent_functions_named(
     finally:
         sys.setprofile(None)
     assert timers.counted["stage"] == 0
+
+
+def test_again_calls_a_stage_twice_and_leaves_the_second_call_out_of_every_other_figure(
+        breakdown: types.ModuleType, stage_module: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [0.0]  # a fake perf_counter: each call of ``inner`` takes exactly one second
+    monkeypatch.setattr(breakdown.time, "perf_counter", lambda: clock[0])
+    ran: list[str] = []
+
+    def inner() -> int:
+        ran.append("inner")
+        clock[0] += 1.0
+        return 1
+
+    def outer() -> int:
+        return stage_module.inner() + 1
+
+    stage_module.inner, stage_module.outer = inner, outer  # type: ignore[attr-defined]
+    timers = breakdown.Timers()
+    timers.again = {"inner"}
+    timers.wrap(stage_module.__name__, "inner")
+    timers.wrap(stage_module.__name__, "outer")
+    timers.on = True
+    assert stage_module.outer() == 2
+    assert ran == ["inner", "inner"]  # called again, its result dropped
+    assert timers.calls["inner"] == 1 and timers.calls["outer"] == 1
+    assert timers.again_seconds["inner"] == 1.0 and timers.again_total == 1.0
+    assert timers.seconds["inner"] == 1.0  # the first call only
+    assert timers.seconds["outer"] == 1.0  # one inner call, not two
+
+
+def test_again_takes_only_pure_functions(breakdown: types.ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "argv", ["host-time-breakdown.py", "--again", "Engine.step"])
+    with pytest.raises(SystemExit) as exc:
+        breakdown.main()
+    assert exc.value.code == 2 and "not a pure timed function: Engine.step" in capsys.readouterr().err

@@ -34,6 +34,11 @@ counts are what to compare.
 with its last arguments from the engine, ALONE_CALLS times in a row, and its warm time per call is reported beside
 its in-engine one: how much of a stage's cost is the stage, and how much the code that ran between its calls.
 
+``--shape D,W``: every speculative iteration drafts a tree D deep and W wide, whatever the policy chose (its
+choice is still computed and timed). Without it the online cost models pick the shapes, so no two runs draft alike
+(the share of 4-deep trees at one request ranged 31-46% across eight runs of one machine), and the shapes' mix moves
+the iteration's host time as much as a change being measured: pin it for paired runs.
+
 ``--again F[,F]``: in the engine, each named pure function (AGAIN_PURE) is called a second time right after each
 real call, with the same arguments, its result dropped; the first call's and the second's times are reported
 (``again``), and the second's are left out of every other figure. The second call runs with what the first left in
@@ -60,6 +65,7 @@ from adaserve.engine.engine import Engine
 from adaserve.engine.model import native_kernels
 from adaserve.engine.model.layers import CausalLM
 from adaserve.engine.request import Phase, Request
+from adaserve.engine.speculation.policies import TreeShape
 from adaserve.engine.speculation.sampling import SamplingParams
 
 FUNCTIONS = [  # (module, qualified name)
@@ -218,12 +224,14 @@ def main() -> None:
     ap.add_argument("--count-calls", action="store_true",
                     help="count the calls outside the forwards, per function (module docstring)")
     ap.add_argument("--alone", default="", help="functions to time alone afterwards, comma-separated (docstring)")
+    ap.add_argument("--shape", default="", help="D,W: draft every tree D deep and W wide (docstring)")
     ap.add_argument("--again", default="", help="pure functions to call twice in the engine, comma-separated "
                                                 f"(docstring): any of {', '.join(AGAIN_PURE)}")
     args = ap.parse_args()
     alone = [f for f in args.alone.split(",") if f]
     if unknown := [f for f in alone if f not in {q for _, q in FUNCTIONS}]:
         ap.error(f"--alone: not among the timed functions: {', '.join(unknown)}")
+    shape = _pinned_shape(ap, args.shape)
     again = [f for f in args.again.split(",") if f]
     if unknown := [f for f in again if f not in AGAIN_PURE]:
         ap.error(f"--again: not a pure timed function: {', '.join(unknown)} (choose from {', '.join(AGAIN_PURE)})")
@@ -252,6 +260,16 @@ def main() -> None:
     def fresh() -> Engine:
         mode, replayed.mode = replayed.mode, "real"  # prefill and warm-up always on real forwards
         eng = Engine(target, draft, EngineConfig(policy=MODES["spec"], max_batch=max(64, args.requests)))
+        if shape is not None:
+            # the class's method (the timed one), still called: its choice is replaced. From the class, not the
+            # instance, so that an engine over a shared policy object does not wrap the previous engine's wrapper
+            chosen = type(eng.policy).tree_shape.__get__(eng.policy)
+
+            def pinned(view: Any) -> TreeShape:
+                chosen(view)
+                return shape
+
+            object.__setattr__(eng.policy, "tree_shape", pinned)  # the policy is a frozen dataclass: this run's own
         for i, p in enumerate(ids):
             eng.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)))
         while eng.waiting or any(r.phase is not Phase.DECODE for r in eng.running):
@@ -322,6 +340,7 @@ def main() -> None:
     report: dict[str, Any] = {
         "benchmark": "host-time-breakdown", "source": source_version(), "cpu": host_cpu(), "model": args.model,
         "requests": args.requests, "iterations": args.iterations, "threads": 1, "policy": MODES["spec"],
+        "pinned_shape": args.shape or None,
         "not_timed": timers.absent,
     }
     if args.replayed_forwards:
@@ -343,6 +362,19 @@ def main() -> None:
         report["alone"] = {f: {"us_per_call_alone": time_alone(timers, f), "us_per_call_in_engine": round(
             sum(t[f] for t in seconds.values()) / sum(c[f] for c in calls.values()) * 1e6, 1)} for f in alone}
     print(json.dumps(report, indent=2))
+
+
+def _pinned_shape(ap: argparse.ArgumentParser, text: str) -> TreeShape | None:
+    """``--shape D,W`` as a TreeShape (None when not given); a CLI error for anything but two integers >= 1."""
+    if not text:
+        return None
+    try:
+        depth, width = (int(x) for x in text.split(","))
+    except ValueError:
+        ap.error(f"--shape: expected D,W (two integers), got {text!r}")
+    if depth < 1 or width < 1:
+        ap.error(f"--shape: depth and width must be >= 1, got {text!r}")
+    return TreeShape(depth, width)
 
 
 def time_alone(timers: Timers, qualname: str) -> float:

@@ -3,6 +3,7 @@ and a listed function the engine lacks is named, not a crash (a paired run again
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 import types
@@ -99,3 +100,16 @@ def test_again_takes_only_pure_functions(breakdown: types.ModuleType, monkeypatc
     with pytest.raises(SystemExit) as exc:
         breakdown.main()
     assert exc.value.code == 2 and "not a pure timed function: Engine.step" in capsys.readouterr().err
+
+
+def test_shape_pins_d_and_w_and_refuses_anything_else(breakdown: types.ModuleType,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    ap = argparse.ArgumentParser(prog="host-time-breakdown.py")
+    assert breakdown._pinned_shape(ap, "") is None
+    shape = breakdown._pinned_shape(ap, "3,2")
+    assert (shape.depth, shape.width) == (3, 2)
+    for bad, why in (("0,2", "must be >= 1"), ("3", "expected D,W"), ("a,b", "expected D,W"),
+                     ("1,2,3", "expected D,W")):
+        with pytest.raises(SystemExit) as exc:
+            breakdown._pinned_shape(ap, bad)
+        assert exc.value.code == 2 and why in capsys.readouterr().err

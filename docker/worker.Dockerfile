@@ -41,10 +41,17 @@ ENV ADASERVE_DEVICE=cuda
 FROM ${CPU_IMAGE} AS base-cpu
 ARG TORCH_CPU_INDEX
 # a C compiler: quantized models build their integer kernels at first start on AVX2 CPUs
-# (adaserve/engine/model/native_kernels.py; without one they run on torch's slower kernels)
+# (adaserve/engine/model/native_kernels.py; without one they run on torch's slower kernels).
+# TCMalloc, preloaded: an iteration's host time is many small allocations between forwards, and on a CPU
+# worker TCMalloc cut it by 5-11% against glibc's malloc (docs/benchmarks.md, "allocator"; vLLM's CPU
+# backend recommends the same). Linked at a fixed path so that LD_PRELOAD holds on amd64 and arm64 alike.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && apt-get install -y --no-install-recommends gcc libc6-dev libtcmalloc-minimal4 \
+    && ln -s "/usr/lib/$(gcc -print-multiarch)/libtcmalloc_minimal.so.4" /usr/local/lib/libtcmalloc_minimal.so.4 \
     && rm -rf /var/lib/apt/lists/*
+# TCMalloc reports every allocation over 1 GiB on stderr; a CPU worker's KV cache is one: not news
+ENV LD_PRELOAD=/usr/local/lib/libtcmalloc_minimal.so.4 \
+    TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD=1099511627776
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PIP_NO_CACHE_DIR=1 \

@@ -43,7 +43,7 @@ ARG TORCH_CPU_INDEX
 # a C compiler: quantized models build their integer kernels at first start on AVX2 CPUs
 # (adaserve/engine/model/native_kernels.py; without one they run on torch's slower kernels).
 # TCMalloc, preloaded: an iteration's host time is many small allocations between forwards, and on a CPU
-# worker TCMalloc cut it by 5-11% against glibc's malloc (docs/benchmarks.md, "allocator"; vLLM's CPU
+# worker TCMalloc cut it by 5-8% against glibc's malloc (docs/benchmarks.md, "Fifteenth round"; vLLM's CPU
 # backend recommends the same). Linked at a fixed path so that LD_PRELOAD holds on amd64 and arm64 alike.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev libtcmalloc-minimal4 \

@@ -21,6 +21,7 @@ from unittest import mock
 import torch
 
 from adaserve.bench.engine_only import host_cpu, source_version
+from adaserve.engine.model import native_kernels
 from adaserve.engine.speculation import speculate, verify
 
 SHAPES = [(1, 2, 4096), (8, 2, 4096), (32, 2, 4096), (1, 2, 49152), (8, 2, 49152), (32, 2, 49152), (32, 4, 49152)]
@@ -50,7 +51,8 @@ def main() -> None:
         x = torch.randn(n * f, v, generator=gen)
         base = torch.randn(n, f, dtype=torch.float64, generator=gen)
         for k in args.k:
-            level = functools.partial(speculate._expand_on_device, x, base, width=k, frontier=1)
+            level = functools.partial(speculate._expand_on_device, x, base, width=k, frontier=1,
+                                      kernels=native_kernels.chosen())
             picks = functools.partial(verify.top_k_indices, x.view(n, f, v), k)
             blocked = (per_call_us(level, args.calls, args.repeats), per_call_us(picks, args.calls, args.repeats))
             # the same calls with the blocked pass switched off: torch.topk's scalar pass over every row

@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
@@ -279,19 +278,21 @@ def expand_level(logits: list[torch.Tensor], base: np.ndarray | torch.Tensor, *,
     The reductions run once over ``[n, F, V]``; the picks reach the host in one copy.
     Returns (tokens, frontier index of the parent, log path probability), each [n, k].
     """
-    tok, parent, value, check = _expand_on_device(logits, base, width=width, per_node=per_node)
+    tok, parent, value, check = _expand_on_device(logits, base, width=width, per_node=per_node,
+                                                  kernels=native_kernels.chosen())
     return _to_host([(tok, parent, value)], [check])
 
 
 def _expand_on_device(logits: list[torch.Tensor] | torch.Tensor, base: np.ndarray | torch.Tensor, *, width: int,
                       per_node: int | None = None, allowed: torch.Tensor | None = None, frontier: int = 0,
-                      kernels: NativeKernels | Literal["chosen"] | None = "chosen"
+                      kernels: NativeKernels | None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """``expand_level`` left on the device: tokens, parent (``frontier`` + its frontier index: its tree index when
     ``frontier`` is the frontier's first node), log path probabilities (each [n, k]) and the least and the greatest
     logit (0-d tensors), both finite iff every logit is (None: the CPU kernels' picks found every logit finite).
     ``allowed`` [n, F, V]: the tokens a grammar allows at each frontier node; the others get REFUSED_LOGIT.
-    ``kernels``: the CPU kernels to pick with (None: the torch ops), or "chosen": ``native_kernels.chosen()``'s."""
+    ``kernels``: the CPU kernels to pick with on a CPU (``native_kernels.chosen()``, looked up once a search by the
+    caller), None for the torch ops."""
     n, f = base.shape
     if isinstance(logits, list) and (any(lg.shape[0] != f for lg in logits) or len(logits) != n):
         raise ValueError(f"expected {n} requests' logits of {f} rows each (one per frontier node)")
@@ -303,8 +304,7 @@ def _expand_on_device(logits: list[torch.Tensor] | torch.Tensor, base: np.ndarra
     k_node = min(per_node if per_node is not None else width, v)
     if allowed is None:
         native = _native_level(joined, base, k_node=k_node, width=None if per_node is not None else width,
-                               frontier=frontier,
-                               kernels=native_kernels.chosen() if isinstance(kernels, str) else kernels)
+                               frontier=frontier, kernels=kernels)
         if native is not None:
             return native
     x = joined.float().view(n, f, v)

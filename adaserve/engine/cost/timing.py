@@ -151,9 +151,8 @@ class OnlineCostModel:
         return self._source
 
     def predict(self, n_context: int, n_batched: int) -> float:
-        # read a dozen times an iteration (issue 30): the kept model and the clamps without a call each
-        model = self._current if self._current is not None else self.model
-        return model.predict(n_context if n_context > 0 else 0, n_batched if n_batched > 0 else 0)
+        # read a dozen times an iteration (issue 30): the clamps without a call each
+        return self.model.predict(n_context if n_context > 0 else 0, n_batched if n_batched > 0 else 0)
 
     def observe(self, n_context: int, n_batched: int, seconds: float) -> None:
         if not math.isfinite(seconds) or seconds <= 0:

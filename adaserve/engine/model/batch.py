@@ -141,8 +141,6 @@ def build_layout(segments: list[Segment], *, page_size: int, device: torch.devic
     first = trees[0]
     if all(t.is_chain for t in trees):  # a chain's node index is its depth: position = token index
         positions = index
-    elif len(segments) == 1:  # a lone tree (one request's verification): its depths past its cached nodes
-        positions = prefix[seg] + first.depths()[int(cached[0]):]
     elif all(t is first for t in trees) and (cached == cached[0]).all():  # one shape for all (beam levels)
         positions = prefix[seg] + np.tile(first.depths()[int(cached[0]):], len(segments))
     else:

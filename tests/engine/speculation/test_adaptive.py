@@ -352,6 +352,42 @@ def test_the_slo_shape_keeps_a_short_iteration_when_a_deeper_one_pushes_a_tight_
     assert slo_shape(8, base=base, rate=rate, **kw) == 2  # two tight ones: a tie again, goodput decides
 
 
+def _slo_shape_one_depth_at_a_time(n: int, *, base: np.ndarray, rate: np.ndarray, alphas: np.ndarray | None,
+                                   width: int, **kw: object) -> int:
+    """slo_shape's rule written out depth by depth (its docstring's maths, a loop over _priced_depths)."""
+    from adaserve.engine.speculation.adaptive import MAX_ALPHA, _priced_depths
+
+    own = None if alphas is None or width != 1 else np.minimum(alphas, MAX_ALPHA)
+    best_d, best = max(kw["d_min"], 1), (-1, -1.0)  # type: ignore[call-overload]
+    for d, cost, emitted in _priced_depths(n, width=width, **kw):  # type: ignore[arg-type]
+        each = np.full(len(base), emitted) if own is None else (1 - own ** (d + 1)) / (1 - own)
+        on_slo = int(np.count_nonzero((rate > 0) & (base + rate * cost <= each)))
+        goodput = float(each.sum()) / max(cost, 1e-12)
+        if on_slo > best[0] or (on_slo == best[0] and goodput > best[1] * (1 + 1e-9)):
+            best_d, best = d, (on_slo, goodput)
+    return best_d
+
+
+def test_the_slo_shape_weighs_every_depth_at_once_as_it_would_one_at_a_time() -> None:
+    """slo_shape builds one [D, n] array over the candidate depths (issue 30): the same depth as the rule applied
+    depth by depth, over random batches with and without per-request rates (n = 0 included)."""
+    from adaserve.engine.speculation.adaptive import slo_shape
+
+    rng = np.random.default_rng(7)
+    for case in range(600):
+        n, width = int(rng.integers(0, 64)) if case % 10 else 0, int(rng.integers(1, 4))
+        a, b = rng.uniform(1e-5, 1e-3, 2)
+        kw = dict(width=width, rank_rates=tuple(rng.uniform(0, 0.6, size=width)), budget=int(rng.integers(1, 512)),
+                  d_min=int(rng.integers(0, 3)), d_max=int(rng.integers(1, 9)), n_context=int(rng.integers(0, 5000)),
+                  extra_tokens=int(rng.integers(0, 64)), t_target=lambda c, k, a=a: a * k + 1e-6 * c + 0.002,
+                  t_draft=lambda c, k, b=b: b * k + 0.0005)
+        base = rng.uniform(-2, 3, size=n) * (rng.random(n) < 0.8)
+        rate = rng.uniform(0, 50, size=n) * (rng.random(n) < 0.7)
+        alphas = rng.uniform(0, 1, size=n) if case % 2 else None
+        want = _slo_shape_one_depth_at_a_time(n, base=base, rate=rate, alphas=alphas, **kw)
+        assert slo_shape(n, base=base, rate=rate, alphas=alphas, **kw) == want, (case, kw)
+
+
 def test_the_slo_depth_rule_reads_the_batch_slo_lines() -> None:
     import numpy as np
 

@@ -261,15 +261,7 @@ def main() -> None:
         mode, replayed.mode = replayed.mode, "real"  # prefill and warm-up always on real forwards
         eng = Engine(target, draft, EngineConfig(policy=MODES["spec"], max_batch=max(64, args.requests)))
         if shape is not None:
-            # the class's method (the timed one), still called: its choice is replaced. From the class, not the
-            # instance, so that an engine over a shared policy object does not wrap the previous engine's wrapper
-            chosen = type(eng.policy).tree_shape.__get__(eng.policy)
-
-            def pinned(view: Any) -> TreeShape:
-                chosen(view)
-                return shape
-
-            object.__setattr__(eng.policy, "tree_shape", pinned)  # the policy is a frozen dataclass: this run's own
+            pin_shape(eng.policy, shape)
         for i, p in enumerate(ids):
             eng.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)))
         while eng.waiting or any(r.phase is not Phase.DECODE for r in eng.running):
@@ -352,16 +344,31 @@ def main() -> None:
                    "on_over_off": round(step_s["on"] / counts["on"] / (step_s["off"] / counts["off"]), 3)}
     else:
         report |= {native_kernels.ENV: settings[0], **table(settings[0])}
+    def per_call_us(f: str, total_s: float) -> float:
+        """``total_s`` over every setting's calls of ``f``, in microseconds a call."""
+        return round(total_s / sum(c[f] for c in calls.values()) * 1e6, 1)
+
     if again:  # per call: the real (first) call against the same call made again right after it
-        report["again"] = {f: {"us_per_call_first": round(sum(t[f] for t in seconds.values())
-                                                          / sum(c[f] for c in calls.values()) * 1e6, 1),
-                               "us_per_call_again": round(timers.again_seconds[f]
-                                                          / sum(c[f] for c in calls.values()) * 1e6, 1)}
-                           for f in again}
+        report["again"] = {f: {"us_per_call_first": per_call_us(f, sum(t[f] for t in seconds.values())),
+                               "us_per_call_again": per_call_us(f, timers.again_seconds[f])} for f in again}
     if alone:
-        report["alone"] = {f: {"us_per_call_alone": time_alone(timers, f), "us_per_call_in_engine": round(
-            sum(t[f] for t in seconds.values()) / sum(c[f] for c in calls.values()) * 1e6, 1)} for f in alone}
+        report["alone"] = {f: {"us_per_call_alone": time_alone(timers, f),
+                               "us_per_call_in_engine": per_call_us(f, sum(t[f] for t in seconds.values()))}
+                           for f in alone}
     print(json.dumps(report, indent=2))
+
+
+def pin_shape(policy: Any, shape: TreeShape) -> None:
+    """``--shape``: ``policy``'s trees are ``shape``. Its own ``tree_shape`` (the class's method, timed) still runs
+    every iteration and its choice is dropped. Read from the class, not the instance, so pinning a policy twice (a
+    restarted engine over the same policy object) does not wrap the earlier pin."""
+    chosen = type(policy).tree_shape.__get__(policy)
+
+    def pinned(view: Any) -> TreeShape:
+        chosen(view)
+        return shape
+
+    object.__setattr__(policy, "tree_shape", pinned)  # policies are frozen dataclasses: this run's own setting
 
 
 def _pinned_shape(ap: argparse.ArgumentParser, text: str) -> TreeShape | None:

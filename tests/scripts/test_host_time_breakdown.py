@@ -4,6 +4,7 @@ and a listed function the engine lacks is named, not a crash (a paired run again
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import sys
 import types
@@ -113,3 +114,20 @@ def test_shape_pins_d_and_w_and_refuses_anything_else(breakdown: types.ModuleTyp
         with pytest.raises(SystemExit) as exc:
             breakdown._pinned_shape(ap, bad)
         assert exc.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_pin_shape_replaces_the_policys_choice_still_asks_it_once_and_never_stacks(
+        breakdown: types.ModuleType) -> None:
+    asked: list[str] = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Policy:
+        def tree_shape(self, view: str) -> str:
+            asked.append(view)
+            return "its own"
+
+    policy, shape = Policy(), breakdown.TreeShape(3, 2)
+    breakdown.pin_shape(policy, shape)
+    breakdown.pin_shape(policy, shape)  # a restarted engine over the same policy object
+    assert policy.tree_shape("v1") is shape and asked == ["v1"]  # asked once per iteration, not once per pin
+    assert Policy().tree_shape("v2") == "its own"  # only the pinned object

@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 
+from adaserve import allocator
 from adaserve.bench.engine_only import host_cpu, load_pair, prompts, source_version
 from adaserve.bench.microbench_options import MODES
 from adaserve.engine.config import EngineConfig
@@ -330,7 +331,8 @@ def main() -> None:
         }
 
     report: dict[str, Any] = {
-        "benchmark": "host-time-breakdown", "source": source_version(), "cpu": host_cpu(), "model": args.model,
+        "benchmark": "host-time-breakdown", "source": source_version(), "cpu": host_cpu(),
+        "allocator": allocator.in_use(), "model": args.model,
         "requests": args.requests, "iterations": args.iterations, "threads": 1, "policy": MODES["spec"],
         "pinned_shape": args.shape or None,
         "not_timed": timers.absent,

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from adaserve import allocator
 from adaserve.bench.microbench_options import (
     MODES,
     EngineOnlyConfig,
@@ -372,7 +373,8 @@ def settings(target: ModelRunner, cfg: Any, *, model: str, device: str) -> dict[
     return {**asdict(cfg), "model": model, "device": device, "source": source_version(),
             "dtype": str(target.dtype).removeprefix("torch."),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "cpus": os.cpu_count(),
-            "host_cpu": host_cpu(), "d_max": ecfg.adaptive.d_max, "w_max": ecfg.adaptive.w_max,
+            "host_cpu": host_cpu(), "allocator": allocator.in_use(), "d_max": ecfg.adaptive.d_max,
+            "w_max": ecfg.adaptive.w_max,
             "budget_rule": ecfg.budget_rule, "attention": ecfg.attention}
 
 

@@ -11,6 +11,7 @@ import logging
 import sys
 
 from adaserve import __version__
+from adaserve.allocator import AllocatorError, reexec_if_wanted
 from adaserve.cli_error import EXIT_USAGE, CliError
 
 
@@ -34,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # from the command line: an engine command first re-executes itself on TCMalloc (allocator.py)
+        try:
+            reexec_if_wanted(sys.argv[1:])
+        except AllocatorError as e:
+            print(f"adaserve: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,

@@ -43,8 +43,9 @@ ARG TORCH_CPU_INDEX
 # a C compiler: quantized models build their integer kernels at first start on AVX2 CPUs
 # (adaserve/engine/model/native_kernels.py; without one they run on torch's slower kernels).
 # TCMalloc, preloaded: an iteration's host time is many small allocations between forwards, and on a CPU
-# worker TCMalloc cut it by 5-8% against glibc's malloc (docs/benchmarks.md, "Fifteenth round"; vLLM's CPU
-# backend recommends the same). Linked at a fixed path so that LD_PRELOAD holds on amd64 and arm64 alike.
+# worker TCMalloc cut it by 5-17% against glibc's malloc (docs/benchmarks.md, "Fifteenth round" and "Sixteenth
+# round"; vLLM's CPU backend recommends the same). Linked at a fixed path so that LD_PRELOAD holds on amd64 and
+# arm64 alike; with it preloaded, `adaserve worker` does not re-execute itself (adaserve/allocator.py).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev libtcmalloc-minimal4 \
     && ln -s "/usr/lib/$(gcc -print-multiarch)/libtcmalloc_minimal.so.4" /usr/local/lib/libtcmalloc_minimal.so.4 \

@@ -203,14 +203,17 @@ def own_memory(model: nn.Module) -> None:
 
 
 def trim_heap() -> None:
-    """Give the heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere a no-op).
+    """Give the heap's free pages back to the system: glibc's ``malloc_trim``, and TCMalloc's
+    ``MallocExtension_ReleaseFreeMemory`` where the process runs on it (adaserve/allocator.py); elsewhere a no-op.
 
-    Loading frees far more than it keeps (unpacked codes, float tables, a tokenizer's parsed JSON), but glibc
-    keeps freed memory in the process, resident, for its next allocations; a server process that loads once
-    and then serves would hold it for ever (tens of MB on the default pair). Costs a few ms; outputs are
+    Loading frees far more than it keeps (unpacked codes, float tables, a tokenizer's parsed JSON), but either
+    allocator keeps freed memory in the process, resident, for its next allocations; a server process that loads
+    once and then serves would hold it for ever (tens of MB on the default pair). Costs a few ms; outputs are
     unchanged (only free memory moves)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with contextlib.suppress(OSError, AttributeError):  # the symbol is there only where TCMalloc is loaded
+        ctypes.CDLL(None).MallocExtension_ReleaseFreeMemory()
 
 
 # tokenizer classes whose tokenizer_config.json names them for any model type (transformers >= 5)

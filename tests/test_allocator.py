@@ -105,3 +105,21 @@ def test_a_bad_setting_stops_the_command_with_one_line_and_exit_2() -> None:
                          timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip() == "adaserve: error: ADASERVE_ALLOCATOR='bogus': choose one of auto, tcmalloc, system"
+
+
+@pytest.mark.parametrize("setting", ["auto", "tcmalloc"])
+def test_a_failed_re_execution_goes_on_under_auto_and_stops_when_required(
+        setting: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(allocator.ENV, setting)
+    monkeypatch.setattr(allocator, "preload_env", lambda env: {"LD_PRELOAD": f"/usr/lib/{LIBRARY}"})
+
+    def refused(*_: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "execve", refused)
+    if setting == "tcmalloc":
+        with pytest.raises(AllocatorError, match=r"re-executing with it failed: .*Permission denied"):
+            allocator.reexec_if_wanted(["worker"])
+    else:
+        allocator.reexec_if_wanted(["worker"])  # returns: this process goes on
+        assert "could not re-execute with TCMalloc" in capsys.readouterr().err

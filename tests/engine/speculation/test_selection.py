@@ -352,3 +352,39 @@ def test_whole_trees_are_kept_only_when_every_node_fits_and_pays() -> None:
     assert selection.select_adaserve([chain], [3.0], budget=3, depth=2, n_max=16, min_value=0.1) == [[0, 1]]
     # one slot short of the whole tree
     assert selection.select_adaserve([chain], [1.0], budget=2, depth=2, n_max=16) == [[0, 1]]
+
+
+
+def _random_beam(rng: np.random.Generator) -> TokenTree:
+    """A beam search's tree of random depth, width and conditional probabilities."""
+    parents, lps, prev = [-1], [0.0], [0]
+    for _ in range(int(rng.integers(1, 5))):
+        layer = []
+        for p in rng.choice(prev, size=int(rng.integers(1, 4))).tolist():
+            parents.append(p)
+            lps.append(lps[p] + math.log(float(rng.uniform(0.01, 0.99))))
+            layer.append(len(parents) - 1)
+        prev = layer
+    return TokenTree.from_lists(list(range(len(parents))), parents, lps)
+
+
+def test_a_lone_request_takes_the_phases_nodes() -> None:
+    """One request: select_adaserve's shortcut (selection._lone_request) keeps exactly the nodes Algorithm 2's two
+    phases keep, over 3,000 random trees, requirements, budgets, depths, caps and floors (a seeded sweep: the
+    floor's cut changes the phases' result in about a tenth of them, which a property test's draws rarely reach)."""
+    rng = np.random.default_rng(0)
+    floored = 0
+    for _ in range(3000):
+        cand = _random_beam(rng)
+        req = float(rng.uniform(-1.0, 8.0))
+        kw = {"budget": int(rng.integers(1, 20)), "depth": int(rng.integers(0, 6)), "n_max": int(rng.integers(1, 9)),
+              "min_value": float(rng.choice([0.0, rng.uniform(0.0, 1.0)]))}
+        lp = selection.strict_log_probs(cand)
+        _, phases = selection._phases([lp], np.array([req]), order="smallest-need", **kw)
+        want = selection._as_lists(phases)
+        assert selection._lone_request(lp, req, **kw) == want[0]
+        assert selection.select_adaserve([cand], [req], **kw) == want
+        floored += selection._slo_phase_and_cut([lp], np.array([req]), budget=kw["budget"], depth=kw["depth"],
+                                                n_max=kw["n_max"], order="smallest-need",
+                                                min_value=kw["min_value"])[1] > 0
+    assert floored > 100  # the floor's cut was exercised

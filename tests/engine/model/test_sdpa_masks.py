@@ -89,3 +89,52 @@ def test_equal_segments_fill_the_grid_without_a_row_scatter(target_dir: Path, mo
     served = r.forward_joined(segs, all_logits=[True] * 3)
     monkeypatch.setattr(TorchAttention, "plan", scattered)
     assert torch.equal(served, r.forward_joined(segs, all_logits=[True] * 3))
+
+
+def test_a_lone_segment_is_planned_as_any_group_of_one() -> None:
+    """``_plan_lone`` (verification, decode or a prompt chunk of one request) stages the arrays and builds the mask
+    that ``_plan_groups`` makes for the same layout: chains and trees, cached nodes, pages out of order, the
+    reference mask of docs/architecture.md §2 as the check on both."""
+    import numpy as np
+
+    from adaserve.engine.model.batch import build_layout
+    from tests.engine.model.test_batch_layout import PAGE, random_batch, reference_block
+
+    rng = np.random.default_rng(29)
+    plans = {"lone": TorchAttention._plan_lone, "groups": TorchAttention._plan_groups}
+    seen = set()
+    for _ in range(300):
+        seg = random_batch(rng, max_tree=12)[0]
+        got = {}
+        for name, plan in plans.items():
+            backend = TorchAttention(head_dim=32)
+            layout = build_layout([seg], page_size=PAGE, device=torch.device("cpu"))
+            plan(backend, layout)
+            (g,) = backend._groups
+            got[name] = (g.tokens, g.rows, g.q_max, g.key_slots, g.mask, g.full, backend._write_slots)
+        (tok, rows, q, keys, mask, full, slots), other = got["lone"], got["groups"]
+        assert tok is None and rows is None and other[0] is None and other[1] is None
+        assert q == other[2] and full == other[5]
+        for a, b in ((keys, other[3]), (mask, other[4]), (slots, other[6])):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        assert torch.equal(mask[0, 0], reference_block(seg, None))
+        seen.add((seg.tree.is_chain, seg.num_cached > 0, full))
+    assert len(seen) >= 5  # chains and trees, with and without cached nodes, a one-row chain that sees every key
+
+
+def test_plan_takes_the_lone_path_for_one_segment_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    from adaserve.engine.model.batch import build_layout
+    from tests.engine.model.test_batch_layout import PAGE, random_batch
+
+    taken: list[str] = []
+    monkeypatch.setattr(TorchAttention, "_plan_lone", lambda self, layout: taken.append("lone"))
+    monkeypatch.setattr(TorchAttention, "_plan_groups", lambda self, layout: taken.append("groups"))
+    rng = np.random.default_rng(3)
+    one, many = random_batch(rng)[:1], random_batch(rng) * 2
+    for backend, segs, want in ((TorchAttention(head_dim=32), one, "lone"),
+                                (TorchAttention(head_dim=32, sliding_window=4), one, "groups"),
+                                (TorchAttention(head_dim=32), many, "groups")):
+        backend.plan(build_layout(segs, page_size=PAGE, device=torch.device("cpu")), None)
+        assert taken.pop() == want

@@ -75,7 +75,45 @@ class TorchAttention:
 
     def plan(self, layout: BatchLayout, cache: PagedKVCache) -> None:
         """Every group's index arrays and mask bounds (``masks.grid_mask``) are staged on the host with the
-        layout's, then sent in one copy; the masks take a few device ops each (issue 30)."""
+        layout's, then sent in one copy; the masks take a few device ops each (issue 30). A lone segment (one
+        request's verification, decode step or prompt chunk) without a sliding window: ``_plan_lone``."""
+        if (len(layout.segments) == 1 and self.sliding_window is None
+                and not (layout.ids is None and "mask.anc" in layout.stage)):
+            self._plan_lone(layout)
+        else:
+            self._plan_groups(layout)
+
+    def _plan_lone(self, layout: BatchLayout) -> None:
+        """``_plan_groups``' one group for a lone segment, without the batch's bookkeeping (issue 30: at one
+        request it was a fifth of the verification's host time). L prefix, c cached nodes, M tree nodes:
+
+            Q = M - c rows, the tokens in order     K = L + M keys: key k is key index k (no padding key)
+            hi[r] = L + c + r + 1 (a chain sees its own nodes through the bound), L (a tree)
+            cells (r, L + j) for every true anc[c + r, j] of a tree (``masks.grid_mask``'s, for one member)
+
+        The same arrays as ``_plan_groups`` (tests/engine/model/test_sdpa_masks.py)."""
+        seg, stage, ps = layout.segments[0], layout.stage, layout.page_size
+        tree, c, prefix = seg.tree, seg.num_cached, seg.prefix_len
+        q_max, k_max = tree.size - c, prefix + tree.size
+        keys = np.arange(k_max)
+        stage.put("sdpa.0.key_slots", (layout.page_table[0][keys // ps] * ps + keys % ps).reshape(1, k_max))
+        if tree.is_chain:
+            hi, cells = np.arange(prefix + c + 1, k_max + 1), None
+        else:
+            hi = np.full(q_max, prefix, np.int64)
+            e = tree.ancestor_matrix()[c:].ravel().nonzero()[0]  # flat (row, node) of every true cell
+            cells = e // tree.size * k_max + prefix + e % tree.size
+            stage.put("sdpa.0.cells", cells)
+        stage.put("sdpa.0.hi", hi.reshape(1, q_max, 1))
+        full = cells is None and q_max == 1  # a chain's rows see every key only if it has one
+        mask = fill_grid_mask(self.columns(k_max, layout.device), stage.get("sdpa.0.hi"), None,
+                              None if cells is None else stage.get("sdpa.0.cells"), None)
+        self._groups = [_Group(None, None, q_max, stage.get("sdpa.0.key_slots"), mask[:, None], full)]
+        self._additive = [None]
+        self._write_slots = layout.write_slots
+
+    def _plan_groups(self, layout: BatchLayout) -> None:
+        """``plan`` for any layout: its segments in groups (``group_segments``), one padded grid each."""
         stage = layout.stage
         indptr = np.asarray(layout.qo_indptr)
         n_new = np.diff(indptr)

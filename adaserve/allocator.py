@@ -3,8 +3,9 @@
 Why (issue 30): an iteration's host time between the forwards is many small allocations (numpy's and torch's
 arrays, Python's objects), and glibc's malloc serves them slower than TCMalloc: with Debian's
 ``libtcmalloc-minimal4`` preloaded, an iteration's host time fell 5-10% with speculation and 15-17% without, in
-paired runs on two machines (docs/benchmarks.md, "Fifteenth round" and "Sixteenth round"). vLLM's CPU backend
-gives the same advice, and the CPU worker image preloads it (docker/worker.Dockerfile).
+paired runs on two machines, and at 32 requests the forwards' large temporaries took a third off a speculative
+iteration in all (docs/benchmarks.md, "Fifteenth round" and "Sixteenth round"). vLLM's CPU backend gives the same
+advice, and the CPU worker image preloads it (docker/worker.Dockerfile).
 
 An allocator has to be in place before the interpreter's first allocation, so it cannot be switched from inside the
 process: ``adaserve worker`` and ``adaserve microbench`` re-execute themselves once, the same command line, with

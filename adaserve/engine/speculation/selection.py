@@ -252,26 +252,33 @@ def select_adaserve(cands: Sequence[TokenTree], requirements: Sequence[float], *
 
 def _lone_request(lp: np.ndarray, req: float, *, budget: int, depth: int, n_max: int,
                   min_value: float) -> list[int]:
-    """Both phases for a batch of one request (the order of requests then plays no part): the SLO phase's grant
-    k as for any batch (``slo_wishes``, ``slo_grants``), then the throughput phase, whose one heap is then this
-    request's own ranking by f (ties by index, as ``RankedNodes``' stable sort), so it extends the grant along
-    ``ranked``: what both keep is a prefix of it, of length
+    """Both phases for a batch of one request (the order of requests then plays no part), in a third of the
+    steps: they take its nodes in one order, by descending f with ties by index (``RankedNodes``' stable sort and
+    the throughput phase's agree), so what they keep is a prefix of that order, of length
 
-        K = k + min(max(left, 0), drafted - k),   left = budget - cut - 1 - k   (cut: what the floor kept out)
+        k    = the SLO phase's grant: its wish (``slo_wishes``), at most budget - 1 (the root costs 1)
+        left = budget - cut - 1 - k       the throughput phase's share; cut = what the floor kept out of the grant
+        K    = k + min(max(left, 0), drafted - k)
 
     ``lp``: the request's strict log f, every drafted value finite (the throughput phase passes over the others:
-    the caller checks). The same lists as ``_phases`` (tests/engine/speculation/test_selection.py), without the
-    batch's per-request lists and its global sort (issue 30)."""
-    nodes, need = RankedNodes.of([lp]), np.array([req])
+    the caller checks). The same lists as ``_phases`` (tests/engine/speculation/test_selection.py).
 
-    def granted(floor: float) -> int:  # the SLO phase's grant, with a floor on f
-        wish = slo_wishes(nodes, need, depth=depth, n_max=n_max, min_value=floor)
-        return int(slo_grants(wish, need, budget=budget, order="largest-need")[0])
-
-    k = granted(min_value)
-    cut = granted(0.0) - k if min_value > 0 else 0
-    keep = k + max(0, min(budget - cut - 1 - k, len(lp) - 1 - k))
-    return [0, *np.sort(nodes.ranked[0, :keep]).tolist()]
+    The scalar form of ``RankedNodes.of``, ``slo_wishes`` and ``slo_grants`` for one row, written out rather than
+    called: built from them, the selection took 88 us a call at one request against 47 like this (docs/benchmarks.md,
+    "The lone request's selection"), and the phases take ~115."""
+    ranked = np.argsort(-lp[1:], kind="stable") + 1  # RankedNodes.ranked
+    f = np.exp(lp[ranked])
+    n_acc = 1.0 + np.concatenate(([0.0], np.cumsum(f)))  # RankedNodes.n_acc
+    need = int(np.count_nonzero(n_acc < min(req, depth + 1)))  # A_cap = min(A(r), d + 1)
+    cap = min(n_max - 1, len(lp) - 1)
+    room = max(budget - 1, 0)
+    plain = min(max(0, min(need, cap)), room)  # the grant without the floor
+    k = plain
+    if min_value > 0:  # the nodes worth at least the floor are a prefix of ``ranked``
+        k = min(max(0, min(need, int(np.count_nonzero(f >= min_value)), cap)), room)
+    left = budget - (plain - k) - 1 - k
+    keep = k + max(0, min(left, len(lp) - 1 - k))
+    return [0, *np.sort(ranked[:keep]).tolist()]
 
 
 def _every_node_kept(lps: Sequence[np.ndarray], *, budget: int, min_value: float) -> bool:

@@ -135,10 +135,61 @@ class BeamLevels:
         if all(how in ("laid_out", "") for how, *_ in self._grids):
             return
         cache = self.runner.cache
+        for s, end in zip(self.seqs, (self.prefix + int(self.ends[-1])).tolist(), strict=True):
+            cache.ensure(s, end)  # the deepest level's pages: every level's slots exist from here on
+        if (len(self.seqs) == 1 and self.runner.model.cfg.sliding_window is None
+                and all(how == "torch" for how, *_ in self._grids[1:])):
+            self._plan_lone()
+        else:
+            self._plan_batch()
+
+    def _plan_lone(self) -> None:
+        """``_plan_batch``'s arrays for one request on the torch grid, without a sliding window, in a few slices of
+        its slots (issue 30: at one request the batch's padding and per-request index arithmetic were most of the
+        plan's host time). L: the root's key index; slot[i]: the cache slot of key index i. Level l, c tree nodes
+        before it and s after (a = s - c new), S the last level's s:
+
+            positions    L + l, a of them           write slots   slot[L + c : L + s]
+            key slots    slot[0 : K], K = L + s     (one request: no key is padding)
+            hi           L + s (a chain sees its own nodes through the bound), L (a tree)
+            cells        r * K + L + j              src           (c + r) * S + j        (r < a, j < s)
+
+        The catch-up's p pending tokens sit at key indices P .. L (P = L + 1 - p): positions P .. L, write slots
+        slot[P : L + 1], key slots slot[0 : L + 1], hi P + r + 1 for row r, logits row p - 1 (when p > 1).
+        The same arrays as ``_plan_batch`` (tests/engine/model/test_levels.py)."""
+        seq, ps, put = self.seqs[0], self.runner.cache.page_size, self.stage.put
+        lone, side = int(self.prefix[0]), self.tree_size
+        pages = -(-(lone + side) // ps)
+        slot = (np.asarray(seq.pages[:pages], np.int64)[:, None] * ps + np.arange(ps)).ravel()
+        if self.folds_catch_up:
+            assert self.pending is not None
+            p = len(self.pending[0])
+            first = lone + 1 - p
+            put("0.ids", np.asarray(self.pending[0], np.int64))
+            put("0.positions", np.arange(first, lone + 1))
+            put("0.write_slots", slot[first : lone + 1])
+            put("0.key_slots", slot[: lone + 1].reshape(1, lone + 1))
+            put("0.hi", np.arange(first + 1, lone + 2).reshape(1, p, 1))
+            if p > 1:
+                put("0.logits_rows", np.array([p - 1]))
+        for level in range(1, len(self.sizes)):
+            c, size = int(self.ends[level - 1]), int(self.ends[level])
+            a, k = size - c, lone + size
+            chain = size == level + 1  # one node per level so far
+            put(f"{level}.positions", np.full(a, lone + level))
+            put(f"{level}.write_slots", slot[lone + c : lone + size])
+            put(f"{level}.key_slots", slot[:k].reshape(1, k))
+            put(f"{level}.hi", np.full((1, a, 1), k if chain else lone))
+            if not chain:
+                j, r = np.arange(size), np.arange(a)[:, None]
+                put(f"{level}.cells", (r * k + (lone + j)).ravel())
+                put(f"{level}.src", ((c + r) * side + j).ravel())
+
+    def _plan_batch(self) -> None:
+        """``_plan`` for any batch, grid and window (``_plan_lone`` is its one-request case)."""
+        cache = self.runner.cache
         ps = cache.page_size
         n, prefix = len(self.seqs), self.prefix
-        for s, end in zip(self.seqs, (prefix + int(self.ends[-1])).tolist(), strict=True):
-            cache.ensure(s, end)  # the deepest level's pages: every level's slots exist from here on
         table = page_table([s.pages for s in self.seqs], prefix + int(self.ends[-1]), ps)
         # [n, pages * P]: the cache slot of every key index of each sequence, up to the deepest level's (issue 30:
         # one lookup per array below, not the page arithmetic of each)

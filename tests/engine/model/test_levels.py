@@ -1,0 +1,119 @@
+"""A beam search's planned levels (model/levels.py): the one-request plan stages the batch plan's arrays.
+
+The logits of planned levels against laid-out ones are held bit for bit in
+tests/engine/speculation/test_beam_on_device.py; here ``BeamLevels._plan_lone`` is held to ``_plan_batch``, array by
+array, on random requests (prefix lengths across page boundaries, pending tokens, level sizes), and the plan is shown
+to choose it only where it applies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from adaserve.engine.model.kv_cache import SequenceKV
+from adaserve.engine.model.levels import BeamLevels
+from adaserve.engine.model.staging import HostStage
+from tests.engine.helpers import runner
+
+
+def staged(levels: BeamLevels) -> dict[str, np.ndarray]:
+    """The arrays the plan put in its stage, by name, before anything is sent."""
+    return {name: np.asarray(a) for name, (a, _) in levels.stage._pending.items()}
+
+
+def random_sizes(rng: np.random.Generator) -> list[int]:
+    """Level sizes a beam search makes: the root, then chains, beams or static products."""
+    depth = int(rng.integers(1, 6))
+    kind = rng.integers(3)
+    if kind == 0:  # a beam w wide: 1, min(w, 1 * w) = w, w, ...
+        w = int(rng.integers(1, 5))
+        return [1] + [w] * depth
+    if kind == 1:  # a chain
+        return [1] * (depth + 1)
+    sizes = [1]  # a static tree: each level's nodes times its factor
+    for _ in range(depth):
+        sizes.append(sizes[-1] * int(rng.integers(1, 3)))
+    return sizes
+
+
+def test_the_lone_plan_stages_the_batch_plans_arrays(draft_dir: Path) -> None:
+    draft = runner(draft_dir)
+    rng = np.random.default_rng(30)
+    lone_planned = 0
+    for case in range(300):
+        seq = SequenceKV()
+        length = int(rng.integers(1, 60))
+        draft.cache.ensure(seq, length)
+        seq.length = length
+        pending = None if case % 5 == 0 else [rng.integers(2, 90, int(rng.integers(1, 7))).tolist()]
+        sizes = random_sizes(rng)
+        if pending is None and len(sizes) < 2:
+            sizes = [1, 2]
+        levels = BeamLevels(draft, [seq], sizes, pending=pending)
+        lone = staged(levels)
+        levels.stage = HostStage(draft.device)
+        levels._plan_batch()
+        batch = staged(levels)
+        assert lone.keys() == batch.keys(), (sizes, pending)
+        for name in lone:
+            assert lone[name].shape == batch[name].shape and lone[name].dtype == batch[name].dtype == np.int64, name
+            assert np.array_equal(lone[name], batch[name]), (name, sizes, pending, length)
+        lone_planned += levels.folds_catch_up or pending is None
+        draft.cache.release(seq)
+    assert lone_planned == 300
+
+
+def test_the_lone_plan_is_chosen_only_for_one_request_without_a_window(
+        draft_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    draft = runner(draft_dir)
+    calls: list[str] = []
+    monkeypatch.setattr(BeamLevels, "_plan_lone", lambda self: calls.append("lone"))
+    monkeypatch.setattr(BeamLevels, "_plan_batch", lambda self: calls.append("batch"))
+
+    def plan(n: int) -> str:
+        seqs = []
+        for _ in range(n):
+            s = SequenceKV()
+            draft.cache.ensure(s, 9)
+            s.length = 9
+            seqs.append(s)
+        BeamLevels(draft, seqs, [1, 2, 2], pending=[[4, 5]] * n)
+        for s in seqs:
+            draft.cache.release(s)
+        return calls.pop()
+
+    assert plan(1) == "lone" and plan(2) == "batch"
+    monkeypatch.setattr(draft.model, "cfg", replace(draft.model.cfg, sliding_window=2))
+    assert plan(1) == "batch"
+    static = runner(draft_dir, static_shapes=True)  # a static bucket pads the grid: the batch plan
+    s = SequenceKV()
+    static.cache.ensure(s, 9)
+    s.length = 9
+    BeamLevels(static, [s], [1, 2, 2])
+    assert calls.pop() == "batch"
+
+
+def test_a_lone_request_drafts_the_trees_of_the_batch_plan(draft_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end: a lone request's beam search on the lone plan gives the trees the batch plan gives."""
+    from adaserve.engine.speculation.speculate import DraftInput, beam_search
+    from tests.engine.speculation.test_beam_on_device import contexts
+
+    draft = runner(draft_dir)
+    trees = {}
+    for how in ("lone", "batch"):
+        if how == "batch":
+            monkeypatch.setattr(BeamLevels, "_plan_lone", BeamLevels._plan_batch)
+        inputs = contexts(draft, [[5, 6, 7, 8, 9, 10, 11]], [[12, 13, 14]])
+        got = []
+        for depth, width in [(1, 1), (3, 1), (3, 2), (4, 3)]:
+            (tree,) = beam_search(draft, [DraftInput(inputs[0].seq, inputs[0].pending)], depth=depth, width=width)
+            got.append((tree.tokens.tolist(), tree.parents.tolist(), torch.tensor(tree.log_probs).tolist()))
+            draft.cache.truncate(inputs[0].seq, inputs[0].seq.length - len(inputs[0].pending))
+        trees[how] = got
+        draft.cache.release(inputs[0].seq)
+    assert trees["lone"] == trees["batch"]

@@ -119,6 +119,44 @@ def page_table(pages_of: list[list[int]], kv_lens: np.ndarray, page_size: int) -
 
 def build_layout(segments: list[Segment], *, page_size: int, device: torch.device,
                  on_device: DeviceNodes | None = None) -> BatchLayout:
+    """The layout of ``segments``' new tokens (module docstring); a lone segment's in a few slices (_lone_layout)."""
+    if len(segments) == 1:
+        return _lone_layout(segments[0], page_size=page_size, device=device, on_device=on_device)
+    return _batch_layout(segments, page_size=page_size, device=device, on_device=on_device)
+
+
+def _lone_layout(seg: Segment, *, page_size: int, device: torch.device,
+                 on_device: DeviceNodes | None = None) -> BatchLayout:
+    """``_batch_layout`` for one segment (issue 30: a lone request's verification, decode step or prompt chunk paid
+    the batch's per-segment index arithmetic). L prefix, c cached nodes, M tree nodes: the new tokens are nodes
+    c .. M - 1 at key indices L + c .. L + M - 1, in order; node i's position is L + depth(i) (L + i on a chain)."""
+    tree, cached, prefix = seg.tree, seg.num_cached, seg.prefix_len
+    size = len(tree.tokens)
+    if size - cached <= 0:
+        raise ValueError("every segment must contribute at least one new token")
+    kv_len = prefix + size
+    pages = -(-kv_len // page_size)
+    if pages > len(seg.seq.pages):
+        raise ValueError(f"sequence holds {len(seg.seq.pages)} pages but {kv_len} keys need {pages}")
+    table = np.asarray(seg.seq.pages[:pages], np.int64).reshape(1, pages)
+    index = np.arange(prefix + cached, kv_len)
+    slots = table[0][index // page_size] * page_size + index % page_size
+    positions = index if tree.is_chain else prefix + tree.depths()[cached:]
+    ids = None if on_device is not None else np.asarray(tree.tokens[cached:], np.int64)
+    stage = HostStage(torch.device(device))
+    if on_device is None:
+        stage.put("ids", ids)
+    else:
+        _bind_device_nodes(stage, on_device, [seg], size - cached)
+    stage.put("positions", positions)
+    stage.put("write_slots", slots)
+    return BatchLayout(ids=ids, position_ids=positions, slots=slots, qo_indptr=[0, size - cached], kv_lens=[kv_len],
+                       page_table=table, page_size=page_size, segments=(seg,), stage=stage)
+
+
+def _batch_layout(segments: list[Segment], *, page_size: int, device: torch.device,
+                  on_device: DeviceNodes | None = None) -> BatchLayout:
+    """``build_layout`` for any batch."""
     if not segments:
         raise ValueError("a batch needs at least one segment")
     trees = [s.tree for s in segments]

@@ -198,3 +198,31 @@ def test_grid_mask_reads_device_ancestor_rows(window: int | None) -> None:
         want = padded_mask(ref, torch.arange(n), q_max, k_max, window)
         assert want.any() and not want.all()  # the comparison is not trivial
         assert torch.equal(grid_of(segs, members, q_max, k_max, window, anc), want)
+
+
+def test_a_lone_segments_layout_is_the_batch_layout() -> None:
+    """``build_layout`` of one segment (``_lone_layout``) gives ``_batch_layout``'s arrays, on random segments:
+    chains and trees, cached nodes, prefixes across page boundaries, ids on the host or the device."""
+    from adaserve.engine.model.batch import _batch_layout
+
+    rng = np.random.default_rng(30)
+    for case in range(300):
+        (seg,) = random_batch(rng)[:1]
+        nodes = None
+        if case % 3 == 0 and not seg.tree.is_chain:
+            anc = torch.from_numpy(seg.tree.ancestor_matrix()[None].copy())
+            nodes = DeviceNodes(torch.arange(seg.num_new), anc)
+        got = build_layout([seg], page_size=PAGE, device=CPU, on_device=nodes)
+        want = _batch_layout([seg], page_size=PAGE, device=CPU, on_device=nodes)
+        for name in ("ids", "position_ids", "slots", "page_table"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert (a is None) == (b is None), name
+            if a is not None:
+                assert a.dtype == b.dtype == np.int64 and np.array_equal(a, b), (name, case)
+        assert (got.qo_indptr, got.kv_lens, got.page_size, got.segments) == (
+            want.qo_indptr, want.kv_lens, want.page_size, want.segments)
+        assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.write_slots, want.write_slots)
+        assert torch.equal(got.positions, want.positions)
+    with pytest.raises(ValueError, match="at least one new token"):
+        build_layout([Segment(SequenceKV(pages=[0]), 0, TokenTree.chain([1]), num_cached=1)], page_size=PAGE,
+                     device=CPU)

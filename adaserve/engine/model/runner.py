@@ -109,7 +109,7 @@ class ModelRunner:
         ancestor rows) are read from the device, and the segments' trees give only their shape.
         """
         logits, counts = self._forward(segments, all_logits, on_device)
-        return list(torch.split(logits, counts))
+        return [logits] if len(counts) == 1 else list(torch.split(logits, counts))
 
     def forward_joined(self, segments: list[Segment], *, all_logits: list[bool],
                        on_device: DeviceNodes | None = None) -> torch.Tensor:
@@ -125,18 +125,19 @@ class ModelRunner:
             raise ValueError(f"{len(all_logits)} all_logits flags for {len(segments)} segments")
         for s in segments:
             self.cache.ensure(s.seq, s.kv_len)
-        n_new = np.array([s.tree.size - s.num_cached for s in segments], np.int64)
+        counts = [s.tree.size - s.num_cached for s in segments]  # each segment's new tokens
+        total = sum(counts)
         if all(all_logits):
-            rows = np.arange(int(n_new.sum()))
-            counts = n_new.tolist()
+            rows = list(range(total))
         else:  # a segment without all_logits gives its last row only
+            n_new = np.array(counts, np.int64)
             counts_np = np.where(np.asarray(all_logits, bool), n_new, 1)
             ends = np.cumsum(n_new)
             starts = np.cumsum(counts_np) - counts_np  # where each segment's picked rows begin in ``rows``
-            rows = np.arange(int(counts_np.sum())) + np.repeat(ends - counts_np - starts, counts_np)
+            rows = (np.arange(int(counts_np.sum())) + np.repeat(ends - counts_np - starts, counts_np)).tolist()
             counts = counts_np.tolist()
-        logits = self.compute(segments, rows.tolist(), on_device)
-        self.record(n_new=int(n_new.sum()), n_context=sum(s.prefix_len + s.num_cached for s in segments), t0=t0)
+        logits = self.compute(segments, rows, on_device)
+        self.record(n_new=total, n_context=sum(s.prefix_len + s.num_cached for s in segments), t0=t0)
         return logits, counts
 
     def record(self, *, n_new: int, n_context: int, t0: float) -> None:

@@ -57,6 +57,39 @@ def test_commit_moves_compact_the_accepted_path() -> None:
     assert got == [0, 1, 2, 3, 5, 8, 11]
 
 
+def test_many_sequences_moves_are_each_tokens_own_copy() -> None:
+    """``move_many`` over several sequences (scattered pages, moves across page boundaries, some not moving at all)
+    leaves every layer's K and V as token-by-token copies from a snapshot would."""
+    import random
+
+    rng = random.Random(30)
+    for _ in range(40):
+        c = cache(pages=64)
+        seqs, moves = [], []
+        for _ in range(rng.randint(1, 4)):
+            s = SequenceKV()
+            c.ensure(s, rng.randint(4, 30))
+            seqs.append(s)
+        c.k.copy_(torch.randn_like(c.k))
+        c.v.copy_(torch.randn_like(c.v))
+        k0, v0 = c.k.clone(), c.v.clone()
+        for s in seqs:
+            n = len(s.pages) * 4
+            start = rng.randint(0, n - 1)
+            dst = list(range(start, start + rng.randint(0, (n - start) // 2)))
+            src = sorted(rng.sample(range(start, n), len(dst))) if rng.random() < 0.8 else list(dst)
+            moves.append((s, src, dst))
+        c.move_many(moves)
+        want_k, want_v = k0.clone(), v0.clone()
+        for s, src, dst in moves:
+            for a, b in zip(src, dst, strict=True):
+                want_k[:, s.slot(b, 4)] = k0[:, s.slot(a, 4)]
+                want_v[:, s.slot(b, 4)] = v0[:, s.slot(a, 4)]
+        assert torch.equal(c.k, want_k) and torch.equal(c.v, want_v)
+    with pytest.raises(ValueError, match="same length"):
+        c.move_many([(seqs[0], [1, 2], [1])])
+
+
 @pytest.mark.parametrize("bad", [dict(page_size=0), dict(num_pages=0), dict(memory_bytes=0)])
 def test_config_validation(bad: dict) -> None:
     with pytest.raises(ValueError):

@@ -13,10 +13,11 @@ from adaserve.engine.speculation.speculate import build_trees, expand_level
 from tests.engine.helpers import use_cpu_kernels
 
 
+@pytest.mark.parametrize("n", [5, 1])  # one request: its own pass (speculate._lone_tree)
 @pytest.mark.parametrize("level_sizes", [[1], [1, 1, 1], [2, 2, 2], [3, 6], [2, 4, 8]])
-def test_batched_trees_equal_the_per_tree_construction(level_sizes: list[int]) -> None:
-    rng = np.random.default_rng(len(level_sizes) * 10 + level_sizes[-1])
-    n, k = 5, sum(level_sizes)
+def test_batched_trees_equal_the_per_tree_construction(level_sizes: list[int], n: int) -> None:
+    rng = np.random.default_rng(len(level_sizes) * 10 + level_sizes[-1] + n)
+    k = sum(level_sizes)
     parents, lps, start, prev = [], [], 0, [0]
     for size in level_sizes:
         # parents among the previous level's nodes (tree indices, root 0); ties with the parent's value
@@ -41,6 +42,21 @@ def test_batched_trees_equal_the_per_tree_construction(level_sizes: list[int]) -
         # seeded from one batched pass over the levels (issue 30), read-only like a computed one
         assert np.array_equal(tree.ancestor_matrix(), fresh.ancestor_matrix())
         assert not tree.ancestor_matrix().flags.writeable
+
+
+def test_a_lone_tree_is_its_batchs_tree_where_the_nudge_vanishes() -> None:
+    """A path probability so small that f - eps == f (a refused token's -1e30): the tree is not strictly decreasing,
+    alone (``_lone_tree``) as in a batch."""
+    level_sizes = [2, 2, 2]
+    pars = np.array([[0, 0, 1, 1, 3, 3]])
+    lps = np.array([[-0.5, -0.7, -1e30, -1.0, -1e30, -1e30]])
+    toks, roots = np.arange(6)[None], np.array([[7]])
+    (lone,) = build_trees(roots, toks, pars, lps, level_sizes)
+    batch = build_trees(np.repeat(roots, 2, 0), np.repeat(toks, 2, 0), np.repeat(pars, 2, 0), np.repeat(lps, 2, 0),
+                        level_sizes)[1]
+    assert not lone.strictly_decreasing and not batch.strictly_decreasing
+    assert np.array_equal(lone.log_probs, batch.log_probs) and np.array_equal(lone.tokens, batch.tokens)
+    assert np.array_equal(lone.ancestor_matrix(), batch.ancestor_matrix())
 
 
 def both_picks(logits: torch.Tensor, base: np.ndarray, width: int, per_node: int | None,

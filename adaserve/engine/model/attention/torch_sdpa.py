@@ -19,7 +19,7 @@ sums needed for that), one call a layer where SDPA takes casts, a gather and its
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -47,9 +47,8 @@ def group_segments(n_new: list[int]) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
-@dataclass(frozen=True)
-class _Group:
-    """One padded SDPA call: its segments' queries, keys and mask."""
+class _Group(NamedTuple):
+    """One padded SDPA call: its segments' queries, keys and mask (a named tuple: planned every forward)."""
 
     tokens: torch.Tensor | None  # [t] flat token indices of the group (None: all tokens, in order)
     rows: torch.Tensor | None  # [t] flat grid row (segment * Qmax + row) of each token; None: the tokens fill
@@ -71,6 +70,7 @@ class TorchAttention:
         self._write_slots: torch.Tensor | None = None  # [T] the planned forward's cache slots for its K/V
         self._groups: list[_Group] = []
         self._cols: torch.Tensor | None = None  # arange(Kmax) on the device, grown as needed
+        self._cols_at, self._cols_len = torch.device("cpu"), 0  # its device and length (no tensor read per forward)
         self._additive: list[torch.Tensor | None] = []  # per group: its mask as SDPA's 0 / -inf, once a forward
 
     def plan(self, layout: BatchLayout, cache: PagedKVCache) -> None:
@@ -108,7 +108,7 @@ class TorchAttention:
         full = cells is None and q_max == 1  # a chain's rows see every key only if it has one
         mask = fill_grid_mask(self.columns(k_max, layout.device), stage.get("sdpa.0.hi"), None,
                               None if cells is None else stage.get("sdpa.0.cells"), None)
-        self._groups = [_Group(None, None, q_max, stage.get("sdpa.0.key_slots"), mask[:, None], full)]
+        self._groups = [_Group(None, None, q_max, stage.get("sdpa.0.key_slots"), mask.unsqueeze(1), full)]
         self._additive = [None]
         self._write_slots = layout.write_slots
 
@@ -162,7 +162,7 @@ class TorchAttention:
             mask = fill_grid_mask(self.columns(k_max, layout.device), got["hi"], got["lo"], got["cells"], values)
             self._groups.append(_Group(None if every else stage.get(f"sdpa.{j}.tok"),
                                        stage.get(f"sdpa.{j}.rows") if scattered else None, q_max,
-                                       stage.get(f"sdpa.{j}.key_slots"), mask[:, None], full))
+                                       stage.get(f"sdpa.{j}.key_slots"), mask.unsqueeze(1), full))
         self._additive = [None] * len(self._groups)
         self._write_slots = layout.write_slots
 
@@ -172,15 +172,15 @@ class TorchAttention:
         arrays already on the device: ``write_slots`` [g * Q], ``key_slots`` [g, K], ``mask`` [g, Q, K] bool.
         With ``rows`` [T] the segments are ragged (the draft's catch-up): token t sits at grid row ``rows[t]``
         and ``write_slots`` is [T]. ``plan`` would make the same single group from the forward's layout."""
-        self._groups = [_Group(None, rows, int(mask.shape[1]), key_slots, mask[:, None])]
+        self._groups = [_Group(None, rows, int(mask.shape[1]), key_slots, mask.unsqueeze(1))]
         self._additive = [None]
         self._write_slots = write_slots
 
     def columns(self, k_max: int, device: torch.device) -> torch.Tensor:
         """arange(k_max) on ``device``, a view of one kept tensor (no op per forward but the slice)."""
-        if self._cols is None or self._cols.device != device or self._cols.shape[0] < k_max:
-            self._cols = torch.arange(max(k_max, 2 * (self._cols.shape[0] if self._cols is not None else 0),
-                                          1024), device=device)
+        if self._cols is None or self._cols_at != device or self._cols_len < k_max:
+            self._cols_len = max(k_max, 2 * self._cols_len, 1024)
+            self._cols, self._cols_at = torch.arange(self._cols_len, device=device), device
         return self._cols[:k_max]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -152,6 +152,8 @@ class RankAcceptance:
         length (a width-1 beam search) as one ``[n, K]`` array (``_calibrate_chains``), to the same bits."""
         if len(trees) > 0 and trees[0].size > 1 and all(t.is_chain and t.size == trees[0].size for t in trees):
             return self._calibrate_chains(trees)
+        if len(trees) == 1 and trees[0].size > 1 and (lone := self._calibrate_lone(trees[0])) is not None:
+            return [lone]
         forest = _Forest.of(trees)
         if forest.drafted.size == 0:
             return list(trees)
@@ -165,6 +167,47 @@ class RankAcceptance:
         return [t if t.size <= 1 else TokenTree.trusted(t.tokens, t.parents, lf[o : o + t.size],
                                                         strict=bool(below[o : o + t.size].all()))
                 for t, o in zip(trees, forest.offsets, strict=True)]
+
+    def _lone_cells(self, tree: TokenTree) -> tuple[list[int], list[int], list[int], list[float]] | None:
+        """``_cells`` of one tree's drafted nodes 1 .. M - 1 as Python lists, with the parents: (parents, ranks,
+        bins, q). A lone request's tree has a handful of nodes, fewer than the forest pass's numpy calls (issue 30);
+        q is numpy's exponential of the same differences, so every value has the forest pass's bits. None where a
+        difference is NaN (the forest pass's sort order then decides the ranks)."""
+        par = tree.parents.tolist()
+        lp = tree.log_probs.tolist()
+        cond = [lp[v] - lp[par[v]] for v in range(1, len(par))]  # log q(v), node v at cond[v - 1]
+        if any(c != c for c in cond):
+            return None
+        kids: dict[int, list[int]] = {}
+        for v in range(1, len(par)):
+            kids.setdefault(par[v], []).append(v - 1)
+        ranks = [0] * len(cond)
+        for group in kids.values():  # best child first, ties to the lower index (sibling_ranks' lexsort)
+            for r, i in enumerate(sorted(group, key=lambda i: (-cond[i], i))):
+                ranks[i] = min(r, self.max_rank)
+        q = np.exp(np.array(cond)).tolist()
+        bins = [min(int(x * self.q_bins), self.q_bins - 1) for x in q]
+        return par, ranks, bins, q
+
+    def _calibrate_lone(self, tree: TokenTree) -> TokenTree | None:
+        """``calibrate_many``'s forest pass for one tree of more than one node, in Python floats over its nodes: p,
+        its clip, and the path sums in the forest's pointer-jumping order (``_Forest.path_sums``: each pass reads
+        every node's sum before writing any), so the same bits. None: take the forest pass (``_lone_cells``)."""
+        cells = self._lone_cells(tree)
+        if cells is None:
+            return None
+        par, ranks, bins, q = cells
+        hits, trials, w = self.hits.tolist(), self.trials.tolist(), self.prior_weight
+        p = [(hits[r][b] + w * x) / (trials[r][b] + w) for r, b, x in zip(ranks, bins, q, strict=True)]
+        log_p = np.log([min(max(x, 1e-9), 1.0 - 1e-9) for x in p]).tolist()  # np.clip's bits, numpy's log
+        s, jump = [0.0, *log_p], list(par)
+        while live := [v for v, j in enumerate(jump) if j >= 0]:
+            add = [s[v] + s[jump[v]] for v in live]
+            hop = [jump[jump[v]] for v in live]
+            for v, a, h in zip(live, add, hop, strict=True):
+                s[v], jump[v] = a, h
+        strict = all(s[v] < s[par[v]] for v in range(1, len(s)))
+        return TokenTree.trusted(tree.tokens, tree.parents, np.array(s), strict=strict)
 
     def _calibrate_chains(self, trees: Sequence[TokenTree]) -> list[TokenTree]:
         """``calibrate_many`` for chains of one length K > 1: every drafted node is its parent's only child (rank
@@ -193,6 +236,8 @@ class RankAcceptance:
         carry decay ** (such trees after it in the batch), as one ``observe`` after another would give."""
         if self._observe_chains(trees, accepted):
             return
+        if len(trees) == 1 and trees[0].size > 1 and self._observe_lone(trees[0], accepted[0]):
+            return
         forest = _Forest.of(trees)
         if forest.drafted.size == 0:
             return
@@ -211,6 +256,27 @@ class RankAcceptance:
         self.tried += np.bincount(cells[0], minlength=self.max_rank + 1)
         np.add.at(self.trials, cells, weight)
         np.add.at(self.hits, cells, weight * on_path[forest.drafted][tried])
+
+    def _observe_lone(self, tree: TokenTree, accepted: Sequence[int]) -> bool:
+        """``observe_many``'s forest pass for one tree of more than one node (one decay; every trial weighs 1),
+        counted node by node in the forest's order: the same sums, added in the same order, so the same bits.
+        False (nothing counted) where ``_lone_cells`` declines."""
+        cells = self._lone_cells(tree)
+        if cells is None:
+            return False
+        par, ranks, bins, _ = cells
+        on_path = [False] * len(par)
+        for v in accepted:
+            on_path[v] = True
+        self.hits *= self.decay
+        self.trials *= self.decay
+        for v in range(1, len(par)):
+            if on_path[par[v]]:  # a trial: its parent was accepted
+                r, b = ranks[v - 1], bins[v - 1]
+                self.tried[r] += 1
+                self.trials[r, b] += 1.0
+                self.hits[r, b] += 1.0 if on_path[v] else 0.0
+        return True
 
     def _observe_chains(self, trees: Sequence[TokenTree], accepted: Sequence[Sequence[int]]) -> bool:
         """``observe_many`` for chains whose accepted nodes are a prefix 0..a (what verification accepts on a

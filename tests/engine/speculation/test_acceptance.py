@@ -224,3 +224,41 @@ def test_a_path_that_is_not_a_prefix_is_counted_by_the_forest() -> None:
     assert b.trials.sum() == 2 and b.hits.sum() == 1  # node 1 (hit), node 2 (missed)
     with pytest.raises(ValueError):
         a.observe_many([chain, chain], [[0]])
+
+
+def test_a_lone_tree_takes_a_shortcut_to_the_same_bits_as_the_forest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One request's tree (``_calibrate_lone``, ``_observe_lone``: its nodes in Python floats) is calibrated and
+    counted to the forest pass's bits: the same log f, the same decrease, the same hits, trials and tries, over
+    hundreds of trees whose counts build on each other (ties between siblings included)."""
+    rng = np.random.default_rng(30)
+    fast, slow = RankAcceptance(decay=0.97, q_bins=4, max_rank=2), RankAcceptance(decay=0.97, q_bins=4, max_rank=2)
+    forest = pytest.MonkeyPatch()
+    for case in range(400):
+        tree = _random_tree(rng, int(rng.integers(2, 14)))
+        if case % 4 == 0:  # siblings of one value: their ranks fall to the lower index
+            lp = tree.log_probs.copy()
+            lp[tree.parents == 0] = -0.5
+            tree = TokenTree(tree.tokens, tree.parents, np.where(tree.parents > 0, np.minimum(lp, -0.6), lp))
+        path, v = [0], 0
+        while (kids := np.flatnonzero(tree.parents == v)).size and rng.random() < 0.7:
+            v = int(rng.choice(kids))
+            path.append(v)
+        got = fast.calibrate_many([tree])[0]
+        with forest.context() as m:
+            m.setattr(RankAcceptance, "_calibrate_lone", lambda *_: None)
+            m.setattr(RankAcceptance, "_observe_lone", lambda *_: False)
+            want = slow.calibrate_many([tree])[0]
+            slow.observe_many([tree], [path])
+        assert np.array_equal(got.log_probs, want.log_probs), case
+        assert got.strictly_decreasing == want.strictly_decreasing
+        fast.observe_many([tree], [path])
+        assert np.array_equal(fast.hits, slow.hits) and np.array_equal(fast.trials, slow.trials), case
+        assert np.array_equal(fast.tried, slow.tried)
+    assert fast.trials[1:].sum() > 10 and fast.hits.sum() > 10  # ranks past the first were counted
+
+
+def test_a_lone_tree_with_a_nan_difference_takes_the_forest_pass() -> None:
+    acc = RankAcceptance()
+    tree = TokenTree.trusted(np.array([1, 2, 3]), np.array([-1, 0, 0]), np.array([0.0, np.nan, -1.0]))
+    assert acc._lone_cells(tree) is None
+    assert acc._calibrate_lone(tree) is None and not acc._observe_lone(tree, [0])

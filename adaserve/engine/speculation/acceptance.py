@@ -330,10 +330,11 @@ class RankAcceptance:
         unused for that long is tried afresh."""
         if ranks < 1 or ranks > self.max_rank + 1:
             return None
-        hits, trials = self.hits[:ranks].sum(axis=1), self.trials[:ranks].sum(axis=1)
-        if (self.tried[:ranks] < min_trials).any() or (trials < MIN_DECAYED_TRIALS).any():
+        # the reductions' C forms, not the methods' Python layer (issue 30: read every iteration): the same sums
+        hits, trials = np.add.reduce(self.hits[:ranks], axis=1), np.add.reduce(self.trials[:ranks], axis=1)
+        if np.minimum.reduce(self.tried[:ranks]) < min_trials or np.minimum.reduce(trials) < MIN_DECAYED_TRIALS:
             return None
-        return tuple(float(h / t) for h, t in zip(hits, trials, strict=True))
+        return tuple((hits / trials).tolist())
 
     def rates(self) -> list[float | None]:
         """Observed acceptance by rank, over every q bin (None where nothing was tried), for reports."""

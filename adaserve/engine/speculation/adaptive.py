@@ -316,16 +316,23 @@ def slo_shape(n: int, *, width: int, rank_rates: Sequence[float], budget: int, d
     if not priced:  # no depth in [d_min, d_max]
         return max(d_min, 1)
     depths = [d for d, _, _ in priced]
-    cost = np.array([c for _, c, _ in priced])  # [D]
-    # [D, n]: l(alpha_r, d) per depth and request (smartspec.expected_emitted, alpha_r < 1), every depth's row in
-    # one array (issue 30: the counts below are one op for all depths, not a few per depth)
-    if own is None:
-        each = np.repeat(np.array([e for _, _, e in priced])[:, None], len(base), axis=1)
+    if own is None and len(base) == 1:
+        # a lone request: its count and goodput per depth over Python floats, the arrays' operations one by one
+        # (the same bits; issue 30: a dozen numpy calls for one request's handful of depths)
+        b, r = float(base[0]), float(rate[0])
+        on_slo = [int(r > 0 and b + r * c <= e) for _, c, e in priced]
+        goodput = [e / max(c, 1e-12) for _, c, e in priced]
     else:
-        each = np.array([(1 - own ** (d + 1)) / (1 - own) for d in depths]).reshape(len(depths), len(base))
-    # the count per depth: a bool sum along the rows (np.count_nonzero with an axis is numpy's Python layer)
-    on_slo = np.add.reduce(slo & (base + rate * cost[:, None] <= each), axis=1).tolist()
-    goodput = (each.sum(axis=1) / np.maximum(cost, 1e-12)).tolist()
+        cost = np.array([c for _, c, _ in priced])  # [D]
+        # [D, n]: l(alpha_r, d) per depth and request (smartspec.expected_emitted, alpha_r < 1), every depth's row
+        # in one array (issue 30: the counts below are one op for all depths, not a few per depth)
+        if own is None:
+            each = np.repeat(np.array([e for _, _, e in priced])[:, None], len(base), axis=1)
+        else:
+            each = np.array([(1 - own ** (d + 1)) / (1 - own) for d in depths]).reshape(len(depths), len(base))
+        # the count per depth: a bool sum along the rows (np.count_nonzero with an axis is numpy's Python layer)
+        on_slo = np.add.reduce(slo & (base + rate * cost[:, None] <= each), axis=1).tolist()
+        goodput = (each.sum(axis=1) / np.maximum(cost, 1e-12)).tolist()
     best_d, best = max(d_min, 1), (-1, -1.0)
     for d, count, rate_d in zip(depths, on_slo, goodput, strict=True):
         if count > best[0] or (count == best[0] and rate_d > best[1] * (1 + 1e-9)):

@@ -388,6 +388,25 @@ def test_the_slo_shape_weighs_every_depth_at_once_as_it_would_one_at_a_time() ->
         assert slo_shape(n, base=base, rate=rate, alphas=alphas, **kw) == want, (case, kw)
 
 
+def test_a_lone_requests_slo_shape_is_the_rule_applied_depth_by_depth() -> None:
+    """One request (slo_shape's lone path, its counts over Python floats): the rule's depth on random costs, SLO
+    lines and bounds, with and without an SLO."""
+    from adaserve.engine.speculation.adaptive import slo_shape
+
+    rng = np.random.default_rng(30)
+    for case in range(600):
+        width = int(rng.integers(1, 4))
+        a, b = rng.uniform(1e-5, 1e-3, 2)
+        kw = dict(width=width, rank_rates=tuple(rng.uniform(0, 0.9, size=width)), budget=int(rng.integers(1, 64)),
+                  d_min=int(rng.integers(0, 3)), d_max=int(rng.integers(1, 9)), n_context=int(rng.integers(0, 5000)),
+                  extra_tokens=int(rng.integers(0, 8)), t_target=lambda c, k, a=a: a * k + 1e-6 * c + 0.002,
+                  t_draft=lambda c, k, b=b: b * k + 0.0005)
+        base = rng.uniform(0, 3, size=1) * (case % 5 != 0)
+        rate = rng.uniform(0, 400, size=1) * (case % 7 != 0)
+        want = _slo_shape_one_depth_at_a_time(1, base=base, rate=rate, alphas=None, **kw)
+        assert slo_shape(1, base=base, rate=rate, **kw) == want, (case, kw)
+
+
 def test_the_slo_depth_rule_reads_the_batch_slo_lines() -> None:
     import numpy as np
 

@@ -396,7 +396,7 @@ def _native_level(logits: torch.Tensor, base: np.ndarray | torch.Tensor, *, k_no
     n, f = base.shape
     if kernels is None or k_node > NATIVE_MAX_K or f * k_node > NATIVE_MAX_CANDIDATES:
         return None
-    x = logits.float()
+    x = logits if logits.dtype == torch.float32 else logits.float()  # no call for the float32 rows a CPU computes
     if not x.is_contiguous():
         x = x.contiguous()
     if isinstance(base, np.ndarray):

@@ -145,7 +145,8 @@ def draw_at_nodes(inputs: list[WalkInput]) -> Draws:
         probs = processed_probs(joined_rows([inputs[i].logits for i in members]), inputs[members[0]].params)
         parts.append(draw_rows(probs, torch.cat(us).to(probs.device, non_blocking=True)))
         order += members
-    ys = torch.cat(parts).tolist() if parts else []  # the one copy back
+    # the one copy back (one part, the greedy requests' or one setting's: no cat)
+    ys = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist() if parts else []
     drawn: list[list[int]] = [[] for _ in inputs]
     at = 0
     for i in order:

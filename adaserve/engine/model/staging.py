@@ -64,20 +64,23 @@ class HostStage:
         # axis=None: each array flattened as it is joined (no ravel call per array)
         if self.device.type == "cuda":  # pinned, so that the copy does not wait
             host = torch.empty(max(total, 1), dtype=torch.int64, pin_memory=True)
-            np.concatenate(arrays, axis=None, out=host.numpy()[:total], casting="unsafe")
+            joined = np.concatenate(arrays, axis=None, out=host.numpy()[:total], casting="unsafe")
         else:  # the device's own memory: the concatenation is the buffer
-            host = torch.from_numpy(np.concatenate(arrays, axis=None, dtype=np.int64, casting="unsafe"))
+            joined = np.concatenate(arrays, axis=None, dtype=np.int64, casting="unsafe")
+            host = torch.from_numpy(joined)
         # The pinned host buffer stays referenced by ``self`` until the stage is dropped, after the forward
         # that reads it has been queued behind the copy on the same stream.
         self._host = host
         dev = host.to(self.device, non_blocking=True)
         self.copies += 1
         # a CPU stage: the buffer is the device's; numpy slices cost a third of torch.split's views
-        buf = host.numpy() if dev is host else None
-        parts = None if buf is not None else torch.split(dev[:total], sizes)
+        parts = None if dev is host else torch.split(dev[:total], sizes)
         at = 0
         for j, (name, (a, dtype)) in enumerate(pending.items()):
-            part = (torch.from_numpy(buf[at : at + sizes[j]].reshape(a.shape)) if parts is None
-                    else parts[j].view(a.shape))
+            end = at + sizes[j]
+            if parts is None:  # a 1-D array's slice has its shape already
+                part = torch.from_numpy(joined[at:end] if a.ndim == 1 else joined[at:end].reshape(a.shape))
+            else:
+                part = parts[j].view(a.shape)
             self._sent[name] = part if dtype == torch.int64 else part.to(dtype)
-            at += sizes[j]
+            at = end

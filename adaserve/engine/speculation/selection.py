@@ -242,10 +242,14 @@ def select_adaserve(cands: Sequence[TokenTree], requirements: Sequence[float], *
     req = _validated(cands, requirements, budget=budget, depth=depth, n_max=n_max)
     _check_options(order, min_value)
     lps = [strict_log_probs(c) for c in cands]
-    if _every_node_kept(lps, budget=budget, min_value=min_value):
+    if len(lps) == 1:  # one request: ``_every_node_kept``'s checks on its own nodes, its finiteness read once
+        lp = lps[0]
+        if np.isfinite(lp[1:]).all():
+            if len(lp) <= budget and (min_value <= 0 or np.exp(lp[1:].min(initial=0.0)) >= min_value):
+                return [list(range(len(lp)))]
+            return [_lone_request(lp, float(req[0]), budget=budget, depth=depth, n_max=n_max, min_value=min_value)]
+    elif _every_node_kept(lps, budget=budget, min_value=min_value):
         return [list(range(len(lp))) for lp in lps]
-    if len(lps) == 1 and np.isfinite(lps[0][1:]).all():
-        return [_lone_request(lps[0], float(req[0]), budget=budget, depth=depth, n_max=n_max, min_value=min_value)]
     _, total = _phases(lps, req, budget=budget, depth=depth, n_max=n_max, order=order, min_value=min_value)
     return _as_lists(total)
 

@@ -270,19 +270,26 @@ def _lone_request(lp: np.ndarray, req: float, *, budget: int, depth: int, n_max:
     The scalar form of ``RankedNodes.of``, ``slo_wishes`` and ``slo_grants`` for one row, written out rather than
     called: built from them, the selection took 88 us a call at one request against 47 like this (docs/benchmarks.md,
     "The lone request's selection"), and the phases take ~115."""
-    ranked = np.argsort(-lp[1:], kind="stable") + 1  # RankedNodes.ranked
-    f = np.exp(lp[ranked])
-    n_acc = 1.0 + np.concatenate(([0.0], np.cumsum(f)))  # RankedNodes.n_acc
-    need = int(np.count_nonzero(n_acc < min(req, depth + 1)))  # A_cap = min(A(r), d + 1)
+    # over Python numbers but f's exponentials (numpy's, for the phases' bits): a lone tree's handful of nodes cost
+    # less so than in numpy calls, each run cold once an iteration (issue 30)
+    values = lp.tolist()
+    ranked = sorted(range(1, len(values)), key=lambda i: -values[i])  # RankedNodes.ranked: stable, ties by index
+    f = np.exp(lp[ranked]).tolist()
+    a_cap = min(req, depth + 1)  # A_cap = min(A(r), d + 1)
+    # RankedNodes.n_acc = 1 + the running sum of f (a cumulative sum adds in order): the nodes it needs
+    need, total = int(a_cap > 1.0), 0.0
+    for x in f:
+        total += x
+        need += 1.0 + total < a_cap
     cap = min(n_max - 1, len(lp) - 1)
     room = max(budget - 1, 0)
     plain = min(max(0, min(need, cap)), room)  # the grant without the floor
     k = plain
     if min_value > 0:  # the nodes worth at least the floor are a prefix of ``ranked``
-        k = min(max(0, min(need, int(np.count_nonzero(f >= min_value)), cap)), room)
+        k = min(max(0, min(need, sum(x >= min_value for x in f), cap)), room)
     left = budget - (plain - k) - 1 - k
     keep = k + max(0, min(left, len(lp) - 1 - k))
-    return [0, *np.sort(ranked[:keep]).tolist()]
+    return [0, *sorted(ranked[:keep])]
 
 
 def _every_node_kept(lps: Sequence[np.ndarray], *, budget: int, min_value: float) -> bool:

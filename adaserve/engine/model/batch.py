@@ -139,9 +139,8 @@ def _lone_layout(seg: Segment, *, page_size: int, device: torch.device,
     if pages > len(seg.seq.pages):
         raise ValueError(f"sequence holds {len(seg.seq.pages)} pages but {kv_len} keys need {pages}")
     table = np.asarray(seg.seq.pages[:pages], np.int64).reshape(1, pages)
-    index = np.arange(prefix + cached, kv_len)
-    slots = table[0][index // page_size] * page_size + index % page_size
-    positions = index if tree.is_chain else prefix + tree.depths()[cached:]
+    slots = seg.seq.slots(prefix + cached, kv_len, page_size)
+    positions = np.arange(prefix + cached, kv_len) if tree.is_chain else prefix + tree.depths()[cached:]
     ids = None if on_device is not None else np.asarray(tree.tokens[cached:], np.int64)
     stage = HostStage(torch.device(device))
     if on_device is None:

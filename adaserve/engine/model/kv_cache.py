@@ -232,8 +232,8 @@ class PagedKVCache:
         disjoint slots past their committed lengths, so their moves never collide. With prefix caching a
         destination in a shared or keyed page raises ``SharedPageWriteError`` before anything moves.
         """
-        # the moving tokens' slots, page * P + offset, in Python: a request moves a handful (its accepted path's
-        # nodes off the first branch), fewer than the numpy calls per request that computing them took (issue 30)
+        # the moving tokens' slots one by one (``SequenceKV.slot``): a request moves a handful (its accepted path's
+        # nodes off the first branch), fewer than the numpy calls per request that an array lookup took (issue 30)
         ps = self.page_size
         s_all: list[int] = []
         d_all: list[int] = []
@@ -242,11 +242,10 @@ class PagedKVCache:
                 raise ValueError("src and dst must have the same length")
             if src == dst:  # nothing moves (a lone root, or a path along the first nodes)
                 continue
-            pages = seq.pages
             for a, b in zip(src, dst, strict=True):
                 if a != b:
-                    s_all.append(pages[a // ps] * ps + a % ps)
-                    d_all.append(pages[b // ps] * ps + b % ps)
+                    s_all.append(seq.slot(a, ps))
+                    d_all.append(seq.slot(b, ps))
         if not s_all:
             return
         to = np.array(d_all, np.int64)

@@ -159,8 +159,7 @@ class BeamLevels:
         The same arrays as ``_plan_batch`` (tests/engine/model/test_levels.py)."""
         seq, ps, put = self.seqs[0], self.runner.cache.page_size, self.stage.put
         lone, side = int(self.prefix[0]), self.tree_size
-        pages = -(-(lone + side) // ps)
-        slot = (np.asarray(seq.pages[:pages], np.int64)[:, None] * ps + np.arange(ps)).ravel()
+        slot = seq.slots(0, lone + side, ps)
         if self.folds_catch_up:
             assert self.pending is not None
             p = len(self.pending[0])

@@ -242,14 +242,10 @@ def select_adaserve(cands: Sequence[TokenTree], requirements: Sequence[float], *
     req = _validated(cands, requirements, budget=budget, depth=depth, n_max=n_max)
     _check_options(order, min_value)
     lps = [strict_log_probs(c) for c in cands]
-    if len(lps) == 1:  # one request: ``_every_node_kept``'s checks on its own nodes, its finiteness read once
-        lp = lps[0]
-        if np.isfinite(lp[1:]).all():
-            if len(lp) <= budget and (min_value <= 0 or np.exp(lp[1:].min(initial=0.0)) >= min_value):
-                return [list(range(len(lp)))]
-            return [_lone_request(lp, float(req[0]), budget=budget, depth=depth, n_max=n_max, min_value=min_value)]
-    elif _every_node_kept(lps, budget=budget, min_value=min_value):
+    if _every_node_kept(lps, budget=budget, min_value=min_value):
         return [list(range(len(lp))) for lp in lps]
+    if len(lps) == 1 and np.isfinite(lps[0][1:]).all():
+        return [_lone_request(lps[0], float(req[0]), budget=budget, depth=depth, n_max=n_max, min_value=min_value)]
     _, total = _phases(lps, req, budget=budget, depth=depth, n_max=n_max, order=order, min_value=min_value)
     return _as_lists(total)
 
@@ -268,10 +264,10 @@ def _lone_request(lp: np.ndarray, req: float, *, budget: int, depth: int, n_max:
     the caller checks). The same lists as ``_phases`` (tests/engine/speculation/test_selection.py).
 
     The scalar form of ``RankedNodes.of``, ``slo_wishes`` and ``slo_grants`` for one row, written out rather than
-    called: built from them, the selection took 88 us a call at one request against 47 like this (docs/benchmarks.md,
-    "The lone request's selection"), and the phases take ~115."""
-    # over Python numbers but f's exponentials (numpy's, for the phases' bits): a lone tree's handful of nodes cost
-    # less so than in numpy calls, each run cold once an iteration (issue 30)
+    called: built from them, the selection took 88 us a call at one request against 47 for this form in numpy
+    (docs/benchmarks.md, "The lone request's selection"); since over Python numbers, but f's exponentials (numpy's,
+    for the phases' bits), as a lone tree's handful of nodes cost less so than in numpy calls that each run cold
+    once an iteration ("Seventeenth round")."""
     values = lp.tolist()
     ranked = sorted(range(1, len(values)), key=lambda i: -values[i])  # RankedNodes.ranked: stable, ties by index
     f = np.exp(lp[ranked]).tolist()
@@ -302,7 +298,7 @@ def _every_node_kept(lps: Sequence[np.ndarray], *, budget: int, min_value: float
         return False
     if not lps:
         return True
-    drafted = np.concatenate([lp[1:] for lp in lps])
+    drafted = lps[0][1:] if len(lps) == 1 else np.concatenate([lp[1:] for lp in lps])  # one request: no copy
     if not np.isfinite(drafted).all():
         return False
     return min_value <= 0 or bool(np.exp(drafted.min(initial=0.0)) >= min_value)

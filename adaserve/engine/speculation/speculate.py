@@ -166,8 +166,7 @@ def build_trees(roots: np.ndarray, toks: np.ndarray, pars: np.ndarray, lps: np.n
         cols = slice(start, start + size)
         lps[:, cols] = np.minimum(lps[:, cols], lps[rows, pars[:, cols]] - eps)
         start += size
-    depths = np.repeat(np.arange(len(level_sizes) + 1), [1, *level_sizes])
-    depths.flags.writeable = False
+    depths = _depths(tuple(level_sizes))
     chain = all(size == 1 for size in level_sizes)
     strict = np.all(lps[:, 1:] < lps[rows, pars[:, 1:]], axis=1).tolist()  # each tree's f decreases (selection)
     anc = None if chain else _ancestor_matrices(pars, level_sizes)
@@ -196,7 +195,8 @@ def _lone_tree(root: int, toks: np.ndarray, pars: np.ndarray, lps: np.ndarray, l
 
 @functools.lru_cache(maxsize=64)
 def _depths(level_sizes: tuple[int, ...]) -> np.ndarray:
-    """Every node's depth in a tree of these level sizes (the root's 1 left out), read-only: made once a shape."""
+    """Every node's depth, the root's first, in a tree with ``level_sizes`` nodes at depths 1, 2, ...: one read-only
+    array per shape, shared by every tree of it."""
     depths = np.repeat(np.arange(len(level_sizes) + 1), [1, *level_sizes])
     depths.flags.writeable = False
     return depths

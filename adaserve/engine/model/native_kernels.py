@@ -58,6 +58,8 @@ VNNI_FLAGS = {  # CPU flag(s) -> what lets the C file form a block's products in
     ("avx_vnni",): ("-mavxvnni",),
 }
 BLOCK = 32  # activation block (and int4 weight group) the kernels take
+# beam_picks' limits (native/picks.c keeps a row's k picks and a request's F * k candidates on the stack)
+PICKS_MAX_K, PICKS_MAX_CANDIDATES = 64, 1024
 BUILD_TIMEOUT_S = 120
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
@@ -154,8 +156,8 @@ class NativeKernels:
         tok, parent = torch.from_numpy(out[0]), torch.from_numpy(out[1])
         value = torch.from_numpy(out[2].view(np.float64))
         at, part = tok.data_ptr(), n * kept * 8  # the buffer's start, each part's bytes
-        status = self.lib.beam_picks(x.data_ptr(), n, f, v, base.data_ptr(), k, 0 if width is None else width,
-                                     frontier, at, at + part, at + 2 * part, torch.get_num_threads())
+        status = self.lib.beam_picks(x.data_ptr(), n, f, v, base.data_ptr(), f, k, 0 if width is None else width,
+                                     frontier, at, at + part, at + 2 * part, kept, None, 0, torch.get_num_threads())
         if status < 0:
             raise MemoryError("the beam picks kernel could not allocate its scratch")
         return None if status else (tok, parent, value)
@@ -183,6 +185,69 @@ def q4_blocks(codes: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     c = codes.reshape(n, k // BLOCK, BLOCK).to(torch.uint8)
     return (c[:, :, :16] | (c[:, :, 16:] << 4)).contiguous()
+
+
+
+class SearchPicks:
+    """One beam search's levels picked by ``beam_picks`` straight into host arrays (speculate.beam_search on a CPU).
+
+    ``tokens``, ``parents`` (tree indices) and ``log_probs`` (log path probabilities, float64) are [n, K], K the
+    tree's nodes after the root: each level writes its columns, the next one reads the previous one's log path
+    probabilities there as its base, and the trees are built from them as they stand (issue 30: no torch tensor
+    per output and level, and no copy or join at the end). With ``anc`` (bool [n, S, S] ancestor rows, the
+    ``speculate._ancestor_rows`` a level's mask reads) a level called with ``grow`` fills its nodes' rows in the
+    same call. Every pointer the C code is handed is one of these arrays', checked here against the level's
+    shape."""
+
+    def __init__(self, kernels: NativeKernels, n: int, nodes: int, anc: torch.Tensor | None) -> None:
+        if anc is not None and (anc.dtype != torch.bool or anc.device.type != "cpu" or not anc.is_contiguous()
+                                or anc.dim() != 3 or anc.shape[0] != n or anc.shape[1] != anc.shape[2]):
+            raise ValueError("SearchPicks: the ancestor rows must be a contiguous bool [n, S, S] tensor on the CPU")
+        buf = np.empty((3, n, nodes), np.int64)
+        self.tokens, self.parents, self.log_probs = buf[0], buf[1], buf[2].view(np.float64)
+        self.finite = True  # every level's logits finite so far
+        self._lib, self._n, self._nodes = kernels.lib, n, nodes
+        self._at, self._plane = buf.ctypes.data, n * nodes * 8  # the buffer's address, each output's bytes
+        self._root = np.zeros(n)  # the first level's base: the roots' log path probability, 0
+        self._anc, self._side = anc, 0 if anc is None else int(anc.shape[1])
+        self._column, self._width = 0, 1  # the next level's first column; the frontier's nodes (columns before it)
+
+    def level(self, x: torch.Tensor, *, k: int, width: int | None, frontier: int, grow: bool) -> torch.Tensor:
+        """The next level from its frontier's logits x [n * F, V] (F: the previous level's nodes): each row's top
+        ``k`` children, then each request's top ``width`` (None: all of them, a static tree's level), written into
+        the level's columns; returns its tokens [n, kept] as a tensor over them. A logit that is not finite leaves
+        ``finite`` False and the level's picks zero (token 0, the frontier's first node, log probability 0)."""
+        n, f, v = self._n, self._width, x.shape[-1]
+        if x.dtype != torch.float32:
+            x = x.float()
+        if not x.is_contiguous():
+            x = x.contiguous()
+        kept = f * k if width is None else min(width, f * k)
+        c = self._column
+        if (x.device.type != "cpu" or x.dim() != 2 or x.shape[0] != n * f or not 1 <= k <= min(v, PICKS_MAX_K)
+                or f * k > PICKS_MAX_CANDIDATES or c + kept > self._nodes):
+            raise ValueError(f"SearchPicks.level: float32 logits [{n} * {f}, V] on the CPU, 1 <= k <= "
+                             f"min(V, {PICKS_MAX_K}), at most {PICKS_MAX_CANDIDATES} candidates and "
+                             f"{self._nodes - c} nodes left")
+        anc = None
+        if grow:
+            if self._anc is None or frontier + f + kept > self._side:
+                raise ValueError("SearchPicks.level: no ancestor rows for the level's nodes")
+            anc = self._anc.data_ptr()
+        base, ld_base = ((self._root.ctypes.data, 1) if c == 0
+                         else (self._at + 2 * self._plane + 8 * (c - f), self._nodes))
+        at = self._at + 8 * c
+        status = self._lib.beam_picks(x.data_ptr(), n, f, v, base, ld_base, k, 0 if width is None else width,
+                                      frontier, at, at + self._plane, at + 2 * self._plane, self._nodes, anc,
+                                      self._side, torch.get_num_threads())
+        if status < 0:
+            raise MemoryError("the beam picks kernel could not allocate its scratch")
+        end = c + kept
+        if status:
+            self.finite = False
+            self.tokens[:, c:end], self.parents[:, c:end], self.log_probs[:, c:end] = 0, frontier, 0.0
+        self._column, self._width = end, kept
+        return torch.from_numpy(self.tokens[:, c:end])
 
 
 def mode() -> str:
@@ -302,7 +367,8 @@ def load(path: Path) -> NativeKernels:
     lib.rms_norm_f32.restype = None
     lib.attend_paged.argtypes = [_P, ctypes.c_long, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _I]
     lib.attend_paged.restype = _I
-    lib.beam_picks.argtypes = [_P, _I, _I, _I, _P, _I, _I, ctypes.c_int64, _P, _P, _P, _I]
+    lib.beam_picks.argtypes = [_P, _I, _I, _I, _P, ctypes.c_long, _I, _I, ctypes.c_int64, _P, _P, _P, ctypes.c_long,
+                               _P, _I, _I]
     lib.beam_picks.restype = _I
     lib.first_argmax.argtypes = [_P, ctypes.c_long, _I, _P, _I]
     lib.first_argmax.restype = None

@@ -40,6 +40,7 @@ REFUSED_LOGIT = -1e30
 # a 1-wide level's picks take first_argmax's blocked reduction from this many logits (8 rows of a 4096-token
 # vocabulary): measured in the engine on a CPU, below it the plain max(-1) costs no more
 CHAIN_ARGMAX_BLOCKED_MIN = 1 << 15
+NOT_FINITE = "draft produced non-finite log-probs: refusing to build a tree"
 
 
 @dataclass
@@ -98,27 +99,40 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     # on the device, per level: tokens, parents (tree index), log path probabilities, each [n, k]
     levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     checks: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-    base = torch.zeros((n, 1), dtype=torch.float64, device=dev)  # the frontier's log path probabilities
     chains = max(sizes) == 1  # every level one node (width 1): no level reads ancestor rows, none are grown
     # ancestor rows of every node the draft is fed, made once and filled level by level (None: chains)
     anc = None if chains else _ancestor_rows(n, forwards.tree_size, dev, first_level=sizes[1])
     paths = _Paths(inputs) if any(x.grammar is not None for x in inputs) else None
     kernels = native_kernels.chosen() if dev.type == "cpu" else None  # once a search, not once a level
+    # the CPU kernels pick every level straight into the trees' host arrays, growing the ancestor rows in the same
+    # call (issue 30: a level's torch tensors, the growth's ops and the join at the end were most of a lone
+    # request's search outside its forwards); a grammar's masks and a GPU take the ops below
+    per_node = [min(width if expansion is None else expansion[s], draft.vocab_size) for s in range(depth)]
+    host = (native_kernels.SearchPicks(kernels, n, sum(sizes[1:]), anc)
+            if kernels is not None and paths is None
+            and all(_kernel_takes(k, f) for k, f in zip(per_node, sizes, strict=False)) else None)
+    # the ops' frontier log path probabilities, on the device
+    base = None if host is not None else torch.zeros((n, 1), dtype=torch.float64, device=dev)
     frontier = 0  # tree index of the frontier's first node; the frontier is level ``step``, ``rows`` its logits
     for step in range(depth):
-        k = None if expansion is None else expansion[step]
-        allowed = None if paths is None else paths.allowed(frontier, sizes[step]).to(dev, non_blocking=True)
-        tok, parent, value, check = _expand_on_device(rows, base, width=width, per_node=k, allowed=allowed,
-                                                      frontier=frontier, kernels=kernels)
-        if paths is not None:
-            paths.add(tok, parent)
-        levels.append((tok, parent, value))
-        checks.append(check)
-        base = value
+        if host is not None:  # level 1's rows (children of the root) were made with the rows; the last's not read
+            tok = host.level(rows, k=per_node[step], width=None if expansion is not None else width,
+                             frontier=frontier, grow=anc is not None and 0 < step < depth - 1)
+        else:
+            k = None if expansion is None else expansion[step]
+            allowed = None if paths is None else paths.allowed(frontier, sizes[step]).to(dev, non_blocking=True)
+            assert base is not None
+            tok, parent, value, check = _expand_on_device(rows, base, width=width, per_node=k, allowed=allowed,
+                                                          frontier=frontier, kernels=kernels)
+            if paths is not None:
+                paths.add(tok, parent)
+            levels.append((tok, parent, value))
+            checks.append(check)
+            base = value
         if step == depth - 1:
             break
         frontier += sizes[step]
-        if anc is not None and step > 0:  # level 1's rows (children of the root) were made with the rows
+        if host is None and anc is not None and step > 0:  # level 1's rows were made with the rows
             _grow_ancestors(anc, frontier, parent)
         chain = max(sizes[: step + 2]) == 1  # one node per level so far: every tree is a chain, no rows needed
         rows = forwards.forward(step + 1, tok.reshape(-1), None if chain else anc)
@@ -126,7 +140,12 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
 
     for x, c in zip(inputs, committed, strict=True):  # commit the pending tokens, drop the scratch beams
         draft.cache.truncate(x.seq, c)
-    toks, pars, lps = _to_host(levels, checks)
+    if host is None:
+        toks, pars, lps = _to_host(levels, checks)
+    elif not host.finite:
+        raise FloatingPointError(NOT_FINITE)
+    else:
+        toks, pars, lps = host.tokens, host.parents, host.log_probs
     roots = np.asarray([x.pending[-1] for x in inputs], np.int64)[:, None]
     return build_trees(roots, toks, pars, lps, sizes[1:])
 
@@ -286,7 +305,7 @@ def _to_host(levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     bounds = [x for pair in checks if pair is not None for x in pair]
     host = (torch.cat([grid.flatten(), torch.stack(bounds)]) if bounds else grid.flatten()).cpu().numpy()
     if bounds and not np.isfinite(host[3 * n * k :]).all():
-        raise FloatingPointError("draft produced non-finite log-probs: refusing to build a tree")
+        raise FloatingPointError(NOT_FINITE)
     both = host[: 3 * n * k].reshape(n, 3 * k)
     return both[:, k : 2 * k].astype(np.int64), both[:, 2 * k :].astype(np.int64), both[:, :k]
 
@@ -377,10 +396,13 @@ def _expand_on_device(logits: list[torch.Tensor] | torch.Tensor, base: np.ndarra
     return tok, parent, values, (lo, hi)
 
 
-# the picks kernel's limits (native/picks.c keeps a row's k picks and a request's F * k candidates on the stack)
-NATIVE_MAX_K, NATIVE_MAX_CANDIDATES = 64, 1024
 # a level the kernel found not finite, as ``_to_host`` reads its check: both bounds NaN
 _NOT_FINITE = torch.full((), float("nan"))
+
+
+def _kernel_takes(k: int, f: int) -> bool:
+    """Whether ``beam_picks`` takes a level of ``k`` picks per node from ``f`` frontier nodes (its limits)."""
+    return k <= native_kernels.PICKS_MAX_K and f * k <= native_kernels.PICKS_MAX_CANDIDATES
 
 
 def _native_level(logits: torch.Tensor, base: np.ndarray | torch.Tensor, *, k_node: int, width: int | None,
@@ -394,7 +416,7 @@ def _native_level(logits: torch.Tensor, base: np.ndarray | torch.Tensor, *, k_no
     if logits.device.type != "cpu":
         return None
     n, f = base.shape
-    if kernels is None or k_node > NATIVE_MAX_K or f * k_node > NATIVE_MAX_CANDIDATES:
+    if kernels is None or not _kernel_takes(k_node, f):
         return None
     x = logits if logits.dtype == torch.float32 else logits.float()  # no call for the float32 rows a CPU computes
     if not x.is_contiguous():

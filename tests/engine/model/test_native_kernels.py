@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -288,3 +289,83 @@ def test_the_picks_refuse_what_their_pointers_would_misread(kernels: nk.NativeKe
     for rows in (x.double(), torch.randn(64, 4).t()):
         with pytest.raises(ValueError, match="first_argmax"):
             kernels.first_argmax(rows)
+
+
+def test_search_picks_are_each_levels_picks_with_their_rows_grown(kernels: nk.NativeKernels) -> None:
+    """SearchPicks writes every level into the trees' [n, K] arrays, reading the previous level's columns as its
+    base, and grows the ancestor rows in the same call: the same tokens, parents and float64 log path
+    probabilities, bit for bit, as ``beam_picks`` level by level on packed bases, and the same rows as
+    ``_grow_ancestors`` (speculate.py), for beams and static trees."""
+    from adaserve.engine.speculation.speculate import _ancestor_rows, _grow_ancestors
+
+    rng = np.random.default_rng(5)
+    for case in range(40):
+        n, v, depth = int(rng.integers(1, 6)), int(rng.integers(9, 200)), int(rng.integers(1, 5))
+        static = case % 3 == 0
+        ks = [int(rng.integers(1, 4)) for _ in range(depth)] if static else [int(rng.integers(1, 5))] * depth
+        width = None if static else ks[0]
+        sizes = [1]
+        for k in ks:
+            sizes.append(sizes[-1] * k if width is None else min(width, sizes[-1] * k))
+        side = sum(sizes)
+        anc = _ancestor_rows(n, side, torch.device("cpu"), first_level=sizes[1])
+        ref_anc = anc.clone()
+        picks = nk.SearchPicks(kernels, n, side - 1, anc)
+        base, frontier, column = torch.zeros((n, 1), dtype=torch.float64), 0, 0
+        for step, k in enumerate(ks):
+            x = torch.from_numpy(rng.standard_normal((n * sizes[step], v)).astype(np.float32))
+            x[0, 3] = x[0, 5]  # a tie: to the lower token id
+            grow = 0 < step < depth - 1
+            tok = picks.level(x, k=k, width=width, frontier=frontier, grow=grow)
+            ref = kernels.beam_picks(x, base, k=k, width=width, frontier=frontier)
+            assert ref is not None
+            end = column + sizes[step + 1]
+            assert torch.equal(tok, ref[0])
+            assert np.array_equal(picks.tokens[:, column:end], ref[0].numpy())
+            assert np.array_equal(picks.parents[:, column:end], ref[1].numpy())
+            assert np.array_equal(picks.log_probs[:, column:end], ref[2].numpy())
+            frontier += sizes[step]
+            if grow:
+                _grow_ancestors(ref_anc, frontier, ref[1])
+            assert torch.equal(anc, ref_anc), (case, step)
+            base, column = ref[2], end
+        assert picks.finite and column == side - 1
+
+
+def test_search_picks_zero_a_level_whose_logits_are_not_finite(kernels: nk.NativeKernels) -> None:
+    picks = nk.SearchPicks(kernels, 2, 4, None)
+    picks.level(torch.randn(2, 50), k=2, width=2, frontier=0, grow=False)
+    x = torch.randn(4, 50)
+    x[3, 7] = float("nan")
+    picks.level(x, k=1, width=2, frontier=1, grow=False)
+    assert not picks.finite
+    assert (picks.tokens[:, 2:] == 0).all() and (picks.parents[:, 2:] == 1).all()
+    assert (picks.log_probs[:, 2:] == 0).all()
+    assert (picks.parents[:, :2] == 0).all() and np.isfinite(picks.log_probs[:, :2]).all()  # level 1 as picked
+
+
+def test_search_picks_refuse_what_their_pointers_would_misread(kernels: nk.NativeKernels) -> None:
+    """Every pointer SearchPicks hands the C code is one of its own arrays': a level that does not fit them, or
+    rows the kernel would misread, is a clear error."""
+    with pytest.raises(ValueError, match="SearchPicks"):
+        nk.SearchPicks(kernels, 2, 4, torch.zeros((2, 5, 5), dtype=torch.int64))  # not bool rows
+    with pytest.raises(ValueError, match="SearchPicks"):
+        nk.SearchPicks(kernels, 2, 4, torch.zeros((3, 5, 5), dtype=torch.bool))  # another request count
+    picks = nk.SearchPicks(kernels, 2, 4, torch.zeros((2, 5, 5), dtype=torch.bool))
+    bad = [
+        dict(x=torch.randn(3, 50), k=2, width=2),  # 3 rows for 2 requests' 1 frontier node
+        dict(x=torch.randn(2, 1, 50), k=2, width=2),  # not [n * F, V] rows
+        dict(x=torch.randn(2, 50), k=0, width=2),  # no pick
+        dict(x=torch.randn(2, 50), k=65, width=None),  # past the kernel's 64 picks a row
+        dict(x=torch.randn(2, 50), k=5, width=None),  # 5 nodes where 4 are left
+    ]
+    for kw in bad:
+        with pytest.raises(ValueError, match="SearchPicks"):
+            picks.level(frontier=0, grow=False, **kw)
+    picks.level(torch.randn(2, 50), k=2, width=2, frontier=0, grow=False)
+    with pytest.raises(ValueError, match="SearchPicks"):  # a frontier that puts the level's rows past the 5
+        picks.level(torch.randn(4, 50), k=1, width=2, frontier=2, grow=True)
+    nogrow = nk.SearchPicks(kernels, 2, 4, None)
+    nogrow.level(torch.randn(2, 50), k=1, width=1, frontier=0, grow=False)
+    with pytest.raises(ValueError, match="SearchPicks"):  # growing rows it was not given
+        nogrow.level(torch.randn(2, 50), k=1, width=1, frontier=0, grow=True)

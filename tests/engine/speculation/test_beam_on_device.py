@@ -131,7 +131,8 @@ def test_beam_search_waits_on_the_device_once(draft_dir: Path, static: bool, pic
     inputs = contexts(draft, [[5, 6, 7], [8]], [[9], [10, 11]])
     with HostSync() as sync:
         trees = beam_search(draft, inputs, depth=4, width=3)
-    assert sync.counts["d2h"] == 1, sync.counts  # the whole candidate tree, in one copy
+    # the whole candidate tree in one copy; the CPU kernels write it into host arrays, with nothing to copy
+    assert sync.counts["d2h"] == (0 if picks == "native" else 1), sync.counts
     assert sync.counts["sync"] == sync.counts["h2d"] == sync.counts["data_shape"] == 0
     # one non-blocking copy for the catch-up's and every beam level's arrays (model/levels.py); the static path
     # lays the catch-up out: one copy for it, one for the levels

@@ -18,6 +18,13 @@
  * Every exponential is exp8 (vexp.h). Torch's log_softmax sums in another order with another exponential, so a
  * value may differ from its float32 result in the last bits: the draft's guesses, never the verified output.
  *
+ * Rows of base and of the three outputs are ld_base and ld_out elements apart (F and the kept count when packed;
+ * a search that writes every level into one [n, K] array per output passes K: its levels are column ranges).
+ *
+ * Ancestor rows (anc, optional): bool [n, S, S], request b's row i the tree nodes on node i's path. The kept
+ * candidates are the next level's nodes, tree indices frontier + F + o; each one's row gets its parent's row or'ed
+ * into it (it holds its own diagonal bit already): what the next level's mask reads, grown in the same call.
+ *
  * Returns 0; 1 when a logit is not finite (NaN or +-inf: the outputs are then unspecified, and beam search
  * refuses the tree); -1 when the scratch could not be allocated.
  *
@@ -122,8 +129,9 @@ static int row_picks(const float *x, int V, int k, int64_t *pick, float *value) 
     return 0;
 }
 
-int beam_picks(const float *x, int n, int F, int V, const double *base, int k, int width, int64_t frontier,
-               int64_t *tok, int64_t *parent, double *score, int threads) {
+int beam_picks(const float *x, int n, int F, int V, const double *base, long ld_base, int k, int width,
+               int64_t frontier, int64_t *tok, int64_t *parent, double *score, long ld_out, unsigned char *anc,
+               int S, int threads) {
     long rows = (long)n * F;
     int64_t *pick = (int64_t *)malloc(sizeof(int64_t) * (size_t)(rows * k));
     float *value = (float *)malloc(sizeof(float) * (size_t)(rows * k));
@@ -140,30 +148,39 @@ int beam_picks(const float *x, int n, int F, int V, const double *base, int k, i
         for (int b = 0; b < n; b++) {
             const int64_t *p = pick + (long)b * cands;
             const float *val = value + (long)b * cands;
-            int64_t *t_out = tok + (long)b * keep, *p_out = parent + (long)b * keep;
-            double *s_out = score + (long)b * keep;
+            int64_t *t_out = tok + (long)b * ld_out, *p_out = parent + (long)b * ld_out;
+            double *s_out = score + (long)b * ld_out;
+            const double *b_in = base + (long)b * ld_base;
             if (width == 0 || cands == 1) { /* every candidate, in order */
                 for (int j = 0; j < cands; j++) {
                     t_out[j] = p[j];
                     p_out[j] = frontier + j / k;
-                    s_out[j] = base[(long)b * F + j / k] + (double)val[j];
+                    s_out[j] = b_in[j / k] + (double)val[j];
                 }
-                continue;
+            } else {
+                double s[cands];
+                char taken[cands];
+                for (int j = 0; j < cands; j++) {
+                    s[j] = b_in[j / k] + (double)val[j];
+                    taken[j] = 0;
+                }
+                for (int o = 0; o < keep; o++) { /* the greatest not yet kept, ties to the lower j */
+                    int best = -1;
+                    for (int j = 0; j < cands; j++)
+                        if (!taken[j] && (best < 0 || s[j] > s[best])) best = j;
+                    taken[best] = 1;
+                    t_out[o] = p[best];
+                    p_out[o] = frontier + best / k;
+                    s_out[o] = s[best];
+                }
             }
-            double s[cands];
-            char taken[cands];
-            for (int j = 0; j < cands; j++) {
-                s[j] = base[(long)b * F + j / k] + (double)val[j];
-                taken[j] = 0;
-            }
-            for (int o = 0; o < keep; o++) { /* the greatest not yet kept, ties to the lower j */
-                int best = -1;
-                for (int j = 0; j < cands; j++)
-                    if (!taken[j] && (best < 0 || s[j] > s[best])) best = j;
-                taken[best] = 1;
-                t_out[o] = p[best];
-                p_out[o] = frontier + best / k;
-                s_out[o] = s[best];
+            if (anc) { /* node frontier + F + o: its parent's row or'ed into its own */
+                unsigned char *rows = anc + (long)b * S * S;
+                for (int o = 0; o < keep; o++) {
+                    unsigned char *row = rows + (frontier + F + o) * S;
+                    const unsigned char *up = rows + p_out[o] * S;
+                    for (int j = 0; j < S; j++) row[j] |= up[j];
+                }
             }
         }
     }

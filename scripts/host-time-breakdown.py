@@ -76,6 +76,7 @@ FUNCTIONS = [  # (module, qualified name)
     ("adaserve.engine.speculation.speculate", "_expand_on_device"),
     ("adaserve.engine.speculation.speculate", "build_trees"),
     ("adaserve.engine.speculation.speculate", "_to_host"),
+    ("adaserve.engine.model.native_kernels", "SearchPicks.level"),
     ("adaserve.engine.model.levels", "BeamLevels.__init__"),
     ("adaserve.engine.model.levels", "BeamLevels.catch_up"),
     ("adaserve.engine.model.levels", "BeamLevels.forward"),

@@ -248,12 +248,11 @@ class PagedKVCache:
                     d_all.append(seq.slot(b, ps))
         if not s_all:
             return
-        to = np.array(d_all, np.int64)
-        if self.prefix is not None:
-            pages = to // ps
-            if (self._refs[pages] != 1).any() or self.prefix.keyed[pages].any():
-                raise SharedPageWriteError(f"a KV move would write a shared or cached page: {sorted(set(pages))}")
-        self.move_slot_arrays(np.array(s_all, np.int64), to)
+        if self.prefix is not None:  # the destinations' pages, each once, read as Python ints (a handful of them)
+            refs, keyed = self._refs, self.prefix.is_keyed
+            if bad := sorted(p for p in {d // ps for d in d_all} if refs[p] != 1 or keyed(p)):
+                raise SharedPageWriteError(f"a KV move would write a shared or cached page: {bad}")
+        self.move_slot_arrays(np.array(s_all, np.int64), np.array(d_all, np.int64))
 
     def move_slot_arrays(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy KV of cache slots ``src`` to ``dst`` (int64) in every layer; every listener hears of it first

@@ -21,6 +21,11 @@ torch backend on its single grid (``TorchAttention.use_grid``), on the static pa
 the arrays, bit for bit, that ``build_layout`` with ``TorchAttention.plan`` or ``StaticForward._fill`` compute
 from the level's own layout: ``tests/engine/speculation/test_beam_on_device.py`` holds the trees to that.
 
+On a CPU whose kernels pick the levels (``host_masks``: speculate.beam_search decides) the torch grid's masks are
+made in host memory instead, by numpy, when the levels are planned: a level's bounds at once, its tree cells copied
+from the ancestor rows (which the picks kernel grows there) right before its forward, one numpy copy instead of the
+device's five ops; the bounds and cells are the same arrays, so the masks are the same bits.
+
 The flashinfer backend, tensor parallel ranks and a level no static bucket fits lay out each level from its
 placeholder trees, as any forward (``"laid_out"``): one plan and one copy per level, as before.
 
@@ -72,7 +77,7 @@ class BeamLevels:
     """
 
     def __init__(self, runner: ModelRunner, seqs: Sequence[SequenceKV], sizes: Sequence[int],
-                 pending: Sequence[Sequence[int]] | None = None) -> None:
+                 pending: Sequence[Sequence[int]] | None = None, *, host_masks: bool = False) -> None:
         if len(sizes) < (1 if pending is not None else 2) or sizes[0] != 1 or min(sizes) < 1:
             raise ValueError(f"beam levels need the root and at least one level of nodes, got sizes {list(sizes)}")
         if pending is not None and (len(pending) != len(seqs) or min(map(len, pending), default=1) < 1):
@@ -90,7 +95,14 @@ class BeamLevels:
         self.stage = HostStage(runner.device)
         # per level: how, G, Q, K; level 0 is the catch-up (planned only with ``pending`` on the torch grid)
         self._grids: list[tuple[str, int, int, int]] = [self._how_catch_up()]
+        # the torch grid's masks made on the host (a CPU's, ``host_masks``): per level, its mask's bounds and cells
+        # as planned, then (the flat numpy mask, the same memory as a tensor, cells, src)
+        self._host_masks = host_masks and runner.device.type == "cpu"
+        self._mask_parts: dict[int, dict[str, np.ndarray]] = {}
+        self.masks: dict[int, tuple[np.ndarray, torch.Tensor, np.ndarray | None, np.ndarray | None]] = {}
         self._plan()
+        if self._mask_parts:
+            self._make_host_masks()
 
     @property
     def tree_size(self) -> int:
@@ -157,7 +169,7 @@ class BeamLevels:
         The catch-up's p pending tokens sit at key indices P .. L (P = L + 1 - p): positions P .. L, write slots
         slot[P : L + 1], key slots slot[0 : L + 1], hi P + r + 1 for row r, logits row p - 1 (when p > 1).
         The same arrays as ``_plan_batch`` (tests/engine/model/test_levels.py)."""
-        seq, ps, put = self.seqs[0], self.runner.cache.page_size, self.stage.put
+        seq, ps, put = self.seqs[0], self.runner.cache.page_size, self._put if self._host_masks else self.stage.put
         lone, side = int(self.prefix[0]), self.tree_size
         slot = seq.slots(0, lone + side, ps)
         if self.folds_catch_up:
@@ -200,7 +212,7 @@ class BeamLevels:
         window = self.runner.model.cfg.sliding_window
         depths = np.arange(len(self.sizes)).repeat(self.sizes)  # of every tree node
         side = self.tree_size  # of the [n, S, S] ancestor rows every level reads
-        put = self.stage.put
+        put = self._put if self._host_masks else self.stage.put
         if self.folds_catch_up:
             self._plan_catch_up(flat, row0, window)
         for level, (how, g, q, k) in enumerate(self._grids):
@@ -246,7 +258,7 @@ class BeamLevels:
         """
         _, g, q, k = self._grids[0]
         assert self.pending is not None
-        put = self.stage.put
+        put = self._put if self._host_masks else self.stage.put
         counts = np.fromiter(map(len, self.pending), np.int64, g)
         seg = np.arange(g).repeat(counts)
         starts = counts.cumsum() - counts  # each request's first flat token
@@ -268,6 +280,25 @@ class BeamLevels:
         if len(seg) != g:
             put("0.logits_rows", starts + counts - 1)
 
+    def _put(self, name: str, array: np.ndarray, dtype: torch.dtype = torch.int64) -> None:
+        """``stage.put`` with host masks: a torch-grid level's mask arrays (bounds ``hi``, ``lo``; tree ``cells`` and
+        their ancestor bits' ``src``) are kept for ``_make_host_masks``, the rest staged."""
+        level, _, part = name.partition(".")
+        if part in ("hi", "lo", "cells", "src") and self._grids[int(level)][0] == "torch":
+            self._mask_parts.setdefault(int(level), {})[part] = np.asarray(array)
+        else:
+            self.stage.put(name, array, dtype)
+
+    def _make_host_masks(self) -> None:
+        """Each torch-grid level's mask made on the host from its planned bounds, as ``fill_grid_mask`` makes it on
+        the device: ``lo <= key < hi``; its tree cells are filled by ``forward`` from the ancestor rows."""
+        cols = np.arange(max(self._grids[level][3] for level in self._mask_parts))
+        for level, parts in self._mask_parts.items():
+            mask = cols[: self._grids[level][3]] < parts["hi"]
+            if "lo" in parts:
+                mask &= cols[: self._grids[level][3]] >= parts["lo"]
+            self.masks[level] = (mask.reshape(-1), torch.from_numpy(mask), parts.get("cells"), parts.get("src"))
+
     def catch_up(self) -> torch.Tensor:
         """The catch-up forward planned here (``folds_catch_up``): logits ``[n, V]`` of each request's last pending
         token, the root, exactly as ``ModelRunner.forward`` of the chains with ``all_logits`` False computes them;
@@ -279,8 +310,11 @@ class BeamLevels:
         _, g, _, k = self._grids[0]
         backend = runner.backend
         assert isinstance(backend, TorchAttention) and self.pending is not None
-        lo = get("0.lo") if runner.model.cfg.sliding_window is not None else None
-        mask = fill_grid_mask(backend.columns(k, runner.device), get("0.hi"), lo, None, None)
+        if 0 in self.masks:
+            mask = self.masks[0][1]
+        else:
+            lo = get("0.lo") if runner.model.cfg.sliding_window is not None else None
+            mask = fill_grid_mask(backend.columns(k, runner.device), get("0.hi"), lo, None, None)
         backend.use_grid(get("0.write_slots"), get("0.key_slots"), mask, get("0.rows") if g > 1 else None)
         rows = get("0.logits_rows") if "0.logits_rows" in stage else None
         logits = runner.model(get("0.ids"), get("0.positions"), backend=backend, cache=runner.cache, logits_rows=rows)
@@ -302,24 +336,30 @@ class BeamLevels:
         t0 = time.perf_counter()
         runner, get = self.runner, self.stage.get
         a, size = self.sizes[level], int(self.ends[level])
-        cells = values = lo = None
-        if size > level + 1:  # not a chain: the tree cells
-            if ancestors is None:
-                raise ValueError("trees that are not chains need their ancestor rows on the device")
-            cells, values = get(f"{level}.cells"), torch.take(ancestors, get(f"{level}.src"))
-        if runner.model.cfg.sliding_window is not None:
-            lo = get(f"{level}.lo")
+        if size > level + 1 and ancestors is None:  # not a chain: the tree cells read the ancestor rows
+            raise ValueError("trees that are not chains need their ancestor rows on the device")
+        if level in self.masks:  # made on the host (the torch grid): the tree cells' ancestor bits copied in
+            flat, mask, cells_at, src_at = self.masks[level]
+            if ancestors is not None and cells_at is not None and src_at is not None:
+                flat[cells_at] = ancestors.numpy().reshape(-1)[src_at]
+        else:
+            cells = values = lo = None
+            if ancestors is not None and size > level + 1:
+                cells, values = get(f"{level}.cells"), torch.take(ancestors, get(f"{level}.src"))
+            if runner.model.cfg.sliding_window is not None:
+                lo = get(f"{level}.lo")
+            cols = (runner.backend.columns(k, runner.device) if isinstance(runner.backend, TorchAttention)
+                    else torch.arange(k, device=runner.device))
+            mask = fill_grid_mask(cols, get(f"{level}.hi"), lo, cells, values)
         if how == "torch":
             backend = runner.backend
             assert isinstance(backend, TorchAttention)
-            mask = fill_grid_mask(backend.columns(k, runner.device), get(f"{level}.hi"), lo, cells, values)
             backend.use_grid(get(f"{level}.write_slots"), get(f"{level}.key_slots"), mask)
             logits = runner.model(ids, get(f"{level}.positions"), backend=backend, cache=runner.cache)
         else:
             static = runner.static
             assert static is not None
             grid = static.grid((g, q, k))
-            mask = fill_grid_mask(torch.arange(k, device=runner.device), get(f"{level}.hi"), lo, cells, values)
             at = get(f"{level}.at")
             grid.ids.zero_()
             grid.ids.index_copy_(0, at, ids)

@@ -86,7 +86,17 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     # here, at once (the catch-up only on the torch grid: elsewhere it is laid out like any forward). The pending
     # tokens are committed when the search ends, either way: a truncate before it would free the pages the plan
     # already gave the levels
-    forwards = BeamLevels(draft, [x.seq for x in inputs], sizes[:depth], pending=[x.pending for x in inputs])
+    paths = _Paths(inputs) if any(x.grammar is not None for x in inputs) else None
+    kernels = native_kernels.chosen() if draft.device.type == "cpu" else None  # once a search, not once a level
+    # a CPU's own path, where its kernels serve: every level picked by them straight into the trees' host arrays,
+    # growing the ancestor rows in the same call, and the levels' masks made in host memory by numpy (issue 30: a
+    # level's torch tensors, the growth's and the masks' ops and the join at the end were most of a lone request's
+    # search outside its forwards); a grammar's masks and a GPU take the device ops below
+    per_node = [min(width if expansion is None else expansion[s], draft.vocab_size) for s in range(depth)]
+    on_host = (kernels is not None and paths is None
+               and all(_kernel_takes(k, f) for k, f in zip(per_node, sizes, strict=False)))
+    forwards = BeamLevels(draft, [x.seq for x in inputs], sizes[:depth], pending=[x.pending for x in inputs],
+                          host_masks=on_host)
     if forwards.folds_catch_up:
         rows = forwards.catch_up()  # [n, V]: each root's logits
     else:
@@ -102,15 +112,7 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     chains = max(sizes) == 1  # every level one node (width 1): no level reads ancestor rows, none are grown
     # ancestor rows of every node the draft is fed, made once and filled level by level (None: chains)
     anc = None if chains else _ancestor_rows(n, forwards.tree_size, dev, first_level=sizes[1])
-    paths = _Paths(inputs) if any(x.grammar is not None for x in inputs) else None
-    kernels = native_kernels.chosen() if dev.type == "cpu" else None  # once a search, not once a level
-    # the CPU kernels pick every level straight into the trees' host arrays, growing the ancestor rows in the same
-    # call (issue 30: a level's torch tensors, the growth's ops and the join at the end were most of a lone
-    # request's search outside its forwards); a grammar's masks and a GPU take the ops below
-    per_node = [min(width if expansion is None else expansion[s], draft.vocab_size) for s in range(depth)]
-    host = (native_kernels.SearchPicks(kernels, n, sum(sizes[1:]), anc)
-            if kernels is not None and paths is None
-            and all(_kernel_takes(k, f) for k, f in zip(per_node, sizes, strict=False)) else None)
+    host = native_kernels.SearchPicks(kernels, n, sum(sizes[1:]), anc) if on_host and kernels is not None else None
     # the ops' frontier log path probabilities, on the device
     base = None if host is not None else torch.zeros((n, 1), dtype=torch.float64, device=dev)
     frontier = 0  # tree index of the frontier's first node; the frontier is level ``step``, ``rows`` its logits

@@ -168,6 +168,11 @@ def test_a_move_into_a_shared_or_cached_page_is_refused() -> None:
     c.move_slots(a, [8, 9], [6, 7])  # past the committed length, in its own page: fine
     with pytest.raises(SharedPageWriteError):
         c.move_slots(a, [8], [2])
+    c._refs[a.pages[1]] += 1  # page 1 as if another sequence held it too (unkeyed: only its count refuses)
+    with pytest.raises(SharedPageWriteError, match=r"\[1\]"):
+        c.move_slots(a, [8, 9], [6, 7])
+    c._refs[a.pages[1]] -= 1
+    c.move_slots(a, [8, 9], [6, 7])
 
 
 def test_disabling_frees_the_idle_pages_and_forgets_every_key() -> None:

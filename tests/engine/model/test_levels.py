@@ -41,7 +41,14 @@ def random_sizes(rng: np.random.Generator) -> list[int]:
     return sizes
 
 
-def test_the_lone_plan_stages_the_batch_plans_arrays(draft_dir: Path) -> None:
+def host_masks(levels: BeamLevels) -> dict[int, tuple[np.ndarray, np.ndarray | None, np.ndarray | None]]:
+    """The masks the plan made in host memory, by level: the mask, its tree cells and their ancestor bits."""
+    return {level: (mask.numpy().copy(), cells, src) for level, (_, mask, cells, src) in levels.masks.items()}
+
+
+@pytest.mark.parametrize("on_host", [False, True])
+def test_the_lone_plan_stages_the_batch_plans_arrays(draft_dir: Path, on_host: bool) -> None:
+    """The same staged arrays, and with host masks the same masks, cells and ancestor bits, level by level."""
     draft = runner(draft_dir)
     rng = np.random.default_rng(30)
     lone_planned = 0
@@ -54,11 +61,20 @@ def test_the_lone_plan_stages_the_batch_plans_arrays(draft_dir: Path) -> None:
         sizes = random_sizes(rng)
         if pending is None and len(sizes) < 2:
             sizes = [1, 2]
-        levels = BeamLevels(draft, [seq], sizes, pending=pending)
-        lone = staged(levels)
-        levels.stage = HostStage(draft.device)
+        levels = BeamLevels(draft, [seq], sizes, pending=pending, host_masks=on_host)
+        lone, lone_masks = staged(levels), host_masks(levels)
+        levels.stage, levels._mask_parts, levels.masks = HostStage(draft.device), {}, {}
         levels._plan_batch()
-        batch = staged(levels)
+        if on_host:
+            levels._make_host_masks()
+        batch, batch_masks = staged(levels), host_masks(levels)
+        assert lone_masks.keys() == batch_masks.keys()
+        assert len(lone_masks) == (len(sizes) - 1 + (pending is not None) if on_host else 0)
+        for level, (mask, cells, src) in lone_masks.items():
+            want = batch_masks[level]
+            assert np.array_equal(mask, want[0]) and mask.dtype == bool, (level, sizes, pending)
+            assert (cells is None) == (want[1] is None) and (src is None) == (want[2] is None)
+            assert cells is None or (np.array_equal(cells, want[1]) and np.array_equal(src, want[2]))
         assert lone.keys() == batch.keys(), (sizes, pending)
         for name in lone:
             assert lone[name].shape == batch[name].shape and lone[name].dtype == batch[name].dtype == np.int64, name

@@ -14,7 +14,7 @@ from adaserve.engine.model.attention.torch_sdpa import TorchAttention
 from adaserve.engine.model.batch import BatchLayout, Segment
 from adaserve.engine.model.kv_cache import PagedKVCache, SequenceKV
 from adaserve.engine.model.tree import TokenTree
-from tests.engine.helpers import runner
+from tests.engine.helpers import runner, use_cpu_kernels
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -91,11 +91,15 @@ def test_equal_segments_fill_the_grid_without_a_row_scatter(target_dir: Path, mo
     assert torch.equal(served, r.forward_joined(segs, all_logits=[True] * 3))
 
 
-def test_a_lone_segment_is_planned_as_any_group_of_one() -> None:
+@pytest.mark.parametrize("kernels", ["torch", "native"])
+def test_a_lone_segment_is_planned_as_any_group_of_one(kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """``_plan_lone`` (verification, decode or a prompt chunk of one request) stages the arrays and builds the mask
     that ``_plan_groups`` makes for the same layout: chains and trees, cached nodes, pages out of order, the
-    reference mask of docs/architecture.md §2 as the check on both."""
+    reference mask of docs/architecture.md §2 as the check on both; with the device's ops, and in host memory where
+    the CPU kernels serve (``native``)."""
     import numpy as np
+
+    use_cpu_kernels(kernels, monkeypatch)
 
     from adaserve.engine.model.batch import build_layout
     from tests.engine.model.test_batch_layout import PAGE, random_batch, reference_block

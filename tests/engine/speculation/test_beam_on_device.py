@@ -213,18 +213,20 @@ def test_device_nodes_are_checked_against_the_layout(draft_dir: Path) -> None:
     assert lay.position_ids.tolist() == [5, 5]
 
 
-@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("grid", ["torch", "torch, host masks", "static"])
 @pytest.mark.parametrize("window", [None, 2])
 @pytest.mark.parametrize("sizes", [[1, 1, 1], [1, 3, 3, 3], [1, 1, 1, 3, 3], [1, 2, 4]])
 def test_planned_levels_give_each_level_laid_out_logits_bit_for_bit(
-        draft_dir: Path, monkeypatch: pytest.MonkeyPatch, static: bool, window: int | None, sizes: list[int]) -> None:
-    """A level planned ahead (model/levels.py: one host pass for all levels, on the torch grid or the static
-    bucket) computes exactly the logits of the same level laid out from its real trees and planned alone
-    (build_layout + the backend's or the static path's plan), with and without a sliding window."""
+        draft_dir: Path, monkeypatch: pytest.MonkeyPatch, grid: str, window: int | None, sizes: list[int]) -> None:
+    """A level planned ahead (model/levels.py: one host pass for all levels, on the torch grid, with its masks
+    made on the device or in host memory, or on the static bucket) computes exactly the logits of the same level
+    laid out from its real trees and planned alone (build_layout + the backend's or the static path's plan), with
+    and without a sliding window."""
     from dataclasses import replace
 
     from adaserve.engine.model.levels import BeamLevels
 
+    static = grid == "static"
     draft = runner(draft_dir, static_shapes=static)
     monkeypatch.setattr(draft.model, "cfg", replace(draft.model.cfg, sliding_window=window))
     monkeypatch.setattr(draft.backend, "sliding_window", window)
@@ -234,8 +236,9 @@ def test_planned_levels_give_each_level_laid_out_logits_bit_for_bit(
         draft.cache.truncate(x.seq, x.seq.length + len(x.pending))
     seqs = [x.seq for x in inputs]
     n, rng = len(seqs), np.random.default_rng(5)
-    levels = BeamLevels(draft, seqs, sizes)
+    levels = BeamLevels(draft, seqs, sizes, host_masks=grid != "torch")  # the static bucket's are the device's
     assert [how for how, *_ in levels._grids[1:]] == ["static" if static else "torch"] * (len(sizes) - 1)
+    assert sorted(levels.masks) == (list(range(1, len(sizes))) if grid == "torch, host masks" else [])
     ends = np.cumsum(sizes)
     parents = np.full((n, ends[-1]), -1, np.int64)
     for lv in range(1, len(sizes)):  # each node of level lv hangs off a random node of level lv - 1
@@ -267,10 +270,12 @@ def test_planned_levels_give_each_level_laid_out_logits_bit_for_bit(
         draft.cache.release(s)
 
 
+@pytest.mark.parametrize("host_masks", [False, True])
 @pytest.mark.parametrize("window", [None, 2])
 @pytest.mark.parametrize("pending", [[[9], [10, 11], [4]], [[9], [10], [4]], [[7, 8, 9]], [[3]], [[1] * 40, [2]]])
-def test_planned_catch_up_gives_the_laid_out_logits_bit_for_bit(
-        draft_dir: Path, monkeypatch: pytest.MonkeyPatch, window: int | None, pending: list[list[int]]) -> None:
+def test_planned_catch_up_gives_the_laid_out_logits_bit_for_bit(draft_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                window: int | None, pending: list[list[int]],
+                                                                host_masks: bool) -> None:
     """The draft's catch-up planned with the levels (``BeamLevels(..., pending=...)``, the torch grid) computes the
     logits, the KV and the forward record of the catch-up laid out alone (``ModelRunner.forward`` of the chains,
     last rows only), bit for bit; chains that ``TorchAttention.plan`` would split into groups are not planned."""
@@ -283,13 +288,14 @@ def test_planned_catch_up_gives_the_laid_out_logits_bit_for_bit(
     monkeypatch.setattr(draft.backend, "sliding_window", window)
     prompts = [[5, 6, 7, 8, 9], [8], [3] * 9][: len(pending)]
     ref_in, got_in = contexts(draft, prompts, pending), contexts(draft, prompts, pending)
-    levels = BeamLevels(draft, [x.seq for x in got_in], [1, 2, 2], pending=[x.pending for x in got_in])
+    levels = BeamLevels(draft, [x.seq for x in got_in], [1, 2, 2], pending=[x.pending for x in got_in],
+                        host_masks=host_masks)
     if max(map(len, pending)) > 32:  # one long chain beside short ones: plan would group them apart
         assert not levels.folds_catch_up
         with pytest.raises(ValueError, match="not planned"):
             levels.catch_up()
         return
-    assert levels.folds_catch_up
+    assert levels.folds_catch_up and (0 in levels.masks) == host_masks
     got = levels.catch_up().clone()
     rec = draft.last_forward
     segs = [Segment(x.seq, x.seq.length, TokenTree.chain(x.pending)) for x in ref_in]

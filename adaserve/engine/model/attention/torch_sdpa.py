@@ -12,6 +12,11 @@ boolean one in every layer, made once a forward; a group whose every row sees ev
 runs without one on a CPU; keys and values are gathered by ``index_select``. None of it changes a bit
 (tests/engine/model/test_sdpa_masks.py).
 
+A lone segment on a CPU whose kernels serve (``native_kernels.chosen``, read at each plan as everywhere) gets its
+mask made in host memory instead, by numpy, from the tree's ancestor matrix: its prefix columns, then the rows of
+its new nodes (issue 30: two slice copies where the device takes the cells' arithmetic, two more staged arrays and
+two ops); the same bits (tests/engine/model/test_sdpa_masks.py).
+
 A model served on the integer kernels (``native``, native_kernels.py) attends with their ``attend`` instead: the
 same grid, keys read straight from the cache by slot, each row a function of the keys it sees alone (no float64
 sums needed for that), one call a layer where SDPA takes casts, a gather and its own set-up.
@@ -24,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from adaserve.engine.model import native_kernels
 from adaserve.engine.model.attention.base import additive_mask, grid_sdpa, sum_dtype, write_kv_into
 from adaserve.engine.model.attention.masks import fill_grid_mask, grid_mask
 from adaserve.engine.model.batch import BatchLayout
@@ -97,6 +103,15 @@ class TorchAttention:
         q_max, k_max = tree.size - c, prefix + tree.size
         keys = np.arange(k_max)
         stage.put("sdpa.0.key_slots", (layout.page_table[0][keys // ps] * ps + keys % ps).reshape(1, k_max))
+        if layout.device.type == "cpu" and native_kernels.chosen() is not None:  # the mask in host memory
+            grid = np.zeros((1, q_max, k_max), bool)
+            grid[0, :, :prefix] = True  # every row sees the prefix,
+            grid[0, :, prefix:] = tree.ancestor_matrix()[c:]  # and its node's ancestors and itself (a chain's: <=)
+            self._groups = [_Group(None, None, q_max, stage.get("sdpa.0.key_slots"),
+                                   torch.from_numpy(grid).unsqueeze(1), tree.is_chain and q_max == 1)]
+            self._additive = [None]
+            self._write_slots = layout.write_slots
+            return
         if tree.is_chain:
             hi, cells = np.arange(prefix + c + 1, k_max + 1), None
         else:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -50,6 +51,18 @@ from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.runner import ModelRunner, joined_rows
 from adaserve.engine.model.staging import HostStage
 from adaserve.engine.model.tree import TokenTree
+
+
+class _HostMask(NamedTuple):
+    """A level's mask made in host memory (``host_masks``): its bounds set when planned, its tree cells filled from
+    the ancestor rows before its forward, at flat ``cells`` from flat ``src`` (a batch) or as one block (one
+    request: rows r, keys L + j from ancestor rows c + r, columns j < s)."""
+
+    grid: np.ndarray  # [G, Q, K] bool
+    tensor: torch.Tensor  # the same memory
+    cells: np.ndarray | None = None
+    src: np.ndarray | None = None
+    block: tuple[int, int, int, int] | None = None  # (L, c, a, s)
 
 
 def _padded(real: np.ndarray, fill: int, g: int, q: int) -> np.ndarray:
@@ -99,7 +112,7 @@ class BeamLevels:
         # as planned, then (the flat numpy mask, the same memory as a tensor, cells, src)
         self._host_masks = host_masks and runner.device.type == "cpu"
         self._mask_parts: dict[int, dict[str, np.ndarray]] = {}
-        self.masks: dict[int, tuple[np.ndarray, torch.Tensor, np.ndarray | None, np.ndarray | None]] = {}
+        self.masks: dict[int, _HostMask] = {}
         self._plan()
         if self._mask_parts:
             self._make_host_masks()
@@ -169,7 +182,7 @@ class BeamLevels:
         The catch-up's p pending tokens sit at key indices P .. L (P = L + 1 - p): positions P .. L, write slots
         slot[P : L + 1], key slots slot[0 : L + 1], hi P + r + 1 for row r, logits row p - 1 (when p > 1).
         The same arrays as ``_plan_batch`` (tests/engine/model/test_levels.py)."""
-        seq, ps, put = self.seqs[0], self.runner.cache.page_size, self._put if self._host_masks else self.stage.put
+        seq, ps, put, host = self.seqs[0], self.runner.cache.page_size, self.stage.put, self._host_masks
         lone, side = int(self.prefix[0]), self.tree_size
         slot = seq.slots(0, lone + side, ps)
         if self.folds_catch_up:
@@ -180,7 +193,11 @@ class BeamLevels:
             put("0.positions", np.arange(first, lone + 1))
             put("0.write_slots", slot[first : lone + 1])
             put("0.key_slots", slot[: lone + 1].reshape(1, lone + 1))
-            put("0.hi", np.arange(first + 1, lone + 2).reshape(1, p, 1))
+            if host:  # row r sees keys j <= P + r
+                grid = np.tri(p, lone + 1, first, dtype=bool)[None]
+                self.masks[0] = _HostMask(grid, torch.from_numpy(grid))
+            else:
+                put("0.hi", np.arange(first + 1, lone + 2).reshape(1, p, 1))
             if p > 1:
                 put("0.logits_rows", np.array([p - 1]))
         for level in range(1, len(self.sizes)):
@@ -190,6 +207,14 @@ class BeamLevels:
             put(f"{level}.positions", np.full(a, lone + level))
             put(f"{level}.write_slots", slot[lone + c : lone + size])
             put(f"{level}.key_slots", slot[:k].reshape(1, k))
+            if host:  # a chain's rows see every key; a tree's the prefix, then its cells (``_host_mask``)
+                if chain:
+                    grid = np.ones((1, a, k), bool)
+                else:
+                    grid = np.zeros((1, a, k), bool)
+                    grid[0, :, :lone] = True
+                self.masks[level] = _HostMask(grid, torch.from_numpy(grid), block=None if chain else (lone, c, a, size))
+                continue
             put(f"{level}.hi", np.full((1, a, 1), k if chain else lone))
             if not chain:
                 j, r = np.arange(size), np.arange(a)[:, None]
@@ -297,7 +322,18 @@ class BeamLevels:
             mask = cols[: self._grids[level][3]] < parts["hi"]
             if "lo" in parts:
                 mask &= cols[: self._grids[level][3]] >= parts["lo"]
-            self.masks[level] = (mask.reshape(-1), torch.from_numpy(mask), parts.get("cells"), parts.get("src"))
+            self.masks[level] = _HostMask(mask, torch.from_numpy(mask), parts.get("cells"), parts.get("src"))
+
+    def _host_mask(self, level: int, ancestors: torch.Tensor | None) -> torch.Tensor:
+        """Level ``level``'s host mask with its tree cells filled from ``ancestors`` ([n, S, S] on the CPU): the bits
+        ``fill_grid_mask`` sets on the device, copied by numpy."""
+        m = self.masks[level]
+        if ancestors is not None and m.block is not None:
+            lone, c, a, s = m.block
+            m.grid[0, :, lone : lone + s] = ancestors.numpy()[0, c : c + a, :s]
+        elif ancestors is not None and m.cells is not None and m.src is not None:
+            m.grid.reshape(-1)[m.cells] = ancestors.numpy().reshape(-1)[m.src]
+        return m.tensor
 
     def catch_up(self) -> torch.Tensor:
         """The catch-up forward planned here (``folds_catch_up``): logits ``[n, V]`` of each request's last pending
@@ -311,7 +347,7 @@ class BeamLevels:
         backend = runner.backend
         assert isinstance(backend, TorchAttention) and self.pending is not None
         if 0 in self.masks:
-            mask = self.masks[0][1]
+            mask = self.masks[0].tensor
         else:
             lo = get("0.lo") if runner.model.cfg.sliding_window is not None else None
             mask = fill_grid_mask(backend.columns(k, runner.device), get("0.hi"), lo, None, None)
@@ -338,10 +374,8 @@ class BeamLevels:
         a, size = self.sizes[level], int(self.ends[level])
         if size > level + 1 and ancestors is None:  # not a chain: the tree cells read the ancestor rows
             raise ValueError("trees that are not chains need their ancestor rows on the device")
-        if level in self.masks:  # made on the host (the torch grid): the tree cells' ancestor bits copied in
-            flat, mask, cells_at, src_at = self.masks[level]
-            if ancestors is not None and cells_at is not None and src_at is not None:
-                flat[cells_at] = ancestors.numpy().reshape(-1)[src_at]
+        if level in self.masks:  # made on the host (the torch grid)
+            mask = self._host_mask(level, ancestors)
         else:
             cells = values = lo = None
             if ancestors is not None and size > level + 1:

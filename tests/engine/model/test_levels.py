@@ -41,9 +41,17 @@ def random_sizes(rng: np.random.Generator) -> list[int]:
     return sizes
 
 
-def host_masks(levels: BeamLevels) -> dict[int, tuple[np.ndarray, np.ndarray | None, np.ndarray | None]]:
-    """The masks the plan made in host memory, by level: the mask, its tree cells and their ancestor bits."""
-    return {level: (mask.numpy().copy(), cells, src) for level, (_, mask, cells, src) in levels.masks.items()}
+def host_masks(levels: BeamLevels, anc: torch.Tensor) -> dict[int, np.ndarray]:
+    """The masks the plan made in host memory, by level, their tree cells filled from the ancestor rows ``anc``."""
+    return {level: levels._host_mask(level, anc).numpy().copy() for level in levels.masks}
+
+
+def random_rows(rng: np.random.Generator, side: int) -> torch.Tensor:
+    """[1, S, S] ancestor rows of a random tree of S nodes (each node's parent before it)."""
+    anc = np.eye(side, dtype=bool)
+    for i in range(1, side):
+        anc[i] |= anc[int(rng.integers(0, i))]
+    return torch.from_numpy(anc[None])
 
 
 @pytest.mark.parametrize("on_host", [False, True])
@@ -62,19 +70,17 @@ def test_the_lone_plan_stages_the_batch_plans_arrays(draft_dir: Path, on_host: b
         if pending is None and len(sizes) < 2:
             sizes = [1, 2]
         levels = BeamLevels(draft, [seq], sizes, pending=pending, host_masks=on_host)
-        lone, lone_masks = staged(levels), host_masks(levels)
+        anc = random_rows(rng, levels.tree_size)
+        lone, lone_masks = staged(levels), host_masks(levels, anc)
         levels.stage, levels._mask_parts, levels.masks = HostStage(draft.device), {}, {}
         levels._plan_batch()
         if on_host:
             levels._make_host_masks()
-        batch, batch_masks = staged(levels), host_masks(levels)
+        batch, batch_masks = staged(levels), host_masks(levels, anc)
         assert lone_masks.keys() == batch_masks.keys()
         assert len(lone_masks) == (len(sizes) - 1 + (pending is not None) if on_host else 0)
-        for level, (mask, cells, src) in lone_masks.items():
-            want = batch_masks[level]
-            assert np.array_equal(mask, want[0]) and mask.dtype == bool, (level, sizes, pending)
-            assert (cells is None) == (want[1] is None) and (src is None) == (want[2] is None)
-            assert cells is None or (np.array_equal(cells, want[1]) and np.array_equal(src, want[2]))
+        for level, mask in lone_masks.items():
+            assert mask.dtype == bool and np.array_equal(mask, batch_masks[level]), (level, sizes, pending)
         assert lone.keys() == batch.keys(), (sizes, pending)
         for name in lone:
             assert lone[name].shape == batch[name].shape and lone[name].dtype == batch[name].dtype == np.int64, name

@@ -59,7 +59,7 @@ class _HostMask(NamedTuple):
     request: rows r, keys L + j from ancestor rows c + r, columns j < s)."""
 
     grid: np.ndarray  # [G, Q, K] bool
-    tensor: torch.Tensor  # the same memory
+    tensor: torch.Tensor  # the same memory, as the [G, 1, Q, K] the attention reads (``use_grid``)
     cells: np.ndarray | None = None
     src: np.ndarray | None = None
     block: tuple[int, int, int, int] | None = None  # (L, c, a, s)
@@ -193,9 +193,11 @@ class BeamLevels:
             put("0.positions", np.arange(first, lone + 1))
             put("0.write_slots", slot[first : lone + 1])
             put("0.key_slots", slot[: lone + 1].reshape(1, lone + 1))
-            if host:  # row r sees keys j <= P + r
-                grid = np.tri(p, lone + 1, first, dtype=bool)[None]
-                self.masks[0] = _HostMask(grid, torch.from_numpy(grid))
+            if host:  # row r sees keys j <= P + r (a few rows: a slice each)
+                grid = np.zeros((1, p, lone + 1), bool)
+                for r in range(p):
+                    grid[0, r, : first + r + 1] = True
+                self.masks[0] = _HostMask(grid, torch.from_numpy(grid[:, None]))
             else:
                 put("0.hi", np.arange(first + 1, lone + 2).reshape(1, p, 1))
             if p > 1:
@@ -213,7 +215,8 @@ class BeamLevels:
                 else:
                     grid = np.zeros((1, a, k), bool)
                     grid[0, :, :lone] = True
-                self.masks[level] = _HostMask(grid, torch.from_numpy(grid), block=None if chain else (lone, c, a, size))
+                self.masks[level] = _HostMask(grid, torch.from_numpy(grid[:, None]),
+                                              block=None if chain else (lone, c, a, size))
                 continue
             put(f"{level}.hi", np.full((1, a, 1), k if chain else lone))
             if not chain:
@@ -322,7 +325,7 @@ class BeamLevels:
             mask = cols[: self._grids[level][3]] < parts["hi"]
             if "lo" in parts:
                 mask &= cols[: self._grids[level][3]] >= parts["lo"]
-            self.masks[level] = _HostMask(mask, torch.from_numpy(mask), parts.get("cells"), parts.get("src"))
+            self.masks[level] = _HostMask(mask, torch.from_numpy(mask[:, None]), parts.get("cells"), parts.get("src"))
 
     def _host_mask(self, level: int, ancestors: torch.Tensor | None) -> torch.Tensor:
         """Level ``level``'s host mask with its tree cells filled from ``ancestors`` ([n, S, S] on the CPU): the bits

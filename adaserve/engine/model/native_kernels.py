@@ -215,7 +215,8 @@ class SearchPicks:
     def level(self, x: torch.Tensor, *, k: int, width: int | None, frontier: int, grow: bool) -> torch.Tensor:
         """The next level from its frontier's logits x [n * F, V] (F: the previous level's nodes): each row's top
         ``k`` children, then each request's top ``width`` (None: all of them, a static tree's level), written into
-        the level's columns; returns its tokens [n, kept] as a tensor over them. A logit that is not finite leaves
+        the level's columns; returns its tokens as a flat [n * kept] tensor, request-major (the next level's input
+        ids: a view of the columns for one request, a copy of them for more). A logit that is not finite leaves
         ``finite`` False and the level's picks zero (token 0, the frontier's first node, log probability 0)."""
         n, f, v = self._n, self._width, x.shape[-1]
         if x.dtype != torch.float32:
@@ -224,7 +225,7 @@ class SearchPicks:
             x = x.contiguous()
         kept = f * k if width is None else min(width, f * k)
         c = self._column
-        if (x.device.type != "cpu" or x.dim() != 2 or x.shape[0] != n * f or not 1 <= k <= min(v, PICKS_MAX_K)
+        if (not x.is_cpu or x.dim() != 2 or x.shape[0] != n * f or not 1 <= k <= min(v, PICKS_MAX_K)
                 or f * k > PICKS_MAX_CANDIDATES or c + kept > self._nodes):
             raise ValueError(f"SearchPicks.level: float32 logits [{n} * {f}, V] on the CPU, 1 <= k <= "
                              f"min(V, {PICKS_MAX_K}), at most {PICKS_MAX_CANDIDATES} candidates and "
@@ -247,7 +248,7 @@ class SearchPicks:
             self.finite = False
             self.tokens[:, c:end], self.parents[:, c:end], self.log_probs[:, c:end] = 0, frontier, 0.0
         self._column, self._width = end, kept
-        return torch.from_numpy(self.tokens[:, c:end])
+        return torch.from_numpy(self.tokens[:, c:end].reshape(-1))
 
 
 def mode() -> str:

@@ -137,7 +137,7 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
         if host is None and anc is not None and step > 0:  # level 1's rows were made with the rows
             _grow_ancestors(anc, frontier, parent)
         chain = max(sizes[: step + 2]) == 1  # one node per level so far: every tree is a chain, no rows needed
-        rows = forwards.forward(step + 1, tok.reshape(-1), None if chain else anc)
+        rows = forwards.forward(step + 1, tok if host is not None else tok.reshape(-1), None if chain else anc)
         _seen(draft, on_forward)
 
     for x, c in zip(inputs, committed, strict=True):  # commit the pending tokens, drop the scratch beams

@@ -320,7 +320,7 @@ def test_search_picks_are_each_levels_picks_with_their_rows_grown(kernels: nk.Na
             ref = kernels.beam_picks(x, base, k=k, width=width, frontier=frontier)
             assert ref is not None
             end = column + sizes[step + 1]
-            assert torch.equal(tok, ref[0])
+            assert torch.equal(tok, ref[0].reshape(-1))
             assert np.array_equal(picks.tokens[:, column:end], ref[0].numpy())
             assert np.array_equal(picks.parents[:, column:end], ref[1].numpy())
             assert np.array_equal(picks.log_probs[:, column:end], ref[2].numpy())

@@ -108,7 +108,7 @@ class TorchAttention:
             grid[0, :, :prefix] = True  # every row sees the prefix,
             grid[0, :, prefix:] = tree.ancestor_matrix()[c:]  # and its node's ancestors and itself (a chain's: <=)
             self._groups = [_Group(None, None, q_max, stage.get("sdpa.0.key_slots"),
-                                   torch.from_numpy(grid).unsqueeze(1), tree.is_chain and q_max == 1)]
+                                   torch.from_numpy(grid[:, None]), tree.is_chain and q_max == 1)]
             self._additive = [None]
             self._write_slots = layout.write_slots
             return
@@ -184,10 +184,13 @@ class TorchAttention:
     def use_grid(self, write_slots: torch.Tensor, key_slots: torch.Tensor, mask: torch.Tensor,
                  rows: torch.Tensor | None = None) -> None:
         """Plan a forward of g segments with Q new tokens each, in order (a beam level, model/levels.py), from
-        arrays already on the device: ``write_slots`` [g * Q], ``key_slots`` [g, K], ``mask`` [g, Q, K] bool.
-        With ``rows`` [T] the segments are ragged (the draft's catch-up): token t sits at grid row ``rows[t]``
-        and ``write_slots`` is [T]. ``plan`` would make the same single group from the forward's layout."""
-        self._groups = [_Group(None, rows, int(mask.shape[1]), key_slots, mask.unsqueeze(1))]
+        arrays already on the device: ``write_slots`` [g * Q], ``key_slots`` [g, K], ``mask`` [g, Q, K] bool (or
+        [g, 1, Q, K], the form the groups keep, taken as it is). With ``rows`` [T] the segments are ragged (the
+        draft's catch-up): token t sits at grid row ``rows[t]`` and ``write_slots`` is [T]. ``plan`` would make the
+        same single group from the forward's layout."""
+        if mask.dim() == 3:
+            mask = mask.unsqueeze(1)
+        self._groups = [_Group(None, rows, int(mask.shape[2]), key_slots, mask)]
         self._additive = [None]
         self._write_slots = write_slots
 

@@ -57,6 +57,10 @@ class SharedPageWriteError(RuntimeError):
     """A write aimed at a page another sequence shares, or one the prefix cache keyed: a bug upstream."""
 
 
+# ``SequenceKV.slots`` of at most this many tokens are computed one by one: fewer calls than the array lookup's five
+SHORT_SLOTS = 32
+
+
 @dataclass
 class SequenceKV:
     """One request's view of the cache: its pages and how many leading slots hold committed KV.
@@ -74,6 +78,10 @@ class SequenceKV:
         return self.pages[index // page_size] * page_size + index % page_size
 
     def slots(self, start: int, stop: int, page_size: int) -> np.ndarray:
+        """Cache slots of token indices ``start`` .. ``stop - 1`` (int64 array)."""
+        if stop - start <= SHORT_SLOTS:  # a handful (a verification's new tokens): Python ints, one numpy call
+            pages = self.pages
+            return np.array([pages[i // page_size] * page_size + i % page_size for i in range(start, stop)], np.int64)
         return self.slots_at(np.arange(start, stop), page_size)
 
     def slots_at(self, index: np.ndarray, page_size: int) -> np.ndarray:

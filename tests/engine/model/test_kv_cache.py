@@ -183,3 +183,25 @@ def test_disabling_frees_the_idle_pages_and_forgets_every_key() -> None:
     c.enable_prefix_caching(False)
     assert c.free_pages == 8 and c.cached_pages == 0 and c.prefix is None
     assert c.reuse_prefix(SequenceKV(), list(range(8)), limit=7) == 0
+
+
+def test_slots_of_a_few_tokens_are_the_array_lookups() -> None:
+    """``SequenceKV.slots`` computes a short range one token at a time: the same slots, in the same dtype, as the
+    array lookup (``slots_at``) that longer ranges take, and the same error past the sequence's pages."""
+    import numpy as np
+
+    from adaserve.engine.model.kv_cache import SHORT_SLOTS
+
+    rng = np.random.default_rng(4)
+    for _ in range(200):
+        ps = int(rng.integers(1, 9))
+        seq = SequenceKV(pages=rng.permutation(40)[: int(rng.integers(1, 12))].tolist())
+        start = int(rng.integers(0, len(seq.pages) * ps))
+        stop = int(rng.integers(start, min(len(seq.pages) * ps, start + 2 * SHORT_SLOTS) + 1))
+        got = seq.slots(start, stop, ps)
+        want = seq.slots_at(np.arange(start, stop), ps)
+        assert got.dtype == want.dtype == np.int64 and np.array_equal(got, want), (ps, start, stop)
+    seq = SequenceKV(pages=[3, 1])
+    for stop in (5, 5 + 2 * SHORT_SLOTS):  # past 2 pages of 2 slots: short and long ranges alike
+        with pytest.raises(IndexError):
+            seq.slots(0, stop, 2)

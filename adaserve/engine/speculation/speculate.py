@@ -69,6 +69,10 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     the forwards are only queued then, and the one copy at the end waits for all of them, so the wait lands
     on the last forward's sample (the span stays exact).
 
+    On a CPU whose kernels serve, every level is picked straight into the trees' host arrays (``SearchPicks``), its
+    ancestor rows grown in the same call and the levels' masks made in host memory (``BeamLevels(host_masks=True)``):
+    the same trees, with nothing to copy (docs/architecture.md, "The CPU's own path").
+
     Structured output (an input with a ``grammar``): each frontier row of such a request is masked by the grammar
     after that node's path before the level is expanded, so the draft proposes only tokens the grammar allows.
     The masks need the paths on the host: with any constrained request, each level's picks are copied there.

@@ -312,3 +312,28 @@ def test_planned_catch_up_gives_the_laid_out_logits_bit_for_bit(draft_dir: Path,
                 assert torch.equal(cache[layer][slots[0]], cache[layer][slots[1]])
     for x in (*ref_in, *got_in):
         draft.cache.release(x.seq)
+
+
+@pytest.mark.parametrize("picks", ["torch", "native"])
+def test_a_level_that_is_not_finite_refuses_the_trees_after_committing(
+        draft_dir: Path, picks: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A level whose logits are not finite: the search raises, whichever picks ran, once its forwards are done and
+    its pending tokens committed (the scratch beams dropped), so the sequences are as after any search."""
+    from adaserve.engine.model.levels import BeamLevels
+
+    use_cpu_kernels(picks, monkeypatch)
+    draft = runner(draft_dir)
+    inputs = contexts(draft, [[5, 6, 7], [8]], [[9], [10, 11]])
+    real = BeamLevels.forward
+
+    def poisoned(self: BeamLevels, level: int, ids: torch.Tensor, anc: torch.Tensor | None) -> torch.Tensor:
+        out = real(self, level, ids, anc)
+        return torch.full_like(out, float("nan")) if level == 2 else out
+
+    monkeypatch.setattr(BeamLevels, "forward", poisoned)
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        beam_search(draft, inputs, depth=4, width=2)
+    assert [x.seq.length for x in inputs] == [4, 3]
+    monkeypatch.setattr(BeamLevels, "forward", real)
+    trees = beam_search(draft, contexts(draft, [[5, 6, 7], [8]], [[9], [10, 11]]), depth=4, width=2)
+    assert all(t.size == 1 + 4 * 2 for t in trees)  # the runner is left as it was

@@ -114,16 +114,19 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     checks: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     chains = max(sizes) == 1  # every level one node (width 1): no level reads ancestor rows, none are grown
-    # ancestor rows of every node the draft is fed, made once and filled level by level (None: chains)
-    anc = None if chains else _ancestor_rows(n, forwards.tree_size, dev, first_level=sizes[1])
-    host = native_kernels.SearchPicks(kernels, n, sum(sizes[1:]), anc) if on_host and kernels is not None else None
+    # ancestor rows of every node the draft is fed, made once and filled level by level (None: chains); on the CPU's
+    # own path of every node, the last level's too: the trees' ancestor matrices, handed to them as they stand
+    side = sum(sizes) if on_host else forwards.tree_size
+    every = None if chains else _ancestor_rows(n, side, dev, first_level=sizes[1])
+    anc = every if every is None or side == forwards.tree_size else every[:, : forwards.tree_size, : forwards.tree_size]
+    host = native_kernels.SearchPicks(kernels, n, sum(sizes[1:]), every) if on_host and kernels is not None else None
     # the ops' frontier log path probabilities, on the device
     base = None if host is not None else torch.zeros((n, 1), dtype=torch.float64, device=dev)
     frontier = 0  # tree index of the frontier's first node; the frontier is level ``step``, ``rows`` its logits
     for step in range(depth):
-        if host is not None:  # level 1's rows (children of the root) were made with the rows; the last's not read
+        if host is not None:  # level 1's rows (children of the root) were made with the rows
             tok = host.level(rows, k=per_node[step], width=None if expansion is not None else width,
-                             frontier=frontier, grow=anc is not None and 0 < step < depth - 1)
+                             frontier=frontier, grow=every is not None and step > 0)
         else:
             k = None if expansion is None else expansion[step]
             allowed = None if paths is None else paths.allowed(frontier, sizes[step]).to(dev, non_blocking=True)
@@ -153,7 +156,8 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     else:
         toks, pars, lps = host.tokens, host.parents, host.log_probs
     roots = np.asarray([x.pending[-1] for x in inputs], np.int64)[:, None]
-    return build_trees(roots, toks, pars, lps, sizes[1:])
+    grown = every.numpy() if host is not None and every is not None else None
+    return build_trees(roots, toks, pars, lps, sizes[1:], ancestors=grown)
 
 
 def level_sizes(depth: int, width: int, expansion: tuple[int, ...] | None, vocab: int) -> list[int]:
@@ -171,17 +175,23 @@ def level_sizes(depth: int, width: int, expansion: tuple[int, ...] | None, vocab
 
 
 def build_trees(roots: np.ndarray, toks: np.ndarray, pars: np.ndarray, lps: np.ndarray,
-                level_sizes: list[int], eps: float = STRICT_DECREASE_EPS) -> list[TokenTree]:
+                level_sizes: list[int], eps: float = STRICT_DECREASE_EPS,
+                ancestors: np.ndarray | None = None) -> list[TokenTree]:
     """Every request's candidate tree from the search's [n, nodes] arrays (roots [n, 1]; parents as tree
     indices, the root being 0), with ``TokenTree.with_strict_decrease`` applied to all of them at once.
+    ``ancestors``: the trees' [n, M, M] ancestor matrices where the search grew them already (the CPU kernels'
+    picks); they are made read-only and shared by the trees, else made here (``_ancestor_matrices``).
 
     Every tree of one search has the same level sizes, so the nudge runs level by level over [n, level]
     columns, the depths are one shared array, and the trees need no per-tree checks: parents precede their
     children by construction and ``_to_host`` has refused non-finite log-probs.
     """
     n = roots.shape[0]
+    if ancestors is not None:
+        ancestors.flags.writeable = False
     if n == 1:
-        return [_lone_tree(int(roots[0, 0]), toks[0], pars[0], lps[0], level_sizes, eps)]
+        return [_lone_tree(int(roots[0, 0]), toks[0], pars[0], lps[0], level_sizes, eps,
+                           None if ancestors is None else ancestors[0])]
     toks = np.concatenate([roots, toks], axis=1)
     pars = np.concatenate([np.full((n, 1), -1, np.int64), pars], axis=1)
     lps = np.concatenate([np.zeros((n, 1)), lps], axis=1)
@@ -194,13 +204,13 @@ def build_trees(roots: np.ndarray, toks: np.ndarray, pars: np.ndarray, lps: np.n
     depths = _depths(tuple(level_sizes))
     chain = all(size == 1 for size in level_sizes)
     strict = np.all(lps[:, 1:] < lps[rows, pars[:, 1:]], axis=1).tolist()  # each tree's f decreases (selection)
-    anc = None if chain else _ancestor_matrices(pars, level_sizes)
+    anc = None if chain else ancestors if ancestors is not None else _ancestor_matrices(pars, level_sizes)
     return [TokenTree.trusted(toks[r], pars[r], lps[r], depths=depths, is_chain=chain, strict=strict[r],
                               ancestors=None if anc is None else anc[r]) for r in range(n)]
 
 
 def _lone_tree(root: int, toks: np.ndarray, pars: np.ndarray, lps: np.ndarray, level_sizes: list[int],
-               eps: float) -> TokenTree:
+               eps: float, ancestors: np.ndarray | None = None) -> TokenTree:
     """``build_trees`` for one request, its nudge and decrease check a pass over Python floats: a lone request's tree
     has a handful of nodes, fewer than the numpy calls of the batch's pass (issue 30). The same arrays, bit for bit:
     node i's value is min(f(i), f(parent) - eps), its parent's final first (parents precede their children)."""
@@ -215,7 +225,8 @@ def _lone_tree(root: int, toks: np.ndarray, pars: np.ndarray, lps: np.ndarray, l
     chain = all(size == 1 for size in level_sizes)
     return TokenTree.trusted(np.array([root, *toks.tolist()], np.int64), parents, np.array(lp),
                              depths=_depths(tuple(level_sizes)), is_chain=chain, strict=strict,
-                             ancestors=None if chain else _ancestor_matrices(parents[None], level_sizes)[0])
+                             ancestors=None if chain else ancestors if ancestors is not None
+                             else _ancestor_matrices(parents[None], level_sizes)[0])
 
 
 @functools.lru_cache(maxsize=64)

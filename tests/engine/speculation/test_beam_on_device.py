@@ -98,6 +98,9 @@ def test_device_levels_give_the_host_levels_trees_bit_for_bit(draft_dir: Path, s
             assert np.array_equal(g.tokens, r.tokens), (depth, width, expansion)
             assert np.array_equal(g.parents, r.parents), (depth, width, expansion)
             assert np.array_equal(g.log_probs, r.log_probs), (depth, width, expansion)  # float64, exact
+            # the ancestor matrices the CPU kernels' search grew and handed over are the trees' own
+            assert np.array_equal(g.ancestor_matrix(), r.ancestor_matrix()), (depth, width, expansion)
+            assert not g.ancestor_matrix().flags.writeable
         for x in got_in:
             assert x.seq.length == len(prompts[got_in.index(x)]) + len(x.pending)
         for x in (*ref_in, *got_in):

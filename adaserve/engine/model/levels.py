@@ -21,10 +21,12 @@ torch backend on its single grid (``TorchAttention.use_grid``), on the static pa
 the arrays, bit for bit, that ``build_layout`` with ``TorchAttention.plan`` or ``StaticForward._fill`` compute
 from the level's own layout: ``tests/engine/speculation/test_beam_on_device.py`` holds the trees to that.
 
-On a CPU whose kernels pick the levels (``host_masks``: speculate.beam_search decides) the torch grid's masks are
-made in host memory instead, by numpy, when the levels are planned: a level's bounds at once, its tree cells copied
-from the ancestor rows (which the picks kernel grows there) right before its forward, one numpy copy instead of the
-device's five ops; the bounds and cells are the same arrays, so the masks are the same bits.
+On a CPU whose kernels pick the levels (``host_masks``: speculate.beam_search decides) a lone request's torch-grid
+masks are made in host memory instead, by numpy, when the levels are planned: a level's bounds as a slice, its tree
+cells copied as one block from the ancestor rows (which the picks kernel grows there) right before its forward,
+instead of the device's staged arrays and five ops; the same bits (tests/engine/model/test_levels.py). A batch keeps
+the device's masks: made by numpy too they read a tie at 32 requests (docs/benchmarks.md, eighteenth round), not
+worth a second batch mask path.
 
 The flashinfer backend, tensor parallel ranks and a level no static bucket fits lay out each level from its
 placeholder trees, as any forward (``"laid_out"``): one plan and one copy per level, as before.
@@ -54,15 +56,13 @@ from adaserve.engine.model.tree import TokenTree
 
 
 class _HostMask(NamedTuple):
-    """A level's mask made in host memory (``host_masks``): its bounds set when planned, its tree cells filled from
-    the ancestor rows before its forward, at flat ``cells`` from flat ``src`` (a batch) or as one block (one
-    request: rows r, keys L + j from ancestor rows c + r, columns j < s)."""
+    """A lone request's level mask made in host memory (``host_masks``): its bounds set when planned, its tree cells
+    filled from the ancestor rows before its forward, as one block (rows r, keys L + j from ancestor rows c + r,
+    columns j < s)."""
 
-    grid: np.ndarray  # [G, Q, K] bool
-    tensor: torch.Tensor  # the same memory, as the [G, 1, Q, K] the attention reads (``use_grid``)
-    cells: np.ndarray | None = None
-    src: np.ndarray | None = None
-    block: tuple[int, int, int, int] | None = None  # (L, c, a, s)
+    grid: np.ndarray  # [1, Q, K] bool
+    tensor: torch.Tensor  # the same memory, as the [1, 1, Q, K] the attention reads (``use_grid``)
+    block: tuple[int, int, int, int] | None = None  # (L, c, a, s); None: a chain's, complete when planned
 
 
 def _padded(real: np.ndarray, fill: int, g: int, q: int) -> np.ndarray:
@@ -108,14 +108,10 @@ class BeamLevels:
         self.stage = HostStage(runner.device)
         # per level: how, G, Q, K; level 0 is the catch-up (planned only with ``pending`` on the torch grid)
         self._grids: list[tuple[str, int, int, int]] = [self._how_catch_up()]
-        # the torch grid's masks made on the host (a CPU's, ``host_masks``): per level, its mask's bounds and cells
-        # as planned, then (the flat numpy mask, the same memory as a tensor, cells, src)
+        # a lone request's torch-grid masks made on the host (a CPU's, ``host_masks``), by level
         self._host_masks = host_masks and runner.device.type == "cpu"
-        self._mask_parts: dict[int, dict[str, np.ndarray]] = {}
         self.masks: dict[int, _HostMask] = {}
         self._plan()
-        if self._mask_parts:
-            self._make_host_masks()
 
     @property
     def tree_size(self) -> int:
@@ -240,7 +236,7 @@ class BeamLevels:
         window = self.runner.model.cfg.sliding_window
         depths = np.arange(len(self.sizes)).repeat(self.sizes)  # of every tree node
         side = self.tree_size  # of the [n, S, S] ancestor rows every level reads
-        put = self._put if self._host_masks else self.stage.put
+        put = self.stage.put
         if self.folds_catch_up:
             self._plan_catch_up(flat, row0, window)
         for level, (how, g, q, k) in enumerate(self._grids):
@@ -286,7 +282,7 @@ class BeamLevels:
         """
         _, g, q, k = self._grids[0]
         assert self.pending is not None
-        put = self._put if self._host_masks else self.stage.put
+        put = self.stage.put
         counts = np.fromiter(map(len, self.pending), np.int64, g)
         seg = np.arange(g).repeat(counts)
         starts = counts.cumsum() - counts  # each request's first flat token
@@ -308,34 +304,13 @@ class BeamLevels:
         if len(seg) != g:
             put("0.logits_rows", starts + counts - 1)
 
-    def _put(self, name: str, array: np.ndarray, dtype: torch.dtype = torch.int64) -> None:
-        """``stage.put`` with host masks: a torch-grid level's mask arrays (bounds ``hi``, ``lo``; tree ``cells`` and
-        their ancestor bits' ``src``) are kept for ``_make_host_masks``, the rest staged."""
-        level, _, part = name.partition(".")
-        if part in ("hi", "lo", "cells", "src") and self._grids[int(level)][0] == "torch":
-            self._mask_parts.setdefault(int(level), {})[part] = np.asarray(array)
-        else:
-            self.stage.put(name, array, dtype)
-
-    def _make_host_masks(self) -> None:
-        """Each torch-grid level's mask made on the host from its planned bounds, as ``fill_grid_mask`` makes it on
-        the device: ``lo <= key < hi``; its tree cells are filled by ``forward`` from the ancestor rows."""
-        cols = np.arange(max(self._grids[level][3] for level in self._mask_parts))
-        for level, parts in self._mask_parts.items():
-            mask = cols[: self._grids[level][3]] < parts["hi"]
-            if "lo" in parts:
-                mask &= cols[: self._grids[level][3]] >= parts["lo"]
-            self.masks[level] = _HostMask(mask, torch.from_numpy(mask[:, None]), parts.get("cells"), parts.get("src"))
-
     def _host_mask(self, level: int, ancestors: torch.Tensor | None) -> torch.Tensor:
-        """Level ``level``'s host mask with its tree cells filled from ``ancestors`` ([n, S, S] on the CPU): the bits
+        """Level ``level``'s host mask with its tree cells filled from ``ancestors`` ([1, S, S] on the CPU): the bits
         ``fill_grid_mask`` sets on the device, copied by numpy."""
         m = self.masks[level]
         if ancestors is not None and m.block is not None:
             lone, c, a, s = m.block
             m.grid[0, :, lone : lone + s] = ancestors.numpy()[0, c : c + a, :s]
-        elif ancestors is not None and m.cells is not None and m.src is not None:
-            m.grid.reshape(-1)[m.cells] = ancestors.numpy().reshape(-1)[m.src]
         return m.tensor
 
     def catch_up(self) -> torch.Tensor:

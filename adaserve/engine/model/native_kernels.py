@@ -187,17 +187,17 @@ def q4_blocks(codes: torch.Tensor) -> torch.Tensor:
     return (c[:, :, :16] | (c[:, :, 16:] << 4)).contiguous()
 
 
-
 class SearchPicks:
     """One beam search's levels picked by ``beam_picks`` straight into host arrays (speculate.beam_search on a CPU).
 
     ``tokens``, ``parents`` (tree indices) and ``log_probs`` (log path probabilities, float64) are [n, K], K the
     tree's nodes after the root: each level writes its columns, the next one reads the previous one's log path
     probabilities there as its base, and the trees are built from them as they stand (issue 30: no torch tensor
-    per output and level, and no copy or join at the end). With ``anc`` (bool [n, S, S] ancestor rows, the
-    ``speculate._ancestor_rows`` a level's mask reads) a level called with ``grow`` fills its nodes' rows in the
-    same call. Every pointer the C code is handed is one of these arrays', checked here against the level's
-    shape."""
+    per output and level, and no copy or join at the end). With ``anc`` (bool [n, S, S] ancestor rows,
+    ``speculate._ancestor_rows``: beam_search passes the whole tree's, which the trees then take as their ancestor
+    matrices) a level called with ``grow`` fills its nodes' rows in the same call. Every pointer the C code is handed
+    is one of these arrays', checked here against the level's shape. ``NativeKernels.beam_picks`` is the same call
+    for one level with its own bases and outputs (``speculate.expand_level``)."""
 
     def __init__(self, kernels: NativeKernels, n: int, nodes: int, anc: torch.Tensor | None) -> None:
         if anc is not None and (anc.dtype != torch.bool or anc.device.type != "cpu" or not anc.is_contiguous()

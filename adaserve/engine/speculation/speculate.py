@@ -70,7 +70,7 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     on the last forward's sample (the span stays exact).
 
     On a CPU whose kernels serve, every level is picked straight into the trees' host arrays (``SearchPicks``), its
-    ancestor rows grown in the same call and the levels' masks made in host memory (``BeamLevels(host_masks=True)``):
+    ancestor rows grown in the same call and a lone request's level masks made in host memory (``host_masks``):
     the same trees, with nothing to copy (docs/architecture.md, "The CPU's own path").
 
     Structured output (an input with a ``grammar``): each frontier row of such a request is masked by the grammar

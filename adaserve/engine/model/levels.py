@@ -52,6 +52,7 @@ from adaserve.engine.model.batch import DeviceNodes, Segment, page_table
 from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.runner import ModelRunner, joined_rows
 from adaserve.engine.model.staging import HostStage
+from adaserve.engine.model.static import pack_ints
 from adaserve.engine.model.tree import TokenTree
 
 
@@ -247,16 +248,28 @@ class BeamLevels:
 
             index = prefix[:, None] + c + np.arange(a)  # [n, a] key index of each new node
             # flat [G * Q], as the forward reads them
-            put(f"{level}.positions", _padded((prefix + level).repeat(a).reshape(n, a), 0, g, q).ravel())
-            put(f"{level}.write_slots", _padded(flat[row0 + index], scratch, g, q).ravel())
+            positions = _padded((prefix + level).repeat(a).reshape(n, a), 0, g, q).ravel()
+            write_slots = _padded(flat[row0 + index], scratch, g, q).ravel()
             k_idx = np.minimum(np.arange(k)[None, :], (prefix + size - 1)[:, None])  # padding: the last real key
             keys = flat[row0 + k_idx]
-            put(f"{level}.key_slots", keys if g == n else np.concatenate([keys, np.full((g - n, k), scratch)]))
+            keys = keys if g == n else np.concatenate([keys, np.full((g - n, k), scratch)])
             hi = prefix + size if chain else prefix  # chains see their own nodes through the bound
-            put(f"{level}.hi", _padded(hi.repeat(a).reshape(n, a, 1), 1, g, q))  # padding: key 0 only
+            hi = _padded(hi.repeat(a).reshape(n, a, 1), 1, g, q)  # padding: key 0 only
+            lo = None
             if window is not None:  # positions by depth: a new node is at L_b + level
                 lo = np.maximum(prefix + level - window + 1, 0)
-                put(f"{level}.lo", _padded(lo.repeat(a).reshape(n, a, 1), 0, g, q))
+                lo = _padded(lo.repeat(a).reshape(n, a, 1), 0, g, q)
+            if how == "static":  # the bucket's integers as one array (its ids come from the picks)
+                put(f"{level}.ints", pack_ints(g, q, k, ids=np.zeros(g * q, np.int64), positions=positions,
+                                               write_slots=write_slots, hi=hi, lo=lo, key_slots=keys))
+                put(f"{level}.at", (b * q + np.arange(a)).ravel())  # grid row of each real token
+            else:
+                put(f"{level}.positions", positions)
+                put(f"{level}.write_slots", write_slots)
+                put(f"{level}.key_slots", keys)
+                put(f"{level}.hi", hi)
+                if lo is not None:
+                    put(f"{level}.lo", lo)
             if not chain:
                 # tree cell (b, r, j): key L_b + j of row r, its value ancestor bit [b, c + r, j] of the [n, S, S]
                 # rows; with a window only the keys within it (query depth ``level``, key depth depths[j])
@@ -264,8 +277,6 @@ class BeamLevels:
                 r = np.arange(a)[None, :, None]
                 put(f"{level}.cells", ((b[:, :, None] * q + r) * k + prefix[:, None, None] + j).ravel())
                 put(f"{level}.src", ((b[:, :, None] * side + c + r) * side + j).ravel())
-            if how == "static":
-                put(f"{level}.at", (b * q + np.arange(a)).ravel())  # grid row of each real token
 
     def _plan_catch_up(self, slots: np.ndarray, row0: np.ndarray, window: int | None) -> None:
         """The catch-up's arrays, as ``build_layout`` and ``TorchAttention.plan`` make them for the chains of pending
@@ -352,33 +363,27 @@ class BeamLevels:
         a, size = self.sizes[level], int(self.ends[level])
         if size > level + 1 and ancestors is None:  # not a chain: the tree cells read the ancestor rows
             raise ValueError("trees that are not chains need their ancestor rows on the device")
-        if level in self.masks:  # made on the host (the torch grid)
-            mask = self._host_mask(level, ancestors)
-        else:
-            cells = values = lo = None
-            if ancestors is not None and size > level + 1:
-                cells, values = get(f"{level}.cells"), torch.take(ancestors, get(f"{level}.src"))
-            if runner.model.cfg.sliding_window is not None:
-                lo = get(f"{level}.lo")
-            cols = (runner.backend.columns(k, runner.device) if isinstance(runner.backend, TorchAttention)
-                    else torch.arange(k, device=runner.device))
-            mask = fill_grid_mask(cols, get(f"{level}.hi"), lo, cells, values)
+        cells = values = None
+        if level not in self.masks and ancestors is not None and size > level + 1:
+            cells, values = get(f"{level}.cells"), torch.take(ancestors, get(f"{level}.src"))
         if how == "torch":
             backend = runner.backend
             assert isinstance(backend, TorchAttention)
+            if level in self.masks:  # made on the host
+                mask = self._host_mask(level, ancestors)
+            else:
+                lo = get(f"{level}.lo") if runner.model.cfg.sliding_window is not None else None
+                mask = fill_grid_mask(backend.columns(k, runner.device), get(f"{level}.hi"), lo, cells, values)
             backend.use_grid(get(f"{level}.write_slots"), get(f"{level}.key_slots"), mask)
             logits = runner.model(ids, get(f"{level}.positions"), backend=backend, cache=runner.cache)
-        else:
+        else:  # the bucket's buffers: one copy of the integers, the picked ids, the tree cells (the graph masks)
             static = runner.static
             assert static is not None
             grid = static.grid((g, q, k))
             at = get(f"{level}.at")
-            grid.ids.zero_()
+            grid.ints.copy_(get(f"{level}.ints"))
             grid.ids.index_copy_(0, at, ids)
-            grid.positions.copy_(get(f"{level}.positions"))
-            grid.write_slots.copy_(get(f"{level}.write_slots"))
-            grid.key_slots.copy_(get(f"{level}.key_slots"))
-            grid.mask[:, 0].copy_(mask)  # padded segments' rows, like padded rows, see key 0 only
+            grid.set_cells(cells, values)
             logits = static.run(grid, at)
         n = len(self.seqs)
         c = int(self.ends[level - 1])

@@ -10,11 +10,12 @@ scratch page and sees key 0 only; nothing real reads the scratch page, and atten
 layers are row-wise, so padded rows cannot change a real row's logits (the poison test holds them to
 bit-identity).
 
-Per forward the host builds the grid's index arrays, sends them in one non-blocking copy with the mask's
-per-segment vectors (staging.py), builds the mask on the device, copies everything into the bucket's
-buffers (whose ``data_ptr`` never changes) and replays. The graph covers the model: embedding, layers,
-KV writes, attention over the grid, the head. Planning (grid, mask) and picking the wanted logits rows
-stay eager, outside the graph.
+Per forward the host builds the grid's integers (ids, positions, write slots, each row's key bounds, key slots)
+as one array laid out as the bucket's ``ints`` buffer, sends it with the layout's one non-blocking copy
+(staging.py) and copies it into the buffer (whose ``data_ptr`` never changes): one device op, where there used
+to be ten. A forward with trees then sets its tree cells in the bucket's ``tree`` buffer. The graph covers the
+model and the mask: the mask (bounds, then cells, ``Grid.mask``), embedding, layers, KV writes, attention over
+the grid, the head. Planning and picking the wanted logits rows stay eager, outside the graph.
 
 The model is nano-vllm's ``capture_cudagraph``: static buffers, one graph per batch bucket, padding to the
 next bucket, one memory pool for every graph. Here the buckets also cover the rows per segment (trees) and
@@ -24,13 +25,13 @@ the key length, because the torch attention reads a dense key grid instead of a 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from adaserve.engine.model.attention.base import additive_mask, grid_sdpa, write_kv
-from adaserve.engine.model.attention.masks import fill_grid_mask, grid_mask
+from adaserve.engine.model.attention.masks import grid_mask
 from adaserve.engine.model.batch import BatchLayout
 from adaserve.engine.model.kv_cache import PagedKVCache
 from adaserve.engine.model.layers import CausalLM
@@ -49,23 +50,80 @@ def pow2(x: int, lowest: int = 1) -> int:
     return max(lowest, 1 << (max(1, x) - 1).bit_length())
 
 
+INT_ROWS = ("ids", "positions", "write_slots", "hi", "lo")  # the [G * Q] parts of a grid's ints, in order
+
+
+def pack_ints(g: int, q: int, k: int, *, ids: np.ndarray, positions: np.ndarray, write_slots: np.ndarray,
+              hi: np.ndarray, lo: np.ndarray | None, key_slots: np.ndarray) -> np.ndarray:
+    """A grid's integer buffers as the one host array its single copy sends (``Grid.ints``' layout): five
+    ``[G * Q]`` parts (``INT_ROWS``; ``lo`` None: zeros, no sliding window), then the ``[G, K]`` key slots."""
+    lo = np.zeros(g * q, np.int64) if lo is None else lo
+    out = np.concatenate((ids, positions, write_slots, hi, lo, key_slots), axis=None, dtype=np.int64,
+                         casting="unsafe")
+    if out.size != len(INT_ROWS) * g * q + g * k:
+        raise ValueError(f"{out.size} integers for a ({g}, {q}, {k}) grid")
+    return out
+
+
 @dataclass
 class Grid:
-    """One bucket's persistent buffers; on CUDA its graph, whose output is ``logits``."""
+    """One bucket's persistent buffers; on CUDA its graph, whose output is ``logits``.
+
+    The integer buffers are views of one ``ints`` tensor, so a forward fills them all with one copy. The mask
+    is not a buffer: the captured function makes it (``mask``) from the row bounds and the tree cells.
+    """
 
     g: int
     q: int
     k: int
-    ids: torch.Tensor  # [G*Q] int64
-    positions: torch.Tensor  # [G*Q] int64
-    write_slots: torch.Tensor  # [G*Q] int64
-    key_slots: torch.Tensor  # [G, K] int64
-    mask: torch.Tensor  # [G, 1, Q, K] bool
+    ints: torch.Tensor  # [5 * G * Q + G * K] int64: the views below (pack_ints lays a host array out alike)
+    tree: torch.Tensor  # [G, Q, K] bool: keys a row sees besides its bounds (its tree cells); zero when none
+    cols: torch.Tensor  # [K] int64: 0 .. K - 1
     logits: torch.Tensor | None = None  # [G*Q, V] float32, written by each run
     graph: torch.cuda.CUDAGraph | None = None
+    has_cells: bool = False  # ``tree`` holds set cells, cleared by the next ``set_cells``
+    ids: torch.Tensor = field(init=False)  # [G*Q]
+    positions: torch.Tensor = field(init=False)  # [G*Q]
+    write_slots: torch.Tensor = field(init=False)  # [G*Q]
+    hi: torch.Tensor = field(init=False)  # [G, Q, 1]: row (b, r) sees keys lo <= j < hi ...
+    lo: torch.Tensor = field(init=False)  # [G, Q, 1]  (... read only with a sliding window) ...
+    key_slots: torch.Tensor = field(init=False)  # [G, K]  ... and its tree cells; key j is cache slot key_slots[b, j]
+
+    def __post_init__(self) -> None:
+        gq = self.g * self.q
+        rows = self.ints[: len(INT_ROWS) * gq].view(len(INT_ROWS), gq)
+        self.ids, self.positions, self.write_slots = rows[0], rows[1], rows[2]
+        self.hi, self.lo = rows[3].view(self.g, self.q, 1), rows[4].view(self.g, self.q, 1)
+        self.key_slots = self.ints[len(INT_ROWS) * gq :].view(self.g, self.k)
+
+    @classmethod
+    def empty(cls, g: int, q: int, k: int, device: torch.device) -> Grid:
+        return cls(g, q, k, torch.zeros(len(INT_ROWS) * g * q + g * k, dtype=torch.int64, device=device),
+                   torch.zeros((g, q, k), dtype=torch.bool, device=device), torch.arange(k, device=device))
 
     def data_ptrs(self) -> tuple[int, ...]:
-        return tuple(t.data_ptr() for t in (self.ids, self.positions, self.write_slots, self.key_slots, self.mask))
+        return tuple(t.data_ptr() for t in (self.ints, self.tree, self.cols))
+
+    def mask(self, window: bool) -> torch.Tensor:
+        """[G, Q, K] bool, made on the device (inside the graph): row (b, r) sees key j when
+        ``lo <= j < hi`` (``lo`` read only with a sliding ``window``) or when its tree cell is set."""
+        mask = self.cols < self.hi
+        if window:
+            mask &= self.cols >= self.lo
+        return mask.logical_or_(self.tree)
+
+    def set_cells(self, cells: torch.Tensor | None, values: torch.Tensor | None) -> None:
+        """This forward's tree cells (flat ``[G, Q, K]`` indices; ``values`` their bits, None: all set), the last
+        forward's cleared first: at most two ops, none while neither forward has any (decoding, chains)."""
+        if self.has_cells:
+            self.tree.zero_()
+        self.has_cells = cells is not None
+        if cells is None:
+            return
+        if values is None:
+            self.tree.view(-1).index_fill_(0, cells, True)
+        else:
+            self.tree.put_(cells, values)
 
 
 class GridAttention:
@@ -73,11 +131,13 @@ class GridAttention:
 
     name = "grid"
 
-    def __init__(self, grid: Grid, *, head_dim: int, native: NativeKernels | None = None) -> None:
+    def __init__(self, grid: Grid, *, head_dim: int, window: bool, native: NativeKernels | None = None) -> None:
         self.grid = grid
         self.scale = head_dim**-0.5
+        self.window = window  # the model has a sliding window: the mask reads the grid's lower bounds
         self.native = native  # a model on the integer kernels attends with them, as the eager torch backend does
-        self._bias: torch.Tensor | None = None  # the mask as 0 / -inf, made by the forward's first layer
+        self._mask: torch.Tensor | None = None  # made by the forward's first layer (``Grid.mask``): bool [G, Q, K]
+        # for the native kernels, else 0 / -inf [G, 1, Q, K]
 
     def plan(self, layout: BatchLayout, cache: PagedKVCache) -> None:  # the grid is filled by StaticForward
         pass
@@ -86,17 +146,19 @@ class GridAttention:
                 cache: PagedKVCache) -> torch.Tensor:
         g = self.grid
         write_kv(layer, k, v, cache, g.write_slots)
+        if layer == 0 or self._mask is None:  # once per forward, not once per layer (SDPA would convert a
+            # boolean mask to the additive one in every layer: the same values, two kernels a layer more)
+            mask = g.mask(self.window)
+            # float64 on a CPU, as the eager path (base.sum_dtype)
+            self._mask = mask if self.native is not None else additive_mask(mask[:, None], q)
         if self.native is not None:  # as the eager backend (torch_sdpa.py)
             return self.native.attend(q.view(g.g, g.q, *q.shape[1:]), cache.k[layer], cache.v[layer], g.key_slots,
-                                      g.mask[:, 0], self.scale)
+                                      self._mask, self.scale)
         grid, slots = (*g.key_slots.shape, *cache.k.shape[2:]), g.key_slots.view(-1)  # index_select: see torch_sdpa
         kp = cache.k[layer].index_select(0, slots).view(grid)  # [G, K, Hkv, D], cast in grid_sdpa
         vp = cache.v[layer].index_select(0, slots).view(grid)
         qp = q.view(g.g, g.q, *q.shape[1:])
-        if layer == 0 or self._bias is None:  # once per forward, not once per layer (SDPA would convert the
-            # boolean mask to this very tensor in every layer: the same values, two kernels a layer more)
-            self._bias = additive_mask(g.mask, q)  # float64 on a CPU, as the eager path (base.sum_dtype)
-        out = grid_sdpa(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), self._bias,
+        out = grid_sdpa(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), self._mask,
                         self.scale).transpose(1, 2)  # [G, Q, H, D]
         return out.reshape(q.shape)
 
@@ -134,15 +196,7 @@ class StaticForward:
     def grid(self, shape: tuple[int, int, int]) -> Grid:
         grid = self._grids.get(shape)
         if grid is None:
-            g, q, k = shape
-            dev = self.device
-
-            def ints(*size: int) -> torch.Tensor:
-                return torch.zeros(size, dtype=torch.int64, device=dev)
-
-            grid = Grid(g, q, k, ints(g * q), ints(g * q), ints(g * q), ints(g, k),
-                        torch.zeros((g, 1, q, k), dtype=torch.bool, device=dev))
-            self._grids[shape] = grid
+            grid = self._grids[shape] = Grid.empty(*shape, self.device)
         return grid
 
     def forward(self, layout: BatchLayout, rows: list[int], shape: tuple[int, int, int]) -> torch.Tensor:
@@ -159,15 +213,19 @@ class StaticForward:
 
     # ---- filling the buffers (eager, before the replay) ----------------------------------------------
     def _fill(self, grid: Grid, layout: BatchLayout, rows: list[int]) -> None:
+        """The grid's buffers for ``layout``: its integers in one copy (from the layout's one transfer), then, on a
+        layout whose ids are on the device (beam levels), those ids, and on one with trees, their cells. A decode
+        or chain forward makes one op here; the mask is made inside the graph (``Grid.mask``)."""
+        g, q, k = grid.g, grid.q, grid.k
         b_real = len(layout.segments)
         indptr = np.asarray(layout.qo_indptr)
         n_new = np.diff(indptr)
         kv_lens = np.asarray(layout.kv_lens, np.int64)
         seg = np.repeat(np.arange(b_real), n_new)
-        at = seg * grid.q + np.arange(indptr[-1]) - indptr[seg]  # grid row of each real token
-        ids = np.zeros(grid.g * grid.q, np.int64)
-        pos = np.zeros(grid.g * grid.q, np.int64)
-        slots = np.full(grid.g * grid.q, self.cache.scratch_slot, np.int64)
+        at = seg * q + np.arange(indptr[-1]) - indptr[seg]  # grid row of each real token
+        ids = np.zeros(g * q, np.int64)
+        pos = np.zeros(g * q, np.int64)
+        slots = np.full(g * q, self.cache.scratch_slot, np.int64)
         if self.poison is not None:
             ids = self.poison.integers(0, self.model.cfg.vocab_size, ids.shape)
             pos = self.poison.integers(0, self.model.cfg.max_position_embeddings, pos.shape)
@@ -177,41 +235,48 @@ class StaticForward:
             ids[at] = layout.ids
         # key k of a real segment: its cache slot (keys past kv_len repeat the last real one, masked)
         ps = layout.page_size
-        k_idx = np.minimum(np.arange(grid.k)[None, :], kv_lens[:, None] - 1)
-        keys = np.full((grid.g, grid.k), self.cache.scratch_slot, np.int64)
+        k_idx = np.minimum(np.arange(k)[None, :], kv_lens[:, None] - 1)
+        keys = np.full((g, k), self.cache.scratch_slot, np.int64)
         keys[:b_real] = np.take_along_axis(layout.page_table, k_idx // ps, 1) * ps + k_idx % ps
+        # the mask as row bounds and tree cells (masks.grid_mask); padded segments see key 0 only. Beam levels'
+        # ancestor rows are on the device (batch.DeviceNodes): their cells' bits are read there.
+        device_rows = layout.ids is None and "mask.anc" in layout.stage
+        gm = grid_mask(layout.segments, range(b_real), q, k, self.model.cfg.sliding_window,
+                       device_rows=device_rows)
+        hi = np.ones((g, q), np.int64)
+        hi[:b_real] = gm.hi[:, :, 0]
+        lo = None
+        if gm.lo is not None:
+            lo = np.zeros((g, q), np.int64)
+            lo[:b_real] = gm.lo[:, :, 0]
+        padded = None
+        if self.poison is not None:  # padded rows: any bounds that leave them a key (their values stay finite)
+            padded = np.ones(g * q, bool)
+            padded[at] = False
+            hi.ravel()[padded] = self.poison.integers(1, k + 1, int(padded.sum()))
+            lo = np.zeros((g, q), np.int64) if lo is None else lo
+            lo.ravel()[padded] = self.poison.integers(0, hi.ravel()[padded])
         stage = layout.stage
-        for name, arr in (("ids", ids), ("positions", pos), ("write_slots", slots), ("keys", keys),
-                          ("rows", at[np.asarray(rows, np.int64)])):
-            stage.put(f"static.{name}", arr)
+        stage.put("static.ints", pack_ints(g, q, k, ids=ids, positions=pos, write_slots=slots, hi=hi, lo=lo,
+                                           key_slots=keys))
+        stage.put("static.rows", at[np.asarray(rows, np.int64)])
         if layout.ids is None:
             stage.put("static.at", at)
-        # the mask as row bounds and tree cells (masks.grid_mask, issue 30: a few device ops, not the rule
-        # evaluated on the whole grid); beam levels' ancestor rows are on the device (batch.DeviceNodes)
-        device_rows = layout.ids is None and "mask.anc" in stage
-        gm = grid_mask(layout.segments, range(b_real), grid.q, grid.k, self.model.cfg.sliding_window,
-                       device_rows=device_rows)
-        parts = {name: arr for name in ("hi", "lo", "cells", "src") if (arr := getattr(gm, name)) is not None}
-        for name, arr in parts.items():
-            stage.put(f"static.mask.{name}", arr)
-        anc = stage.get("mask.anc").reshape(-1) if device_rows else None  # the first read: one copy
-        got = {name: stage.get(f"static.mask.{name}") if name in parts else None
-               for name in ("hi", "lo", "cells", "src")}
-        values = None if got["src"] is None or anc is None else anc[got["src"]]
-        mask = fill_grid_mask(torch.arange(grid.k, device=layout.device), got["hi"], got["lo"], got["cells"], values)
-        grid.ids.copy_(stage.get("static.ids"))
+        for name in ("cells", "src"):
+            if (arr := getattr(gm, name)) is not None:
+                stage.put(f"static.mask.{name}", arr)
+        grid.ints.copy_(stage.get("static.ints"))  # the first read: the layout's one transfer
         if layout.ids is None:
             grid.ids.index_copy_(0, stage.get("static.at"), layout.input_ids)
-        grid.positions.copy_(stage.get("static.positions"))
-        grid.write_slots.copy_(stage.get("static.write_slots"))
-        grid.key_slots.copy_(stage.get("static.keys"))
-        grid.mask[:b_real, 0].copy_(mask)
-        if b_real < grid.g:  # padded segments see key 0 only
-            grid.mask[b_real:].zero_()
-            grid.mask[b_real:, :, :, 0] = True
-        if self.poison is not None:
-            garbage = torch.rand(grid.mask[b_real:].shape, generator=torch.Generator().manual_seed(0)) < 0.5
-            grid.mask[b_real:].copy_(garbage)
+        cells = stage.get("static.mask.cells") if gm.cells is not None else None
+        values = None
+        if gm.src is not None:
+            values = stage.get("mask.anc").reshape(-1)[stage.get("static.mask.src")]
+        grid.set_cells(cells, values)
+        if padded is not None:
+            garbage = torch.rand((int(padded.sum()), k), generator=torch.Generator().manual_seed(0)) < 0.5
+            grid.tree.view(g * q, k)[torch.from_numpy(np.flatnonzero(padded))] = garbage.to(grid.tree.device)
+            grid.has_cells = True
             scratch = slice(self.cache.scratch_slot, self.cache.scratch_slot + self.cache.page_size)
             self.cache.k[:, scratch].normal_()
             self.cache.v[:, scratch].normal_()
@@ -219,17 +284,22 @@ class StaticForward:
     # ---- running: the function, eagerly or as a captured graph ---------------------------------------
     def _function(self, grid: Grid) -> Callable[[], torch.Tensor]:
         """What a graph captures: the model over the grid's buffers (untimed: the replay is timed)."""
-        attention = GridAttention(grid, head_dim=self.model.cfg.head_dim, native=self.model.attention_kernels())
+        attention = self._attention(grid)
 
         def run() -> torch.Tensor:
             return self.model._logits(grid.ids, grid.positions, attention, self.cache, None)
 
         return run
 
+    def _attention(self, grid: Grid) -> GridAttention:
+        cfg = self.model.cfg
+        return GridAttention(grid, head_dim=cfg.head_dim, window=cfg.sliding_window is not None,
+                             native=self.model.attention_kernels())
+
     def _runner(self, grid: Grid) -> Callable[[], None]:
         """The eager call goes through the module (its timer, and any hooks on it); a replay is timed alone."""
         if not self.graphs:
-            attention = GridAttention(grid, head_dim=self.model.cfg.head_dim, native=self.model.attention_kernels())
+            attention = self._attention(grid)
 
             def eager() -> None:
                 grid.logits = self.model(grid.ids, grid.positions, backend=attention, cache=self.cache)

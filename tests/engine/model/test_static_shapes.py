@@ -4,6 +4,7 @@
   logits bit-identical;
 - it agrees with the eager forward on decode, beam and tree batches;
 - its buffers keep their data_ptr across forwards of one bucket;
+- the eager part outside the captured function is a few ops (the mask is made inside it);
 - capture safety: the function a graph captures makes no host-device crossing at all, and a whole decode or
   verification forward (planning included) makes one non-blocking copy and nothing the host waits on.
 """
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from adaserve.bench.engine_only import OpCount
 from adaserve.engine.model.attention.masks import MaskIndex, padded_mask
 from adaserve.engine.model.batch import BatchLayout, Segment, build_layout
 from adaserve.engine.model.host_sync import HostSync
@@ -112,8 +114,10 @@ def test_static_mask_is_the_padded_rule(static_runner: ModelRunner, kind: str, w
     grid = r.static.grid(shape)
     r.static._fill(grid, lay, list(range(int(lay.qo_indptr[-1]))))
     want = padded_mask(MaskIndex(layout()), torch.arange(len(segs)), grid.q, grid.k, window)
-    assert torch.equal(grid.mask[: len(segs), 0], want)
-    assert not bool(grid.mask[: len(segs), 0].all())  # the rule does hide keys
+    mask = grid.mask(window is not None)  # as the captured function makes it from the grid's buffers
+    assert torch.equal(mask[: len(segs)], want)
+    assert not bool(mask[: len(segs)].all())  # the rule does hide keys
+    assert torch.equal(mask[len(segs) :], torch.arange(grid.k).expand_as(mask[len(segs) :]) == 0)  # key 0 only
 
 
 @pytest.mark.parametrize("kind", ["decode", "verify", "beam"])
@@ -164,6 +168,21 @@ def test_captured_function_crosses_nothing(static_runner: ModelRunner, kind: str
     with HostSync(forbid=True) as hs:
         r.static._function(grid)()
     assert not hs.counts
+
+
+@pytest.mark.parametrize(("kind", "most"), [("decode", 2), ("verify", 4), ("beam", 4)])
+def test_the_eager_part_of_a_static_forward_is_a_few_ops(static_runner: ModelRunner, kind: str, most: int) -> None:
+    """Outside the function a graph captures, a static forward launches a few device ops (a kernel each on a GPU,
+    each paid by the host before the replay): one copy of the bucket's integers, the tree cells where there are
+    any (the last forward's cleared, this one's set), the logits rows; the mask is made inside the graph. On a
+    GPU the layout's one host-to-device copy comes on top."""
+    r = static_runner
+    segs = batches(prefilled(r, [7, 12, 3]))[kind]
+    forward_static(r, segs)  # the grid exists, and the forward below clears this one's cells first
+    with OpCount([r.model]) as ops:
+        forward_static(r, segs)
+    assert ops.inside > 0
+    assert ops.outside <= most, dict(ops.names)  # 10 (decode) and 11 before the mask moved inside
 
 
 @pytest.mark.parametrize("static", [False, True])

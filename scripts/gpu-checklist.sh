@@ -112,7 +112,8 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   echo "gpu-checklist: no CUDA device here: a dry run of the CPU parts (the GPU figures need a GPU)" >&2
   step "static shapes and beam levels on the device, CPU half (the --with-gpu half is skipped)"
   ADASERVE_FEW_ROW_KERNELS=off run tests-cpu "$PY" -m pytest -q -p no:cacheprovider \
-    tests/engine/model/test_static_shapes.py tests/engine/speculation/test_beam_on_device.py
+    tests/engine/model/test_static_shapes.py tests/engine/speculation/test_beam_on_device.py \
+    tests/engine/speculation/test_draft_steps.py
   step "forward times of the default draft's architecture on cpu (the plumbing, not a measurement)"
   run forwards-cpu-dry "$PY" -m adaserve.bench.random_arch forwards --device cpu \
     --target models/smollm2-draft/config.json --draft models/smollm2-draft/config.json --batches 1,2 \
@@ -158,7 +159,8 @@ if [ "$PART" = a ] || [ "$PART" = all ]; then
     --draft llama-3.2-1b --contexts 64,256,1024 --repeats 5 --kv-gib 6 --json "$OUT/profile-llama-3.1-8b.json"
   step "static shapes and CUDA graphs: replay against eager, greedy output unchanged, capture safety"
   run static-shapes-tests "$PY" -m pytest --with-gpu -q -p no:cacheprovider tests/engine/model/test_static_shapes.py \
-    tests/engine/speculation/test_beam_on_device.py --junitxml "$OUT/static-shapes-junit.xml"
+    tests/engine/speculation/test_beam_on_device.py tests/engine/speculation/test_draft_steps.py \
+    --junitxml "$OUT/static-shapes-junit.xml"
   step "quantized layers on CUDA (issue 35): torch's int4 and int8 kernels against their dequantized weights, lossless"
   run quant-cuda-tests "$PY" -m pytest --with-gpu -q -p no:cacheprovider tests/engine/model/test_quant.py -k cuda \
     --junitxml "$OUT/quant-cuda-junit.xml"

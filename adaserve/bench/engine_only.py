@@ -61,6 +61,7 @@ from adaserve.engine.model.host_sync import BLOCKING, KINDS, HostSync
 from adaserve.engine.model.kv_cache import KVCacheConfig
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.request import Phase, Request
+from adaserve.engine.speculation.draft_steps import DraftSteps
 from adaserve.engine.speculation.sampling import SamplingParams
 
 
@@ -229,6 +230,18 @@ class OpCount(TorchDispatchMode):
     def _out(self, *_: Any) -> None:
         self._depth -= 1
 
+    @contextlib.contextmanager
+    def replay(self) -> Any:
+        """A region a GPU replays as one CUDA graph (the draft's steps, draft_steps.py; a CPU calls its function):
+        counted as one launch outside the forwards, its own ops as inside."""
+        self.outside += 1
+        self.names["graph_replay"] += 1
+        self._in()
+        try:
+            yield
+        finally:
+            self._out()
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if not func.is_view:
             if self._depth:
@@ -246,6 +259,19 @@ def torch_picks() -> contextlib.AbstractContextManager[Any]:
     return mock.patch.dict(os.environ, {native_kernels.ENV: "off"})
 
 
+@contextlib.contextmanager
+def steps_as_replays(ops: OpCount) -> Any:
+    """The draft's steps on static buckets counted as the graph replays a GPU makes of them (``OpCount.replay``)."""
+    step = DraftSteps._step
+
+    def counted(self: DraftSteps, s: int) -> None:
+        with ops.replay():
+            step(self, s)
+
+    with mock.patch.object(DraftSteps, "_step", counted):
+        yield
+
+
 def count_crossings(eng: Engine, steps: int) -> dict[str, Any]:
     """Per iteration, over ``steps`` iterations: host-device crossings of each kind (host_sync.py), the
     blocking ones together, and where in the code each comes from (calls per iteration); and the device
@@ -253,7 +279,7 @@ def count_crossings(eng: Engine, steps: int) -> dict[str, Any]:
     if steps < 1:
         return {}
     models = [r.model for r in (eng.target, *([] if eng.draft is None else [eng.draft]))]
-    with torch_picks(), HostSync() as hs, OpCount(models) as ops:
+    with torch_picks(), HostSync() as hs, OpCount(models) as ops, steps_as_replays(ops):
         for _ in range(steps):
             eng.step()
     per = {f"{k}_per_iteration": hs.counts[k] / steps for k in KINDS}

@@ -283,8 +283,16 @@ class BeamLevels:
                 # rows; with a window only the keys within it (query depth ``level``, key depth depths[j])
                 j = np.flatnonzero(level - depths[:size] < window) if window is not None else np.arange(size)
                 r = np.arange(a)[None, :, None]
-                put(f"{level}.cells", ((b[:, :, None] * q + r) * k + prefix[:, None, None] + j).ravel())
-                put(f"{level}.src", ((b[:, :, None] * side + c + r) * side + j).ravel())
+                cells = ((b[:, :, None] * q + r) * k + prefix[:, None, None] + j).ravel()
+                src = ((b[:, :, None] * side + c + r) * side + j).ravel()
+                if how == "static" and g > n:  # as many as the bucket's G requests would have (the draft's steps,
+                    # draft_steps.py, keep them in buffers of one size): the rest set key 0 of a padded row, which
+                    # sees it anyway, to bit [0, 0, 0] (a root is its own ancestor: true)
+                    extra = (g - n) * cells.size // n
+                    cells = np.concatenate([cells, np.full(extra, (g - 1) * q * k)])
+                    src = np.concatenate([src, np.zeros(extra, np.int64)])
+                put(f"{level}.cells", cells)
+                put(f"{level}.src", src)
 
     def _plan_catch_up(self, slots: np.ndarray, row0: np.ndarray, window: int | None) -> None:
         """The catch-up's arrays, as ``build_layout`` and ``TorchAttention.plan`` (or ``StaticForward._fill``) make
@@ -340,6 +348,31 @@ class BeamLevels:
             put("0.lo", np.where(real, np.maximum(first[:, None] + row - window + 1, 0), 0)[:, :, None])
         if len(seg) != g:
             put("0.logits_rows", starts + counts - 1)
+
+    def static_shape(self) -> tuple[tuple[int, int, int], ...] | None:
+        """Each fed level's static bucket (G, Q, K), levels 1 .. len(sizes) - 1, or None unless every one of them runs
+        on one (then the draft's steps can run them: speculation/draft_steps.py)."""
+        levels = self._grids[1:]
+        if not levels or any(how != "static" for how, *_ in levels):
+            return None
+        return tuple((g, q, k) for _, g, q, k in levels)
+
+    def static_inputs(self, level: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """A static level's staged arrays on the device: its bucket's integers (ids zero), its tree cells' flat
+        places in the bucket's [G, Q, K] tree buffer and their sources in the [G, S, S] ancestor rows (None for a
+        chain's level), the cells padded to the bucket's G requests."""
+        if self._grids[level][0] != "static":
+            raise ValueError(f"level {level} does not run on a static bucket")
+        get = self.stage.get
+        if f"{level}.cells" not in self.stage:
+            return get(f"{level}.ints"), None, None
+        return get(f"{level}.ints"), get(f"{level}.cells"), get(f"{level}.src")
+
+    def report(self, level: int, t0: float) -> None:
+        """Tell the runner's listeners about level ``level``'s forward, begun at ``perf_counter()`` ``t0`` (as
+        ``forward`` does, for a caller that ran the level itself)."""
+        n, a, c = len(self.seqs), self.sizes[level], int(self.ends[level - 1])
+        self.runner.record(n_new=n * a, n_context=self.context + n * c, t0=t0)
 
     def _host_mask(self, level: int, ancestors: torch.Tensor | None) -> torch.Tensor:
         """Level ``level``'s host mask with its tree cells filled from ``ancestors`` ([1, S, S] on the CPU): the bits

@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -37,6 +38,8 @@ from adaserve.engine.model.batch import BatchLayout
 from adaserve.engine.model.kv_cache import PagedKVCache
 from adaserve.engine.model.layers import CausalLM
 from adaserve.engine.model.native_kernels import NativeKernels
+
+T = TypeVar("T")
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_KEYS = 64
@@ -333,13 +336,22 @@ class StaticForward:
         return GridAttention(grid, head_dim=cfg.head_dim, window=cfg.sliding_window is not None,
                              native=self.model.attention_kernels())
 
+    def eager_function(self, grid: Grid) -> Callable[[], torch.Tensor]:
+        """``_function`` as a CPU calls it: through the module (its timer, and any hooks on it)."""
+        attention = self._attention(grid)
+
+        def run() -> torch.Tensor:
+            return self.model(grid.ids, grid.positions, backend=attention, cache=self.cache)
+
+        return run
+
     def _runner(self, grid: Grid) -> Callable[[], None]:
         """The eager call goes through the module (its timer, and any hooks on it); a replay is timed alone."""
         if not self.graphs:
-            attention = self._attention(grid)
+            fn = self.eager_function(grid)
 
             def eager() -> None:
-                grid.logits = self.model(grid.ids, grid.positions, backend=attention, cache=self.cache)
+                grid.logits = fn()
 
             return eager
         if grid.graph is None:
@@ -354,7 +366,14 @@ class StaticForward:
         return replay
 
     def _capture(self, grid: Grid, fn: Callable[[], torch.Tensor]) -> None:
-        """Warm up on a side stream (lazy initialisations must not be captured), then capture ``fn``.
+        """Capture the model over ``grid``'s buffers (``capture``); the graph's output is the grid's logits."""
+        grid.graph, grid.logits = self.capture(fn)
+
+    def capture(self, fn: Callable[[], T], pool: tuple[int, int] | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
+        """Warm up on a side stream (lazy initialisations must not be captured), then capture ``fn`` into a CUDA
+        graph: the graph, and ``fn``'s outputs, which each replay overwrites. In ``pool`` when given (the draft's
+        steps keep one pool per search shape, replayed in the order captured: speculation/draft_steps.py), else in
+        the pool every bucket's graph of this model shares.
 
         The warm-up runs on the buffers already filled for this forward, so its KV writes are the ones the
         replay makes again: the same values in the same slots.
@@ -365,7 +384,8 @@ class StaticForward:
             fn()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            grid.logits = fn()
-        self._pool = graph.pool()
-        grid.graph = graph
+        with torch.cuda.graph(graph, pool=self._pool if pool is None else pool):
+            out = fn()
+        if pool is None:
+            self._pool = graph.pool()
+        return graph, out

@@ -12,7 +12,9 @@ slots and mask bounds depend only on the level and the widths, so every level, t
 (on the torch backend), is planned at once before the first (``model/levels.py``: one host pass, one copy), the
 picked ids feed the forward as they are, and
 the ancestor rows grow on the device (a new node's row is its parent's plus itself). The whole candidate
-tree comes to the host in one copy at the end.
+tree comes to the host in one copy at the end. Where every fed level runs on a static bucket (a GPU's path), the
+levels run as the draft's steps instead (``draft_steps.py``): each level's picks, growth and forward one function over
+persistent buffers, one CUDA graph replay a level on a GPU, the same trees.
 """
 
 from __future__ import annotations
@@ -113,39 +115,54 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     # on the device, per level: tokens, parents (tree index), log path probabilities, each [n, k]
     levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     checks: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-    chains = max(sizes) == 1  # every level one node (width 1): no level reads ancestor rows, none are grown
-    # ancestor rows of every node the draft is fed, made once and filled level by level (None: chains); on the CPU's
-    # own path of every node, the last level's too: the trees' ancestor matrices, handed to them as they stand
-    side = sum(sizes) if on_host else forwards.tree_size
-    every = None if chains else _ancestor_rows(n, side, dev, first_level=sizes[1])
-    anc = every if every is None or side == forwards.tree_size else every[:, : forwards.tree_size, : forwards.tree_size]
-    host = native_kernels.SearchPicks(kernels, n, sum(sizes[1:]), every) if on_host and kernels is not None else None
-    # the ops' frontier log path probabilities, on the device
-    base = None if host is not None else torch.zeros((n, 1), dtype=torch.float64, device=dev)
-    frontier = 0  # tree index of the frontier's first node; the frontier is level ``step``, ``rows`` its logits
-    for step in range(depth):
-        if host is not None:  # level 1's rows (children of the root) were made with the rows
-            tok = host.level(rows, k=per_node[step], width=None if expansion is not None else width,
-                             frontier=frontier, grow=every is not None and step > 0)
-        else:
-            k = None if expansion is None else expansion[step]
-            allowed = None if paths is None else paths.allowed(frontier, sizes[step]).to(dev, non_blocking=True)
-            assert base is not None
-            tok, parent, value, check = _expand_on_device(rows, base, width=width, per_node=k, allowed=allowed,
-                                                          frontier=frontier, kernels=kernels)
-            if paths is not None:
-                paths.add(tok, parent)
+    # every fed level on a static bucket (a GPU's path): the steps as functions over persistent buffers, each one a
+    # CUDA graph there (draft_steps.py: the same picks, growth and forwards as the loop below)
+    steps = None
+    if not on_host and paths is None and draft.static is not None:
+        from adaserve.engine.speculation.draft_steps import steps_for  # it imports this module's ops
+
+        steps = steps_for(forwards, depth=depth, width=width, expansion=expansion, sizes=sizes)
+    if steps is not None:
+        for tok, parent, value, check in steps.run(forwards, rows, lambda: _seen(draft, on_forward)):
             levels.append((tok, parent, value))
             checks.append(check)
-            base = value
-        if step == depth - 1:
-            break
-        frontier += sizes[step]
-        if host is None and anc is not None and step > 0:  # level 1's rows were made with the rows
-            _grow_ancestors(anc, frontier, parent)
-        chain = max(sizes[: step + 2]) == 1  # one node per level so far: every tree is a chain, no rows needed
-        rows = forwards.forward(step + 1, tok if host is not None else tok.reshape(-1), None if chain else anc)
-        _seen(draft, on_forward)
+        host = every = None
+    else:
+        chains = max(sizes) == 1  # every level one node (width 1): no level reads ancestor rows, none are grown
+        # ancestor rows of every node the draft is fed, made once and filled level by level (None: chains); on the CPU's
+        # own path of every node, the last level's too: the trees' ancestor matrices, handed to them as they stand
+        side = sum(sizes) if on_host else forwards.tree_size
+        every = None if chains else _ancestor_rows(n, side, dev, first_level=sizes[1])
+        fed = forwards.tree_size
+        anc = every if every is None or side == fed else every[:, :fed, :fed]
+        host = (native_kernels.SearchPicks(kernels, n, sum(sizes[1:]), every) if on_host and kernels is not None
+                else None)
+        # the ops' frontier log path probabilities, on the device
+        base = None if host is not None else torch.zeros((n, 1), dtype=torch.float64, device=dev)
+        frontier = 0  # tree index of the frontier's first node; the frontier is level ``step``, ``rows`` its logits
+        for step in range(depth):
+            if host is not None:  # level 1's rows (children of the root) were made with the rows
+                tok = host.level(rows, k=per_node[step], width=None if expansion is not None else width,
+                                 frontier=frontier, grow=every is not None and step > 0)
+            else:
+                k = None if expansion is None else expansion[step]
+                allowed = None if paths is None else paths.allowed(frontier, sizes[step]).to(dev, non_blocking=True)
+                assert base is not None
+                tok, parent, value, check = _expand_on_device(rows, base, width=width, per_node=k, allowed=allowed,
+                                                              frontier=frontier, kernels=kernels)
+                if paths is not None:
+                    paths.add(tok, parent)
+                levels.append((tok, parent, value))
+                checks.append(check)
+                base = value
+            if step == depth - 1:
+                break
+            frontier += sizes[step]
+            if host is None and anc is not None and step > 0:  # level 1's rows were made with the rows
+                _grow_ancestors(anc, frontier, parent)
+            chain = max(sizes[: step + 2]) == 1  # one node per level so far: every tree is a chain, no rows needed
+            rows = forwards.forward(step + 1, tok if host is not None else tok.reshape(-1), None if chain else anc)
+            _seen(draft, on_forward)
 
     for x, c in zip(inputs, committed, strict=True):  # commit the pending tokens, drop the scratch beams
         draft.cache.truncate(x.seq, c)

@@ -1,0 +1,230 @@
+"""The draft's beam-search steps on static buckets, as functions over persistent buffers (issue 30: "graphs for what
+repeats": the draft's steps with beam state, top-k, slots and the ancestor mask on the device).
+
+``beam_search`` on the static path, with the torch picks a GPU runs, hands its levels here. Step s of a search of
+depth d picks level s + 1 from level s's logits and, below the last level, feeds it to the draft:
+
+    picks          tokens, parents, log path probabilities of level s + 1   (speculate._expand_on_device)
+    ancestors      the new nodes' rows, each its parent's or'ed with its own (speculate._grow_ancestors)
+    the bucket     the picks scattered into level s + 1's ids, its tree cells read from the ancestor rows
+    the draft      the model over the bucket: level s + 1's logits, which step s + 1 reads
+
+Each step is one function that reads and writes only buffers that outlive the search (this object's, the buckets',
+the earlier steps' outputs). On a GPU it is captured once per search shape as a CUDA graph and replayed, one launch a
+level instead of a dozen picks ops and half a dozen fills; on a CPU the very same closures are called, search after
+search, and their outputs copied into the first search's tensors, as a replay would leave them, so that every CPU test
+of the path holds a step to reading nothing but its buffers (tests/engine/speculation/test_draft_steps.py).
+
+Per search, before the steps, the host queues: the roots' logits into the root buffer, the ancestor rows reset, and per
+fed level, right before the step that feeds it (levels may share a bucket), three copies: the bucket's integers and its
+tree cells with their sources (``BeamLevels`` staged them, padded to the bucket; a padded request's rows pick from rows
+that see the scratch page only). The picks reach the host in one copy at the end, as on the eager path.
+
+May import: numpy, torch, the model room, speculation.speculate.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from adaserve.engine.model.levels import BeamLevels
+from adaserve.engine.model.runner import ModelRunner
+from adaserve.engine.model.static import StaticForward
+from adaserve.engine.speculation.speculate import _expand_on_device, _grow_ancestors, _initial_rows
+
+# each draft's static forwards -> its searches' steps by shape (dropped with the runner's static path)
+_STEPS: weakref.WeakKeyDictionary[StaticForward, dict[tuple, DraftSteps]] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class StepOut:
+    """What step s leaves on the device: level s + 1's picks ([G, kept] each), its logits' least and greatest
+    value over the batch bucket, and (below the last level) the draft's logits of level s + 1 ([G * Q, V])."""
+
+    tok: torch.Tensor
+    parent: torch.Tensor
+    value: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    logits: torch.Tensor | None
+
+    def fields(self) -> tuple[torch.Tensor | None, ...]:
+        return self.tok, self.parent, self.value, self.lo, self.hi, self.logits
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in self.fields() if t is not None]
+
+
+def steps_for(levels: BeamLevels, *, depth: int, width: int, expansion: tuple[int, ...] | None,
+              sizes: list[int]) -> DraftSteps | None:
+    """The steps of this search's shape (made at first use), or None where a level does not run on a static bucket."""
+    runner = levels.runner
+    static = runner.static
+    shape = levels.static_shape()
+    if static is None or shape is None:
+        return None
+    key = (tuple(sizes), width, expansion, shape)
+    by_shape = _STEPS.setdefault(static, {})
+    steps = by_shape.get(key)
+    if steps is None:
+        steps = by_shape[key] = DraftSteps(runner, static, sizes=sizes, depth=depth, width=width,
+                                           expansion=expansion, grids=shape)
+    return steps
+
+
+class DraftSteps:
+    """One search shape's steps: G requests (the batch bucket), ``sizes`` nodes per tree at each level (the root
+    first, ``depth + 1`` of them), each fed level's bucket ``grids[l - 1] = (G, Q, K)``."""
+
+    def __init__(self, runner: ModelRunner, static: StaticForward, *, sizes: list[int], depth: int, width: int,
+                 expansion: tuple[int, ...] | None, grids: tuple[tuple[int, int, int], ...]) -> None:
+        self.runner, self.static = runner, static
+        self.sizes, self.depth, self.width, self.expansion = list(sizes), depth, width, expansion
+        self.grids = [static.grid(shape) for shape in grids]  # level l's bucket: grids[l - 1]
+        g, dev = grids[0][0], runner.device
+        self.g = g
+        side = sum(sizes[:depth])  # the fed trees' nodes: the ancestor rows' side (BeamLevels.tree_size)
+        self.chains = max(sizes) == 1
+        # the roots' logits (step 0's input), their log path probabilities (0), the ancestor rows and their reset
+        self.root = torch.zeros((g, runner.vocab_size), dtype=torch.float32, device=dev)
+        self.base = torch.zeros((g, 1), dtype=torch.float64, device=dev)
+        self.anc = None if self.chains else torch.zeros((g, side, side), dtype=torch.bool, device=dev)
+        self.anc0 = None if self.chains else _initial_rows(g, side, sizes[1], torch.device(dev))
+        # per fed level: its tokens' grid rows (b * Q + r, every request of the bucket), its tree cells' buffers
+        self.at: list[torch.Tensor] = []
+        self.cells: list[torch.Tensor | None] = []
+        self.src: list[torch.Tensor | None] = []
+        self.forwards: list[Callable[[], torch.Tensor]] = []
+        for level, grid in enumerate(self.grids, start=1):
+            a = sizes[level]
+            self.at.append((torch.arange(g, device=dev)[:, None] * grid.q + torch.arange(a, device=dev)).reshape(-1))
+            # built once (the attention it holds reads the grid): what a graph captures, or on a CPU the same through
+            # the module, timed and hooked as any forward
+            self.forwards.append(static._function(grid) if static.graphs else static.eager_function(grid))
+            self.cells.append(None)
+            self.src.append(None)
+        self.fns: list[Callable[[], StepOut] | None] = [None] * depth
+        self.outs: list[StepOut | None] = [None] * depth
+        self.graphs: list[torch.cuda.CUDAGraph | None] = [None] * depth
+        # the steps' own memory pool: captured in step order and always replayed in it, a step's intermediates can
+        # only reuse memory of its own earlier steps' intermediates, never an output still to be read (the picks are
+        # read at the search's end); the buckets' graphs keep the model's shared pool
+        self.pool: tuple[int, int] | None = None
+
+    # ---- one search --------------------------------------------------------------------------------------------
+    def run(self, levels: BeamLevels, roots: torch.Tensor,
+            on_forward: Callable[[], None]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                            tuple[torch.Tensor, torch.Tensor]]]:
+        """The search's levels from its roots' logits ``roots`` [n, V]: per level (tokens, parents, log path
+        probabilities, (least, greatest logit)), each [n, kept] (views of the steps' outputs: read them before
+        the next search). ``on_forward`` is called after each fed level, as the eager path reports its forwards."""
+        n = roots.shape[0]
+        self.root[:n].copy_(roots)
+        if self.anc is not None:
+            assert self.anc0 is not None
+            self.anc.copy_(self.anc0)
+        out = []
+        for s in range(self.depth):
+            t0 = time.perf_counter()
+            fed = s < self.depth - 1
+            if fed:  # level s + 1's bucket: its integers, and its tree cells' places and sources
+                grid = self.grids[s]
+                ints, cells, src = levels.static_inputs(s + 1)
+                grid.ints.copy_(ints)
+                if cells is not None:
+                    assert src is not None
+                    self._into(self.cells, s, cells)
+                    self._into(self.src, s, src)
+                grid.has_cells = True  # the step writes its tree buffer (or clears it): the eager path clears it next
+            self._step(s)
+            o = self.outs[s]
+            assert o is not None
+            out.append((o.tok[:n], o.parent[:n], o.value[:n], (o.lo, o.hi)))
+            if fed:
+                levels.report(s + 1, t0)
+                on_forward()
+        return out
+
+    @staticmethod
+    def _into(bufs: list[torch.Tensor | None], s: int, x: torch.Tensor) -> None:
+        buf = bufs[s]
+        if buf is None:
+            bufs[s] = x.clone()
+        else:
+            buf.copy_(x)
+
+    # ---- a step: made once, then called (CPU) or captured and replayed (CUDA) ------------------------------------
+    def _step(self, s: int) -> None:
+        fn = self.fns[s]
+        if fn is None:
+            fn = self.fns[s] = self._make(s)
+        with torch.inference_mode():  # as the draft's forwards run: its outputs are inference tensors
+            self._call(s, fn)
+
+    def _call(self, s: int, fn: Callable[[], StepOut]) -> None:
+        if not self.static.graphs:
+            got = fn()
+            out = self.outs[s]
+            if out is None:  # tensors of their own (an output may be a view of a constant: one node's parents)
+                self.outs[s] = StepOut(*(None if t is None else t.clone() for t in got.fields()))
+            else:  # as a replay leaves them: the first call's tensors hold every later call's values
+                for dst, src in zip(out.tensors(), got.tensors(), strict=True):
+                    dst.copy_(src)
+            return
+        if self.graphs[s] is None:
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            self.graphs[s], self.outs[s] = self.static.capture(fn, self.pool)
+        graph = self.graphs[s]
+        assert graph is not None
+        with self.runner.model.timer.region(self.runner.device):
+            graph.replay()
+
+    def _make(self, s: int) -> Callable[[], StepOut]:
+        """Step s's function, over buffers only: the roots' (s = 0) or step s - 1's outputs, this object's, the
+        buckets'."""
+        sizes, g = self.sizes, self.g
+        f = sizes[s]  # frontier nodes per tree
+        frontier = sum(sizes[:s])  # tree index of the frontier's first node
+        k = None if self.expansion is None else self.expansion[s]
+        if s == 0:
+            x, base = self.root, self.base
+        else:
+            prev = self.outs[s - 1]
+            assert prev is not None and prev.logits is not None
+            q = self.grids[s - 1].q
+            logits = prev.logits
+            x = logits if q == f else logits.view(g, q, -1)[:, :f]  # each request's real rows
+            base = prev.value
+        fed = s < self.depth - 1
+        start = frontier + f  # tree index of the new level's first node
+        anc = self.anc
+        grid = self.grids[s] if fed else None
+        at = self.at[s] if fed else None
+        forward = self.forwards[s] if fed else None
+        tree = fed and not self.chains and max(sizes[: s + 2]) > 1
+
+        def step() -> StepOut:
+            rows = x if x.dim() == 2 else x.reshape(g * f, -1)
+            tok, parent, value, check = _expand_on_device(rows, base, width=self.width, per_node=k,
+                                                          frontier=frontier, kernels=None)
+            assert check is not None
+            if not fed:
+                return StepOut(tok, parent, value, *check, None)
+            assert grid is not None and at is not None and forward is not None
+            if anc is not None and s > 0:  # level 1's rows were made with the reset (speculate._ancestor_rows)
+                _grow_ancestors(anc, start, parent)
+            grid.ids.index_copy_(0, at, tok.reshape(-1))
+            grid.tree.zero_()
+            if tree:
+                cells, src = self.cells[s], self.src[s]
+                assert cells is not None and src is not None and anc is not None
+                grid.tree.put_(cells, anc.take(src))
+            return StepOut(tok, parent, value, *check, forward())
+
+        return step

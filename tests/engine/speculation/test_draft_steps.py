@@ -1,0 +1,163 @@
+"""The draft's beam-search steps over persistent buffers (speculation/draft_steps.py), checked on a CPU where the same
+closures a GPU captures are called search after search:
+
+- searches of one shape reuse one set of steps, and each gives the reference's trees bit for bit (the host-level
+  search of test_beam_on_device.py), with and without a sliding window, batch buckets padded or not: a step that read
+  anything but its buffers would read the first search's values in the later ones;
+- a step makes no host-device crossing (what a CUDA graph may hold);
+- a search launches few device ops outside its steps (each step is one replay on a GPU), far fewer than the levels'
+  loop;
+- a level that is not finite refuses the trees once the pending tokens are committed.
+The trees of every SHAPES entry through the steps are also held to the reference by
+``test_device_levels_give_the_host_levels_trees_bit_for_bit`` (static, torch picks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from adaserve.bench.engine_only import OpCount
+from adaserve.engine.model.host_sync import HostSync
+from adaserve.engine.model.levels import BeamLevels
+from adaserve.engine.model.runner import ModelRunner
+from adaserve.engine.speculation import draft_steps
+from adaserve.engine.speculation.draft_steps import DraftSteps
+from adaserve.engine.speculation.speculate import beam_search
+from tests.engine.helpers import runner, use_cpu_kernels
+from tests.engine.speculation.test_beam_on_device import contexts, host_beam_search
+
+
+@pytest.fixture
+def draft(draft_dir: Path, monkeypatch: pytest.MonkeyPatch) -> ModelRunner:
+    use_cpu_kernels("torch", monkeypatch)  # the torch picks a GPU runs (the CPU kernels' picks take their own path)
+    return runner(draft_dir, static_shapes=True)
+
+
+def one_steps(r: ModelRunner) -> list[DraftSteps]:
+    assert r.static is not None
+    return list(draft_steps._STEPS.get(r.static, {}).values())
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize(("depth", "width", "expansion"), [(4, 2, None), (3, 1, None), (3, 3, None),
+                                                           (0, 1, (2, 1, 2))])
+def test_searches_of_one_shape_reuse_their_steps_and_give_the_reference_trees(
+        draft: ModelRunner, monkeypatch: pytest.MonkeyPatch, window: int | None, depth: int, width: int,
+        expansion: tuple[int, ...] | None) -> None:
+    monkeypatch.setattr(draft.model, "cfg", replace(draft.model.cfg, sliding_window=window))
+    rng = np.random.default_rng(3)
+    made: list[Any] = []
+    for search in range(4):
+        n = (3, 4, 3, 4)[search]  # one batch bucket (4): padded, then not
+        prompts = [rng.integers(2, 97, int(rng.integers(1, 12))).tolist() for _ in range(n)]
+        pending = [rng.integers(2, 97, int(rng.integers(1, 4))).tolist() for _ in range(n)]
+        ref_in, got_in = contexts(draft, prompts, pending), contexts(draft, prompts, pending)
+        ref = host_beam_search(draft, ref_in, depth=depth, width=width, expansion=expansion)
+        got = beam_search(draft, got_in, depth=depth, width=width, expansion=expansion)
+        for g, r in zip(got, ref, strict=True):
+            assert np.array_equal(g.tokens, r.tokens), search
+            assert np.array_equal(g.parents, r.parents), search
+            assert np.array_equal(g.log_probs, r.log_probs), search
+        steps = one_steps(draft)
+        assert len(steps) == 1  # every search of this shape ran on the same steps
+        made.append(list(steps[0].fns))
+        for x in (*ref_in, *got_in):
+            draft.cache.release(x.seq)
+    assert all(fn is first for fns in made for fn, first in zip(fns, made[0], strict=True))
+
+
+def test_a_step_crosses_nothing(draft: ModelRunner) -> None:
+    """What a CUDA graph captures: the picks, the growth, the bucket's fills and the draft make no host-device
+    crossing of any kind."""
+    inputs = contexts(draft, [[5, 6, 7], [8], [3] * 9], [[9], [10, 11], [4]])
+    beam_search(draft, inputs, depth=4, width=2)
+    (steps,) = one_steps(draft)
+    for fn in steps.fns:
+        assert fn is not None
+        with HostSync(forbid=True) as hs:
+            fn()
+        assert not hs.counts
+
+
+def test_a_search_launches_few_ops_outside_its_steps(draft: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside its steps (one replay each on a GPU) and the draft's forwards, a search of depth 4 and width 2 at three
+    requests launches a few copies a level: the catch-up's integers and rows, the roots, the ancestor rows' reset,
+    each fed level's integers and tree cells, and the one copy of the trees to the host. The levels' loop (eager
+    picks and fills) launches several times as many."""
+
+    def search() -> int:
+        inputs = contexts(draft, [[5, 6, 7], [8], [3] * 9], [[9], [10, 11], [4]])
+        with OpCount([draft.model]) as ops:
+            beam_search(draft, inputs, depth=4, width=2)
+        for x in inputs:
+            draft.cache.release(x.seq)
+        return ops.outside
+
+    search()  # the steps are made
+    step = DraftSteps._step
+
+    def counted(self: DraftSteps, s: int) -> None:  # a step is inside, as its replay is one launch
+        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
+        assert isinstance(mode, OpCount)
+        mode._in()
+        try:
+            step(self, s)
+        finally:
+            mode._out()
+
+    monkeypatch.setattr(DraftSteps, "_step", counted)
+    with_steps = search()
+    monkeypatch.setattr(draft_steps, "steps_for", lambda *a, **k: None)
+    loop = search()
+    assert with_steps <= 20, with_steps
+    assert loop >= 3 * with_steps, (loop, with_steps)
+
+
+def test_a_level_that_is_not_finite_refuses_the_trees(draft: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    inputs = contexts(draft, [[5, 6, 7], [8]], [[9], [10, 11]])
+    real = BeamLevels.catch_up
+    monkeypatch.setattr(BeamLevels, "catch_up", lambda self: torch.full_like(real(self), float("nan")))
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        beam_search(draft, inputs, depth=4, width=2)
+    assert one_steps(draft)  # it ran on the steps
+    assert [x.seq.length for x in inputs] == [4, 3]
+    monkeypatch.setattr(BeamLevels, "catch_up", real)
+    trees = beam_search(draft, contexts(draft, [[5, 6, 7], [8]], [[9], [10, 11]]), depth=4, width=2)
+    assert all(t.size == 1 + 4 * 2 for t in trees)
+
+
+# ---- on a GPU: the steps captured and replayed (run with --with-gpu) -------------------------------------------------
+@pytest.mark.gpu
+def test_replayed_steps_give_the_eager_levels_trees_on_cuda(draft_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each step captured at the first search of its shape and replayed at the later ones gives the trees of the
+    levels' eager loop on the same card (the same kernels: tokens and parents equal, log path probabilities to
+    float32 rounding)."""
+    from tests.engine.model.test_static_shapes import cuda_runner
+
+    draft = cuda_runner(draft_dir, static=True)
+    assert draft.static is not None and draft.static.graphs
+    rng = np.random.default_rng(5)
+    for search in range(3):
+        n = (3, 4, 3)[search]
+        prompts = [rng.integers(2, 97, int(rng.integers(1, 12))).tolist() for _ in range(n)]
+        pending = [rng.integers(2, 97, int(rng.integers(1, 4))).tolist() for _ in range(n)]
+        trees = []
+        for use_steps in (True, False):
+            with monkeypatch.context() as m:
+                if not use_steps:
+                    m.setattr(draft_steps, "steps_for", lambda *a, **k: None)
+                inputs = contexts(draft, prompts, pending)
+                trees.append(beam_search(draft, inputs, depth=4, width=2))
+                for x in inputs:
+                    draft.cache.release(x.seq)
+        (steps,) = one_steps(draft)
+        assert all(g is not None for g in steps.graphs)
+        for g, r in zip(*trees, strict=True):
+            assert np.array_equal(g.tokens, r.tokens) and np.array_equal(g.parents, r.parents), search
+            np.testing.assert_allclose(g.log_probs, r.log_probs, rtol=1e-5, atol=1e-5)

@@ -114,6 +114,8 @@ class BeamLevels:
         # a lone request's torch-grid masks made on the host (a CPU's, ``host_masks``), by level
         self._host_masks = host_masks and runner.device.type == "cpu"
         self.masks: dict[int, _HostMask] = {}
+        # a static level's arrays in "static.levels": (offset, sizes of its integers[, cells, sources])
+        self._static_at: dict[int, tuple[int, list[int]]] = {}
         self._plan()
 
     @property
@@ -248,9 +250,11 @@ class BeamLevels:
         put = self.stage.put
         if self.folds_catch_up:
             self._plan_catch_up(flat, row0, window)
+        statics: list[np.ndarray] = []  # the static levels' integers, tree cells and sources, level after level
         for level, (how, g, q, k) in enumerate(self._grids):
             if level == 0 or how == "laid_out":
                 continue
+            first = len(statics)
             c, a, size = int(self.ends[level - 1]), self.sizes[level], int(self.ends[level])
             chain = size == level + 1  # one node per level so far
 
@@ -268,8 +272,8 @@ class BeamLevels:
                 lo = np.maximum(prefix + level - window + 1, 0)
                 lo = _padded(lo.repeat(a).reshape(n, a, 1), 0, g, q)
             if how == "static":  # the bucket's integers as one array (its ids come from the picks)
-                put(f"{level}.ints", pack_ints(g, q, k, ids=np.zeros(g * q, np.int64), positions=positions,
-                                               write_slots=write_slots, hi=hi, lo=lo, key_slots=keys))
+                statics.append(pack_ints(g, q, k, ids=np.zeros(g * q, np.int64), positions=positions,
+                                         write_slots=write_slots, hi=hi, lo=lo, key_slots=keys))
                 put(f"{level}.at", (b * q + np.arange(a)).ravel())  # grid row of each real token
             else:
                 put(f"{level}.positions", positions)
@@ -291,8 +295,15 @@ class BeamLevels:
                     extra = (g - n) * cells.size // n
                     cells = np.concatenate([cells, np.full(extra, (g - 1) * q * k)])
                     src = np.concatenate([src, np.zeros(extra, np.int64)])
-                put(f"{level}.cells", cells)
-                put(f"{level}.src", src)
+                if how == "static":
+                    statics += [cells, src]
+                else:
+                    put(f"{level}.cells", cells)
+                    put(f"{level}.src", src)
+            if how == "static":  # where the level's arrays sit in the static levels' one array
+                self._static_at[level] = (sum(x.size for x in statics[:first]), [x.size for x in statics[first:]])
+        if statics:
+            put("static.levels", np.concatenate(statics))
 
     def _plan_catch_up(self, slots: np.ndarray, row0: np.ndarray, window: int | None) -> None:
         """The catch-up's arrays, as ``build_layout`` and ``TorchAttention.plan`` (or ``StaticForward._fill``) make
@@ -360,13 +371,28 @@ class BeamLevels:
     def static_inputs(self, level: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """A static level's staged arrays on the device: its bucket's integers (ids zero), its tree cells' flat
         places in the bucket's [G, Q, K] tree buffer and their sources in the [G, S, S] ancestor rows (None for a
-        chain's level), the cells padded to the bucket's G requests."""
-        if self._grids[level][0] != "static":
+        chain's level), the cells padded to the bucket's G requests: views of ``static_levels()``."""
+        if level not in self._static_at:
             raise ValueError(f"level {level} does not run on a static bucket")
-        get = self.stage.get
-        if f"{level}.cells" not in self.stage:
-            return get(f"{level}.ints"), None, None
-        return get(f"{level}.ints"), get(f"{level}.cells"), get(f"{level}.src")
+        parts = list(torch.split(self.static_levels()[self._static_span(level)], self._static_at[level][1]))
+        return parts[0], *(parts[1:] if len(parts) == 3 else (None, None))
+
+    def static_levels(self) -> torch.Tensor:
+        """Every static level's arrays, one after another, as one device tensor (the draft's steps copy it once)."""
+        return self.stage.get("static.levels")
+
+    def _static_span(self, level: int) -> slice:
+        at, sizes = self._static_at[level]
+        return slice(at, at + sum(sizes))
+
+    def static_offsets(self, level: int) -> list[slice]:
+        """Where level ``level``'s integers[, tree cells, sources] sit in ``static_levels()``."""
+        at, sizes = self._static_at[level]
+        out = []
+        for size in sizes:
+            out.append(slice(at, at + size))
+            at += size
+        return out
 
     def report(self, level: int, t0: float) -> None:
         """Tell the runner's listeners about level ``level``'s forward, begun at ``perf_counter()`` ``t0`` (as
@@ -433,7 +459,12 @@ class BeamLevels:
         if size > level + 1 and ancestors is None:  # not a chain: the tree cells read the ancestor rows
             raise ValueError("trees that are not chains need their ancestor rows on the device")
         cells = values = None
-        if level not in self.masks and ancestors is not None and size > level + 1:
+        if how == "static":
+            ints, cells, src = self.static_inputs(level)
+            values = None if ancestors is None or src is None else torch.take(ancestors, src)
+            if values is None:
+                cells = None
+        elif level not in self.masks and ancestors is not None and size > level + 1:
             cells, values = get(f"{level}.cells"), torch.take(ancestors, get(f"{level}.src"))
         if how == "torch":
             backend = runner.backend
@@ -450,7 +481,7 @@ class BeamLevels:
             assert static is not None
             grid = static.grid((g, q, k))
             at = get(f"{level}.at")
-            grid.ints.copy_(get(f"{level}.ints"))
+            grid.ints.copy_(ints)
             grid.ids.index_copy_(0, at, ids)
             grid.set_cells(cells, values)
             logits = static.run(grid, at)

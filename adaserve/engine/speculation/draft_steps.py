@@ -15,10 +15,11 @@ level instead of a dozen picks ops and half a dozen fills; on a CPU the very sam
 search, and their outputs copied into the first search's tensors, as a replay would leave them, so that every CPU test
 of the path holds a step to reading nothing but its buffers (tests/engine/speculation/test_draft_steps.py).
 
-Per search, before the steps, the host queues: the roots' logits into the root buffer, the ancestor rows reset, and per
-fed level, right before the step that feeds it (levels may share a bucket), three copies: the bucket's integers and its
-tree cells with their sources (``BeamLevels`` staged them, padded to the bucket; a padded request's rows pick from rows
-that see the scratch page only). The picks reach the host in one copy at the end, as on the eager path.
+Per search, before the steps, the host queues two copies: the roots' logits into the root buffer, and every fed
+level's integers, tree cells and their sources (``BeamLevels.static_levels``, staged as one array, the cells padded
+to the bucket: a padded request's rows pick from rows that see the scratch page only) into the steps' input buffer;
+a step copies its level's integers into the bucket itself (levels may share a bucket), and the first resets the
+ancestor rows. The picks reach the host in one copy at the end, as on the eager path.
 
 May import: numpy, torch, the model room, speculation.speculate.
 """
@@ -95,10 +96,12 @@ class DraftSteps:
         self.base = torch.zeros((g, 1), dtype=torch.float64, device=dev)
         self.anc = None if self.chains else torch.zeros((g, side, side), dtype=torch.bool, device=dev)
         self.anc0 = None if self.chains else _initial_rows(g, side, sizes[1], torch.device(dev))
-        # per fed level: its tokens' grid rows (b * Q + r, every request of the bucket), its tree cells' buffers
+        # every fed level's integers, tree cells and sources (BeamLevels.static_levels: one copy a search), and
+        # where each level's sit in it
+        self.inputs: torch.Tensor | None = None
+        self.spans: list[list[slice]] = []
+        # per fed level: its tokens' grid rows (b * Q + r, every request of the bucket), its bucket's forward
         self.at: list[torch.Tensor] = []
-        self.cells: list[torch.Tensor | None] = []
-        self.src: list[torch.Tensor | None] = []
         self.forwards: list[Callable[[], torch.Tensor]] = []
         for level, grid in enumerate(self.grids, start=1):
             a = sizes[level]
@@ -106,8 +109,6 @@ class DraftSteps:
             # built once (the attention it holds reads the grid): what a graph captures, or on a CPU the same through
             # the module, timed and hooked as any forward
             self.forwards.append(static._function(grid) if static.graphs else static.eager_function(grid))
-            self.cells.append(None)
-            self.src.append(None)
         self.fns: list[Callable[[], StepOut] | None] = [None] * depth
         self.outs: list[StepOut | None] = [None] * depth
         self.graphs: list[torch.cuda.CUDAGraph | None] = [None] * depth
@@ -125,38 +126,25 @@ class DraftSteps:
         the next search). ``on_forward`` is called after each fed level, as the eager path reports its forwards."""
         n = roots.shape[0]
         self.root[:n].copy_(roots)
-        if self.anc is not None:
-            assert self.anc0 is not None
-            self.anc.copy_(self.anc0)
+        block = levels.static_levels()  # every fed level's integers and tree cells with their sources
+        if self.inputs is None:
+            self.inputs = block.clone()
+            self.spans = [levels.static_offsets(level) for level in range(1, self.depth)]
+        else:
+            self.inputs.copy_(block)
+        for grid in self.grids:  # the steps write (or clear) their buckets' tree buffers: the eager path clears next
+            grid.has_cells = True
         out = []
         for s in range(self.depth):
             t0 = time.perf_counter()
-            fed = s < self.depth - 1
-            if fed:  # level s + 1's bucket: its integers, and its tree cells' places and sources
-                grid = self.grids[s]
-                ints, cells, src = levels.static_inputs(s + 1)
-                grid.ints.copy_(ints)
-                if cells is not None:
-                    assert src is not None
-                    self._into(self.cells, s, cells)
-                    self._into(self.src, s, src)
-                grid.has_cells = True  # the step writes its tree buffer (or clears it): the eager path clears it next
             self._step(s)
             o = self.outs[s]
             assert o is not None
             out.append((o.tok[:n], o.parent[:n], o.value[:n], (o.lo, o.hi)))
-            if fed:
+            if s < self.depth - 1:
                 levels.report(s + 1, t0)
                 on_forward()
         return out
-
-    @staticmethod
-    def _into(bufs: list[torch.Tensor | None], s: int, x: torch.Tensor) -> None:
-        buf = bufs[s]
-        if buf is None:
-            bufs[s] = x.clone()
-        else:
-            buf.copy_(x)
 
     # ---- a step: made once, then called (CPU) or captured and replayed (CUDA) ------------------------------------
     def _step(self, s: int) -> None:
@@ -203,13 +191,19 @@ class DraftSteps:
             base = prev.value
         fed = s < self.depth - 1
         start = frontier + f  # tree index of the new level's first node
-        anc = self.anc
+        anc, anc0, inputs = self.anc, self.anc0, self.inputs
+        assert inputs is not None
         grid = self.grids[s] if fed else None
         at = self.at[s] if fed else None
         forward = self.forwards[s] if fed else None
+        # level s + 1's integers, and (a tree's level) its cells' places and sources: views of the inputs
+        ints, *cells_src = [inputs[span] for span in self.spans[s]] if fed else [None]
         tree = fed and not self.chains and max(sizes[: s + 2]) > 1
 
         def step() -> StepOut:
+            if s == 0 and anc is not None:  # the ancestor rows as a search begins (speculate._ancestor_rows)
+                assert anc0 is not None
+                anc.copy_(anc0)
             rows = x if x.dim() == 2 else x.reshape(g * f, -1)
             tok, parent, value, check = _expand_on_device(rows, base, width=self.width, per_node=k,
                                                           frontier=frontier, kernels=None)
@@ -219,11 +213,13 @@ class DraftSteps:
             assert grid is not None and at is not None and forward is not None
             if anc is not None and s > 0:  # level 1's rows were made with the reset (speculate._ancestor_rows)
                 _grow_ancestors(anc, start, parent)
+            assert ints is not None
+            grid.ints.copy_(ints)
             grid.ids.index_copy_(0, at, tok.reshape(-1))
             grid.tree.zero_()
             if tree:
-                cells, src = self.cells[s], self.src[s]
-                assert cells is not None and src is not None and anc is not None
+                cells, src = cells_src
+                assert anc is not None
                 grid.tree.put_(cells, anc.take(src))
             return StepOut(tok, parent, value, *check, forward())
 

@@ -87,9 +87,9 @@ def test_a_step_crosses_nothing(draft: ModelRunner) -> None:
 
 def test_a_search_launches_few_ops_outside_its_steps(draft: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     """Outside its steps (one replay each on a GPU) and the draft's forwards, a search of depth 4 and width 2 at three
-    requests launches a few copies a level: the catch-up's integers and rows, the roots, the ancestor rows' reset,
-    each fed level's integers and tree cells, and the one copy of the trees to the host. The levels' loop (eager
-    picks and fills) launches several times as many."""
+    requests launches a few ops: the catch-up's integers and rows, the roots' copy, one copy of every fed level's
+    integers and tree cells, and the trees' one copy to the host (8 in all). The levels' loop (eager picks and
+    fills) launches 67."""
 
     def search() -> int:
         inputs = contexts(draft, [[5, 6, 7], [8], [3] * 9], [[9], [10, 11], [4]])
@@ -115,8 +115,8 @@ def test_a_search_launches_few_ops_outside_its_steps(draft: ModelRunner, monkeyp
     with_steps = search()
     monkeypatch.setattr(draft_steps, "steps_for", lambda *a, **k: None)
     loop = search()
-    assert with_steps <= 20, with_steps
-    assert loop >= 3 * with_steps, (loop, with_steps)
+    assert with_steps <= 10, with_steps
+    assert loop >= 5 * with_steps, (loop, with_steps)
 
 
 def test_a_level_that_is_not_finite_refuses_the_trees(draft: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:

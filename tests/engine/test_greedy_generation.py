@@ -39,15 +39,25 @@ def run_staggered(eng, reqs: list[Request]) -> None:
 
 
 @pytest.mark.parametrize("policy", ["beam:4,2", "beam:3,3", "beam:2,1", "incremental"])
-@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("static", ["eager", "static", "static-steps"])
 def test_random_draft_matches_target_greedy(target_dir: Path, draft_dir: Path, references, policy: str,
-                                            static: bool) -> None:
-    eng = engine(target_dir, draft_dir, policy, budget=24, prefill_chunk=16, static_shapes=static)
+                                            static: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``static``: decode-sized forwards on static buffers; ``static-steps`` with the torch picks a GPU runs, so the
+    draft's levels run as its steps (speculation/draft_steps.py), as a GPU replays them."""
+    from adaserve.engine.speculation import draft_steps
+    from tests.engine.helpers import use_cpu_kernels
+
+    if static == "static-steps":
+        use_cpu_kernels("torch", monkeypatch)
+    eng = engine(target_dir, draft_dir, policy, budget=24, prefill_chunk=16, static_shapes=static != "eager")
     reqs = workload(10)
     run_staggered(eng, reqs)
     for r in reqs:
         assert r.output_ids == references[r.request_id], r.request_id
         assert r.finish_reason == "length"
+    if static == "static-steps" and policy != "incremental":
+        assert eng.draft is not None and eng.draft.static is not None
+        assert draft_steps._STEPS.get(eng.draft.static)  # the levels ran as steps
 
 
 def test_self_draft_matches_and_is_accepted(target_dir: Path, references) -> None:

@@ -130,6 +130,8 @@ class DraftSteps:
         if self.inputs is None:
             self.inputs = block.clone()
             self.spans = [levels.static_offsets(level) for level in range(1, self.depth)]
+        elif block.shape != self.inputs.shape:  # a shape's arrays are one size: the steps' views were cut from it
+            raise RuntimeError(f"draft steps: {tuple(block.shape)} staged for inputs of {tuple(self.inputs.shape)}")
         else:
             self.inputs.copy_(block)
         for grid in self.grids:  # the steps write (or clear) their buckets' tree buffers: the eager path clears next

@@ -76,6 +76,23 @@ def contexts(draft: ModelRunner, prompts: list[list[int]], pending: list[list[in
     return out
 
 
+def twin_inputs(draft: ModelRunner, rng: np.random.Generator, n: int,
+                longest: int) -> tuple[list[DraftInput], list[DraftInput], list[list[int]]]:
+    """Two identical sets of ``n`` random contexts (prompts of 1 .. ``longest`` - 1 tokens, 1 .. 3 pending): one for
+    the reference search, one for the search under test; and the prompts."""
+    prompts = [rng.integers(2, 97, int(rng.integers(1, longest))).tolist() for _ in range(n)]
+    pending = [rng.integers(2, 97, int(rng.integers(1, 4))).tolist() for _ in range(n)]
+    return contexts(draft, prompts, pending), contexts(draft, prompts, pending), prompts
+
+
+def assert_same_trees(got: list[TokenTree], ref: list[TokenTree], tag: object) -> None:
+    """Tokens, parents and float64 log path probabilities, bit for bit."""
+    for g, r in zip(got, ref, strict=True):
+        assert np.array_equal(g.tokens, r.tokens), tag
+        assert np.array_equal(g.parents, r.parents), tag
+        assert np.array_equal(g.log_probs, r.log_probs), tag
+
+
 SHAPES = [(1, 1, None), (2, 1, None), (3, 2, None), (4, 3, None), (5, 4, None), (0, 1, (1, 1, 3, 1)),
           (0, 1, (2, 2, 1)), (0, 1, (1, 1, 1))]
 
@@ -88,16 +105,11 @@ def test_device_levels_give_the_host_levels_trees_bit_for_bit(draft_dir: Path, s
     draft = runner(draft_dir, static_shapes=static)
     rng = np.random.default_rng(7)
     for depth, width, expansion in SHAPES:
-        n = int(rng.integers(1, 7))
-        prompts = [rng.integers(2, 97, int(rng.integers(1, 20))).tolist() for _ in range(n)]
-        pending = [rng.integers(2, 97, int(rng.integers(1, 4))).tolist() for _ in range(n)]
-        ref_in, got_in = contexts(draft, prompts, pending), contexts(draft, prompts, pending)
+        ref_in, got_in, prompts = twin_inputs(draft, rng, int(rng.integers(1, 7)), 20)
         ref = host_beam_search(draft, ref_in, depth=depth, width=width, expansion=expansion)
         got = beam_search(draft, got_in, depth=depth, width=width, expansion=expansion)
+        assert_same_trees(got, ref, (depth, width, expansion))
         for g, r in zip(got, ref, strict=True):
-            assert np.array_equal(g.tokens, r.tokens), (depth, width, expansion)
-            assert np.array_equal(g.parents, r.parents), (depth, width, expansion)
-            assert np.array_equal(g.log_probs, r.log_probs), (depth, width, expansion)  # float64, exact
             # the ancestor matrices the CPU kernels' search grew and handed over are the trees' own
             assert np.array_equal(g.ancestor_matrix(), r.ancestor_matrix()), (depth, width, expansion)
             assert not g.ancestor_matrix().flags.writeable

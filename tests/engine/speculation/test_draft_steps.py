@@ -30,7 +30,7 @@ from adaserve.engine.speculation import draft_steps
 from adaserve.engine.speculation.draft_steps import DraftSteps
 from adaserve.engine.speculation.speculate import beam_search
 from tests.engine.helpers import runner, use_cpu_kernels
-from tests.engine.speculation.test_beam_on_device import contexts, host_beam_search
+from tests.engine.speculation.test_beam_on_device import assert_same_trees, contexts, host_beam_search, twin_inputs
 
 
 @pytest.fixture
@@ -54,16 +54,11 @@ def test_searches_of_one_shape_reuse_their_steps_and_give_the_reference_trees(
     rng = np.random.default_rng(3)
     made: list[Any] = []
     for search in range(4):
-        n = (3, 4, 3, 4)[search]  # one batch bucket (4): padded, then not
-        prompts = [rng.integers(2, 97, int(rng.integers(1, 12))).tolist() for _ in range(n)]
-        pending = [rng.integers(2, 97, int(rng.integers(1, 4))).tolist() for _ in range(n)]
-        ref_in, got_in = contexts(draft, prompts, pending), contexts(draft, prompts, pending)
+        # one batch bucket (4): padded, then not; contexts short enough for one key bucket
+        ref_in, got_in, _ = twin_inputs(draft, rng, (3, 4, 3, 4)[search], 12)
         ref = host_beam_search(draft, ref_in, depth=depth, width=width, expansion=expansion)
         got = beam_search(draft, got_in, depth=depth, width=width, expansion=expansion)
-        for g, r in zip(got, ref, strict=True):
-            assert np.array_equal(g.tokens, r.tokens), search
-            assert np.array_equal(g.parents, r.parents), search
-            assert np.array_equal(g.log_probs, r.log_probs), search
+        assert_same_trees(got, ref, search)
         steps = one_steps(draft)
         assert len(steps) == 1  # every search of this shape ran on the same steps
         made.append(list(steps[0].fns))
@@ -144,15 +139,12 @@ def test_replayed_steps_give_the_eager_levels_trees_on_cuda(draft_dir: Path, mon
     assert draft.static is not None and draft.static.graphs
     rng = np.random.default_rng(5)
     for search in range(3):
-        n = (3, 4, 3)[search]
-        prompts = [rng.integers(2, 97, int(rng.integers(1, 12))).tolist() for _ in range(n)]
-        pending = [rng.integers(2, 97, int(rng.integers(1, 4))).tolist() for _ in range(n)]
+        twins = twin_inputs(draft, rng, (3, 4, 3)[search], 12)[:2]
         trees = []
-        for use_steps in (True, False):
+        for use_steps, inputs in zip((True, False), twins, strict=True):
             with monkeypatch.context() as m:
                 if not use_steps:
                     m.setattr(draft_steps, "steps_for", lambda *a, **k: None)
-                inputs = contexts(draft, prompts, pending)
                 trees.append(beam_search(draft, inputs, depth=4, width=2))
                 for x in inputs:
                     draft.cache.release(x.seq)

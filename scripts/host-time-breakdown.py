@@ -73,7 +73,8 @@ FUNCTIONS = [  # (module, qualified name)
     ("adaserve.engine.engine", "Engine.step"),
     ("adaserve.engine.engine", "Engine._speculate_and_select"),
     ("adaserve.engine.speculation.speculate", "beam_search"),
-    ("adaserve.engine.speculation.speculate", "_expand_on_device"),
+    ("adaserve.engine.speculation.speculate", "_expand_on_device"),  # before beam_ops.py (older commits)
+    ("adaserve.engine.speculation.beam_ops", "expand_on_device"),
     ("adaserve.engine.speculation.speculate", "build_trees"),
     ("adaserve.engine.speculation.speculate", "_to_host"),
     ("adaserve.engine.model.native_kernels", "SearchPicks.level"),
@@ -98,7 +99,8 @@ FUNCTIONS = [  # (module, qualified name)
 
 
 ALONE_CALLS = 2000
-AGAIN_PURE = ("_to_host", "build_trees", "_expand_on_device")  # --again: no state read or written but their outputs
+# --again: no state read or written but their outputs (``_expand_on_device``: its name before beam_ops.py)
+AGAIN_PURE = ("_to_host", "build_trees", "_expand_on_device", "expand_on_device")
 
 
 class Timers:

@@ -1,6 +1,6 @@
 """One beam level's picks on a CPU: ``torch.topk`` against ``top_k_indices``' blocked pass (issue 30).
 
-Times ``_expand_on_device`` (a level's picks, their log-probabilities and the finiteness check) and the top-k
+Times ``beam_ops.expand_on_device`` (a level's picks, their log-probabilities and the finiteness check) and the top-k
 alone, over frontier shapes [n requests, F nodes, V vocabulary] and k picks per node, with random logits,
 warm caches and one torch thread. Prints JSON (median microseconds of ``--repeats`` runs of ``--calls`` calls).
 
@@ -22,7 +22,7 @@ import torch
 
 from adaserve.bench.engine_only import host_cpu, source_version
 from adaserve.engine.model import native_kernels
-from adaserve.engine.speculation import speculate, verify
+from adaserve.engine.speculation import beam_ops, verify
 
 SHAPES = [(1, 2, 4096), (8, 2, 4096), (32, 2, 4096), (1, 2, 49152), (8, 2, 49152), (32, 2, 49152), (32, 4, 49152)]
 
@@ -51,7 +51,7 @@ def main() -> None:
         x = torch.randn(n * f, v, generator=gen)
         base = torch.randn(n, f, dtype=torch.float64, generator=gen)
         for k in args.k:
-            level = functools.partial(speculate._expand_on_device, x, base, width=k, frontier=1,
+            level = functools.partial(beam_ops.expand_on_device, x, base, width=k, frontier=1,
                                       kernels=native_kernels.chosen())
             picks = functools.partial(verify.top_k_indices, x.view(n, f, v), k)
             blocked = (per_call_us(level, args.calls, args.repeats), per_call_us(picks, args.calls, args.repeats))

@@ -19,9 +19,10 @@ from adaserve.engine.loading.loader import load_tokenizer
 from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.request import Request
+from adaserve.engine.speculation.beam_ops import REFUSED_LOGIT
 from adaserve.engine.speculation.grammar import JSON_OBJECT, GrammarCompiler, GrammarSpec, unpack
 from adaserve.engine.speculation.sampling import SamplingParams, processed_probs
-from adaserve.engine.speculation.speculate import REFUSED_LOGIT, DraftInput, beam_search
+from adaserve.engine.speculation.speculate import DraftInput, beam_search
 from tests.engine.helpers import engine, outputs, runner
 from tests.engine.test_logits_processors import PROMPT
 from tests.engine.test_sampling_lossless import SMALL, chi2_pvalue

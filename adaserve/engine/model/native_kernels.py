@@ -194,7 +194,7 @@ class SearchPicks:
     tree's nodes after the root: each level writes its columns, the next one reads the previous one's log path
     probabilities there as its base, and the trees are built from them as they stand (issue 30: no torch tensor
     per output and level, and no copy or join at the end). With ``anc`` (bool [n, S, S] ancestor rows,
-    ``speculate._ancestor_rows``: beam_search passes the whole tree's, which the trees then take as their ancestor
+    ``beam_ops.ancestor_rows``: beam_search passes the whole tree's, which the trees then take as their ancestor
     matrices) a level called with ``grow`` fills its nodes' rows in the same call. Every pointer the C code is handed
     is one of these arrays', checked here against the level's shape. ``NativeKernels.beam_picks`` is the same call
     for one level with its own bases and outputs (``speculate.expand_level``)."""

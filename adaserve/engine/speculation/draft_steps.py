@@ -4,8 +4,8 @@ repeats": the draft's steps with beam state, top-k, slots and the ancestor mask 
 ``beam_search`` on the static path, with the torch picks a GPU runs, hands its levels here. Step s of a search of
 depth d picks level s + 1 from level s's logits and, below the last level, feeds it to the draft:
 
-    picks          tokens, parents, log path probabilities of level s + 1   (speculate._expand_on_device)
-    ancestors      the new nodes' rows, each its parent's or'ed with its own (speculate._grow_ancestors)
+    picks          tokens, parents, log path probabilities of level s + 1   (beam_ops.expand_on_device)
+    ancestors      the new nodes' rows, each its parent's or'ed with its own (beam_ops.grow_ancestors)
     the bucket     the picks scattered into level s + 1's ids, its tree cells read from the ancestor rows
     the draft      the model over the bucket: level s + 1's logits, which step s + 1 reads
 
@@ -21,7 +21,7 @@ to the bucket: a padded request's rows pick from rows that see the scratch page 
 a step copies its level's integers into the bucket itself (levels may share a bucket), and the first resets the
 ancestor rows. The picks reach the host in one copy at the end, as on the eager path.
 
-May import: numpy, torch, the model room, speculation.speculate.
+May import: numpy, torch, the model room, speculation.beam_ops.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 from adaserve.engine.model.levels import BeamLevels
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.model.static import StaticForward
-from adaserve.engine.speculation.speculate import _expand_on_device, _grow_ancestors, _initial_rows
+from adaserve.engine.speculation.beam_ops import expand_on_device, grow_ancestors, initial_rows
 
 # each draft's static forwards -> its searches' steps by shape (dropped with the runner's static path)
 _STEPS: weakref.WeakKeyDictionary[StaticForward, dict[tuple, DraftSteps]] = weakref.WeakKeyDictionary()
@@ -95,7 +95,7 @@ class DraftSteps:
         self.root = torch.zeros((g, runner.vocab_size), dtype=torch.float32, device=dev)
         self.base = torch.zeros((g, 1), dtype=torch.float64, device=dev)
         self.anc = None if self.chains else torch.zeros((g, side, side), dtype=torch.bool, device=dev)
-        self.anc0 = None if self.chains else _initial_rows(g, side, sizes[1], torch.device(dev))
+        self.anc0 = None if self.chains else initial_rows(g, side, sizes[1], torch.device(dev))
         # every fed level's integers, tree cells and sources (BeamLevels.static_levels: one copy a search), and
         # where each level's sit in it
         self.inputs: torch.Tensor | None = None
@@ -203,18 +203,18 @@ class DraftSteps:
         tree = fed and not self.chains and max(sizes[: s + 2]) > 1
 
         def step() -> StepOut:
-            if s == 0 and anc is not None:  # the ancestor rows as a search begins (speculate._ancestor_rows)
+            if s == 0 and anc is not None:  # the ancestor rows as a search begins (beam_ops.ancestor_rows)
                 assert anc0 is not None
                 anc.copy_(anc0)
             rows = x if x.dim() == 2 else x.reshape(g * f, -1)
-            tok, parent, value, check = _expand_on_device(rows, base, width=self.width, per_node=k,
+            tok, parent, value, check = expand_on_device(rows, base, width=self.width, per_node=k,
                                                           frontier=frontier, kernels=None)
             assert check is not None
             if not fed:
                 return StepOut(tok, parent, value, *check, None)
             assert grid is not None and at is not None and forward is not None
-            if anc is not None and s > 0:  # level 1's rows were made with the reset (speculate._ancestor_rows)
-                _grow_ancestors(anc, start, parent)
+            if anc is not None and s > 0:  # level 1's rows were made with the reset (beam_ops.ancestor_rows)
+                grow_ancestors(anc, start, parent)
             assert ints is not None
             grid.ints.copy_(ints)
             grid.ids.index_copy_(0, at, tok.reshape(-1))

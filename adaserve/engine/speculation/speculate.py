@@ -30,18 +30,17 @@ from adaserve.engine.model import native_kernels
 from adaserve.engine.model.batch import Segment
 from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.levels import BeamLevels
-from adaserve.engine.model.native_kernels import NativeKernels
-from adaserve.engine.model.runner import ForwardRecord, ModelRunner, joined_rows
+from adaserve.engine.model.runner import ForwardRecord, ModelRunner
 from adaserve.engine.model.tree import STRICT_DECREASE_EPS, TokenTree
+from adaserve.engine.speculation.beam_ops import (
+    ancestor_rows,
+    expand_on_device,
+    grow_ancestors,
+    kernel_takes,
+)
+from adaserve.engine.speculation.draft_steps import steps_for
 from adaserve.engine.speculation.grammar import GrammarState
-from adaserve.engine.speculation.verify import first_argmax, top_k_indices
 
-# a draft logit the grammar does not allow: finite, so a row's log-softmax and the path sums stay finite (a beam
-# that must take a refused token, with fewer allowed than its width, gets a path probability of exp(-1e30) = 0)
-REFUSED_LOGIT = -1e30
-# a 1-wide level's picks take first_argmax's blocked reduction from this many logits (8 rows of a 4096-token
-# vocabulary): measured in the engine on a CPU, below it the plain max(-1) costs no more
-CHAIN_ARGMAX_BLOCKED_MIN = 1 << 15
 NOT_FINITE = "draft produced non-finite log-probs: refusing to build a tree"
 
 
@@ -100,7 +99,7 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     # search outside its forwards); a grammar's masks and a GPU take the device ops below
     per_node = [min(width if expansion is None else expansion[s], draft.vocab_size) for s in range(depth)]
     on_host = (kernels is not None and paths is None
-               and all(_kernel_takes(k, f) for k, f in zip(per_node, sizes, strict=False)))
+               and all(kernel_takes(k, f) for k, f in zip(per_node, sizes, strict=False)))
     forwards = BeamLevels(draft, [x.seq for x in inputs], sizes[:depth], pending=[x.pending for x in inputs],
                           host_masks=on_host)
     if forwards.folds_catch_up:
@@ -119,8 +118,6 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     # CUDA graph there (draft_steps.py: the same picks, growth and forwards as the loop below)
     steps = None
     if not on_host and paths is None and draft.static is not None:
-        from adaserve.engine.speculation.draft_steps import steps_for  # it imports this module's ops
-
         steps = steps_for(forwards, depth=depth, width=width, expansion=expansion, sizes=sizes)
     if steps is not None:
         for tok, parent, value, check in steps.run(forwards, rows, lambda: _seen(draft, on_forward)):
@@ -132,7 +129,7 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
         # ancestor rows of every node the draft is fed, made once and filled level by level (None: chains); on the CPU's
         # own path of every node, the last level's too: the trees' ancestor matrices, handed to them as they stand
         side = sum(sizes) if on_host else forwards.tree_size
-        every = None if chains else _ancestor_rows(n, side, dev, first_level=sizes[1])
+        every = None if chains else ancestor_rows(n, side, dev, first_level=sizes[1])
         fed = forwards.tree_size
         anc = every if every is None or side == fed else every[:, :fed, :fed]
         host = (native_kernels.SearchPicks(kernels, n, sum(sizes[1:]), every) if on_host and kernels is not None
@@ -148,7 +145,7 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
                 k = None if expansion is None else expansion[step]
                 allowed = None if paths is None else paths.allowed(frontier, sizes[step]).to(dev, non_blocking=True)
                 assert base is not None
-                tok, parent, value, check = _expand_on_device(rows, base, width=width, per_node=k, allowed=allowed,
+                tok, parent, value, check = expand_on_device(rows, base, width=width, per_node=k, allowed=allowed,
                                                               frontier=frontier, kernels=kernels)
                 if paths is not None:
                     paths.add(tok, parent)
@@ -159,7 +156,7 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
                 break
             frontier += sizes[step]
             if host is None and anc is not None and step > 0:  # level 1's rows were made with the rows
-                _grow_ancestors(anc, frontier, parent)
+                grow_ancestors(anc, frontier, parent)
             chain = max(sizes[: step + 2]) == 1  # one node per level so far: every tree is a chain, no rows needed
             rows = forwards.forward(step + 1, tok if host is not None else tok.reshape(-1), None if chain else anc)
             _seen(draft, on_forward)
@@ -178,7 +175,7 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
 
 
 def level_sizes(depth: int, width: int, expansion: tuple[int, ...] | None, vocab: int) -> list[int]:
-    """Nodes per candidate tree at each level, the root's 1 first: ``_expand_on_device``'s pick counts, known
+    """Nodes per candidate tree at each level, the root's 1 first: ``expand_on_device``'s pick counts, known
     before any pick (a level keeps the top ``width`` of its frontier's children; a static tree each node's top
     ``expansion[i]``; never more children per node than the vocabulary)."""
     sizes = [1]
@@ -298,34 +295,6 @@ def _seen(draft: ModelRunner, on_forward: Callable[[ForwardRecord], None] | None
         on_forward(draft.last_forward)
 
 
-def _ancestor_rows(n: int, size: int, device: torch.device, *, first_level: int = 0) -> torch.Tensor:
-    """[n, size, size] bool ancestor rows of ``n`` trees of ``size`` nodes, before any level past the first is filled
-    in: each node its own ancestor (the diagonal), and the ``first_level`` nodes after the root (level 1, whose
-    parent is always the root) the root too, as ``_grow_ancestors(rows, 1, zeros)`` would make them (issue 30: the
-    picks need not be read for them). ``_grow_ancestors`` fills the other levels, in place."""
-    return _initial_rows(n, size, first_level, torch.device(device)).clone()  # one op: the shape's rows recur
-
-
-@functools.lru_cache(maxsize=64)
-def _initial_rows(n: int, size: int, first_level: int, device: torch.device) -> torch.Tensor:
-    """``_ancestor_rows``' content, made once per shape (never written: callers get a clone)."""
-    rows = torch.zeros((n, size, size), dtype=torch.bool, device=device)
-    rows.diagonal(dim1=1, dim2=2).fill_(True)
-    if first_level:
-        rows[:, 1 : 1 + first_level, 0] = True
-    return rows
-
-
-def _grow_ancestors(anc: torch.Tensor, start: int, parent: torch.Tensor) -> None:
-    """Rows ``start`` .. ``start + k`` of the [n, S, S] ancestor rows, for a new level's parents [n, k] (tree indices
-    below ``start``), filled in place: a new node's row is its parent's row or'ed into its own, which holds only its
-    diagonal bit (``_ancestor_rows``). On the device: no parent is read on the host, and two ops a level (issue 30:
-    growing a new [n, m + k, m + k] tensor took five)."""
-    n, size, _ = anc.shape
-    k = parent.shape[1]
-    anc[:, start : start + k].logical_or_(torch.gather(anc, 1, parent[:, :, None].expand(n, k, size)))
-
-
 def _to_host(levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
              checks: list[tuple[torch.Tensor, torch.Tensor] | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every level's (tokens, parents, log path probabilities) in one copy, each [n, nodes]; raises when a
@@ -360,109 +329,6 @@ def expand_level(logits: list[torch.Tensor], base: np.ndarray | torch.Tensor, *,
     The reductions run once over ``[n, F, V]``; the picks reach the host in one copy.
     Returns (tokens, frontier index of the parent, log path probability), each [n, k].
     """
-    tok, parent, value, check = _expand_on_device(logits, base, width=width, per_node=per_node,
+    tok, parent, value, check = expand_on_device(logits, base, width=width, per_node=per_node,
                                                   kernels=native_kernels.chosen())
     return _to_host([(tok, parent, value)], [check])
-
-
-def _expand_on_device(logits: list[torch.Tensor] | torch.Tensor, base: np.ndarray | torch.Tensor, *, width: int,
-                      per_node: int | None = None, allowed: torch.Tensor | None = None, frontier: int = 0,
-                      kernels: NativeKernels | None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    """``expand_level`` left on the device: tokens, parent (``frontier`` + its frontier index: its tree index when
-    ``frontier`` is the frontier's first node), log path probabilities (each [n, k]) and the least and the greatest
-    logit (0-d tensors), both finite iff every logit is (None: the CPU kernels' picks found every logit finite).
-    ``allowed`` [n, F, V]: the tokens a grammar allows at each frontier node; the others get REFUSED_LOGIT.
-    ``kernels``: the CPU kernels to pick with on a CPU (``native_kernels.chosen()``, looked up once a search by the
-    caller), None for the torch ops."""
-    n, f = base.shape
-    if isinstance(logits, list) and (any(lg.shape[0] != f for lg in logits) or len(logits) != n):
-        raise ValueError(f"expected {n} requests' logits of {f} rows each (one per frontier node)")
-    # every request's frontier has F rows: one batched level (a view of the forward's logits, not a copy)
-    joined = joined_rows(logits) if isinstance(logits, list) else logits
-    if joined.shape[0] != n * f:
-        raise ValueError(f"expected {n} requests' logits of {f} rows each (one per frontier node)")
-    v = joined.shape[-1]
-    k_node = min(per_node if per_node is not None else width, v)
-    if allowed is None:
-        native = _native_level(joined, base, k_node=k_node, width=None if per_node is not None else width,
-                               frontier=frontier, kernels=kernels)
-        if native is not None:
-            return native
-    x = joined.float().view(n, f, v)
-    # the least and the greatest logit: both finite iff every logit is (NaN propagates); one pass, no float64
-    # sum over [n, F, V] (several times dearer on a CPU)
-    lo, hi = torch.aminmax(x)
-    if allowed is not None:
-        x = x.masked_fill(~allowed, REFUSED_LOGIT)
-    if k_node == 1:
-        # one child per node (chains, SpecInfer's 1-wide levels): its first maximum, as greedy decoding picks it.
-        # On a CPU topk(1) is a scalar pass over the row (~1.2 ms per draft level at 32 chains of a 4096-token
-        # vocabulary, issue 30); first_argmax's blocked reduction is vectorised. A tie at the top goes to the
-        # lowest token id (topk left its order unspecified); the value is the same maximum either way
-        picks = first_argmax(x.view(n * f, v), blocked_min=CHAIN_ARGMAX_BLOCKED_MIN).view(n, f, 1)
-    else:  # blocked on a CPU, where torch.topk is a scalar pass over each row (issue 30)
-        picks = top_k_indices(x, k_node)
-    # [n, F, k]: the picks' log-probabilities (one log_softmax pass costs half a logsumexp's on a CPU, issue 30)
-    values = torch.log_softmax(x, dim=-1).gather(-1, picks)
-    if isinstance(base, np.ndarray):
-        base = torch.from_numpy(np.ascontiguousarray(base, np.float64)).to(values.device, non_blocking=True)
-    elif base.dtype != torch.float64:
-        base = base.to(torch.float64)
-    # the sums in float64: the float32 picks are promoted exactly, as ``.double()`` would (one op fewer)
-    score = base[:, :, None] + values
-    # candidate j of a request's [F * k] grid: frontier node j // k, token picks[.., j] (issue 30:
-    # no flat [F, V] index to build and take apart)
-    tok = picks.view(n, f * k_node)
-    if f * k_node == 1:  # one candidate per request (a chain's level): it is the level, nothing to rank
-        return tok, torch.full((n, 1), frontier, dtype=torch.int64, device=tok.device), score.view(n, 1), (lo, hi)
-    if per_node is None:
-        top = torch.topk(score.view(n, f * k_node), min(width, f * k_node), dim=-1)
-        values, tok = top.values, tok.gather(1, top.indices)
-        parent = top.indices // k_node if k_node > 1 else top.indices
-        if frontier:
-            parent = parent + frontier
-    else:
-        values = score.view(n, -1)
-        # frontier + j // k for every candidate j, exactly: (frontier * k + j) // k
-        parent = (torch.arange(frontier * k_node, (frontier + f) * k_node, device=values.device) // k_node
-                  ).expand(n, -1)
-    return tok, parent, values, (lo, hi)
-
-
-# a level the kernel found not finite, as ``_to_host`` reads its check: both bounds NaN
-_NOT_FINITE = torch.full((), float("nan"))
-
-
-def _kernel_takes(k: int, f: int) -> bool:
-    """Whether ``beam_picks`` takes a level of ``k`` picks per node from ``f`` frontier nodes (its limits)."""
-    return k <= native_kernels.PICKS_MAX_K and f * k <= native_kernels.PICKS_MAX_CANDIDATES
-
-
-def _native_level(logits: torch.Tensor, base: np.ndarray | torch.Tensor, *, k_node: int, width: int | None,
-                  frontier: int, kernels: NativeKernels | None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None:
-    """``_expand_on_device``'s level in one call of the CPU kernels' ``beam_picks`` (native/picks.c), where they
-    load and are not ``off`` (``kernels``, native_kernels.chosen's): on a CPU the dozen torch ops of a level cost
-    more than the level's arithmetic (issue 30). None where the torch ops run instead: another device, no kernels, a
-    k past the kernel's limits. The picks are the same tokens as the torch ops' (ties to the lower id); a
-    value may differ in its last float32 bits (another exponential, another summation order)."""
-    if logits.device.type != "cpu":
-        return None
-    n, f = base.shape
-    if kernels is None or not _kernel_takes(k_node, f):
-        return None
-    x = logits if logits.dtype == torch.float32 else logits.float()  # no call for the float32 rows a CPU computes
-    if not x.is_contiguous():
-        x = x.contiguous()
-    if isinstance(base, np.ndarray):
-        base = torch.from_numpy(np.ascontiguousarray(base, np.float64))
-    elif base.dtype != torch.float64 or not base.is_contiguous():
-        base = base.to(torch.float64).contiguous()
-    out = kernels.beam_picks(x, base, k=k_node, width=width, frontier=frontier)
-    if out is None:  # a logit that is not finite: ``_to_host`` refuses the tree once the search is done
-        kept = f * k_node if width is None else min(width, f * k_node)
-        zeros = torch.zeros((n, kept), dtype=torch.int64)
-        return zeros, zeros + frontier, torch.zeros((n, kept), dtype=torch.float64), (_NOT_FINITE, _NOT_FINITE)
-    tok, parent, value = out
-    return tok, parent, value, None  # every logit finite: checked as they were picked

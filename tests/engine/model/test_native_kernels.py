@@ -295,8 +295,8 @@ def test_search_picks_are_each_levels_picks_with_their_rows_grown(kernels: nk.Na
     """SearchPicks writes every level into the trees' [n, K] arrays, reading the previous level's columns as its
     base, and grows the ancestor rows in the same call: the same tokens, parents and float64 log path
     probabilities, bit for bit, as ``beam_picks`` level by level on packed bases, and the same rows as
-    ``_grow_ancestors`` (speculate.py), for beams and static trees."""
-    from adaserve.engine.speculation.speculate import _ancestor_rows, _grow_ancestors
+    ``grow_ancestors`` (beam_ops.py), for beams and static trees."""
+    from adaserve.engine.speculation.beam_ops import ancestor_rows, grow_ancestors
 
     rng = np.random.default_rng(5)
     for case in range(40):
@@ -308,7 +308,7 @@ def test_search_picks_are_each_levels_picks_with_their_rows_grown(kernels: nk.Na
         for k in ks:
             sizes.append(sizes[-1] * k if width is None else min(width, sizes[-1] * k))
         side = sum(sizes)
-        anc = _ancestor_rows(n, side, torch.device("cpu"), first_level=sizes[1])
+        anc = ancestor_rows(n, side, torch.device("cpu"), first_level=sizes[1])
         ref_anc = anc.clone()
         picks = nk.SearchPicks(kernels, n, side - 1, anc)
         base, frontier, column = torch.zeros((n, 1), dtype=torch.float64), 0, 0
@@ -326,7 +326,7 @@ def test_search_picks_are_each_levels_picks_with_their_rows_grown(kernels: nk.Na
             assert np.array_equal(picks.log_probs[:, column:end], ref[2].numpy())
             frontier += sizes[step]
             if grow:
-                _grow_ancestors(ref_anc, frontier, ref[1])
+                grow_ancestors(ref_anc, frontier, ref[1])
             assert torch.equal(anc, ref_anc), (case, step)
             base, column = ref[2], end
         assert picks.finite and column == side - 1

@@ -22,13 +22,8 @@ from adaserve.engine.model.host_sync import HostSync
 from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.model.tree import TokenTree
-from adaserve.engine.speculation.speculate import (
-    DraftInput,
-    _ancestor_rows,
-    _grow_ancestors,
-    beam_search,
-    expand_level,
-)
+from adaserve.engine.speculation.beam_ops import ancestor_rows, grow_ancestors
+from adaserve.engine.speculation.speculate import DraftInput, beam_search, expand_level
 from tests.engine.helpers import runner, use_cpu_kernels
 
 
@@ -186,12 +181,12 @@ def test_grown_ancestor_rows_are_the_trees_matrices() -> None:
     n, levels = 3, (2, 3, 1, 4)
     side = 1 + sum(levels)
     parents = np.full((n, 1), -1)
-    anc = _ancestor_rows(n, side, torch.device("cpu"))
+    anc = ancestor_rows(n, side, torch.device("cpu"))
     for k in levels:
         m = parents.shape[1]
         new = rng.integers(0, m, (n, k))
         parents = np.concatenate([parents, new], axis=1)
-        _grow_ancestors(anc, m, torch.from_numpy(new))
+        grow_ancestors(anc, m, torch.from_numpy(new))
         for r in range(n):
             tree = TokenTree(np.zeros(m + k, np.int64), parents[r], np.zeros(m + k))
             assert np.array_equal(anc[r, : m + k, : m + k].numpy(), tree.ancestor_matrix())
@@ -202,9 +197,9 @@ def test_grown_ancestor_rows_are_the_trees_matrices() -> None:
 def test_rows_made_with_the_first_level_are_the_grown_ones() -> None:
     """Level 1 hangs off the root, so its rows are made with the others: the same bits as growing them."""
     n, side, first = 3, 9, 2
-    grown = _ancestor_rows(n, side, torch.device("cpu"))
-    _grow_ancestors(grown, 1, torch.zeros((n, first), dtype=torch.int64))
-    assert torch.equal(_ancestor_rows(n, side, torch.device("cpu"), first_level=first), grown)
+    grown = ancestor_rows(n, side, torch.device("cpu"))
+    grow_ancestors(grown, 1, torch.zeros((n, first), dtype=torch.int64))
+    assert torch.equal(ancestor_rows(n, side, torch.device("cpu"), first_level=first), grown)
 
 
 def test_device_nodes_are_checked_against_the_layout(draft_dir: Path) -> None:

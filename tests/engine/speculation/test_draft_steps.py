@@ -26,7 +26,7 @@ from adaserve.bench.engine_only import OpCount
 from adaserve.engine.model.host_sync import HostSync
 from adaserve.engine.model.levels import BeamLevels
 from adaserve.engine.model.runner import ModelRunner
-from adaserve.engine.speculation import draft_steps
+from adaserve.engine.speculation import draft_steps, speculate
 from adaserve.engine.speculation.draft_steps import DraftSteps
 from adaserve.engine.speculation.speculate import beam_search
 from tests.engine.helpers import runner, use_cpu_kernels
@@ -108,7 +108,7 @@ def test_a_search_launches_few_ops_outside_its_steps(draft: ModelRunner, monkeyp
 
     monkeypatch.setattr(DraftSteps, "_step", counted)
     with_steps = search()
-    monkeypatch.setattr(draft_steps, "steps_for", lambda *a, **k: None)
+    monkeypatch.setattr(speculate, "steps_for", lambda *a, **k: None)
     loop = search()
     assert with_steps <= 10, with_steps
     assert loop >= 5 * with_steps, (loop, with_steps)
@@ -144,7 +144,7 @@ def test_replayed_steps_give_the_eager_levels_trees_on_cuda(draft_dir: Path, mon
         for use_steps, inputs in zip((True, False), twins, strict=True):
             with monkeypatch.context() as m:
                 if not use_steps:
-                    m.setattr(draft_steps, "steps_for", lambda *a, **k: None)
+                    m.setattr(speculate, "steps_for", lambda *a, **k: None)
                 trees.append(beam_search(draft, inputs, depth=4, width=2))
                 for x in inputs:
                     draft.cache.release(x.seq)

@@ -40,6 +40,7 @@ chains, so one speculation plans and copies once (issue 30). The other backends 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -114,8 +115,8 @@ class BeamLevels:
         # a lone request's torch-grid masks made on the host (a CPU's, ``host_masks``), by level
         self._host_masks = host_masks and runner.device.type == "cpu"
         self.masks: dict[int, _HostMask] = {}
-        # a static level's arrays in "static.levels": (offset, sizes of its integers[, cells, sources])
-        self._static_at: dict[int, tuple[int, list[int]]] = {}
+        # where a static level's integers[, tree cells, sources] sit in "static.levels"
+        self._static_at: dict[int, list[slice]] = {}
         self._plan()
 
     @property
@@ -301,7 +302,9 @@ class BeamLevels:
                     put(f"{level}.cells", cells)
                     put(f"{level}.src", src)
             if how == "static":  # where the level's arrays sit in the static levels' one array
-                self._static_at[level] = (sum(x.size for x in statics[:first]), [x.size for x in statics[first:]])
+                at = sum(x.size for x in statics[:first])
+                ends = np.cumsum([at] + [x.size for x in statics[first:]]).tolist()
+                self._static_at[level] = [slice(a, b) for a, b in itertools.pairwise(ends)]
         if statics:
             put("static.levels", np.concatenate(statics))
 
@@ -372,27 +375,20 @@ class BeamLevels:
         """A static level's staged arrays on the device: its bucket's integers (ids zero), its tree cells' flat
         places in the bucket's [G, Q, K] tree buffer and their sources in the [G, S, S] ancestor rows (None for a
         chain's level), the cells padded to the bucket's G requests: views of ``static_levels()``."""
-        if level not in self._static_at:
-            raise ValueError(f"level {level} does not run on a static bucket")
-        parts = list(torch.split(self.static_levels()[self._static_span(level)], self._static_at[level][1]))
-        return parts[0], *(parts[1:] if len(parts) == 3 else (None, None))
+        block = self.static_levels()
+        ints, *cells_src = [block[span] for span in self.static_offsets(level)]
+        cells, src = cells_src or (None, None)
+        return ints, cells, src
 
     def static_levels(self) -> torch.Tensor:
         """Every static level's arrays, one after another, as one device tensor (the draft's steps copy it once)."""
         return self.stage.get("static.levels")
 
-    def _static_span(self, level: int) -> slice:
-        at, sizes = self._static_at[level]
-        return slice(at, at + sum(sizes))
-
     def static_offsets(self, level: int) -> list[slice]:
         """Where level ``level``'s integers[, tree cells, sources] sit in ``static_levels()``."""
-        at, sizes = self._static_at[level]
-        out = []
-        for size in sizes:
-            out.append(slice(at, at + size))
-            at += size
-        return out
+        if level not in self._static_at:
+            raise ValueError(f"level {level} does not run on a static bucket")
+        return self._static_at[level]
 
     def report(self, level: int, t0: float) -> None:
         """Tell the runner's listeners about level ``level``'s forward, begun at ``perf_counter()`` ``t0`` (as
@@ -455,23 +451,19 @@ class BeamLevels:
             return self._forward_laid_out(level, ids, ancestors)
         t0 = time.perf_counter()
         runner, get = self.runner, self.stage.get
-        a, size = self.sizes[level], int(self.ends[level])
-        if size > level + 1 and ancestors is None:  # not a chain: the tree cells read the ancestor rows
+        tree = int(self.ends[level]) > level + 1  # not a chain: the tree cells read the ancestor rows
+        if tree and ancestors is None:
             raise ValueError("trees that are not chains need their ancestor rows on the device")
-        cells = values = None
-        if how == "static":
-            ints, cells, src = self.static_inputs(level)
-            values = None if ancestors is None or src is None else torch.take(ancestors, src)
-            if values is None:
-                cells = None
-        elif level not in self.masks and ancestors is not None and size > level + 1:
-            cells, values = get(f"{level}.cells"), torch.take(ancestors, get(f"{level}.src"))
         if how == "torch":
             backend = runner.backend
             assert isinstance(backend, TorchAttention)
             if level in self.masks:  # made on the host
                 mask = self._host_mask(level, ancestors)
             else:
+                cells = values = None
+                if tree:
+                    assert ancestors is not None
+                    cells, values = get(f"{level}.cells"), torch.take(ancestors, get(f"{level}.src"))
                 lo = get(f"{level}.lo") if runner.model.cfg.sliding_window is not None else None
                 mask = fill_grid_mask(backend.columns(k, runner.device), get(f"{level}.hi"), lo, cells, values)
             backend.use_grid(get(f"{level}.write_slots"), get(f"{level}.key_slots"), mask)
@@ -479,15 +471,15 @@ class BeamLevels:
         else:  # the bucket's buffers: one copy of the integers, the picked ids, the tree cells (the graph masks)
             static = runner.static
             assert static is not None
+            ints, cells, src = self.static_inputs(level)  # cells only for a tree's level
+            values = None if cells is None or ancestors is None or src is None else torch.take(ancestors, src)
             grid = static.grid((g, q, k))
             at = get(f"{level}.at")
             grid.ints.copy_(ints)
             grid.ids.index_copy_(0, at, ids)
             grid.set_cells(cells, values)
             logits = static.run(grid, at)
-        n = len(self.seqs)
-        c = int(self.ends[level - 1])
-        runner.record(n_new=n * a, n_context=self.context + n * c, t0=t0)
+        self.report(level, t0)
         return logits
 
     def _forward_laid_out(self, level: int, ids: torch.Tensor, ancestors: torch.Tensor | None) -> torch.Tensor:

@@ -40,6 +40,7 @@ from adaserve.engine.model.layers import CausalLM
 from adaserve.engine.model.native_kernels import NativeKernels
 
 T = TypeVar("T")
+ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_KEYS = 64
@@ -57,9 +58,9 @@ def pow2(x: int, lowest: int = 1) -> int:
 INT_ROWS = ("ids", "positions", "write_slots", "hi", "lo")  # the [G * Q] parts of a grid's ints, in order
 
 
-def int_views(ints: np.ndarray, g: int, q: int, k: int) -> tuple[np.ndarray, ...]:
-    """Views of a ``Grid.ints``-shaped host array: ids, positions, write slots ``[G * Q]``; hi, lo ``[G, Q]``; key
-    slots ``[G, K]``."""
+def int_views(ints: ArrayT, g: int, q: int, k: int) -> tuple[ArrayT, ...]:
+    """Views of a ``Grid.ints``-shaped array (a host array or the bucket's tensor): ids, positions, write slots
+    ``[G * Q]``; hi, lo ``[G, Q]``; key slots ``[G, K]``."""
     gq = g * q
     rows = ints[: len(INT_ROWS) * gq].reshape(len(INT_ROWS), gq)
     keys = ints[len(INT_ROWS) * gq :].reshape(g, k)
@@ -103,11 +104,9 @@ class Grid:
     key_slots: torch.Tensor = field(init=False)  # [G, K]  ... and its tree cells; key j is cache slot key_slots[b, j]
 
     def __post_init__(self) -> None:
-        gq = self.g * self.q
-        rows = self.ints[: len(INT_ROWS) * gq].view(len(INT_ROWS), gq)
-        self.ids, self.positions, self.write_slots = rows[0], rows[1], rows[2]
-        self.hi, self.lo = rows[3].view(self.g, self.q, 1), rows[4].view(self.g, self.q, 1)
-        self.key_slots = self.ints[len(INT_ROWS) * gq :].view(self.g, self.k)
+        self.ids, self.positions, self.write_slots, hi, lo, self.key_slots = int_views(self.ints, self.g, self.q,
+                                                                                       self.k)
+        self.hi, self.lo = hi[..., None], lo[..., None]
 
     @classmethod
     def empty(cls, g: int, q: int, k: int, device: torch.device) -> Grid:

@@ -88,9 +88,9 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     sizes = level_sizes(depth, width, expansion, draft.vocab_size)  # nodes per tree at each level, the root first
     committed = [x.seq.length + len(x.pending) for x in inputs]  # the pending tokens are real: they stay in the KV
     # the catch-up and levels 1 .. depth-1 are fed to the draft: their positions, slots and mask bounds planned
-    # here, at once (the catch-up only on the torch grid: elsewhere it is laid out like any forward). The pending
-    # tokens are committed when the search ends, either way: a truncate before it would free the pages the plan
-    # already gave the levels
+    # here, at once (the catch-up on the torch grid or a static bucket: elsewhere it is laid out like any
+    # forward). The pending tokens are committed when the search ends, either way: a truncate before it would free
+    # the pages the plan already gave the levels
     paths = _Paths(inputs) if any(x.grammar is not None for x in inputs) else None
     kernels = native_kernels.chosen() if draft.device.type == "cpu" else None  # once a search, not once a level
     # a CPU's own path, where its kernels serve: every level picked by them straight into the trees' host arrays,

@@ -82,6 +82,10 @@ FUNCTIONS = [  # (module, qualified name)
     ("adaserve.engine.model.levels", "BeamLevels.catch_up"),
     ("adaserve.engine.model.levels", "BeamLevels.forward"),
     ("adaserve.engine.model.runner", "ModelRunner.forward"),
+    ("adaserve.engine.model.static", "StaticForward.forward"),
+    ("adaserve.engine.model.static", "StaticForward._fill"),
+    ("adaserve.engine.model.levels", "BeamLevels.static_levels"),
+    ("adaserve.engine.speculation.draft_steps", "DraftSteps.run"),
     ("adaserve.engine.model.batch", "build_layout"),
     ("adaserve.engine.model.attention.torch_sdpa", "TorchAttention.plan"),
     ("adaserve.engine.model.staging", "HostStage.send"),
@@ -229,6 +233,8 @@ def main() -> None:
                     help="count the calls outside the forwards, per function (module docstring)")
     ap.add_argument("--alone", default="", help="functions to time alone afterwards, comma-separated (docstring)")
     ap.add_argument("--shape", default="", help="D,W: draft every tree D deep and W wide (docstring)")
+    ap.add_argument("--static-shapes", action="store_true",
+                    help="both models on static buckets, the path a GPU replays as graphs, called eagerly here")
     ap.add_argument("--again", default="", help="pure functions to call twice in the engine, comma-separated "
                                                 f"(docstring): any of {', '.join(AGAIN_PURE)}")
     args = ap.parse_args()
@@ -256,7 +262,7 @@ def main() -> None:
         timers.wrap(module, qualname)
     if missing := [f for f in alone + again if f in timers.absent]:
         ap.error(f"--alone/--again: this engine has no {', '.join(missing)}")
-    target, draft, tok = load_pair(args.model, "cpu", 512)
+    target, draft, tok = load_pair(args.model, "cpu", 512, static_shapes=args.static_shapes)
     timers.hook(target.model)
     timers.hook(draft.model)
     ids = prompts(tok, args.requests, 128)
@@ -337,7 +343,7 @@ def main() -> None:
         "benchmark": "host-time-breakdown", "source": source_version(), "cpu": host_cpu(),
         "allocator": allocator.in_use(), "model": args.model,
         "requests": args.requests, "iterations": args.iterations, "threads": 1, "policy": MODES["spec"],
-        "pinned_shape": args.shape or None,
+        "pinned_shape": args.shape or None, "static_shapes": args.static_shapes,
         "not_timed": timers.absent,
     }
     if args.replayed_forwards:

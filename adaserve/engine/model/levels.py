@@ -170,9 +170,12 @@ class BeamLevels:
         cache = self.runner.cache
         for s, end in zip(self.seqs, (self.prefix + int(self.ends[-1])).tolist(), strict=True):
             cache.ensure(s, end)  # the deepest level's pages: every level's slots exist from here on
-        if (len(self.seqs) == 1 and self.runner.model.cfg.sliding_window is None and self._grids[0][0] != "static"
-                and all(how == "torch" for how, *_ in self._grids[1:])):
+        lone = len(self.seqs) == 1 and self.runner.model.cfg.sliding_window is None
+        levels = {how for how, *_ in self._grids[1:]}
+        if lone and self._grids[0][0] != "static" and levels == {"torch"}:
             self._plan_lone()
+        elif lone and self._grids[0][0] in ("static", "") and levels == {"static"}:
+            self._plan_lone_static()
         else:
             self._plan_batch()
 
@@ -231,6 +234,65 @@ class BeamLevels:
                 j, r = np.arange(size), np.arange(a)[:, None]
                 put(f"{level}.cells", (r * k + (lone + j)).ravel())
                 put(f"{level}.src", ((c + r) * side + j).ravel())
+
+    def _plan_lone_static(self) -> None:
+        """``_plan_batch``'s arrays for one request on static buckets (a GPU's path: G = 1), without a sliding window:
+        ``_plan_lone``'s arrays padded to each bucket's Q rows and K keys, written into the bucket's integer layout
+        (``static.int_views``). A padded row has position 0, writes to the scratch slot and sees key 0 only (hi 1);
+        key k past the level's last real key L + s - 1 repeats that key's slot (masked). The catch-up's p pending
+        tokens fill rows 0 .. p - 1 of its bucket, with key slots up to key L (``_plan_catch_up``). The same arrays
+        as ``_plan_batch`` (tests/engine/model/test_levels.py)."""
+        seq, ps, put = self.seqs[0], self.runner.cache.page_size, self.stage.put
+        scratch = self.runner.cache.scratch_slot
+        lone, side = int(self.prefix[0]), self.tree_size
+        slot = seq.slots(0, lone + side, ps)
+
+        def bucket(q: int, k: int, rows: int, last_key: int) -> tuple[np.ndarray, ...]:
+            """A bucket's integers, ids 0 and lo 0, padded rows set, key slots up to key ``last_key``, the rest
+            repeating it; returns the array and its views (ids, positions, write slots, hi)."""
+            host = np.zeros(len(INT_ROWS) * q + k, np.int64)
+            ids, positions, write_slots, hi, _, keys = int_views(host, 1, q, k)
+            write_slots[rows:] = scratch
+            hi[0, rows:] = 1
+            keys[0, : last_key + 1] = slot[: last_key + 1]
+            keys[0, last_key + 1 :] = slot[last_key]
+            return host, ids, positions, write_slots, hi
+
+        if self.folds_catch_up:
+            assert self.pending is not None
+            q, k = self._grids[0][2:]
+            p = len(self.pending[0])
+            first = lone + 1 - p
+            host, ids, positions, write_slots, hi = bucket(q, k, p, lone)
+            ids[:p] = self.pending[0]
+            positions[:p] = np.arange(first, lone + 1)
+            write_slots[:p] = slot[first : lone + 1]
+            hi[0, :p] = positions[:p] + 1
+            put("0.ints", host)
+            put("0.at", np.array([p - 1]))
+        parts: list[np.ndarray] = []  # every level's integers, then (a tree's level) its cells and their sources
+        offset = 0
+        for level in range(1, len(self.sizes)):
+            q, k = self._grids[level][2:]
+            c, size = int(self.ends[level - 1]), int(self.ends[level])
+            a = size - c
+            chain = size == level + 1  # one node per level so far
+            host, _, positions, write_slots, hi = bucket(q, k, a, lone + size - 1)
+            positions[:a] = lone + level
+            write_slots[:a] = slot[lone + c : lone + size]
+            hi[0, :a] = lone + size if chain else lone  # a chain sees its own nodes through the bound
+            put(f"{level}.at", np.arange(a))
+            level_parts = [host]
+            if not chain:  # cells r * K + L + j, their bits (c + r) * S + j of the ancestor rows
+                j, r = np.arange(size), np.arange(a)[:, None]
+                level_parts += [(r * k + (lone + j)).ravel(), ((c + r) * side + j).ravel()]
+            spans = []
+            for x in level_parts:
+                spans.append(slice(offset, offset + x.size))
+                offset += x.size
+            self._static_at[level] = spans
+            parts += level_parts
+        put("static.levels", np.concatenate(parts))
 
     def _plan_batch(self) -> None:
         """``_plan`` for any batch, grid and window (``_plan_lone`` is its one-request case)."""

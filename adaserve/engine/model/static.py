@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from adaserve.engine.model.attention.base import additive_mask, grid_sdpa, write_kv
-from adaserve.engine.model.attention.masks import grid_mask
+from adaserve.engine.model.attention.masks import grid_mask, lone_tree_cells
 from adaserve.engine.model.batch import BatchLayout
 from adaserve.engine.model.kv_cache import PagedKVCache
 from adaserve.engine.model.layers import CausalLM
@@ -242,6 +242,8 @@ class StaticForward:
         indptr = layout.qo_indptr
         if q == 1:  # one new token per segment (decoding): segment b's token is grid row b
             at = np.arange(b_real)
+        elif b_real == 1:  # one segment: its tokens are the first rows
+            at = np.arange(indptr[1])
         else:
             n_new = np.diff(indptr)
             seg = np.repeat(np.arange(b_real), n_new)
@@ -278,13 +280,17 @@ class StaticForward:
         hi[:] = 1
         window = self.model.cfg.sliding_window
         device_rows = layout.ids is None and "mask.anc" in layout.stage
-        gm = None
+        tree_cells = tree_src = None  # the trees' cells (flat [G, Q, K]); with device rows, their bits' sources
         if all(s.tree.is_chain for s in segments):
             hi.ravel()[at] = positions + 1
+        elif b_real == 1 and window is None and not device_rows:  # a lone tree: its rows see the prefix, its cells
+            hi[0, : len(at)] = segments[0].prefix_len
+            tree_cells = lone_tree_cells(segments[0], k)
         else:
             # the cells (within the window, which the bounds below apply to the rest)
             gm = grid_mask(segments, range(b_real), q, k, window, device_rows=device_rows)
             hi[:b_real] = gm.hi[:, :, 0]
+            tree_cells, tree_src = gm.cells, gm.src
         lo[:] = 0
         if window is not None:
             lo.ravel()[at] = np.maximum(positions - window + 1, 0)
@@ -299,17 +305,17 @@ class StaticForward:
         stage.put("static.rows", at if len(rows) == len(at) else at[np.asarray(rows, np.int64)])
         if layout.ids is None:
             stage.put("static.at", at)
-        if gm is not None and gm.cells is not None:
-            stage.put("static.mask.cells", gm.cells)
-            if gm.src is not None:
-                stage.put("static.mask.src", gm.src)
+        if tree_cells is not None:
+            stage.put("static.mask.cells", tree_cells)
+            if tree_src is not None:
+                stage.put("static.mask.src", tree_src)
         grid.ints.copy_(stage.get("static.ints"))  # the first read: the layout's one transfer
         if layout.ids is None:
             grid.ids.index_copy_(0, stage.get("static.at"), layout.input_ids)
         cells = values = None
-        if gm is not None and gm.cells is not None:
+        if tree_cells is not None:
             cells = stage.get("static.mask.cells")
-            if gm.src is not None:
+            if tree_src is not None:
                 values = stage.get("mask.anc").reshape(-1)[stage.get("static.mask.src")]
         grid.set_cells(cells, values)
         if padded is not None:

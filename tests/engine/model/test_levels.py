@@ -106,6 +106,36 @@ def test_the_lone_plan_stages_the_batch_plans_arrays(draft_dir: Path, on_host: b
     assert lone_planned == 300
 
 
+def test_the_lone_static_plan_stages_the_batch_plans_arrays(draft_dir: Path) -> None:
+    """On static buckets (a GPU's path) the lone plan stages the batch plan's arrays too, and puts each level's
+    integers, cells and sources at the same places of the static levels' one array."""
+    draft = runner(draft_dir, static_shapes=True)
+    rng = np.random.default_rng(31)
+    planned = 0
+    for case in range(300):
+        seq = SequenceKV()
+        length = int(rng.integers(1, 200))
+        draft.cache.ensure(seq, length)
+        seq.length = length
+        pending = None if case % 5 == 0 else [rng.integers(2, 90, int(rng.integers(1, 7))).tolist()]
+        sizes = random_sizes(rng)
+        if pending is None and len(sizes) < 2:
+            sizes = [1, 2]
+        levels = BeamLevels(draft, [seq], sizes, pending=pending)
+        lone, lone_at = staged(levels), dict(levels._static_at)
+        planned += levels.static_shape() is not None or len(sizes) == 1
+        levels.stage, levels._static_at = HostStage(draft.device), {}
+        levels._plan_batch()
+        batch = staged(levels)
+        assert lone.keys() == batch.keys(), (sizes, pending)
+        for name in lone:
+            assert lone[name].shape == batch[name].shape and lone[name].dtype == batch[name].dtype == np.int64, name
+            assert np.array_equal(lone[name], batch[name]), (name, sizes, pending, length)
+        assert lone_at == levels._static_at
+        draft.cache.release(seq)
+    assert planned > 250  # most cases fit the buckets (the rest: a level wider than max_rows)
+
+
 def test_the_lone_plan_is_chosen_only_for_one_request_without_a_window(
         draft_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     draft = runner(draft_dir)
@@ -128,24 +158,44 @@ def test_the_lone_plan_is_chosen_only_for_one_request_without_a_window(
     assert plan(1) == "lone" and plan(2) == "batch"
     monkeypatch.setattr(draft.model, "cfg", replace(draft.model.cfg, sliding_window=2))
     assert plan(1) == "batch"
-    static = runner(draft_dir, static_shapes=True)  # a static bucket pads the grid: the batch plan
-    s = SequenceKV()
-    static.cache.ensure(s, 9)
-    s.length = 9
-    BeamLevels(static, [s], [1, 2, 2])
-    assert calls.pop() == "batch"
+    monkeypatch.setattr(BeamLevels, "_plan_lone_static", lambda self: calls.append("lone static"))
+    static = runner(draft_dir, static_shapes=True)  # static buckets pad the grid: their own lone plan
+
+    def plan_static(n: int, pending: bool) -> str:
+        seqs = []
+        for _ in range(n):
+            s = SequenceKV()
+            static.cache.ensure(s, 9)
+            s.length = 9
+            seqs.append(s)
+        BeamLevels(static, seqs, [1, 2, 2], pending=[[4, 5]] * n if pending else None)
+        for s in seqs:
+            static.cache.release(s)
+        return calls.pop()
+
+    assert plan_static(1, False) == plan_static(1, True) == "lone static"
+    assert plan_static(2, True) == "batch"
+    monkeypatch.setattr(static.model, "cfg", replace(static.model.cfg, sliding_window=2))
+    assert plan_static(1, True) == "batch"
 
 
-def test_a_lone_request_drafts_the_trees_of_the_batch_plan(draft_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """End to end: a lone request's beam search on the lone plan gives the trees the batch plan gives."""
+@pytest.mark.parametrize("path", ["torch", "static", "static-steps"])
+def test_a_lone_request_drafts_the_trees_of_the_batch_plan(draft_dir: Path, path: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end: a lone request's beam search on the lone plan gives the trees the batch plan gives: on the torch
+    grid, on static buckets, and there through the draft's steps (the torch picks a GPU runs)."""
     from adaserve.engine.speculation.speculate import DraftInput, beam_search
+    from tests.engine.helpers import use_cpu_kernels
     from tests.engine.speculation.test_beam_on_device import contexts
 
-    draft = runner(draft_dir)
+    if path == "static-steps":
+        use_cpu_kernels("torch", monkeypatch)
+    draft = runner(draft_dir, static_shapes=path != "torch")
+    lone_plan = "_plan_lone" if path == "torch" else "_plan_lone_static"
     trees = {}
     for how in ("lone", "batch"):
         if how == "batch":
-            monkeypatch.setattr(BeamLevels, "_plan_lone", BeamLevels._plan_batch)
+            monkeypatch.setattr(BeamLevels, lone_plan, BeamLevels._plan_batch)
         inputs = contexts(draft, [[5, 6, 7, 8, 9, 10, 11]], [[12, 13, 14]])
         got = []
         for depth, width in [(1, 1), (3, 1), (3, 2), (4, 3)]:

@@ -54,6 +54,9 @@ def batches(seqs: list[SequenceKV]) -> dict[str, list[Segment]]:
         "verify": [Segment(a, a.length, tree()), Segment(b, b.length, TokenTree.root(3)),
                    Segment(c, c.length, TokenTree.chain([4, 5, 6]))],
         "beam": [Segment(s, s.length - 1, beam, num_cached=3) for s in seqs],
+        # one request: its own path through the fill (a lone tree's cells without the batch's bookkeeping)
+        "lone-verify": [Segment(a, a.length, tree())],
+        "lone-beam": [Segment(b, b.length - 1, beam, num_cached=3)],
     }
 
 
@@ -93,7 +96,7 @@ def test_poison_in_padding_leaves_real_logits_bit_identical(static_runner: Model
 
 
 @pytest.mark.parametrize("window", [None, 2, 5])
-@pytest.mark.parametrize("kind", ["decode", "verify", "beam"])
+@pytest.mark.parametrize("kind", ["decode", "verify", "beam", "lone-verify", "lone-beam"])
 def test_static_mask_is_the_padded_rule(static_runner: ModelRunner, kind: str, window: int | None,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The grid's mask (masks.grid_mask since issue 30) is the §2 rule on the padded grid (masks.padded_mask):
@@ -120,7 +123,7 @@ def test_static_mask_is_the_padded_rule(static_runner: ModelRunner, kind: str, w
     assert torch.equal(mask[len(segs) :], torch.arange(grid.k).expand_as(mask[len(segs) :]) == 0)  # key 0 only
 
 
-@pytest.mark.parametrize("kind", ["decode", "verify", "beam"])
+@pytest.mark.parametrize("kind", ["decode", "verify", "beam", "lone-verify", "lone-beam"])
 def test_static_agrees_with_eager(target_dir: Path, kind: str) -> None:
     eager, static = runner(target_dir), runner(target_dir, static_shapes=True)
     got = [forward_static(static, batches(prefilled(static, [7, 12, 3]))[kind])]

@@ -233,6 +233,15 @@ def grid_mask(segments: Sequence[Segment], members: Sequence[int], q_max: int, k
     return GridMask(hi, lo, cells, src)
 
 
+def lone_tree_cells(segment: Segment, k_max: int) -> np.ndarray:
+    """``grid_mask``'s cells for one segment whose tree is not a chain, without a window or device rows, on a grid
+    of ``k_max`` keys: cell (r, L + j) for every true ``anc[c + r, j]`` (L prefix, c cached nodes), as flat
+    ``r * k_max + L + j``. The lone request's plans read it (issue 30: a fifth of ``grid_mask``'s cost there)."""
+    tree = segment.tree
+    e = tree.ancestor_matrix()[segment.num_cached :].ravel().nonzero()[0]  # flat (row, node) of every true cell
+    return e // tree.size * k_max + segment.prefix_len + e % tree.size
+
+
 def fill_grid_mask(cols: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor | None, cells: torch.Tensor | None,
                    values: torch.Tensor | None) -> torch.Tensor:
     """[g, Qmax, Kmax] bool on the device from a ``GridMask``'s arrays there: ``cols`` = arange(Kmax),

@@ -31,7 +31,7 @@ import torch
 
 from adaserve.engine.model import native_kernels
 from adaserve.engine.model.attention.base import additive_mask, grid_sdpa, sum_dtype, write_kv_into
-from adaserve.engine.model.attention.masks import fill_grid_mask, grid_mask
+from adaserve.engine.model.attention.masks import fill_grid_mask, grid_mask, lone_tree_cells
 from adaserve.engine.model.batch import BatchLayout
 from adaserve.engine.model.kv_cache import PagedKVCache
 from adaserve.engine.model.native_kernels import NativeKernels
@@ -116,8 +116,7 @@ class TorchAttention:
             hi, cells = np.arange(prefix + c + 1, k_max + 1), None
         else:
             hi = np.full(q_max, prefix, np.int64)
-            e = tree.ancestor_matrix()[c:].ravel().nonzero()[0]  # flat (row, node) of every true cell
-            cells = e // tree.size * k_max + prefix + e % tree.size
+            cells = lone_tree_cells(seg, k_max)
             stage.put("sdpa.0.cells", cells)
         stage.put("sdpa.0.hi", hi.reshape(1, q_max, 1))
         full = cells is None and q_max == 1  # a chain's rows see every key only if it has one

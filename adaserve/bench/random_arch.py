@@ -12,10 +12,15 @@ values: nothing here measures speculation, only forwards.
 - :func:`profile_pair`: the profiler's roofline tables for a target and a draft, in the form
   ``adaserve profile --json`` writes, so ``device_model.profile_from_measured`` reads it;
 - :func:`decode_times`: one forward of ``batch`` requests adding ``new`` tokens each over ``context``
-  cached tokens, eager and on static shapes (CUDA graphs on a GPU), median milliseconds.
+  cached tokens, eager and on static shapes (CUDA graphs on a GPU), median milliseconds;
+- :func:`search_times`: one draft beam search as the engine runs it (the plan, the catch-up forward of each
+  root, ``depth`` levels of picks and forwards, the trees' one copy to the host), and per draft step (the
+  search over its depth): on static shapes with the torch picks a GPU runs, the levels are the draft's steps
+  (speculation/draft_steps.py), one graph replay each, so this is what a draft step costs in the engine now,
+  where ``decode_times`` times a whole laid-out forward.
 
 Runs on a CPU too (the tests use a tiny architecture), the same functions a GPU runs.
-May import: torch, adaserve.engine (model, cost).
+May import: torch, adaserve.engine (model, cost, speculation).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from adaserve.engine.model.layers import CausalLM
 from adaserve.engine.model.rope import Rotary
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.model.tree import TokenTree
+from adaserve.engine.speculation import draft_steps
+from adaserve.engine.speculation.speculate import DraftInput, beam_search
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -170,7 +177,55 @@ def decode_times(runner: ModelRunner, probe: DecodeProbe, *, repeats: int = 30, 
             "device_median_ms": statistics.median(device), "host_median_ms": statistics.median(host)}
 
 
-# ---- the command line: python -m adaserve.bench.random_arch {profile,forwards} ... ---------------------
+@dataclass(frozen=True)
+class SearchProbe:
+    batch: int  # requests searched together
+    depth: int  # levels of each tree (draft steps)
+    width: int  # nodes kept per level
+    context: int  # cached tokens per request, the root's included
+
+
+def search_times(runner: ModelRunner, probe: SearchProbe, *, repeats: int = 30, warmup: int = 5) -> dict[str, Any]:
+    """Median and spread (ms) of one beam search of ``probe``'s shape, host waiting for the device after, and per
+    draft step (the search over its depth: each step one level's picks and, below the last, its forward; the plan,
+    the roots' catch-up forward and the copy to the host shared among them); the model's own part by its device
+    timer, as in ``decode_times``. Each search feeds one pending token a request (the root, at key index
+    ``context - 1``), as an iteration after a one-token acceptance does, and is undone after. ``steps``: the
+    levels ran as the draft's steps (static shapes, the torch picks: a GPU's path)."""
+    timer = runner.model.timer
+    seqs = [SequenceKV() for _ in range(probe.batch)]
+    try:
+        for s in seqs:  # the prefix only has to exist in the cache: its values do not change the time
+            runner.cache.ensure(s, probe.context)
+            runner.cache.truncate(s, probe.context - 1)
+        samples, device = [], []
+        for i in range(warmup + repeats):
+            inputs = [DraftInput(s, [1]) for s in seqs]
+            _sync(runner.device)
+            d0 = timer.seconds
+            t0 = time.perf_counter()
+            beam_search(runner, inputs, depth=probe.depth, width=probe.width)
+            _sync(runner.device)
+            t = time.perf_counter() - t0
+            for s in seqs:  # the search committed the root: back to the same context for the next
+                runner.cache.truncate(s, probe.context - 1)
+            if i >= warmup:
+                samples.append(1e3 * t)
+                device.append(1e3 * (timer.seconds - d0))
+    finally:
+        for s in seqs:
+            runner.cache.release(s)
+    whole = sorted(samples)
+    search = statistics.median(whole)
+    steps = runner.static is not None and bool(draft_steps._STEPS.get(runner.static))
+    return {"batch": probe.batch, "depth": probe.depth, "width": probe.width, "context": probe.context,
+            "static_shapes": runner.static is not None, "steps": steps, "search_median_ms": search,
+            "search_min_ms": whole[0], "search_p90_ms": whole[int(0.9 * (len(whole) - 1))], "repeats": repeats,
+            "step_median_ms": search / probe.depth, "device_median_ms": statistics.median(device),
+            "host_median_ms": statistics.median(sorted(w - d for w, d in zip(samples, device, strict=True)))}
+
+
+# ---- the command line: python -m adaserve.bench.random_arch {profile,forwards,searches} ... ------------
 
 
 def load_named(ref: str, *, device: torch.device, dtype: torch.dtype) -> tuple[CausalLM, str]:
@@ -190,11 +245,23 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
 
+def _shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """``4x2,2x2`` as ((4, 2), (2, 2)): tree depth by width, each at least 1."""
+    try:
+        shapes = tuple((int(d), int(w)) for d, w in (x.split("x") for x in text.split(",") if x))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected DxW shapes like 4x2,2x2, got {text!r}") from None
+    if not shapes or min(min(s) for s in shapes) < 1:
+        raise argparse.ArgumentTypeError(f"every depth and width must be >= 1, got {text!r}")
+    return shapes
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m adaserve.bench.random_arch", description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["profile", "forwards"],
+    p.add_argument("what", choices=["profile", "forwards", "searches"],
                    help="profile: roofline tables of target and draft (a device profile); forwards: decode "
-                        "forward times of each model, eager and on static shapes")
+                        "forward times of each model, eager and on static shapes; searches: the draft's beam "
+                        "searches and their steps, eager and on static shapes (search_times)")
     p.add_argument("--target", default="llama-3.1-8b",
                    help=f"one of {', '.join(ARCHITECTURES)}, a config.json (random weights) or a model")
     p.add_argument("--draft", default="llama-3.2-1b", help="the same forms")
@@ -205,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--batches", type=_ints, default=(1, 8, 32), help="forwards: requests per forward")
     p.add_argument("--new", type=_ints, default=(1,), help="forwards: new tokens per request")
-    p.add_argument("--context", type=int, default=256, help="forwards: cached tokens per request")
+    p.add_argument("--context", type=int, default=256, help="forwards, searches: cached tokens per request")
+    p.add_argument("--shapes", type=_shapes, default=((4, 2),), help="searches: DxW tree shapes, comma-separated")
     p.add_argument("--json", type=Path, required=True)
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -214,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kv = int(args.kv_gib * 2**30)
-    models = {role: load_named(ref, device=device, dtype=dtype) for role, ref in (("target", args.target),
-                                                                                   ("draft", args.draft))}
+    roles = (("draft", args.draft),) if args.what == "searches" else (("target", args.target), ("draft", args.draft))
+    models = {role: load_named(ref, device=device, dtype=dtype) for role, ref in roles}
     out: dict[str, Any] = {"device": device_name(device), "dtype": str(dtype).removeprefix("torch."),
                            "torch": torch.__version__, "models": {r: name for r, (_, name) in models.items()}}
     if args.what == "profile":
@@ -226,6 +294,17 @@ def main(argv: list[str] | None = None) -> int:
         out.update(profile_pair(t, d, cfg))
         out["settings"] = {"static_shapes": True, "attention": "torch", "contexts": list(args.contexts),
                            "repeats": args.repeats, "seconds": time.perf_counter() - t0}
+    elif args.what == "searches":
+        rows = []
+        for static in (False, True):
+            r = runner_for(models["draft"][0], kv_bytes=kv, static_shapes=static)
+            for b in args.batches:
+                for depth, width in args.shapes:
+                    row = search_times(r, SearchProbe(b, depth, width, args.context), repeats=args.repeats)
+                    rows.append(row)
+                    print(json.dumps(row), file=sys.stderr)
+            del r
+        out["searches"] = rows
     else:
         rows = []
         for role, (model, _) in models.items():

@@ -12,12 +12,14 @@ import torch
 from adaserve.bench.random_arch import (
     ARCHITECTURES,
     DecodeProbe,
+    SearchProbe,
     architecture,
     decode_times,
     main,
     profile_pair,
     random_model,
     runner_for,
+    search_times,
 )
 from adaserve.bench.sim.device_model import profile_from_measured
 from adaserve.engine.cost.profiler import ProfilerConfig
@@ -75,3 +77,35 @@ def test_command_line_writes_forward_times(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["forwards"]
     assert {(r["model"], r["batch"], r["static_shapes"]) for r in rows} == {
         (m, b, s) for m in ("target", "draft") for b in (1, 2) for s in (False, True)}
+
+
+@pytest.mark.parametrize("path", ["eager", "static", "static-steps"])
+def test_search_times_report_one_search_and_its_steps(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft search as the engine runs it: with static shapes and the torch picks (a GPU's path) its levels run
+    as the draft's steps; the search is undone after each repeat, so every one starts from the same context."""
+    from tests.engine.helpers import use_cpu_kernels
+
+    if path == "static-steps":
+        use_cpu_kernels("torch", monkeypatch)
+    r = runner_for(random_model(TINY, device=torch.device("cpu"), dtype=torch.float32), kv_bytes=2**22,
+                   static_shapes=path != "eager")
+    free = r.cache.free_pages
+    out = search_times(r, SearchProbe(batch=3, depth=3, width=2, context=10), repeats=3, warmup=1)
+    assert out["steps"] is (path == "static-steps") and out["static_shapes"] is (path != "eager")
+    assert out["search_min_ms"] <= out["search_median_ms"] <= out["search_p90_ms"]
+    assert out["step_median_ms"] == pytest.approx(out["search_median_ms"] / 3)
+    assert 0 < out["device_median_ms"] <= out["search_median_ms"] and out["host_median_ms"] > 0
+    assert r.cache.free_pages == free  # the probe's sequences gave their pages back
+
+
+def test_command_line_writes_search_times(tmp_path: Path) -> None:
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(TINY))
+    out = tmp_path / "s.json"
+    assert main(["searches", "--device", "cpu", "--draft", str(cfg), "--batches", "1,2", "--shapes", "2x2,1x1",
+                 "--repeats", "1", "--kv-gib", "0.01", "--context", "12", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["searches"]
+    assert {(r["batch"], r["depth"], r["width"], r["static_shapes"]) for r in rows} == {
+        (b, d, w, s) for b in (1, 2) for d, w in ((2, 2), (1, 1)) for s in (False, True)}
+    with pytest.raises(SystemExit):
+        main(["searches", "--device", "cpu", "--draft", str(cfg), "--shapes", "4x0", "--json", str(out)])

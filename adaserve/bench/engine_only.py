@@ -261,14 +261,15 @@ def torch_picks() -> contextlib.AbstractContextManager[Any]:
 
 @contextlib.contextmanager
 def steps_as_replays(ops: OpCount) -> Any:
-    """The draft's steps on static buckets counted as the graph replays a GPU makes of them (``OpCount.replay``)."""
-    step = DraftSteps._step
+    """The draft's steps on static buckets counted as the one graph replay a GPU makes of a search's steps
+    (``OpCount.replay``)."""
+    steps = DraftSteps._steps
 
-    def counted(self: DraftSteps, s: int) -> None:
+    def counted(self: DraftSteps, levels: Any, on_forward: Any) -> None:
         with ops.replay():
-            step(self, s)
+            steps(self, levels, on_forward)
 
-    with mock.patch.object(DraftSteps, "_step", counted):
+    with mock.patch.object(DraftSteps, "_steps", counted):
         yield
 
 

@@ -10,10 +10,13 @@ depth d picks level s + 1 from level s's logits and, below the last level, feeds
     the draft      the model over the bucket: level s + 1's logits, which step s + 1 reads
 
 Each step is one function that reads and writes only buffers that outlive the search (this object's, the buckets',
-the earlier steps' outputs). On a GPU it is captured once per search shape as a CUDA graph and replayed, one launch a
-level instead of a dozen picks ops and half a dozen fills; on a CPU the very same closures are called, search after
-search, and their outputs copied into the first search's tensors, as a replay would leave them, so that every CPU test
-of the path holds a step to reading nothing but its buffers (tests/engine/speculation/test_draft_steps.py).
+the earlier steps' outputs). On a GPU the whole search, every step in turn (``search_function``), is captured once per
+search shape as one CUDA graph and replayed: one launch a search, where the levels' loop launched a dozen picks ops and
+half a dozen fills a level (SGLang's one graph for the multi-step draft). On a CPU the very same closures are called
+step by step, search after search, each fed level's forward reported as it ends (the cost model's samples), and their
+outputs copied into the first search's tensors, as a replay would leave them, so that every CPU test of the path holds
+a step to reading nothing but its buffers (tests/engine/speculation/test_draft_steps.py; the search function itself is
+held to the steps bit for bit there).
 
 Per search, before the steps, the host queues two copies: the roots' logits into the root buffer, and every fed
 level's integers, tree cells and their sources (``BeamLevels.static_levels``, staged as one array, the cells padded
@@ -109,13 +112,12 @@ class DraftSteps:
             # built once (the attention it holds reads the grid): what a graph captures, or on a CPU the same through
             # the module, timed and hooked as any forward
             self.forwards.append(static._function(grid) if static.graphs else static.eager_function(grid))
-        self.fns: list[Callable[[], StepOut] | None] = [None] * depth
+        self.fns: list[Callable[[], StepOut] | None] = [None] * depth  # a CPU's steps, made at first use
         self.outs: list[StepOut | None] = [None] * depth
-        self.graphs: list[torch.cuda.CUDAGraph | None] = [None] * depth
-        # the steps' own memory pool: captured in step order and always replayed in it, a step's intermediates can
-        # only reuse memory of its own earlier steps' intermediates, never an output still to be read (the picks are
-        # read at the search's end); the buckets' graphs keep the model's shared pool
-        self.pool: tuple[int, int] | None = None
+        # a GPU's whole search as one graph, in a memory pool of its own: its outputs (the picks, read at the
+        # search's end) outlive the replay, and the buckets' graphs, which share the model's pool, run in between
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.replayed = static.graphs  # a GPU: the search as that graph (``_replay``); a CPU: step by step
 
     # ---- one search --------------------------------------------------------------------------------------------
     def run(self, levels: BeamLevels, roots: torch.Tensor,
@@ -136,28 +138,58 @@ class DraftSteps:
             self.inputs.copy_(block)
         for grid in self.grids:  # the steps write (or clear) their buckets' tree buffers: the eager path clears next
             grid.has_cells = True
+        if self.replayed:
+            t0 = time.perf_counter()
+            self._replay()
+            for level in range(1, self.depth):  # queued, not done: reported as the eager path reports its forwards
+                levels.report(level, t0)
+                on_forward()
+                t0 = time.perf_counter()
+        else:
+            self._steps(levels, on_forward)
         out = []
+        for o in self.outs:
+            assert o is not None
+            out.append((o.tok[:n], o.parent[:n], o.value[:n], (o.lo, o.hi)))
+        return out
+
+    # ---- a GPU: the whole search, captured once and replayed ------------------------------------------------------
+    def search_function(self) -> Callable[[], list[StepOut]]:
+        """The whole search over buffers only: each step made from the outputs of the one before and called in turn.
+        What a GPU captures as one graph; a CPU test calls it and holds it to the steps one by one."""
+
+        def search() -> list[StepOut]:
+            outs: list[StepOut] = []
+            for s in range(self.depth):
+                outs.append(self._make(s, outs[-1] if outs else None)())
+            return outs
+
+        return search
+
+    def _replay(self) -> None:
+        with torch.inference_mode():  # as the draft's forwards run: its outputs are inference tensors
+            if self.graph is None:
+                self.graph, outs = self.static.capture(self.search_function(), torch.cuda.graph_pool_handle())
+                self.outs = list(outs)
+            with self.runner.model.timer.region(self.runner.device):
+                self.graph.replay()
+
+    # ---- a CPU: the steps made once, then called in turn ----------------------------------------------------------
+    def _steps(self, levels: BeamLevels, on_forward: Callable[[], None]) -> None:
+        """Every step in turn, each fed level's forward reported as it ends (a CPU's forwards are done when they
+        return, so each sample is exact)."""
         for s in range(self.depth):
             t0 = time.perf_counter()
             self._step(s)
-            o = self.outs[s]
-            assert o is not None
-            out.append((o.tok[:n], o.parent[:n], o.value[:n], (o.lo, o.hi)))
             if s < self.depth - 1:
                 levels.report(s + 1, t0)
                 on_forward()
-        return out
 
-    # ---- a step: made once, then called (CPU) or captured and replayed (CUDA) ------------------------------------
     def _step(self, s: int) -> None:
         fn = self.fns[s]
         if fn is None:
-            fn = self.fns[s] = self._make(s)
+            fn = self.fns[s] = self._make(s, self.outs[s - 1] if s else None)
         with torch.inference_mode():  # as the draft's forwards run: its outputs are inference tensors
-            self._call(s, fn)
-
-    def _call(self, s: int, fn: Callable[[], StepOut]) -> None:
-        if not self.static.graphs:
             got = fn()
             out = self.outs[s]
             if out is None:  # tensors of their own (an output may be a view of a constant: one node's parents)
@@ -165,19 +197,11 @@ class DraftSteps:
             else:  # as a replay leaves them: the first call's tensors hold every later call's values
                 for dst, src in zip(out.tensors(), got.tensors(), strict=True):
                     dst.copy_(src)
-            return
-        if self.graphs[s] is None:
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            self.graphs[s], self.outs[s] = self.static.capture(fn, self.pool)
-        graph = self.graphs[s]
-        assert graph is not None
-        with self.runner.model.timer.region(self.runner.device):
-            graph.replay()
 
-    def _make(self, s: int) -> Callable[[], StepOut]:
-        """Step s's function, over buffers only: the roots' (s = 0) or step s - 1's outputs, this object's, the
-        buckets'."""
+    # ---- a step's function -----------------------------------------------------------------------------------------
+    def _make(self, s: int, prev: StepOut | None) -> Callable[[], StepOut]:
+        """Step s's function, over buffers only: the roots' (s = 0) or step s - 1's outputs ``prev``, this object's,
+        the buckets'."""
         sizes, g = self.sizes, self.g
         f = sizes[s]  # frontier nodes per tree
         frontier = sum(sizes[:s])  # tree index of the frontier's first node
@@ -185,7 +209,6 @@ class DraftSteps:
         if s == 0:
             x, base = self.root, self.base
         else:
-            prev = self.outs[s - 1]
             assert prev is not None and prev.logits is not None
             q = self.grids[s - 1].q
             logits = prev.logits

@@ -4,9 +4,9 @@ closures a GPU captures are called search after search:
 - searches of one shape reuse one set of steps, and each gives the reference's trees bit for bit (the host-level
   search of test_beam_on_device.py), with and without a sliding window, batch buckets padded or not: a step that read
   anything but its buffers would read the first search's values in the later ones;
-- a step makes no host-device crossing (what a CUDA graph may hold);
-- a search launches few device ops outside its steps (each step is one replay on a GPU), far fewer than the levels'
-  loop;
+- a step makes no host-device crossing (what a CUDA graph may hold), and the whole search's function, which a GPU
+  captures as one graph, gives the steps' outputs bit for bit without one either;
+- a search launches few device ops outside its steps (one replay on a GPU), far fewer than the levels' loop;
 - a level that is not finite refuses the trees once the pending tokens are committed.
 The trees of every SHAPES entry through the steps are also held to the reference by
 ``test_device_levels_give_the_host_levels_trees_bit_for_bit`` (static, torch picks).
@@ -81,10 +81,10 @@ def test_a_step_crosses_nothing(draft: ModelRunner) -> None:
 
 
 def test_a_search_launches_few_ops_outside_its_steps(draft: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Counted as a GPU launches them (``engine_only.steps_as_replays``: a step is one replay), a search of depth 4
-    and width 2 at three requests launches a few ops outside the draft's forwards: the catch-up's integers and rows,
-    the roots' copy, one copy of every fed level's integers and tree cells, one replay a step, and the trees' one
-    copy to the host (12 in all). The levels' loop (eager picks and fills) launches 67."""
+    """Counted as a GPU launches them (``engine_only.steps_as_replays``: a search's steps are one replay), a search
+    of depth 4 and width 2 at three requests launches a few ops outside the draft's forwards: the catch-up's integers
+    and rows, the roots' copy, one copy of every fed level's integers and tree cells, the steps' one replay, and the
+    trees' one copy to the host (9 in all). The levels' loop (eager picks and fills) launches 67."""
 
     def search() -> int:
         inputs = contexts(draft, [[5, 6, 7], [8], [3] * 9], [[9], [10, 11], [4]])
@@ -98,8 +98,53 @@ def test_a_search_launches_few_ops_outside_its_steps(draft: ModelRunner, monkeyp
     with_steps = search()
     monkeypatch.setattr(speculate, "steps_for", lambda *a, **k: None)
     loop = search()
-    assert with_steps <= 14, with_steps
-    assert loop >= 4 * with_steps, (loop, with_steps)
+    assert with_steps <= 10, with_steps
+    assert loop >= 6 * with_steps, (loop, with_steps)
+
+
+def test_the_search_function_is_the_steps_one_by_one(draft: ModelRunner) -> None:
+    """What a GPU captures as one graph (``search_function``: every step made from the one before's outputs, called in
+    turn) gives the steps' outputs bit for bit, and makes no host-device crossing of any kind."""
+    inputs = contexts(draft, [[5, 6, 7], [8], [3] * 9], [[9], [10, 11], [4]])
+    beam_search(draft, inputs, depth=4, width=2)  # the buffers hold this search's inputs
+    (steps,) = one_steps(draft)
+    with HostSync(forbid=True) as hs, torch.inference_mode():
+        whole = steps.search_function()()
+    assert not hs.counts
+    assert len(whole) == len(steps.outs) == 4
+    for got, want in zip(whole, steps.outs, strict=True):
+        assert want is not None
+        for g, w in zip(got.fields(), want.fields(), strict=True):
+            assert (g is None) == (w is None)
+            assert g is None or (w is not None and torch.equal(g, w))
+
+
+def test_a_gpus_search_reports_every_level_after_its_one_replay(draft: ModelRunner,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run``'s GPU branch, its replay stood in by the search function called once (a CPU cannot capture): the trees
+    of the steps one by one, and the catch-up and every fed level reported to the runner's listeners, in order."""
+    prompts, pending = [[5, 6, 7], [8], [3] * 9], [[9], [10, 11], [4]]
+    inputs = contexts(draft, prompts, pending)
+    want = beam_search(draft, inputs, depth=4, width=2)
+    for x in inputs:
+        draft.cache.release(x.seq)
+    (steps,) = one_steps(draft)
+    replays: list[int] = []
+
+    def replay() -> None:
+        replays.append(1)
+        with torch.inference_mode():
+            steps.outs = list(steps.search_function()())
+
+    steps.replayed = True
+    monkeypatch.setattr(steps, "_replay", replay)
+    inputs = contexts(draft, prompts, pending)  # prefilled: the search's forwards are the ones heard from here on
+    records: list[Any] = []
+    draft.forward_listeners.append(records.append)
+    got = beam_search(draft, inputs, depth=4, width=2)
+    assert replays == [1]
+    assert_same_trees(got, want, 0)
+    assert [r.n_new for r in records] == [4, 6, 6, 6]  # the catch-up's pending tokens, then 3 requests x 2 a level
 
 
 def test_a_level_that_is_not_finite_refuses_the_trees(draft: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,9 +163,9 @@ def test_a_level_that_is_not_finite_refuses_the_trees(draft: ModelRunner, monkey
 # ---- on a GPU: the steps captured and replayed (run with --with-gpu) -------------------------------------------------
 @pytest.mark.gpu
 def test_replayed_steps_give_the_eager_levels_trees_on_cuda(draft_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each step captured at the first search of its shape and replayed at the later ones gives the trees of the
-    levels' eager loop on the same card (the same kernels: tokens and parents equal, log path probabilities to
-    float32 rounding)."""
+    """The whole search captured as one graph at the first search of its shape and replayed at the later ones gives
+    the trees of the levels' eager loop on the same card (the same kernels: tokens and parents equal, log path
+    probabilities to float32 rounding)."""
     from tests.engine.model.test_static_shapes import cuda_runner
 
     draft = cuda_runner(draft_dir, static=True)
@@ -137,7 +182,7 @@ def test_replayed_steps_give_the_eager_levels_trees_on_cuda(draft_dir: Path, mon
                 for x in inputs:
                     draft.cache.release(x.seq)
         (steps,) = one_steps(draft)
-        assert all(g is not None for g in steps.graphs)
+        assert steps.graph is not None
         for g, r in zip(*trees, strict=True):
             assert np.array_equal(g.tokens, r.tokens) and np.array_equal(g.parents, r.parents), search
             np.testing.assert_allclose(g.log_probs, r.log_probs, rtol=1e-5, atol=1e-5)

@@ -28,6 +28,10 @@ instead of the device's staged arrays and five ops; the same bits (tests/engine/
 the device's masks: made by numpy too they read a tie at 32 requests (docs/benchmarks.md, eighteenth round), not
 worth a second batch mask path.
 
+One request without a sliding window is planned in slices of its slots (``_plan_lone``; on static buckets, a GPU's
+path, ``_plan_lone_static``, padded to each bucket), held to the batch plan's arrays by
+tests/engine/model/test_levels.py.
+
 The flashinfer backend, tensor parallel ranks and a level no static bucket fits lay out each level from its
 placeholder trees, as any forward (``"laid_out"``): one plan and one copy per level, as before.
 

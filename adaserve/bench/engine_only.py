@@ -402,7 +402,9 @@ def settings(target: ModelRunner, cfg: Any, *, model: str, device: str) -> dict[
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "cpus": os.cpu_count(),
             "host_cpu": host_cpu(), "allocator": allocator.in_use(), "d_max": ecfg.adaptive.d_max,
             "w_max": ecfg.adaptive.w_max,
-            "budget_rule": ecfg.budget_rule, "attention": ecfg.attention}
+            "budget_rule": ecfg.budget_rule, "attention": ecfg.attention,
+            # the CPU's kernels or the torch picks a GPU runs (``torch_picks``), as the timed iterations ran
+            native_kernels.ENV: os.environ.get(native_kernels.ENV, "auto")}
 
 
 def host_cpu() -> str:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from adaserve.bench.engine_only import IterationTimes, load_pair, run_engine_only, summarize_cell
+from adaserve.bench.engine_only import IterationTimes, load_pair, run_engine_only, settings, summarize_cell
 from adaserve.bench.microbench_options import EngineOnlyConfig, PeerConfig
 from adaserve.engine.model import native_kernels
 
@@ -72,6 +72,15 @@ def test_engine_only_on_the_demo_pair(demo: tuple) -> None:
     # counted as a GPU launches them (engine_only.torch_picks), though the timed iterations took the CPU kernels
     assert "topk" in spec["repeats"][0]["ops_outside_by_name_per_iteration"]
     assert os.environ.get(native_kernels.ENV) == env_before  # restored after the counted iterations
+
+
+def test_the_report_says_which_picks_the_timed_iterations_took(demo: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU's kernels or the torch picks a GPU runs shape a CPU's figures: the settings record the switch."""
+    cfg = EngineOnlyConfig(batches=(1,), modes=("spec",), steps=1, warmup_steps=0, repeats=1, kv_memory_mb=64)
+    monkeypatch.delenv(native_kernels.ENV, raising=False)
+    assert settings(demo[0], cfg, model="demo-tiny", device="cpu")[native_kernels.ENV] == "auto"
+    monkeypatch.setenv(native_kernels.ENV, "off")
+    assert settings(demo[0], cfg, model="demo-tiny", device="cpu")[native_kernels.ENV] == "off"
 
 
 def test_peer_race_on_the_demo_pair(demo: tuple) -> None:

@@ -114,8 +114,8 @@ class DraftSteps:
             self.forwards.append(static._function(grid) if static.graphs else static.eager_function(grid))
         self.fns: list[Callable[[], StepOut] | None] = [None] * depth  # a CPU's steps, made at first use
         self.outs: list[StepOut | None] = [None] * depth
-        # a GPU's whole search as one graph, in a memory pool of its own: its outputs (the picks, read at the
-        # search's end) outlive the replay, and the buckets' graphs, which share the model's pool, run in between
+        # a GPU's whole search as one graph, in a memory pool of its own: nothing it writes can land on the buffers
+        # or outputs of the buckets' graphs, which share the model's pool
         self.graph: torch.cuda.CUDAGraph | None = None
         self.replayed = static.graphs  # a GPU: the search as that graph (``_replay``); a CPU: step by step
 
@@ -125,7 +125,8 @@ class DraftSteps:
                                                             tuple[torch.Tensor, torch.Tensor]]]:
         """The search's levels from its roots' logits ``roots`` [n, V]: per level (tokens, parents, log path
         probabilities, (least, greatest logit)), each [n, kept] (views of the steps' outputs: read them before
-        the next search). ``on_forward`` is called after each fed level, as the eager path reports its forwards."""
+        the next search). ``on_forward`` is called after each fed level, as the eager path reports its forwards (on a
+        GPU after the one replay: the forwards are queued then, not done, as every GPU forward is when reported)."""
         n = roots.shape[0]
         self.root[:n].copy_(roots)
         block = levels.static_levels()  # every fed level's integers and tree cells with their sources

@@ -21,6 +21,8 @@
 # Each step has its own time limit (STEP_LIMIT seconds, default 240); a failing step does not stop the others
 # and the script exits 1 if any failed.
 #   ONLY     run only these steps (names as in OUT/NAME.log, space-separated), e.g. a rerun after a fix
+#   ADASERVE_DRAFT_STEPS=off   the draft's levels as the levels' loop, not as one graph a search (the fallback if
+#            the search's graph fails on this card: rerun the failed steps with it, ONLY as above)
 #   STEPS    timed iterations per microbench cell (default 16)
 #   BUDGET   the speculative cells' token budget B (default 64)
 # Without CUDA (a dry run on a CPU) it says so, runs the CPU half of the static-shape tests, the forward

@@ -24,11 +24,15 @@ to the bucket: a padded request's rows pick from rows that see the scratch page 
 a step copies its level's integers into the bucket itself (levels may share a bucket), and the first resets the
 ancestor rows. The picks reach the host in one copy at the end, as on the eager path.
 
+``ADASERVE_DRAFT_STEPS=off`` (read at each search) keeps the levels' loop (speculate.beam_search) instead: the switch
+a GPU session flips if the graph misbehaves there, without a code change.
+
 May import: numpy, torch, the model room, speculation.beam_ops.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -43,6 +47,12 @@ from adaserve.engine.speculation.beam_ops import expand_on_device, grow_ancestor
 
 # each draft's static forwards -> its searches' steps by shape (dropped with the runner's static path)
 _STEPS: weakref.WeakKeyDictionary[StaticForward, dict[tuple, DraftSteps]] = weakref.WeakKeyDictionary()
+ENV = "ADASERVE_DRAFT_STEPS"
+
+
+def enabled() -> bool:
+    """The draft's steps serve (the default), unless ``ADASERVE_DRAFT_STEPS`` says off."""
+    return os.environ.get(ENV, "on").lower() not in ("off", "0", "false", "no")
 
 
 @dataclass
@@ -66,11 +76,14 @@ class StepOut:
 
 def steps_for(levels: BeamLevels, *, depth: int, width: int, expansion: tuple[int, ...] | None,
               sizes: list[int]) -> DraftSteps | None:
-    """The steps of this search's shape (made at first use), or None where a level does not run on a static bucket."""
+    """The steps of this search's shape (made at first use), or None where a level does not run on a static bucket
+    or the steps are switched off (``ADASERVE_DRAFT_STEPS``)."""
     runner = levels.runner
     static = runner.static
+    if static is None or not enabled():
+        return None
     shape = levels.static_shape()
-    if static is None or shape is None:
+    if shape is None:
         return None
     key = (tuple(sizes), width, expansion, shape)
     by_shape = _STEPS.setdefault(static, {})

@@ -147,6 +147,22 @@ def test_a_gpus_search_reports_every_level_after_its_one_replay(draft: ModelRunn
     assert [r.n_new for r in records] == [4, 6, 6, 6]  # the catch-up's pending tokens, then 3 requests x 2 a level
 
 
+def test_the_switch_keeps_the_levels_loop(draft: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ADASERVE_DRAFT_STEPS=off`` (a GPU session's fallback, read at each search): no steps are made, and the levels'
+    loop gives the same trees as the steps."""
+    prompts, pending = [[5, 6, 7], [8]], [[9], [10, 11]]
+    monkeypatch.setenv(draft_steps.ENV, "off")
+    inputs = contexts(draft, prompts, pending)
+    loop = beam_search(draft, inputs, depth=3, width=2)
+    for x in inputs:
+        draft.cache.release(x.seq)
+    assert not one_steps(draft)
+    monkeypatch.setenv(draft_steps.ENV, "on")
+    steps = beam_search(draft, contexts(draft, prompts, pending), depth=3, width=2)
+    assert one_steps(draft)
+    assert_same_trees(steps, loop, "switch")
+
+
 def test_a_level_that_is_not_finite_refuses_the_trees(draft: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     inputs = contexts(draft, [[5, 6, 7], [8]], [[9], [10, 11]])
     real = BeamLevels.catch_up

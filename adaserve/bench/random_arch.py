@@ -217,7 +217,7 @@ def search_times(runner: ModelRunner, probe: SearchProbe, *, repeats: int = 30, 
             runner.cache.release(s)
     whole = sorted(samples)
     search = statistics.median(whole)
-    steps = runner.static is not None and bool(draft_steps._STEPS.get(runner.static))
+    steps = runner.static is not None and draft_steps.shapes_made(runner.static) > 0
     return {"batch": probe.batch, "depth": probe.depth, "width": probe.width, "context": probe.context,
             "static_shapes": runner.static is not None, "steps": steps, "search_median_ms": search,
             "search_min_ms": whole[0], "search_p90_ms": whole[int(0.9 * (len(whole) - 1))], "repeats": repeats,

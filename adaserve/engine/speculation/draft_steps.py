@@ -74,6 +74,11 @@ class StepOut:
         return [t for t in self.fields() if t is not None]
 
 
+def shapes_made(static: StaticForward) -> int:
+    """How many search shapes have steps on this draft's static path (0: every search ran the levels' loop)."""
+    return len(_STEPS.get(static, {}))
+
+
 def steps_for(levels: BeamLevels, *, depth: int, width: int, expansion: tuple[int, ...] | None,
               sizes: list[int]) -> DraftSteps | None:
     """The steps of this search's shape (made at first use), or None where a level does not run on a static bucket

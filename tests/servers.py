@@ -17,6 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from adaserve.engine.loading.catalog import DERIVE_FILE, ensure_demo_draft
 from adaserve.server_process import NotReady, ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +27,10 @@ READY_TIMEOUT_S = 300.0  # the machine is shared: loading and profiling can be s
 
 
 def demo_pair(wait_s: float = 600.0) -> tuple[Path, Path]:
-    """The demo target/draft pair. It may be mid-retraining (directories replaced at the end): wait."""
+    """The demo target/draft pair (the draft built from the target if need be). It may be mid-retraining
+    (directories replaced at the end): wait."""
+    if (DEMO / "draft" / DERIVE_FILE).is_file():
+        ensure_demo_draft(DEMO.parent)
     dirs = (DEMO / "target", DEMO / "draft")
     deadline = time.monotonic() + wait_s
     while True:

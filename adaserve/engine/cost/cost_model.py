@@ -93,15 +93,53 @@ class FitReport:
         return asdict(self)
 
 
-def _nnls_small(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """argmin_{x >= 0} ||a x - b||_2 for a handful of columns, exactly, by enumerating supports.
+_EPS = float(np.finfo(np.float64).eps)
 
-    The NNLS optimum x* satisfies the KKT conditions, so on its support P the gradient vanishes: x*_P is
-    an unconstrained least-squares solution on the columns P. Solving lstsq for every one of the 2^p
-    supports, keeping the non-negative solutions and taking the smallest residual therefore finds x*
-    (it is among the candidates, and every candidate is feasible). 2^3 = 8 tiny solves here, no
-    iteration, no tolerance to tune; fine for p <= ~10.
+
+def _rank(m: np.ndarray) -> int:
+    """``np.linalg.matrix_rank(m)`` by its own rule (singular values above max(S) * max(m.shape) * eps), without
+    its wrapper's overhead: a third of its time on a small matrix."""
+    s = np.linalg.svd(m, compute_uv=False)  # descending: s[0] is the largest
+    return int(np.count_nonzero(s > s[0] * max(m.shape) * _EPS))
+
+
+def _nnls_small(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, int]:
+    """argmin_{x >= 0} ||a x - b||_2 for a handful of columns, exactly; with ``a``'s rank (np.linalg.lstsq's).
+
+    The problem is convex, so a feasible x is the optimum iff it meets the KKT conditions: the gradient
+    g = a^T (a x - b) is 0 on x's support and >= 0 off it. A support's unconstrained least-squares solution has
+    g = 0 on that support, so the optimum is among those solutions (``_nnls_enumerated`` tries them all). Where
+    ``a`` has full column rank the optimum is unique, and the first positive solution that meets KKT is it: the
+    full support first (all coefficients > 0: the usual case for a cost model's window), then the supports one
+    column smaller, and so on; one to four solves instead of 2^p - 1 (issue 30: the online model's refit was
+    ~0.7 ms of host time). A rank-deficient ``a`` (several optima), or none found (g's rounding at a boundary), is
+    left to the enumeration, whose tie rule picks among equal fits.
     """
+    p = a.shape[1]
+    x_full, _, rank, _ = np.linalg.lstsq(a, b, rcond=None)
+    if rank < p:
+        return _nnls_enumerated(a, b), int(rank)
+    if min(x_full.tolist()) > 0:
+        return x_full, p
+    gram, corr = a.T @ a, a.T @ b
+    for k in range(p - 1, 0, -1):
+        for support in itertools.combinations(range(p), k):
+            cols = list(support)
+            xs = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+            if min(xs.tolist()) <= 0:
+                continue
+            x = np.zeros(p)
+            x[cols] = xs
+            g = (gram @ x - corr).tolist()  # g = a^T (a x - b): 0 on the support up to rounding
+            if all(g[j] >= 0 for j in range(p) if j not in support):
+                return x, p
+    return _nnls_enumerated(a, b), p
+
+
+def _nnls_enumerated(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``_nnls_small`` by enumerating supports: solving lstsq for every one of the 2^p supports, keeping the
+    non-negative solutions and taking the smallest residual finds x* (it is among the candidates, and every
+    candidate is feasible). No iteration, no tolerance to tune; fine for p <= ~10."""
     p = a.shape[1]
     best_x, best_r = np.zeros(p), float(b @ b)  # empty support: x = 0
     for k in range(1, p + 1):
@@ -163,34 +201,50 @@ def fit_cost_model(
     return fit_arrays(np.asarray(ctx), np.asarray(bat), np.asarray(y), weighting=weighting, knee=knee)
 
 
-def fit_arrays(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, *,
-               weighting: Literal["relative", "absolute"] = "relative",
-               knee: int | None = None) -> tuple[CostModel, FitReport]:
-    """``fit_cost_model`` on float64 columns a caller has already checked (counts >= 0, seconds finite > 0):
-    the online model refits its window without a Python pass over every sample (issue 30)."""
+def fit_model(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, *,
+              weighting: Literal["relative", "absolute"] = "relative",
+              knee: int | None = None) -> CostModel:
+    """``fit_arrays``'s model without its report: what the online model refits its window with, with no Python pass
+    over the samples and none of the report's sums (issue 30)."""
     if weighting not in ("relative", "absolute"):
         raise ValueError(f"weighting must be 'relative' or 'absolute', got {weighting!r}")
     if len(yv) < 3:
         raise ValueError(f"fit_cost_model needs >= 3 samples, got {len(yv)}")
     design = np.column_stack([ctx, bat, np.ones_like(yv)])
-    scale = np.abs(design).max(axis=0)
-    if np.any(scale == 0) or np.linalg.matrix_rank(design / np.where(scale == 0, 1, scale)) < 3:
-        raise ValueError(
-            "cost-model samples are degenerate: vary n_context and n_batched independently (rank-3 design)"
-        )
     hinge = np.maximum(0.0, bat - knee) if knee is not None and knee > 0 else None
     if hinge is not None and np.count_nonzero(hinge) >= 2:
         design = np.column_stack([design, hinge])
-        scale = np.abs(design).max(axis=0)
-    a = design / scale
+    scale = np.abs(design).max(axis=0)
+    if np.any(scale == 0):
+        raise ValueError(DEGENERATE)
     w = 1.0 / yv if weighting == "relative" else np.ones_like(yv)
-    coef = _nnls_small(a * w[:, None], yv * w) / scale
-    coef = np.maximum(coef, 0.0)  # exact zeros stay zeros; guards -0.0
-    above = float(coef[3]) if len(coef) > 3 else 0.0
-    model = CostModel(alpha=float(coef[0]), gamma=float(coef[1]), delta=float(coef[2]),
-                      gamma_above=above, knee=int(knee) if above > 0 and knee is not None else 0)
+    a = design / scale * w[:, None]
+    x, rank = _nnls_small(a, yv * w)
+    # rank 3 of the straight columns: the solve's own rank says so, unless the hinge column is what it lacks (rows
+    # scaled by w > 0 keep the rank: the same rule as np.linalg.matrix_rank's on the unweighted design, and no SVD
+    # of its own, ~0.15 ms of a refit's host time with cold caches)
+    if rank < 3 or (rank < a.shape[1] and _rank(a[:, :3]) < 3):
+        raise ValueError(DEGENERATE)
+    coef = np.maximum(x / scale, 0.0).tolist()  # exact zeros stay zeros; guards -0.0
+    above = coef[3] if len(coef) > 3 else 0.0
+    return CostModel(alpha=coef[0], gamma=coef[1], delta=coef[2],
+                     gamma_above=above, knee=int(knee) if above > 0 and knee is not None else 0)
 
-    pred = design @ coef
+
+DEGENERATE = "cost-model samples are degenerate: vary n_context and n_batched independently (rank-3 design)"
+
+
+def fit_arrays(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, *,
+               weighting: Literal["relative", "absolute"] = "relative",
+               knee: int | None = None) -> tuple[CostModel, FitReport]:
+    """``fit_cost_model`` on float64 columns a caller has already checked (counts >= 0, seconds finite > 0)."""
+    model = fit_model(ctx, bat, yv, weighting=weighting, knee=knee)
+    coef = [model.alpha, model.gamma, model.delta]
+    design = np.column_stack([ctx, bat, np.ones_like(yv)])
+    if model.gamma_above > 0:
+        design = np.column_stack([design, np.maximum(0.0, bat - model.knee)])
+        coef.append(model.gamma_above)
+    pred = design @ np.asarray(coef)
     rel = np.abs(pred - yv) / yv
     ss_res = float(np.sum((pred - yv) ** 2))
     ss_tot = float(np.sum((yv - yv.mean()) ** 2))

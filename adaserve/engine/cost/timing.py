@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from adaserve.engine.cost.cost_model import CostModel, fit_arrays
+from adaserve.engine.cost.cost_model import CostModel, fit_model
 
 log = logging.getLogger(__name__)
 
@@ -190,8 +190,8 @@ class OnlineCostModel:
         self._since_refit = 0
         try:
             # keep the profile's knee: forwards served rarely span it, the profiler's grid did; ``observe``
-            # has checked every sample, so the columns go in as they are (cost_model.fit_arrays)
-            model, _ = fit_arrays(samples[:, 0], samples[:, 1], samples[:, 2], knee=self.initial.knee or None)
+            # has checked every sample, so the columns go in as they are, with no fit report (cost_model.fit_model)
+            model = fit_model(samples[:, 0], samples[:, 1], samples[:, 2], knee=self.initial.knee or None)
         except ValueError:  # not enough variation in the samples yet to separate the terms
             return None
         return model

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaserve.engine.cost.cost_model import CostModel, FitReport, fit_cost_model
+from adaserve.engine.cost.cost_model import CostModel, FitReport, _nnls_enumerated, _nnls_small, _rank, fit_cost_model
 
 ALPHA, GAMMA, DELTA = 2.0e-7, 3.0e-5, 8.0e-3  # s/context token, s/batched token, s
 
@@ -73,6 +73,49 @@ def test_cost_model_matches_scipy_nnls(seed):
     ours_res = float(np.linalg.norm(design @ ours - y))
     assert ours_res <= ref_res * (1 + 1e-7) + 1e-12
     np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("zeros", [0, 1, 2, 4])
+@pytest.mark.parametrize("seed", range(15))
+def test_nnls_small_is_scipys_nnls_and_the_enumerations(seed, zeros):
+    """The shortcuts (the full support's positive solution; the first positive support meeting KKT) give what
+    scipy's NNLS and the enumeration of every support give, with 0, 1, 2 or all 4 coefficients at the bound."""
+    nnls = pytest.importorskip("scipy.optimize").nnls
+    rng = np.random.default_rng(seed)
+    a = rng.uniform(0.0, 1.0, (24, 4))
+    x_true = rng.uniform(0.2, 1.0, 4)
+    x_true[rng.permutation(4)[:zeros]] = -rng.uniform(0.5, 1.0, zeros)  # pushed below the bound
+    b = a @ x_true + rng.normal(0.0, 0.01, 24)
+    ours, rank = _nnls_small(a, b)
+    assert rank == 4
+    ref, _ = nnls(a, b)
+    np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(ours, _nnls_enumerated(a, b), rtol=1e-9, atol=1e-12)
+    assert np.all(ours >= 0)
+    if zeros == 0:  # the full support's solution, as lstsq gives it
+        np.testing.assert_array_equal(ours, np.linalg.lstsq(a, b, rcond=None)[0])
+
+
+def test_nnls_small_leaves_a_rank_deficient_problem_to_the_enumeration():
+    """Two equal columns: every split of their weight fits as well; which one is returned is the enumeration's
+    choice, not a shortcut's."""
+    rng = np.random.default_rng(3)
+    col = rng.uniform(0.0, 1.0, 20)
+    a = np.column_stack([col, col, rng.uniform(0.0, 1.0, 20)])
+    b = a @ np.array([0.5, 0.5, 0.3])
+    x, rank = _nnls_small(a, b)
+    assert rank == 2
+    np.testing.assert_array_equal(x, _nnls_enumerated(a, b))
+    assert x[0] + x[1] == pytest.approx(1.0) and x[2] == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_rank_is_numpys_matrix_rank(seed):
+    rng = np.random.default_rng(seed)
+    m = rng.normal(size=(20, 4))
+    m[:, seed % 4] = m[:, (seed + 1) % 4] * 2.0 if seed % 2 else m[:, seed % 4]  # half of them rank 3
+    m[:, 3] *= 10.0 ** (-seed)  # down to a column below the numerical threshold
+    assert _rank(m) == np.linalg.matrix_rank(m)
 
 
 @pytest.mark.parametrize(

@@ -165,13 +165,13 @@ def test_least_squares_refit_runs_once_a_quarter_of_the_window_is_new(monkeypatc
     from adaserve.engine.cost import timing
 
     calls = []
-    real = timing.fit_arrays
+    real = timing.fit_model
 
     def counting(ctx, bat, y, **kw):
         calls.append(len(y))
         return real(ctx, bat, y, **kw)
 
-    monkeypatch.setattr(timing, "fit_arrays", counting)
+    monkeypatch.setattr(timing, "fit_model", counting)
     m = OnlineCostModel(CostModel(0.0, 0.0, 0.02))
     rng = np.random.default_rng(9)
     models = []
@@ -185,7 +185,7 @@ def test_least_squares_refit_runs_once_a_quarter_of_the_window_is_new(monkeypatc
 
 
 def test_refit_is_fit_cost_model_on_the_window():
-    """The window goes to the fit as columns (cost_model.fit_arrays, no per-sample pass): the same model."""
+    """The window goes to the fit as columns (cost_model.fit_model, no per-sample pass): the same model."""
     from adaserve.engine.cost.cost_model import fit_cost_model
 
     m = feed(OnlineCostModel(CostModel(0.0, 0.0, 0.02), window=48), forwards(np.random.default_rng(10), 96))

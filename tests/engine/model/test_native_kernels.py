@@ -291,6 +291,20 @@ def test_the_picks_refuse_what_their_pointers_would_misread(kernels: nk.NativeKe
             kernels.first_argmax(rows)
 
 
+def test_first_argmax_is_argmax_at_every_width(kernels: nk.NativeKernels) -> None:
+    """The scan's steps (32 logits at a time, then 8, then one; the first index's search the same way) give
+    torch's argmax at every width from 1 to 200: ties (its first maximum), -inf rows, +inf and NaN (the first NaN)
+    wherever they fall, a tail included."""
+    gen = torch.Generator().manual_seed(7)
+    for v in range(1, 201):
+        x = torch.randint(-3, 3, (6, v), generator=gen).float()  # small ints: ties in every step
+        x[1] = float("-inf")
+        x[2, int(torch.randint(0, v, (), generator=gen))] = float("inf")
+        x[3, int(torch.randint(0, v, (), generator=gen))] = float("nan")
+        x[4, v - 1] = 10.0  # the maximum in the last place: past every vector step when v % 8
+        assert kernels.first_argmax(x).tolist() == x.argmax(-1).tolist(), v
+
+
 def test_search_picks_are_each_levels_picks_with_their_rows_grown(kernels: nk.NativeKernels) -> None:
     """SearchPicks writes every level into the trees' [n, K] arrays, reading the previous level's columns as its
     base, and grows the ancestor rows in the same call: the same tokens, parents and float64 log path

@@ -305,6 +305,33 @@ def test_first_argmax_is_argmax_at_every_width(kernels: nk.NativeKernels) -> Non
         assert kernels.first_argmax(x).tolist() == x.argmax(-1).tolist(), v
 
 
+def test_beam_picks_refuse_a_logit_that_is_not_finite_wherever_it_is(kernels: nk.NativeKernels) -> None:
+    """The picks' one scan checks every logit: the first k, the few it takes one by one to align the rest to 8
+    lanes, and the rest, 8 at a time. NaN, +inf or -inf anywhere in any row: no picks."""
+    base = torch.zeros(1, 2, dtype=torch.float64)
+    for v in (5, 13, 37, 64):
+        for where in range(v):
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                x = torch.randn(2, v)
+                x[1, where] = bad
+                assert kernels.beam_picks(x, base, k=2, width=2, frontier=0) is None, (v, where, bad)
+        assert kernels.beam_picks(torch.randn(2, v), base, k=2, width=2, frontier=0) is not None
+
+
+def test_one_pick_a_row_is_its_first_maximum(kernels: nk.NativeKernels) -> None:
+    """k = 1: the row's first maximum (argmax's), its log-softmax the maximum's, at widths that are and are not a
+    multiple of 8 lanes, with ties everywhere."""
+    gen = torch.Generator().manual_seed(3)
+    for v in (1, 7, 8, 9, 31, 64, 100):
+        x = torch.randint(-2, 2, (6, v), generator=gen).float()
+        got = kernels.beam_picks(x, torch.zeros(6, 1, dtype=torch.float64), k=1, width=1, frontier=0)
+        assert got is not None
+        tok, _, value = got
+        assert tok[:, 0].tolist() == x.argmax(-1).tolist(), v
+        want = torch.log_softmax(x.double(), -1).max(-1).values
+        assert torch.allclose(value[:, 0], want, rtol=0, atol=1e-6), v
+
+
 def test_search_picks_are_each_levels_picks_with_their_rows_grown(kernels: nk.NativeKernels) -> None:
     """SearchPicks writes every level into the trees' [n, K] arrays, reading the previous level's columns as its
     base, and grows the ancestor rows in the same call: the same tokens, parents and float64 log path

@@ -15,8 +15,10 @@
  * a static tree (width == 0) keeps every candidate, in order. Only a node's own top k children can be among a
  * level's best, and the log-softmax keeps a row's order, so the [F * V] scores are never formed.
  *
- * Every exponential is exp8 (vexp.h). Torch's log_softmax sums in another order with another exponential, so a
- * value may differ from its float32 result in the last bits: the draft's guesses, never the verified output.
+ * A row is read twice: once for the picks (the first of them is m) and the check that every logit is finite, once
+ * for the sum. Every exponential is exp8_fma (vexp.h: exp8's polynomial with fused multiply-adds). Torch's
+ * log_softmax sums in another order with another exponential, so a value may differ from its float32 result in the
+ * last bits: the draft's guesses, never the verified output.
  *
  * Rows of base and of the three outputs are ld_base and ld_out elements apart (F and the kept count when packed;
  * a search that writes every level into one [n, K] array per output passes K: its levels are column ranges).
@@ -75,56 +77,39 @@ static inline void insert(float *top, int64_t *at, int *count, int k, float valu
     at[c] = index;
 }
 
-/* One row: its k picks (token ids, log-softmax values). Returns 1 when a logit is not finite. */
+/* One row: its k picks (token ids, log-softmax values). Returns 1 when a logit is not finite.
+ * Two passes over the row: the picks (the first of which is the maximum m), with the check for a logit that is not
+ * finite; then the sum of exp(x - m). */
 static int row_picks(const float *x, int V, int k, int64_t *pick, float *value) {
-    __m256 vmax = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
-    int v = 0;
+    float top[k];
+    int count = 0, v = 0, nonfinite = 0;
+    __m256 bad = _mm256_setzero_ps();
+    for (; v < k && v < V; v++) insert(top, pick, &count, k, x[v], v);
+    for (; v < V && (V - v) % 8; v++) insert(top, pick, &count, k, x[v], v); /* align the rest to 8 */
+    for (int t = 0; t < v; t++) nonfinite |= !isfinite(x[t]);
     for (; v + 8 <= V; v += 8) {
         __m256 xv = _mm256_loadu_ps(x + v);
-        vmax = _mm256_max_ps(vmax, xv);
         __m256 d = _mm256_sub_ps(xv, xv); /* 0 for a finite logit, NaN for NaN and +-inf */
         bad = _mm256_or_ps(bad, _mm256_cmp_ps(d, d, _CMP_UNORD_Q));
+        int hit = _mm256_movemask_ps(_mm256_cmp_ps(xv, _mm256_set1_ps(top[k - 1]), _CMP_GT_OQ));
+        while (hit) { /* greater than the k-th so far: a later equal logit never is (ties to the lower id) */
+            int t = __builtin_ctz(hit);
+            insert(top, pick, &count, k, x[v + t], v + t);
+            hit &= hit - 1;
+        }
     }
-    float m = hmax8(vmax);
-    int nonfinite = _mm256_movemask_ps(bad) != 0;
-    for (; v < V; v++) {
-        m = x[v] > m ? x[v] : m;
-        nonfinite |= !isfinite(x[v]);
-    }
-    if (nonfinite) return 1;
+    if (nonfinite || _mm256_movemask_ps(bad)) return 1;
+    float m = top[0]; /* the maximum: the greatest pick */
 
     __m256 vm = _mm256_set1_ps(m), acc = _mm256_setzero_ps();
-    for (v = 0; v + 8 <= V; v += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + v), vm)));
+    for (v = 0; v + 8 <= V; v += 8) acc = _mm256_add_ps(acc, exp8_fma(_mm256_sub_ps(_mm256_loadu_ps(x + v), vm)));
     float sum = hsum8(acc);
     if (v < V) { /* the tail, padded with -inf (weighs nothing) */
         float tail[8];
         for (int t = 0; t < 8; t++) tail[t] = v + t < V ? x[v + t] : -INFINITY;
-        sum += hsum8(exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), vm)));
+        sum += hsum8(exp8_fma(_mm256_sub_ps(_mm256_loadu_ps(tail), vm)));
     }
     float lse = logf(sum);
-
-    float top[k];
-    int count = 0;
-    if (k == 1) { /* the first maximum */
-        for (v = 0; v + 8 <= V; v += 8)
-            if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + v), vm, _CMP_EQ_OQ))) break;
-        for (; v < V; v++)
-            if (x[v] == m) break;
-        top[0] = m;
-        pick[0] = v;
-    } else {
-        for (v = 0; v < k && v < V; v++) insert(top, pick, &count, k, x[v], v);
-        for (; v < V && (V - v) % 8; v++) insert(top, pick, &count, k, x[v], v); /* align the rest to 8 */
-        for (; v + 8 <= V; v += 8) {
-            __m256 xv = _mm256_loadu_ps(x + v);
-            int hit = _mm256_movemask_ps(_mm256_cmp_ps(xv, _mm256_set1_ps(top[k - 1]), _CMP_GT_OQ));
-            while (hit) {
-                int t = __builtin_ctz(hit);
-                insert(top, pick, &count, k, x[v + t], v + t);
-                hit &= hit - 1;
-            }
-        }
-    }
     for (int i = 0; i < k; i++) value[i] = (top[i] - m) - lse;
     return 0;
 }

@@ -268,8 +268,8 @@ class PagedKVCache:
         for listener in self.move_listeners:
             listener(src, dst)
         if self.k.is_cpu:  # the arrays are the indices: nothing to send (issue 30: the stage's join, ~25 us)
-            s_idx, d_idx = torch.from_numpy(np.ascontiguousarray(src, np.int64)), torch.from_numpy(
-                np.ascontiguousarray(dst, np.int64))
+            s_idx = torch.from_numpy(np.ascontiguousarray(src, np.int64))
+            d_idx = torch.from_numpy(np.ascontiguousarray(dst, np.int64))
         else:
             stage = HostStage(self.k.device)  # sources and destinations in one non-blocking copy
             stage.put("src", src)

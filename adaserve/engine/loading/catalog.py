@@ -178,22 +178,28 @@ def _layer_of(name: str) -> int | None:
     return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] else None
 
 
-def derived_tensors(committed: Path, weights_file: str) -> tuple[dict, bytes]:
+def _derivation(committed: Path, weights_file: str, *, from_spec: bool = False) -> tuple[Path, Path | None]:
+    """Where a committed model's tensors come from: its own ``weights_file`` (and None), or, where ``derive.json``
+    stands instead of it (or ``from_spec``), the named source's ``weights_file`` and that spec file."""
+    own, spec_file = committed / weights_file, committed / DERIVE_FILE
+    if not spec_file.is_file() or (own.is_file() and not from_spec):
+        return own, None
+    return committed.parent / json.loads(spec_file.read_text())["from"] / weights_file, spec_file
+
+
+def derived_tensors(committed: Path, weights_file: str, *, from_spec: bool = False) -> tuple[dict, bytes]:
     """A committed model's tensors and the bytes its materialisation is keyed by: its own ``weights_file``, or, where
-    ``derive.json`` stands instead, the listed layers of the model it names (its ``weights_file``), renumbered 0, 1,
-    ... in the order listed, with every tensor outside the layers (embedding, final norm, ``embed_proj``). Raises
-    ModelNotFoundError when neither is there."""
+    ``derive.json`` stands instead (or ``from_spec``), the listed layers of the model it names (its
+    ``weights_file``), renumbered 0, 1, ... in the order listed, with every tensor outside the layers (embedding,
+    final norm, ``embed_proj``). Raises ModelNotFoundError when neither is there."""
     from safetensors import safe_open
 
-    spec_file = committed / DERIVE_FILE
-    source = committed
-    keep: dict[int, int] | None = None  # source layer -> its place in the derived model
-    if not (committed / weights_file).is_file() and spec_file.is_file():
-        spec = json.loads(spec_file.read_text())
-        source, keep = committed.parent / spec["from"], {int(i): j for j, i in enumerate(spec["layers"])}
-    weights = source / weights_file
+    weights, spec_file = _derivation(committed, weights_file, from_spec=from_spec)
     if not weights.is_file():
         raise ModelNotFoundError(f"draft weights {weights} not found")
+    keep = None  # source layer -> its place in the derived model
+    if spec_file is not None:
+        keep = {int(i): j for j, i in enumerate(json.loads(spec_file.read_text())["layers"])}
     tensors = {}
     with safe_open(str(weights), framework="pt") as fh:
         for name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
@@ -202,36 +208,45 @@ def derived_tensors(committed: Path, weights_file: str) -> tuple[dict, bytes]:
                 tensors[name] = fh.get_tensor(name)
             elif layer in keep:
                 tensors[name.replace(f"model.layers.{layer}.", f"model.layers.{keep[layer]}.", 1)] = fh.get_tensor(name)
-    key = weights.read_bytes() + (spec_file.read_bytes() if keep is not None else b"")
+    key = weights.read_bytes() + (spec_file.read_bytes() if spec_file is not None else b"")
     return tensors, key
 
 
 def has_weights(committed: Path, weights_file: str) -> bool:
     """``committed`` holds ``weights_file``, or derives it (``derive.json``) from a model that does."""
-    if (committed / weights_file).is_file():
-        return True
-    spec_file = committed / DERIVE_FILE
-    if not spec_file.is_file():
-        return False
-    return (committed.parent / json.loads(spec_file.read_text())["from"] / weights_file).is_file()
+    return _derivation(committed, weights_file)[0].is_file()
+
+
+DEMO_DRAFT_STAMP = ".model.safetensors.from"  # beside the built demo draft: what it was built from
 
 
 def ensure_demo_draft(models: Path | None = None) -> Path:
     """demo-tiny's draft: ``models/demo/draft`` (config, tokenizer and ``derive.json`` committed), its
-    ``model.safetensors`` the target's layers 0, 4 and 5, written there once; where that directory cannot be written (a
-    read-only image), a copy of it in the model cache."""
+    ``model.safetensors`` the target's layers 0, 4 and 5, written there once and again whenever the target's file or
+    the spec changes (``DEMO_DRAFT_STAMP``: the target's size and modification time and the spec, so a retrained
+    target never serves a stale draft); where that directory cannot be written (a read-only image), a copy of it in
+    the model cache, keyed by the target's bytes."""
     from safetensors.torch import save_file
 
     committed = (models or committed_models()) / "demo" / "draft"
-    if (committed / "model.safetensors").is_file():
+    source, spec_file = _derivation(committed, "model.safetensors", from_spec=True)
+    if spec_file is None:  # no spec: weights committed as they are
         return committed
-    tensors, key = derived_tensors(committed, "model.safetensors")
+    st = source.stat() if source.is_file() else None
+    stamp = f"{st.st_size}:{st.st_mtime_ns}:" if st else "missing:"
+    stamp += hashlib.sha256(spec_file.read_bytes()).hexdigest()
+    built = committed / "model.safetensors"
+    if built.is_file() and (committed / DEMO_DRAFT_STAMP).is_file() \
+            and (committed / DEMO_DRAFT_STAMP).read_text() == stamp:
+        return committed
+    tensors, key = derived_tensors(committed, "model.safetensors", from_spec=True)
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     try:
         tmp = committed / ".model.safetensors.tmp"
         save_file(tensors, str(tmp))
         tmp.chmod(0o644)
-        tmp.replace(committed / "model.safetensors")  # atomic: a reader sees no file or the whole one
+        tmp.replace(built)  # atomic: a reader sees no file or the whole one
+        (committed / DEMO_DRAFT_STAMP).write_text(stamp)
         return committed
     except OSError:  # a read-only directory: the whole draft in the model cache
         out = model_cache_dir() / f"demo-draft-{hashlib.sha256(key).hexdigest()[:16]}"
@@ -240,7 +255,7 @@ def ensure_demo_draft(models: Path | None = None) -> Path:
 
         def write(tmp_dir: Path) -> None:
             for f in committed.iterdir():
-                if f.is_file() and not f.name.startswith("."):
+                if f.is_file() and not f.name.startswith(".") and f.name != built.name:
                     shutil.copy(f, tmp_dir / f.name)
             save_file(tensors, str(tmp_dir / "model.safetensors"))
             (tmp_dir / _DONE).write_text(json.dumps({"committed": str(committed.resolve())}))

@@ -127,7 +127,7 @@ def test_the_demo_draft_is_built_from_its_target_once(tmp_path: Path, monkeypatc
     shutil.copytree(catalog.committed_models() / "demo" / "target", models / "demo" / "target")
     draft = models / "demo" / "draft"
     shutil.copytree(catalog.committed_models() / "demo" / "draft", draft,
-                    ignore=shutil.ignore_patterns("model.safetensors"))
+                    ignore=shutil.ignore_patterns("model.safetensors", catalog.DEMO_DRAFT_STAMP))
     assert catalog.ensure_demo_draft(models) == draft
     target = load_file(str(models / "demo" / "target" / "model.safetensors"))
     got = load_file(str(draft / "model.safetensors"))
@@ -139,6 +139,13 @@ def test_the_demo_draft_is_built_from_its_target_once(tmp_path: Path, monkeypatc
     stamp = (draft / "model.safetensors").stat().st_mtime_ns
     assert catalog.ensure_demo_draft(models) == draft
     assert (draft / "model.safetensors").stat().st_mtime_ns == stamp  # built once
+
+    # a retrained target (here: its norms doubled) is never served a stale draft: the draft is built again
+    save_file({k: v * 2 if "norm" in k else v for k, v in target.items()},
+              str(models / "demo" / "target" / "model.safetensors"))
+    assert catalog.ensure_demo_draft(models) == draft
+    rebuilt = load_file(str(draft / "model.safetensors"))
+    assert torch.equal(rebuilt["model.norm.weight"], 2 * got["model.norm.weight"])
 
     (draft / "model.safetensors").unlink()
     chmod = Path.chmod

@@ -109,13 +109,16 @@ def test_nnls_small_leaves_a_rank_deficient_problem_to_the_enumeration():
     assert x[0] + x[1] == pytest.approx(1.0) and x[2] == pytest.approx(0.3)
 
 
-@pytest.mark.parametrize("seed", range(10))
-def test_rank_is_numpys_matrix_rank(seed):
-    rng = np.random.default_rng(seed)
-    m = rng.normal(size=(20, 4))
-    m[:, seed % 4] = m[:, (seed + 1) % 4] * 2.0 if seed % 2 else m[:, seed % 4]  # half of them rank 3
-    m[:, 3] *= 10.0 ** (-seed)  # down to a column below the numerical threshold
-    assert _rank(m) == np.linalg.matrix_rank(m)
+@pytest.mark.parametrize(("case", "rank"), [("full", 4), ("copied", 3), ("tiny", 3), ("small", 4)])
+def test_rank_is_numpys_matrix_rank(case: str, rank: int):
+    """Full rank; a column twice another's; a column below the numerical threshold (1e-18 of the others); one small
+    but above it (1e-9)."""
+    m = np.random.default_rng(4).normal(size=(20, 4))
+    if case == "copied":
+        m[:, 2] = 2.0 * m[:, 1]
+    elif case in ("tiny", "small"):
+        m[:, 3] *= 1e-18 if case == "tiny" else 1e-9
+    assert _rank(m) == np.linalg.matrix_rank(m) == rank
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,10 @@ alone, over frontier shapes [n requests, F nodes, V vocabulary] and k picks per 
 warm caches and one torch thread. Prints JSON (median microseconds of ``--repeats`` runs of ``--calls`` calls).
 
     PYTHONPATH=. python scripts/level-picks-bench.py > docs/results/level-picks-cpu-<machine>.json
+
+``--cpu-kernels``: the CPU kernels' calls instead (native/picks.c, through ``NativeKernels``): ``beam_picks`` (a
+level's k picks per row and a request's top k of them) and ``first_argmax`` (the greedy draws) over the same rows.
+For a paired comparison run it with ``PYTHONPATH=WORKTREE`` against another commit's kernels.
 """
 
 from __future__ import annotations
@@ -43,8 +47,12 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--k", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--cpu-kernels", action="store_true", help="time the CPU kernels' beam_picks and first_argmax")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.cpu_kernels:
+        kernels_report(args)
+        return
     gen = torch.Generator().manual_seed(0)
     rows = []
     for n, f, v in SHAPES:
@@ -66,6 +74,27 @@ def main() -> None:
                       "python": platform.python_version(), "torch": torch.__version__, "threads": 1,
                       "calls": args.calls, "repeats": args.repeats,
                       "blocked_min_logits": verify.TOPK_BLOCKED_MIN, "rows": rows}, indent=2))
+
+
+def kernels_report(args: argparse.Namespace) -> None:
+    """``--cpu-kernels``: per shape and k, microseconds a call of ``beam_picks`` and of ``first_argmax``."""
+    kernels = native_kernels.chosen()
+    if kernels is None:
+        raise SystemExit("level-picks-bench: the CPU kernels did not load here (ADASERVE_NATIVE_KERNELS, a compiler)")
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for n, f, v in SHAPES:
+        x = 3 * torch.randn(n * f, v, generator=gen)
+        base = torch.randn(n, f, dtype=torch.float64, generator=gen)
+        argmax_us = per_call_us(functools.partial(kernels.first_argmax, x), args.calls, args.repeats)
+        for k in args.k:
+            picks = functools.partial(kernels.beam_picks, x, base, k=k, width=k, frontier=1)
+            rows.append({"n": n, "frontier": f, "vocab": v, "k": k,
+                         "beam_picks_us": round(per_call_us(picks, args.calls, args.repeats), 1),
+                         "first_argmax_us": round(argmax_us, 1)})
+    print(json.dumps({"benchmark": "cpu-kernels-picks", "source": source_version(), "cpu": host_cpu(),
+                      "python": platform.python_version(), "torch": torch.__version__, "threads": 1,
+                      "calls": args.calls, "repeats": args.repeats, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

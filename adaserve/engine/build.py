@@ -57,10 +57,13 @@ def adaptive_for(cfg: AdaptiveConfig, data: dict[str, Any], *, pinned: set[str] 
 def kv_from_memory(models: Sequence[CausalLM], cfg: EngineConfig, fraction: float,
                    device: torch.device) -> KVCacheConfig:
     """The caches' size from what the device has left (model/kv_sizing.py): after the models are loaded and,
-    on CUDA, after a profiling forward of the most tokens one forward takes, whose peak is set aside."""
-    peak = max((activation_peak(m, cfg, device) for m in models), default=0)
+    on CUDA, after a profiling forward of the most tokens one forward takes, whose peak is set aside; with static
+    shapes on CUDA (graphs) each model's peak is set aside once more, for its graphs' own memory pool."""
+    peaks = [activation_peak(m, cfg, device) for m in models]
+    graphs = sum(peaks) if device.type == "cuda" and cfg.static_shapes else 0
     free, total = device_memory(device)
-    budget = kv_budget_bytes(fraction, device_type=device.type, total=total, free=free, activation_peak=peak)
+    budget = kv_budget_bytes(fraction, device_type=device.type, total=total, free=free,
+                             activation_peak=max(peaks, default=0), graph_reserve=graphs)
     per_token = [bytes_per_token(m.cfg, m.lm_head.weight.dtype) for m in models]  # the runner's cache dtype
     return replace(cfg.kv, num_pages=pages_for_budget(budget, per_token, cfg.kv.page_size))
 

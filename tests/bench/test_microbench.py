@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -72,6 +73,17 @@ def test_engine_only_on_the_demo_pair(demo: tuple) -> None:
     # counted as a GPU launches them (engine_only.torch_picks), though the timed iterations took the CPU kernels
     assert "topk" in spec["repeats"][0]["ops_outside_by_name_per_iteration"]
     assert os.environ.get(native_kernels.ENV) == env_before  # restored after the counted iterations
+
+
+def test_the_report_names_the_captures_that_ran_out_of_memory(target_dir: Path, draft_dir: Path) -> None:
+    """A GPU run's figures read slower where a shape's graph could not be captured: the report says which."""
+    from adaserve.bench.engine_only import capture_failures
+    from tests.engine.helpers import runner
+
+    target, draft = runner(target_dir, static_shapes=True), runner(draft_dir)
+    assert target.static is not None
+    target.static.capture_failures.append("bucket (1, 8, 64): CUDA out of memory")
+    assert capture_failures(target, draft) == {"target": ["bucket (1, 8, 64): CUDA out of memory"], "draft": []}
 
 
 def test_the_report_says_which_picks_the_timed_iterations_took(demo: tuple, monkeypatch: pytest.MonkeyPatch) -> None:

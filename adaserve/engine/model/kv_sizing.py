@@ -3,8 +3,10 @@
 With ``--kv-memory-fraction f`` the caches get what is left of ``f`` of the device once the models are
 loaded (and, on CUDA, once a profiling forward has shown the activations' peak):
 
-    CUDA   budget = f * total - (total - free) - activation peak
-           (total - free: everything the device holds already, this process's weights and any other's)
+    CUDA   budget = f * total - (total - free) - activation peak - graph reserve
+           (total - free: everything the device holds already, this process's weights and any other's;
+           graph reserve: with CUDA graphs, each model's graphs keep a memory pool of their own beside the
+           eager forwards', about one forward's activations: its peak again, per model)
     CPU    budget = min(f * available RAM, CPU_CAP_BYTES)
            (RAM is shared with the host's own work; a fraction of it, capped, instead of all of it)
 
@@ -30,17 +32,18 @@ class KVSizingError(ValueError):
 
 
 def kv_budget_bytes(fraction: float, *, device_type: str, total: int, free: int, activation_peak: int = 0,
-                    cpu_cap: int = CPU_CAP_BYTES) -> int:
+                    graph_reserve: int = 0, cpu_cap: int = CPU_CAP_BYTES) -> int:
     """Bytes the KV caches may take (see the module docstring); ``free`` is available RAM on a CPU."""
     if not 0 < fraction <= 1:
         raise KVSizingError(f"the KV memory fraction must be in (0, 1], got {fraction}")
     if device_type == "cuda":
-        budget = int(fraction * total) - (total - free) - activation_peak
+        budget = int(fraction * total) - (total - free) - activation_peak - graph_reserve
         if budget <= 0:
+            graphs = f" and its CUDA graphs {graph_reserve / 2**30:.2f} GiB" if graph_reserve else ""
             raise KVSizingError(
                 f"--kv-memory-fraction {fraction} leaves no room for the KV cache: the device holds "
                 f"{(total - free) / 2**30:.2f} of {total / 2**30:.2f} GiB already and a forward needs "
-                f"{activation_peak / 2**30:.2f} GiB more; raise the fraction or use --kv-memory-mb")
+                f"{activation_peak / 2**30:.2f} GiB more{graphs}; raise the fraction or use --kv-memory-mb")
         return budget
     return min(int(fraction * free), cpu_cap)
 

@@ -25,6 +25,7 @@ the key length, because the torch attention reads a dense key grid instead of a 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -39,8 +40,22 @@ from adaserve.engine.model.kv_cache import PagedKVCache
 from adaserve.engine.model.layers import CausalLM
 from adaserve.engine.model.native_kernels import NativeKernels
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error``, or an error it was raised while handling, is the device running out of memory (a capture
+    that fails inside ``torch.cuda.graph`` may surface as the capture's own error, the OOM as its context)."""
+    seen: BaseException | None = error
+    for _ in range(8):  # the chain is short; a cycle cannot hold us
+        if seen is None:
+            return False
+        if isinstance(seen, torch.OutOfMemoryError) or "out of memory" in str(seen).lower():
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_KEYS = 64
@@ -95,6 +110,7 @@ class Grid:
     cols: torch.Tensor  # [K] int64: 0 .. K - 1
     logits: torch.Tensor | None = None  # [G*Q, V] float32, written by each run
     graph: torch.cuda.CUDAGraph | None = None
+    eager: bool = False  # its capture ran out of memory: this bucket runs its function eagerly from then on
     has_cells: bool = False  # ``tree`` holds set cells, cleared by the next ``set_cells``
     ids: torch.Tensor = field(init=False)  # [G*Q]
     positions: torch.Tensor = field(init=False)  # [G*Q]
@@ -190,6 +206,8 @@ class StaticForward:
             raise ValueError("CUDA graphs need a CUDA device")
         self._grids: dict[tuple[int, int, int], Grid] = {}
         self._pool: tuple[int, int] | None = None  # the graphs' shared memory pool
+        # captures that ran out of memory, "what: reason" each; what they captured runs eagerly instead
+        self.capture_failures: list[str] = []
         # poison test only: fills padded rows, padded segments' masks and the scratch page with garbage
         self.poison: np.random.Generator | None = None
 
@@ -351,18 +369,22 @@ class StaticForward:
         return run
 
     def _runner(self, grid: Grid) -> Callable[[], None]:
-        """The eager call goes through the module (its timer, and any hooks on it); a replay is timed alone."""
-        if not self.graphs:
+        """The eager call goes through the module (its timer, and any hooks on it); a replay is timed alone. A
+        bucket whose capture ran out of memory (``try_capture``) runs eagerly, as on a CPU."""
+        if grid.graph is None and self.graphs and not grid.eager:
+            captured = self.try_capture(f"bucket {(grid.g, grid.q, grid.k)}", self._function(grid))
+            if captured is None:
+                grid.eager = True
+            else:
+                grid.graph, grid.logits = captured
+        graph = grid.graph
+        if graph is None:
             fn = self.eager_function(grid)
 
             def eager() -> None:
                 grid.logits = fn()
 
             return eager
-        if grid.graph is None:
-            self._capture(grid, self._function(grid))
-        graph = grid.graph
-        assert graph is not None
 
         def replay() -> None:
             with self.model.timer.region(self.device):
@@ -370,9 +392,29 @@ class StaticForward:
 
         return replay
 
-    def _capture(self, grid: Grid, fn: Callable[[], torch.Tensor]) -> None:
-        """Capture the model over ``grid``'s buffers (``capture``); the graph's output is the grid's logits."""
-        grid.graph, grid.logits = self.capture(fn)
+    def try_capture(self, what: str, fn: Callable[[], T], *,
+                    own_pool: bool = False) -> tuple[torch.cuda.CUDAGraph, T] | None:
+        """``capture``, or None where it runs out of device memory: the graphs are captured lazily, the first time
+        a shape is met while serving, after the KV cache took its share of the device, so a capture may find too
+        little left. Then the caller runs ``fn`` eagerly instead (slower, the same outputs) and nothing else
+        fails: the memory the failed capture held is given back and the failure recorded (``capture_failures``)
+        and logged once per shape. ``own_pool``: the graph in a memory pool of its own (the draft's steps)."""
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        try:
+            pool = torch.cuda.graph_pool_handle() if own_pool else None
+            return self.capture(fn, pool)
+        except RuntimeError as e:  # torch.OutOfMemoryError is one; a capture cut short may end in another
+            if not out_of_memory(e):
+                raise
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        self.capture_failures.append(f"{what}: {reason}")
+        log.warning("CUDA graph capture of the %s ran out of memory (%s): it runs eagerly from now on; lower the "
+                    "KV memory fraction to leave the graphs room", what, reason)
+        if stream is not None:  # a capture whose end failed leaves its own stream current: back to the caller's
+            torch.cuda.set_stream(stream)
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        return None
 
     def capture(self, fn: Callable[[], T], pool: tuple[int, int] | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
         """Warm up on a side stream (lazy initialisations must not be captured), then capture ``fn`` into a CUDA

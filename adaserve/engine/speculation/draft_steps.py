@@ -157,9 +157,8 @@ class DraftSteps:
             self.inputs.copy_(block)
         for grid in self.grids:  # the steps write (or clear) their buckets' tree buffers: the eager path clears next
             grid.has_cells = True
-        if self.replayed:
-            t0 = time.perf_counter()
-            self._replay()
+        t0 = time.perf_counter()
+        if self.replayed and self._replay():
             for level in range(1, self.depth):  # queued, not done: reported as the eager path reports its forwards
                 levels.report(level, t0)
                 on_forward()
@@ -185,13 +184,21 @@ class DraftSteps:
 
         return search
 
-    def _replay(self) -> None:
+    def _replay(self) -> bool:
+        """The search as its graph, captured the first time; False (nothing run) where the capture ran out of
+        memory (``StaticForward.try_capture``): the steps then run one by one from here on, as on a CPU."""
         with torch.inference_mode():  # as the draft's forwards run: its outputs are inference tensors
             if self.graph is None:
-                self.graph, outs = self.static.capture(self.search_function(), torch.cuda.graph_pool_handle())
+                shape = f"draft search {[(g.g, g.q, g.k) for g in self.grids]} of depth {self.depth}"
+                captured = self.static.try_capture(shape, self.search_function(), own_pool=True)
+                if captured is None:
+                    self.replayed = False
+                    return False
+                self.graph, outs = captured
                 self.outs = list(outs)
             with self.runner.model.timer.region(self.runner.device):
                 self.graph.replay()
+        return True
 
     # ---- a CPU: the steps made once, then called in turn ----------------------------------------------------------
     def _steps(self, levels: BeamLevels, on_forward: Callable[[], None]) -> None:

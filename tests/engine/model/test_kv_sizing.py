@@ -33,6 +33,37 @@ def test_cuda_budget_is_the_fraction_of_total_less_what_the_device_holds() -> No
         kv_budget_bytes(0.2, device_type="cuda", total=80 * GiB, free=60 * GiB)
 
 
+def test_cuda_graphs_get_their_own_share() -> None:
+    b = kv_budget_bytes(0.9, device_type="cuda", total=80 * GiB, free=60 * GiB, activation_peak=2 * GiB,
+                        graph_reserve=3 * GiB)
+    assert b == int(0.9 * 80 * GiB) - 20 * GiB - 2 * GiB - 3 * GiB
+    with pytest.raises(KVSizingError, match=r"its CUDA graphs 3\.00 GiB"):
+        kv_budget_bytes(0.3, device_type="cuda", total=80 * GiB, free=60 * GiB, activation_peak=2 * GiB,
+                        graph_reserve=3 * GiB)
+
+
+def test_static_shapes_on_cuda_set_each_models_peak_aside_for_its_graphs(monkeypatch: pytest.MonkeyPatch,
+                                                                         target_dir: Path, draft_dir: Path) -> None:
+    """``kv_from_memory`` as a CUDA worker runs it, the device's numbers made up (no GPU here): the models' peaks
+    are set aside once for the eager forwards (the largest) and, with static shapes, once more each for the graphs'
+    pools."""
+    from adaserve.engine.config import EngineConfig
+    from adaserve.engine.loading.loader import load_model
+
+    models = [load_model(p, device=torch.device("cpu")) for p in (target_dir, draft_dir)]
+    peaks = {id(models[0]): 300 * 2**20, id(models[1]): 100 * 2**20}
+    monkeypatch.setattr(build, "activation_peak", lambda m, cfg, device: peaks[id(m)])
+    monkeypatch.setattr(build, "device_memory", lambda device: (3 * GiB, 4 * GiB))
+    per_token = [bytes_per_token(m.cfg, m.lm_head.weight.dtype) for m in models]
+    cuda = torch.device("cuda")
+    for static, graphs in ((False, 0), (True, 400 * 2**20)):
+        kv = build.kv_from_memory(models, EngineConfig(static_shapes=static), 0.5, cuda)
+        want = int(0.5 * 4 * GiB) - GiB - 300 * 2**20 - graphs
+        assert kv.num_pages == pages_for_budget(want, per_token, kv.page_size)
+    cpu = build.kv_from_memory(models, EngineConfig(static_shapes=True), 0.5, torch.device("cpu"))
+    assert cpu.num_pages == pages_for_budget(int(0.5 * 3 * GiB), per_token, cpu.page_size)  # a CPU: no graphs
+
+
 def test_cpu_budget_is_a_capped_fraction_of_available_ram() -> None:
     assert kv_budget_bytes(0.5, device_type="cpu", total=64 * GiB, free=10 * GiB) == 5 * GiB
     assert kv_budget_bytes(0.5, device_type="cpu", total=256 * GiB, free=200 * GiB) == CPU_CAP_BYTES

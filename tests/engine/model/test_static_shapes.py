@@ -245,3 +245,72 @@ def test_graphs_keep_greedy_output_on_cuda(target_dir: Path, draft_dir: Path, po
         eng = Engine(cuda_runner(target_dir, static=static), drf, config)
         outs.append(outputs(eng, mixed_workload(12, 3)))
     assert outs[0] == outs[1]
+
+
+# ---- a capture that runs out of memory: the bucket runs eagerly (the CUDA part mocked: no GPU here) ------------------
+def test_a_bucket_whose_capture_runs_out_of_memory_runs_eagerly(target_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Graphs are captured lazily, after the KV cache took its share of the device. A capture that runs out of memory
+    must not fail the forward: the bucket runs its function eagerly (the same logits), is not captured again, and the
+    failure is recorded and logged once. ``capture`` stands in for CUDA's (it raises what the allocator raises), the
+    only part mocked; the rest is the static path as a GPU takes it (``graphs`` on)."""
+    static, eager = runner(target_dir, static_shapes=True), runner(target_dir)
+    assert static.static is not None
+    tries: list[object] = []
+
+    def capture(fn: object, pool: object = None) -> None:
+        tries.append(fn)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(static.static, "graphs", True)
+    monkeypatch.setattr(static.static, "capture", capture)
+    tried = []
+    for _ in range(2):
+        segs = batches(prefilled(static, [7, 12, 3]))["verify"]
+        got = forward_static(static, segs)
+        want_segs = batches(prefilled(eager, [7, 12, 3]))["verify"]
+        want = eager.forward(want_segs, all_logits=[True] * len(want_segs))
+        for x, y in zip(got, want, strict=True):
+            torch.testing.assert_close(x, y)
+        grid = bucket_of(static, segs)
+        assert grid.eager and grid.graph is None
+        tried.append(len(tries))
+    # the prefill's bucket and the verification's: each tried once, neither again
+    assert tried == [2, 2]
+    assert len(static.static.capture_failures) == 2
+    assert any(f"bucket {(grid.g, grid.q, grid.k)}: CUDA out of memory" in f for f in static.static.capture_failures)
+    assert sum("ran out of memory" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_a_capture_failing_for_another_reason_still_raises(target_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only running out of memory falls back: any other capture error is a bug to see, not to hide."""
+    static = runner(target_dir, static_shapes=True)
+    assert static.static is not None
+
+    def capture(fn: object, pool: object = None) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    segs = batches(prefilled(static, [7, 12, 3]))["decode"]  # prefilled before the captures are on
+    monkeypatch.setattr(static.static, "graphs", True)
+    monkeypatch.setattr(static.static, "capture", capture)
+    with pytest.raises(RuntimeError, match="not permitted"):
+        forward_static(static, segs)
+    assert not static.static.capture_failures
+
+
+def test_out_of_memory_is_found_behind_the_capture_error() -> None:
+    """A capture cut short inside ``torch.cuda.graph`` may end in the capture's own error (its ``__exit__`` ends the
+    capture), the OOM that cut it short being that error's context."""
+    from adaserve.engine.model.static import out_of_memory
+
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        except torch.OutOfMemoryError:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")  # noqa: B904
+    except RuntimeError as e:
+        assert out_of_memory(e)
+    assert out_of_memory(torch.OutOfMemoryError("anything"))
+    assert out_of_memory(RuntimeError("CUDA error: out of memory"))
+    assert not out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered"))

@@ -202,3 +202,34 @@ def test_replayed_steps_give_the_eager_levels_trees_on_cuda(draft_dir: Path, mon
         for g, r in zip(*trees, strict=True):
             assert np.array_equal(g.tokens, r.tokens) and np.array_equal(g.parents, r.parents), search
             np.testing.assert_allclose(g.log_probs, r.log_probs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_search_whose_capture_runs_out_of_memory_runs_its_steps_one_by_one(
+        draft: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU captures each search shape as one graph, lazily, while serving; one that runs out of memory there must not
+    fail the search: the steps run one by one instead (what a CPU does), giving the reference's trees, and the shape
+    is not captured again. ``capture`` stands in for CUDA's, the only part mocked (no GPU here): the search runs as a
+    GPU's would, with ``graphs`` on."""
+    assert draft.static is not None
+    tries: list[object] = []
+
+    def capture(fn: object, pool: object = None) -> None:
+        tries.append(pool)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB")
+
+    monkeypatch.setattr(draft.static, "graphs", True)
+    monkeypatch.setattr(draft.static, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 7))  # the search's own pool, asked for
+    # the buckets' own forwards (the catch-up, the reference search's levels) fail to capture alike, in the shared pool
+    rng = np.random.default_rng(5)
+    for search in range(3):
+        ref_in, got_in, _ = twin_inputs(draft, rng, 3, 12)
+        ref = host_beam_search(draft, ref_in, depth=4, width=2)
+        got = beam_search(draft, got_in, depth=4, width=2)
+        assert_same_trees(got, ref, search)
+        for x in (*ref_in, *got_in):
+            draft.cache.release(x.seq)
+    (steps,) = one_steps(draft)
+    assert not steps.replayed and steps.graph is None
+    assert [p for p in tries if p is not None] == [(0, 7)]  # one try at the search, in a pool of its own
+    assert any(f.startswith("draft search") for f in draft.static.capture_failures)

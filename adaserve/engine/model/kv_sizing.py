@@ -6,7 +6,9 @@ loaded (and, on CUDA, once a profiling forward has shown the activations' peak):
     CUDA   budget = f * total - (total - free) - activation peak - graph reserve
            (total - free: everything the device holds already, this process's weights and any other's;
            graph reserve: with CUDA graphs, each model's graphs keep a memory pool of their own beside the
-           eager forwards', about one forward's activations: its peak again, per model)
+           eager forwards'; set aside as that model's peak once more, a guess, not a measurement: the pool also
+           holds every captured bucket's logits, and each draft search shape captures into a pool of its own.
+           A capture that finds too little left runs its shape eagerly instead: static.StaticForward.try_capture)
     CPU    budget = min(f * available RAM, CPU_CAP_BYTES)
            (RAM is shared with the host's own work; a fraction of it, capped, instead of all of it)
 

@@ -44,17 +44,13 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
+
 def out_of_memory(error: BaseException) -> bool:
-    """Whether ``error``, or an error it was raised while handling, is the device running out of memory (a capture
-    that fails inside ``torch.cuda.graph`` may surface as the capture's own error, the OOM as its context)."""
-    seen: BaseException | None = error
-    for _ in range(8):  # the chain is short; a cycle cannot hold us
-        if seen is None:
-            return False
-        if isinstance(seen, torch.OutOfMemoryError) or "out of memory" in str(seen).lower():
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    """Whether ``error`` is the device running out of memory, raised by what a capture ran (its warm-up, or an
+    allocation inside the capture), after which torch's capture context has ended the capture cleanly. An error the
+    capture's end raised itself (with an OOM as its context or not) is not: the allocator's state after it is not
+    known, so it is left to fail."""
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower().split("\n", 1)[0]
 
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -370,7 +366,8 @@ class StaticForward:
 
     def _runner(self, grid: Grid) -> Callable[[], None]:
         """The eager call goes through the module (its timer, and any hooks on it); a replay is timed alone. A
-        bucket whose capture ran out of memory (``try_capture``) runs eagerly, as on a CPU."""
+        bucket whose capture ran out of memory (``try_capture``) runs eagerly, as on a CPU, and so does every bucket
+        while ``graphs`` is off (scripts/gpu-trace.py turns it off after capturing, to time eager against replay)."""
         if grid.graph is None and self.graphs and not grid.eager:
             captured = self.try_capture(f"bucket {(grid.g, grid.q, grid.k)}", self._function(grid))
             if captured is None:
@@ -378,7 +375,7 @@ class StaticForward:
             else:
                 grid.graph, grid.logits = captured
         graph = grid.graph
-        if graph is None:
+        if graph is None or not self.graphs:
             fn = self.eager_function(grid)
 
             def eager() -> None:
@@ -399,19 +396,17 @@ class StaticForward:
         little left. Then the caller runs ``fn`` eagerly instead (slower, the same outputs) and nothing else
         fails: the memory the failed capture held is given back and the failure recorded (``capture_failures``)
         and logged once per shape. ``own_pool``: the graph in a memory pool of its own (the draft's steps)."""
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         try:
             pool = torch.cuda.graph_pool_handle() if own_pool else None
             return self.capture(fn, pool)
-        except RuntimeError as e:  # torch.OutOfMemoryError is one; a capture cut short may end in another
+        except RuntimeError as e:  # torch.OutOfMemoryError is one
             if not out_of_memory(e):
                 raise
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         self.capture_failures.append(f"{what}: {reason}")
         log.warning("CUDA graph capture of the %s ran out of memory (%s): it runs eagerly from now on; lower the "
                     "KV memory fraction to leave the graphs room", what, reason)
-        if stream is not None:  # a capture whose end failed leaves its own stream current: back to the caller's
-            torch.cuda.set_stream(stream)
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
         return None

@@ -191,8 +191,9 @@ class DraftSteps:
             if self.graph is None:
                 shape = f"draft search {[(g.g, g.q, g.k) for g in self.grids]} of depth {self.depth}"
                 captured = self.static.try_capture(shape, self.search_function(), own_pool=True)
-                if captured is None:
+                if captured is None:  # the steps one by one from now on, their forwards through the module, timed
                     self.replayed = False
+                    self.forwards = [self.static.eager_function(grid) for grid in self.grids]
                     return False
                 self.graph, outs = captured
                 self.outs = list(outs)

@@ -65,6 +65,9 @@ for path in sys.argv[1:]:
                           "tokens_per_request_iteration": round(tokens / c["batch"], 3),
                           "non_forward_ms": round(c["non_forward_ms_median"], 3),
                           "blocking_per_iteration": c["blocking_per_iteration"]}))
+    failed = d.get("capture_failures", {})
+    if any(failed.values()):  # those shapes ran eagerly: their cells are not the graphs' figures
+        print(json.dumps({"file": path.rsplit("/", 1)[-1], "capture_failures": failed}))
 PYEOF
 }
 
@@ -81,7 +84,8 @@ for path in sys.argv[1:]:
                           "shape": f"{r['depth']}x{r['width']}", "static_shapes": r["static_shapes"],
                           "steps": r["steps"], "step_ms": round(r["step_median_ms"], 3),
                           "search_ms": round(r["search_median_ms"], 3),
-                          "device_ms": round(r["device_median_ms"], 3), "host_ms": round(r["host_median_ms"], 3)}))
+                          "device_ms": round(r["device_median_ms"], 3), "host_ms": round(r["host_median_ms"], 3),
+                          "capture_failures": r.get("capture_failures", 0)}))
     cells = {}
     for r in d.get("forwards", []):
         cells.setdefault((r["model"], r["batch"], r["new"]), {})[r["static_shapes"]] = r
@@ -91,7 +95,8 @@ for path in sys.argv[1:]:
                "eager_ms": round(ms[False], 3), "static_ms": round(ms[True], 3)}
         if True in t and "device_median_ms" in t[True]:  # the replay's device time, and the host's around it
             row |= {"static_device_ms": round(t[True]["device_median_ms"], 3),
-                    "static_host_ms": round(t[True]["host_median_ms"], 3)}
+                    "static_host_ms": round(t[True]["host_median_ms"], 3),
+                    "capture_failures": t[True].get("capture_failures", 0)}
         print(json.dumps(row))
 PYEOF
 }

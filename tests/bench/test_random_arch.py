@@ -55,6 +55,24 @@ def test_decode_times_report_one_forward(static: bool) -> None:
     # the model's part (its own timer) inside the whole, the host's around it
     assert 0 < out["device_median_ms"] <= out["median_ms"] and out["host_median_ms"] > 0
     assert r.cache.free_pages == free  # the probe's sequences gave their pages back
+    assert out["capture_failures"] == 0
+
+
+def test_a_row_counts_the_captures_that_ran_out_of_memory_while_it_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A static row whose shapes could not be captured timed eager forwards: the row says how many captures failed
+    while it ran (``capture`` stands in for CUDA's, raising what the allocator raises; no GPU here)."""
+    r = runner_for(random_model(TINY, device=torch.device("cpu"), dtype=torch.float32), kv_bytes=2**22,
+                   static_shapes=True)
+    assert r.static is not None
+
+    def capture(fn: object, pool: object = None) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(r.static, "graphs", True)
+    monkeypatch.setattr(r.static, "capture", capture)
+    first = decode_times(r, DecodeProbe(batch=3, new=2, context=10), repeats=2, warmup=1)
+    again = decode_times(r, DecodeProbe(batch=3, new=2, context=10), repeats=2, warmup=1)
+    assert first["capture_failures"] >= 1 and again["capture_failures"] == 0  # each shape tried once
 
 
 def test_profile_pair_is_a_device_profile(tmp_path: Path) -> None:

@@ -43,6 +43,11 @@ the iteration's host time as much as a change being measured: pin it for paired 
 real call, with the same arguments, its result dropped; the first call's and the second's times are reported
 (``again``), and the second's are left out of every other figure. The second call runs with what the first left in
 the caches and the branch predictors: the gap between the two is what a stage pays for starting cold.
+
+``--faults``: minor page faults per iteration, inside the forwards and outside them (``getrusage``, read around each
+forward and each iteration: the reads add a few microseconds to the iteration's figure). Is the host's time memory
+mapped afresh (an allocator giving pages back to the kernel, then touching them again)? Without TCMalloc glibc's
+allocator maps a forward's larger buffers anew each time.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ import collections
 import importlib
 import json
 import os
+import resource
 import sys
 import time
 from typing import Any
@@ -123,6 +129,8 @@ class Timers:
         self.again: set[str] = set()  # --again: functions called a second time, timed apart
         self.again_seconds: collections.Counter[str] = collections.Counter()  # their second calls' seconds
         self.again_total = 0.0  # every second call's seconds: left out of the iteration's figure
+        self.faults = False  # --faults: count minor page faults inside the forwards
+        self.faults_in_forwards = 0
 
     def wrap(self, module: str, qualname: str) -> None:
         mod = importlib.import_module(module)
@@ -174,16 +182,28 @@ class Timers:
     def hook(self, model: torch.nn.Module) -> None:
         start = [0.0]
 
+        faults = [0]
+
         def pre(*_: Any) -> None:
+            if self.faults:
+                faults[0] = minor_faults()
             start[0] = time.perf_counter()
             self.forwarding = True
 
         def post(*_: Any) -> None:
             self.in_forwards += time.perf_counter() - start[0]
             self.forwarding = False
+            if self.faults:
+                self.faults_in_forwards += minor_faults() - faults[0]
 
         model.register_forward_pre_hook(pre)
         model.register_forward_hook(post)
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far (a page mapped on first touch, or mapped again after the allocator gave
+    it back to the kernel): ``--faults``."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 class ReplayedForwards:
@@ -235,6 +255,8 @@ def main() -> None:
     ap.add_argument("--shape", default="", help="D,W: draft every tree D deep and W wide (docstring)")
     ap.add_argument("--static-shapes", action="store_true",
                     help="both models on static buckets, the path a GPU replays as graphs, called eagerly here")
+    ap.add_argument("--faults", action="store_true",
+                    help="count minor page faults per iteration, inside and outside the forwards (docstring)")
     ap.add_argument("--again", default="", help="pure functions to call twice in the engine, comma-separated "
                                                 f"(docstring): any of {', '.join(AGAIN_PURE)}")
     args = ap.parse_args()
@@ -250,6 +272,9 @@ def main() -> None:
                  "--replayed-forwards")
     if args.kernels_ab and args.replayed_forwards:
         ap.error("--kernels-ab and --replayed-forwards are separate experiments: choose one")
+    if args.faults and (args.count_calls or args.kernels_ab or args.replayed_forwards or again):
+        ap.error("--faults counts one engine's iterations as they run: run it without --count-calls, --kernels-ab, "
+                 "--replayed-forwards or --again")
     if args.count_calls and (args.kernels_ab or args.replayed_forwards):
         ap.error("--count-calls counts one engine's calls: run it without --kernels-ab or --replayed-forwards")
     replayed = ReplayedForwards()
@@ -258,6 +283,7 @@ def main() -> None:
     torch.set_num_threads(1)
     timers = Timers()
     timers.again = set(again)
+    timers.faults = args.faults
     for module, qualname in FUNCTIONS:
         timers.wrap(module, qualname)
     if missing := [f for f in alone + again if f in timers.absent]:
@@ -292,6 +318,7 @@ def main() -> None:
     seconds = {k: collections.Counter[str]() for k in settings}
     calls = {k: collections.Counter[str]() for k in settings}
     shapes = {k: collections.Counter[str]() for k in settings}
+    faults_all, faults_inside = dict.fromkeys(settings, 0), dict.fromkeys(settings, 0)  # --faults
     replayed.mode = "record" if args.replayed_forwards else "real"
     eng = fresh()
     # --replayed-forwards: all the real iterations (recorded), then as many replayed ones on a fresh engine
@@ -315,9 +342,13 @@ def main() -> None:
         timers.on = True
         if args.count_calls:
             sys.setprofile(timers.count)
+        faults0, inside0 = (minor_faults(), timers.faults_in_forwards) if args.faults else (0, 0)
         t0 = time.perf_counter()
         eng.step()
         step_s[setting] += time.perf_counter() - t0 - (timers.in_forwards - f0) - (timers.again_total - a0)
+        if args.faults:  # after the clock: the iteration's own reads are not charged to it
+            faults_all[setting] += minor_faults() - faults0
+            faults_inside[setting] += timers.faults_in_forwards - inside0
         sys.setprofile(None)
         timers.on = False
         m = eng.history[-1]
@@ -337,6 +368,9 @@ def main() -> None:
                               else {})} for f, v in seconds[k].most_common()],
             **({"calls_outside_forwards_per_iteration": round(timers.counted[""] / n, 1)} if args.count_calls
                else {}),
+            **({"minor_faults_per_iteration": {"inside_forwards": round(faults_inside[k] / n, 2),
+                                               "outside_forwards": round((faults_all[k] - faults_inside[k]) / n, 2)}}
+               if args.faults else {}),
         }
 
     report: dict[str, Any] = {

@@ -1,5 +1,6 @@
-"""scripts/host-time-breakdown.py: its timers count the calls a stage makes outside the forwards (``--count-calls``),
-and a listed function the engine lacks is named, not a crash (a paired run against an older commit)."""
+"""scripts/host-time-breakdown.py: its timers count the calls a stage makes outside the forwards (``--count-calls``)
+and the page faults inside the forwards (``--faults``), and a listed function the engine lacks is named, not a crash
+(a paired run against an older commit)."""
 
 from __future__ import annotations
 
@@ -131,3 +132,37 @@ def test_pin_shape_replaces_the_policys_choice_still_asks_it_once_and_never_stac
     breakdown.pin_shape(policy, shape)  # a restarted engine over the same policy object
     assert policy.tree_shape("v1") is shape and asked == ["v1"]  # asked once per iteration, not once per pin
     assert Policy().tree_shape("v2") == "its own"  # only the pinned object
+
+
+def test_faults_counts_the_pages_a_forward_maps_afresh(breakdown: types.ModuleType) -> None:
+    """``--faults``: a forward that touches 64 freshly mapped pages is charged at least 64 minor faults; nothing is
+    counted with the option off."""
+    import mmap
+
+    import torch
+
+    pages = 64
+
+    class Touches(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            m = mmap.mmap(-1, pages * mmap.PAGESIZE)
+            m.write(b"x" * (pages * mmap.PAGESIZE))  # each page mapped on first touch
+            m.close()
+            return x
+
+    timers = breakdown.Timers()
+    model = Touches()
+    timers.hook(model)
+    model(torch.zeros(1))
+    assert timers.faults_in_forwards == 0  # off
+    timers.faults = True
+    model(torch.zeros(1))
+    assert timers.faults_in_forwards >= pages
+
+
+def test_faults_runs_alone(breakdown: types.ModuleType, monkeypatch: pytest.MonkeyPatch,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "argv", ["host-time-breakdown.py", "--faults", "--count-calls"])
+    with pytest.raises(SystemExit) as exc:
+        breakdown.main()
+    assert exc.value.code == 2 and "--faults counts one engine's iterations" in capsys.readouterr().err

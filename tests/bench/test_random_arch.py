@@ -59,17 +59,14 @@ def test_decode_times_report_one_forward(static: bool) -> None:
 
 
 def test_a_row_counts_the_captures_that_ran_out_of_memory_while_it_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.engine.helpers import captures_run_out_of_memory
+
     """A static row whose shapes could not be captured timed eager forwards: the row says how many captures failed
     while it ran (``capture`` stands in for CUDA's, raising what the allocator raises; no GPU here)."""
     r = runner_for(random_model(TINY, device=torch.device("cpu"), dtype=torch.float32), kv_bytes=2**22,
                    static_shapes=True)
     assert r.static is not None
-
-    def capture(fn: object, pool: object = None) -> None:
-        raise torch.OutOfMemoryError("CUDA out of memory")
-
-    monkeypatch.setattr(r.static, "graphs", True)
-    monkeypatch.setattr(r.static, "capture", capture)
+    captures_run_out_of_memory(r.static, monkeypatch)
     first = decode_times(r, DecodeProbe(batch=3, new=2, context=10), repeats=2, warmup=1)
     again = decode_times(r, DecodeProbe(batch=3, new=2, context=10), repeats=2, warmup=1)
     assert first["capture_failures"] >= 1 and again["capture_failures"] == 0  # each shape tried once

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from adaserve.engine.config import EngineConfig
@@ -12,10 +13,26 @@ from adaserve.engine.engine import Engine
 from adaserve.engine.loading.loader import load_model
 from adaserve.engine.model.kv_cache import KVCacheConfig
 from adaserve.engine.model.runner import ModelRunner
+from adaserve.engine.model.static import StaticForward
 from adaserve.engine.request import Request
 from adaserve.engine.speculation.policies import make_policy
 
 CPU = torch.device("cpu")
+
+
+def captures_run_out_of_memory(static: StaticForward, monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """``static`` as a GPU's (graphs on) on which every capture runs out of memory: CUDA's ``capture``, the one part
+    mocked (no GPU here), stood in by one that raises what the allocator raises. Returns the pool each try asked
+    for, in order (None: the buckets' shared pool)."""
+    tries: list[object] = []
+
+    def capture(fn: object, pool: object = None) -> None:
+        tries.append(pool)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(static, "graphs", True)
+    monkeypatch.setattr(static, "capture", capture)
+    return tries
 
 
 def runner(path: Path, *, page_size: int = 4, num_pages: int = 4000, static_shapes: bool = False) -> ModelRunner:

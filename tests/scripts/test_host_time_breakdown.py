@@ -96,12 +96,15 @@ def test_again_calls_a_stage_twice_and_leaves_the_second_call_out_of_every_other
     assert timers.seconds["outer"] == 1.0  # one inner call, not two
 
 
-def test_again_takes_only_pure_functions(breakdown: types.ModuleType, monkeypatch: pytest.MonkeyPatch,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(sys, "argv", ["host-time-breakdown.py", "--again", "Engine.step"])
+@pytest.mark.parametrize(("argv", "why"), [(["--again", "Engine.step"], "not a pure timed function: Engine.step"),
+                                           (["--faults", "--count-calls"], "--faults counts one engine's iterations")])
+def test_options_that_cannot_run_are_cli_errors(breakdown: types.ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str], argv: list[str], why: str) -> None:
+    """``--again`` takes only pure functions; ``--faults`` runs alone."""
+    monkeypatch.setattr(sys, "argv", ["host-time-breakdown.py", *argv])
     with pytest.raises(SystemExit) as exc:
         breakdown.main()
-    assert exc.value.code == 2 and "not a pure timed function: Engine.step" in capsys.readouterr().err
+    assert exc.value.code == 2 and why in capsys.readouterr().err
 
 
 def test_shape_pins_d_and_w_and_refuses_anything_else(breakdown: types.ModuleType,
@@ -159,10 +162,3 @@ def test_faults_counts_the_pages_a_forward_maps_afresh(breakdown: types.ModuleTy
     model(torch.zeros(1))
     assert timers.faults_in_forwards >= pages
 
-
-def test_faults_runs_alone(breakdown: types.ModuleType, monkeypatch: pytest.MonkeyPatch,
-                           capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(sys, "argv", ["host-time-breakdown.py", "--faults", "--count-calls"])
-    with pytest.raises(SystemExit) as exc:
-        breakdown.main()
-    assert exc.value.code == 2 and "--faults counts one engine's iterations" in capsys.readouterr().err

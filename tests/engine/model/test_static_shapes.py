@@ -26,7 +26,7 @@ from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.model.static import Grid, StaticForward, round_up
 from adaserve.engine.model.tree import TokenTree
-from tests.engine.helpers import outputs, runner
+from tests.engine.helpers import captures_run_out_of_memory, outputs, runner
 
 
 def prefilled(r: ModelRunner, lengths: list[int], seed: int = 0) -> list[SequenceKV]:
@@ -257,14 +257,7 @@ def test_a_bucket_whose_capture_runs_out_of_memory_runs_eagerly(target_dir: Path
     only part mocked; the rest is the static path as a GPU takes it (``graphs`` on)."""
     static, eager = runner(target_dir, static_shapes=True), runner(target_dir)
     assert static.static is not None
-    tries: list[object] = []
-
-    def capture(fn: object, pool: object = None) -> None:
-        tries.append(fn)
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-    monkeypatch.setattr(static.static, "graphs", True)
-    monkeypatch.setattr(static.static, "capture", capture)
+    tries = captures_run_out_of_memory(static.static, monkeypatch)
     tried = []
     for _ in range(2):
         segs = batches(prefilled(static, [7, 12, 3]))["verify"]

@@ -29,7 +29,7 @@ from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.speculation import draft_steps, speculate
 from adaserve.engine.speculation.draft_steps import DraftSteps
 from adaserve.engine.speculation.speculate import beam_search
-from tests.engine.helpers import runner, use_cpu_kernels
+from tests.engine.helpers import captures_run_out_of_memory, runner, use_cpu_kernels
 from tests.engine.speculation.test_beam_on_device import assert_same_trees, contexts, host_beam_search, twin_inputs
 
 
@@ -211,14 +211,7 @@ def test_a_search_whose_capture_runs_out_of_memory_runs_its_steps_one_by_one(
     is not captured again. ``capture`` stands in for CUDA's, the only part mocked (no GPU here): the search runs as a
     GPU's would, with ``graphs`` on."""
     assert draft.static is not None
-    tries: list[object] = []
-
-    def capture(fn: object, pool: object = None) -> None:
-        tries.append(pool)
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB")
-
-    monkeypatch.setattr(draft.static, "graphs", True)
-    monkeypatch.setattr(draft.static, "capture", capture)
+    tries = captures_run_out_of_memory(draft.static, monkeypatch)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 7))  # the search's own pool, asked for
     # the buckets' own forwards (the catch-up, the reference search's levels) fail to capture alike, in the shared pool
     module_calls: list[int] = []

@@ -404,8 +404,8 @@ class StaticForward:
                 raise
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         self.capture_failures.append(f"{what}: {reason}")
-        log.warning("CUDA graph capture of the %s ran out of memory (%s): it runs eagerly from now on; lower the "
-                    "KV memory fraction to leave the graphs room", what, reason)
+        log.warning("CUDA graph capture of the %s ran out of memory (%s): it runs eagerly from now on; give the KV "
+                    "cache less (--kv-memory-fraction or --kv-memory-mb) to leave the graphs room", what, reason)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()

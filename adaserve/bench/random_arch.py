@@ -154,7 +154,7 @@ def decode_times(runner: ModelRunner, probe: DecodeProbe, *, repeats: int = 30, 
     median of the model's own part by its device timer (``CausalLM.timer``: CUDA events around a graph's replay or
     an eager forward's kernels; wall time on a CPU), so that ``host_median_ms``, the whole less that part, is what
     the host added around it: building the layout, filling the bucket's buffers, the launches, the logits rows."""
-    timer, failed = runner.model.timer, capture_failures(runner)
+    timer, failed = runner.model.timer, len(runner.capture_failures)
     with _segments(runner, probe) as segs:
         flags = [True] * len(segs)
         samples, device = [], []
@@ -175,13 +175,7 @@ def decode_times(runner: ModelRunner, probe: DecodeProbe, *, repeats: int = 30, 
             "static_shapes": runner.static is not None, "median_ms": statistics.median(whole),
             "min_ms": whole[0], "p90_ms": whole[int(0.9 * (len(whole) - 1))], "repeats": repeats,
             "device_median_ms": statistics.median(device), "host_median_ms": statistics.median(host),
-            "capture_failures": capture_failures(runner) - failed}
-
-
-def capture_failures(runner: ModelRunner) -> int:
-    """The graph captures of ``runner``'s static path that ran out of memory so far (their shapes ran eagerly: a row
-    that counts one timed eager forwards, not replays; static.StaticForward.try_capture)."""
-    return len(runner.static.capture_failures) if runner.static is not None else 0
+            "capture_failures": len(runner.capture_failures) - failed}
 
 
 @dataclass(frozen=True)
@@ -199,7 +193,7 @@ def search_times(runner: ModelRunner, probe: SearchProbe, *, repeats: int = 30, 
     timer, as in ``decode_times``. Each search feeds one pending token a request (the root, at key index
     ``context - 1``), as an iteration after a one-token acceptance does, and is undone after. ``steps``: the
     levels ran as the draft's steps (static shapes, the torch picks: a GPU's path)."""
-    timer, failed = runner.model.timer, capture_failures(runner)
+    timer, failed = runner.model.timer, len(runner.capture_failures)
     seqs = [SequenceKV() for _ in range(probe.batch)]
     try:
         for s in seqs:  # the prefix only has to exist in the cache: its values do not change the time
@@ -230,7 +224,7 @@ def search_times(runner: ModelRunner, probe: SearchProbe, *, repeats: int = 30, 
             "search_min_ms": whole[0], "search_p90_ms": whole[int(0.9 * (len(whole) - 1))], "repeats": repeats,
             "step_median_ms": search / probe.depth, "device_median_ms": statistics.median(device),
             "host_median_ms": statistics.median(sorted(w - d for w, d in zip(samples, device, strict=True))),
-            "capture_failures": capture_failures(runner) - failed}
+            "capture_failures": len(runner.capture_failures) - failed}
 
 
 # ---- the command line: python -m adaserve.bench.random_arch {profile,forwards,searches} ... ------------

@@ -201,6 +201,9 @@ def fit_cost_model(
     return fit_arrays(np.asarray(ctx), np.asarray(bat), np.asarray(y), weighting=weighting, knee=knee)
 
 
+DEGENERATE = "cost-model samples are degenerate: vary n_context and n_batched independently (rank-3 design)"
+
+
 def fit_model(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, *,
               weighting: Literal["relative", "absolute"] = "relative",
               knee: int | None = None) -> CostModel:
@@ -229,9 +232,6 @@ def fit_model(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, *,
     above = coef[3] if len(coef) > 3 else 0.0
     return CostModel(alpha=coef[0], gamma=coef[1], delta=coef[2],
                      gamma_above=above, knee=int(knee) if above > 0 and knee is not None else 0)
-
-
-DEGENERATE = "cost-model samples are degenerate: vary n_context and n_batched independently (rank-3 design)"
 
 
 def fit_arrays(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, *,

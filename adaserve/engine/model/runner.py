@@ -72,6 +72,12 @@ class ModelRunner:
         self.forward_listeners: list[Callable[[ForwardRecord], None]] = []
         self.last_forward: ForwardRecord | None = None  # the latest call's counts (the engine times drafts by it)
 
+    @property
+    def capture_failures(self) -> list[str]:
+        """The static path's CUDA graph captures that ran out of memory (``StaticForward.try_capture``: those shapes
+        run eagerly, slower than their graphs would); none without static shapes, and none on a CPU."""
+        return [] if self.static is None else list(self.static.capture_failures)
+
     def compute(self, segments: list[Segment], rows: list[int], on_device: DeviceNodes | None = None) -> torch.Tensor:
         """One forward over ``segments`` (their pages already allocated): logits ``[len(rows), V]`` of the
         flat token rows ``rows``. A tensor-parallel worker rank calls this with the rows it is sent (none).

@@ -111,7 +111,7 @@ class BeamLevels:
         self.context = int(np.add.reduce(self.prefix))  # the committed keys all requests' roots see
         self._longest = int(np.maximum.reduce(self.prefix))  # the longest root's key index
         self.pending = None if pending is None else [list(p) for p in pending]
-        self.ends = np.array(self.sizes, np.int64).cumsum()  # tree size after each level
+        self.ends = list(itertools.accumulate(self.sizes))  # tree size after each level (Python ints)
         self.stage = HostStage(runner.device)
         # per level: how, G, Q, K; level 0 is the catch-up (planned only with ``pending``, on the torch grid or a
         # static bucket)
@@ -119,6 +119,7 @@ class BeamLevels:
         # a lone request's torch-grid masks made on the host (a CPU's, ``host_masks``), by level
         self._host_masks = host_masks and runner.device.type == "cpu"
         self.masks: dict[int, _HostMask] = {}
+        self._rows: tuple[torch.Tensor, np.ndarray] | None = None  # the ancestor rows the host masks read, as numpy
         # where a static level's integers[, tree cells, sources] sit in "static.levels"
         self._static_at: dict[int, list[slice]] = {}
         self._plan()
@@ -126,7 +127,7 @@ class BeamLevels:
     @property
     def tree_size(self) -> int:
         """S: each tree's nodes after the last level, the side of the ancestor rows ``forward`` reads."""
-        return int(self.ends[-1])
+        return self.ends[-1]
 
     @property
     def folds_catch_up(self) -> bool:
@@ -154,7 +155,7 @@ class BeamLevels:
     def _how(self, level: int) -> tuple[str, int, int, int]:
         """How level ``level`` runs, and its grid: (G, Q, K)."""
         runner, n, a = self.runner, len(self.seqs), self.sizes[level]
-        keys = self._longest + int(self.ends[level])
+        keys = self._longest + self.ends[level]
         if type(runner).compute is not ModelRunner.compute:  # a runner that lays out its own forwards
             return "laid_out", 0, 0, 0
         if runner.static is not None:
@@ -172,7 +173,7 @@ class BeamLevels:
         if all(how in ("laid_out", "") for how, *_ in self._grids):
             return
         cache = self.runner.cache
-        for s, end in zip(self.seqs, (self.prefix + int(self.ends[-1])).tolist(), strict=True):
+        for s, end in zip(self.seqs, (self.prefix + self.ends[-1]).tolist(), strict=True):
             cache.ensure(s, end)  # the deepest level's pages: every level's slots exist from here on
         lone = len(self.seqs) == 1 and self.runner.model.cfg.sliding_window is None
         levels = {how for how, *_ in self._grids[1:]}
@@ -218,10 +219,10 @@ class BeamLevels:
             if p > 1:
                 put("0.logits_rows", np.array([p - 1]))
         for level in range(1, len(self.sizes)):
-            c, size = int(self.ends[level - 1]), int(self.ends[level])
+            c, size = self.ends[level - 1], self.ends[level]
             a, k = size - c, lone + size
             chain = size == level + 1  # one node per level so far
-            put(f"{level}.positions", np.full(a, lone + level))
+            put(f"{level}.positions", np.array([lone + level] * a))  # one call (np.full is two and a Python frame)
             put(f"{level}.write_slots", slot[lone + c : lone + size])
             put(f"{level}.key_slots", slot[:k].reshape(1, k))
             if host:  # a chain's rows see every key; a tree's the prefix, then its cells (``_host_mask``)
@@ -278,7 +279,7 @@ class BeamLevels:
         offset = 0
         for level in range(1, len(self.sizes)):
             q, k = self._grids[level][2:]
-            c, size = int(self.ends[level - 1]), int(self.ends[level])
+            c, size = self.ends[level - 1], self.ends[level]
             a = size - c
             chain = size == level + 1  # one node per level so far
             host, _, positions, write_slots, hi = bucket(q, k, a, lone + size - 1)
@@ -303,7 +304,7 @@ class BeamLevels:
         cache = self.runner.cache
         ps = cache.page_size
         n, prefix = len(self.seqs), self.prefix
-        table = page_table([s.pages for s in self.seqs], prefix + int(self.ends[-1]), ps)
+        table = page_table([s.pages for s in self.seqs], prefix + self.ends[-1], ps)
         # [n, pages * P]: the cache slot of every key index of each sequence, up to the deepest level's (issue 30:
         # one lookup per array below, not the page arithmetic of each)
         slots = (table[:, :, None] * ps + np.arange(ps)).reshape(n, -1)
@@ -322,7 +323,7 @@ class BeamLevels:
             if level == 0 or how == "laid_out":
                 continue
             first = len(statics)
-            c, a, size = int(self.ends[level - 1]), self.sizes[level], int(self.ends[level])
+            c, a, size = self.ends[level - 1], self.sizes[level], self.ends[level]
             chain = size == level + 1  # one node per level so far
 
             index = prefix[:, None] + c + np.arange(a)  # [n, a] key index of each new node
@@ -459,7 +460,7 @@ class BeamLevels:
     def report(self, level: int, t0: float) -> None:
         """Tell the runner's listeners about level ``level``'s forward, begun at ``perf_counter()`` ``t0`` (as
         ``forward`` does, for a caller that ran the level itself)."""
-        n, a, c = len(self.seqs), self.sizes[level], int(self.ends[level - 1])
+        n, a, c = len(self.seqs), self.sizes[level], self.ends[level - 1]
         self.runner.record(n_new=n * a, n_context=self.context + n * c, t0=t0)
 
     def _host_mask(self, level: int, ancestors: torch.Tensor | None) -> torch.Tensor:
@@ -467,8 +468,10 @@ class BeamLevels:
         ``fill_grid_mask`` sets on the device, copied by numpy."""
         m = self.masks[level]
         if ancestors is not None and m.block is not None:
+            if self._rows is None or self._rows[0] is not ancestors:  # one numpy view a search, not one a level
+                self._rows = (ancestors, ancestors.numpy())
             lone, c, a, s = m.block
-            m.grid[0, :, lone : lone + s] = ancestors.numpy()[0, c : c + a, :s]
+            m.grid[0, :, lone : lone + s] = self._rows[1][0, c : c + a, :s]
         return m.tensor
 
     def catch_up(self) -> torch.Tensor:
@@ -517,7 +520,7 @@ class BeamLevels:
             return self._forward_laid_out(level, ids, ancestors)
         t0 = time.perf_counter()
         runner, get = self.runner, self.stage.get
-        tree = int(self.ends[level]) > level + 1  # not a chain: the tree cells read the ancestor rows
+        tree = self.ends[level] > level + 1  # not a chain: the tree cells read the ancestor rows
         if tree and ancestors is None:
             raise ValueError("trees that are not chains need their ancestor rows on the device")
         if how == "torch":
@@ -551,7 +554,7 @@ class BeamLevels:
     def _forward_laid_out(self, level: int, ids: torch.Tensor, ancestors: torch.Tensor | None) -> torch.Tensor:
         """The level as any forward: each request's segment with a placeholder tree of the level's shape (each
         level hangs off the previous level's first node), laid out and planned by the runner."""
-        size, c = int(self.ends[level]), int(self.ends[level - 1])
+        size, c = self.ends[level], self.ends[level - 1]
         parents = np.full(size, -1, np.int64)
         for lv in range(1, level + 1):
             parents[self.ends[lv - 1] : self.ends[lv]] = self.ends[lv - 2] if lv > 1 else 0

@@ -34,6 +34,7 @@ May import numpy, torch and cache_dir only: quant.py decides which layers use it
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -203,12 +204,18 @@ class SearchPicks:
         if anc is not None and (anc.dtype != torch.bool or anc.device.type != "cpu" or not anc.is_contiguous()
                                 or anc.dim() != 3 or anc.shape[0] != n or anc.shape[1] != anc.shape[2]):
             raise ValueError("SearchPicks: the ancestor rows must be a contiguous bool [n, S, S] tensor on the CPU")
-        buf = np.empty((3, n, nodes), np.int64)
+        # one torch buffer, read by numpy: its address is one call (issue 30: numpy's ``ctypes.data`` builds a Python
+        # object each time it is read)
+        held = torch.empty((3, n, nodes), dtype=torch.int64)
+        buf = held.numpy()
         self.tokens, self.parents, self.log_probs = buf[0], buf[1], buf[2].view(np.float64)
+        self._ids = held[0].view(-1)  # the tokens, flat, as torch: each level's ids are a slice of them (n = 1)
         self.finite = True  # every level's logits finite so far
         self._lib, self._n, self._nodes = kernels.lib, n, nodes
-        self._at, self._plane = buf.ctypes.data, n * nodes * 8  # the buffer's address, each output's bytes
-        self._root = np.zeros(n)  # the first level's base: the roots' log path probability, 0
+        self._at, self._plane = held.data_ptr(), n * nodes * 8  # the buffer's address, each output's bytes
+        # the first level's base: the roots' log path probability, 0 (held here, read at its address)
+        self._roots = _zero_bases(n)
+        self._root = self._roots.data_ptr()
         self._anc, self._side = anc, 0 if anc is None else int(anc.shape[1])
         self._column, self._width = 0, 1  # the next level's first column; the frontier's nodes (columns before it)
 
@@ -235,7 +242,7 @@ class SearchPicks:
             if self._anc is None or frontier + f + kept > self._side:
                 raise ValueError("SearchPicks.level: no ancestor rows for the level's nodes")
             anc = self._anc.data_ptr()
-        base, ld_base = ((self._root.ctypes.data, 1) if c == 0
+        base, ld_base = ((self._root, 1) if c == 0
                          else (self._at + 2 * self._plane + 8 * (c - f), self._nodes))
         at = self._at + 8 * c
         status = self._lib.beam_picks(x.data_ptr(), n, f, v, base, ld_base, k, 0 if width is None else width,
@@ -248,7 +255,13 @@ class SearchPicks:
             self.finite = False
             self.tokens[:, c:end], self.parents[:, c:end], self.log_probs[:, c:end] = 0, frontier, 0.0
         self._column, self._width = end, kept
-        return torch.from_numpy(self.tokens[:, c:end].reshape(-1))
+        return self._ids[c:end] if n == 1 else torch.from_numpy(self.tokens[:, c:end].reshape(-1))
+
+
+@functools.lru_cache(maxsize=8)
+def _zero_bases(n: int) -> torch.Tensor:
+    """n float64 zeros, never written: a search's first level reads its base there (one array per request count)."""
+    return torch.zeros(n, dtype=torch.float64)
 
 
 def mode() -> str:

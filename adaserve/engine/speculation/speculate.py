@@ -123,15 +123,18 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
         for tok, parent, value, check in steps.run(forwards, rows, lambda: _seen(draft, on_forward)):
             levels.append((tok, parent, value))
             checks.append(check)
-        host = every = None
+        host = every = grown = None
     else:
         chains = max(sizes) == 1  # every level one node (width 1): no level reads ancestor rows, none are grown
         # ancestor rows of every node the draft is fed, made once and filled level by level (None: chains); on the CPU's
         # own path of every node, the last level's too: the trees' ancestor matrices, handed to them as they stand
         side = sum(sizes) if on_host else forwards.tree_size
         every = None if chains else ancestor_rows(n, side, dev, first_level=sizes[1])
+        grown = every.numpy() if on_host and every is not None else None  # the same rows, as numpy reads them
         fed = forwards.tree_size
-        anc = every if every is None or side == fed else every[:, :fed, :fed]
+        # the fed nodes' rows (issue 30: on the CPU's own path numpy's slice of them, one view, not torch's three)
+        anc = (every if every is None or side == fed
+               else torch.from_numpy(grown[:, :fed, :fed]) if grown is not None else every[:, :fed, :fed])
         host = (native_kernels.SearchPicks(kernels, n, sum(sizes[1:]), every) if on_host and kernels is not None
                 else None)
         # the ops' frontier log path probabilities, on the device
@@ -170,7 +173,6 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     else:
         toks, pars, lps = host.tokens, host.parents, host.log_probs
     roots = np.asarray([x.pending[-1] for x in inputs], np.int64)[:, None]
-    grown = every.numpy() if host is not None and every is not None else None
     return build_trees(roots, toks, pars, lps, sizes[1:], ancestors=grown)
 
 

@@ -126,8 +126,12 @@ int beam_picks(const float *x, int n, int F, int V, const double *base, long ld_
         return -1;
     }
     int bad = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : bad) if (rows * V >= PARALLEL_MIN)
-    for (long r = 0; r < rows; r++) bad |= row_picks(x + r * V, V, k, pick + r * k, value + r * k);
+    if (threads > 1 && rows * V >= PARALLEL_MIN) {
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : bad)
+        for (long r = 0; r < rows; r++) bad |= row_picks(x + r * V, V, k, pick + r * k, value + r * k);
+    } else { /* no OpenMP region at all: entering one, even for one thread, costs more than a small level's picks */
+        for (long r = 0; r < rows; r++) bad |= row_picks(x + r * V, V, k, pick + r * k, value + r * k);
+    }
     if (!bad) {
         int cands = F * k, keep = width > 0 ? (width < cands ? width : cands) : cands;
         for (int b = 0; b < n; b++) {
@@ -186,55 +190,58 @@ static long first_nan(const float *x, int V) {
     return -1;
 }
 
+/* One row's first maximum (a NaN counting as the maximum). */
+static int64_t argmax_row(const float *row, int V) {
+    /* the maximum: four running maxima (one would chain every load on the last max's latency), and the NaN
+     * check one compare per two vectors (unordered: either holds a NaN) */
+    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+    __m256 nan0 = _mm256_setzero_ps(), nan1 = nan0;
+    int v = 0;
+    for (; v + 32 <= V; v += 32) {
+        __m256 a = _mm256_loadu_ps(row + v), b = _mm256_loadu_ps(row + v + 8);
+        __m256 c = _mm256_loadu_ps(row + v + 16), d = _mm256_loadu_ps(row + v + 24);
+        m0 = _mm256_max_ps(m0, a);
+        m1 = _mm256_max_ps(m1, b);
+        m2 = _mm256_max_ps(m2, c);
+        m3 = _mm256_max_ps(m3, d);
+        nan0 = _mm256_or_ps(nan0, _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
+        nan1 = _mm256_or_ps(nan1, _mm256_cmp_ps(c, d, _CMP_UNORD_Q));
+    }
+    for (; v + 8 <= V; v += 8) {
+        __m256 xv = _mm256_loadu_ps(row + v);
+        m0 = _mm256_max_ps(m0, xv);
+        nan0 = _mm256_or_ps(nan0, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
+    }
+    /* max is exact in any order: without a NaN, the same maximum as one running max */
+    float m = hmax8(_mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+    int has_nan = _mm256_movemask_ps(_mm256_or_ps(nan0, nan1)) != 0;
+    for (int t = v; t < V; t++) {
+        has_nan |= row[t] != row[t];
+        m = row[t] > m ? row[t] : m;
+    }
+    if (has_nan) return first_nan(row, V);
+    /* its first index: the first 32 that hold it, then the first 8 among them, then the one */
+    __m256 vm = _mm256_set1_ps(m);
+    for (v = 0; v + 32 <= V; v += 32) {
+        __m256 e = _mm256_or_ps(
+            _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + v), vm, _CMP_EQ_OQ),
+                         _mm256_cmp_ps(_mm256_loadu_ps(row + v + 8), vm, _CMP_EQ_OQ)),
+            _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + v + 16), vm, _CMP_EQ_OQ),
+                         _mm256_cmp_ps(_mm256_loadu_ps(row + v + 24), vm, _CMP_EQ_OQ)));
+        if (_mm256_movemask_ps(e)) break;
+    }
+    for (; v + 8 <= V; v += 8)
+        if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + v), vm, _CMP_EQ_OQ))) break;
+    for (; v < V; v++)
+        if (row[v] == m) break;
+    return v;
+}
+
 void first_argmax(const float *x, long n, int V, int64_t *out, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (n * V >= PARALLEL_MIN)
-    for (long r = 0; r < n; r++) {
-        const float *row = x + r * V;
-        /* the maximum: four running maxima (one would chain every load on the last max's latency), and the NaN
-         * check one compare per two vectors (unordered: either holds a NaN) */
-        __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
-        __m256 nan0 = _mm256_setzero_ps(), nan1 = nan0;
-        int v = 0;
-        for (; v + 32 <= V; v += 32) {
-            __m256 a = _mm256_loadu_ps(row + v), b = _mm256_loadu_ps(row + v + 8);
-            __m256 c = _mm256_loadu_ps(row + v + 16), d = _mm256_loadu_ps(row + v + 24);
-            m0 = _mm256_max_ps(m0, a);
-            m1 = _mm256_max_ps(m1, b);
-            m2 = _mm256_max_ps(m2, c);
-            m3 = _mm256_max_ps(m3, d);
-            nan0 = _mm256_or_ps(nan0, _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
-            nan1 = _mm256_or_ps(nan1, _mm256_cmp_ps(c, d, _CMP_UNORD_Q));
-        }
-        for (; v + 8 <= V; v += 8) {
-            __m256 xv = _mm256_loadu_ps(row + v);
-            m0 = _mm256_max_ps(m0, xv);
-            nan0 = _mm256_or_ps(nan0, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
-        }
-        /* max is exact in any order: without a NaN, the same maximum as one running max */
-        float m = hmax8(_mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
-        int has_nan = _mm256_movemask_ps(_mm256_or_ps(nan0, nan1)) != 0;
-        for (int t = v; t < V; t++) {
-            has_nan |= row[t] != row[t];
-            m = row[t] > m ? row[t] : m;
-        }
-        if (has_nan) {
-            out[r] = first_nan(row, V);
-            continue;
-        }
-        /* its first index: the first 32 that hold it, then the first 8 among them, then the one */
-        __m256 vm = _mm256_set1_ps(m);
-        for (v = 0; v + 32 <= V; v += 32) {
-            __m256 e = _mm256_or_ps(
-                _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + v), vm, _CMP_EQ_OQ),
-                             _mm256_cmp_ps(_mm256_loadu_ps(row + v + 8), vm, _CMP_EQ_OQ)),
-                _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + v + 16), vm, _CMP_EQ_OQ),
-                             _mm256_cmp_ps(_mm256_loadu_ps(row + v + 24), vm, _CMP_EQ_OQ)));
-            if (_mm256_movemask_ps(e)) break;
-        }
-        for (; v + 8 <= V; v += 8)
-            if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + v), vm, _CMP_EQ_OQ))) break;
-        for (; v < V; v++)
-            if (row[v] == m) break;
-        out[r] = v;
+    if (threads > 1 && n * V >= PARALLEL_MIN) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (long r = 0; r < n; r++) out[r] = argmax_row(x + r * V, V);
+    } else { /* no OpenMP region: see beam_picks */
+        for (long r = 0; r < n; r++) out[r] = argmax_row(x + r * V, V);
     }
 }

@@ -16,8 +16,10 @@ BASE_DIR and CAND_DIR are checkouts (``git worktree add --detach DIR COMMIT``; c
 ``models/demo/draft/model.safetensors``, into each). Each worker is this script run with ``--worker`` and
 ``PYTHONPATH`` set to its checkout, so it imports that checkout's engine; the helpers it calls
 (``bench.engine_only.load_pair`` and ``prompts``, ``bench.microbench_options.MODES``, ``Engine``, ``Request``) are
-those of commits since the microbench's options got their own module. Prints JSON: each side's median and mean, the
-median of the pairs' differences (B - A), how many pairs B was lower, and a two-sided sign test's p.
+those of commits since the microbench's options got their own module. The worker is written out here, not shared
+with host-time-breakdown.py or put in adaserve.bench: it must run against checkouts older than any helper added since.
+Prints JSON: each side's median and mean, the median of the pairs' differences (B - A), how many pairs B was lower,
+and a two-sided sign test's p.
 """
 
 from __future__ import annotations

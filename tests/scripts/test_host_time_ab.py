@@ -3,7 +3,6 @@ against itself (two real workers taking turns), and a clear error for a director
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,17 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.scripts.helpers import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "host-time-ab.py"
 
 
 @pytest.fixture(scope="module")
 def ab() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("host_time_ab", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("host-time-ab.py")
 
 
 def test_sign_test_p(ab: types.ModuleType) -> None:

@@ -6,24 +6,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import sys
 import types
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "host-time-breakdown.py"
+from tests.scripts.helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def breakdown() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("host_time_breakdown", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("host-time-breakdown.py")
 
 
 @pytest.fixture

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "wall-clock-table.py"
+from tests.scripts.helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def table() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("wall_clock_table", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("wall-clock-table.py")
 
 
 def doc(**attainment: float) -> dict:

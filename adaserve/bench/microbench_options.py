@@ -25,6 +25,7 @@ class EngineOnlyConfig:
     budget: int = 32  # B; the profiled knee of the default pair on the development CPU
     kv_memory_mb: int = 512
     static_shapes: bool = False  # both models' decode-sized forwards on padded static buffers (model/static.py)
+    host_cost: bool = False  # the shape rules price the engine's host time too (EngineConfig.host_cost)
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) < 1:
@@ -91,6 +92,8 @@ def add_engine_only(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, default=d.budget, help="tokens per verification (B)")
     p.add_argument("--static-shapes", action="store_true",
                    help="decode-sized forwards on padded static buffers (CUDA graphs on a GPU)")
+    p.add_argument("--host-cost", action="store_true",
+                   help="the adaptive policies' shape rules price the engine's host time beside the forwards")
 
 
 def add_peer(p: argparse.ArgumentParser) -> None:
@@ -109,7 +112,8 @@ def engine_only_config(args: argparse.Namespace) -> EngineOnlyConfig:
                             prompt_tokens=args.prompt_tokens or d.prompt_tokens, warmup_steps=args.warmup,
                             steps=args.steps, count_steps=getattr(args, "count_steps", d.count_steps),
                             repeats=args.repeats, budget=args.budget,
-                            static_shapes=getattr(args, "static_shapes", d.static_shapes))
+                            static_shapes=getattr(args, "static_shapes", d.static_shapes),
+                            host_cost=getattr(args, "host_cost", d.host_cost))
 
 
 def peer_config(args: argparse.Namespace) -> PeerConfig:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -28,6 +29,19 @@ def test_summary_shares_and_breakdown() -> None:
     assert s["verify_other_ms"] == pytest.approx(1e3 * (0.005 + 0.02) / 2)
     assert s["rest_ms"] == pytest.approx(1e3 * (0.003 + 0.016) / 2)
     assert s["tokens_per_s"] == pytest.approx(10 / 0.4)
+    assert s["shapes"] == {"plain": 2}  # no shape recorded: plain decoding
+
+
+def test_a_cell_names_the_shapes_chosen_and_their_predicted_price() -> None:
+    """Why a policy drafted where plain decoding was faster: each shape's count, and the forwards the cost models
+    expected against plain decoding's (issue 30's GPU run)."""
+    its = [IterationTimes(step=0.010, target_fwd=0.004, draft_fwd=0.002, speculate=0.0, select=0.0, verify=0.0,
+                          tokens=3, depth=d, width=w, predicted=p, predicted_plain=0.003)
+           for d, w, p in [(4, 2, 0.007), (4, 2, 0.009), (0, 0, 0.003), (2, 1, 0.005)]]
+    s = summarize_cell(its)
+    assert s["shapes"] == {"2x1": 1, "4x2": 2, "plain": 1}
+    assert s["predicted_iteration_ms"] == pytest.approx(6.0)
+    assert s["predicted_plain_iteration_ms"] == pytest.approx(3.0)
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +66,17 @@ def test_engine_only_on_the_demo_pair(demo: tuple) -> None:
         assert 0 <= c["non_forward_share_min"] <= c["non_forward_share_median"] <= c["non_forward_share_max"] < 1
         assert all(r["forward_ms"] > 0 and r["tokens_per_iteration"] >= c["batch"] for r in c["repeats"])
     assert all(r["speculate_other_ms"] == 0 for r in cells[("plain", 3)]["repeats"])  # no draft without speculation
+    # the shapes chosen, counted over the timed iterations of every repeat, and what the cost models priced: plain
+    # decoding's own iterations at plain decoding's price, a chain of 4 above it (4 draft steps and 5 tokens)
+    for c in cells.values():
+        assert sum(c["shapes"].values()) == 2 * 2
+        assert c["predicted_plain_iteration_ms_median"] > 0
+    for n in (1, 3):
+        plain_cell, chain = cells[("plain", n)], cells[("chain", n)]
+        assert plain_cell["shapes"] == {"plain": 4}
+        assert plain_cell["predicted_iteration_ms_median"] == plain_cell["predicted_plain_iteration_ms_median"]
+        assert chain["shapes"] == {"4x1": 4}
+        assert chain["predicted_iteration_ms_median"] > chain["predicted_plain_iteration_ms_median"]
     # host-device crossings, counted in their own iterations (issue 30): no synchronize anywhere; each forward
     # sends its inputs in one non-blocking copy; plain decoding waits once (the draws of the walk), speculation
     # once more (the whole candidate tree, its beam levels having stayed on the device)
@@ -73,6 +98,33 @@ def test_engine_only_on_the_demo_pair(demo: tuple) -> None:
     # counted as a GPU launches them (engine_only.torch_picks), though the timed iterations took the CPU kernels
     assert "topk" in spec["repeats"][0]["ops_outside_by_name_per_iteration"]
     assert os.environ.get(native_kernels.ENV) == env_before  # restored after the counted iterations
+
+
+def test_host_cost_reaches_the_engine(demo: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--host-cost``: the cell's engine prices its host time (EngineConfig.host_cost), and the report says so."""
+    from adaserve.bench import engine_only
+    from adaserve.bench.microbench_options import add_common, add_engine_only, engine_only_config
+
+    p = argparse.ArgumentParser()
+    add_common(p)
+    add_engine_only(p)
+    assert engine_only_config(p.parse_args(["--host-cost"])).host_cost is True
+    assert engine_only_config(p.parse_args([])).host_cost is False
+    made: list[bool] = []
+
+    class Spy(engine_only.Engine):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            made.append(self.cfg.host_cost)
+
+    monkeypatch.setattr(engine_only, "Engine", Spy)
+    target, draft, tok = demo
+    for on in (True, False):
+        cfg = EngineOnlyConfig(batches=(1,), modes=("spec",), steps=1, warmup_steps=0, count_steps=0, repeats=1,
+                               kv_memory_mb=64, host_cost=on)
+        run_engine_only(target, draft, tok, cfg)
+        assert settings(target, cfg, model="demo-tiny", device="cpu")["host_cost"] is on
+    assert made == [True, False]
 
 
 def test_a_runner_names_the_captures_that_ran_out_of_memory(target_dir: Path, draft_dir: Path) -> None:

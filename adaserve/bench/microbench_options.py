@@ -26,6 +26,9 @@ class EngineOnlyConfig:
     kv_memory_mb: int = 512
     static_shapes: bool = False  # both models' decode-sized forwards on padded static buffers (model/static.py)
     host_cost: bool = False  # the shape rules price the engine's host time too (EngineConfig.host_cost)
+    # the engine as served: budget, cost models and tree bounds from the pair's start-up profile (build_engine's);
+    # off: ``budget`` and cost models that start from a flat guess and learn from the cell's own forwards
+    profiled: bool = False
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) < 1:
@@ -94,6 +97,9 @@ def add_engine_only(p: argparse.ArgumentParser) -> None:
                    help="decode-sized forwards on padded static buffers (CUDA graphs on a GPU)")
     p.add_argument("--host-cost", action="store_true",
                    help="the adaptive policies' shape rules price the engine's host time beside the forwards")
+    p.add_argument("--profiled", action="store_true",
+                   help="the engine as served: budget, cost models and tree bounds from the pair's start-up profile "
+                        "(replaces --budget)")
 
 
 def add_peer(p: argparse.ArgumentParser) -> None:
@@ -113,7 +119,8 @@ def engine_only_config(args: argparse.Namespace) -> EngineOnlyConfig:
                             steps=args.steps, count_steps=getattr(args, "count_steps", d.count_steps),
                             repeats=args.repeats, budget=args.budget,
                             static_shapes=getattr(args, "static_shapes", d.static_shapes),
-                            host_cost=getattr(args, "host_cost", d.host_cost))
+                            host_cost=getattr(args, "host_cost", d.host_cost),
+                            profiled=getattr(args, "profiled", d.profiled))
 
 
 def peer_config(args: argparse.Namespace) -> PeerConfig:

@@ -127,6 +127,34 @@ def test_host_cost_reaches_the_engine(demo: tuple, monkeypatch: pytest.MonkeyPat
     assert made == [True, False]
 
 
+def test_profiled_cells_run_the_engine_as_served(demo: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--profiled``: the cells' engines take the budget, cost models and tree bounds that ``build_engine`` gives a
+    served engine from the pair's start-up profile, not the flat guess and ``--budget``."""
+    from adaserve.bench import engine_only
+    from adaserve.engine.config import EngineConfig
+
+    target, draft, tok = demo
+    served = engine_only.served_config(target, draft, "demo-tiny")
+    assert served.target_cost is not None and served.draft_cost is not None
+    made: list[EngineConfig] = []
+
+    class Spy(engine_only.Engine):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            made.append(self.cfg)
+
+    monkeypatch.setattr(engine_only, "Engine", Spy)
+    cfg = EngineOnlyConfig(batches=(1,), modes=("spec",), steps=1, warmup_steps=0, count_steps=0, repeats=1,
+                           kv_memory_mb=64, budget=7, host_cost=True)
+    run_engine_only(target, draft, tok, cfg, served=served)
+    run_engine_only(target, draft, tok, cfg)
+    as_served, unprofiled = made
+    assert (as_served.budget, as_served.adaptive) == (served.budget, served.adaptive) and as_served.budget != 7
+    assert as_served.target_cost == served.target_cost and as_served.draft_cost == served.draft_cost
+    assert as_served.host_cost and as_served.policy == "adaserve"
+    assert unprofiled.budget == 7 and unprofiled.target_cost is None and unprofiled.draft_cost is None
+
+
 def test_a_runner_names_the_captures_that_ran_out_of_memory(target_dir: Path, draft_dir: Path) -> None:
     """What the microbench reports per model (``capture_failures``): a GPU run's figures read slower where a shape's
     graph could not be captured. A copy: the caller cannot change the record."""

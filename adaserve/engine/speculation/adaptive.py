@@ -241,7 +241,32 @@ def _priced_depths(n: int, *, width: int, rank_rates: Sequence[float], budget: i
     step = t_draft(n_context, n * width)  # one beam level: the same for every depth
     for d in range(max(d_min, 1), max(d_max, 1) + 1):
         verified = min(n * (1 + d * width), max(budget, n * (d + 1)))
-        yield d, d * step + t_target(n_context, verified + extra_tokens) + host(d), expected_emitted(alpha, d)
+        emitted = expected_emitted(alpha, d)
+        draft = draft_seconds(d, n, width, n_context, t_draft, emitted, step=step)
+        yield d, draft + t_target(n_context, verified + extra_tokens) + host(d), emitted
+
+
+def draft_seconds(d: int, n: int, width: int, n_context: int, t_draft: Callable[[int, int], float],
+                  emitted: float, *, step: float | None = None) -> float:
+    """The draft's forwards for a tree ``d`` levels deep over ``n`` requests, in the steady state of that depth, as
+    the beam search runs them (speculate.beam_search):
+
+        T_draft(d) = T_draft(N_ctx, n * l) + (d - 1) * T_draft(N_ctx, n * w)
+
+    The first forward feeds each request's tokens the draft has not seen, the root last: what the last iteration
+    emitted, l of them per request (``emitted``: l(alpha, d) at this depth, so the steady state of drafting d
+    levels); its logits pick level 1, and each later forward feeds a level's n * w nodes. A backlog (a new
+    request's prompt, the tokens of plain iterations) is a one-off the rules leave out. Why l: pricing the first
+    forward as a level (n * w, as the rules did) left out a chain's catch-up of 2-3 tokens a request; where a
+    forward's cost grows with its tokens from the first (a CPU), the served policy's draft forwards ran 1.5-1.7x its
+    prediction at 32 requests, and it drafted where plain decoding was faster (docs/benchmarks.md, "Twenty-fourth
+    round"). Where both cost the same (below a GPU's knee) the sum is ``d * step``, bit for bit. ``step``: the
+    level's seconds, when the caller has them. 0 for d = 0 (plain decoding: no draft forward)."""
+    if d < 1:
+        return 0.0
+    level = t_draft(n_context, n * width) if step is None else step
+    first = t_draft(n_context, max(n, round(n * emitted)))
+    return d * level if first == level else first + (d - 1) * level
 
 
 def goodput_shape(n: int, *, width: int, rank_rates: Sequence[float], budget: int, d_min: int, d_max: int,
@@ -257,7 +282,8 @@ def goodput_shape(n: int, *, width: int, rank_rates: Sequence[float], budget: in
                       accepted, so the ranks' chances add; or, once trees of width w were verified, what
                       they showed (``measured``; ``beam_alpha``)
         verified    = min(n * (1 + d * w), max(B, n * (d + 1)))     the whole trees, up to the budget
-        goodput     = n * l(alpha(w), d) / (d * T_draft(N_ctx, n * w) + T_target(N_ctx, verified + extra) + H(d, n))
+        goodput     = n * l(alpha(w), d) / (T_draft(d) + T_target(N_ctx, verified + extra) + H(d, n))
+                      T_draft(d): d draft forwards, the first feeding what d levels emit (``draft_seconds``)
                       H: the iteration's host time outside the forwards (``t_host``, cost.host_cost; 0 if None)
 
     The width is not chosen here: it once was (the widest of Eq. 9's by the same goodput), and on the artifact's
@@ -290,7 +316,7 @@ def slo_shape(n: int, *, width: int, rank_rates: Sequence[float], budget: int, d
     their TPOT SLO, then the most expected tokens per second (Algorithm 2's order, SLO first, applied to the
     tree the draft builds, as ``iteration_budget.slo_budget`` applies it to B):
 
-        T(d)      = d * T_draft(N_ctx, n * w) + T_target(N_ctx, verified + extra) + H(d, n)   (goodput_shape's)
+        T(d)      = T_draft(d) + T_target(N_ctx, verified + extra) + H(d, n)   (goodput_shape's)
         on_slo(d) = #{ r with an SLO : A_r(T(d)) <= l(alpha_r, d) }
                     A_r(T) = base_r + rate_r * T: what r must emit this iteration (selection.requirement_line)
         d         = argmax (on_slo, sum_r l(alpha_r, d) / T(d))
@@ -439,20 +465,22 @@ def goodput_depth(n: int, width: int, *, alpha: float, d_min: int, d_max: int, n
     for the best path of a beam tree), or 0 (plain decoding) where ``d_min`` is 0 and one token per request
     per forward is predicted to be at least as fast (``plain_rate``):
 
-        goodput(d) = n * l(alpha, d) / (d * T_draft(N_ctx, n * w) + T_target(N_ctx, n * (d + 1) + extra) + H(d, n))
+        goodput(d) = n * l(alpha, d) / (T_draft(d) + T_target(N_ctx, n * (d + 1) + extra) + H(d, n))
 
     with l(alpha, d) = (1 - alpha^(d+1)) / (1 - alpha) tokens per request (bonus included). Each beam
-    step runs n * w draft tokens; verification is priced for the best path (the selection may verify
-    more when those tokens pay, iteration_budget.py). ``extra``: prefill tokens in the same forward.
+    step runs n * w draft tokens, the first forward the n * l tokens emitted (``draft_seconds``); verification
+    is priced for the best path (the selection may verify more when those tokens pay, iteration_budget.py).
+    ``extra``: prefill tokens in the same forward.
     Why not Eq. 8 alone: it ties depth to the budget, d = B / (n + c1) - 1, so as a backlog grows the
     trees shrink, fewer tokens are accepted per forward and the backlog grows faster; chain:4, which
     ignores B, kept up with a load that collapsed adaserve (docs/benchmarks.md).
     """
     best_d, best = max(d_min, 1), -1.0
     for d in range(max(d_min, 1), max(d_max, 1) + 1):
-        cost = d * t_draft(n_context, n * width) + t_target(n_context, n * (d + 1) + extra_tokens)
+        emitted = expected_emitted(alpha, d)
+        cost = draft_seconds(d, n, width, n_context, t_draft, emitted) + t_target(n_context, n * (d + 1) + extra_tokens)
         cost += 0.0 if t_host is None else t_host(d, n)
-        rate = n * expected_emitted(alpha, d) / max(cost, 1e-12)
+        rate = n * emitted / max(cost, 1e-12)
         if rate > best:
             best_d, best = d, rate
     return 0 if d_min == 0 and plain_rate(n, n_context, extra_tokens, t_target, t_host) >= best else best_d

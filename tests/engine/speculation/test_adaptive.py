@@ -179,8 +179,10 @@ def test_goodput_shape_prices_a_beam_at_its_ranks_summed_rates() -> None:
     from adaserve.engine.speculation.adaptive import goodput_shape
 
     kw = {"width": 3, "budget": 64, "d_min": 1, "d_max": 4, "n_context": 0, "extra_tokens": 0}
-    # a CPU: every drafted and verified token costs compute, so the depth follows what a level is worth
-    cpu = {"t_target": _flat_then_linear(0.0023, 6.8e-5 * 4, 0), "t_draft": _flat_then_linear(0.0005, 2e-4, 0)}
+    # a CPU: every drafted and verified token costs compute, so the depth follows what a level is worth (a draft
+    # token at 1e-4 s: at 2e-4 the two depths' goodputs are within 2%, and the catch-up priced at the tokens a
+    # depth emits, adaptive.draft_seconds, tips them to one level)
+    cpu = {"t_target": _flat_then_linear(0.0023, 6.8e-5 * 4, 0), "t_draft": _flat_then_linear(0.0005, 1e-4, 0)}
     poor = goodput_shape(1, rank_rates=(0.3, 0.02, 0.01), **kw, **cpu)
     rich = goodput_shape(1, rank_rates=(0.4, 0.35, 0.2), **kw, **cpu)  # the siblings add to a level's chance
     assert rich > poor
@@ -429,6 +431,21 @@ def test_the_slo_depth_rule_reads_the_batch_slo_lines() -> None:
     assert deep is not None and deep.depth > shallow.depth and deep.width == 1
 
 
+def test_the_draft_s_first_forward_is_priced_at_the_tokens_a_depth_emits() -> None:
+    """draft_seconds: the catch-up forward feeds what the last iteration emitted (n * l tokens, at least the n
+    roots), each later level n * w nodes; below a knee, where both cost the same, exactly d * T(n * w)."""
+    from adaserve.engine.speculation.adaptive import draft_seconds, expected_emitted
+
+    linear = _flat_then_linear(0.002, 1e-4, 0)  # a CPU: 2 ms + 0.1 ms a token
+    assert draft_seconds(0, 8, 1, 0, linear, 1.0) == 0.0
+    l3 = expected_emitted(0.8, 3)  # 2.95 tokens a request
+    assert draft_seconds(3, 8, 1, 0, linear, l3) == pytest.approx(linear(0, round(8 * l3)) + 2 * linear(0, 8))
+    assert draft_seconds(3, 8, 2, 0, linear, l3) == pytest.approx(linear(0, 24) + 2 * linear(0, 16))
+    assert draft_seconds(1, 8, 2, 0, linear, 0.2) == pytest.approx(linear(0, 8))  # never fewer than the roots
+    knee = _flat_then_linear(0.002, 1e-4, 64)  # a GPU below its knee: the same bits as d levels
+    assert draft_seconds(3, 8, 2, 0, knee, l3) == 3 * knee(0, 16)
+
+
 def test_the_slo_shape_reads_each_request_s_own_chain_rate() -> None:
     import numpy as np
 
@@ -441,8 +458,9 @@ def test_the_slo_shape_reads_each_request_s_own_chain_rate() -> None:
     assert slo_shape(8, base=base, rate=rate, alphas=alphas, **kw) == 5
     alphas[0] = 0.95  # its own text is predictable: 3 tokens reach 3.71 against the 3.15 it needs
     assert slo_shape(8, base=base, rate=rate, alphas=alphas, **kw) == 3
-    alphas[0] = 0.6  # and where it is not, no depth serves it: goodput's shape
-    assert slo_shape(8, base=base, rate=rate, alphas=alphas, **kw) == 2
+    alphas[0] = 0.6  # and where it is not, no depth serves it: goodput's shape, the depth without any SLO
+    assert slo_shape(8, base=base, rate=rate, alphas=alphas, **kw) == slo_shape(
+        8, base=np.zeros(8), rate=np.zeros(8), alphas=alphas, **kw) < 3
 
 
 def test_a_request_s_chain_rate_is_its_latest_acceptance_shrunk_towards_the_batch() -> None:

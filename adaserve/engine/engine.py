@@ -519,20 +519,27 @@ class Engine:
             return roots
         m.depth, m.width = shape.depth, shape.width
         t0 = self.clock()
+        # a plain streak's probe (TreeShape.probe): only the request with the fewest tokens for the draft to catch up
+        # drafts; the others' trees are their roots, as in a plain iteration (several drafts: every request, their
+        # rounds keep slots aligned across the batch)
+        drafting = ([min(decoding, key=lambda r: len(r.prompt_ids) + len(r.output_ids) - r.draft_kv.length)]
+                    if shape.probe and len(decoding) > 1 and self.pool is None else decoding)
         if self.pool is not None:  # several drafts: each request's own, one beam search per draft
             self.pool.assign(decoding, depth=shape.depth, width=shape.width)
-            cands = self.pool.speculate(decoding, depth=shape.depth, width=shape.width, expansion=shape.expansion)
+            drafted = self.pool.speculate(decoding, depth=shape.depth, width=shape.width, expansion=shape.expansion)
             t1 = self.clock()
         else:
-            inputs = [DraftInput(r.draft_kv, r.ids_from(r.draft_kv.length), r.grammar) for r in decoding]
+            inputs = [DraftInput(r.draft_kv, r.ids_from(r.draft_kv.length), r.grammar) for r in drafting]
             # each draft forward timed alone, with its own counts: the first also runs the catch-up tokens
             split = ForwardSplitter(self.clock)
             split.start()
-            cands = beam_search(self.draft, inputs, depth=shape.depth, width=shape.width, expansion=shape.expansion,
+            drafted = beam_search(self.draft, inputs, depth=shape.depth, width=shape.width, expansion=shape.expansion,
                                 on_forward=lambda rec: split(rec.n_context, rec.n_new))
             for c, b, y in split.finish():
                 self.draft_time.observe(c, b, y)
             t1 = self.clock()
+        cands = (drafted if drafting is decoding
+                 else [drafted[0] if r is drafting[0] else TokenTree.root(r.last_token) for r in decoding])
         # selection weighs nodes by f(v); "learned": acceptance by sibling rank, not the draft's own guess
         acc = self.acceptances
         scored = cands if acc[0] is None else self._calibrated(decoding, cands)

@@ -326,3 +326,32 @@ def test_last_token_and_ids_from_without_concatenation() -> None:
     assert r.last_token == 8
     for start in range(6):
         assert r.ids_from(start) == r.all_ids[start:]
+
+
+# ---- a plain streak's probe --------------------------------------------------------------------------
+def test_a_probe_drafts_for_one_request_and_stays_lossless(target_dir: Path, draft_dir: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TreeShape.probe``: one request drafts, the one whose draft has the fewest tokens to catch up, and the others
+    verify their roots alone; greedy output is the target's own either way."""
+    from adaserve.engine.speculation.policies import TreeShape
+    from tests.engine.helpers import engine, outputs
+
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(2, 97, int(n)).tolist() for n in (5, 9, 3)]
+
+    def reqs() -> list[Request]:
+        return [Request(f"r{i}", p, SamplingParams(max_tokens=12, ignore_eos=True)) for i, p in enumerate(prompts)]
+
+    reference = outputs(engine(target_dir, None, "incremental"), reqs())
+    eng = engine(target_dir, draft_dir, "adaserve")
+    shapes = iter([None, None, TreeShape(3, 2, probe=True)] * 20)  # two plain iterations, then a probe
+    object.__setattr__(eng.policy, "tree_shape", lambda view: next(shapes))
+    drafted: list[dict[str, int]] = []
+    eng.step_listeners.append(lambda m: drafted.append(m.per_request_verified) if m.depth else None)
+    assert outputs(eng, reqs()) == reference
+    assert drafted and all(sorted(v.values())[:-1] == [1] * (len(v) - 1) for v in drafted)  # roots, but one
+    assert any(max(v.values()) > 1 for v in drafted)
+    # the first probe (after two plain iterations of all three, their prompts fed to no draft yet): the shortest
+    # prompt has the fewest tokens to catch up
+    first = drafted[0]
+    assert max(first, key=first.__getitem__) == "r2"

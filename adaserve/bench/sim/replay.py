@@ -399,25 +399,33 @@ class ReplayEngine:
         shape = self.policy.tree_shape(view)
         if shape is None or shape.depth < 1:
             return roots, 0.0
+        # a plain streak's probe: one request drafts, the one with the fewest tokens to catch up (as Engine's)
+        drafting = ([min(decoding, key=lambda r: r.prompt_len + r.emitted - r.draft_len)]
+                    if shape.probe and len(decoding) > 1 else decoding)
         # the draft's beam search: a first forward with every request's catch-up tokens, then one per level
         # over the frontier (Engine._speculate_and_select, speculate.beam_search)
-        catch_up = sum(r.prompt_len + r.emitted - r.draft_len for r in decoding)
-        draft_ctx = sum(r.draft_len for r in decoding)
+        catch_up = sum(r.prompt_len + r.emitted - r.draft_len for r in drafting)
+        draft_ctx = sum(r.draft_len for r in drafting)
         t = self.device.draft.seconds(catch_up, draft_ctx)
         levels = shape.depth if shape.expansion is None else len(shape.expansion)
-        committed = sum(r.prompt_len + r.emitted - 1 for r in decoding)
+        committed = sum(r.prompt_len + r.emitted - 1 for r in drafting)
         level_nodes, cached = 1, 1  # nodes in the newest level; nodes before it (root included)
         for step in range(1, levels):
             level_nodes = shape.width if shape.expansion is None else level_nodes * shape.expansion[step - 1]
-            t += self.device.draft.seconds(len(decoding) * level_nodes, committed + len(decoding) * cached)
+            t += self.device.draft.seconds(len(drafting) * level_nodes, committed + len(drafting) * cached)
             cached += level_nodes
-        for r in decoding:
+        for r in drafting:
             r.draft_len = r.prompt_len + r.emitted
         self.now += t
         self.totals.draft_s += t
         t1 = self.now
-        cands, on_path = replay_trees(self.bank, [r.record for r in decoding], [r.emitted for r in decoding],
-                                      shape, self.rng)
+        drafted, good = replay_trees(self.bank, [r.record for r in drafting], [r.emitted for r in drafting],
+                                     shape, self.rng)
+        if drafting is decoding:
+            cands, on_path = drafted, list(good)
+        else:  # the others' roots, each on the path
+            cands = [drafted[0] if r is drafting[0] else TokenTree.root(0) for r in decoding]
+            on_path = [good[0] if r is drafting[0] else np.ones(1, bool) for r in decoding]
         scored = cands if self.acceptance is None else self.acceptance.calibrate_many(cands)
         budget = max(self.cfg.budget, len(decoding))
         if self.cfg.budget_rule == "goodput" and is_budgeted(self.policy):

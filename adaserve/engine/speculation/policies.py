@@ -56,6 +56,9 @@ class TreeShape:
     depth: int
     width: int = 1
     expansion: tuple[int, ...] | None = None  # static per-node fan-out (SpecInfer)
+    # a plain streak's probe (``_Adaptive.tree_shape``): one request drafts, the one whose draft has the fewest
+    # tokens to catch up (Engine picks it), the rest decode plainly
+    probe: bool = False
 
     @property
     def max_nodes(self) -> int:
@@ -266,8 +269,13 @@ class _Adaptive(_NoFeedback):
         """The iteration's (d, w), or None: plain decoding, where the goodput rules predict no tree pays. After
         ``PLAIN_STREAK`` plain iterations in a row the best tree is drafted once anyway: a prediction made on
         costs and acceptance that plain decoding no longer updates cannot hold plain decoding forever (the demo
-        pair's wall clock at 6 req/s: a backlog, plain decoding predicted, the backlog longer, no tree again)."""
+        pair's wall clock at 6 req/s: a backlog, plain decoding predicted, the backlog longer, no tree again).
+        That probe drafts for one request (``TreeShape.probe``): the draft must first catch up on every token of
+        the streak, and for a whole batch on a CPU that cost what the streak had saved (32 requests of the demo
+        pair: two probes in 64 iterations made the mean iteration 1.5x a plain one; docs/benchmarks.md,
+        "Twenty-fourth round"); one request's tree measures the acceptance as well."""
         d, w = self._shape(view, self.adaptive)
+        probe = False
         if d > 0 or self.adaptive.d_min > 0:
             self._plain_streak[0] = 0
         else:
@@ -275,8 +283,9 @@ class _Adaptive(_NoFeedback):
             if self._plain_streak[0] >= PLAIN_STREAK:
                 self._plain_streak[0] = 0
                 d, w = self._shape(view, replace(self.adaptive, d_min=1))
+                probe = view.n_active > 1
         self._last_width[0] = w if d > 0 else 0
-        return TreeShape(d, w) if d > 0 else None
+        return TreeShape(d, w, probe=probe) if d > 0 else None
 
     def _shape(self, view: BatchView, adaptive: AdaptiveConfig) -> tuple[int, int]:
         cfg = _with_budget(adaptive, view.budget)

@@ -143,3 +143,36 @@ def test_a_pool_survives_its_file(tmp_path: object) -> None:
     (Path(str(tmp_path)) / "bad.npz").write_bytes(b"not a pool")
     with pytest.raises(ValueError, match="not an agreement pool"):
         AgreementPool.load(Path(str(tmp_path)) / "bad.npz")
+
+
+def test_a_probe_schedule_is_the_real_engines_exactly() -> None:
+    """A plain streak's probe (TreeShape.probe: one request drafts, the one with the fewest tokens to catch up) is
+    replayed as the engine runs it: chains of 2 every third iteration, the same acceptance and token times."""
+    s = settings()
+    device = load_profile_file(DEVICE)
+    cfg = engine_config("chain:2", device, s)
+
+    def probing(policy: object) -> None:
+        shapes = iter([None, None, TreeShape(2, 1, probe=True)] * 1000)
+        object.__setattr__(policy, "tree_shape", lambda view: next(shapes))
+
+    target, draft = demo()
+    clock = SimClock()
+    eng = Engine(target, draft, cfg, clock=clock)
+    probing(eng.policy)
+    real = [(t, Request(f"r{i}", ids, SamplingParams(max_tokens=N_OUT, ignore_eos=True), tpot_slo_ms=slo))
+            for i, (t, ids, slo) in enumerate(WORKLOAD)]
+    run_simulated(eng, real, device, clock, sched_s=device.sched_s)
+    replayed = [ReplayRequest(f"r{i}", "c", t, len(ids), N_OUT, slo, rec)
+                for i, ((t, ids, slo), rec) in enumerate(zip(WORKLOAD, recordings(), strict=True))]
+    assert cfg.target_cost is not None and cfg.draft_cost is not None
+    rep = ReplayEngine(cfg, device, cfg.target_cost, cfg.draft_cost)
+    probing(rep.policy)
+    rep.run(replayed)
+    for (_, a), b in zip(real, replayed, strict=True):
+        assert a.metrics.accepted_per_step == b.accepted_per_step, a.request_id
+        assert a.metrics.last_token_s == pytest.approx(b.last_s, abs=1e-9)
+    # a probe verified one request's chain: most verifications of the roots alone, some chains accepted
+    assert sum(sum(b.accepted_per_step) for b in replayed) > 0
+    assert sum(v == 1 for b in replayed for v in b.verified_per_step) > sum(v > 1 for b in replayed
+                                                                              for v in b.verified_per_step)

@@ -255,10 +255,17 @@ def test_plain_decoding_drafts_its_best_tree_now_and_then() -> None:
     shapes = [policy.tree_shape(busy) for _ in range(3 * PLAIN_STREAK)]
     drafted = [i for i, s in enumerate(shapes) if s is not None]
     assert drafted == [PLAIN_STREAK - 1, 2 * PLAIN_STREAK - 1, 3 * PLAIN_STREAK - 1]
-    assert all(s.depth >= 1 for s in shapes if s is not None)
-    # a tree that pays resets the count
-    assert policy.tree_shape(BatchView(n_active=1, n_context=128, budget=64, **rows)) is not None
+    assert all(s.depth >= 1 and s.probe for s in shapes if s is not None)  # one request of the batch drafts
+    # a tree that pays resets the count, and is the whole batch's
+    lone = policy.tree_shape(BatchView(n_active=1, n_context=128, budget=64, **rows))
+    assert lone is not None and not lone.probe
     assert policy.tree_shape(busy) is None
+    # a lone request's streak (a draft dearer than the target): its probe is simply its tree
+    dear = BatchView(n_active=1, n_context=1024, budget=64, predict_target=rows["predict_target"],
+                     predict_draft=_flat_then_linear(0.05, 5e-4, 1))
+    lone_shapes = [policy.tree_shape(dear) for _ in range(PLAIN_STREAK)]
+    assert [s is not None for s in lone_shapes] == [False] * (PLAIN_STREAK - 2) + [True, False]
+    assert not lone_shapes[-2].probe  # type: ignore[union-attr]
 
 
 

@@ -533,8 +533,8 @@ class Engine:
             # each draft forward timed alone, with its own counts: the first also runs the catch-up tokens
             split = ForwardSplitter(self.clock)
             split.start()
-            drafted = beam_search(self.draft, inputs, depth=shape.depth, width=shape.width, expansion=shape.expansion,
-                                on_forward=lambda rec: split(rec.n_context, rec.n_new))
+            drafted = beam_search(self.draft, inputs, depth=shape.depth, width=shape.width,
+                                  expansion=shape.expansion, on_forward=lambda rec: split(rec.n_context, rec.n_new))
             for c, b, y in split.finish():
                 self.draft_time.observe(c, b, y)
             t1 = self.clock()

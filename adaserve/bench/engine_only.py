@@ -61,7 +61,6 @@ from adaserve.engine.model.host_sync import BLOCKING, KINDS, HostSync
 from adaserve.engine.model.kv_cache import KVCacheConfig
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.request import Phase, Request
-from adaserve.engine.speculation.adaptive import speculation_floor
 from adaserve.engine.speculation.draft_steps import DraftSteps
 from adaserve.engine.speculation.sampling import SamplingParams
 
@@ -315,16 +314,13 @@ def count_crossings(eng: Engine, steps: int) -> dict[str, Any]:
 def served_config(target: ModelRunner, draft: ModelRunner, model: str) -> EngineConfig:
     """What ``build_engine`` gives a served engine of ``model``'s pair from its start-up profile (cost/profiler.py,
     cached per machine): the budget, both cost models and the tree bounds the profiled draft:target ratio allows."""
-    from adaserve.engine.build import adaptive_for
+    from adaserve.engine.build import with_profile
     from adaserve.engine.cost.profiler import profile_models
     from adaserve.engine.loading.catalog import resolve
 
     pair = resolve(model, progress=False)
-    prof = profile_models(target, draft, target_path=pair.target, draft_path=pair.draft, progress=False)
-    base = EngineConfig()
-    adaptive = adaptive_for(base.adaptive, prof.data)
-    return replace(base, budget=max(prof.budget, speculation_floor(adaptive)), target_cost=prof.target_cost,
-                   draft_cost=prof.draft_cost, adaptive=adaptive)
+    return with_profile(EngineConfig(), profile_models(target, draft, target_path=pair.target,
+                                                      draft_path=pair.draft, progress=False))
 
 
 def run_engine_only(target: ModelRunner, draft: ModelRunner, tokenizer: Any, cfg: EngineOnlyConfig, *,

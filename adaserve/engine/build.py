@@ -54,6 +54,15 @@ def adaptive_for(cfg: AdaptiveConfig, data: dict[str, Any], *, pinned: set[str] 
     return replace(tuned, **{k: getattr(cfg, k) for k in pinned})
 
 
+def with_profile(cfg: EngineConfig, prof: Profile, *, pinned: set[str] = frozenset()) -> EngineConfig:
+    """``cfg`` as a served engine runs it after profiling: the profile's budget and both cost models, and the tree
+    bounds its draft:target ratio allows (``adaptive_for``, the ``pinned`` fields kept)."""
+    adaptive = adaptive_for(cfg.adaptive, prof.data, pinned=pinned)
+    # deeper or wider trees than the defaults need a larger floor under B (adaptive.speculation_floor)
+    return replace(cfg, budget=max(prof.budget, speculation_floor(adaptive)), target_cost=prof.target_cost,
+                   draft_cost=prof.draft_cost, adaptive=adaptive)
+
+
 def kv_from_memory(models: Sequence[CausalLM], cfg: EngineConfig, fraction: float,
                    device: torch.device) -> KVCacheConfig:
     """The caches' size from what the device has left (model/kv_sizing.py): after the models are loaded and,
@@ -204,10 +213,7 @@ def build_engine(*, target: Path, draft: Path | None, extra_drafts: Sequence[Pat
         drf_path = draft if drf is not None else None
         prof = profile_models(tgt, drf, target_path=target, draft_path=drf_path, cfg=cfg.profiler,
                               force=force_profile, progress=progress)
-        adaptive = adaptive_for(cfg.adaptive, prof.data, pinned=set(bounds))
-        # deeper or wider trees than the defaults need a larger floor under B (adaptive.speculation_floor)
-        cfg = replace(cfg, budget=max(prof.budget, speculation_floor(adaptive)), target_cost=prof.target_cost,
-                      draft_cost=prof.draft_cost, adaptive=adaptive)
+        cfg = with_profile(cfg, prof, pinned=set(bounds))
     try:
         engine = Engine(tgt, [drf, *extra] if drf is not None and extra else drf, cfg)
     except ValueError as e:  # e.g. a draft selector pinning a draft there is not (spin@d2 with two drafts)

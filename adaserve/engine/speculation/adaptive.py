@@ -258,7 +258,7 @@ def draft_seconds(d: int, n: int, width: int, n_context: int, t_draft: Callable[
     levels); its logits pick level 1, and each later forward feeds a level's n * w nodes. A backlog (a new
     request's prompt, the tokens of plain iterations) is a one-off the rules leave out. Why l: pricing the first
     forward as a level (n * w, as the rules did) left out a chain's catch-up of 2-3 tokens a request; where a
-    forward's cost grows with its tokens from the first (a CPU), the served policy's draft forwards ran 1.5-1.7x its
+    forward's cost grows with its tokens from the first (a CPU), the served policy's draft forwards ran 1.6-1.9x its
     prediction at 32 requests, and it drafted where plain decoding was faster (docs/benchmarks.md, "Twenty-fourth
     round"). Where both cost the same (below a GPU's knee) the sum is ``d * step``, bit for bit. ``step``: the
     level's seconds, when the caller has them. 0 for d = 0 (plain decoding: no draft forward)."""
@@ -476,9 +476,11 @@ def goodput_depth(n: int, width: int, *, alpha: float, d_min: int, d_max: int, n
     ignores B, kept up with a load that collapsed adaserve (docs/benchmarks.md).
     """
     best_d, best = max(d_min, 1), -1.0
+    step = t_draft(n_context, n * width)  # one beam level: the same for every depth
     for d in range(max(d_min, 1), max(d_max, 1) + 1):
         emitted = expected_emitted(alpha, d)
-        cost = draft_seconds(d, n, width, n_context, t_draft, emitted) + t_target(n_context, n * (d + 1) + extra_tokens)
+        cost = draft_seconds(d, n, width, n_context, t_draft, emitted, step=step)
+        cost += t_target(n_context, n * (d + 1) + extra_tokens)
         cost += 0.0 if t_host is None else t_host(d, n)
         rate = n * emitted / max(cost, 1e-12)
         if rate > best:

@@ -56,7 +56,7 @@ from adaserve.engine.cost.cost_model import CostModel, fit_cost_model
 from adaserve.engine.cost.profile_cache import ProfileCache, ProfileKey
 from adaserve.engine.model.batch import Segment
 from adaserve.engine.model.kv_cache import SequenceKV
-from adaserve.engine.model.quant import served_kernels, served_weights
+from adaserve.engine.model.quant import served_attention, served_kernels, served_weights
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.speculation.adaptive import speculation_floor
@@ -373,6 +373,10 @@ def profile_models(target: ModelRunner, draft: ModelRunner | None, *, target_pat
         # and its costs are those of the kernels it runs on: torch's, or the integer kernels of one build (their
         # library's name hashes its sources, flags and compiler), so a kernel change measures afresh
         ident += ":kernels=" + "/".join(served_kernels(r.model) for r in (target, draft) if r is not None)
+    else:  # float: its forwards cost what its attention runs on, SDPA or the native kernels of one build
+        attention = [served_attention(r.model) for r in (target, draft) if r is not None]
+        if any(a != "sdpa" for a in attention):
+            ident += ":attention=" + "/".join(attention)
     if target.tensor_parallel_size > 1:  # a sharded target is another engine: its own B and cost model
         ident += f":tp={target.tensor_parallel_size}"
     knee = f"{cfg.knee.criterion}:{cfg.knee.max_elasticity}:{cfg.knee.eps}"

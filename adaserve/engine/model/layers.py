@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from adaserve.engine.model import native_kernels
 from adaserve.engine.model.attention.base import AttentionBackend
 from adaserve.engine.model.config import ModelConfig
 from adaserve.engine.model.device_timer import DeviceTimer
@@ -206,12 +207,18 @@ class CausalLM(nn.Module):
                     m.native = native
 
     def attention_kernels(self) -> NativeKernels | None:
-        """The integer kernels' attention for this model, decided once when a backend is made: served on them, in
-        float32, with a head size their ``attend`` takes; else None (SDPA)."""
-        native, dtype = self.native, self.lm_head.weight.dtype
-        if native is None or not native.can_attend(torch.empty(0, self.cfg.head_dim, dtype=dtype)):
+        """The native attention (native/attend.c) for this model, asked when a backend or a static grid is made:
+        on a CPU, in float32, with a head size ``attend`` takes, on the integer kernels the model is served on, or
+        for a float model wherever they build (``native_kernels.chosen``: ``ADASERVE_NATIVE_KERNELS=off`` keeps
+        SDPA); else None (SDPA). A float model attends with them because SDPA is row-invariant only by summing in
+        float64, over keys gathered into a padded grid: at 32 requests of a few hundred tokens that was most of a
+        forward on a CPU, and it followed the longest request's keys, not the batch's. attend.c reads each row's
+        keys from the cache by slot and is row-invariant by construction (docs/benchmarks.md, "Twenty-fifth
+        round")."""
+        weight = self.lm_head.weight
+        if not NativeKernels.attends(weight.dtype, weight.device, self.cfg.head_dim):
             return None
-        return native
+        return self.native or native_kernels.chosen()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *, backend: AttentionBackend,
                 cache: PagedKVCache, logits_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -105,9 +105,14 @@ class NativeKernels:
     @staticmethod
     def can_attend(q: torch.Tensor) -> bool:
         """Whether ``attend`` takes these query rows: float32 on the CPU, a head size that is a multiple of 8 up to
-        256 (a model's backends keep SDPA otherwise: CausalLM.attention_kernels, asked once)."""
-        d = q.shape[-1]
-        return q.dtype == torch.float32 and q.device.type == "cpu" and d % 8 == 0 and d <= 256
+        256 (a model's backends keep SDPA otherwise: CausalLM.attention_kernels)."""
+        return NativeKernels.attends(q.dtype, q.device, q.shape[-1])
+
+    @staticmethod
+    def attends(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+        """``can_attend`` for rows of this dtype, device and head size, without a tensor (a static forward asks for
+        its grid's attention every forward on a CPU: no op for it)."""
+        return dtype == torch.float32 and device.type == "cpu" and head_dim % 8 == 0 and head_dim <= 256
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_slots: torch.Tensor,
                mask: torch.Tensor | None, scale: float) -> torch.Tensor:

@@ -474,6 +474,15 @@ def served_kernels(model: nn.Module) -> str:
     return "torch" if native is None else native.path.stem
 
 
+def served_attention(model: nn.Module) -> str:
+    """The attention a CPU model's backends run: ``sdpa`` (torch's), or the native kernels' build (native/attend.c,
+    their library's name as in ``served_kernels``); ``CausalLM.attention_kernels`` decides. A model with no such
+    choice (not a CausalLM): ``sdpa``."""
+    pick = getattr(model, "attention_kernels", None)
+    native = pick() if callable(pick) else None
+    return "sdpa" if native is None else native.path.stem
+
+
 def served_description(model: nn.Module) -> str:
     """``float``, or the quantized kinds and the kernels they run on (a quantized model's answers depend on them:
     docs/models.md), e.g. ``int4+int8 on the integer kernels (cpu-kernels-...)``."""

@@ -50,10 +50,12 @@ def test_model_identity_changes_with_config(tmp_path: Path, target_dir: Path, dr
     assert model_identity(target_dir) == model_identity(target_dir)
 
 
-def test_a_quantized_model_on_other_kernels_is_profiled_afresh(tmp_path: Path, target_dir: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("weights", ["int4", "float"])
+def test_a_model_on_other_kernels_is_profiled_afresh(tmp_path: Path, target_dir: Path,
+                                                     monkeypatch: pytest.MonkeyPatch, weights: str) -> None:
     """Costs belong to the kernels measured: the same int4 model on torch's kernels and on the integer ones (or on
-    another build of them) keeps two profiles, never one read for the other."""
+    another build of them) keeps two profiles, never one read for the other; so does a float model attending with
+    torch's SDPA and with the kernels' attention (native/attend.c)."""
     from adaserve.engine.config import EngineConfig
     from adaserve.engine.loading.loader import load_model
     from adaserve.engine.model import native_kernels
@@ -65,7 +67,7 @@ def test_a_quantized_model_on_other_kernels_is_profiled_afresh(tmp_path: Path, t
 
     def profiled(mode: str) -> bool:
         monkeypatch.setenv(native_kernels.ENV, mode)
-        r = ModelRunner(load_model(target_dir, device=torch.device("cpu"), weights="int4"), EngineConfig())
+        r = ModelRunner(load_model(target_dir, device=torch.device("cpu"), weights=weights), EngineConfig())
         return profile_models(r, None, target_path=target_dir, draft_path=None, cfg=FAST, cache=cache,
                               progress=False, check=ANY_TABLE).cached
 

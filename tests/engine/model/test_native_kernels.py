@@ -269,6 +269,42 @@ def test_a_bfloat16_model_on_the_integer_kernels_attends_with_sdpa(target_dir: P
     assert torch.equal(logits(native=True), logits(native=False))
 
 
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_a_float32_model_on_a_cpu_attends_with_the_kernels_wherever_they_serve(
+        target_dir: Path, kernels: nk.NativeKernels, monkeypatch: pytest.MonkeyPatch, static_shapes: bool) -> None:
+    """A float model is not on the integer kernels, yet in float32 on a CPU it attends with attend.c where they serve
+    (``ADASERVE_NATIVE_KERNELS`` auto or on), on both paths, and with SDPA where they are off or the model is
+    bfloat16. Its logits stay SDPA's within float32
+    rounding: the same softmax over the same keys, summed in another order."""
+    from adaserve.engine.config import EngineConfig, KVCacheConfig
+    from adaserve.engine.loading.loader import load_model
+    from adaserve.engine.model.batch import Segment
+    from adaserve.engine.model.kv_cache import SequenceKV
+    from adaserve.engine.model.quant import served_attention, served_weights
+    from adaserve.engine.model.runner import ModelRunner
+    from adaserve.engine.model.tree import TokenTree
+
+    cfg = EngineConfig(attention="torch", kv=KVCacheConfig(page_size=4, num_pages=200), static_shapes=static_shapes)
+
+    def logits(mode: str, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ModelRunner]:
+        monkeypatch.setenv(nk.ENV, mode)
+        model = load_model(target_dir, device=torch.device("cpu"), dtype=dtype, weights="float")
+        assert served_weights(model) == "float" and model.native is None  # no integer layers
+        r = ModelRunner(model, cfg)
+        seq, prompt = SequenceKV(), list(range(2, 14))
+        r.forward([Segment(seq, 0, TokenTree.chain(prompt))], all_logits=[True])
+        return r.forward([Segment(seq, len(prompt), TokenTree.chain([7, 9, 4]))], all_logits=[True])[0], r
+
+    native, r = logits("auto")
+    assert r.model.attention_kernels() is kernels and r.backend.native is kernels
+    assert served_attention(r.model) == kernels.path.stem
+    sdpa, r = logits("off")
+    assert r.model.attention_kernels() is None and r.backend.native is None and served_attention(r.model) == "sdpa"
+    torch.testing.assert_close(native, sdpa, rtol=1e-4, atol=1e-4)  # the same attention, summed in another order
+    _, r = logits("on", torch.bfloat16)
+    assert r.model.attention_kernels() is None  # attend.c is float32 only
+
+
 def test_the_picks_refuse_what_their_pointers_would_misread(kernels: nk.NativeKernels) -> None:
     """beam_picks and first_argmax read raw pointers: another dtype, a strided view or a row count that does not
     match the bases is a clear error, not a misread buffer."""

@@ -40,7 +40,9 @@ def test_cpu_sdpa_without_mask_equals_all_true_and_additive_masks(seed: int) -> 
 
 def _decode_logits(target_dir: Path, mask: str, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, list[bool]]:
     """Logits of a prefill chunk beside nothing, then of one lone decode step; ``mask``: ``fast`` (as served),
-    ``additive`` (never the no-mask shortcut) or ``bool`` (the boolean mask straight to SDPA, as before)."""
+    ``additive`` (never the no-mask shortcut) or ``bool`` (the boolean mask straight to SDPA, as before). SDPA
+    serves a float model where the CPU kernels are off (else their attention: CausalLM.attention_kernels)."""
+    use_cpu_kernels("torch", monkeypatch)
     full: list[bool] = []
     fast = TorchAttention._mask
 

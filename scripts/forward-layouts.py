@@ -1,0 +1,120 @@
+"""What one forward costs by the batch's layout: how many sequences, how many new tokens each, how much context each
+(issue 30, docs/benchmarks.md "Twenty-fifth round").
+
+SmartSpec's cost model prices a forward by the batch's context tokens summed, ``alpha * N_ctx``. The profiler times
+probes of at most 8 sequences with equal contexts, so it cannot see a forward whose cost follows something else, such
+as the longest sequence's keys: torch's SDPA attends over a padded ``[g, Qmax, Kmax]`` grid. This script times a
+pair's target or draft over layouts that share a token count or a context sum and differ in the rest, and sets each
+beside the profile's prediction. ``ADASERVE_NATIVE_KERNELS=off`` gives SDPA; the default, where the CPU kernels
+build, native/attend.c (``CausalLM.attention_kernels``).
+
+A layout is ``SEQSxTOKENS@CONTEXT``, CONTEXT one number (every sequence the same) or ``LO-HI`` (spread evenly from LO
+to HI), e.g. ``32x1@200 32x1@100-300``. Prints JSON: per model and layout, the median and spread of ``--repeats``
+timed forwards (after ``--warmup``), N_ctx, and the start-up profile's prediction.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 python scripts/forward-layouts.py \\
+        --layouts 32x1@200 32x1@100-300 32x1@300 32x3@200 32x3@100-300 32x3@300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from adaserve.bench.engine_only import load_pair, served_config, source_version
+from adaserve.engine.model.batch import Segment
+from adaserve.engine.model.kv_cache import SequenceKV
+from adaserve.engine.model.quant import served_attention
+from adaserve.engine.model.runner import ModelRunner
+from adaserve.engine.model.tree import TokenTree
+
+LAYOUT = re.compile(r"^(\d+)x(\d+)@(\d+)(?:-(\d+))?$")
+
+
+def parse_layout(text: str) -> tuple[int, int, list[int]]:
+    """``SEQSxTOKENS@CONTEXT`` or ``...@LO-HI`` -> (sequences, new tokens each, each sequence's context)."""
+    m = LAYOUT.match(text)
+    if m is None:
+        raise ValueError(f"layout {text!r}: expected SEQSxTOKENS@CONTEXT or SEQSxTOKENS@LO-HI, e.g. 32x1@100-300")
+    n, per, lo = int(m[1]), int(m[2]), int(m[3])
+    hi = int(m[4]) if m[4] is not None else lo
+    if n < 1 or per < 1 or hi < lo:
+        raise ValueError(f"layout {text!r}: at least one sequence and one token each, and LO <= HI")
+    contexts = [lo + round((hi - lo) * i / (n - 1)) if n > 1 else lo for i in range(n)]
+    return n, per, contexts
+
+
+def time_layout(runner: ModelRunner, per: int, contexts: list[int], *, repeats: int, warmup: int) -> list[float]:
+    """Seconds of ``repeats`` forwards of ``len(contexts)`` sequences with ``per`` new tokens each over those
+    cached contexts (the profiler's probe, any layout); the cache is freed after."""
+    cache, seqs = runner.cache, [SequenceKV() for _ in contexts]
+    try:
+        for s, c in zip(seqs, contexts, strict=True):  # the prefix only needs to exist: its values do not matter
+            cache.ensure(s, c)
+            cache.truncate(s, c)
+        segs = [Segment(s, c, TokenTree.chain([1] * per)) for s, c in zip(seqs, contexts, strict=True)]
+        out = []
+        for i in range(warmup + repeats):
+            t0 = time.perf_counter()
+            runner.forward(segs, all_logits=[True] * len(segs))
+            if i >= warmup:
+                out.append(time.perf_counter() - t0)
+        return out
+    finally:
+        for s in seqs:
+            cache.release(s)
+
+
+def run(model: str, layouts: list[str], *, models: tuple[str, ...], repeats: int, warmup: int) -> dict[str, Any]:
+    parsed = [(text, *parse_layout(text)) for text in layouts]
+    target, draft, _ = load_pair(model, "cpu", 512)
+    served = served_config(target, draft, model)
+    runners = {"target": (target, served.target_cost), "draft": (draft, served.draft_cost)}
+    rows = []
+    for name in models:
+        runner, cost = runners[name]
+        for text, n, per, contexts in parsed:
+            xs = time_layout(runner, per, contexts, repeats=repeats, warmup=warmup)
+            med = statistics.median(xs)
+            predicted = None if cost is None else round(1e3 * cost.predict(sum(contexts), n * per), 3)
+            rows.append({"model": name, "layout": text, "sequences": n, "tokens": n * per, "n_context": sum(contexts),
+                         "longest_context": max(contexts), "ms": round(1e3 * med, 3),
+                         "spread": round((max(xs) - min(xs)) / med, 3),
+                         "predicted_ms": predicted})
+    return {"benchmark": "forward-layouts", "source": source_version(), "model": model,
+            "attention": {name: served_attention(runners[name][0].model) for name in models},
+            "torch_threads": torch.get_num_threads(), "repeats": repeats, "warmup": warmup, "forwards": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="demo-tiny")
+    ap.add_argument("--layouts", nargs="+", required=True, metavar="SEQSxTOKENS@CONTEXT")
+    ap.add_argument("--models", nargs="+", choices=("target", "draft"), default=["target", "draft"])
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    if min(args.repeats, args.threads) < 1 or args.warmup < 0:
+        ap.error("--repeats and --threads must be >= 1, --warmup >= 0")
+    torch.set_num_threads(args.threads)
+    try:
+        for text in args.layouts:
+            parse_layout(text)
+        report = run(args.model, args.layouts, models=tuple(args.models), repeats=args.repeats, warmup=args.warmup)
+    except ValueError as e:  # a bad layout, an unknown model, one without a draft
+        print(f"forward-layouts: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""scripts/forward-layouts.py: layouts parse to the sequences, tokens and contexts they name, a short run times each
+model over each layout beside the profile's prediction, and a bad layout is a CLI error (exit 2, no traceback)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.scripts.helpers import SCRIPTS, load_script
+
+
+def test_a_layout_names_its_sequences_tokens_and_contexts() -> None:
+    layouts = load_script("forward-layouts.py")
+    assert layouts.parse_layout("4x3@200") == (4, 3, [200, 200, 200, 200])
+    assert layouts.parse_layout("5x1@100-300") == (5, 1, [100, 150, 200, 250, 300])
+    assert layouts.parse_layout("1x2@10-30") == (1, 2, [10])
+    for bad in ("4x3", "0x1@5", "2x1@30-10", "ax1@5"):
+        with pytest.raises(ValueError, match="layout"):
+            layouts.parse_layout(bad)
+
+
+def test_a_short_run_times_each_model_over_each_layout() -> None:
+    layouts = load_script("forward-layouts.py")
+    report = layouts.run("demo-tiny", ["2x1@16", "2x2@8-24"], models=("target", "draft"), repeats=2, warmup=0)
+    rows = report["forwards"]
+    assert [(r["model"], r["layout"]) for r in rows] == [("target", "2x1@16"), ("target", "2x2@8-24"),
+                                                       ("draft", "2x1@16"), ("draft", "2x2@8-24")]
+    assert rows[1]["tokens"] == 4 and rows[1]["n_context"] == 32 and rows[1]["longest_context"] == 24
+    assert all(r["ms"] > 0 and r["predicted_ms"] > 0 and r["spread"] >= 0 for r in rows)
+    assert set(report["attention"]) == {"target", "draft"}
+
+
+def test_a_bad_layout_is_a_cli_error() -> None:
+    out = subprocess.run([sys.executable, str(SCRIPTS / "forward-layouts.py"), "--layouts", "32x1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "SEQSxTOKENS@CONTEXT" in out.stderr and "Traceback" not in out.stderr

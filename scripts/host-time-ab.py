@@ -8,7 +8,8 @@ decoding ``--requests`` requests with speculation (the microbench's ``spec`` mod
 torch thread, demo-tiny unless ``--model``), every tree pinned to ``--shape`` (the policy's own choice is still
 computed, then dropped: two engines left to choose would draft different mixes of shapes). They take turns on one
 CPU, ``--block`` iterations at a time: A, B, A, B, ... A block's figure is its milliseconds per iteration outside both
-models' forwards (timed by forward hooks); the pairs are each A block with the B block after it.
+models' forwards (timed by forward hooks; ``--measure forwards``: inside them, for a change to the forwards;
+``iteration``: the whole); the pairs are each A block with the B block after it.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 python scripts/host-time-ab.py BASE_DIR CAND_DIR
 
@@ -115,7 +116,8 @@ def worker(args: argparse.Namespace) -> None:
                 eng = fresh()
             before, t0 = inside[0], time.perf_counter()
             eng.step()
-            total += time.perf_counter() - t0 - (inside[0] - before)
+            spent, forwards = time.perf_counter() - t0, inside[0] - before
+            total += {"host": spent - forwards, "forwards": forwards, "iteration": spent}[args.measure]
         print(json.dumps({"ms": total / args.block * 1e3}), flush=True)
 
 
@@ -151,6 +153,9 @@ def main() -> None:
     ap.add_argument("--model", default="demo-tiny")
     ap.add_argument("--max-tokens", type=int, default=1800)
     ap.add_argument("--cpu", type=int, default=None, help="the CPU both workers run on (default: the first allowed)")
+    ap.add_argument("--measure", choices=("host", "forwards", "iteration"), default="host",
+                    help="each block's figure: ms per iteration outside both models' forwards (default), inside them, "
+                         "or the whole iteration")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if len(args.shape) != 2 or min(args.shape) < 1:
@@ -167,7 +172,7 @@ def main() -> None:
         ap.error("--blocks and --block must be >= 1")
     cpu = args.cpu if args.cpu is not None else min(os.sched_getaffinity(0))
     passed = [f"--block={args.block}", f"--requests={args.requests}", f"--shape={args.shape[0]},{args.shape[1]}",
-              f"--model={args.model}", f"--max-tokens={args.max_tokens}"]
+              f"--model={args.model}", f"--max-tokens={args.max_tokens}", f"--measure={args.measure}"]
     procs = []
     for d in (args.base, args.cand):
         env = {**os.environ, "PYTHONPATH": str(d.resolve())}
@@ -194,6 +199,7 @@ def main() -> None:
     report = {"benchmark": "host-time-ab", "base": str(args.base), "base_source": source(args.base),
               "candidate": str(args.cand), "candidate_source": source(args.cand), "cpu": cpu,
               "model": args.model, "requests": args.requests, "shape": f"{args.shape[0]},{args.shape[1]}",
+              "measure": args.measure,
               "block": args.block, **summarize(*blocks), "a_blocks_ms": blocks[0], "b_blocks_ms": blocks[1]}
     print(json.dumps(report, indent=2))
 

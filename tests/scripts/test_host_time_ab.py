@@ -44,14 +44,17 @@ def test_summarize_pairs_in_order_and_drops_ties_from_the_test(ab: types.ModuleT
     assert s["diff_median_share"] == pytest.approx(-0.75 / 2.0)
 
 
-def test_a_checkout_against_itself(tmp_path: Path) -> None:
-    """Two workers on one CPU, two blocks each: every block a positive figure, paired in order."""
+@pytest.mark.parametrize("measure", ["host", "forwards"])
+def test_a_checkout_against_itself(tmp_path: Path, measure: str) -> None:
+    """Two workers on one CPU, two blocks each: every block a positive figure, paired in order; the figure is the
+    host's time or the forwards' as asked."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, str(SCRIPT), str(ROOT), str(ROOT), "--blocks", "2", "--block", "2",
-                           "--max-tokens", "200"], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+                           "--max-tokens", "200", "--measure", measure],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
-    assert report["benchmark"] == "host-time-ab" and report["pairs"] == 2
+    assert report["benchmark"] == "host-time-ab" and report["pairs"] == 2 and report["measure"] == measure
     assert len(report["a_blocks_ms"]) == len(report["b_blocks_ms"]) == 2
     assert all(ms > 0 for ms in report["a_blocks_ms"] + report["b_blocks_ms"])
     assert report["shape"] == "4,2" and report["requests"] == 1

@@ -155,6 +155,9 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | N
         own_memory(model)
     elif device.type == "cuda":  # float on a GPU: q/k/v and gate/up joined, fewer kernels a forward (issue 30)
         model.fuse_projections()
+    else:  # float on a CPU: not joined (its weights stay views of the file's map: own_memory), but float32 norms on
+        # the CPU kernels where they build, as its attention is (CausalLM.use_native_kernels)
+        model.use_native_kernels()
     install_all_reduce(model, tp)
     model.tune_kernels()  # CPU: the fastest product per layer shape for a few rows (few_rows.py)
     return model.eval()

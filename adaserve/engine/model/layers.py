@@ -196,12 +196,17 @@ class CausalLM(nn.Module):
 
     def use_native_kernels(self) -> None:
         """Served on the integer kernels (quant.py, native_kernels.py): the norms use them too, and so does
-        attention (``self.native``, read by the CPU attention backends: native/attend.c). A model on torch's
-        kernels, or float, is left as it is."""
+        attention (``self.native``, read by the CPU attention backends: native/attend.c). A float32 model on a CPU
+        whose kernels build takes their norms as it takes their attention (``attention_kernels``): one call a norm,
+        not torch's composite, and a row's result one function of that row. A model on torch's kernels, or another
+        float dtype, is left as it is."""
         native = next((m.native for m in self.modules() if isinstance(m, QuantLinear) and m.native is not None),
                       None)
         if native is not None:
             self.native = native
+        elif not any(isinstance(m, QuantLinear) for m in self.modules()):
+            native = self.attention_kernels()
+        if native is not None:
             for m in self.modules():
                 if isinstance(m, RMSNorm):
                     m.native = native

@@ -272,10 +272,10 @@ def test_a_bfloat16_model_on_the_integer_kernels_attends_with_sdpa(target_dir: P
 @pytest.mark.parametrize("static_shapes", [False, True])
 def test_a_float32_model_on_a_cpu_attends_with_the_kernels_wherever_they_serve(
         target_dir: Path, kernels: nk.NativeKernels, monkeypatch: pytest.MonkeyPatch, static_shapes: bool) -> None:
-    """A float model is not on the integer kernels, yet in float32 on a CPU it attends with attend.c where they serve
-    (``ADASERVE_NATIVE_KERNELS`` auto or on), on both paths, and with SDPA where they are off or the model is
-    bfloat16. Its logits stay SDPA's within float32
-    rounding: the same softmax over the same keys, summed in another order."""
+    """A float model is not on the integer kernels, yet in float32 on a CPU it attends with attend.c (and normalises
+    with their norm) where they serve (``ADASERVE_NATIVE_KERNELS`` auto or on), on both paths, and with SDPA where they
+    are off or the model is bfloat16. Its logits stay SDPA's within float32 rounding: the same softmax over the same
+    keys, summed in another order."""
     from adaserve.engine.config import EngineConfig, KVCacheConfig
     from adaserve.engine.loading.loader import load_model
     from adaserve.engine.model.batch import Segment
@@ -297,9 +297,11 @@ def test_a_float32_model_on_a_cpu_attends_with_the_kernels_wherever_they_serve(
 
     native, r = logits("auto")
     assert r.model.attention_kernels() is kernels and r.backend.native is kernels
+    assert r.model.model.norm.native is kernels  # its norms too (CausalLM.use_native_kernels)
     assert served_attention(r.model) == kernels.path.stem
     sdpa, r = logits("off")
     assert r.model.attention_kernels() is None and r.backend.native is None and served_attention(r.model) == "sdpa"
+    assert r.model.model.norm.native is None
     torch.testing.assert_close(native, sdpa, rtol=1e-4, atol=1e-4)  # the same attention, summed in another order
     _, r = logits("on", torch.bfloat16)
     assert r.model.attention_kernels() is None  # attend.c is float32 only

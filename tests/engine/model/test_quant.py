@@ -150,8 +150,9 @@ def test_loader_weights_option_on_a_float_checkpoint(target_dir: Path, weights: 
         assert weight_bytes(model) < weight_bytes(load_model(target_dir, device=CPU)) / 3
         # on the integer kernels the norms use them too (layers.CausalLM.use_native_kernels)
         assert (model.model.norm.native is not None) == (cpu_kernels == "native")
-    else:
-        assert not isinstance(model.lm_head, QuantLinear) and model.model.norm.native is None
+    else:  # float32 on a CPU: not on the integer kernels, yet its norms (and attention) on their library
+        assert not isinstance(model.lm_head, QuantLinear) and model.native is None
+        assert (model.model.norm.native is not None) == (cpu_kernels == "native")
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

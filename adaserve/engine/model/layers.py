@@ -204,7 +204,7 @@ class CausalLM(nn.Module):
                       None)
         if native is not None:
             self.native = native
-        elif not any(isinstance(m, QuantLinear) for m in self.modules()):
+        elif not isinstance(self.lm_head, QuantLinear):  # float (a quantized model's head is int8: quant.py)
             native = self.attention_kernels()
         if native is not None:
             for m in self.modules():
@@ -223,7 +223,9 @@ class CausalLM(nn.Module):
         weight = self.lm_head.weight
         if not NativeKernels.attends(weight.dtype, weight.device, self.cfg.head_dim):
             return None
-        return self.native or native_kernels.chosen()
+        if self.native is not None or isinstance(self.lm_head, QuantLinear):  # quantized: the kernels it is on, or
+            return self.native  # SDPA on torch's (a quantized model's head is int8: quant.py)
+        return native_kernels.chosen()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *, backend: AttentionBackend,
                 cache: PagedKVCache, logits_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -274,8 +274,8 @@ def test_a_float32_model_on_a_cpu_attends_with_the_kernels_wherever_they_serve(
         target_dir: Path, kernels: nk.NativeKernels, monkeypatch: pytest.MonkeyPatch, static_shapes: bool) -> None:
     """A float model is not on the integer kernels, yet in float32 on a CPU it attends with attend.c (and normalises
     with their norm) where they serve (``ADASERVE_NATIVE_KERNELS`` auto or on), on both paths, and with SDPA where they
-    are off or the model is bfloat16. Its logits stay SDPA's within float32 rounding: the same softmax over the same
-    keys, summed in another order."""
+    are off, the model is bfloat16, or it is quantized on torch's kernels. Its logits stay SDPA's within float32
+    rounding: the same softmax over the same keys, summed in another order."""
     from adaserve.engine.config import EngineConfig, KVCacheConfig
     from adaserve.engine.loading.loader import load_model
     from adaserve.engine.model.batch import Segment
@@ -305,6 +305,10 @@ def test_a_float32_model_on_a_cpu_attends_with_the_kernels_wherever_they_serve(
     torch.testing.assert_close(native, sdpa, rtol=1e-4, atol=1e-4)  # the same attention, summed in another order
     _, r = logits("on", torch.bfloat16)
     assert r.model.attention_kernels() is None  # attend.c is float32 only
+    monkeypatch.setenv(nk.ENV, "off")
+    on_torch = load_model(target_dir, device=torch.device("cpu"), weights="int4")  # quantized, on torch's kernels
+    monkeypatch.setenv(nk.ENV, "on")
+    assert on_torch.native is None and on_torch.attention_kernels() is None  # its attention stays with its layers
 
 
 def test_the_picks_refuse_what_their_pointers_would_misread(kernels: nk.NativeKernels) -> None:

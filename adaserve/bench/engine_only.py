@@ -59,6 +59,7 @@ from adaserve.engine.engine import Engine
 from adaserve.engine.model import native_kernels
 from adaserve.engine.model.host_sync import BLOCKING, KINDS, HostSync
 from adaserve.engine.model.kv_cache import KVCacheConfig
+from adaserve.engine.model.quant import served_attention
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.request import Phase, Request
 from adaserve.engine.speculation.draft_steps import DraftSteps
@@ -439,6 +440,8 @@ def settings(target: ModelRunner, cfg: Any, *, model: str, device: str) -> dict[
             "host_cpu": host_cpu(), "allocator": allocator.in_use(), "d_max": ecfg.adaptive.d_max,
             "w_max": ecfg.adaptive.w_max,
             "budget_rule": ecfg.budget_rule, "attention": ecfg.attention,
+            # what the target's CPU attention ran: SDPA, or the kernels' attend.c (CausalLM.attention_kernels)
+            "attention_kernels": served_attention(target.model),
             # the CPU's kernels or the torch picks a GPU runs (``torch_picks``), as the timed iterations ran
             native_kernels.ENV: os.environ.get(native_kernels.ENV, "auto")}
 

@@ -170,12 +170,16 @@ def test_a_runner_names_the_captures_that_ran_out_of_memory(target_dir: Path, dr
 
 
 def test_the_report_says_which_picks_the_timed_iterations_took(demo: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU's kernels or the torch picks a GPU runs shape a CPU's figures: the settings record the switch."""
+    """The CPU's kernels or the torch picks a GPU runs shape a CPU's figures: the settings record the switch, and the
+    attention the float target takes with it (the kernels' attend.c where they build, else SDPA)."""
     cfg = EngineOnlyConfig(batches=(1,), modes=("spec",), steps=1, warmup_steps=0, repeats=1, kv_memory_mb=64)
     monkeypatch.delenv(native_kernels.ENV, raising=False)
-    assert settings(demo[0], cfg, model="demo-tiny", device="cpu")[native_kernels.ENV] == "auto"
+    got = settings(demo[0], cfg, model="demo-tiny", device="cpu")
+    lib = native_kernels.kernels()
+    assert got[native_kernels.ENV] == "auto" and got["attention_kernels"] == ("sdpa" if lib is None else lib.path.stem)
     monkeypatch.setenv(native_kernels.ENV, "off")
-    assert settings(demo[0], cfg, model="demo-tiny", device="cpu")[native_kernels.ENV] == "off"
+    got = settings(demo[0], cfg, model="demo-tiny", device="cpu")
+    assert got[native_kernels.ENV] == "off" and got["attention_kernels"] == "sdpa"
 
 
 def test_peer_race_on_the_demo_pair(demo: tuple) -> None:

@@ -39,11 +39,6 @@ from adaserve.engine.speculation.policies import TreeShape
 from adaserve.engine.speculation.sampling import SamplingParams
 
 
-def pending(r: Request) -> int:
-    """The tokens ``r``'s draft has not seen, the root last: what its next catch-up forward feeds."""
-    return len(r.prompt_ids) + len(r.output_ids) - r.draft_kv.length
-
-
 def run(model: str, requests: int, steps: int, warmup: int, host_cost: bool) -> dict[str, Any]:
     target, draft, tok = load_pair(model, "cpu", 512)
     cfg = replace(served_config(target, draft, model), policy=MODES["spec"], max_batch=max(64, requests),
@@ -78,11 +73,12 @@ def run(model: str, requests: int, steps: int, warmup: int, host_cost: bool) -> 
             if m.depth:
                 drafting = decoding
                 if shape_of is not None and shape_of.probe and len(decoding) > 1:  # one request drafts (Engine's)
-                    drafting = [min(decoding, key=pending)]
+                    drafting = [min(decoding, key=lambda r: r.draft_pending)]
                     shape += " probe"
                 n, d_ctx = len(drafting), sum(r.target_kv.length for r in drafting)
                 level = eng.draft_time.predict(d_ctx, n * m.width)
-                draft_pred = eng.draft_time.predict(d_ctx, sum(map(pending, drafting))) + (m.depth - 1) * level
+                catch_up = sum(r.draft_pending for r in drafting)
+                draft_pred = eng.draft_time.predict(d_ctx, catch_up) + (m.depth - 1) * level
                 as_levels = m.depth * level  # the price before the catch-up was priced: every forward a level
             rows[shape].append((clocks[0].seconds - t0, eng.target_time.predict(ctx, m.tokens_verified),
                                 clocks[1].seconds - d0, draft_pred, as_levels))

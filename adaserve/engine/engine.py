@@ -522,7 +522,7 @@ class Engine:
         # a plain streak's probe (TreeShape.probe): only the request with the fewest tokens for the draft to catch up
         # drafts; the others' trees are their roots, as in a plain iteration (several drafts: every request, their
         # rounds keep slots aligned across the batch)
-        drafting = ([min(decoding, key=lambda r: len(r.prompt_ids) + len(r.output_ids) - r.draft_kv.length)]
+        drafting = ([min(decoding, key=lambda r: r.draft_pending)]
                     if shape.probe and len(decoding) > 1 and self.pool is None else decoding)
         if self.pool is not None:  # several drafts: each request's own, one beam search per draft
             self.pool.assign(decoding, depth=shape.depth, width=shape.width)

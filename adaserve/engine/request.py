@@ -95,6 +95,11 @@ class Request:
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
+    @property
+    def draft_pending(self) -> int:
+        """The tokens this request's draft has not seen, the root last: what its next catch-up forward feeds."""
+        return len(self.prompt_ids) + len(self.output_ids) - self.draft_kv.length
+
     def ids_from(self, start: int) -> list[int]:
         """``all_ids[start:]`` without building ``all_ids``: O(len - start)."""
         n = len(self.prompt_ids)

@@ -1,9 +1,10 @@
 """What one forward costs by the batch's layout: how many sequences, how many new tokens each, how much context each
 (issue 30, docs/benchmarks.md "Twenty-fifth round").
 
-SmartSpec's cost model prices a forward by the batch's context tokens summed, ``alpha * N_ctx``. The profiler times
-probes of at most 8 sequences with equal contexts, so it cannot see a forward whose cost follows something else, such
-as the longest sequence's keys: torch's SDPA attends over a padded ``[g, Qmax, Kmax]`` grid. This script times a
+SmartSpec's cost model prices a forward by the batch's context tokens summed, ``alpha * N_ctx`` (and the attention
+cells, ``beta * per * N_ctx``). The profiler times probes of at most 8 sequences with equal contexts, so it cannot see
+a forward whose cost follows something else, such as the longest sequence's keys: torch's SDPA attends over a padded
+``[g, Qmax, Kmax]`` grid. This script times a
 pair's target or draft over layouts that share a token count or a context sum and differ in the rest, and sets each
 beside the profile's prediction. ``ADASERVE_NATIVE_KERNELS=off`` gives SDPA; the default, where the CPU kernels
 build, native/attend.c (``CausalLM.attention_kernels``).
@@ -83,7 +84,9 @@ def run(model: str, layouts: list[str], *, models: tuple[str, ...], repeats: int
         for text, n, per, contexts in parsed:
             xs = time_layout(runner, per, contexts, repeats=repeats, warmup=warmup)
             med = statistics.median(xs)
-            predicted = None if cost is None else round(1e3 * cost.predict(sum(contexts), n * per), 3)
+            # each of a sequence's ``per`` new tokens reads its context: per x N_ctx attention cells
+            predicted = (None if cost is None
+                         else round(1e3 * cost.predict(sum(contexts), n * per, per * sum(contexts)), 3))
             rows.append({"model": name, "layout": text, "sequences": n, "tokens": n * per, "n_context": sum(contexts),
                          "longest_context": max(contexts), "ms": round(1e3 * med, 3),
                          "spread": round((max(xs) - min(xs)) / med, 3),

@@ -76,12 +76,13 @@ def run(model: str, requests: int, steps: int, warmup: int, host_cost: bool) -> 
                     drafting = [min(decoding, key=lambda r: r.draft_pending)]
                     shape += " probe"
                 n, d_ctx = len(drafting), sum(r.target_kv.length for r in drafting)
-                level = eng.draft_time.predict(d_ctx, n * m.width)
+                price = eng.draft_time.for_batch(n)  # each request's context read by its share (the engine's price)
+                level = price(d_ctx, n * m.width)
                 catch_up = sum(r.draft_pending for r in drafting)
-                draft_pred = eng.draft_time.predict(d_ctx, catch_up) + (m.depth - 1) * level
+                draft_pred = price(d_ctx, catch_up) + (m.depth - 1) * level
                 as_levels = m.depth * level  # the price before the catch-up was priced: every forward a level
-            rows[shape].append((clocks[0].seconds - t0, eng.target_time.predict(ctx, m.tokens_verified),
-                                clocks[1].seconds - d0, draft_pred, as_levels))
+            verify_pred = eng.target_time.for_batch(len(decoding))(ctx, m.tokens_verified)
+            rows[shape].append((clocks[0].seconds - t0, verify_pred, clocks[1].seconds - d0, draft_pred, as_levels))
     finally:
         for c in clocks:
             c.remove()
@@ -103,7 +104,8 @@ def run(model: str, requests: int, steps: int, warmup: int, host_cost: bool) -> 
                            "draft_predicted_ms": ms([r[3] for r in rs]),
                            "draft_priced_as_levels_ms": ms([r[4] for r in rs])} for s, rs in sorted(rows.items())},
             "target_cost_model": online(eng.target_time), "draft_cost_model": online(eng.draft_time),
-            "draft_largest_forwards": [{"context": c, "new": b, "ms": round(1e3 * y, 3)} for c, b, y in biggest]}
+            "draft_largest_forwards": [{"context": c, "new": b, "cells": k, "ms": round(1e3 * y, 3)}
+                                       for c, b, y, k in biggest]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         for row in t["table"]:
             print(f"  n={row['n_tokens']:5d}  {row['latency_ms']:9.2f} ms  {row['tokens_per_s']:10.1f} tok/s")
         cm, fit = t["cost_model"], t["fit"]
-        print(f"  T_fwd = {cm['alpha']:.3g}*N_ctx + {cm['gamma']:.3g}*N_batched + {cm['delta']:.3g} s"
+        cells = f" + {cm['beta']:.3g}*N_cells" if cm.get("beta") else ""  # the attention cells, where fitted
+        print(f"  T_fwd = {cm['alpha']:.3g}*N_ctx{cells} + {cm['gamma']:.3g}*N_batched + {cm['delta']:.3g} s"
               f"  (mean rel. error {fit['mean_rel_error']:.1%})", file=sys.stdout)
     return 0

@@ -25,11 +25,13 @@ class _Part(BaseModel):
 
 
 class CostModel(_Part):
-    """One model's forward time in seconds: ``alpha * context tokens + gamma * batched tokens + delta``."""
+    """One model's forward time in seconds: ``alpha * context tokens + gamma * batched tokens + delta``, plus
+    ``beta * cells`` (each request's new tokens times its context tokens, summed; 0 where a worker leaves it out)."""
 
     alpha: float
     gamma: float
     delta: float
+    beta: float = 0.0
 
 
 class CostModels(_Part):

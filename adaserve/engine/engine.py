@@ -393,7 +393,8 @@ class Engine:
             self.pool.account(decoding, trees, [len(r.tokens) for r in decoded], depth=m.depth, width=m.width)
         if segments:
             n_ctx = sum(s.prefix_len for s in segments)
-            self.target_time.observe(n_ctx, sum(s.num_new for s in segments), t_fwd)
+            self.target_time.observe(n_ctx, sum(s.num_new for s in segments), t_fwd,
+                                     sum(s.num_new * s.prefix_len for s in segments))
         if proposed:
             self.policy.observe(m.tokens_accepted, proposed)
             self.policy.observe_paths(m.tokens_accepted, rejections)
@@ -453,12 +454,13 @@ class Engine:
             return cfg.prefill_chunk
         per_req, verify, host = recent_figures(list(itertools.islice(reversed(self.history), 16)), len(decoding))
         n_ctx = sum(r.target_kv.length for r in decoding)
+        predict_target = self.target_time.for_batch(len(decoding))
         prefilling = [PrefillTTFT(len(r.prompt_ids) - r.target_kv.length,
                                   ttft_left_s(r.metrics.arrival_s, r.ttft_slo_ms or cfg.prefill_ttft_ms, now))
                       for r in self.running if r.phase is Phase.PREFILL]
         return slo_prefill_chunk(
             slos, min_chunk=min(cfg.prefill_min_chunk, cfg.prefill_chunk), max_chunk=cfg.prefill_chunk,
-            tokens_per_iter=per_req, t_iter=lambda p: host + self.target_time.predict(n_ctx, round(verify) + p),
+            tokens_per_iter=per_req, t_iter=lambda p: host + predict_target(n_ctx, round(verify) + p),
             prefilling=prefilling)
 
     def _prefill_segments(self, m: StepMetrics) -> list[tuple[Request, Segment]]:
@@ -483,11 +485,12 @@ class Engine:
     def predict_iteration(self, shape: TreeShape | None, n: int, n_context: int, prefill_tokens: int = 0,
                           predict_draft: Callable[[int, int], float] | None = None) -> float:
         """Predicted seconds for an iteration: d draft forwards + one target forward over at most B tree
-        tokens plus the prefill chunks riding in the same forward."""
+        tokens plus the prefill chunks riding in the same forward (each request's context read by its share of
+        the tokens: ``OnlineCostModel.for_batch``)."""
         verify = min(self.cfg.budget, n * (1 if shape is None else shape.max_nodes))
-        t = self.target_time.predict(n_context, verify + prefill_tokens)
+        t = self.target_time.for_batch(n)(n_context, verify + prefill_tokens)
         if shape is not None:
-            t += shape.depth * (predict_draft or self.draft_time.predict)(n_context, n * max(1, shape.width))
+            t += shape.depth * (predict_draft or self.draft_time.for_batch(n))(n_context, n * max(1, shape.width))
         return t
 
     def _speculate_and_select(self, decoding: list[Request], m: StepMetrics, t_start: float) -> list[TokenTree]:
@@ -495,7 +498,10 @@ class Engine:
         if not decoding:
             return []
         n_ctx = sum(r.target_kv.length for r in decoding)
-        predict_draft = self.draft_time.predict if self.pool is None else self.pool.predict_draft(decoding)
+        # the shapes' prices: each request's context read by its share of a forward's tokens (timing.py)
+        predict_target = self.target_time.for_batch(len(decoding))
+        predict_draft = (self.draft_time.for_batch(len(decoding)) if self.pool is None
+                         else self.pool.predict_draft(decoding))
         # one draft's learnt sibling rates steer the width (several drafts: each has its own; Eq. 9 then)
         rates = self.acceptance.rank_rates if self.acceptance is not None and self.pool is None else None
         # A(r) = base + rate * t_iter per request, where the shape or the budget rule prices SLOs
@@ -506,7 +512,7 @@ class Engine:
         ratios = (np.array([recent_ratios(r.metrics.accepted_per_step, r.metrics.verified_per_step)
                             for r in decoding]).reshape(-1, 2) if slo_shaped else None)
         view = BatchView(n_active=len(decoding), n_context=n_ctx, budget=self.cfg.budget,
-                         predict_target=self.target_time.predict, predict_draft=predict_draft,
+                         predict_target=predict_target, predict_draft=predict_draft,
                          prefill_tokens=m.prefill_tokens, rank_rates=rates, slo_lines=lines, request_ratios=ratios,
                          predict_host=self.host_time.predict if self.cfg.host_cost else None)
         shape = self.policy.tree_shape(view)
@@ -534,9 +540,10 @@ class Engine:
             split = ForwardSplitter(self.clock)
             split.start()
             drafted = beam_search(self.draft, inputs, depth=shape.depth, width=shape.width,
-                                  expansion=shape.expansion, on_forward=lambda rec: split(rec.n_context, rec.n_new))
-            for c, b, y in split.finish():
-                self.draft_time.observe(c, b, y)
+                                  expansion=shape.expansion,
+                                  on_forward=lambda rec: split(rec.n_context, rec.n_new, rec.n_cells))
+            for c, b, y, k in split.finish():
+                self.draft_time.observe(c, b, y, k)
             t1 = self.clock()
         cands = (drafted if drafting is decoding
                  else [drafted[0] if r is drafting[0] else TokenTree.root(r.last_token) for r in decoding])
@@ -549,22 +556,22 @@ class Engine:
         values = drafted_values(scored) if reads_values and is_budgeted(self.policy) else None
         if self.cfg.budget_rule == "goodput" and is_budgeted(self.policy):
             budget = goodput_budget(scored, floor=budget, t_spent_s=t1 - t_start, values=values,
-                                    t_target=lambda k: self.target_time.predict(n_ctx, k + m.prefill_tokens))
+                                    t_target=lambda k: predict_target(n_ctx, k + m.prefill_tokens))
         elif slo_budgeted and lines is not None:
             budget = slo_budget(scored, base=lines[:, 0], rate=lines[:, 1],
                                 margin=np.where(lines[:, 1] > 0, self.cfg.slo_margin, 0.0), depth=shape.depth,
                                 n_max=self.cfg.n_max, order=self.cfg.slo_order, t_spent_s=t1 - t_start, values=values,
-                                t_target=lambda k: self.target_time.predict(n_ctx, k + m.prefill_tokens))
+                                t_target=lambda k: predict_target(n_ctx, k + m.prefill_tokens))
         m.budget = budget
         # A(r): this iteration's tokens land at t_start + t_iter, t_iter = the draft time already spent plus
         # the predicted verification (counting the draft's time once, not in a predicted whole iteration
         # on top of a clock read after it)
         verify = min(budget, sum(c.size for c in cands)) + m.prefill_tokens
-        t_iter = (t1 - t_start) + self.target_time.predict(n_ctx, verify)
+        t_iter = (t1 - t_start) + predict_target(n_ctx, verify)
         floor = 0.0
         if self.cfg.slo_floor == "price" and is_budgeted(self.policy):
             floor = token_price(scored, budget=budget, t_spent_s=t1 - t_start, values=values,
-                                t_target=lambda k: self.target_time.predict(n_ctx, k + m.prefill_tokens))
+                                t_target=lambda k: predict_target(n_ctx, k + m.prefill_tokens))
         ctx = SelectionContext(budget=budget, depth=shape.depth, now_s=t_start, t_iter_s=t_iter, min_value=floor)
         # A(r) (§5) plus the margin the SLO phase aims above it
         needs = [requirement(r, now_s=ctx.now_s, t_iter_s=ctx.t_iter_s, margin=self.cfg.slo_margin) for r in decoding]

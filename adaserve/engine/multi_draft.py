@@ -102,9 +102,9 @@ class DraftPool:
         if not decoding:
             shares[0] = 1.0
 
-        def predict(n_ctx: int, k: int) -> float:
-            return sum(t.predict(int(n_ctx * s), max(1, round(k * s))) for t, s in zip(self.times, shares, strict=True)
-                       if s > 0)
+        def predict(n_ctx: int, k: int) -> float:  # each request's context read by k / n of the tokens
+            return sum(t.predict(int(n_ctx * s), max(1, round(k * s)), n_ctx * s * k / n)
+                       for t, s in zip(self.times, shares, strict=True) if s > 0)
 
         return predict
 
@@ -195,9 +195,9 @@ class DraftPool:
             split = ForwardSplitter(self.clock)
             split.start()
             trees = beam_search(runner, inputs, depth=depth, width=width, expansion=expansion,
-                                on_forward=lambda rec, split=split: split(rec.n_context, rec.n_new))
-            for c, b, y in split.finish():
-                self.times[arm].observe(c, b, y)
+                                on_forward=lambda rec, split=split: split(rec.n_context, rec.n_new, rec.n_cells))
+            for c, b, y, k in split.finish():
+                self.times[arm].observe(c, b, y, k)
             for i, t in zip(idx, trees, strict=True):
                 out[i] = t
         return [t for t in out if t is not None]

@@ -45,9 +45,11 @@ TpotOf = Callable[[str], float | None]
 # ---- the prior: the analytic model of the published cost model -----------------------------------------
 
 
-def _cost(model: dict[str, float], n_context: int, n_batched: int) -> float:
-    # the worker's roofline fit: T = alpha * context + gamma * batched + delta (engine/cost/cost_model.py)
-    return model["alpha"] * n_context + model["gamma"] * n_batched + model["delta"]
+def _cost(model: dict[str, float], n_context: int, n_batched: int, n_sequences: int) -> float:
+    # the worker's roofline fit: T = alpha * context + gamma * batched + delta, with the attention cells' beta where
+    # published (engine/cost/cost_model.py), each request's context read by its share of the batched tokens
+    cells = n_context * n_batched / n_sequences
+    return model["alpha"] * n_context + model["gamma"] * n_batched + model["delta"] + model.get("beta", 0.0) * cells
 
 
 def iteration_s(w: WorkerView, n: int) -> float | None:
@@ -57,8 +59,8 @@ def iteration_s(w: WorkerView, n: int) -> float | None:
     n = max(1, n)
     ctx = round(n * (w.context_per_request or CONTEXT_TOKENS))
     if w.depth == 0 or w.draft_cost is None:  # no draft cost is depth 0 already; the 2nd test narrows the type
-        return _cost(w.target_cost, ctx, n)
-    return _cost(w.target_cost, ctx, max(w.budget, n)) + w.depth * _cost(w.draft_cost, ctx, n)
+        return _cost(w.target_cost, ctx, n, n)
+    return _cost(w.target_cost, ctx, max(w.budget, n), n) + w.depth * _cost(w.draft_cost, ctx, n, n)
 
 
 def accepted_per_request(a: float, k: float) -> float:

@@ -69,3 +69,14 @@ def test_cost_model_of_a_worker_without_draft() -> None:
                                              "draft": None}))
     assert reg is not None and reg.cost_model == CostModels.model_validate(
         {"source": "online", "target": {"alpha": 0.0, "gamma": 0.0, "delta": 0.1}})
+
+
+def test_a_cost_model_with_attention_cells_keeps_them_and_one_without_reads_zero() -> None:
+    cells = parse_registration(doc(cost_model={"source": "profile", "draft": None,
+                                               "target": {"alpha": 1e-6, "gamma": 1e-4, "delta": 0.004, "beta": 3e-7}}))
+    assert cells is not None and cells.cost_model is not None and cells.cost_model.target is not None
+    assert cells.cost_model.target.beta == 3e-7
+    assert cells.cost_model.target.model_dump()["beta"] == 3e-7  # what the gateway's view reads
+    old = parse_registration(doc(cost_model={"target": {"alpha": 1e-6, "gamma": 1e-4, "delta": 0.004}}))
+    assert old is not None and old.cost_model is not None and old.cost_model.target is not None
+    assert old.cost_model.target.beta == 0.0

@@ -92,8 +92,10 @@ def bounded(case: Any, *, valid: bool = False) -> None:
     if "max_tokens" not in body and "max_completion_tokens" not in body:
         body["max_tokens"] = MAX_TOKENS  # else the gateway's default, 64
     # ``valid`` (data generated as schema-valid): the generator reads the seed's exclusive bound 2**63 as a float
-    # and may offer 2**63 itself as valid (a precision artefact of the tool, not of the schema); put it inside
-    if valid and body.get("seed") == SEED_SPAN:
+    # and may offer as valid a whole number that rounds to it, 2**63 itself or 2**63 + 1 (a precision artefact of
+    # the tool, not of the schema); put it inside
+    seed = body.get("seed")
+    if valid and isinstance(seed, int) and seed >= SEED_SPAN and float(seed) == float(SEED_SPAN):
         body["seed"] = SEED_SPAN - 1
     for field in ("max_tokens", "max_completion_tokens"):
         v = body.get(field)

@@ -63,7 +63,8 @@ def test_health_profile_and_local_mode(worker: Service, client: httpx.Client) ->
     assert client.get("/readyz").json()["status"] == "ready"
     prof = client.get("/v1/profile").json()
     assert prof["budget"] == int(BUDGET) and prof["budget_source"] == "fixed"
-    assert set(prof["cost_model"]["target"]) == {"alpha", "gamma", "delta"}
+    # learnt online (a fixed budget): the attention cells' beta too, once its forwards separate it
+    assert {"alpha", "gamma", "delta"} <= set(prof["cost_model"]["target"]) <= {"alpha", "gamma", "delta", "beta"}
     assert prof["device"].startswith("cpu")
     assert "local mode" in worker.logs()
 

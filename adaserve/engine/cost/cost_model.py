@@ -1,4 +1,4 @@
-"""Fitting the forward-cost model ``T_fwd = alpha * N_context + gamma * N_batched + delta``
+"""Fitting the forward-cost model ``T_fwd = alpha * N_context + beta * N_cells + gamma * N_batched + delta``
 (+ ``gamma_above * max(0, N_batched - knee)`` past the roofline's knee).
 
 SmartSpec's model (section 4.3): alpha the KV-cache read per context token, gamma the compute per
@@ -6,6 +6,14 @@ batched token, delta the weight load. A forward is flat while weights dominate a
 compute does (the roofline's ridge), which one straight line cannot follow: fitted over 1-1024 tokens
 of a simulated A100 it over-predicted the knee's forward by 32% and under-predicted 512 tokens by 16%.
 Given the knee (the profiler's B), a hinge term bends the line there (0.3% mean error on that table).
+
+beta prices the attention cells, ``N_cells = sum_i new_i * context_i`` (each new token times the cached tokens its
+sequence holds), apart from alpha's context read. SmartSpec's alpha reads each sequence's cache once per forward, as
+a GPU's attention kernels do; a CPU's attention (native/attend.c) reads it once per new token, so a sequence with k
+new tokens costs k times its context. One token per sequence makes the two the same (``N_cells = N_context``), so
+the profiler's probes of several tokens a sequence are what separate them: without beta their attention went into
+alpha, and a CPU profile over-predicted 32 one-token rows over 512 tokens by a half (docs/benchmarks.md, "Twenty-sixth
+round"). Where the samples cannot tell the two apart, beta is 0 and the model is SmartSpec's.
 
 The profiler fits it at start-up with :func:`fit_cost_model`; the engine predicts each iteration's
 duration with it (A(r), SmartSpec's goodput), and workers publish it for the gateway's headroom
@@ -34,39 +42,45 @@ __all__ = ["CostModel", "FitReport", "fit_cost_model"]
 class CostModel:
     """SmartSpec's forward-time model, seconds. alpha: per context token (KV read), gamma: per batched
     token (compute), delta: fixed (weight load, launch); gamma_above: the extra slope per batched token
-    past ``knee`` (0: a straight line). All >= 0."""
+    past ``knee`` (0: a straight line); beta: per attention cell, a new token times its sequence's context
+    (0: SmartSpec's model). All >= 0."""
 
     alpha: float
     gamma: float
     delta: float
     gamma_above: float = 0.0
     knee: int = 0
+    beta: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "gamma", "delta", "gamma_above"):
+        for name in ("alpha", "gamma", "delta", "gamma_above", "beta"):
             v = getattr(self, name)
             if not is_real(v) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"CostModel.{name} must be a finite number >= 0, got {v!r}")
         if not is_int(self.knee) or self.knee < 0:
             raise ValueError(f"CostModel.knee must be an int >= 0, got {self.knee!r}")
 
-    def predict(self, n_context: int, n_batched: int) -> float:
-        """T_fwd in seconds for a forward reading n_context cached tokens and computing n_batched new ones."""
+    def predict(self, n_context: int, n_batched: int, n_cells: float | None = None) -> float:
+        """T_fwd in seconds for a forward reading n_context cached tokens and computing n_batched new ones;
+        ``n_cells``: sum over sequences of new tokens x context (None: ``n_context``, one new token a sequence)."""
         if n_context < 0 or n_batched < 0:
             raise ValueError(f"token counts must be >= 0, got n_context={n_context}, n_batched={n_batched}")
         over = n_batched - self.knee  # max(0, over) without the call (issue 30: a dozen predictions an iteration)
         return (self.alpha * n_context + self.gamma * n_batched + self.delta
-                + self.gamma_above * (over if over > 0 else 0))
+                + self.gamma_above * (over if over > 0 else 0)
+                + self.beta * (n_context if n_cells is None else n_cells))
 
     def scaled(self, k: float) -> CostModel:
         """Every term times k (the same shape, k times slower)."""
         return CostModel(alpha=k * self.alpha, gamma=k * self.gamma, delta=k * self.delta,
-                         gamma_above=k * self.gamma_above, knee=self.knee)
+                         gamma_above=k * self.gamma_above, knee=self.knee, beta=k * self.beta)
 
     def to_dict(self) -> dict[str, float]:
         d = {"alpha": float(self.alpha), "gamma": float(self.gamma), "delta": float(self.delta)}
         if self.gamma_above > 0:  # a straight line keeps the three keys every reader knows
             d |= {"gamma_above": float(self.gamma_above), "knee": int(self.knee)}
+        if self.beta > 0:  # and SmartSpec's model keeps them too
+            d["beta"] = float(self.beta)
         return d
 
     @classmethod
@@ -77,7 +91,7 @@ class CostModel:
         if missing:
             raise ValueError(f"CostModel.from_dict: missing keys {sorted(missing)}")
         return cls(alpha=d["alpha"], gamma=d["gamma"], delta=d["delta"],
-                   gamma_above=d.get("gamma_above", 0.0), knee=d.get("knee", 0))
+                   gamma_above=d.get("gamma_above", 0.0), knee=d.get("knee", 0), beta=d.get("beta", 0.0))
 
 
 @dataclass(frozen=True)
@@ -158,14 +172,15 @@ def _nnls_enumerated(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def fit_cost_model(
-    samples: Sequence[tuple[int, int, float]],
+    samples: Sequence[tuple[int, int, float] | tuple[int, int, float, float]],
     *,
     weighting: Literal["relative", "absolute"] = "relative",
     knee: int | None = None,
 ) -> tuple[CostModel, FitReport]:
-    """Fit (alpha, gamma, delta) >= 0 to (N_context, N_batched, seconds) samples by least squares.
+    """Fit (alpha, beta, gamma, delta) >= 0 to (N_context, N_batched, seconds[, N_cells]) samples by least squares.
 
-    Model: y_i ~ alpha * c_i + gamma * b_i + delta. Solved as non-negative least squares (a negative
+    Model: y_i ~ alpha * c_i + beta * k_i + gamma * b_i + delta, k_i the sample's attention cells (``c_i`` when a
+    sample leaves them out: one new token a sequence). Solved as non-negative least squares (a negative
     coefficient is non-physical, and would predict negative or shrinking times off the sampled range).
 
     weighting="relative" (default) minimises sum ((pred_i - y_i) / y_i)^2: timing noise is roughly
@@ -175,6 +190,7 @@ def fit_cost_model(
     Columns are scaled to unit max before solving (N_context ~ 1e5 next to 1, conditioning), which
     leaves the sign constraints unchanged. The samples must vary N_context and N_batched independently
     (design matrix of rank 3), otherwise alpha/gamma/delta are not identifiable and ValueError is raised.
+    beta is fitted only where the cells vary apart from those three columns (else it is 0).
 
     ``knee``: also fit ``gamma_above`` on the column max(0, b_i - knee), when at least two samples lie past
     the knee (else the line is straight). The hinge sits where the profiler found the roofline's knee;
@@ -185,26 +201,30 @@ def fit_cost_model(
     rows = list(samples)
     if len(rows) < 3:
         raise ValueError(f"fit_cost_model needs >= 3 samples, got {len(rows)}")
-    ctx, bat, y = [], [], []
+    ctx, bat, y, cells = [], [], [], []
     for row in rows:
-        try:
-            c, b, s = row
-        except (TypeError, ValueError):
-            raise ValueError(f"each sample must be (n_context, n_batched, seconds), got {row!r}") from None
+        if not isinstance(row, Sequence) or len(row) not in (3, 4):
+            raise ValueError(f"each sample must be (n_context, n_batched, seconds[, n_cells]), got {row!r}")
+        c, b, s = row[:3]
+        k = row[3] if len(row) == 4 else c
         if not (is_int(c) and is_int(b)) or c < 0 or b < 0:
             raise ValueError(f"n_context and n_batched must be ints >= 0, got {row!r}")
+        if not is_real(k) or not math.isfinite(k) or k < 0:
+            raise ValueError(f"n_cells must be a finite number >= 0, got {row!r}")
         if not is_real(s) or not math.isfinite(s) or s <= 0:
             raise ValueError(f"seconds must be a finite number > 0, got {row!r}")
         ctx.append(float(c))
         bat.append(float(b))
         y.append(float(s))
-    return fit_arrays(np.asarray(ctx), np.asarray(bat), np.asarray(y), weighting=weighting, knee=knee)
+        cells.append(float(k))
+    return fit_arrays(np.asarray(ctx), np.asarray(bat), np.asarray(y), cells=np.asarray(cells), weighting=weighting,
+                      knee=knee)
 
 
 DEGENERATE = "cost-model samples are degenerate: vary n_context and n_batched independently (rank-3 design)"
 
 
-def fit_model(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, *,
+def fit_model(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, *, cells: np.ndarray | None = None,
               weighting: Literal["relative", "absolute"] = "relative",
               knee: int | None = None) -> CostModel:
     """``fit_arrays``'s model without its report: what the online model refits its window with, with no Python pass
@@ -213,7 +233,12 @@ def fit_model(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, *,
         raise ValueError(f"weighting must be 'relative' or 'absolute', got {weighting!r}")
     if len(yv) < 3:
         raise ValueError(f"fit_cost_model needs >= 3 samples, got {len(yv)}")
+    # the design's columns: context, batched, 1, then the cells where they differ from the context anywhere
+    # (one new token a sequence makes them equal: nothing to tell beta from alpha), then the hinge
     design = np.column_stack([ctx, bat, np.ones_like(yv)])
+    with_cells = cells is not None and not np.array_equal(cells, ctx)
+    if with_cells:
+        design = np.column_stack([design, cells])
     hinge = np.maximum(0.0, bat - knee) if knee is not None and knee > 0 else None
     if hinge is not None and np.count_nonzero(hinge) >= 2:
         design = np.column_stack([design, hinge])
@@ -228,23 +253,23 @@ def fit_model(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, *,
     # of its own, ~0.15 ms of a refit's host time with cold caches)
     if rank < 3 or (rank < a.shape[1] and _rank(a[:, :3]) < 3):
         raise ValueError(DEGENERATE)
+    if with_cells and rank < a.shape[1] and _rank(a[:, :4]) < 4:
+        # the cells vary only along the other columns (every sample the same tokens a sequence, say): beta and
+        # alpha cannot be told apart, so the model is SmartSpec's, its context read priced at what the samples showed
+        return fit_model(ctx, bat, yv, cells=None, weighting=weighting, knee=knee)
     coef = np.maximum(x / scale, 0.0).tolist()  # exact zeros stay zeros; guards -0.0
+    beta = coef.pop(3) if with_cells else 0.0
     above = coef[3] if len(coef) > 3 else 0.0
     return CostModel(alpha=coef[0], gamma=coef[1], delta=coef[2],
-                     gamma_above=above, knee=int(knee) if above > 0 and knee is not None else 0)
+                     gamma_above=above, knee=int(knee) if above > 0 and knee is not None else 0, beta=beta)
 
 
-def fit_arrays(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, *,
+def fit_arrays(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, *, cells: np.ndarray | None = None,
                weighting: Literal["relative", "absolute"] = "relative",
                knee: int | None = None) -> tuple[CostModel, FitReport]:
     """``fit_cost_model`` on float64 columns a caller has already checked (counts >= 0, seconds finite > 0)."""
-    model = fit_model(ctx, bat, yv, weighting=weighting, knee=knee)
-    coef = [model.alpha, model.gamma, model.delta]
-    design = np.column_stack([ctx, bat, np.ones_like(yv)])
-    if model.gamma_above > 0:
-        design = np.column_stack([design, np.maximum(0.0, bat - model.knee)])
-        coef.append(model.gamma_above)
-    pred = design @ np.asarray(coef)
+    model = fit_model(ctx, bat, yv, cells=cells, weighting=weighting, knee=knee)
+    pred = predict_columns(model, ctx, bat, ctx if cells is None else cells)
     rel = np.abs(pred - yv) / yv
     ss_res = float(np.sum((pred - yv) ** 2))
     ss_tot = float(np.sum((yv - yv.mean()) ** 2))
@@ -255,3 +280,9 @@ def fit_arrays(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, *,
         n_samples=len(yv), mean_rel_error=float(rel.mean()), max_rel_error=float(rel.max()), r2=float(r2)
     )
     return model, report
+
+
+def predict_columns(model: CostModel, ctx: np.ndarray, bat: np.ndarray, cells: np.ndarray) -> np.ndarray:
+    """``model.predict(c_i, b_i, k_i)`` for every row at once, bit for bit (the same operations in the same order)."""
+    return (model.alpha * ctx + model.gamma * bat + model.delta + model.gamma_above * np.maximum(0.0, bat - model.knee)
+            + model.beta * cells)

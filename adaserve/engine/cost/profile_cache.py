@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ProfileCache", "ProfileKey"]
 
-_CACHE_FORMAT = 1
+# 2: the cost model's attention cells (beta): a profile fitted without them is measured again
+_CACHE_FORMAT = 2
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ gamma (per batched token) in
 
     T_fwd = alpha * N_context + gamma * N_batched + delta        (SmartSpec Eq. 7)
 
+and the probes of more tokens than requests separate the attention cells' beta * N_cells (cost_model.py).
+
 A start-up profile must not be able to cripple the engine, so the timing is defensive:
 
 - every probe is warmed up, then timed once per round for ``repeats`` rounds, each round in a fresh
@@ -211,8 +213,10 @@ def summarise_timings(timings: TimingsIn, *, context: int,
     """
     points = _roofline(timings[context])
     verdict = check_timings(timings, check)
-    # cost-model samples: b = min(n, 8) requests of c cached tokens each -> N_context = b * c
-    samples = [(min(p.n_tokens, 8) * c, p.n_tokens, p.latency_s) for c in sorted(timings)
+    # cost-model samples: b = min(n, 8) requests of c cached tokens each -> N_context = b * c, and each of the n
+    # tokens reads its request's c -> N_cells = n * c (the same as N_context up to 8 tokens: the larger probes
+    # separate beta from alpha, cost_model.py)
+    samples = [(min(p.n_tokens, 8) * c, p.n_tokens, p.latency_s, p.n_tokens * c) for c in sorted(timings)
                for p in _roofline(timings[c])]
     budget = choose_budget(points, knee)
     cost, report = fit_cost_model(samples, knee=budget)  # bent at the knee (cost_model.py)

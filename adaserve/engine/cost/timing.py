@@ -1,8 +1,8 @@
 """Predicting how long a forward takes: the profiled cost model, corrected by the forwards the engine times.
 
-SmartSpec's model ``T_fwd = alpha*N_context + gamma*N_batched + delta`` (cost_model.py) is what the
-start-up profiler fits. A profile can be wrong (measured while the machine was busy, or on a machine
-that has since become busier or quieter), and nothing would ever notice: so the engine hands every
+SmartSpec's model ``T_fwd = alpha*N_context + gamma*N_batched + delta`` (with the attention cells' beta*N_cells,
+cost_model.py) is what the start-up profiler fits. A profile can be wrong (measured while the machine was busy, or
+on a machine that has since become busier or quieter), and nothing would ever notice: so the engine hands every
 forward it times to :class:`OnlineCostModel`, which keeps the predictions honest (docs/architecture.md §8).
 Without a profile it refits from those forwards, starting from a flat guess, so A(r) and SmartSpec always
 have a number.
@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from adaserve.engine.cost.cost_model import CostModel, fit_model
+from adaserve.engine.cost.cost_model import CostModel, fit_model, predict_columns
 
 log = logging.getLogger(__name__)
 
-Sample = tuple[int, int, float]  # (n_context, n_batched, seconds)
+# (n_context, n_batched, seconds, n_cells); a sample without its cells has one new token a sequence (cells = context)
+Sample = tuple[int, int, float, float]
+SampleIn = Sample | tuple[int, int, float]
 
 
 def scaled(model: CostModel, k: float) -> CostModel:
@@ -30,26 +32,32 @@ def scaled(model: CostModel, k: float) -> CostModel:
     return model.scaled(k)
 
 
-def _columns(samples: Sequence[Sample] | np.ndarray) -> np.ndarray:
-    """The samples as one float64 ``[n, 3]`` array (context, batched, seconds); the counts are exact."""
-    return np.asarray(samples, np.float64).reshape(-1, 3)
+def _columns(samples: Sequence[SampleIn] | np.ndarray) -> np.ndarray:
+    """The samples as one float64 ``[n, 4]`` array (context, batched, seconds, cells); the counts are exact.
+    Samples of three columns get their context as their cells."""
+    a = np.asarray(samples, np.float64)
+    if a.size == 0:
+        return a.reshape(0, 4)
+    if a.ndim == 2 and a.shape[1] == 3:
+        a = np.column_stack([a, a[:, 0]])
+    return a.reshape(-1, 4)
 
 
-def predict_many(model: CostModel, samples: Sequence[Sample] | np.ndarray) -> np.ndarray:
-    """``model.predict(c_i, b_i)`` for every sample at once, bit for bit (the same operations in the same order)."""
+def predict_many(model: CostModel, samples: Sequence[SampleIn] | np.ndarray) -> np.ndarray:
+    """``model.predict(c_i, b_i, k_i)`` for every sample at once, bit for bit (the same operations in the same
+    order)."""
     a = _columns(samples)
-    c, b = a[:, 0], a[:, 1]
-    return model.alpha * c + model.gamma * b + model.delta + model.gamma_above * np.maximum(0.0, b - model.knee)
+    return predict_columns(model, a[:, 0], a[:, 1], a[:, 3])
 
 
-def median_ratio(model: CostModel, samples: Sequence[Sample] | np.ndarray) -> float | None:
+def median_ratio(model: CostModel, samples: Sequence[SampleIn] | np.ndarray) -> float | None:
     """median_i(y_i / T(c_i, b_i)): how much slower the forwards ran than ``model`` says (None: no usable sample)."""
     p, y = predict_many(model, samples), _columns(samples)[:, 2]
     ratios = y[p > 0] / p[p > 0]
     return float(np.median(ratios)) if len(ratios) else None
 
 
-def median_rel_error(model: CostModel, samples: Sequence[Sample] | np.ndarray) -> float:
+def median_rel_error(model: CostModel, samples: Sequence[SampleIn] | np.ndarray) -> float:
     """median_i |T(c_i, b_i) - y_i| / y_i: a few stalled forwards do not count, a persistent miss does."""
     y = _columns(samples)[:, 2]
     return float(np.median(np.abs(predict_many(model, samples) - y) / y))
@@ -58,7 +66,7 @@ def median_rel_error(model: CostModel, samples: Sequence[Sample] | np.ndarray) -
 class ForwardSplitter:
     """Times each of several consecutive forwards on one clock, each with its own token and context counts.
 
-    :meth:`start` before the first forward, :meth:`__call__` (n_context, n_new) right after each one,
+    :meth:`start` before the first forward, :meth:`__call__` (n_context, n_new, n_cells) right after each one,
     :meth:`finish` when the last one's caller is done: forward k's seconds run from the end of forward
     k-1 (or the start) to its own end, and the time after the last forward goes to the last one. So the
     samples add up to the whole span, and each forward carries the host work that prepared it (on a
@@ -80,17 +88,17 @@ class ForwardSplitter:
         self.samples = []
         self._last = self.clock()
 
-    def __call__(self, n_context: int, n_new: int) -> None:
+    def __call__(self, n_context: int, n_new: int, n_cells: float | None = None) -> None:
         now = self.clock()
-        self.samples.append((n_context, n_new, now - self._last))
+        self.samples.append((n_context, n_new, now - self._last, n_context if n_cells is None else n_cells))
         self._last = now
 
     def finish(self) -> list[Sample]:
         """The samples, the time since the last forward added to it."""
         now = self.clock()
         if self.samples:
-            c, b, y = self.samples[-1]
-            self.samples[-1] = (c, b, y + (now - self._last))
+            c, b, y, k = self.samples[-1]
+            self.samples[-1] = (c, b, y + (now - self._last), k)
         self._last = now
         return list(self.samples)
 
@@ -150,14 +158,25 @@ class OnlineCostModel:
         """'initial', 'scaled' (initial times :attr:`correction`) or 'refit'."""
         return self._source
 
-    def predict(self, n_context: int, n_batched: int) -> float:
+    def predict(self, n_context: int, n_batched: int, n_cells: float | None = None) -> float:
         # read a dozen times an iteration (issue 30): the clamps without a call each
-        return self.model.predict(n_context if n_context > 0 else 0, n_batched if n_batched > 0 else 0)
+        return self.model.predict(n_context if n_context > 0 else 0, n_batched if n_batched > 0 else 0,
+                                  None if n_cells is None else n_cells if n_cells > 0 else 0)
 
-    def observe(self, n_context: int, n_batched: int, seconds: float) -> None:
+    def for_batch(self, n_sequences: int) -> Callable[[int, int], float]:
+        """``predict`` for a batch of ``n_sequences`` whose new tokens spread evenly over them: each sequence's
+        context read by ``n_batched / n_sequences`` tokens, ``n_cells = n_context * n_batched / n_sequences``. What
+        the policies price shapes with: they know the batch's tokens and context, not each request's."""
+        n = n_sequences if n_sequences > 1 else 1
+        predict = self.predict
+        return lambda n_context, n_batched: predict(n_context, n_batched, n_context * n_batched / n)
+
+    def observe(self, n_context: int, n_batched: int, seconds: float, n_cells: float | None = None) -> None:
         if not math.isfinite(seconds) or seconds <= 0:
             return
-        self.samples.append((n_context if n_context > 0 else 0, n_batched if n_batched > 0 else 0, seconds))
+        c = n_context if n_context > 0 else 0
+        self.samples.append((c, n_batched if n_batched > 0 else 0, seconds,
+                             c if n_cells is None else n_cells if n_cells > 0 else 0))
         while len(self.samples) > self.window:
             self.samples.popleft()
         self._since_fit += 1
@@ -191,7 +210,8 @@ class OnlineCostModel:
         try:
             # keep the profile's knee: forwards served rarely span it, the profiler's grid did; ``observe``
             # has checked every sample, so the columns go in as they are, with no fit report (cost_model.fit_model)
-            model = fit_model(samples[:, 0], samples[:, 1], samples[:, 2], knee=self.initial.knee or None)
+            model = fit_model(samples[:, 0], samples[:, 1], samples[:, 2], cells=samples[:, 3],
+                              knee=self.initial.knee or None)
         except ValueError:  # not enough variation in the samples yet to separate the terms
             return None
         return model

@@ -109,6 +109,9 @@ class BeamLevels:
                                   len(self.seqs))
         # the reductions' C forms (ufuncs), not the methods' Python layer (issue 30: planned once an iteration)
         self.context = int(np.add.reduce(self.prefix))  # the committed keys all requests' roots see
+        # the catch-up's attention cells: each pending token times its sequence's committed keys (cost_model.py)
+        self._catch_up_cells = 0 if pending is None else sum(w * s.length for s, w in zip(self.seqs, waiting,
+                                                                                           strict=True))
         self._longest = int(np.maximum.reduce(self.prefix))  # the longest root's key index
         self.pending = None if pending is None else [list(p) for p in pending]
         self.ends = list(itertools.accumulate(self.sizes))  # tree size after each level (Python ints)
@@ -461,7 +464,8 @@ class BeamLevels:
         """Tell the runner's listeners about level ``level``'s forward, begun at ``perf_counter()`` ``t0`` (as
         ``forward`` does, for a caller that ran the level itself)."""
         n, a, c = len(self.seqs), self.sizes[level], self.ends[level - 1]
-        self.runner.record(n_new=n * a, n_context=self.context + n * c, t0=t0)
+        # a node per request reads its root's keys and the c tree nodes before the level: a * N_context cells
+        self.runner.record(n_new=n * a, n_context=self.context + n * c, n_cells=a * (self.context + n * c), t0=t0)
 
     def _host_mask(self, level: int, ancestors: torch.Tensor | None) -> torch.Tensor:
         """Level ``level``'s host mask with its tree cells filled from ``ancestors`` ([1, S, S] on the CPU): the bits
@@ -504,7 +508,8 @@ class BeamLevels:
             logits = runner.model(get("0.ids"), get("0.positions"), backend=backend, cache=runner.cache,
                                   logits_rows=rows)
         n_new = sum(map(len, self.pending))
-        runner.record(n_new=n_new, n_context=self.context + len(self.seqs) - n_new, t0=t0)
+        runner.record(n_new=n_new, n_context=self.context + len(self.seqs) - n_new, n_cells=self._catch_up_cells,
+                      t0=t0)
         return logits
 
     def forward(self, level: int, ids: torch.Tensor, ancestors: torch.Tensor | None) -> torch.Tensor:

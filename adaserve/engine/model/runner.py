@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
@@ -23,6 +24,7 @@ class ForwardRecord(NamedTuple):
     n_new: int  # tokens computed
     n_context: int  # cached tokens they attended to (every segment's prefix and cached tree nodes)
     wall_s: float  # host time the call took (no device sync: exact on CPU only)
+    n_cells: int  # each segment's new tokens times its cached tokens, summed (the attention cells, cost_model.py)
 
 
 def joined_rows(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -132,6 +134,9 @@ class ModelRunner:
             self.cache.ensure(s.seq, s.kv_len)
         counts = [s.tree.size - s.num_cached for s in segments]  # each segment's new tokens
         total = sum(counts)
+        cached = [s.prefix_len + s.num_cached for s in segments]
+        n_context = sum(cached)
+        n_cells = sum(map(operator.mul, counts, cached))
         if all(all_logits):
             rows = list(range(total))
         else:  # a segment without all_logits gives its last row only
@@ -142,13 +147,13 @@ class ModelRunner:
             rows = (np.arange(int(counts_np.sum())) + np.repeat(ends - counts_np - starts, counts_np)).tolist()
             counts = counts_np.tolist()
         logits = self.compute(segments, rows, on_device)
-        self.record(n_new=total, n_context=sum(s.prefix_len + s.num_cached for s in segments), t0=t0)
+        self.record(n_new=total, n_context=n_context, n_cells=n_cells, t0=t0)
         return logits, counts
 
-    def record(self, *, n_new: int, n_context: int, t0: float) -> None:
+    def record(self, *, n_new: int, n_context: int, n_cells: int, t0: float) -> None:
         """Tell the listeners about a forward that began at ``perf_counter()`` ``t0`` and has just returned
         (``forward`` and a beam level's forward, levels.py)."""
-        rec = ForwardRecord(n_new=n_new, n_context=n_context, wall_s=time.perf_counter() - t0)
+        rec = ForwardRecord(n_new=n_new, n_context=n_context, wall_s=time.perf_counter() - t0, n_cells=n_cells)
         self.last_forward = rec
         for listener in self.forward_listeners:
             listener(rec)

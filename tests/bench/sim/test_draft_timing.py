@@ -17,7 +17,7 @@ from adaserve.bench.sim.clock import SimClock, run_simulated
 from adaserve.bench.sim.device_model import load_profile_file
 from adaserve.bench.sim.profile import costs_of, simulated_profile
 from adaserve.engine.config import EngineConfig
-from adaserve.engine.cost.timing import Sample, median_ratio
+from adaserve.engine.cost.timing import SampleIn, median_ratio
 from adaserve.engine.engine import Engine, StepMetrics
 from adaserve.engine.model.runner import ForwardRecord
 from adaserve.engine.request import Request
@@ -49,14 +49,15 @@ def test_draft_correction_stays_near_one_on_the_simulated_device(target_dir: Pat
     assert len(observed) >= 3 * eng.draft_time.min_samples  # enough forwards for the correction to act
     # every sample is one forward at the device's price for its own counts (a simulated clock has no host time)
     priced = [(f.n_context, f.n_new, device.draft.seconds(f.n_new, f.n_context)) for f in forwards]
-    assert [(c, b) for c, b, _ in observed] == [(c, b) for c, b, _ in priced[-len(observed):]]
-    assert [y for _, _, y in observed] == pytest.approx([y for _, _, y in priced[-len(observed):]])
+    assert [(c, b) for c, b, _, _ in observed] == [(c, b) for c, b, _ in priced[-len(observed):]]
+    assert [y for _, _, y, _ in observed] == pytest.approx([y for _, _, y in priced[-len(observed):]])
+    assert [k for *_, k in observed] == [f.n_cells for f in forwards[-len(observed):]]  # and each forward's cells
     k = median_ratio(draft_cost, observed)
     assert k is not None and abs(k - 1) < 0.1
     assert eng.draft_time.source == "initial" and eng.draft_time.correction == 1.0
     # the old attribution on the iterations whose first forward drafted a prompt (past the draft's knee):
     # the span over the depth, as n * w tokens each, read the draft as dearer than its profile
-    old: list[Sample] = []
+    old: list[SampleIn] = []
     for first, m in steps:
         if m.depth and forwards[first].n_new > 256:
             f = forwards[first]

@@ -208,3 +208,56 @@ def test_a_bent_model_scales_and_round_trips_and_a_straight_one_keeps_three_keys
         CostModel(alpha=0.0, gamma=0.0, delta=0.0, gamma_above=-1.0, knee=4)
     with pytest.raises(ValueError):
         CostModel(alpha=0.0, gamma=0.0, delta=0.0, knee=-1)
+
+
+# ---- the attention cells: a CPU reads each sequence's keys once per new token -------------------------------
+
+BETA = 3.0e-7  # s per attention cell (a new token times its sequence's context)
+
+
+def probe_samples(beta: float = BETA) -> list[tuple[int, int, float, int]]:
+    """The profiler's probes: n tokens over min(n, 8) sequences of c cached tokens each, priced by a model with
+    cells: N_context = min(n, 8) * c, N_cells = n * c."""
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    return [(min(n, 8) * c, n, ALPHA * min(n, 8) * c + beta * n * c + GAMMA * n + DELTA, n * c)
+            for c in (64, 256) for n in sizes]
+
+
+def test_the_profilers_probes_separate_the_cells_from_the_context_read():
+    model, rep = fit_cost_model(probe_samples())
+    assert (model.alpha, model.beta, model.gamma, model.delta) == (
+        pytest.approx(ALPHA, rel=1e-6), pytest.approx(BETA, rel=1e-6), pytest.approx(GAMMA, rel=1e-6),
+        pytest.approx(DELTA, rel=1e-6))
+    assert rep.max_rel_error < 1e-6
+    # 32 one-token rows over 512 cached tokens each: one new token a sequence, so the cells are the context
+    truth = ALPHA * 32 * 512 + BETA * 32 * 512 + GAMMA * 32 + DELTA
+    assert model.predict(32 * 512, 32) == pytest.approx(truth, rel=1e-6)
+    # SmartSpec's model on the same probes puts the large probes' cells into alpha: 32 such rows over-predicted
+    smartspec, _ = fit_cost_model([(c, n, y) for c, n, y, _ in probe_samples()])
+    assert smartspec.beta == 0.0
+    assert smartspec.predict(32 * 512, 32) > 1.2 * truth
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_cells_that_follow_the_context_leave_smartspecs_model(rows: int):
+    """One new token a sequence (cells = context), or the same number in every sample (cells = rows x context):
+    nothing tells beta from alpha, so beta is 0 and the fit is SmartSpec's on the context alone."""
+    samples = synth_samples(np.random.default_rng(4), 30, 0.01)
+    with_cells, _ = fit_cost_model([(c, b, y, rows * c) for c, b, y in samples])
+    without, _ = fit_cost_model(samples)
+    assert with_cells.beta == 0.0
+    assert with_cells == without
+
+
+def test_a_model_with_cells_predicts_scales_and_round_trips():
+    m = CostModel(alpha=ALPHA, gamma=GAMMA, delta=DELTA, beta=BETA)
+    assert m.predict(1000, 8, 4000) == pytest.approx(ALPHA * 1000 + GAMMA * 8 + DELTA + BETA * 4000)
+    assert m.predict(1000, 8) == pytest.approx(m.predict(1000, 8, 1000))  # default: one new token a sequence
+    assert m.scaled(2.0).predict(100, 30, 900) == pytest.approx(2.0 * m.predict(100, 30, 900))
+    assert m.to_dict()["beta"] == BETA
+    assert CostModel.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    with pytest.raises(ValueError):
+        CostModel(alpha=0.0, gamma=0.0, delta=0.0, beta=-1.0)
+    for bad in (-1, math.nan, "9"):
+        with pytest.raises(ValueError):
+            fit_cost_model([(0, 1, 1.0, 0), (1, 2, 1.0, 2), (2, 5, 1.0, bad)])

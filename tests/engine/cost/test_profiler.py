@@ -89,7 +89,7 @@ def test_profile_cli(tmp_path: Path, target_dir: Path, as_json: bool) -> None:
         data = json.loads(res.stdout)
         assert data["target"]["budget"] in [1, 2, 4, 8, 16]
         keys = set(data["target"]["cost_model"])
-        assert {"alpha", "gamma", "delta"} <= keys <= {"alpha", "gamma", "delta", "gamma_above", "knee"}
+        assert {"alpha", "gamma", "delta"} <= keys <= {"alpha", "gamma", "delta", "gamma_above", "knee", "beta"}
         assert "mean_rel_error" in data["target"]["fit"]
         assert data["profiling_seconds"] > 0
     else:

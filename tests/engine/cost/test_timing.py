@@ -134,12 +134,12 @@ def test_forward_splitter_gives_each_forward_its_own_time_and_counts():
     split.start()
     for ctx, new, secs in [(300, 40, 0.009), (340, 8, 0.002), (348, 8, 0.002)]:  # catch-up, then two beam steps
         now[0] += secs
-        split(ctx, new)
+        split(ctx, new, None if new == 40 else 2 * ctx)  # the catch-up's cells left out: its context, one a token
     now[0] += 0.0005  # host work after the last forward (the last level's expansion)
     samples = split.finish()
-    assert [(c, b) for c, b, _ in samples] == [(300, 40), (340, 8), (348, 8)]
-    assert [y for _, _, y in samples] == pytest.approx([0.009, 0.002, 0.0025])
-    assert sum(y for _, _, y in samples) == pytest.approx(now[0] - 10.0)  # the span, nothing lost
+    assert [(c, b, k) for c, b, _, k in samples] == [(300, 40, 300), (340, 8, 680), (348, 8, 696)]
+    assert [y for _, _, y, _ in samples] == pytest.approx([0.009, 0.002, 0.0025])
+    assert sum(y for _, _, y, _ in samples) == pytest.approx(now[0] - 10.0)  # the span, nothing lost
     split.start()  # a new search starts empty
     assert split.finish() == []
 
@@ -148,9 +148,14 @@ def test_vectorised_predictions_are_the_models_own_bit_for_bit():
     """median_ratio and median_rel_error predict the whole window at once (issue 30): the same numbers."""
     rng = np.random.default_rng(8)
     samples = forwards(rng, 300)
-    for model in (TRUE, CostModel(3e-6, 1e-4, 2e-3, gamma_above=5e-4, knee=12), CostModel(0.0, 0.0, 0.0)):
+    models = (TRUE, CostModel(3e-6, 1e-4, 2e-3, gamma_above=5e-4, knee=12), CostModel(0.0, 0.0, 0.0),
+              CostModel(1e-6, 1e-4, 2e-3, gamma_above=5e-4, knee=12, beta=4e-7))
+    for model in models:
         want = [model.predict(c, b) for c, b, _ in samples]
         assert predict_many(model, samples).tolist() == want
+        # with each sample's cells (here three tokens' worth of context) as the fourth column
+        with_cells = [(c, b, y, 3 * c) for c, b, y in samples]
+        assert predict_many(model, with_cells).tolist() == [model.predict(c, b, k) for c, b, _, k in with_cells]
         ratios = [y / p for (_, _, y), p in zip(samples, want, strict=True) if p > 0]
         assert median_ratio(model, samples) == (float(np.median(ratios)) if ratios else None)
         if model.delta > 0:
@@ -234,3 +239,23 @@ def test_checks_between_refits_change_nothing_and_unprofiled_ones_read_no_window
         assert len(calls) == checks
     else:
         assert all(calls) and 0 < len(calls) < checks  # only the due ones, and some were not
+
+
+def test_an_online_refit_learns_the_attention_cells_and_prices_a_batch_by_its_share():
+    """Forwards whose attention reads each sequence's keys once per new token (a CPU's): the window's cells separate
+    beta from alpha, and ``for_batch`` prices n requests sharing the tokens evenly as such a forward costs."""
+    true = CostModel(alpha=1e-6, gamma=1.2e-4, delta=4e-3, beta=3e-7)
+    rng = np.random.default_rng(11)
+    m = OnlineCostModel(CostModel(0.0, 0.0, 0.02))
+    for _ in range(96):
+        r, per = int(rng.integers(1, 33)), int(rng.integers(1, 7))
+        contexts = rng.integers(50, 801, r)
+        c, cells = int(contexts.sum()), int(per * contexts.sum())
+        m.observe(c, r * per, true.predict(c, r * per, cells), cells)
+    assert m.source == "refit" and m.model.beta == pytest.approx(true.beta, rel=1e-6)
+    price = m.for_batch(8)
+    assert price(8 * 300, 8 * 3) == pytest.approx(true.predict(2400, 24, 3 * 2400), rel=1e-6)
+    assert m.for_batch(0)(500, 4) == pytest.approx(true.predict(500, 4, 2000), rel=1e-6)  # no requests: one
+    # a sample without cells has one new token a sequence
+    m.observe(1000, 10, 0.01)
+    assert m.samples[-1] == (1000, 10, 0.01, 1000)

@@ -1,10 +1,16 @@
-"""ModelRunner's helpers: the per-segment logits joined back without a copy (issue 30)."""
+"""ModelRunner's helpers: the per-segment logits joined back without a copy (issue 30); what a forward reports."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from adaserve.engine.model.runner import joined_rows
+from adaserve.engine.model.batch import Segment
+from adaserve.engine.model.kv_cache import SequenceKV
+from adaserve.engine.model.runner import ForwardRecord, joined_rows
+from adaserve.engine.model.tree import TokenTree
+from tests.engine.helpers import runner
 
 
 def test_consecutive_blocks_join_as_a_view() -> None:
@@ -25,3 +31,19 @@ def test_other_blocks_are_copied_in_order() -> None:
         assert joined.data_ptr() != a.data_ptr()  # a copy: a view would read the wrong rows
     strided = torch.randn(5, 2).t()  # [2, 5], not contiguous
     assert torch.equal(joined_rows([strided, a]), torch.cat([strided, a]))
+
+
+def test_a_forward_reports_its_tokens_context_and_attention_cells(target_dir: Path) -> None:
+    """What the cost model is fitted on (cost_model.py): a prompt chunk of 6 over 4 cached tokens and a tree of 3 new
+    nodes (2 cached) over 9: 9 new tokens, 4 + 11 context, 6 x 4 + 3 x 11 cells."""
+    r = runner(target_dir)
+    a, b = SequenceKV(), SequenceKV()
+    r.forward([Segment(a, 0, TokenTree.chain([5, 6, 7, 8])), Segment(b, 0, TokenTree.chain(list(range(2, 11))))],
+              all_logits=[False, False])
+    tree = TokenTree.chain([3, 4, 5, 6, 7])
+    r.forward([Segment(b, 9, tree.subtree(range(2)))], all_logits=[True])
+    records: list[ForwardRecord] = []
+    r.forward_listeners.append(records.append)
+    r.forward([Segment(a, 4, TokenTree.chain([9, 9, 9, 9, 9, 9])), Segment(b, 9, tree, num_cached=2)],
+              all_logits=[False, True])
+    assert [(x.n_new, x.n_context, x.n_cells) for x in records] == [(9, 15, 6 * 4 + 3 * 11)]

@@ -147,6 +147,18 @@ def test_a_gpus_search_reports_every_level_after_its_one_replay(draft: ModelRunn
     assert [r.n_new for r in records] == [4, 6, 6, 6]  # the catch-up's pending tokens, then 3 requests x 2 a level
 
 
+def test_each_draft_forward_reports_its_context_and_attention_cells(draft: ModelRunner) -> None:
+    """What the cost model is fitted on (timing.py): the catch-up's pending tokens each read their sequence's committed
+    keys (3, 1, 9: 1 x 3 + 2 x 1 + 1 x 9 cells); a level's 2 nodes a request each read their root's keys and the tree
+    nodes before the level (the roots' keys: 3, 2 and 9, so 14, plus 1, 3, 5 nodes a request)."""
+    inputs = contexts(draft, [[5, 6, 7], [8], [3] * 9], [[9], [10, 11], [4]])
+    records: list[Any] = []
+    draft.forward_listeners.append(records.append)
+    beam_search(draft, inputs, depth=4, width=2)
+    assert [(r.n_new, r.n_context, r.n_cells) for r in records] == [(4, 13, 14), (6, 17, 34), (6, 23, 46),
+                                                                      (6, 29, 58)]
+
+
 def test_the_switch_keeps_the_levels_loop(draft: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     """``ADASERVE_DRAFT_STEPS=off`` (a GPU session's fallback, read at each search): no steps are made, and the levels'
     loop gives the same trees as the steps."""

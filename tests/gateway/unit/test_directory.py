@@ -39,8 +39,8 @@ def test_parse_a_real_registration() -> None:
     assert view_of(REGISTRATION) == WorkerView(
         id="adaserve-worker-7d9f-abcde", address="http://10.0.3.17:8000", status="ready", model="target",
         max_active=64, active=3, active_by_class={"chat": 2, "coding": 1}, budget=582,
-        target_cost={"alpha": 1.1e-7, "gamma": 2.0e-5, "delta": 0.011},
-        draft_cost={"alpha": 2.0e-8, "gamma": 4.0e-6, "delta": 0.002}, acceptance_rate=0.31,
+        target_cost={"alpha": 1.1e-7, "gamma": 2.0e-5, "delta": 0.011, "beta": 0.0},
+        draft_cost={"alpha": 2.0e-8, "gamma": 4.0e-6, "delta": 0.002, "beta": 0.0}, acceptance_rate=0.31,
         context_per_request=1730 / 3, draft_steps=4, unloaded_tpot_ms=21.5, lone_tpot_ms=14.2,
         curve=(CurvePoint(1, 32, 31.0, 2.2, {"chat": (2.2, 30)}, {"chat": 31.0}),
                CurvePoint(3, 32, 38.5, 1.9, {"chat": (1.7, 60), "coding": (2.3, 30)},
@@ -84,7 +84,8 @@ def test_parse_a_worker_that_is_still_loading() -> None:
 def test_parse_a_worker_without_draft() -> None:
     v = view_of(doc(cost_model={"source": "online", "target": {"alpha": 0.0, "gamma": 0.0, "delta": 0.1},
                                            "draft": None}))
-    assert v is not None and v.draft_cost is None and v.target_cost == {"alpha": 0.0, "gamma": 0.0, "delta": 0.1}
+    assert v is not None and v.draft_cost is None and v.target_cost == {"alpha": 0.0, "gamma": 0.0, "delta": 0.1,
+                                                                        "beta": 0.0}  # an older worker: no cells
 
 
 def test_parse_defaults_for_missing_optional_parts() -> None:

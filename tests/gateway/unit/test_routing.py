@@ -172,6 +172,15 @@ def test_prior_uses_the_context_and_depth_the_worker_reports() -> None:
     assert iteration_s(modelled(budget=None), 2) is None and iteration_s(view(), 2) is None
 
 
+def test_prior_prices_the_attention_cells_a_worker_publishes() -> None:
+    """A CPU worker's cost model reads each request's context once per new token (beta): n=2 verifying B=64 tokens
+    reads each 512-token context 32 times, 1024 x 32 cells; a draft step's one token a request, 1024 cells."""
+    cells = {**TARGET, "beta": 1e-7}
+    draft = {**DRAFT, "beta": 1e-7}
+    want = 0.017424 + 1e-7 * 1024 * 32 + 4 * (0.0012 + 1e-7 * 1024)
+    assert iteration_s(modelled(target_cost=cells, draft_cost=draft), 2) == pytest.approx(want)
+
+
 @pytest.mark.parametrize(("a", "k", "m"), [
     (0.5, 4, 0.9375), (0.5, 1.5, 1 - 0.5**1.5), (1.0, 3, 3.0), (0.0, 4, 0.0), (0.7, 0, 0.0), (0.7, -0.5, 0.0),
 ])

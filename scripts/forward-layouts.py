@@ -11,7 +11,9 @@ build, native/attend.c (``CausalLM.attention_kernels``).
 
 A layout is ``SEQSxTOKENS@CONTEXT``, CONTEXT one number (every sequence the same) or ``LO-HI`` (spread evenly from LO
 to HI), e.g. ``32x1@200 32x1@100-300``. Prints JSON: per model and layout, the median and spread of ``--repeats``
-timed forwards (after ``--warmup``), N_ctx, and the start-up profile's prediction.
+timed forwards (after ``--warmup``), N_ctx, and the start-up profile's prediction. ``--fit``: also both cost models
+fitted to the layouts' own medians, SmartSpec's (alpha * N_ctx) and with the attention cells (+ beta * N_cells), each
+with its errors over the layouts and over the one- and two-token rows of 8 sequences or more (decode-sized batches).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 python scripts/forward-layouts.py \\
         --layouts 32x1@200 32x1@100-300 32x1@300 32x3@200 32x3@100-300 32x3@300
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 
 from adaserve.bench.engine_only import load_pair, served_config, source_version
+from adaserve.engine.cost.cost_model import fit_cost_model
 from adaserve.engine.model.batch import Segment
 from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.quant import served_attention
@@ -73,6 +77,27 @@ def time_layout(runner: ModelRunner, per: int, contexts: list[int], *, repeats: 
             cache.release(s)
 
 
+def fits(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per model, SmartSpec's cost model and the one with the attention cells fitted to the rows' medians: each
+    model's coefficients, and its mean relative error over every layout and over the decode-sized ones (8 or more
+    sequences of one or two tokens). Pure: the rows ``run`` reports."""
+    out: dict[str, Any] = {}
+    for name in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == name]
+        # (N_ctx, N_batched, seconds, N_cells): each of a sequence's tokens reads its context
+        samples = [(r["n_context"], r["tokens"], r["ms"] / 1e3, r["n_context"] * r["tokens"] // r["sequences"])
+                   for r in mine]
+        decode = [r["sequences"] >= 8 and r["tokens"] <= 2 * r["sequences"] for r in mine]
+        out[name] = {}
+        for kind, rows_in in (("smartspec", [x[:3] for x in samples]), ("cells", samples)):
+            cost, _ = fit_cost_model(rows_in)
+            err = [abs(cost.predict(c, b, k) / y - 1) for c, b, y, k in samples]
+            out[name][kind] = {"cost_model": cost.to_dict(), "mean_rel_error": round(statistics.fmean(err), 4),
+                               "decode_mean_rel_error": round(statistics.fmean(
+                                   [e for e, d in zip(err, decode, strict=True) if d] or [math.nan]), 4)}
+    return out
+
+
 def run(model: str, layouts: list[str], *, models: tuple[str, ...], repeats: int, warmup: int) -> dict[str, Any]:
     parsed = [(text, *parse_layout(text)) for text in layouts]
     target, draft, _ = load_pair(model, "cpu", 512)
@@ -104,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--fit", action="store_true", help="also fit both cost models to the layouts' medians")
     args = ap.parse_args(argv)
     if min(args.repeats, args.threads) < 1 or args.warmup < 0:
         ap.error("--repeats and --threads must be >= 1, --warmup >= 0")
@@ -112,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         for text in args.layouts:
             parse_layout(text)
         report = run(args.model, args.layouts, models=tuple(args.models), repeats=args.repeats, warmup=args.warmup)
+        if args.fit:
+            report["fits"] = fits(report["forwards"])
     except ValueError as e:  # a bad layout, an unknown model, one without a draft
         print(f"forward-layouts: error: {e}", file=sys.stderr)
         return 2

@@ -36,3 +36,21 @@ def test_a_bad_layout_is_a_cli_error() -> None:
     out = subprocess.run([sys.executable, str(SCRIPTS / "forward-layouts.py"), "--layouts", "32x1"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "SEQSxTOKENS@CONTEXT" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_fits_tell_the_cells_from_the_context_read() -> None:
+    """Layouts timed by a forward that reads each sequence's keys once per new token: the model with the cells fits
+    them exactly, SmartSpec's does not, most of all on decode-sized batches."""
+    layouts = load_script("forward-layouts.py")
+
+    def ms(seqs: int, per: int, ctx: int) -> float:  # 4 ms + 0.1 ms a token + 1 us a context token + 0.5 us a cell
+        return 4.0 + 0.1 * seqs * per + 1e-3 * seqs * ctx + 5e-4 * seqs * per * ctx
+
+    grid = [(s, p, c) for s in (1, 8, 32) for p in (1, 2, 4, 8) for c in (64, 256, 512)]
+    rows = [{"model": "target", "sequences": s, "tokens": s * p, "n_context": s * c, "ms": ms(s, p, c)}
+            for s, p, c in grid]
+    fitted = layouts.fits(rows)["target"]
+    assert fitted["cells"]["mean_rel_error"] < 1e-6
+    assert fitted["cells"]["cost_model"]["beta"] == pytest.approx(5e-7, rel=1e-6)
+    assert fitted["smartspec"]["mean_rel_error"] > 0.02 and "beta" not in fitted["smartspec"]["cost_model"]
+    assert fitted["smartspec"]["decode_mean_rel_error"] > fitted["cells"]["decode_mean_rel_error"]

@@ -12,8 +12,8 @@ sequence holds), apart from alpha's context read. SmartSpec's alpha reads each s
 a GPU's attention kernels do; a CPU's attention (native/attend.c) reads it once per new token, so a sequence with k
 new tokens costs k times its context. One token per sequence makes the two the same (``N_cells = N_context``), so
 the profiler's probes of several tokens a sequence are what separate them: without beta their attention went into
-alpha, and a CPU profile over-predicted 32 one-token rows over 512 tokens by a half (docs/benchmarks.md, "Twenty-sixth
-round"). Where the samples cannot tell the two apart, beta is 0 and the model is SmartSpec's.
+alpha, and a CPU profile over-predicted its served forwards at 32 requests by 41% (14% with beta; docs/benchmarks.md,
+"Twenty-sixth round"). Where the samples cannot tell the two apart, beta is 0 and the model is SmartSpec's.
 
 The profiler fits it at start-up with :func:`fit_cost_model`; the engine predicts each iteration's
 duration with it (A(r), SmartSpec's goodput), and workers publish it for the gateway's headroom

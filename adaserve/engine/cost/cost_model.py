@@ -226,29 +226,32 @@ DEGENERATE = "cost-model samples are degenerate: vary n_context and n_batched in
 
 def fit_model(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, *, cells: np.ndarray | None = None,
               weighting: Literal["relative", "absolute"] = "relative",
-              knee: int | None = None) -> CostModel:
+              knee: int | None = None, akaike: bool = True) -> CostModel:
     """``fit_arrays``'s model without its report: what the online model refits its window with, with no Python pass
     over the samples and none of the report's sums (issue 30).
 
-    With ``cells``, beta is kept only where it earns its parameter (Akaike's rule on the weighted squared residuals
-    S of the n samples: ``n log S + 2 k`` smaller with it, so S at least ``1 - exp(-2 / n)`` lower, about 10% for the
-    profiler's 18 probes): a noisy table can trade the batched tokens' gamma for the cells' beta, which vary with
-    them at each context, without fitting any better."""
+    With ``cells``, beta is kept only where it earns its parameter (``akaike``: Akaike's rule on the weighted squared
+    residuals S of the n samples, ``n log S + 2 k`` smaller with it, so S at least ``1 - exp(-2 / n)`` lower, about
+    10% for the profiler's 18 probes): a noisy table can trade the batched tokens' gamma for the cells' beta, which
+    vary with them at each context, without fitting any better. The online model's window of a few hundred forwards
+    skips the rule (its bar is under 1%) and the second solve it takes (issue 30: ~0.3 ms a refit in the engine)."""
     if weighting not in ("relative", "absolute"):
         raise ValueError(f"weighting must be 'relative' or 'absolute', got {weighting!r}")
     if len(yv) < 3:
         raise ValueError(f"fit_cost_model needs >= 3 samples, got {len(yv)}")
     # one new token a sequence makes the cells the context everywhere: nothing to tell beta from alpha
+    if cells is not None and not np.array_equal(cells, ctx):
+        fitted = _fit(ctx, bat, yv, cells, weighting, knee)
+        # None: the cells vary only along the other columns (every sample the same tokens a sequence, say)
+        if fitted is not None and not akaike:
+            return fitted[0]
+    else:
+        fitted = None
     straight = _fit(ctx, bat, yv, None, weighting, knee)
     assert straight is not None  # only a cells column can add no rank
-    plain, sse = straight
-    if cells is None or np.array_equal(cells, ctx):
-        return plain
-    fitted = _fit(ctx, bat, yv, cells, weighting, knee)
-    if fitted is None:  # the cells vary only along the other columns (every sample the same tokens a sequence, say)
-        return plain
-    model, sse_cells = fitted
-    return model if sse_cells < sse * math.exp(-2.0 / len(yv)) else plain
+    if fitted is not None and fitted[1] < straight[1] * math.exp(-2.0 / len(yv)):
+        return fitted[0]
+    return straight[0]
 
 
 def _fit(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, cells: np.ndarray | None,

@@ -391,10 +391,9 @@ class Engine:
                     acc.observe_many([trees[i] for i in mine], [decoded[i].accepted_nodes for i in mine])
         if self.pool is not None and m.depth:
             self.pool.account(decoding, trees, [len(r.tokens) for r in decoded], depth=m.depth, width=m.width)
-        if segments:
-            n_ctx = sum(s.prefix_len for s in segments)
-            self.target_time.observe(n_ctx, sum(s.num_new for s in segments), t_fwd,
-                                     sum(s.num_new * s.prefix_len for s in segments))
+        rec = self.target.last_forward  # the verification's counts, as the runner reported them
+        if segments and rec is not None:
+            self.target_time.observe(rec.n_context, rec.n_new, t_fwd, rec.n_cells)
         if proposed:
             self.policy.observe(m.tokens_accepted, proposed)
             self.policy.observe_paths(m.tokens_accepted, rejections)

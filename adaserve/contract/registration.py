@@ -26,7 +26,8 @@ class _Part(BaseModel):
 
 class CostModel(_Part):
     """One model's forward time in seconds: ``alpha * context tokens + gamma * batched tokens + delta``, plus
-    ``beta * cells`` (each request's new tokens times its context tokens, summed; 0 where a worker leaves it out)."""
+    ``beta * cells`` (each request's new tokens times the keys they attend to, its context tokens and its new ones up
+    to each, summed; 0 where a worker leaves it out)."""
 
     alpha: float
     gamma: float

@@ -23,7 +23,7 @@ import torch
 from adaserve.engine.config import EngineConfig
 from adaserve.engine.cost.cost_model import CostModel
 from adaserve.engine.cost.host_cost import HostCost
-from adaserve.engine.cost.timing import ForwardSplitter, OnlineCostModel, scaled
+from adaserve.engine.cost.timing import ForwardSplitter, OnlineCostModel, PromptLoad, scaled
 from adaserve.engine.model.batch import Segment
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.model.tree import TokenTree
@@ -341,7 +341,9 @@ class Engine:
         # "separate" (vLLM v0 without chunked prefill): an iteration that prefills decodes nothing
         separate = prefill and self.cfg.prefill_mode == "separate"
         decoding = [] if separate else [r for r in self.running if r.phase is Phase.DECODE]
-        trees = self._speculate_and_select(decoding, m, t_start)
+        # the prompt chunks' own keys: their tokens are priced over them, not over the decoding requests' (timing.py)
+        prompt = PromptLoad.of((seg.tree.size, seg.prefix_len) for _, seg in prefill)
+        trees = self._speculate_and_select(decoding, m, t_start, prompt)
 
         t0 = self.clock()
         segments = [seg for _, seg in prefill]
@@ -441,7 +443,8 @@ class Engine:
         with which the decoding requests that can meet their TPOT SLO this iteration still do (prefill_chunk.py).
 
         The iteration it is charged to is predicted from the recent ones: their draft and scheduler time,
-        plus one target forward over their mean verified tokens and the chunk, at today's context."""
+        plus one target forward over their mean verified tokens and the chunk, at today's context (the chunk's
+        tokens over its own requests' keys: ``_prompt_load``)."""
         cfg = self.cfg
         if cfg.prefill_rule != "slo" or not any(r.phase is Phase.PREFILL for r in self.running):
             return cfg.prefill_chunk
@@ -453,14 +456,27 @@ class Engine:
             return cfg.prefill_chunk
         per_req, verify, host = recent_figures(list(itertools.islice(reversed(self.history), 16)), len(decoding))
         n_ctx = sum(r.target_kv.length for r in decoding)
-        predict_target = self.target_time.for_batch(len(decoding))
         prefilling = [PrefillTTFT(len(r.prompt_ids) - r.target_kv.length,
                                   ttft_left_s(r.metrics.arrival_s, r.ttft_slo_ms or cfg.prefill_ttft_ms, now))
                       for r in self.running if r.phase is Phase.PREFILL]
         return slo_prefill_chunk(
             slos, min_chunk=min(cfg.prefill_min_chunk, cfg.prefill_chunk), max_chunk=cfg.prefill_chunk,
-            tokens_per_iter=per_req, t_iter=lambda p: host + predict_target(n_ctx, round(verify) + p),
-            prefilling=prefilling)
+            tokens_per_iter=per_req, prefilling=prefilling,
+            t_iter=lambda p: host + self.target_time.for_batch(len(decoding), self._prompt_load(p))(
+                n_ctx, round(verify) + p))
+
+    def _prompt_load(self, tokens: int) -> PromptLoad:
+        """The prompt chunks of ``tokens`` prompt tokens as ``_prefill_segments`` ("mixed") would cut them: the
+        requests being prefilled in order, each from where its KV ends, the last one cut."""
+        chunks = []
+        for req in self.running:
+            if req.phase is not Phase.PREFILL or tokens <= 0:
+                continue
+            done = req.target_kv.length
+            take = min(tokens, len(req.prompt_ids) - done)
+            chunks.append((take, done))
+            tokens -= take
+        return PromptLoad.of(chunks)
 
     def _prefill_segments(self, m: StepMetrics) -> list[tuple[Request, Segment]]:
         """This iteration's prompt chunks: "mixed", up to ``_prefill_chunk()`` tokens, the last prompt cut;
@@ -481,24 +497,26 @@ class Engine:
             out.append((req, Segment(req.target_kv, done, TokenTree.chain(chunk))))
         return out
 
-    def predict_iteration(self, shape: TreeShape | None, n: int, n_context: int, prefill_tokens: int = 0,
+    def predict_iteration(self, shape: TreeShape | None, n: int, n_context: int, prompt: PromptLoad | None = None,
                           predict_draft: Callable[[int, int], float] | None = None) -> float:
         """Predicted seconds for an iteration: d draft forwards + one target forward over at most B tree
-        tokens plus the prefill chunks riding in the same forward (each request's context read by its share of
-        the tokens: ``OnlineCostModel.for_batch``)."""
+        tokens plus the prompt chunks riding in the same forward (each request's context read by its share of
+        the tree tokens, each chunk's by its own: ``OnlineCostModel.for_batch``)."""
         verify = min(self.cfg.budget, n * (1 if shape is None else shape.max_nodes))
-        t = self.target_time.for_batch(n)(n_context, verify + prefill_tokens)
+        t = self.target_time.for_batch(n, prompt)(n_context, verify + (0 if prompt is None else prompt.tokens))
         if shape is not None:
             t += shape.depth * (predict_draft or self.draft_time.for_batch(n))(n_context, n * max(1, shape.width))
         return t
 
-    def _speculate_and_select(self, decoding: list[Request], m: StepMetrics, t_start: float) -> list[TokenTree]:
+    def _speculate_and_select(self, decoding: list[Request], m: StepMetrics, t_start: float,
+                              prompt: PromptLoad | None = None) -> list[TokenTree]:
         m.n_decode = len(decoding)
         if not decoding:
             return []
         n_ctx = sum(r.target_kv.length for r in decoding)
-        # the shapes' prices: each request's context read by its share of a forward's tokens (timing.py)
-        predict_target = self.target_time.for_batch(len(decoding))
+        # the shapes' prices: each request's context read by its share of a forward's tokens, and the prompt chunks'
+        # tokens by their own (timing.py)
+        predict_target = self.target_time.for_batch(len(decoding), prompt)
         predict_draft = (self.draft_time.for_batch(len(decoding)) if self.pool is None
                          else self.pool.predict_draft(decoding))
         # one draft's learnt sibling rates steer the width (several drafts: each has its own; Eq. 9 then)
@@ -515,7 +533,7 @@ class Engine:
                          prefill_tokens=m.prefill_tokens, rank_rates=rates, slo_lines=lines, request_ratios=ratios,
                          predict_host=self.host_time.predict if self.cfg.host_cost else None)
         shape = self.policy.tree_shape(view)
-        m.predicted_iter_s = self.predict_iteration(shape, len(decoding), n_ctx, m.prefill_tokens, predict_draft)
+        m.predicted_iter_s = self.predict_iteration(shape, len(decoding), n_ctx, prompt, predict_draft)
         if shape is None or shape.depth < 1 or self.draft is None:
             # plain decoding: each request's lone root (built only here: a speculating iteration never reads them)
             roots = [TokenTree.root(r.last_token) for r in decoding]

@@ -47,8 +47,10 @@ TpotOf = Callable[[str], float | None]
 
 def _cost(model: dict[str, float], n_context: int, n_batched: int, n_sequences: int) -> float:
     # the worker's roofline fit: T = alpha * context + gamma * batched + delta, with the attention cells' beta where
-    # published (engine/cost/cost_model.py), each request's context read by its share of the batched tokens
-    cells = n_context * n_batched / n_sequences
+    # published: each request's m = batched / n tokens read its context and one another's as a causal chunk
+    # (engine/cost/cost_model.even_cells, which the gateway may not import; tests/gateway hold the two together)
+    m = n_batched / n_sequences
+    cells = n_context * m + n_batched * (m + 1) / 2
     return model["alpha"] * n_context + model["gamma"] * n_batched + model["delta"] + model.get("beta", 0.0) * cells
 
 

@@ -7,13 +7,20 @@ compute does (the roofline's ridge), which one straight line cannot follow: fitt
 of a simulated A100 it over-predicted the knee's forward by 32% and under-predicted 512 tokens by 16%.
 Given the knee (the profiler's B), a hinge term bends the line there (0.3% mean error on that table).
 
-beta prices the attention cells, ``N_cells = sum_i new_i * context_i`` (each new token times the cached tokens its
-sequence holds), apart from alpha's context read. SmartSpec's alpha reads each sequence's cache once per forward, as
-a GPU's attention kernels do; a CPU's attention (native/attend.c) reads it once per new token, so a sequence with k
-new tokens costs k times its context. One token per sequence makes the two the same (``N_cells = N_context``), so
-the profiler's probes of several tokens a sequence are what separate them: without beta their attention went into
-alpha, and a CPU profile over-predicted its served forwards at 32 requests by 41% (14% with beta; docs/benchmarks.md,
-"Twenty-sixth round"). Where the samples cannot tell the two apart, beta is 0 and the model is SmartSpec's.
+beta prices the attention cells, ``N_cells = sum_i (new_i * context_i + new_i (new_i + 1) / 2)``: each new token
+times the keys it attends to, its sequence's cached tokens and the sequence's new tokens up to itself
+(``model/runner.chunk_cells``), apart from alpha's context read. SmartSpec's alpha reads each sequence's cache once
+per forward, as a GPU's attention kernels do; a CPU's attention (native/attend.c) reads it once per new token, so a
+sequence with k new tokens costs k times its context. One token per sequence makes the two the same up to each
+token's own key (``N_cells = N_context + n``), so the profiler's probes of several tokens a sequence are what separate
+them: without beta their attention went into alpha, and a CPU profile over-predicted its served forwards at 32
+requests by 41% (14% with beta; docs/benchmarks.md, "Twenty-sixth round"). Where the samples cannot tell the two
+apart, beta is 0 and the model is SmartSpec's.
+
+The chunk's own keys are what a prompt chunk's attention is made of: 512 prompt tokens over an empty cache read
+131,328 keys and no context. Every segment is counted as a causal chunk; a tree's nodes see only their ancestors
+among the new ones (at most their depth each), tens of cells against the thousands of a verification's context
+(docs/benchmarks.md, "Twenty-seventh round").
 
 The profiler fits it at start-up with :func:`fit_cost_model`; the engine predicts each iteration's
 duration with it (A(r), SmartSpec's goodput), and workers publish it for the gateway's headroom
@@ -34,7 +41,16 @@ import numpy as np
 
 from adaserve.engine.checks import is_int, is_real
 
-__all__ = ["CostModel", "FitReport", "fit_cost_model"]
+__all__ = ["CostModel", "FitReport", "even_cells", "fit_cost_model"]
+
+
+def even_cells(n_context: float, n_batched: float, n_sequences: int) -> float:
+    """``model/runner.chunk_cells`` summed over ``n_sequences`` sequences that share ``n_context`` cached tokens and
+    ``n_batched`` new ones evenly (what a policy knows of a batch: its totals), ``m = n_batched / n`` new tokens each:
+    ``n (m n_context / n + m (m + 1) / 2) = n_context m + n_batched (m + 1) / 2``. The gateway's prior prices a
+    worker's published beta the same way (gateway/prediction.py; its tests hold the two together)."""
+    m = n_batched / (n_sequences if n_sequences > 1 else 1)
+    return n_context * m + n_batched * (m + 1) / 2
 
 
 
@@ -42,8 +58,8 @@ __all__ = ["CostModel", "FitReport", "fit_cost_model"]
 class CostModel:
     """SmartSpec's forward-time model, seconds. alpha: per context token (KV read), gamma: per batched
     token (compute), delta: fixed (weight load, launch); gamma_above: the extra slope per batched token
-    past ``knee`` (0: a straight line); beta: per attention cell, a new token times its sequence's context
-    (0: SmartSpec's model). All >= 0."""
+    past ``knee`` (0: a straight line); beta: per attention cell, a new token times a key it attends to
+    (``model/runner.chunk_cells``; 0: SmartSpec's model). All >= 0."""
 
     alpha: float
     gamma: float
@@ -62,13 +78,14 @@ class CostModel:
 
     def predict(self, n_context: int, n_batched: int, n_cells: float | None = None) -> float:
         """T_fwd in seconds for a forward reading n_context cached tokens and computing n_batched new ones;
-        ``n_cells``: sum over sequences of new tokens x context (None: ``n_context``, one new token a sequence)."""
+        ``n_cells``: the attention cells (``model/runner.chunk_cells`` over the sequences; None: one new token a
+        sequence, ``n_context + n_batched``)."""
         if n_context < 0 or n_batched < 0:
             raise ValueError(f"token counts must be >= 0, got n_context={n_context}, n_batched={n_batched}")
         over = n_batched - self.knee  # max(0, over) without the call (issue 30: a dozen predictions an iteration)
         return (self.alpha * n_context + self.gamma * n_batched + self.delta
                 + self.gamma_above * (over if over > 0 else 0)
-                + self.beta * (n_context if n_cells is None else n_cells))
+                + self.beta * (n_context + n_batched if n_cells is None else n_cells))
 
     def scaled(self, k: float) -> CostModel:
         """Every term times k (the same shape, k times slower)."""
@@ -179,8 +196,8 @@ def fit_cost_model(
 ) -> tuple[CostModel, FitReport]:
     """Fit (alpha, beta, gamma, delta) >= 0 to (N_context, N_batched, seconds[, N_cells]) samples by least squares.
 
-    Model: y_i ~ alpha * c_i + beta * k_i + gamma * b_i + delta, k_i the sample's attention cells (``c_i`` when a
-    sample leaves them out: one new token a sequence). Solved as non-negative least squares (a negative
+    Model: y_i ~ alpha * c_i + beta * k_i + gamma * b_i + delta, k_i the sample's attention cells (``c_i + b_i`` when
+    a sample leaves them out: one new token a sequence). Solved as non-negative least squares (a negative
     coefficient is non-physical, and would predict negative or shrinking times off the sampled range).
 
     weighting="relative" (default) minimises sum ((pred_i - y_i) / y_i)^2: timing noise is roughly
@@ -206,7 +223,7 @@ def fit_cost_model(
         if not isinstance(row, Sequence) or len(row) not in (3, 4):
             raise ValueError(f"each sample must be (n_context, n_batched, seconds[, n_cells]), got {row!r}")
         c, b, s = row[:3]
-        k = row[3] if len(row) == 4 else c
+        k = row[3] if len(row) == 4 else c + b
         if not (is_int(c) and is_int(b)) or c < 0 or b < 0:
             raise ValueError(f"n_context and n_batched must be ints >= 0, got {row!r}")
         if not is_real(k) or not math.isfinite(k) or k < 0:
@@ -239,8 +256,8 @@ def fit_model(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, *, cells: np.nda
         raise ValueError(f"weighting must be 'relative' or 'absolute', got {weighting!r}")
     if len(yv) < 3:
         raise ValueError(f"fit_cost_model needs >= 3 samples, got {len(yv)}")
-    # one new token a sequence makes the cells the context everywhere: nothing to tell beta from alpha
-    if cells is not None and not np.array_equal(cells, ctx):
+    # one new token a sequence makes the cells the context plus the tokens everywhere: nothing to tell beta apart
+    if cells is not None and not np.array_equal(cells, ctx + bat):
         fitted = _fit(ctx, bat, yv, cells, weighting, knee)
         # None: the cells vary only along the other columns (every sample the same tokens a sequence, say)
         if fitted is not None and not akaike:
@@ -291,7 +308,7 @@ def fit_arrays(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, *, cells: np.nd
                knee: int | None = None) -> tuple[CostModel, FitReport]:
     """``fit_cost_model`` on float64 columns a caller has already checked (counts >= 0, seconds finite > 0)."""
     model = fit_model(ctx, bat, yv, cells=cells, weighting=weighting, knee=knee)
-    pred = predict_columns(model, ctx, bat, ctx if cells is None else cells)
+    pred = predict_columns(model, ctx, bat, ctx + bat if cells is None else cells)
     rel = np.abs(pred - yv) / yv
     ss_res = float(np.sum((pred - yv) ** 2))
     ss_tot = float(np.sum((yv - yv.mean()) ** 2))

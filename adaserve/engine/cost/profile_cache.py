@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["ProfileCache", "ProfileKey"]
 
 # 2: the cost model's attention cells (beta): a profile fitted without them is measured again
-_CACHE_FORMAT = 2
+# 3: the cells count each chunk's own keys (runner.chunk_cells): beta was fitted on the cached keys alone
+_CACHE_FORMAT = 3
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ from adaserve.engine.cost.profile_cache import ProfileCache, ProfileKey
 from adaserve.engine.model.batch import Segment
 from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.quant import served_attention, served_kernels, served_weights
-from adaserve.engine.model.runner import ModelRunner
+from adaserve.engine.model.runner import ModelRunner, chunk_cells
 from adaserve.engine.model.tree import TokenTree
 from adaserve.engine.speculation.adaptive import speculation_floor
 
@@ -124,11 +124,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def probe_split(n_tokens: int) -> list[int]:
+    """A probe's new tokens per request: ``n_tokens`` over ``b = min(n, 8)`` requests, as evenly as they go."""
+    b = min(n_tokens, 8)
+    return [n_tokens // b + (1 if i < n_tokens % b else 0) for i in range(b)]
+
+
 @contextlib.contextmanager
 def _probe(runner: ModelRunner, n_tokens: int, context: int) -> Iterator[list[Segment]]:
     """``b = min(n, 8)`` requests with ``context`` cached tokens and n/b new ones; their KV freed after."""
-    b = min(n_tokens, 8)
-    per = [n_tokens // b + (1 if i < n_tokens % b else 0) for i in range(b)]
+    per = probe_split(n_tokens)
+    b = len(per)
     cache = runner.cache
     seqs = [SequenceKV() for _ in range(b)]
     try:
@@ -213,11 +219,12 @@ def summarise_timings(timings: TimingsIn, *, context: int,
     """
     points = _roofline(timings[context])
     verdict = check_timings(timings, check)
-    # cost-model samples: b = min(n, 8) requests of c cached tokens each -> N_context = b * c, and each of the n
-    # tokens reads its request's c -> N_cells = n * c (the same as N_context up to 8 tokens: the larger probes
-    # separate beta from alpha, cost_model.py)
-    samples = [(min(p.n_tokens, 8) * c, p.n_tokens, p.latency_s, p.n_tokens * c) for c in sorted(timings)
-               for p in _roofline(timings[c])]
+    # cost-model samples: b = min(n, 8) requests of c cached tokens each -> N_context = b * c, and each request's
+    # chain of k new tokens reads its c and the chain up to itself -> N_cells = sum chunk_cells(k, c) (n * c + n
+    # up to 8 tokens: the larger probes separate beta from alpha, cost_model.py)
+    samples = [(min(p.n_tokens, 8) * c, p.n_tokens, p.latency_s,
+                sum(chunk_cells(k, c) for k in probe_split(p.n_tokens)))
+               for c in sorted(timings) for p in _roofline(timings[c])]
     budget = choose_budget(points, knee)
     cost, report = fit_cost_model(samples, knee=budget)  # bent at the knee (cost_model.py)
     return {

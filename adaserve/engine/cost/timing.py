@@ -13,18 +13,38 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from adaserve.engine.cost.cost_model import CostModel, fit_model, predict_columns
+from adaserve.engine.cost.cost_model import CostModel, even_cells, fit_model, predict_columns
+from adaserve.engine.model.runner import chunk_cells
 
 log = logging.getLogger(__name__)
 
 # (n_context, n_batched, seconds, n_cells); a sample without its cells has one new token a sequence (cells = context)
 Sample = tuple[int, int, float, float]
 SampleIn = Sample | tuple[int, int, float]
+
+
+@dataclass(frozen=True)
+class PromptLoad:
+    """The prompt chunks riding in an iteration's target forward beside the decoding requests' trees: their tokens,
+    their sequences' cached tokens, and their attention cells (``runner.chunk_cells`` each). A chunk's tokens
+    read its own sequence's keys, not the decoding requests' (:meth:`OnlineCostModel.for_batch`)."""
+
+    tokens: int = 0
+    context: int = 0
+    cells: int = 0
+
+    @classmethod
+    def of(cls, chunks: Iterable[tuple[int, int]]) -> PromptLoad:
+        """The load of ``(new tokens, cached tokens)`` chunks, one a sequence."""
+        tokens = context = cells = 0
+        for new, cached in chunks:
+            tokens, context, cells = tokens + new, context + cached, cells + chunk_cells(new, cached)
+        return cls(tokens, context, cells)
 
 
 def scaled(model: CostModel, k: float) -> CostModel:
@@ -39,7 +59,7 @@ def _columns(samples: Sequence[SampleIn] | np.ndarray) -> np.ndarray:
     if a.size == 0:
         return a.reshape(0, 4)
     if a.ndim == 2 and a.shape[1] == 3:
-        a = np.column_stack([a, a[:, 0]])
+        a = np.column_stack([a, a[:, 0] + a[:, 1]])
     return a.reshape(-1, 4)
 
 
@@ -90,7 +110,7 @@ class ForwardSplitter:
 
     def __call__(self, n_context: int, n_new: int, n_cells: float | None = None) -> None:
         now = self.clock()
-        self.samples.append((n_context, n_new, now - self._last, n_context if n_cells is None else n_cells))
+        self.samples.append((n_context, n_new, now - self._last, n_context + n_new if n_cells is None else n_cells))
         self._last = now
 
     def finish(self) -> list[Sample]:
@@ -163,20 +183,26 @@ class OnlineCostModel:
         return self.model.predict(n_context if n_context > 0 else 0, n_batched if n_batched > 0 else 0,
                                   None if n_cells is None else n_cells if n_cells > 0 else 0)
 
-    def for_batch(self, n_sequences: int) -> Callable[[int, int], float]:
-        """``predict`` for a batch of ``n_sequences`` whose new tokens spread evenly over them: each sequence's
-        context read by ``n_batched / n_sequences`` tokens, ``n_cells = n_context * n_batched / n_sequences``. What
-        the policies price shapes with: they know the batch's tokens and context, not each request's."""
+    def for_batch(self, n_sequences: int, prompt: PromptLoad | None = None) -> Callable[[int, int], float]:
+        """``predict`` for a batch of ``n_sequences`` whose new tokens spread evenly over them, each a causal chunk
+        (``cost_model.even_cells``): what the policies price shapes with, knowing the batch's tokens and context, not
+        each request's. With ``prompt``, the last ``prompt.tokens`` of ``n_batched`` are its chunks, over their own
+        sequences' ``prompt.context`` cached tokens and with their own cells: a 256-token chunk spread over the
+        decoding requests instead would read their context, 256 times the mean context too many cells."""
         n = n_sequences if n_sequences > 1 else 1
         predict = self.predict
-        return lambda n_context, n_batched: predict(n_context, n_batched, n_context * n_batched / n)
+        if prompt is None or prompt.tokens <= 0:
+            return lambda n_context, n_batched: predict(n_context, n_batched, even_cells(n_context, n_batched, n))
+        p, p_context, p_cells = prompt.tokens, prompt.context, prompt.cells
+        return lambda n_context, n_batched: predict(
+            n_context + p_context, n_batched, even_cells(n_context, n_batched - p if n_batched > p else 0, n) + p_cells)
 
     def observe(self, n_context: int, n_batched: int, seconds: float, n_cells: float | None = None) -> None:
         if not math.isfinite(seconds) or seconds <= 0:
             return
         c = n_context if n_context > 0 else 0
         self.samples.append((c, n_batched if n_batched > 0 else 0, seconds,
-                             c if n_cells is None else n_cells if n_cells > 0 else 0))
+                             c + n_batched if n_cells is None else n_cells if n_cells > 0 else 0))
         while len(self.samples) > self.window:
             self.samples.popleft()
         self._since_fit += 1

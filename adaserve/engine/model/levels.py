@@ -56,7 +56,7 @@ from adaserve.engine.model.attention.masks import fill_grid_mask
 from adaserve.engine.model.attention.torch_sdpa import TorchAttention, group_segments
 from adaserve.engine.model.batch import DeviceNodes, Segment, page_table
 from adaserve.engine.model.kv_cache import SequenceKV
-from adaserve.engine.model.runner import ModelRunner, joined_rows
+from adaserve.engine.model.runner import ModelRunner, chunk_cells, joined_rows
 from adaserve.engine.model.staging import HostStage
 from adaserve.engine.model.static import INT_ROWS, int_views, pack_ints
 from adaserve.engine.model.tree import TokenTree
@@ -109,9 +109,9 @@ class BeamLevels:
                                   len(self.seqs))
         # the reductions' C forms (ufuncs), not the methods' Python layer (issue 30: planned once an iteration)
         self.context = int(np.add.reduce(self.prefix))  # the committed keys all requests' roots see
-        # the catch-up's attention cells: each pending token times its sequence's committed keys (cost_model.py)
-        self._catch_up_cells = 0 if pending is None else sum(w * s.length for s, w in zip(self.seqs, waiting,
-                                                                                           strict=True))
+        # the catch-up's attention cells: each sequence's pending tokens as a chunk over its committed keys
+        self._catch_up_cells = (0 if pending is None
+                                else sum(map(chunk_cells, waiting, (s.length for s in self.seqs))))
         self._longest = int(np.maximum.reduce(self.prefix))  # the longest root's key index
         self.pending = None if pending is None else [list(p) for p in pending]
         self.ends = list(itertools.accumulate(self.sizes))  # tree size after each level (Python ints)
@@ -464,8 +464,10 @@ class BeamLevels:
         """Tell the runner's listeners about level ``level``'s forward, begun at ``perf_counter()`` ``t0`` (as
         ``forward`` does, for a caller that ran the level itself)."""
         n, a, c = len(self.seqs), self.sizes[level], self.ends[level - 1]
-        # a node per request reads its root's keys and the c tree nodes before the level: a * N_context cells
-        self.runner.record(n_new=n * a, n_context=self.context + n * c, n_cells=a * (self.context + n * c), t0=t0)
+        # a request's a nodes read its root's keys and the c tree nodes before the level, counted as a chunk (each
+        # sees itself; one another's keys are masked out, a few cells): chunk_cells(a, L_b + c) summed
+        self.runner.record(n_new=n * a, n_context=self.context + n * c,
+                           n_cells=a * (self.context + n * c) + n * chunk_cells(a, 0), t0=t0)
 
     def _host_mask(self, level: int, ancestors: torch.Tensor | None) -> torch.Tensor:
         """Level ``level``'s host mask with its tree cells filled from ``ancestors`` ([1, S, S] on the CPU): the bits

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 import time
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
@@ -17,6 +16,14 @@ from adaserve.engine.model.layers import CausalLM
 from adaserve.engine.model.static import StaticForward
 
 
+def chunk_cells(new: int, cached: int) -> int:
+    """The attention cells of one sequence's ``new`` tokens over its ``cached`` ones, counted as a causal chunk: the
+    chunk's token j (from 0) attends to the cached keys and to the chunk's keys 0 .. j, so ``new * cached +
+    new (new + 1) / 2``. What the cost model's beta prices (engine/cost/cost_model.py); a tree's nodes see fewer of
+    the new keys (their ancestors), tens of cells against a verification's thousands."""
+    return new * cached + new * (new + 1) // 2
+
+
 class ForwardRecord(NamedTuple):
     """What one forward did, for whoever listens (the simulated clock prices it by a device model). A named tuple:
     made after every forward, at a fraction of a frozen dataclass's cost (issue 30)."""
@@ -24,7 +31,8 @@ class ForwardRecord(NamedTuple):
     n_new: int  # tokens computed
     n_context: int  # cached tokens they attended to (every segment's prefix and cached tree nodes)
     wall_s: float  # host time the call took (no device sync: exact on CPU only)
-    n_cells: int  # each segment's new tokens times its cached tokens, summed (the attention cells, cost_model.py)
+    n_cells: int  # the attention cells: each segment's new tokens over its cached ones as a causal chunk, summed
+    # (``chunk_cells``)
 
 
 def joined_rows(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -136,7 +144,7 @@ class ModelRunner:
         total = sum(counts)
         cached = [s.prefix_len + s.num_cached for s in segments]
         n_context = sum(cached)
-        n_cells = sum(map(operator.mul, counts, cached))
+        n_cells = sum(map(chunk_cells, counts, cached))
         if all(all_logits):
             rows = list(range(total))
         else:  # a segment without all_logits gives its last row only

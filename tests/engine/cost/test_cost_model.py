@@ -16,9 +16,12 @@ from adaserve.engine.cost.cost_model import (
     _nnls_enumerated,
     _nnls_small,
     _rank,
+    even_cells,
     fit_cost_model,
     fit_model,
 )
+from adaserve.engine.cost.profiler import probe_split
+from adaserve.engine.model.runner import chunk_cells
 
 ALPHA, GAMMA, DELTA = 2.0e-7, 3.0e-5, 8.0e-3  # s/context token, s/batched token, s
 
@@ -225,9 +228,10 @@ BETA = 3.0e-7  # s per attention cell (a new token times its sequence's context)
 
 def probe_samples(beta: float = BETA) -> list[tuple[int, int, float, int]]:
     """The profiler's probes: n tokens over min(n, 8) sequences of c cached tokens each, priced by a model with
-    cells: N_context = min(n, 8) * c, N_cells = n * c."""
+    cells: N_context = min(n, 8) * c, N_cells the sequences' chains over their c (runner.chunk_cells)."""
     sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    return [(min(n, 8) * c, n, ALPHA * min(n, 8) * c + beta * n * c + GAMMA * n + DELTA, n * c)
+    cells = {(n, c): sum(chunk_cells(k, c) for k in probe_split(n)) for c in (64, 256) for n in sizes}
+    return [(min(n, 8) * c, n, ALPHA * min(n, 8) * c + beta * cells[n, c] + GAMMA * n + DELTA, cells[n, c])
             for c in (64, 256) for n in sizes]
 
 
@@ -237,8 +241,9 @@ def test_the_profilers_probes_separate_the_cells_from_the_context_read():
         pytest.approx(ALPHA, rel=1e-6), pytest.approx(BETA, rel=1e-6), pytest.approx(GAMMA, rel=1e-6),
         pytest.approx(DELTA, rel=1e-6))
     assert rep.max_rel_error < 1e-6
-    # 32 one-token rows over 512 cached tokens each: one new token a sequence, so the cells are the context
-    truth = ALPHA * 32 * 512 + BETA * 32 * 512 + GAMMA * 32 + DELTA
+    # 32 one-token rows over 512 cached tokens each: one new token a sequence, so the cells are the context and
+    # each token's own key
+    truth = ALPHA * 32 * 512 + BETA * (32 * 512 + 32) + GAMMA * 32 + DELTA
     assert model.predict(32 * 512, 32) == pytest.approx(truth, rel=1e-6)
     # SmartSpec's model on the same probes puts the large probes' cells into alpha: 32 such rows over-predicted
     smartspec, _ = fit_cost_model([(c, n, y) for c, n, y, _ in probe_samples()])
@@ -260,7 +265,7 @@ def test_cells_that_follow_the_context_leave_smartspecs_model(rows: int):
 def test_a_model_with_cells_predicts_scales_and_round_trips():
     m = CostModel(alpha=ALPHA, gamma=GAMMA, delta=DELTA, beta=BETA)
     assert m.predict(1000, 8, 4000) == pytest.approx(ALPHA * 1000 + GAMMA * 8 + DELTA + BETA * 4000)
-    assert m.predict(1000, 8) == pytest.approx(m.predict(1000, 8, 1000))  # default: one new token a sequence
+    assert m.predict(1000, 8) == pytest.approx(m.predict(1000, 8, 1008))  # default: one new token a sequence
     assert m.scaled(2.0).predict(100, 30, 900) == pytest.approx(2.0 * m.predict(100, 30, 900))
     assert m.to_dict()["beta"] == BETA
     assert CostModel.from_dict(json.loads(json.dumps(m.to_dict()))) == m
@@ -306,3 +311,11 @@ def test_the_online_window_skips_akaikes_rule():
             assert ruled == fit_model(ctx, bat, y)  # the rule's choice: SmartSpec's model
             return
     pytest.fail("no seed where the rule dropped a made-up beta")
+
+
+@pytest.mark.parametrize(("n", "per", "c"), [(1, 1, 0), (1, 512, 0), (8, 3, 250), (32, 1, 600), (4, 9, 1)])
+def test_an_even_batchs_cells_are_its_chunks(n: int, per: int, c: int):
+    """What a policy prices a batch's cells with (its totals only) is the sum of the chunks the runner counts when the
+    tokens and the context are spread evenly: n sequences of c cached tokens and per new ones each."""
+    assert even_cells(n * c, n * per, n) == pytest.approx(n * chunk_cells(per, c), rel=1e-12)
+    assert even_cells(n * c, n * per, 0) == even_cells(n * c, n * per, 1)  # no sequences: one

@@ -12,11 +12,13 @@ from adaserve.engine.cost.profiler import summarise_timings
 from adaserve.engine.cost.timing import (
     ForwardSplitter,
     OnlineCostModel,
+    PromptLoad,
     median_ratio,
     median_rel_error,
     predict_many,
     scaled,
 )
+from adaserve.engine.model.runner import chunk_cells
 
 # this machine's quiet CPU forward, roughly: 6.5 ms fixed, 0.16 ms per new token, 2 us per context token
 TRUE = CostModel(alpha=2e-6, gamma=1.6e-4, delta=6.5e-3)
@@ -134,10 +136,10 @@ def test_forward_splitter_gives_each_forward_its_own_time_and_counts():
     split.start()
     for ctx, new, secs in [(300, 40, 0.009), (340, 8, 0.002), (348, 8, 0.002)]:  # catch-up, then two beam steps
         now[0] += secs
-        split(ctx, new, None if new == 40 else 2 * ctx)  # the catch-up's cells left out: its context, one a token
+        split(ctx, new, None if new == 40 else 2 * ctx)  # the catch-up's cells left out: one new token a sequence
     now[0] += 0.0005  # host work after the last forward (the last level's expansion)
     samples = split.finish()
-    assert [(c, b, k) for c, b, _, k in samples] == [(300, 40, 300), (340, 8, 680), (348, 8, 696)]
+    assert [(c, b, k) for c, b, _, k in samples] == [(300, 40, 340), (340, 8, 680), (348, 8, 696)]
     assert [y for _, _, y, _ in samples] == pytest.approx([0.009, 0.002, 0.0025])
     assert sum(y for _, _, y, _ in samples) == pytest.approx(now[0] - 10.0)  # the span, nothing lost
     split.start()  # a new search starts empty
@@ -243,19 +245,39 @@ def test_checks_between_refits_change_nothing_and_unprofiled_ones_read_no_window
 
 def test_an_online_refit_learns_the_attention_cells_and_prices_a_batch_by_its_share():
     """Forwards whose attention reads each sequence's keys once per new token (a CPU's): the window's cells separate
-    beta from alpha, and ``for_batch`` prices n requests sharing the tokens evenly as such a forward costs."""
+    beta from alpha, and ``for_batch`` prices n requests sharing the tokens evenly as such a forward costs, each
+    request's tokens a causal chunk over its context (runner.chunk_cells)."""
     true = CostModel(alpha=1e-6, gamma=1.2e-4, delta=4e-3, beta=3e-7)
     rng = np.random.default_rng(11)
     m = OnlineCostModel(CostModel(0.0, 0.0, 0.02))
     for _ in range(96):
         r, per = int(rng.integers(1, 33)), int(rng.integers(1, 7))
         contexts = rng.integers(50, 801, r)
-        c, cells = int(contexts.sum()), int(per * contexts.sum())
+        c, cells = int(contexts.sum()), sum(chunk_cells(per, int(x)) for x in contexts)
         m.observe(c, r * per, true.predict(c, r * per, cells), cells)
     assert m.source == "refit" and m.model.beta == pytest.approx(true.beta, rel=1e-6)
     price = m.for_batch(8)
-    assert price(8 * 300, 8 * 3) == pytest.approx(true.predict(2400, 24, 3 * 2400), rel=1e-6)
-    assert m.for_batch(0)(500, 4) == pytest.approx(true.predict(500, 4, 2000), rel=1e-6)  # no requests: one
+    want = 8 * chunk_cells(3, 300)  # 8 requests of 300 cached tokens, 3 new each
+    assert price(8 * 300, 8 * 3) == pytest.approx(true.predict(2400, 24, want), rel=1e-6)
+    assert m.for_batch(0)(500, 4) == pytest.approx(true.predict(500, 4, chunk_cells(4, 500)), rel=1e-6)  # no requests
     # a sample without cells has one new token a sequence
     m.observe(1000, 10, 0.01)
-    assert m.samples[-1] == (1000, 10, 0.01, 1000)
+    assert m.samples[-1] == (1000, 10, 0.01, 1010)
+
+
+def test_a_prompt_chunk_is_priced_over_its_own_keys():
+    """A mixed forward: 4 decoding requests of 600 cached tokens verify 3 tokens each beside a 256-token prompt chunk
+    whose request holds 100. The chunk reads its own 100 keys and itself, not the decoding requests' 600: spread over
+    them it would cost 256 x 600 cells it never reads."""
+    true = CostModel(alpha=1e-6, gamma=1.2e-4, delta=4e-3, beta=3e-7)
+    m = OnlineCostModel(true, frozen=True)
+    prompt = PromptLoad.of([(256, 100)])
+    assert prompt == PromptLoad(256, 100, chunk_cells(256, 100))
+    cells = 4 * chunk_cells(3, 600) + chunk_cells(256, 100)  # what the runner counts for that forward
+    assert m.for_batch(4, prompt)(2400, 12 + 256) == pytest.approx(true.predict(2400 + 100, 268, cells), rel=1e-9)
+    # the same forward priced as if the chunk's tokens were the decoding requests': more than a fifth dearer
+    assert m.for_batch(4)(2400, 268) > 1.2 * m.for_batch(4, prompt)(2400, 268)
+    # several chunks add up; no chunk (or an empty one) is the plain batch price
+    two = PromptLoad.of([(200, 0), (56, 300)])
+    assert (two.tokens, two.context, two.cells) == (256, 300, chunk_cells(200, 0) + chunk_cells(56, 300))
+    assert m.for_batch(4, PromptLoad())(2400, 12) == m.for_batch(4)(2400, 12)

@@ -8,7 +8,7 @@ import torch
 
 from adaserve.engine.model.batch import Segment
 from adaserve.engine.model.kv_cache import SequenceKV
-from adaserve.engine.model.runner import ForwardRecord, joined_rows
+from adaserve.engine.model.runner import ForwardRecord, chunk_cells, joined_rows
 from adaserve.engine.model.tree import TokenTree
 from tests.engine.helpers import runner
 
@@ -35,7 +35,8 @@ def test_other_blocks_are_copied_in_order() -> None:
 
 def test_a_forward_reports_its_tokens_context_and_attention_cells(target_dir: Path) -> None:
     """What the cost model is fitted on (cost_model.py): a prompt chunk of 6 over 4 cached tokens and a tree of 3 new
-    nodes (2 cached) over 9: 9 new tokens, 4 + 11 context, 6 x 4 + 3 x 11 cells."""
+    nodes (2 cached) over 9: 9 new tokens, 4 + 11 context, and the cells of each as a causal chunk, 6 x 4 + 6 x 7 / 2
+    and 3 x 11 + 3 x 4 / 2: every new token reads the cached keys and the chunk's keys up to itself."""
     r = runner(target_dir)
     a, b = SequenceKV(), SequenceKV()
     r.forward([Segment(a, 0, TokenTree.chain([5, 6, 7, 8])), Segment(b, 0, TokenTree.chain(list(range(2, 11))))],
@@ -46,4 +47,5 @@ def test_a_forward_reports_its_tokens_context_and_attention_cells(target_dir: Pa
     r.forward_listeners.append(records.append)
     r.forward([Segment(a, 4, TokenTree.chain([9, 9, 9, 9, 9, 9])), Segment(b, 9, tree, num_cached=2)],
               all_logits=[False, True])
-    assert [(x.n_new, x.n_context, x.n_cells) for x in records] == [(9, 15, 6 * 4 + 3 * 11)]
+    assert [(x.n_new, x.n_context, x.n_cells) for x in records] == [(9, 15, 6 * 4 + 21 + 3 * 11 + 6)]
+    assert chunk_cells(6, 4) + chunk_cells(3, 11) == 6 * 4 + 21 + 3 * 11 + 6

@@ -148,15 +148,16 @@ def test_a_gpus_search_reports_every_level_after_its_one_replay(draft: ModelRunn
 
 
 def test_each_draft_forward_reports_its_context_and_attention_cells(draft: ModelRunner) -> None:
-    """What the cost model is fitted on (timing.py): the catch-up's pending tokens each read their sequence's committed
-    keys (3, 1, 9: 1 x 3 + 2 x 1 + 1 x 9 cells); a level's 2 nodes a request each read their root's keys and the tree
-    nodes before the level (the roots' keys: 3, 2 and 9, so 14, plus 1, 3, 5 nodes a request)."""
+    """What the cost model is fitted on (timing.py): the catch-up's pending tokens read their sequence's committed keys
+    (3, 1, 9) and, as a causal chunk, one another's (1 x 3 + 1, 2 x 1 + 3, 1 x 9 + 1 cells); a level's 2 nodes a
+    request each read their root's keys and the tree nodes before the level (the roots' keys: 3, 2 and 9, so 14, plus
+    1, 3, 5 nodes a request), and are counted as a chunk of 2 (3 cells a request: runner.chunk_cells)."""
     inputs = contexts(draft, [[5, 6, 7], [8], [3] * 9], [[9], [10, 11], [4]])
     records: list[Any] = []
     draft.forward_listeners.append(records.append)
     beam_search(draft, inputs, depth=4, width=2)
-    assert [(r.n_new, r.n_context, r.n_cells) for r in records] == [(4, 13, 14), (6, 17, 34), (6, 23, 46),
-                                                                      (6, 29, 58)]
+    assert [(r.n_new, r.n_context, r.n_cells) for r in records] == [(4, 13, 19), (6, 17, 34 + 9), (6, 23, 46 + 9),
+                                                                      (6, 29, 58 + 9)]
 
 
 def test_the_switch_keeps_the_levels_loop(draft: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,11 +8,13 @@ from typing import Any
 
 import pytest
 
+from adaserve.engine.cost.cost_model import even_cells
 from adaserve.gateway.prediction import (
     CONTEXT_TOKENS,
     MIN_DECODES,
     MIN_STEPS,
     PRIOR_ACCEPTANCE,
+    _cost,
     accepted_per_request,
     class_tokens_at,
     curve_slope,
@@ -174,11 +176,19 @@ def test_prior_uses_the_context_and_depth_the_worker_reports() -> None:
 
 def test_prior_prices_the_attention_cells_a_worker_publishes() -> None:
     """A CPU worker's cost model reads each request's context once per new token (beta): n=2 verifying B=64 tokens
-    reads each 512-token context 32 times, 1024 x 32 cells; a draft step's one token a request, 1024 cells."""
+    reads each 512-token context 32 times and its 32 tokens as a causal chunk, 1024 x 32 + 2 x 32 x 33 / 2 cells; a
+    draft step's one token a request, 1024 + 2 cells."""
     cells = {**TARGET, "beta": 1e-7}
     draft = {**DRAFT, "beta": 1e-7}
-    want = 0.017424 + 1e-7 * 1024 * 32 + 4 * (0.0012 + 1e-7 * 1024)
+    want = 0.017424 + 1e-7 * (1024 * 32 + 32 * 33) + 4 * (0.0012 + 1e-7 * (1024 + 2))
     assert iteration_s(modelled(target_cost=cells, draft_cost=draft), 2) == pytest.approx(want)
+
+
+@pytest.mark.parametrize(("n_context", "n_batched", "n"), [(1024, 64, 2), (0, 256, 1), (5000, 32, 32), (300, 7, 3)])
+def test_the_priors_cells_are_the_engines(n_context: int, n_batched: int, n: int) -> None:
+    """The gateway may not import the engine: its prior counts a batch's cells as ``cost_model.even_cells`` does."""
+    beta_only = {"alpha": 0.0, "gamma": 0.0, "delta": 0.0, "beta": 1.0}
+    assert _cost(beta_only, n_context, n_batched, n) == pytest.approx(even_cells(n_context, n_batched, n), rel=1e-12)
 
 
 @pytest.mark.parametrize(("a", "k", "m"), [

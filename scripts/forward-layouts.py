@@ -37,7 +37,7 @@ from adaserve.engine.cost.cost_model import fit_cost_model
 from adaserve.engine.model.batch import Segment
 from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.quant import served_attention
-from adaserve.engine.model.runner import ModelRunner
+from adaserve.engine.model.runner import ModelRunner, chunk_cells
 from adaserve.engine.model.tree import TokenTree
 
 LAYOUT = re.compile(r"^(\d+)x(\d+)@(\d+)(?:-(\d+))?$")
@@ -84,9 +84,8 @@ def fits(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == name]
-        # (N_ctx, N_batched, seconds, N_cells): each of a sequence's tokens reads its context
-        samples = [(r["n_context"], r["tokens"], r["ms"] / 1e3, r["n_context"] * r["tokens"] // r["sequences"])
-                   for r in mine]
+        # (N_ctx, N_batched, seconds, N_cells): each of a sequence's tokens reads its context and its chunk's keys
+        samples = [(r["n_context"], r["tokens"], r["ms"] / 1e3, r["n_cells"]) for r in mine]
         decode = [r["sequences"] >= 8 and r["tokens"] <= 2 * r["sequences"] for r in mine]
         out[name] = {}
         for kind, rows_in in (("smartspec", [x[:3] for x in samples]), ("cells", samples)):
@@ -109,10 +108,11 @@ def run(model: str, layouts: list[str], *, models: tuple[str, ...], repeats: int
         for text, n, per, contexts in parsed:
             xs = time_layout(runner, per, contexts, repeats=repeats, warmup=warmup)
             med = statistics.median(xs)
-            # each of a sequence's ``per`` new tokens reads its context: per x N_ctx attention cells
-            predicted = (None if cost is None
-                         else round(1e3 * cost.predict(sum(contexts), n * per, per * sum(contexts)), 3))
+            # each of a sequence's ``per`` new tokens reads its context and the chunk's keys up to itself
+            cells = sum(chunk_cells(per, c) for c in contexts)
+            predicted = None if cost is None else round(1e3 * cost.predict(sum(contexts), n * per, cells), 3)
             rows.append({"model": name, "layout": text, "sequences": n, "tokens": n * per, "n_context": sum(contexts),
+                         "n_cells": cells,
                          "longest_context": max(contexts), "ms": round(1e3 * med, 3),
                          "spread": round((max(xs) - min(xs)) / med, 3),
                          "predicted_ms": predicted})

@@ -28,6 +28,7 @@ def test_a_short_run_times_each_model_over_each_layout() -> None:
     assert [(r["model"], r["layout"]) for r in rows] == [("target", "2x1@16"), ("target", "2x2@8-24"),
                                                        ("draft", "2x1@16"), ("draft", "2x2@8-24")]
     assert rows[1]["tokens"] == 4 and rows[1]["n_context"] == 32 and rows[1]["longest_context"] == 24
+    assert rows[1]["n_cells"] == 2 * 8 + 3 + 2 * 24 + 3  # two tokens over 8 and 24 keys, each chunk of 2: 3 more
     assert all(r["ms"] > 0 and r["predicted_ms"] > 0 and r["spread"] >= 0 for r in rows)
     assert set(report["attention"]) == {"target", "draft"}
 
@@ -39,16 +40,20 @@ def test_a_bad_layout_is_a_cli_error() -> None:
 
 
 def test_the_fits_tell_the_cells_from_the_context_read() -> None:
-    """Layouts timed by a forward that reads each sequence's keys once per new token: the model with the cells fits
-    them exactly, SmartSpec's does not, most of all on decode-sized batches."""
+    """Layouts timed by a forward that reads each sequence's keys once per new token (its context and its chunk's keys
+    up to itself): the model with the cells fits them exactly, SmartSpec's does not, most of all on decode-sized
+    batches."""
     layouts = load_script("forward-layouts.py")
 
+    def cells(seqs: int, per: int, ctx: int) -> int:
+        return seqs * (per * ctx + per * (per + 1) // 2)
+
     def ms(seqs: int, per: int, ctx: int) -> float:  # 4 ms + 0.1 ms a token + 1 us a context token + 0.5 us a cell
-        return 4.0 + 0.1 * seqs * per + 1e-3 * seqs * ctx + 5e-4 * seqs * per * ctx
+        return 4.0 + 0.1 * seqs * per + 1e-3 * seqs * ctx + 5e-4 * cells(seqs, per, ctx)
 
     grid = [(s, p, c) for s in (1, 8, 32) for p in (1, 2, 4, 8) for c in (64, 256, 512)]
-    rows = [{"model": "target", "sequences": s, "tokens": s * p, "n_context": s * c, "ms": ms(s, p, c)}
-            for s, p, c in grid]
+    rows = [{"model": "target", "sequences": s, "tokens": s * p, "n_context": s * c, "n_cells": cells(s, p, c),
+             "ms": ms(s, p, c)} for s, p, c in grid]
     fitted = layouts.fits(rows)["target"]
     assert fitted["cells"]["mean_rel_error"] < 1e-6
     assert fitted["cells"]["cost_model"]["beta"] == pytest.approx(5e-7, rel=1e-6)

@@ -130,9 +130,10 @@ def record(eng: Engine, *, pool: list[int], prompt_tokens: int, every: int, iter
 
 
 def run(model: str, *, decoding: int, prompt_tokens: int, every: int, chunk: int, iterations: int,
-        warmup: int) -> dict[str, Any]:
+        warmup: int, probes: ProfilerConfig | None = None) -> dict[str, Any]:
+    """``probes``: how the probes are timed (the profiler's own settings by default; a test times fewer)."""
     target, draft, tok = load_pair(model, "cpu", 1024)
-    models = fits(target, ProfilerConfig())
+    models = fits(target, probes or ProfilerConfig())
     cfg = replace(served_config(target, draft, model), policy="incremental", prefill_chunk=chunk,
                   prefill_rule="fixed", max_batch=max(64, decoding + 8))
     eng = Engine(target, None, cfg)

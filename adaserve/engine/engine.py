@@ -342,7 +342,7 @@ class Engine:
         separate = prefill and self.cfg.prefill_mode == "separate"
         decoding = [] if separate else [r for r in self.running if r.phase is Phase.DECODE]
         # the prompt chunks' own keys: their tokens are priced over them, not over the decoding requests' (timing.py)
-        prompt = PromptLoad.of((seg.tree.size, seg.prefix_len) for _, seg in prefill)
+        prompt = PromptLoad.of((seg.tree.size, seg.prefix_len) for _, seg in prefill) if prefill else None
         trees = self._speculate_and_select(decoding, m, t_start, prompt)
 
         t0 = self.clock()

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from adaserve.engine.cost.cost_model import CostModel
+from adaserve.engine.cost.profiler import ProfilerConfig
 from adaserve.engine.cost.timing import OnlineCostModel, PromptLoad
 from tests.scripts.helpers import SCRIPTS, load_script
 
@@ -34,7 +35,8 @@ def test_the_own_keys_price_is_the_engines() -> None:
 
 def test_a_short_run_prices_mixed_and_decode_forwards() -> None:
     mixed = load_script("mixed-iteration-price.py")
-    report = mixed.run("demo-tiny", decoding=2, prompt_tokens=32, every=4, chunk=16, iterations=12, warmup=1)
+    report = mixed.run("demo-tiny", decoding=2, prompt_tokens=32, every=4, chunk=16, iterations=12, warmup=1,
+                       probes=ProfilerConfig(max_tokens=32, repeats=1, warmup=0))
     assert set(report["fits"]) == {"smartspec", "cached-cells", "chunk-cells"}
     assert "beta" not in report["fits"]["smartspec"]
     for name in ("smartspec", "spread", "own-keys"):

@@ -15,6 +15,12 @@ timed forwards (after ``--warmup``), N_ctx, and the start-up profile's predictio
 fitted to the layouts' own medians, SmartSpec's (alpha * N_ctx) and with the attention cells (+ beta * N_cells), each
 with its errors over the layouts and over the one- and two-token rows of 8 sequences or more (decode-sized batches).
 
+``--probe-contexts 64,256 64,256,1024``: the profiler's probes (``probe_split`` chains of 1 .. 256 tokens) are timed
+once at every context named, interleaved as the profiler times them, and fitted once per list as the profiler fits its
+own (``summarise_timings``, bent at the knee); each fit's prediction of every layout, and its mean relative error over
+all layouts and over the decode-sized ones, are reported beside the start-up profile's: which probe contexts price
+the layouts best, paired on one set of timings (docs/benchmarks.md, "Twenty-seventh round").
+
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 python scripts/forward-layouts.py \\
         --layouts 32x1@200 32x1@100-300 32x1@300 32x3@200 32x3@100-300 32x3@300
 """
@@ -33,7 +39,16 @@ from typing import Any
 import torch
 
 from adaserve.bench.engine_only import load_pair, served_config, source_version
-from adaserve.engine.cost.cost_model import fit_cost_model
+from adaserve.engine.cost.budget import KneeConfig
+from adaserve.engine.cost.cost_model import CostModel, fit_cost_model
+from adaserve.engine.cost.profiler import (
+    ProfilerConfig,
+    _probe_limit,
+    forward_timer,
+    measure_interleaved,
+    size_grid,
+    summarise_timings,
+)
 from adaserve.engine.model.batch import Segment
 from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.quant import served_attention
@@ -97,14 +112,29 @@ def fits(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run(model: str, layouts: list[str], *, models: tuple[str, ...], repeats: int, warmup: int) -> dict[str, Any]:
+def probe_fits(runner: ModelRunner, sets: list[tuple[int, ...]], *, repeats: int) -> dict[str, CostModel]:
+    """The profiler's probes timed once at every context of ``sets``, fitted once per set (module docstring)."""
+    every = tuple(sorted({c for s in sets for c in s}))
+    grid = size_grid(_probe_limit(runner, ProfilerConfig(context=every[0], fit_contexts=every)))
+    timings = measure_interleaved(forward_timer(runner), [(c, n) for c in every for n in grid], rounds=repeats,
+                                  warmup=2, seed=1)
+    return {",".join(map(str, s)): CostModel.from_dict(summarise_timings(
+        {c: timings[c] for c in s}, context=256 if 256 in s else s[-1], knee=KneeConfig())["cost_model"])
+        for s in sets}
+
+
+def run(model: str, layouts: list[str], *, models: tuple[str, ...], repeats: int, warmup: int,
+        probe_sets: list[tuple[int, ...]] | None = None, probe_rounds: int = 5) -> dict[str, Any]:
     parsed = [(text, *parse_layout(text)) for text in layouts]
-    target, draft, _ = load_pair(model, "cpu", 512)
+    target, draft, _ = load_pair(model, "cpu", 1024)
     served = served_config(target, draft, model)
     runners = {"target": (target, served.target_cost), "draft": (draft, served.draft_cost)}
     rows = []
+    probed: dict[str, dict[str, CostModel]] = {}
     for name in models:
         runner, cost = runners[name]
+        if probe_sets:
+            probed[name] = probe_fits(runner, probe_sets, repeats=probe_rounds)
         for text, n, per, contexts in parsed:
             xs = time_layout(runner, per, contexts, repeats=repeats, warmup=warmup)
             med = statistics.median(xs)
@@ -116,9 +146,26 @@ def run(model: str, layouts: list[str], *, models: tuple[str, ...], repeats: int
                          "longest_context": max(contexts), "ms": round(1e3 * med, 3),
                          "spread": round((max(xs) - min(xs)) / med, 3),
                          "predicted_ms": predicted})
-    return {"benchmark": "forward-layouts", "source": source_version(), "model": model,
-            "attention": {name: served_attention(runners[name][0].model) for name in models},
-            "torch_threads": torch.get_num_threads(), "repeats": repeats, "warmup": warmup, "forwards": rows}
+            if name in probed:
+                rows[-1]["probe_fits_ms"] = {k: round(1e3 * m.predict(sum(contexts), n * per, cells), 3)
+                                             for k, m in probed[name].items()}
+    out = {"benchmark": "forward-layouts", "source": source_version(), "model": model,
+           "attention": {name: served_attention(runners[name][0].model) for name in models},
+           "torch_threads": torch.get_num_threads(), "repeats": repeats, "warmup": warmup, "forwards": rows}
+    if probed:
+        out["probe_fits"] = {name: {k: {"cost_model": m.to_dict(), **errors(
+            [r for r in rows if r["model"] == name], lambda r, k=k: r["probe_fits_ms"][k])}
+            for k, m in fitted.items()} for name, fitted in probed.items()}
+    return out
+
+
+def errors(rows: list[dict[str, Any]], predicted: Any) -> dict[str, float]:
+    """Mean |predicted / measured - 1| over ``rows``, and over the decode-sized ones (8 or more sequences of one or
+    two tokens)."""
+    err = [abs(predicted(r) / r["ms"] - 1) for r in rows]
+    decode = [e for e, r in zip(err, rows, strict=True) if r["sequences"] >= 8 and r["tokens"] <= 2 * r["sequences"]]
+    return {"mean_rel_error": round(statistics.fmean(err), 4),
+            "decode_mean_rel_error": round(statistics.fmean(decode), 4) if decode else math.nan}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,14 +177,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--fit", action="store_true", help="also fit both cost models to the layouts' medians")
+    ap.add_argument("--probe-contexts", nargs="+", default=[], metavar="C1,C2[,..]",
+                    help="fit the profiler's probes at each list of contexts (docstring)")
     args = ap.parse_args(argv)
     if min(args.repeats, args.threads) < 1 or args.warmup < 0:
         ap.error("--repeats and --threads must be >= 1, --warmup >= 0")
+    try:
+        sets = [tuple(sorted({int(c) for c in text.split(",")})) for text in args.probe_contexts]
+    except ValueError:
+        ap.error("--probe-contexts: comma-separated whole numbers, e.g. 64,256 64,256,1024")
+    if any(len(s) < 2 or s[0] < 1 for s in sets):
+        ap.error("--probe-contexts: each list needs at least two contexts of at least 1 token")
     torch.set_num_threads(args.threads)
     try:
         for text in args.layouts:
             parse_layout(text)
-        report = run(args.model, args.layouts, models=tuple(args.models), repeats=args.repeats, warmup=args.warmup)
+        report = run(args.model, args.layouts, models=tuple(args.models), repeats=args.repeats, warmup=args.warmup,
+                     probe_sets=sets)
         if args.fit:
             report["fits"] = fits(report["forwards"])
     except ValueError as e:  # a bad layout, an unknown model, one without a draft

@@ -59,3 +59,24 @@ def test_the_fits_tell_the_cells_from_the_context_read() -> None:
     assert fitted["cells"]["cost_model"]["beta"] == pytest.approx(5e-7, rel=1e-6)
     assert fitted["smartspec"]["mean_rel_error"] > 0.02 and "beta" not in fitted["smartspec"]["cost_model"]
     assert fitted["smartspec"]["decode_mean_rel_error"] > fitted["cells"]["decode_mean_rel_error"]
+
+
+def test_probe_contexts_fit_one_set_of_probes_each_way() -> None:
+    """``--probe-contexts``: the profiler's probes, timed once, fitted per list of contexts; each fit predicts every
+    layout and reports its errors."""
+    layouts = load_script("forward-layouts.py")
+    report = layouts.run("demo-tiny", ["8x1@16", "1x4@32"], models=("target",), repeats=1, warmup=0,
+                         probe_sets=[(8, 16), (8, 16, 32)], probe_rounds=1)
+    fits = report["probe_fits"]["target"]
+    assert set(fits) == {"8,16", "8,16,32"}
+    assert all(f["mean_rel_error"] >= 0 and f["cost_model"]["delta"] >= 0 for f in fits.values())
+    assert fits["8,16"]["decode_mean_rel_error"] >= 0  # 8x1 is decode-sized
+    assert all(set(r["probe_fits_ms"]) == set(fits) and min(r["probe_fits_ms"].values()) > 0
+               for r in report["forwards"])
+
+
+@pytest.mark.parametrize("bad", ["64", "64,x", "0,64"])
+def test_bad_probe_contexts_are_cli_errors(bad: str) -> None:
+    out = subprocess.run([sys.executable, str(SCRIPTS / "forward-layouts.py"), "--layouts", "8x1@16",
+                          "--probe-contexts", bad], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--probe-contexts" in out.stderr and "Traceback" not in out.stderr

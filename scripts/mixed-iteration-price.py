@@ -1,8 +1,8 @@
 """How well an iteration that carries prompt chunks beside decoding requests is priced (issue 30, docs/benchmarks.md
 "Twenty-seventh round"): three ways of pricing the same forwards, from the same profile probes, in one run.
 
-1. The target's start-up probes are timed once (the profiler's grid: ``probe_split`` chains over 64 and 256 cached
-   tokens, interleaved rounds) and fitted three ways, each bent at the profile's knee:
+1. The target's start-up probes are timed once (the profiler's grid, ``probe_plan``: ``probe_split`` chains over 64,
+   256 and 1,024 cached tokens, interleaved rounds) and fitted three ways, each bent at the profile's knee:
 
        smartspec     alpha * N_ctx + gamma * N_batched + delta
        cached-cells  + beta * N_cells, N_cells = sum new x cached (e5c6892's cells: a probe's n * c)
@@ -46,10 +46,10 @@ from adaserve.engine.cost.budget import choose_budget
 from adaserve.engine.cost.cost_model import CostModel, even_cells, fit_cost_model
 from adaserve.engine.cost.profiler import (
     ProfilerConfig,
-    _probe_limit,
     _roofline,
     forward_timer,
     measure_interleaved,
+    probe_plan,
     probe_split,
     size_grid,
 )
@@ -66,8 +66,8 @@ CELLS: dict[str, Callable[[int, int], int] | None] = {
 
 def fits(runner: ModelRunner, cfg: ProfilerConfig) -> dict[str, CostModel]:
     """The probes timed once, fitted with each definition of the cells (module docstring)."""
-    grid = size_grid(_probe_limit(runner, cfg))
-    probes = [(c, n) for c in sorted({cfg.context, *cfg.fit_contexts}) for n in grid]
+    contexts, limit = probe_plan(runner, cfg)
+    probes = [(c, n) for c in contexts for n in size_grid(limit)]
     timings = measure_interleaved(forward_timer(runner), probes, rounds=cfg.repeats, warmup=cfg.warmup, seed=1)
     knee = choose_budget(_roofline(timings[cfg.context]), cfg.knee)
     out = {}

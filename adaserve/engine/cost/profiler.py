@@ -2,8 +2,8 @@
 
 For each n in {1, 2, 4, ...} the target runs a verification-shaped forward: ``b = min(n, 8)``
 requests, each with ``context`` cached tokens and a chain of n/b new tokens, timed with device
-synchronisation. Two context lengths give the samples that separate alpha (per context token) from
-gamma (per batched token) in
+synchronisation. Two context lengths (64 and 256; on a CPU also 1,024 where the cache holds it: ``probe_plan``)
+give the samples that separate alpha (per context token) from gamma (per batched token) in
 
     T_fwd = alpha * N_context + gamma * N_batched + delta        (SmartSpec Eq. 7)
 
@@ -78,6 +78,10 @@ class ProfilerConfig:
     max_tokens: int | None = None  # largest n; default 1024 on CUDA, 256 on CPU (memory and time)
     context: int = 256  # representative context length per request for the roofline
     fit_contexts: tuple[int, ...] = (64, 256)  # contexts sampled for the cost-model fit
+    # and on a CPU, each where the cache holds it without shrinking the grid (``probe_plan``): 64 to 256 cached tokens
+    # misjudged the cost of a context token by up to 2x, and long-context forwards by 30-90% (docs/benchmarks.md,
+    # "Twenty-seventh round"); a GPU's profile and the simulated devices keep ``fit_contexts``
+    cpu_contexts: tuple[int, ...] = (1024,)
     repeats: int = 5
     warmup: int = 2
     knee: KneeConfig = field(default_factory=KneeConfig)
@@ -90,6 +94,8 @@ class ProfilerConfig:
             raise ValueError("ProfilerConfig.fit_contexts must name at least one context length")
         for c in self.fit_contexts:
             at_least("ProfilerConfig", "fit_contexts", c, 1)
+        for c in self.cpu_contexts:
+            at_least("ProfilerConfig", "cpu_contexts", c, 1)
         at_least("ProfilerConfig", "repeats", self.repeats, 1)
         at_least("ProfilerConfig", "warmup", self.warmup, 0)
 
@@ -248,11 +254,26 @@ def size_grid(limit: int) -> list[int]:
     return out
 
 
+def _room(runner: ModelRunner, longest: int) -> int:
+    """New tokens a probe can add to 8 sequences of ``longest`` cached tokens: memory-safe, every probe's prefixes
+    and new tokens must fit in the preallocated cache (with half of it to spare)."""
+    return runner.cache.capacity_tokens // 2 - 8 * longest
+
+
 def _probe_limit(runner: ModelRunner, cfg: ProfilerConfig) -> int:
+    """The largest n probed over ``context`` and ``fit_contexts``."""
     default_max = 1024 if runner.device.type == "cuda" else 256
-    # memory-safe: every probe's prefixes and new tokens must fit in the preallocated cache
-    fits = runner.cache.capacity_tokens // 2
-    return min(cfg.max_tokens or default_max, max(1, fits - 8 * max(cfg.context, *cfg.fit_contexts)))
+    return min(cfg.max_tokens or default_max, max(1, _room(runner, max(cfg.context, *cfg.fit_contexts))))
+
+
+def probe_plan(runner: ModelRunner, cfg: ProfilerConfig) -> tuple[tuple[int, ...], int]:
+    """The contexts the probes run at, and their largest n: ``context`` and ``fit_contexts``, and on a CPU each of
+    ``cpu_contexts`` that the cache holds with the same grid of n."""
+    limit = _probe_limit(runner, cfg)
+    contexts = {cfg.context, *cfg.fit_contexts}
+    if runner.device.type == "cpu":
+        contexts |= {c for c in cfg.cpu_contexts if _room(runner, c) >= limit}
+    return tuple(sorted(contexts)), limit
 
 
 def profile_runner(runner: ModelRunner, cfg: ProfilerConfig, *, label: str, progress: bool = True,
@@ -267,8 +288,8 @@ def profile_runner(runner: ModelRunner, cfg: ProfilerConfig, *, label: str, prog
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
     timer = timer or forward_timer(runner)
-    grid = size_grid(_probe_limit(runner, cfg))
-    probes = [(c, n) for c in sorted({cfg.context, *cfg.fit_contexts}) for n in grid]
+    contexts, limit = probe_plan(runner, cfg)
+    probes = [(c, n) for c in contexts for n in size_grid(limit)]
     t0 = time.perf_counter()
     best: dict[str, Any] | None = None
     for attempt in range(1, attempts + 1):
@@ -391,7 +412,8 @@ def profile_models(target: ModelRunner, draft: ModelRunner | None, *, target_pat
     if target.tensor_parallel_size > 1:  # a sharded target is another engine: its own B and cost model
         ident += f":tp={target.tensor_parallel_size}"
     knee = f"{cfg.knee.criterion}:{cfg.knee.max_elasticity}:{cfg.knee.eps}"
-    key = ProfileKey(device=dev, model=ident + f":ctx{cfg.context}:max{cfg.max_tokens}:knee={knee}",
+    contexts = ",".join(map(str, probe_plan(target, cfg)[0]))  # a profile over other contexts is another fit
+    key = ProfileKey(device=dev, model=ident + f":ctx{cfg.context}:max{cfg.max_tokens}:knee={knee}:fit{contexts}",
                      dtype=str(target.dtype).removeprefix("torch."), engine_version=__version__)
     data = None if force else _load_checked(cache, key, check)
     cached = data is not None

@@ -6,13 +6,15 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from adaserve.engine.cost.budget import TableCheck
 from adaserve.engine.cost.profile_cache import ProfileCache
-from adaserve.engine.cost.profiler import ProfilerConfig, model_identity, profile_models
+from adaserve.engine.cost.profiler import ProfilerConfig, model_identity, probe_plan, profile_models
 from adaserve.engine.speculation.adaptive import speculation_floor
 from tests.engine.helpers import runner
 
@@ -94,3 +96,22 @@ def test_profile_cli(tmp_path: Path, target_dir: Path, as_json: bool) -> None:
         assert data["profiling_seconds"] > 0
     else:
         assert "budget B =" in res.stdout
+
+
+def stub(device: str, capacity_tokens: int) -> Any:
+    """What ``probe_plan`` reads of a runner: its device and its cache's capacity."""
+    return SimpleNamespace(device=torch.device(device), cache=SimpleNamespace(capacity_tokens=capacity_tokens))
+
+
+def test_a_cpu_profile_also_probes_a_long_context_where_the_cache_holds_it() -> None:
+    """On a CPU the probes add 1,024 cached tokens to 64 and 256 (a narrow span misjudged the cost of a context token)
+    when the cache holds 8 sequences of it beside the largest probe; a smaller cache keeps the grid and drops the
+    context; a GPU keeps its contexts (and so do the simulated devices, which fit ``fit_contexts`` themselves)."""
+    cfg = ProfilerConfig()
+    assert probe_plan(stub("cpu", 2 * (8 * 1024 + 256)), cfg) == ((64, 256, 1024), 256)
+    assert probe_plan(stub("cpu", 2 * (8 * 1024 + 255)), cfg) == ((64, 256), 256)  # 1,024 would cut n to 255
+    assert probe_plan(stub("cpu", 1000), cfg) == ((64, 256), 1)  # a tiny cache: as before
+    assert probe_plan(stub("cuda", 10**6), cfg) == ((64, 256), 1024)
+    assert probe_plan(stub("cpu", 10**6), ProfilerConfig(cpu_contexts=())) == ((64, 256), 256)
+    with pytest.raises(ValueError, match="cpu_contexts"):
+        ProfilerConfig(cpu_contexts=(0,))

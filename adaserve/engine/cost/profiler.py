@@ -79,8 +79,8 @@ class ProfilerConfig:
     context: int = 256  # representative context length per request for the roofline
     fit_contexts: tuple[int, ...] = (64, 256)  # contexts sampled for the cost-model fit
     # and on a CPU, each where the cache holds it without shrinking the grid (``probe_plan``): 64 to 256 cached tokens
-    # misjudged the cost of a context token by up to 2x, and long-context forwards by 30-90% (docs/benchmarks.md,
-    # "Twenty-seventh round"); a GPU's profile and the simulated devices keep ``fit_contexts``
+    # left the cost of a context token loose by up to 2x, and 8 requests at 2,048 cached tokens over-priced by 38-112%
+    # (docs/benchmarks.md, "Twenty-seventh round"); a GPU's profile and the simulated devices keep ``fit_contexts``
     cpu_contexts: tuple[int, ...] = (1024,)
     repeats: int = 5
     warmup: int = 2

@@ -466,35 +466,33 @@ class Engine:
                 n_ctx, round(verify) + p))
 
     def _prompt_load(self, tokens: int) -> PromptLoad:
-        """The prompt chunks of ``tokens`` prompt tokens as ``_prefill_segments`` ("mixed") would cut them: the
-        requests being prefilled in order, each from where its KV ends, the last one cut."""
-        chunks = []
-        for req in self.running:
-            if req.phase is not Phase.PREFILL or tokens <= 0:
-                continue
-            done = req.target_kv.length
-            take = min(tokens, len(req.prompt_ids) - done)
-            chunks.append((take, done))
-            tokens -= take
-        return PromptLoad.of(chunks)
+        """The load of the prompt chunks ``tokens`` prompt tokens make ("mixed": ``_cut_prompts``)."""
+        return PromptLoad.of((take, req.target_kv.length) for req, take in self._cut_prompts(tokens, whole=False))
 
-    def _prefill_segments(self, m: StepMetrics) -> list[tuple[Request, Segment]]:
-        """This iteration's prompt chunks: "mixed", up to ``_prefill_chunk()`` tokens, the last prompt cut;
-        "separate", whole prompts in admission order while they fit in ``prefill_chunk`` (the first always)."""
-        whole = self.cfg.prefill_mode == "separate"
-        left = self._prefill_chunk()
-        out = []
+    def _cut_prompts(self, left: int, *, whole: bool) -> list[tuple[Request, int]]:
+        """Each request being prefilled and the prompt tokens it takes from ``left``, in admission order, each from
+        where its KV ends: "mixed" (``whole`` False) cuts the last one; "separate" takes whole prompts while they fit
+        (the first always)."""
+        out: list[tuple[Request, int]] = []
         for req in self.running:
             if req.phase is not Phase.PREFILL or left <= 0:
                 continue
-            done = req.target_kv.length
-            if whole and out and len(req.prompt_ids) - done > left:
+            rest = len(req.prompt_ids) - req.target_kv.length
+            if whole and out and rest > left:
                 break  # first come first served: a prompt that does not fit waits, and so do those behind it
-            chunk = req.prompt_ids[done:] if whole else req.prompt_ids[done : done + left]
-            left -= len(chunk)
-            m.prefill_tokens += len(chunk)
+            take = rest if whole else min(rest, left)
+            left -= take
+            out.append((req, take))
+        return out
+
+    def _prefill_segments(self, m: StepMetrics) -> list[tuple[Request, Segment]]:
+        """This iteration's prompt chunks: up to ``_prefill_chunk()`` tokens (``_cut_prompts``)."""
+        out = []
+        for req, take in self._cut_prompts(self._prefill_chunk(), whole=self.cfg.prefill_mode == "separate"):
+            done = req.target_kv.length
+            m.prefill_tokens += take
             m.n_prefill += 1
-            out.append((req, Segment(req.target_kv, done, TokenTree.chain(chunk))))
+            out.append((req, Segment(req.target_kv, done, TokenTree.chain(req.prompt_ids[done : done + take]))))
         return out
 
     def predict_iteration(self, shape: TreeShape | None, n: int, n_context: int, prompt: PromptLoad | None = None,

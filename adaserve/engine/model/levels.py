@@ -179,10 +179,12 @@ class BeamLevels:
         for s, end in zip(self.seqs, (self.prefix + self.ends[-1]).tolist(), strict=True):
             cache.ensure(s, end)  # the deepest level's pages: every level's slots exist from here on
         lone = len(self.seqs) == 1 and self.runner.model.cfg.sliding_window is None
+        # the ways the fed levels run; none at all for a one-level search (depth 1: the catch-up alone, the policies'
+        # usual pick at one request, which took the batch plan and the device's mask before)
         levels = {how for how, *_ in self._grids[1:]}
-        if lone and self._grids[0][0] != "static" and levels == {"torch"}:
+        if lone and self._grids[0][0] != "static" and levels <= {"torch"}:
             self._plan_lone()
-        elif lone and self._grids[0][0] in ("static", "") and levels == {"static"}:
+        elif lone and self._grids[0][0] in ("static", "") and levels <= {"static"}:
             self._plan_lone_static()
         else:
             self._plan_batch()
@@ -300,7 +302,8 @@ class BeamLevels:
                 offset += x.size
             self._static_at[level] = spans
             parts += level_parts
-        put("static.levels", np.concatenate(parts))
+        if parts:  # none for a one-level search: the catch-up alone
+            put("static.levels", np.concatenate(parts))
 
     def _plan_batch(self) -> None:
         """``_plan`` for any batch, grid and window (``_plan_lone`` is its one-request case)."""

@@ -65,7 +65,9 @@ def random_request(draft: ModelRunner, rng: np.random.Generator, case: int, *,
     draft.cache.ensure(seq, length)
     seq.length = length
     pending = None if case % 5 == 0 else [rng.integers(2, 90, int(rng.integers(1, 7))).tolist()]
-    sizes = random_sizes(rng)
+    # a depth-d search feeds its first d levels (speculate.beam_search): every third case with pending tokens is a
+    # one-level search, the catch-up alone (depth 1, the policies' usual pick at one request)
+    sizes = [1] if pending is not None and case % 3 == 0 else random_sizes(rng)
     if pending is None and len(sizes) < 2:
         sizes = [1, 2]
     return seq, pending, sizes
@@ -97,7 +99,7 @@ def test_the_lone_plan_stages_the_batch_plans_arrays(draft_dir: Path, on_host: b
     cells filled from random ancestor rows, is the mask the device makes from the batch plan's arrays."""
     draft = runner(draft_dir)
     rng = np.random.default_rng(30)
-    lone_planned = 0
+    lone_planned = one_level = 0
     for case in range(300):
         seq, pending, sizes = random_request(draft, rng, case, longest=60)
         levels = BeamLevels(draft, [seq], sizes, pending=pending, host_masks=on_host)
@@ -116,8 +118,9 @@ def test_the_lone_plan_stages_the_batch_plans_arrays(draft_dir: Path, on_host: b
                      if not (int(k.split(".")[0]) in lone_masks and k.split(".")[1] in MASK_PARTS)}
         assert_same_staged(lone, batch, (sizes, pending, seq.length))
         lone_planned += levels.folds_catch_up or pending is None
+        one_level += len(sizes) == 1
         draft.cache.release(seq)
-    assert lone_planned == 300
+    assert lone_planned == 300 and one_level > 50
 
 
 def test_the_lone_static_plan_stages_the_batch_plans_arrays(draft_dir: Path) -> None:
@@ -147,6 +150,8 @@ def test_the_lone_plan_is_chosen_only_for_one_request_without_a_window(
     monkeypatch.setattr(BeamLevels, "_plan_lone", lambda self: calls.append("lone"))
     monkeypatch.setattr(BeamLevels, "_plan_batch", lambda self: calls.append("batch"))
 
+    sizes = [1, 2, 2]
+
     def plan(r: ModelRunner, n: int, pending: bool = True) -> str:
         seqs = []
         for _ in range(n):
@@ -154,18 +159,24 @@ def test_the_lone_plan_is_chosen_only_for_one_request_without_a_window(
             r.cache.ensure(s, 9)
             s.length = 9
             seqs.append(s)
-        BeamLevels(r, seqs, [1, 2, 2], pending=[[4, 5]] * n if pending else None)
+        BeamLevels(r, seqs, sizes, pending=[[4, 5]] * n if pending else None)
         for s in seqs:
             r.cache.release(s)
         return calls.pop()
 
     assert plan(draft, 1) == "lone" and plan(draft, 2) == "batch"
+    sizes = [1]  # a one-level search: the catch-up alone
+    assert plan(draft, 1) == "lone" and plan(draft, 2) == "batch"
+    sizes = [1, 2, 2]
     monkeypatch.setattr(draft.model, "cfg", replace(draft.model.cfg, sliding_window=2))
     assert plan(draft, 1) == "batch"
     monkeypatch.setattr(BeamLevels, "_plan_lone_static", lambda self: calls.append("lone static"))
     static = runner(draft_dir, static_shapes=True)  # static buckets pad the grid: their own lone plan
     assert plan(static, 1, pending=False) == plan(static, 1) == "lone static"
     assert plan(static, 2) == "batch"
+    sizes = [1]
+    assert plan(static, 1) == "lone static" and plan(static, 2) == "batch"
+    sizes = [1, 2, 2]
     monkeypatch.setattr(static.model, "cfg", replace(static.model.cfg, sliding_window=2))
     assert plan(static, 1) == "batch"
 

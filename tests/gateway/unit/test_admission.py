@@ -176,11 +176,15 @@ def test_a_release_wakes_a_waiting_request() -> None:
 
 
 def test_excluded_workers_are_not_chosen() -> None:
-    adm, _, _ = admission([registration("a", max_active=4), registration("b", max_active=4, active=2)])
+    # every worker excluded (each failed this request) is rule 6: a wait of worker_wait_s for another, then
+    # no_workers; shortened here from its 30 s default
+    adm, _, _ = admission([registration("a", max_active=4), registration("b", max_active=4, active=2)],
+                          worker_wait_s=0.3)
     out, _ = run(timed_admit(adm, CHAT, exclude={"a"}))
     assert isinstance(out, Admitted) and out.choice.worker.id == "b"
-    out, _ = run(timed_admit(adm, CHAT, exclude={"a", "b"}))
+    out, waited = run(timed_admit(adm, CHAT, exclude={"a", "b"}))
     assert isinstance(out, Refused) and out.reason == "no_workers"
+    assert 0.3 <= waited < 5.0
 
 
 # ---- classes no worker can meet ----------------------------------------------------------------------------------

@@ -43,10 +43,9 @@ from adaserve.engine.cost.budget import KneeConfig
 from adaserve.engine.cost.cost_model import CostModel, fit_cost_model
 from adaserve.engine.cost.profiler import (
     ProfilerConfig,
-    _probe_limit,
     forward_timer,
     measure_interleaved,
-    size_grid,
+    probe_grid,
     summarise_timings,
 )
 from adaserve.engine.model.batch import Segment
@@ -114,10 +113,9 @@ def fits(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def probe_fits(runner: ModelRunner, sets: list[tuple[int, ...]], *, repeats: int) -> dict[str, CostModel]:
     """The profiler's probes timed once at every context of ``sets``, fitted once per set (module docstring)."""
-    every = tuple(sorted({c for s in sets for c in s}))
-    grid = size_grid(_probe_limit(runner, ProfilerConfig(context=every[0], fit_contexts=every)))
-    timings = measure_interleaved(forward_timer(runner), [(c, n) for c in every for n in grid], rounds=repeats,
-                                  warmup=2, seed=1)
+    every = tuple(sorted({c for s in sets for c in s}))  # all of them, on one grid of n (no CPU context added)
+    probes = probe_grid(runner, ProfilerConfig(context=every[0], fit_contexts=every, cpu_contexts=()))
+    timings = measure_interleaved(forward_timer(runner), probes, rounds=repeats, warmup=2, seed=1)
     return {",".join(map(str, s)): CostModel.from_dict(summarise_timings(
         {c: timings[c] for c in s}, context=256 if 256 in s else s[-1], knee=KneeConfig())["cost_model"])
         for s in sets}

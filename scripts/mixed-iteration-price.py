@@ -1,7 +1,7 @@
 """How well an iteration that carries prompt chunks beside decoding requests is priced (issue 30, docs/benchmarks.md
 "Twenty-seventh round"): three ways of pricing the same forwards, from the same profile probes, in one run.
 
-1. The target's start-up probes are timed once (the profiler's grid, ``probe_plan``: ``probe_split`` chains over 64,
+1. The target's start-up probes are timed once (the profiler's grid, ``probe_grid``: ``probe_split`` chains over 64,
    256 and 1,024 cached tokens, interleaved rounds) and fitted three ways, each bent at the profile's knee:
 
        smartspec     alpha * N_ctx + gamma * N_batched + delta
@@ -49,9 +49,8 @@ from adaserve.engine.cost.profiler import (
     _roofline,
     forward_timer,
     measure_interleaved,
-    probe_plan,
+    probe_grid,
     probe_split,
-    size_grid,
 )
 from adaserve.engine.engine import Engine
 from adaserve.engine.model.runner import ModelRunner, chunk_cells
@@ -66,9 +65,8 @@ CELLS: dict[str, Callable[[int, int], int] | None] = {
 
 def fits(runner: ModelRunner, cfg: ProfilerConfig) -> dict[str, CostModel]:
     """The probes timed once, fitted with each definition of the cells (module docstring)."""
-    contexts, limit = probe_plan(runner, cfg)
-    probes = [(c, n) for c in contexts for n in size_grid(limit)]
-    timings = measure_interleaved(forward_timer(runner), probes, rounds=cfg.repeats, warmup=cfg.warmup, seed=1)
+    timings = measure_interleaved(forward_timer(runner), probe_grid(runner, cfg), rounds=cfg.repeats,
+                                  warmup=cfg.warmup, seed=1)
     knee = choose_budget(_roofline(timings[cfg.context]), cfg.knee)
     out = {}
     for name, cells in CELLS.items():

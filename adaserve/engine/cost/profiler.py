@@ -276,6 +276,12 @@ def probe_plan(runner: ModelRunner, cfg: ProfilerConfig) -> tuple[tuple[int, ...
     return tuple(sorted(contexts)), limit
 
 
+def probe_grid(runner: ModelRunner, cfg: ProfilerConfig) -> list[tuple[int, int]]:
+    """Every probe of a profile, (cached tokens, new tokens): each of ``probe_plan``'s contexts over the grid of n."""
+    contexts, limit = probe_plan(runner, cfg)
+    return [(c, n) for c in contexts for n in size_grid(limit)]
+
+
 def profile_runner(runner: ModelRunner, cfg: ProfilerConfig, *, label: str, progress: bool = True,
                    check: TableCheck | None = None, attempts: int = ATTEMPTS,
                    timer: ProbeTimer | None = None) -> dict[str, Any]:
@@ -288,8 +294,7 @@ def profile_runner(runner: ModelRunner, cfg: ProfilerConfig, *, label: str, prog
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
     timer = timer or forward_timer(runner)
-    contexts, limit = probe_plan(runner, cfg)
-    probes = [(c, n) for c in contexts for n in size_grid(limit)]
+    probes = probe_grid(runner, cfg)
     t0 = time.perf_counter()
     best: dict[str, Any] | None = None
     for attempt in range(1, attempts + 1):

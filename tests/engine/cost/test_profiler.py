@@ -14,7 +14,7 @@ import torch
 
 from adaserve.engine.cost.budget import TableCheck
 from adaserve.engine.cost.profile_cache import ProfileCache
-from adaserve.engine.cost.profiler import ProfilerConfig, model_identity, probe_plan, profile_models
+from adaserve.engine.cost.profiler import ProfilerConfig, model_identity, probe_grid, probe_plan, profile_models
 from adaserve.engine.speculation.adaptive import speculation_floor
 from tests.engine.helpers import runner
 
@@ -113,5 +113,8 @@ def test_a_cpu_profile_also_probes_a_long_context_where_the_cache_holds_it() -> 
     assert probe_plan(stub("cpu", 1000), cfg) == ((64, 256), 1)  # a tiny cache: as before
     assert probe_plan(stub("cuda", 10**6), cfg) == ((64, 256), 1024)
     assert probe_plan(stub("cpu", 10**6), ProfilerConfig(cpu_contexts=())) == ((64, 256), 256)
+    # every probe: each context over the grid of n up to the limit
+    assert probe_grid(stub("cpu", 2 * (8 * 1024 + 256)), ProfilerConfig(max_tokens=4)) == [
+        (64, 1), (64, 2), (64, 4), (256, 1), (256, 2), (256, 4), (1024, 1), (1024, 2), (1024, 4)]
     with pytest.raises(ValueError, match="cpu_contexts"):
         ProfilerConfig(cpu_contexts=(0,))

@@ -134,7 +134,14 @@ def _rank(m: np.ndarray) -> int:
     return int(np.count_nonzero(s > s[0] * max(m.shape) * _EPS))
 
 
-def _nnls_small(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, int]:
+def _least_squares(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, int]:
+    """The unconstrained least-squares solution of ``a x = b`` and ``a``'s rank (``np.linalg.lstsq``'s: one SVD)."""
+    x, _, rank, _ = np.linalg.lstsq(a, b, rcond=None)
+    return x, int(rank)
+
+
+def _nnls_small(a: np.ndarray, b: np.ndarray, *, first: Sequence[int] | None = None,
+                full: tuple[np.ndarray, int] | None = None) -> tuple[np.ndarray, int]:
     """argmin_{x >= 0} ||a x - b||_2 for a handful of columns, exactly; with ``a``'s rank (np.linalg.lstsq's).
 
     The problem is convex, so a feasible x is the optimum iff it meets the KKT conditions: the gradient
@@ -145,25 +152,33 @@ def _nnls_small(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, int]:
     column smaller, and so on; one to four solves instead of 2^p - 1 (issue 30: the online model's refit was
     ~0.7 ms of host time). A rank-deficient ``a`` (several optima), or none found (g's rounding at a boundary), is
     left to the enumeration, whose tie rule picks among equal fits.
+
+    ``first``: a support to try before the others (the online model's last fit's: a window that moved by a quarter
+    mostly keeps it; issue 30, the ordered search averaged ~7 solves a refit in the engine). Only one support can
+    pass at full rank (a positive solution meeting KKT is the unique optimum, whose support is that one), so the
+    hint changes nothing but the number of solves: the same lstsq call on the same columns, the same bits (short of
+    a coefficient whose optimum is 0 within rounding, where either support is the optimum to the last bits).
+    ``full``: ``_least_squares(a, b)`` where the caller has it already.
     """
     p = a.shape[1]
-    x_full, _, rank, _ = np.linalg.lstsq(a, b, rcond=None)
+    x_full, rank = full if full is not None else _least_squares(a, b)
     if rank < p:
-        return _nnls_enumerated(a, b), int(rank)
+        return _nnls_enumerated(a, b), rank
     if min(x_full.tolist()) > 0:
         return x_full, p
     gram, corr = a.T @ a, a.T @ b
-    for k in range(p - 1, 0, -1):
-        for support in itertools.combinations(range(p), k):
-            cols = list(support)
-            xs = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
-            if min(xs.tolist()) <= 0:
-                continue
-            x = np.zeros(p)
-            x[cols] = xs
-            g = (gram @ x - corr).tolist()  # g = a^T (a x - b): 0 on the support up to rounding
-            if all(g[j] >= 0 for j in range(p) if j not in support):
-                return x, p
+    kept = sorted({j for j in first if 0 <= j < p}) if first is not None else []
+    hint = [tuple(kept)] if 0 < len(kept) < p else []
+    for support in itertools.chain(hint, *(itertools.combinations(range(p), k) for k in range(p - 1, 0, -1))):
+        cols = list(support)
+        xs = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+        if min(xs.tolist()) <= 0:
+            continue
+        x = np.zeros(p)
+        x[cols] = xs
+        g = (gram @ x - corr).tolist()  # g = a^T (a x - b): 0 on the support up to rounding
+        if all(g[j] >= 0 for j in range(p) if j not in support):
+            return x, p
     return _nnls_enumerated(a, b), p
 
 
@@ -243,7 +258,7 @@ DEGENERATE = "cost-model samples are degenerate: vary n_context and n_batched in
 
 def fit_model(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, *, cells: np.ndarray | None = None,
               weighting: Literal["relative", "absolute"] = "relative",
-              knee: int | None = None, akaike: bool = True) -> CostModel:
+              knee: int | None = None, akaike: bool = True, last: CostModel | None = None) -> CostModel:
     """``fit_arrays``'s model without its report: what the online model refits its window with, with no Python pass
     over the samples and none of the report's sums (issue 30).
 
@@ -251,20 +266,23 @@ def fit_model(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, *, cells: np.nda
     residuals S of the n samples, ``n log S + 2 k`` smaller with it, so S at least ``1 - exp(-2 / n)`` lower, about
     10% for the profiler's 18 probes): a noisy table can trade the batched tokens' gamma for the cells' beta, which
     vary with them at each context, without fitting any better. The online model's window of a few hundred forwards
-    skips the rule (its bar is under 1%) and the second solve it takes (issue 30: ~0.3 ms a refit in the engine)."""
+    skips the rule (its bar is under 1%) and the second solve it takes (issue 30: ~0.3 ms a refit in the engine).
+
+    ``last``: the model this fit replaces (the online model's previous refit): the terms it kept are the first support
+    the non-negative solve tries (``_nnls_small``'s ``first``), the same model in fewer solves."""
     if weighting not in ("relative", "absolute"):
         raise ValueError(f"weighting must be 'relative' or 'absolute', got {weighting!r}")
     if len(yv) < 3:
         raise ValueError(f"fit_cost_model needs >= 3 samples, got {len(yv)}")
     # one new token a sequence makes the cells the context plus the tokens everywhere: nothing to tell beta apart
     if cells is not None and not np.array_equal(cells, ctx + bat):
-        fitted = _fit(ctx, bat, yv, cells, weighting, knee)
+        fitted = _fit(ctx, bat, yv, cells, weighting, knee, last)
         # None: the cells vary only along the other columns (every sample the same tokens a sequence, say)
         if fitted is not None and not akaike:
             return fitted[0]
     else:
         fitted = None
-    straight = _fit(ctx, bat, yv, None, weighting, knee)
+    straight = _fit(ctx, bat, yv, None, weighting, knee, last)
     assert straight is not None  # only a cells column can add no rank
     if fitted is not None and fitted[1] < straight[1] * math.exp(-2.0 / len(yv)):
         return fitted[0]
@@ -272,9 +290,11 @@ def fit_model(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, *, cells: np.nda
 
 
 def _fit(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, cells: np.ndarray | None,
-         weighting: Literal["relative", "absolute"], knee: int | None) -> tuple[CostModel, float] | None:
+         weighting: Literal["relative", "absolute"], knee: int | None,
+         last: CostModel | None = None) -> tuple[CostModel, float] | None:
     """The NNLS fit on the columns context, batched, 1[, cells][, the hinge] and its weighted squared residuals;
-    ValueError where the straight columns are degenerate; None where the cells column adds no rank."""
+    ValueError where the straight columns are degenerate; None where the cells column adds no rank. ``last``: a
+    model whose nonzero terms the solve tries first (``fit_model``)."""
     design = np.column_stack([ctx, bat, np.ones_like(yv)])
     if cells is not None:
         design = np.column_stack([design, cells])
@@ -286,14 +306,18 @@ def _fit(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, cells: np.ndarray | N
         raise ValueError(DEGENERATE)
     w = 1.0 / yv if weighting == "relative" else np.ones_like(yv)
     a = design / scale * w[:, None]
-    x, rank = _nnls_small(a, yv * w)
+    full = _least_squares(a, yv * w)
+    rank = full[1]
     # rank 3 of the straight columns: the solve's own rank says so, unless the hinge column is what it lacks (rows
     # scaled by w > 0 keep the rank: the same rule as np.linalg.matrix_rank's on the unweighted design, and no SVD
-    # of its own, ~0.15 ms of a refit's host time with cold caches)
+    # of its own, ~0.15 ms of a refit's host time with cold caches). Read before the non-negative solve: a window
+    # whose cells add no rank is refitted without them, so its rank-deficient solve (every support enumerated, ~0.8
+    # ms in the engine) was thrown away (issue 30)
     if rank < 3 or (rank < a.shape[1] and _rank(a[:, :3]) < 3):
         raise ValueError(DEGENERATE)
     if cells is not None and rank < a.shape[1] and _rank(a[:, :4]) < 4:
         return None
+    x, _ = _nnls_small(a, yv * w, full=full, first=None if last is None else _support(last, a.shape[1], cells))
     r = a @ x - yv * w
     coef = np.maximum(x / scale, 0.0).tolist()  # exact zeros stay zeros; guards -0.0
     beta = coef.pop(3) if cells is not None else 0.0
@@ -301,6 +325,13 @@ def _fit(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, cells: np.ndarray | N
     model = CostModel(alpha=coef[0], gamma=coef[1], delta=coef[2],
                       gamma_above=above, knee=int(knee) if above > 0 and knee is not None else 0, beta=beta)
     return model, float(r @ r)
+
+
+def _support(model: CostModel, p: int, cells: np.ndarray | None) -> list[int]:
+    """The columns of ``_fit``'s design (context, batched, 1[, cells][, the hinge]; ``p`` of them) whose terms are
+    nonzero in ``model``."""
+    terms = [model.alpha, model.gamma, model.delta, *([model.beta] if cells is not None else []), model.gamma_above]
+    return [j for j, t in enumerate(terms[:p]) if t > 0]
 
 
 def fit_arrays(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, *, cells: np.ndarray | None = None,

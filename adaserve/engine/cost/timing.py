@@ -237,7 +237,7 @@ class OnlineCostModel:
             # keep the profile's knee: forwards served rarely span it, the profiler's grid did; ``observe``
             # has checked every sample, so the columns go in as they are, with no fit report (cost_model.fit_model)
             model = fit_model(samples[:, 0], samples[:, 1], samples[:, 2], cells=samples[:, 3],
-                              knee=self.initial.knee or None, akaike=False)
+                              knee=self.initial.knee or None, akaike=False, last=self._model)
         except ValueError:  # not enough variation in the samples yet to separate the terms
             return None
         return model

@@ -120,6 +120,81 @@ def test_nnls_small_leaves_a_rank_deficient_problem_to_the_enumeration():
     assert x[0] + x[1] == pytest.approx(1.0) and x[2] == pytest.approx(0.3)
 
 
+def _counting_lstsq(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count ``np.linalg.lstsq`` calls (each an SVD: what a refit's host time is made of)."""
+    calls: list[int] = []
+    real = np.linalg.lstsq
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(np.linalg, "lstsq", counting)
+    return calls
+
+
+@pytest.mark.parametrize("zeros", [1, 2, 3])
+@pytest.mark.parametrize("seed", range(10))
+def test_a_hinted_support_is_tried_first_and_changes_no_bit(seed, zeros, monkeypatch):
+    """``first`` (the online model's last fit's support) is solved before the ordered search: the right one ends it
+    after two solves (the full support's and its own), and any hint, right, wrong, empty, whole or out of range, gives
+    the bits the search gives without one."""
+    rng = np.random.default_rng(100 + seed)
+    a = rng.uniform(0.0, 1.0, (24, 4))
+    x_true = rng.uniform(0.2, 1.0, 4)
+    x_true[rng.permutation(4)[:zeros]] = -rng.uniform(0.5, 1.0, zeros)
+    b = a @ x_true + rng.normal(0.0, 0.01, 24)
+    plain, _ = _nnls_small(a, b)
+    right = [j for j in range(4) if plain[j] > 0]
+    for hint in (right, [j for j in range(4) if j not in right], [], [0, 1, 2, 3], [7, -1], [*right, 9]):
+        np.testing.assert_array_equal(_nnls_small(a, b, first=hint)[0], plain)
+    calls = _counting_lstsq(monkeypatch)
+    if right:
+        _nnls_small(a, b, first=right)
+        assert len(calls) == 2
+
+
+def test_an_online_refit_starts_from_the_last_models_terms(monkeypatch):
+    """``fit_model(last=...)``: the model it replaces names the first support tried; the same model as without, in
+    fewer solves over windows like the draft's (its context term often at the bound)."""
+    rng = np.random.default_rng(5)
+    with_hint = without = 0
+    for _ in range(30):
+        n = 64
+        bat = rng.integers(1, 10, n).astype(float)
+        ctx = rng.integers(100, 400, n).astype(float)
+        cells = ctx * bat + bat * (bat + 1) / 2
+        y = (0.5e-3 + 2e-5 * bat) * rng.lognormal(0.0, 0.05, n)  # no context cost: alpha and beta at 0
+        calls = _counting_lstsq(monkeypatch)
+        prev = fit_model(ctx, bat, y, cells=cells, akaike=False)
+        without += len(calls)
+        calls.clear()
+        again = fit_model(ctx, bat, y, cells=cells, akaike=False, last=prev)
+        with_hint += len(calls)
+        monkeypatch.undo()
+        assert again == prev
+    assert with_hint < without
+
+
+def test_a_window_whose_cells_add_no_rank_is_fitted_without_them_unenumerated(monkeypatch):
+    """Cells that follow the other columns (here twice the context) add no rank: the fit is the straight one, read
+    from the rank before any non-negative solve (the enumeration of every support it took was thrown away)."""
+    import adaserve.engine.cost.cost_model as cm
+
+    rng = np.random.default_rng(8)
+    ctx = rng.integers(100, 4000, 40).astype(float)
+    bat = rng.integers(1, 64, 40).astype(float)
+    y = (ALPHA * ctx + GAMMA * bat + DELTA) * rng.lognormal(0.0, 0.02, 40)
+    straight = fit_model(ctx, bat, y)
+
+    def refused(*_args, **_kwargs):
+        raise AssertionError("a rank-deficient window's supports were enumerated")
+
+    monkeypatch.setattr(cm, "_nnls_enumerated", refused)
+    assert fit_model(ctx, bat, y, cells=2.0 * ctx) == straight
+    assert fit_model(ctx, bat, y, cells=2.0 * ctx, akaike=False) == straight
+
+
 @pytest.mark.parametrize(("case", "rank"), [("full", 4), ("copied", 3), ("tiny", 3), ("small", 4)])
 def test_rank_is_numpys_matrix_rank(case: str, rank: int):
     """Full rank; a column twice another's; a column below the numerical threshold (1e-18 of the others); one small

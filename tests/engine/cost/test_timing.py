@@ -191,6 +191,29 @@ def test_least_squares_refit_runs_once_a_quarter_of_the_window_is_new(monkeypatc
     assert median_rel_error(m.model, forwards(rng, 200, sigma=0.0)) < 0.1
 
 
+def test_a_refit_hands_the_fit_the_model_it_replaces(monkeypatch: pytest.MonkeyPatch):
+    """Each least-squares refit passes its last refit (None before the first) as ``last``: the terms that model kept
+    are the first support the solve tries (cost_model._nnls_small), the same model in fewer solves."""
+    from adaserve.engine.cost import timing
+
+    seen = []
+    real = timing.fit_model
+
+    def recording(ctx, bat, y, **kw):
+        seen.append(kw.get("last", "missing"))
+        return real(ctx, bat, y, **kw)
+
+    monkeypatch.setattr(timing, "fit_model", recording)
+    m = OnlineCostModel(CostModel(0.0, 0.0, 0.02))
+    models = []
+    for c, b, y in forwards(np.random.default_rng(12), 128):
+        m.observe(c, b, y)
+        models.append(m.model)
+    assert len(seen) >= 3 and seen[0] is None
+    refits = [models[n - 1] for n in (16, 32, 48, 64, 96, 128)[: len(seen)]]  # the model after each refit
+    assert seen[1:] == refits[: len(seen) - 1]
+
+
 def test_refit_is_fit_cost_model_on_the_window():
     """The window goes to the fit as columns (cost_model.fit_model, no per-sample pass): the same model."""
     from adaserve.engine.cost.cost_model import fit_cost_model

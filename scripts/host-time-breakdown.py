@@ -104,6 +104,7 @@ FUNCTIONS = [  # (module, qualified name)
     ("adaserve.engine.model.kv_cache", "PagedKVCache.move_many"),
     ("adaserve.engine.model.kv_cache", "PagedKVCache.truncate"),
     ("adaserve.engine.cost.timing", "OnlineCostModel.observe"),
+    ("adaserve.engine.cost.timing", "OnlineCostModel._refit"),  # the least-squares refit, inside observe
     ("adaserve.engine.engine", "Engine._emit"),
 ]
 

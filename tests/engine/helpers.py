@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,20 +90,3 @@ def use_cpu_kernels(kind: str, monkeypatch: Any) -> None:
     if kind == "native":
         integer_kernels()
     monkeypatch.setenv(native_kernels.ENV, "on" if kind == "native" else "off")
-
-
-def exceptions_raised_in(fn: Callable[[], Any]) -> tuple[list[str], Any]:
-    """The names of the exceptions raised in any frame while ``fn`` runs (caught or not), and its result."""
-    raised: list[str] = []
-
-    def tracer(frame: Any, event: str, arg: Any) -> Any:
-        if event == "exception":
-            raised.append(arg[0].__name__)
-        return tracer
-
-    sys.settrace(tracer)
-    try:
-        out = fn()
-    finally:
-        sys.settrace(None)
-    return raised, out

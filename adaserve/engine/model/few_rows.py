@@ -55,14 +55,9 @@ def enabled() -> bool:
     return os.environ.get(ENV, "on").lower() not in ("off", "0", "false", "no")
 
 
-# the bucket index of M rows, M = 0 .. MAX_ROWS: a list read, where a search made and closed a generator per linear
-# layer (issue 30: 131 a lone 4x2 speculative iteration of the demo pair, each closed by a GeneratorExit)
-_BUCKET_OF = [next(i for i, b in enumerate(BUCKETS) if m <= b) for m in range(MAX_ROWS + 1)]
-
-
 def bucket(m: int) -> int:
     """Index of the bucket for M rows (M <= MAX_ROWS)."""
-    return _BUCKET_OF[m]
+    return next(i for i, b in enumerate(BUCKETS) if m <= b)
 
 
 def product(kernel: str, x: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor | None,

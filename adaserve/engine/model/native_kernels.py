@@ -28,7 +28,7 @@ ops, and the first maximum of each row that greedy draws take (issue 30: on a CP
 time of every speculative iteration). Beam search (speculation/speculate.py) and the draws (verify.py) take them
 on the CPU wherever the library loads and the kernels are not ``off``.
 
-May import numpy, torch, cache_dir and environment only: quant.py decides which layers use it.
+May import numpy, torch and cache_dir only: quant.py decides which layers use it.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ import numpy as np
 import torch
 
 from adaserve.engine.cache_dir import default_cache_dir
-from adaserve.engine.environment import env
 
 ENV = "ADASERVE_NATIVE_KERNELS"  # auto (default) | on | off: see ``chosen``
 SOURCES = tuple(Path(__file__).parent / "native" / name for name in ("q8dot.c", "attend.c", "picks.c"))
@@ -272,8 +271,7 @@ def _zero_bases(n: int) -> torch.Tensor:
 
 
 def mode() -> str:
-    raw = env(ENV)  # at each call, cheaply (environment.py)
-    value = "auto" if raw is None else raw.lower()
+    value = os.environ.get(ENV, "auto").lower()
     if value not in ("auto", "on", "off"):
         raise ValueError(f"{ENV}={value!r}: use auto, on or off")
     return value

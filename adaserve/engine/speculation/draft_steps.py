@@ -27,11 +27,12 @@ ancestor rows. The picks reach the host in one copy at the end, as on the eager 
 ``ADASERVE_DRAFT_STEPS=off`` (read at each search) keeps the levels' loop (speculate.beam_search) instead: the switch
 a GPU session flips if the graph misbehaves there, without a code change.
 
-May import: numpy, torch, the model room, speculation.beam_ops, environment.
+May import: numpy, torch, the model room, speculation.beam_ops.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -39,7 +40,6 @@ from dataclasses import dataclass
 
 import torch
 
-from adaserve.engine.environment import env
 from adaserve.engine.model.levels import BeamLevels
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.model.static import StaticForward
@@ -52,8 +52,7 @@ ENV = "ADASERVE_DRAFT_STEPS"
 
 def enabled() -> bool:
     """The draft's steps serve (the default), unless ``ADASERVE_DRAFT_STEPS`` says off."""
-    value = env(ENV)  # at each search, cheaply (environment.py)
-    return value is None or value.lower() not in ("off", "0", "false", "no")
+    return os.environ.get(ENV, "on").lower() not in ("off", "0", "false", "no")
 
 
 @dataclass

@@ -26,8 +26,6 @@ def test_every_kernel_is_the_same_product(kernel: str, bias: bool) -> None:
 
 def test_buckets_and_tuned_plan() -> None:
     assert [bucket(m) for m in (1, 2, 3, 4, 5, 8, 9, 16)] == [0, 1, 2, 3, 4, 4, 5, 5]
-    assert [bucket(m) for m in range(1, BUCKETS[-1] + 1)] == [  # every M: the first bucket that holds it
-        next(i for i, b in enumerate(BUCKETS) if m <= b) for m in range(1, BUCKETS[-1] + 1)]
     plan = tune(48, 32, torch.float32)
     assert len(plan) == len(BUCKETS) and set(plan) <= set(KERNELS)
     assert tune(48, 32, torch.float32) is plan  # measured once per shape

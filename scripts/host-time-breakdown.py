@@ -105,6 +105,7 @@ FUNCTIONS = [  # (module, qualified name)
     ("adaserve.engine.model.kv_cache", "PagedKVCache.truncate"),
     ("adaserve.engine.cost.timing", "OnlineCostModel.observe"),
     ("adaserve.engine.cost.timing", "OnlineCostModel._refit"),  # the least-squares refit, inside observe
+    ("adaserve.engine.model.native_kernels", "chosen"),  # reads ADASERVE_NATIVE_KERNELS at each call
     ("adaserve.engine.engine", "Engine._emit"),
 ]
 

@@ -161,11 +161,19 @@ def test_models_and_slo_classes(gateway: GatewayProcess) -> None:
 
 
 def test_requests_spread_over_workers_by_headroom(gateway: GatewayProcess, rds: tuple[redis.Redis, str]) -> None:
+    """Six requests sent at once: the gateway counts its own in-flight requests, so with slacks tied the one holding
+    fewer gets the next, three each. Each answer is long enough (400 tokens) to outlast the routing of all six, and
+    the six start together (a barrier): with 48-token answers one could end before the last was routed on a busy
+    machine, and the split read 4/2 (a CI-like run of the whole suite)."""
     import concurrent.futures as cf
+    import threading
+
+    start = threading.Barrier(6)
 
     def one(i: int) -> str:
+        start.wait(timeout=60)
         r = httpx.post(f"{gateway.url}/v1/completions", headers={"X-SLO-Class": "chat"}, timeout=120,
-                       json={"model": "demo", "prompt": f"def f{i}(x):", "max_tokens": 48, "temperature": 0,
+                       json={"model": "demo", "prompt": f"def f{i}(x):", "max_tokens": 400, "temperature": 0,
                              "ignore_eos": True})
         assert r.status_code == 200, r.text
         return r.headers["X-Request-Id"]

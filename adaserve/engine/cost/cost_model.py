@@ -153,8 +153,8 @@ def _nnls_small(a: np.ndarray, b: np.ndarray, *, first: Sequence[int] | None = N
     ~0.7 ms of host time). A rank-deficient ``a`` (several optima), or none found (g's rounding at a boundary), is
     left to the enumeration, whose tie rule picks among equal fits.
 
-    ``first``: a support to try before the others (the online model's last fit's: a window that moved by a quarter
-    mostly keeps it; issue 30, the ordered search averaged ~7 solves a refit in the engine). Only one support can
+    ``first``: a support (column indices, ascending) to try before the others (the online model's last fit's: a
+    window that moved by a quarter often keeps it, and the ordered search solves several supports). Only one support can
     pass at full rank (a positive solution meeting KKT is the unique optimum, whose support is that one), so the
     hint changes nothing but the number of solves: the same lstsq call on the same columns, the same bits (short of
     a coefficient whose optimum is 0 within rounding, where either support is the optimum to the last bits).
@@ -167,8 +167,7 @@ def _nnls_small(a: np.ndarray, b: np.ndarray, *, first: Sequence[int] | None = N
     if min(x_full.tolist()) > 0:
         return x_full, p
     gram, corr = a.T @ a, a.T @ b
-    kept = sorted({j for j in first if 0 <= j < p}) if first is not None else []
-    hint = [tuple(kept)] if 0 < len(kept) < p else []
+    hint = [tuple(first)] if first is not None and 0 < len(first) < p else []  # the full support was solved above
     for support in itertools.chain(hint, *(itertools.combinations(range(p), k) for k in range(p - 1, 0, -1))):
         cols = list(support)
         xs = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
@@ -311,8 +310,8 @@ def _fit(ctx: np.ndarray, bat: np.ndarray, yv: np.ndarray, cells: np.ndarray | N
     # rank 3 of the straight columns: the solve's own rank says so, unless the hinge column is what it lacks (rows
     # scaled by w > 0 keep the rank: the same rule as np.linalg.matrix_rank's on the unweighted design, and no SVD
     # of its own, ~0.15 ms of a refit's host time with cold caches). Read before the non-negative solve: a window
-    # whose cells add no rank is refitted without them, so its rank-deficient solve (every support enumerated, ~0.8
-    # ms in the engine) was thrown away (issue 30)
+    # whose cells add no rank is refitted without them, so its rank-deficient solve (every support enumerated) would
+    # be thrown away (issue 30)
     if rank < 3 or (rank < a.shape[1] and _rank(a[:, :3]) < 3):
         raise ValueError(DEGENERATE)
     if cells is not None and rank < a.shape[1] and _rank(a[:, :4]) < 4:

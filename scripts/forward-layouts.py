@@ -15,11 +15,13 @@ timed forwards (after ``--warmup``), N_ctx, and the start-up profile's predictio
 fitted to the layouts' own medians, SmartSpec's (alpha * N_ctx) and with the attention cells (+ beta * N_cells), each
 with its errors over the layouts and over the one- and two-token rows of 8 sequences or more (decode-sized batches).
 
-``--probe-contexts 64,256 64,256,1024``: the profiler's probes (``probe_split`` chains of 1 .. 256 tokens) are timed
-once at every context named, interleaved as the profiler times them, and fitted once per list as the profiler fits its
-own (``summarise_timings``, bent at the knee); each fit's prediction of every layout, and its mean relative error over
-all layouts and over the decode-sized ones, are reported beside the start-up profile's: which probe contexts price
-the layouts best, paired on one set of timings (docs/benchmarks.md, "Twenty-seventh round").
+``--probe-contexts 64,256 64,256,1024 64,256,1024x2:64``: the profiler's probes (``probe_split`` chains of 1 .. 256
+tokens over at most 8 sequences, or the number after an ``x``) are timed once at every context named (a ``:`` and a
+number: that context's probes up to that n only, in the fit; the timings are the same), interleaved as
+the profiler times them, and fitted once per list as the profiler fits its own (``summarise_timings``, bent at the
+knee); each fit's prediction of every layout, and its mean relative error over all layouts and over the decode-sized
+ones, are reported beside the start-up profile's: which probe contexts price the layouts best, paired on one set of
+timings (docs/benchmarks.md, "Twenty-seventh round"; ``x`` sequences: "Thirtieth round").
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 python scripts/forward-layouts.py \\
         --layouts 32x1@200 32x1@100-300 32x1@300 32x3@200 32x3@100-300 32x3@300
@@ -39,13 +41,16 @@ from typing import Any
 import torch
 
 from adaserve.bench.engine_only import load_pair, served_config, source_version
+from adaserve.cli.arg_types import add_weights_option
 from adaserve.engine.cost.budget import KneeConfig
 from adaserve.engine.cost.cost_model import CostModel, fit_cost_model
 from adaserve.engine.cost.profiler import (
+    PROBE_SEQUENCES,
     ProfilerConfig,
     forward_timer,
     measure_interleaved,
-    probe_grid,
+    probe_plan,
+    size_grid,
     summarise_timings,
 )
 from adaserve.engine.model.batch import Segment
@@ -111,20 +116,55 @@ def fits(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def probe_fits(runner: ModelRunner, sets: list[tuple[int, ...]], *, repeats: int) -> dict[str, CostModel]:
-    """The profiler's probes timed once at every context of ``sets``, fitted once per set (module docstring)."""
-    every = tuple(sorted({c for s in sets for c in s}))  # all of them, on one grid of n (no CPU context added)
-    probes = probe_grid(runner, ProfilerConfig(context=every[0], fit_contexts=every, cpu_contexts=()))
-    timings = measure_interleaved(forward_timer(runner), probes, rounds=repeats, warmup=2, seed=1)
-    return {",".join(map(str, s)): CostModel.from_dict(summarise_timings(
-        {c: timings[c] for c in s}, context=256 if 256 in s else s[-1], knee=KneeConfig())["cost_model"])
-        for s in sets}
+Probe = tuple[int, int, int]  # (cached tokens, most sequences, largest n: 0 for the grid's)
+ProbeSet = tuple[Probe, ...]  # one per probe context
+
+
+def parse_probe_set(text: str) -> ProbeSet:
+    """``64,256,1024x2:64`` -> ((64, 8, 0), (256, 8, 0), (1024, 2, 64)): a context's probes over at most 8
+    sequences, or the number after ``x`` (``ProbePlan.most``), over the grid of n or up to the number after ``:``."""
+    out = set()
+    for item in text.split(","):
+        c_b, _, top = item.partition(":")
+        c, _, b = c_b.partition("x")
+        out.add((int(c), int(b) if b else PROBE_SEQUENCES, int(top) if top else 0))
+    if len({p[0] for p in out}) != len(out):
+        raise ValueError(f"{text}: a context named twice")
+    if any(p[2] < 0 for p in out):
+        raise ValueError(f"{text}: a largest n below 1")
+    return tuple(sorted(out))
+
+
+def probe_label(s: ProbeSet) -> str:
+    """The set as ``parse_probe_set`` reads it (8 sequences and the whole grid left unsaid)."""
+    return ",".join(f"{c}{'' if b == PROBE_SEQUENCES else f'x{b}'}{f':{top}' if top else ''}" for c, b, top in s)
+
+
+def probe_fits(runner: ModelRunner, sets: list[ProbeSet], *, repeats: int) -> dict[str, CostModel]:
+    """The profiler's probes timed once at every (context, sequences) of ``sets``, fitted once per set, each set's
+    contexts on the grid of n or up to their largest (module docstring)."""
+    every = sorted({(c, b) for s in sets for c, b, _ in s})  # all of them, on one grid of n (no CPU context added)
+    contexts = tuple(sorted({c for c, _ in every}))
+    limit = probe_plan(runner, ProfilerConfig(context=contexts[0], fit_contexts=contexts, cpu_contexts=())).limit
+    timers = {p: forward_timer(runner, {p[0]: p[1]}) for p in every}
+    # measure_interleaved keys its probes by an integer: each (context, sequences) pair's index in ``every``
+    timings = measure_interleaved(lambda n, i: timers[every[i]](n, every[i][0]),
+                                  [(i, n) for i in range(len(every)) for n in size_grid(limit)],
+                                  rounds=repeats, warmup=2, seed=1)
+    out = {}
+    for s in sets:
+        cs = [c for c, _, _ in s]
+        table = {c: {n: xs for n, xs in timings[every.index((c, b))].items() if not top or n <= top}
+                 for c, b, top in s}
+        out[probe_label(s)] = CostModel.from_dict(summarise_timings(
+            table, context=256 if 256 in cs else cs[-1], knee=KneeConfig(), most={c: b for c, b, _ in s})["cost_model"])
+    return out
 
 
 def run(model: str, layouts: list[str], *, models: tuple[str, ...], repeats: int, warmup: int,
-        probe_sets: list[tuple[int, ...]] | None = None, probe_rounds: int = 5) -> dict[str, Any]:
+        probe_sets: list[ProbeSet] | None = None, probe_rounds: int = 5, weights: str = "float") -> dict[str, Any]:
     parsed = [(text, *parse_layout(text)) for text in layouts]
-    target, draft, _ = load_pair(model, "cpu", 1024)
+    target, draft, _ = load_pair(model, "cpu", 1024, weights=weights)
     served = served_config(target, draft, model)
     runners = {"target": (target, served.target_cost), "draft": (draft, served.draft_cost)}
     rows = []
@@ -149,7 +189,8 @@ def run(model: str, layouts: list[str], *, models: tuple[str, ...], repeats: int
                                              for k, m in probed[name].items()}
     out = {"benchmark": "forward-layouts", "source": source_version(), "model": model,
            "attention": {name: served_attention(runners[name][0].model) for name in models},
-           "torch_threads": torch.get_num_threads(), "repeats": repeats, "warmup": warmup, "forwards": rows}
+           "weights": weights, "torch_threads": torch.get_num_threads(), "repeats": repeats, "warmup": warmup,
+           "forwards": rows}
     if probed:
         out["probe_fits"] = {name: {k: {"cost_model": m.to_dict(), **errors(
             [r for r in rows if r["model"] == name], lambda r, k=k: r["probe_fits_ms"][k])}
@@ -174,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    add_weights_option(ap)
     ap.add_argument("--fit", action="store_true", help="also fit both cost models to the layouts' medians")
     ap.add_argument("--probe-contexts", nargs="+", default=[], metavar="C1,C2[,..]",
                     help="fit the profiler's probes at each list of contexts (docstring)")
@@ -181,17 +223,18 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.repeats, args.threads) < 1 or args.warmup < 0:
         ap.error("--repeats and --threads must be >= 1, --warmup >= 0")
     try:
-        sets = [tuple(sorted({int(c) for c in text.split(",")})) for text in args.probe_contexts]
+        sets = [parse_probe_set(text) for text in args.probe_contexts]
     except ValueError:
-        ap.error("--probe-contexts: comma-separated whole numbers, e.g. 64,256 64,256,1024")
-    if any(len(s) < 2 or s[0] < 1 for s in sets):
-        ap.error("--probe-contexts: each list needs at least two contexts of at least 1 token")
+        ap.error("--probe-contexts: comma-separated whole numbers, each once, a context's sequences after an x, "
+                 "e.g. 64,256 64,256,1024x2")
+    if any(len(s) < 2 or min(min(p[:2]) for p in s) < 1 for s in sets):
+        ap.error("--probe-contexts: each list needs at least two contexts of at least 1 token and 1 sequence")
     torch.set_num_threads(args.threads)
     try:
         for text in args.layouts:
             parse_layout(text)
         report = run(args.model, args.layouts, models=tuple(args.models), repeats=args.repeats, warmup=args.warmup,
-                     probe_sets=sets)
+                     probe_sets=sets, weights=args.weights)
         if args.fit:
             report["fits"] = fits(report["forwards"])
     except ValueError as e:  # a bad layout, an unknown model, one without a draft

@@ -2,7 +2,8 @@
 "Twenty-seventh round"): three ways of pricing the same forwards, from the same profile probes, in one run.
 
 1. The target's start-up probes are timed once (the profiler's grid, ``probe_grid``: ``probe_split`` chains over 64,
-   256 and 1,024 cached tokens, interleaved rounds) and fitted three ways, each bent at the profile's knee:
+   256 and 1,024 cached tokens, the last over fewer sequences where the cache holds fewer: ``probe_plan``; interleaved
+   rounds) and fitted three ways, each bent at the profile's knee:
 
        smartspec     alpha * N_ctx + gamma * N_batched + delta
        cached-cells  + beta * N_cells, N_cells = sum new x cached (e5c6892's cells: a probe's n * c)
@@ -50,6 +51,7 @@ from adaserve.engine.cost.profiler import (
     forward_timer,
     measure_interleaved,
     probe_grid,
+    probe_plan,
     probe_split,
 )
 from adaserve.engine.engine import Engine
@@ -58,21 +60,24 @@ from adaserve.engine.request import Phase, Request
 from adaserve.engine.speculation.sampling import SamplingParams
 
 Forward = tuple[int, int, int, list[tuple[int, int]], float]  # ctx_dec, n_decode, n_new, chunks (new, cached), s
-CELLS: dict[str, Callable[[int, int], int] | None] = {
-    "smartspec": None, "cached-cells": lambda n, c: n * c, "chunk-cells": lambda n, c: sum(
-        chunk_cells(k, c) for k in probe_split(n))}
+# a probe's attention cells from its chains (``probe_split``: new tokens per sequence) over c cached tokens each
+CELLS: dict[str, Callable[[list[int], int], int] | None] = {
+    "smartspec": None, "cached-cells": lambda split, c: sum(split) * c,
+    "chunk-cells": lambda split, c: sum(chunk_cells(k, c) for k in split)}
 
 
 def fits(runner: ModelRunner, cfg: ProfilerConfig) -> dict[str, CostModel]:
     """The probes timed once, fitted with each definition of the cells (module docstring)."""
-    timings = measure_interleaved(forward_timer(runner), probe_grid(runner, cfg), rounds=cfg.repeats,
+    plan = probe_plan(runner, cfg)
+    timings = measure_interleaved(forward_timer(runner, plan.most), probe_grid(runner, cfg), rounds=cfg.repeats,
                                   warmup=cfg.warmup, seed=1)
     knee = choose_budget(_roofline(timings[cfg.context]), cfg.knee)
     out = {}
     for name, cells in CELLS.items():
-        samples = [(min(p.n_tokens, 8) * c, p.n_tokens, p.latency_s) if cells is None
-                   else (min(p.n_tokens, 8) * c, p.n_tokens, p.latency_s, cells(p.n_tokens, c))
-                   for c in sorted(timings) for p in _roofline(timings[c])]
+        samples = [(len(split) * c, p.n_tokens, p.latency_s) if cells is None
+                   else (len(split) * c, p.n_tokens, p.latency_s, cells(split, c))
+                   for c in sorted(timings) for p in _roofline(timings[c])
+                   for split in [probe_split(p.n_tokens, plan.most[c])]]
         out[name] = fit_cost_model(samples, knee=knee)[0]
     return out
 

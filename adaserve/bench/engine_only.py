@@ -454,19 +454,21 @@ def host_cpu() -> str:
     return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "unknown")
 
 
-def load_pair(model: str, device: str, kv_memory_mb: int,
-              static_shapes: bool = False) -> tuple[ModelRunner, ModelRunner, Any]:
+def load_pair(model: str, device: str, kv_memory_mb: int, static_shapes: bool = False,
+              weights: str = "float") -> tuple[ModelRunner, ModelRunner, Any]:
+    """A model's pair as the benchmarks serve it: its target and draft runners (``weights``: quant.py's choices),
+    each with a cache of ``kv_memory_mb``, and its tokenizer."""
     from adaserve.engine.build import resolve_device
     from adaserve.engine.loading.catalog import resolve
     from adaserve.engine.loading.loader import load_model, load_tokenizer
 
-    pair = resolve(model, progress=False)
+    pair = resolve(model, progress=False, weights=weights)
     if pair.draft is None:
         raise ValueError(f"{model} has no draft of its own")
     dev = resolve_device(device)
     rc = EngineConfig(kv=KVCacheConfig(memory_bytes=kv_memory_mb * 2**20), static_shapes=static_shapes)
-    target = ModelRunner(load_model(pair.target, device=dev, progress=False), rc)
-    draft = ModelRunner(load_model(pair.draft, device=dev, progress=False), rc)
+    target = ModelRunner(load_model(pair.target, device=dev, progress=False, weights=weights), rc)
+    draft = ModelRunner(load_model(pair.draft, device=dev, progress=False, weights=weights), rc)
     return target, draft, load_tokenizer(pair.target)
 
 

@@ -25,7 +25,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--force", action="store_true", help="ignore the cached profile and measure again")
     p.add_argument("--json", action="store_true", help="print the full profile as JSON")
     p.add_argument("--plot", type=Path, help="draw latency and tokens/s against n with the knee (PNG)")
-    p.add_argument("--kv-memory-mb", type=int, default=512)
+    # the worker's default (worker/settings.py): the cache's size decides the sequences a long-context probe spreads
+    # over (profiler.probe_plan), part of the profile's key, so a profile measured here is the one ``adaserve up`` reads
+    p.add_argument("--kv-memory-mb", type=int, default=256, help="KV cache memory per model, in MiB (default 256, "
+                   "the worker's: its profile is the one measured here)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="profile the target sharded over N ranks (CPU: gloo): its own budget and cost model")
     add_weights_option(p)

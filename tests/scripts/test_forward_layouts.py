@@ -62,20 +62,24 @@ def test_the_fits_tell_the_cells_from_the_context_read() -> None:
 
 
 def test_probe_contexts_fit_one_set_of_probes_each_way() -> None:
-    """``--probe-contexts``: the profiler's probes, timed once, fitted per list of contexts; each fit predicts every
-    layout and reports its errors."""
+    """``--probe-contexts``: the profiler's probes, timed once, fitted per list of contexts (a context's probes over at
+    most 8 sequences, or the number after an x); each fit predicts every layout and reports its errors."""
     layouts = load_script("forward-layouts.py")
+    assert layouts.parse_probe_set("16,8,32x2:4") == ((8, 8, 0), (16, 8, 0), (32, 2, 4))
+    sets = ("8,16", "8,16,32", "8,16,32x2", "8,16,32x2:4")
     report = layouts.run("demo-tiny", ["8x1@16", "1x4@32"], models=("target",), repeats=1, warmup=0,
-                         probe_sets=[(8, 16), (8, 16, 32)], probe_rounds=1)
+                         probe_sets=[layouts.parse_probe_set(t) for t in sets], probe_rounds=1)
     fits = report["probe_fits"]["target"]
-    assert set(fits) == {"8,16", "8,16,32"}
+    assert set(fits) == set(sets)
+    assert fits["8,16,32"]["cost_model"] != fits["8,16,32x2"]["cost_model"]  # other probes, timed apart
+    assert fits["8,16,32x2"]["cost_model"] != fits["8,16,32x2:4"]["cost_model"]  # the same, fewer of them fitted
     assert all(f["mean_rel_error"] >= 0 and f["cost_model"]["delta"] >= 0 for f in fits.values())
     assert fits["8,16"]["decode_mean_rel_error"] >= 0  # 8x1 is decode-sized
     assert all(set(r["probe_fits_ms"]) == set(fits) and min(r["probe_fits_ms"].values()) > 0
                for r in report["forwards"])
 
 
-@pytest.mark.parametrize("bad", ["64", "64,x", "0,64"])
+@pytest.mark.parametrize("bad", ["64", "64,x", "0,64", "64,256x0", "64,64x2", "64,256:-1", "64,256:y"])
 def test_bad_probe_contexts_are_cli_errors(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Refused by the argument parser (exit 2, a message), before any model loads: in-process, no interpreter start."""
     with pytest.raises(SystemExit) as exit_:

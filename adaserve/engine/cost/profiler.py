@@ -2,8 +2,9 @@
 
 For each n in {1, 2, 4, ...} the target runs a verification-shaped forward: ``b = min(n, 8)``
 requests, each with ``context`` cached tokens and a chain of n/b new tokens, timed with device
-synchronisation. Two context lengths (64 and 256; on a CPU also 1,024 where the cache holds it: ``probe_plan``)
-give the samples that separate alpha (per context token) from gamma (per batched token) in
+synchronisation. Two context lengths (64 and 256; on a CPU also 1,024, over fewer requests where the cache
+cannot hold 8 such: ``probe_plan``) give the samples that separate alpha (per context token) from gamma (per
+batched token) in
 
     T_fwd = alpha * N_context + gamma * N_batched + delta        (SmartSpec Eq. 7)
 
@@ -37,7 +38,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -65,6 +66,7 @@ from adaserve.engine.speculation.adaptive import speculation_floor
 
 log = logging.getLogger(__name__)
 
+PROBE_SEQUENCES = 8  # the most sequences a probe spreads its new tokens over (fewer: ``probe_plan``)
 ATTEMPTS = 3  # measurements of one model before a noisy table is used uncached
 ProbeTimer = Callable[[int, int], float]  # (n_tokens, context) -> seconds of one forward
 Timings = dict[int, dict[int, list[float]]]  # context -> n_tokens -> seconds, one per round
@@ -78,10 +80,13 @@ class ProfilerConfig:
     max_tokens: int | None = None  # largest n; default 1024 on CUDA, 256 on CPU (memory and time)
     context: int = 256  # representative context length per request for the roofline
     fit_contexts: tuple[int, ...] = (64, 256)  # contexts sampled for the cost-model fit
-    # and on a CPU, each where the cache holds it without shrinking the grid (``probe_plan``): 64 to 256 cached tokens
-    # left the cost of a context token loose by up to 2x, and 8 requests at 2,048 cached tokens over-priced by 38-112%
+    # and on a CPU each of these, over as many sequences as the cache holds beside the grid (``probe_plan``): 64 to 256
+    # cached tokens left the cost of a context token loose by up to 2x, and 8 requests at 2,048 over-priced by 38-112%
     # (docs/benchmarks.md, "Twenty-seventh round"); a GPU's profile and the simulated devices keep ``fit_contexts``
     cpu_contexts: tuple[int, ...] = (1024,)
+    # their probes' largest n: chains of up to 16 tokens over 1,024 cached ones fitted as well as the whole grid, at a
+    # fraction of its time (the default target's first profile: 42 s, 79 s with the whole grid; "Thirtieth round")
+    cpu_max_tokens: int = 16
     repeats: int = 5
     warmup: int = 2
     knee: KneeConfig = field(default_factory=KneeConfig)
@@ -96,6 +101,7 @@ class ProfilerConfig:
             at_least("ProfilerConfig", "fit_contexts", c, 1)
         for c in self.cpu_contexts:
             at_least("ProfilerConfig", "cpu_contexts", c, 1)
+        at_least("ProfilerConfig", "cpu_max_tokens", self.cpu_max_tokens, 1)
         at_least("ProfilerConfig", "repeats", self.repeats, 1)
         at_least("ProfilerConfig", "warmup", self.warmup, 0)
 
@@ -130,16 +136,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def probe_split(n_tokens: int) -> list[int]:
-    """A probe's new tokens per request: ``n_tokens`` over ``b = min(n, 8)`` requests, as evenly as they go."""
-    b = min(n_tokens, 8)
+def probe_split(n_tokens: int, most: int = PROBE_SEQUENCES) -> list[int]:
+    """A probe's new tokens per request: ``n_tokens`` over ``b = min(n, most)`` requests, as evenly as they go."""
+    b = min(n_tokens, most)
     return [n_tokens // b + (1 if i < n_tokens % b else 0) for i in range(b)]
 
 
 @contextlib.contextmanager
-def _probe(runner: ModelRunner, n_tokens: int, context: int) -> Iterator[list[Segment]]:
-    """``b = min(n, 8)`` requests with ``context`` cached tokens and n/b new ones; their KV freed after."""
-    per = probe_split(n_tokens)
+def _probe(runner: ModelRunner, n_tokens: int, context: int,
+           most: int = PROBE_SEQUENCES) -> Iterator[list[Segment]]:
+    """``b = min(n, most)`` requests with ``context`` cached tokens and n/b new ones; their KV freed after."""
+    per = probe_split(n_tokens, most)
     b = len(per)
     cache = runner.cache
     seqs = [SequenceKV() for _ in range(b)]
@@ -161,11 +168,13 @@ def _timed(runner: ModelRunner, segs: list[Segment]) -> float:
     return time.perf_counter() - t0
 
 
-def forward_timer(runner: ModelRunner) -> ProbeTimer:
-    """Seconds of one real forward of ``runner`` over ``n_tokens`` new tokens at ``context``."""
+def forward_timer(runner: ModelRunner, most: Mapping[int, int] | None = None) -> ProbeTimer:
+    """Seconds of one real forward of ``runner`` over ``n_tokens`` new tokens at ``context``, spread over at most
+    ``most[context]`` sequences (default ``PROBE_SEQUENCES``: ``ProbePlan.most``)."""
+    most = most or {}
 
     def time_one(n_tokens: int, context: int) -> float:
-        with _probe(runner, n_tokens, context) as segs:
+        with _probe(runner, n_tokens, context, most.get(context, PROBE_SEQUENCES)) as segs:
             return _timed(runner, segs)
 
     return time_one
@@ -216,21 +225,23 @@ def check_timings(timings: TimingsIn, check: TableCheck | None = None) -> TableV
     return TableVerdict(tuple(problems))
 
 
-def summarise_timings(timings: TimingsIn, *, context: int,
-                      knee: KneeConfig | None = None, check: TableCheck | None = None) -> dict[str, Any]:
+def summarise_timings(timings: TimingsIn, *, context: int, knee: KneeConfig | None = None,
+                      check: TableCheck | None = None, most: Mapping[int, int] | None = None) -> dict[str, Any]:
     """Roofline table at ``context``, knee budget, cost-model fit and the check's verdict, as JSON data.
 
-    Pure: feed it recorded tables. ``budget`` is the knee of the table; the floor is applied by the
+    Pure: feed it recorded tables. ``most``: the most sequences each context's probes were spread over (default
+    ``PROBE_SEQUENCES``; ``ProbePlan.most``). ``budget`` is the knee of the table; the floor is applied by the
     caller (profile_models), which knows what the engine needs.
     """
+    most = most or {}
     points = _roofline(timings[context])
     verdict = check_timings(timings, check)
-    # cost-model samples: b = min(n, 8) requests of c cached tokens each -> N_context = b * c, and each request's
+    # cost-model samples: b = min(n, most) requests of c cached tokens each -> N_context = b * c, and each request's
     # chain of k new tokens reads its c and the chain up to itself -> N_cells = sum chunk_cells(k, c) (n * c + n
-    # up to 8 tokens: the larger probes separate beta from alpha, cost_model.py)
-    samples = [(min(p.n_tokens, 8) * c, p.n_tokens, p.latency_s,
-                sum(chunk_cells(k, c) for k in probe_split(p.n_tokens)))
-               for c in sorted(timings) for p in _roofline(timings[c])]
+    # up to b tokens: the larger probes separate beta from alpha, cost_model.py)
+    samples = [(len(split) * c, p.n_tokens, p.latency_s, sum(chunk_cells(k, c) for k in split))
+               for c in sorted(timings) for p in _roofline(timings[c])
+               for split in [probe_split(p.n_tokens, most.get(c, PROBE_SEQUENCES))]]
     budget = choose_budget(points, knee)
     cost, report = fit_cost_model(samples, knee=budget)  # bent at the knee (cost_model.py)
     return {
@@ -254,10 +265,10 @@ def size_grid(limit: int) -> list[int]:
     return out
 
 
-def _room(runner: ModelRunner, longest: int) -> int:
-    """New tokens a probe can add to 8 sequences of ``longest`` cached tokens: memory-safe, every probe's prefixes
-    and new tokens must fit in the preallocated cache (with half of it to spare)."""
-    return runner.cache.capacity_tokens // 2 - 8 * longest
+def _room(runner: ModelRunner, longest: int, sequences: int = PROBE_SEQUENCES) -> int:
+    """New tokens a probe can add to ``sequences`` sequences of ``longest`` cached tokens: memory-safe, every probe's
+    prefixes and new tokens must fit in the preallocated cache (with half of it to spare)."""
+    return runner.cache.capacity_tokens // 2 - sequences * longest
 
 
 def _probe_limit(runner: ModelRunner, cfg: ProfilerConfig) -> int:
@@ -266,20 +277,45 @@ def _probe_limit(runner: ModelRunner, cfg: ProfilerConfig) -> int:
     return min(cfg.max_tokens or default_max, max(1, _room(runner, max(cfg.context, *cfg.fit_contexts))))
 
 
-def probe_plan(runner: ModelRunner, cfg: ProfilerConfig) -> tuple[tuple[int, ...], int]:
-    """The contexts the probes run at, and their largest n: ``context`` and ``fit_contexts``, and on a CPU each of
-    ``cpu_contexts`` that the cache holds with the same grid of n."""
+class ProbePlan(NamedTuple):
+    """Where a profile's probes run: the cached tokens of each probe context, the largest n of the grid, and per
+    context the most sequences a probe's tokens are spread over (``PROBE_SEQUENCES``, fewer where a CPU context's
+    sequences would not fit the cache beside its largest probe) and its largest n (``limit``, or a CPU context's
+    ``cpu_max_tokens``)."""
+
+    contexts: tuple[int, ...]
+    limit: int
+    most: dict[int, int]
+    top: dict[int, int]
+
+    def label(self) -> str:
+        """The contexts as the profile key names them: ``64,256,1024``, one over 2 sequences up to n = 16 as
+        ``1024x2:16``."""
+        return ",".join(f"{c}{'' if self.most[c] == PROBE_SEQUENCES else f'x{self.most[c]}'}"
+                        f"{'' if self.top[c] == self.limit else f':{self.top[c]}'}" for c in self.contexts)
+
+
+def probe_plan(runner: ModelRunner, cfg: ProfilerConfig) -> ProbePlan:
+    """The contexts the probes run at, their sequences and largest n: ``context`` and ``fit_contexts`` over 8
+    sequences and the grid up to ``limit``; on a CPU also each of ``cpu_contexts``, up to ``cpu_max_tokens``, over as
+    many sequences (at most 8) as the cache holds beside them. The default target's cache (5,824 tokens of
+    SmolLM2-135M) holds 2 sequences of 1,024 cached tokens (docs/benchmarks.md, "Thirtieth round")."""
     limit = _probe_limit(runner, cfg)
-    contexts = {cfg.context, *cfg.fit_contexts}
+    most = dict.fromkeys({cfg.context, *cfg.fit_contexts}, PROBE_SEQUENCES)
+    top = dict.fromkeys(most, limit)
     if runner.device.type == "cpu":
-        contexts |= {c for c in cfg.cpu_contexts if _room(runner, c) >= limit}
-    return tuple(sorted(contexts)), limit
+        n = min(limit, cfg.cpu_max_tokens)
+        for c in cfg.cpu_contexts:
+            if c not in most and (fits := min(PROBE_SEQUENCES, (runner.cache.capacity_tokens // 2 - n) // c)) >= 1:
+                most[c], top[c] = fits, n  # the most sequences of c cached tokens with room for n new: _room >= n
+    return ProbePlan(tuple(sorted(most)), limit, most, top)
 
 
 def probe_grid(runner: ModelRunner, cfg: ProfilerConfig) -> list[tuple[int, int]]:
-    """Every probe of a profile, (cached tokens, new tokens): each of ``probe_plan``'s contexts over the grid of n."""
-    contexts, limit = probe_plan(runner, cfg)
-    return [(c, n) for c in contexts for n in size_grid(limit)]
+    """Every probe of a profile, (cached tokens, new tokens): each of ``probe_plan``'s contexts over the grid of n up
+    to its largest."""
+    plan = probe_plan(runner, cfg)
+    return [(c, n) for c in plan.contexts for n in size_grid(plan.top[c])]
 
 
 def profile_runner(runner: ModelRunner, cfg: ProfilerConfig, *, label: str, progress: bool = True,
@@ -293,7 +329,8 @@ def profile_runner(runner: ModelRunner, cfg: ProfilerConfig, *, label: str, prog
     """
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
-    timer = timer or forward_timer(runner)
+    plan = probe_plan(runner, cfg)
+    timer = timer or forward_timer(runner, plan.most)
     probes = probe_grid(runner, cfg)
     t0 = time.perf_counter()
     best: dict[str, Any] | None = None
@@ -302,7 +339,7 @@ def profile_runner(runner: ModelRunner, cfg: ProfilerConfig, *, label: str, prog
                   unit="probe") as bar:
             timings = measure_interleaved(timer, probes, rounds=cfg.repeats, warmup=cfg.warmup, seed=attempt,
                                           on_probe=bar.update)
-        out = summarise_timings(timings, context=cfg.context, knee=cfg.knee, check=check)
+        out = summarise_timings(timings, context=cfg.context, knee=cfg.knee, check=check, most=plan.most)
         problems = out["check"]["problems"]
         if best is None or len(problems) < len(best["check"]["problems"]):  # the least implausible so far
             best = out
@@ -417,7 +454,7 @@ def profile_models(target: ModelRunner, draft: ModelRunner | None, *, target_pat
     if target.tensor_parallel_size > 1:  # a sharded target is another engine: its own B and cost model
         ident += f":tp={target.tensor_parallel_size}"
     knee = f"{cfg.knee.criterion}:{cfg.knee.max_elasticity}:{cfg.knee.eps}"
-    contexts = ",".join(map(str, probe_plan(target, cfg)[0]))  # a profile over other contexts is another fit
+    contexts = probe_plan(target, cfg).label()  # a profile over other contexts (or sequences) is another fit
     key = ProfileKey(device=dev, model=ident + f":ctx{cfg.context}:max{cfg.max_tokens}:knee={knee}:fit{contexts}",
                      dtype=str(target.dtype).removeprefix("torch."), engine_version=__version__)
     data = None if force else _load_checked(cache, key, check)

@@ -13,8 +13,19 @@ import pytest
 import torch
 
 from adaserve.engine.cost.budget import TableCheck
+from adaserve.engine.cost.cost_model import CostModel
 from adaserve.engine.cost.profile_cache import ProfileCache
-from adaserve.engine.cost.profiler import ProfilerConfig, model_identity, probe_grid, probe_plan, profile_models
+from adaserve.engine.cost.profiler import (
+    ProfilerConfig,
+    forward_timer,
+    model_identity,
+    probe_grid,
+    probe_plan,
+    probe_split,
+    profile_models,
+    summarise_timings,
+)
+from adaserve.engine.model.runner import chunk_cells
 from adaserve.engine.speculation.adaptive import speculation_floor
 from tests.engine.helpers import runner
 
@@ -98,23 +109,80 @@ def test_profile_cli(tmp_path: Path, target_dir: Path, as_json: bool) -> None:
         assert "budget B =" in res.stdout
 
 
+def test_the_profile_cli_measures_the_workers_cache() -> None:
+    """``adaserve profile`` sizes the KV cache as a worker does by default: the cache decides how many sequences the
+    long-context probes spread over (part of the profile's key), so its profile is the one ``adaserve up`` reads."""
+    from adaserve.cli.main import build_parser
+    from adaserve.worker.settings import WorkerSettings
+
+    assert build_parser().parse_args(["profile"]).kv_memory_mb == WorkerSettings.model_fields["kv_memory_mb"].default
+
+
 def stub(device: str, capacity_tokens: int) -> Any:
     """What ``probe_plan`` reads of a runner: its device and its cache's capacity."""
     return SimpleNamespace(device=torch.device(device), cache=SimpleNamespace(capacity_tokens=capacity_tokens))
 
 
 def test_a_cpu_profile_also_probes_a_long_context_where_the_cache_holds_it() -> None:
-    """On a CPU the probes add 1,024 cached tokens to 64 and 256 (a narrow span misjudged the cost of a context token)
-    when the cache holds 8 sequences of it beside the largest probe; a smaller cache keeps the grid and drops the
-    context; a GPU keeps its contexts (and so do the simulated devices, which fit ``fit_contexts`` themselves)."""
+    """On a CPU the probes add 1,024 cached tokens to 64 and 256 (a narrow span misjudged the cost of a context token),
+    up to n = 16, over 8 sequences when the cache holds 8 of them beside those tokens, over fewer when it holds fewer
+    (the default target's cache: 2), and not at all when it holds none; a GPU keeps its contexts (and so do the
+    simulated devices, which fit ``fit_contexts`` themselves)."""
     cfg = ProfilerConfig()
-    assert probe_plan(stub("cpu", 2 * (8 * 1024 + 256)), cfg) == ((64, 256, 1024), 256)
-    assert probe_plan(stub("cpu", 2 * (8 * 1024 + 255)), cfg) == ((64, 256), 256)  # 1,024 would cut n to 255
-    assert probe_plan(stub("cpu", 1000), cfg) == ((64, 256), 1)  # a tiny cache: as before
-    assert probe_plan(stub("cuda", 10**6), cfg) == ((64, 256), 1024)
-    assert probe_plan(stub("cpu", 10**6), ProfilerConfig(cpu_contexts=())) == ((64, 256), 256)
-    # every probe: each context over the grid of n up to the limit
+    every, grid = {64: 8, 256: 8}, {64: 256, 256: 256}
+    roomy = probe_plan(stub("cpu", 2 * (8 * 1024 + 16)), cfg)
+    assert roomy == ((64, 256, 1024), 256, every | {1024: 8}, grid | {1024: 16})
+    assert roomy.label() == "64,256,1024:16"
+    # one token short of 8 sequences beside 16 new ones: 7 of them
+    assert probe_plan(stub("cpu", 2 * (8 * 1024 + 15)), cfg) == ((64, 256, 1024), 256, every | {1024: 7},
+                                                                 grid | {1024: 16})
+    # SmolLM2-135M's 256 MiB cache: 5,824 tokens, 2 sequences of 1,024 beside 16 new tokens
+    default_target = probe_plan(stub("cpu", 5824), cfg)
+    assert default_target == ((64, 256, 1024), 256, every | {1024: 2}, grid | {1024: 16})
+    assert default_target.label() == "64,256,1024x2:16"
+    assert probe_plan(stub("cpu", 1000), cfg) == ((64, 256), 1, every, {64: 1, 256: 1})  # a tiny cache: as before
+    assert probe_plan(stub("cuda", 10**6), cfg) == ((64, 256), 1024, every, {64: 1024, 256: 1024})
+    assert probe_plan(stub("cpu", 10**6), ProfilerConfig(cpu_contexts=())).label() == "64,256"
+    assert probe_plan(stub("cpu", 10**6), ProfilerConfig(cpu_max_tokens=256)).label() == "64,256,1024"
+    # every probe: each context over the grid of n up to its largest
     assert probe_grid(stub("cpu", 2 * (8 * 1024 + 256)), ProfilerConfig(max_tokens=4)) == [
         (64, 1), (64, 2), (64, 4), (256, 1), (256, 2), (256, 4), (1024, 1), (1024, 2), (1024, 4)]
-    with pytest.raises(ValueError, match="cpu_contexts"):
-        ProfilerConfig(cpu_contexts=(0,))
+    assert probe_grid(stub("cpu", 5824), cfg)[-6:] == [(256, 256), (1024, 1), (1024, 2), (1024, 4), (1024, 8),
+                                                        (1024, 16)]
+    for bad in ({"cpu_contexts": (0,)}, {"cpu_max_tokens": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ProfilerConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_probes_at_a_capped_context_spread_over_its_sequences(target_dir: Path) -> None:
+    """A probe of n tokens at a context capped to b sequences runs min(n, b) chains (the timer's forward), and the
+    fit reads its samples as such: N_context = min(n, b) * c and the cells of those chains."""
+    t = runner(target_dir)
+    seen: list[list[int]] = []
+    forward = t.forward
+
+    def spy(segs: Any, **kw: Any) -> Any:
+        seen.append([s.tree.size for s in segs])
+        assert {s.prefix_len for s in segs} == {16}
+        return forward(segs, **kw)
+
+    t.forward = spy  # type: ignore[method-assign]
+    timer = forward_timer(t, {16: 2})
+    for n in (1, 2, 8):
+        assert timer(n, 16) > 0
+    assert seen == [[1], [1, 1], [4, 4]]
+    assert t.cache.free_pages == t.cache.num_pages
+    assert probe_split(8, 2) == [4, 4] and probe_split(8) == [1] * 8 and probe_split(3, 2) == [2, 1]
+
+    # the fit: a cost 1 ms per context token and 1 ms per cell (b = 2 at context 1,024, 8 at 64)
+    def ms(n: int, c: int, b: int) -> float:
+        split = probe_split(n, b)
+        return 1e-3 * (len(split) * c + sum(chunk_cells(k, c) for k in split))
+
+    grid = (1, 2, 4, 8, 16)
+    timings = {c: {n: [ms(n, c, b)] * 3 for n in grid} for c, b in ((64, 8), (256, 8), (1024, 2))}
+    fitted = CostModel.from_dict(summarise_timings(timings, context=256, most={1024: 2})["cost_model"])
+    assert fitted.alpha == pytest.approx(1e-3, rel=1e-6) and fitted.beta == pytest.approx(1e-3, rel=1e-6)
+    # read as 8 sequences, the same timings fit something else
+    wrong = CostModel.from_dict(summarise_timings(timings, context=256)["cost_model"])
+    assert wrong.alpha != pytest.approx(1e-3, rel=1e-2) or wrong.beta != pytest.approx(1e-3, rel=1e-2)

@@ -2,9 +2,8 @@
 
 For each n in {1, 2, 4, ...} the target runs a verification-shaped forward: ``b = min(n, 8)``
 requests, each with ``context`` cached tokens and a chain of n/b new tokens, timed with device
-synchronisation. Two context lengths (64 and 256; on a CPU also 1,024, over fewer requests where the cache
-cannot hold 8 such: ``probe_plan``) give the samples that separate alpha (per context token) from gamma (per
-batched token) in
+synchronisation. Two context lengths (64 and 256; on a CPU also 1,024, over 2 requests up to n = 16:
+``probe_plan``) give the samples that separate alpha (per context token) from gamma (per batched token) in
 
     T_fwd = alpha * N_context + gamma * N_batched + delta        (SmartSpec Eq. 7)
 
@@ -80,12 +79,15 @@ class ProfilerConfig:
     max_tokens: int | None = None  # largest n; default 1024 on CUDA, 256 on CPU (memory and time)
     context: int = 256  # representative context length per request for the roofline
     fit_contexts: tuple[int, ...] = (64, 256)  # contexts sampled for the cost-model fit
-    # and on a CPU each of these, over as many sequences as the cache holds beside the grid (``probe_plan``): 64 to 256
-    # cached tokens left the cost of a context token loose by up to 2x, and 8 requests at 2,048 over-priced by 38-112%
-    # (docs/benchmarks.md, "Twenty-seventh round"); a GPU's profile and the simulated devices keep ``fit_contexts``
+    # and on a CPU each of these (``probe_plan``): 64 to 256 cached tokens left the cost of a context token loose by
+    # up to 2x, and 8 requests at 2,048 over-priced by 38-112% (docs/benchmarks.md, "Twenty-seventh round"); a GPU's
+    # profile and the simulated devices keep ``fit_contexts``
     cpu_contexts: tuple[int, ...] = (1024,)
-    # their probes' largest n: chains of up to 16 tokens over 1,024 cached ones fitted as well as the whole grid, at a
-    # fraction of its time (the default target's first profile: 42 s, 79 s with the whole grid; "Thirtieth round")
+    # their probes spread over at most 2 sequences, up to n = 16: chains of up to 8 tokens over 1,024 cached ones
+    # separate a cell's cost from a context token's (8 sequences up to n = 16 did not, and their chains of 1-2 tokens
+    # left SmolLM2's long prompt chunks priced 2-5x low), as well as 8 over the whole grid, at a fraction of its time
+    # (docs/benchmarks.md, "Thirtieth round")
+    cpu_sequences: int = 2
     cpu_max_tokens: int = 16
     repeats: int = 5
     warmup: int = 2
@@ -101,6 +103,7 @@ class ProfilerConfig:
             at_least("ProfilerConfig", "fit_contexts", c, 1)
         for c in self.cpu_contexts:
             at_least("ProfilerConfig", "cpu_contexts", c, 1)
+        at_least("ProfilerConfig", "cpu_sequences", self.cpu_sequences, 1)
         at_least("ProfilerConfig", "cpu_max_tokens", self.cpu_max_tokens, 1)
         at_least("ProfilerConfig", "repeats", self.repeats, 1)
         at_least("ProfilerConfig", "warmup", self.warmup, 0)
@@ -279,9 +282,9 @@ def _probe_limit(runner: ModelRunner, cfg: ProfilerConfig) -> int:
 
 class ProbePlan(NamedTuple):
     """Where a profile's probes run: the cached tokens of each probe context, the largest n of the grid, and per
-    context the most sequences a probe's tokens are spread over (``PROBE_SEQUENCES``, fewer where a CPU context's
-    sequences would not fit the cache beside its largest probe) and its largest n (``limit``, or a CPU context's
-    ``cpu_max_tokens``)."""
+    context the most sequences a probe's tokens are spread over (``PROBE_SEQUENCES``, or a CPU context's
+    ``cpu_sequences``, fewer where the cache holds fewer beside its largest probe) and its largest n (``limit``, or a
+    CPU context's ``cpu_max_tokens``)."""
 
     contexts: tuple[int, ...]
     limit: int
@@ -297,16 +300,15 @@ class ProbePlan(NamedTuple):
 
 def probe_plan(runner: ModelRunner, cfg: ProfilerConfig) -> ProbePlan:
     """The contexts the probes run at, their sequences and largest n: ``context`` and ``fit_contexts`` over 8
-    sequences and the grid up to ``limit``; on a CPU also each of ``cpu_contexts``, up to ``cpu_max_tokens``, over as
-    many sequences (at most 8) as the cache holds beside them. The default target's cache (5,824 tokens of
-    SmolLM2-135M) holds 2 sequences of 1,024 cached tokens (docs/benchmarks.md, "Thirtieth round")."""
+    sequences and the grid up to ``limit``; on a CPU also each of ``cpu_contexts``, up to ``cpu_max_tokens``, over
+    ``cpu_sequences`` sequences, or as many as the cache holds beside them (none: not probed)."""
     limit = _probe_limit(runner, cfg)
     most = dict.fromkeys({cfg.context, *cfg.fit_contexts}, PROBE_SEQUENCES)
     top = dict.fromkeys(most, limit)
     if runner.device.type == "cpu":
         n = min(limit, cfg.cpu_max_tokens)
         for c in cfg.cpu_contexts:
-            if c not in most and (fits := min(PROBE_SEQUENCES, (runner.cache.capacity_tokens // 2 - n) // c)) >= 1:
+            if c not in most and (fits := min(cfg.cpu_sequences, (runner.cache.capacity_tokens // 2 - n) // c)) >= 1:
                 most[c], top[c] = fits, n  # the most sequences of c cached tokens with room for n new: _room >= n
     return ProbePlan(tuple(sorted(most)), limit, most, top)
 

@@ -125,31 +125,27 @@ def stub(device: str, capacity_tokens: int) -> Any:
 
 def test_a_cpu_profile_also_probes_a_long_context_where_the_cache_holds_it() -> None:
     """On a CPU the probes add 1,024 cached tokens to 64 and 256 (a narrow span misjudged the cost of a context token),
-    up to n = 16, over 8 sequences when the cache holds 8 of them beside those tokens, over fewer when it holds fewer
-    (the default target's cache: 2), and not at all when it holds none; a GPU keeps its contexts (and so do the
-    simulated devices, which fit ``fit_contexts`` themselves)."""
+    up to n = 16 over 2 sequences (chains of up to 8 tokens: what separates a cell's cost), over 1 where the cache
+    holds one beside those tokens, not at all where it holds none; a GPU keeps its contexts (and so do the simulated
+    devices, which fit ``fit_contexts`` themselves)."""
     cfg = ProfilerConfig()
     every, grid = {64: 8, 256: 8}, {64: 256, 256: 256}
-    roomy = probe_plan(stub("cpu", 2 * (8 * 1024 + 16)), cfg)
-    assert roomy == ((64, 256, 1024), 256, every | {1024: 8}, grid | {1024: 16})
-    assert roomy.label() == "64,256,1024:16"
-    # one token short of 8 sequences beside 16 new ones: 7 of them
-    assert probe_plan(stub("cpu", 2 * (8 * 1024 + 15)), cfg) == ((64, 256, 1024), 256, every | {1024: 7},
-                                                                 grid | {1024: 16})
-    # SmolLM2-135M's 256 MiB cache: 5,824 tokens, 2 sequences of 1,024 beside 16 new tokens
-    default_target = probe_plan(stub("cpu", 5824), cfg)
-    assert default_target == ((64, 256, 1024), 256, every | {1024: 2}, grid | {1024: 16})
-    assert default_target.label() == "64,256,1024x2:16"
+    for capacity in (5824, 10**6):  # SmolLM2-135M's 256 MiB cache (5,824 tokens), and a roomy one
+        plan = probe_plan(stub("cpu", capacity), cfg)
+        assert plan == ((64, 256, 1024), 256, every | {1024: 2}, grid | {1024: 16})
+        assert plan.label() == "64,256,1024x2:16"
+    # a cache too small for the grid (its probes stop at n = 1) holds one sequence of 1,024 beside one new token
+    assert probe_plan(stub("cpu", 2 * 1100), cfg) == ((64, 256, 1024), 1, every | {1024: 1}, {64: 1, 256: 1, 1024: 1})
     assert probe_plan(stub("cpu", 1000), cfg) == ((64, 256), 1, every, {64: 1, 256: 1})  # a tiny cache: as before
     assert probe_plan(stub("cuda", 10**6), cfg) == ((64, 256), 1024, every, {64: 1024, 256: 1024})
     assert probe_plan(stub("cpu", 10**6), ProfilerConfig(cpu_contexts=())).label() == "64,256"
-    assert probe_plan(stub("cpu", 10**6), ProfilerConfig(cpu_max_tokens=256)).label() == "64,256,1024"
+    assert probe_plan(stub("cpu", 10**6), ProfilerConfig(cpu_sequences=8, cpu_max_tokens=256)).label() == "64,256,1024"
     # every probe: each context over the grid of n up to its largest
-    assert probe_grid(stub("cpu", 2 * (8 * 1024 + 256)), ProfilerConfig(max_tokens=4)) == [
+    assert probe_grid(stub("cpu", 10**6), ProfilerConfig(max_tokens=4)) == [
         (64, 1), (64, 2), (64, 4), (256, 1), (256, 2), (256, 4), (1024, 1), (1024, 2), (1024, 4)]
     assert probe_grid(stub("cpu", 5824), cfg)[-6:] == [(256, 256), (1024, 1), (1024, 2), (1024, 4), (1024, 8),
                                                         (1024, 16)]
-    for bad in ({"cpu_contexts": (0,)}, {"cpu_max_tokens": 0}):
+    for bad in ({"cpu_contexts": (0,)}, {"cpu_sequences": 0}, {"cpu_max_tokens": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             ProfilerConfig(**bad)  # type: ignore[arg-type]
 

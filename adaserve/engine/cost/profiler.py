@@ -2,8 +2,9 @@
 
 For each n in {1, 2, 4, ...} the target runs a verification-shaped forward: ``b = min(n, 8)``
 requests, each with ``context`` cached tokens and a chain of n/b new tokens, timed with device
-synchronisation. Two context lengths (64 and 256; on a CPU also 1,024, over 2 requests up to n = 16:
-``probe_plan``) give the samples that separate alpha (per context token) from gamma (per batched token) in
+synchronisation. Two context lengths (64 and 256; on a CPU also 1,024, over 2 requests up to n = 16 where the
+cache cannot hold 8: ``probe_plan``) give the samples that separate alpha (per context token) from gamma (per
+batched token) in
 
     T_fwd = alpha * N_context + gamma * N_batched + delta        (SmartSpec Eq. 7)
 
@@ -83,10 +84,10 @@ class ProfilerConfig:
     # up to 2x, and 8 requests at 2,048 over-priced by 38-112% (docs/benchmarks.md, "Twenty-seventh round"); a GPU's
     # profile and the simulated devices keep ``fit_contexts``
     cpu_contexts: tuple[int, ...] = (1024,)
-    # their probes spread over at most 2 sequences, up to n = 16: chains of up to 8 tokens over 1,024 cached ones
-    # separate a cell's cost from a context token's (8 sequences up to n = 16 did not, and their chains of 1-2 tokens
-    # left SmolLM2's long prompt chunks priced 2-5x low), as well as 8 over the whole grid, at a fraction of its time
-    # (docs/benchmarks.md, "Thirtieth round")
+    # each over 8 sequences and the whole grid where the cache holds them, else over 2 up to n = 16 (the default
+    # target's 5,824-token cache): chains of up to 8 tokens over 1,024 cached ones separate a cell's cost from a context
+    # token's nearly as well (8 sequences up to n = 16 did not: their chains of 1-2 tokens left SmolLM2's long prompt
+    # chunks priced 2-5x low, as the narrow span did), at a fraction of the time (docs/benchmarks.md, "Thirtieth round")
     cpu_sequences: int = 2
     cpu_max_tokens: int = 16
     repeats: int = 5
@@ -300,15 +301,18 @@ class ProbePlan(NamedTuple):
 
 def probe_plan(runner: ModelRunner, cfg: ProfilerConfig) -> ProbePlan:
     """The contexts the probes run at, their sequences and largest n: ``context`` and ``fit_contexts`` over 8
-    sequences and the grid up to ``limit``; on a CPU also each of ``cpu_contexts``, up to ``cpu_max_tokens``, over
-    ``cpu_sequences`` sequences, or as many as the cache holds beside them (none: not probed)."""
+    sequences and the grid up to ``limit``; on a CPU also each of ``cpu_contexts``, the same way where the cache holds
+    8 sequences of it beside the grid, else up to ``cpu_max_tokens`` over ``cpu_sequences`` sequences, or as many as
+    the cache holds beside them (none: not probed)."""
     limit = _probe_limit(runner, cfg)
     most = dict.fromkeys({cfg.context, *cfg.fit_contexts}, PROBE_SEQUENCES)
     top = dict.fromkeys(most, limit)
     if runner.device.type == "cpu":
         n = min(limit, cfg.cpu_max_tokens)
-        for c in cfg.cpu_contexts:
-            if c not in most and (fits := min(cfg.cpu_sequences, (runner.cache.capacity_tokens // 2 - n) // c)) >= 1:
+        for c in (c for c in cfg.cpu_contexts if c not in most):
+            if _room(runner, c) >= limit:
+                most[c], top[c] = PROBE_SEQUENCES, limit
+            elif (fits := min(cfg.cpu_sequences, (runner.cache.capacity_tokens // 2 - n) // c)) >= 1:
                 most[c], top[c] = fits, n  # the most sequences of c cached tokens with room for n new: _room >= n
     return ProbePlan(tuple(sorted(most)), limit, most, top)
 

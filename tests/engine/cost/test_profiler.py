@@ -124,22 +124,26 @@ def stub(device: str, capacity_tokens: int) -> Any:
 
 
 def test_a_cpu_profile_also_probes_a_long_context_where_the_cache_holds_it() -> None:
-    """On a CPU the probes add 1,024 cached tokens to 64 and 256 (a narrow span misjudged the cost of a context token),
-    up to n = 16 over 2 sequences (chains of up to 8 tokens: what separates a cell's cost), over 1 where the cache
-    holds one beside those tokens, not at all where it holds none; a GPU keeps its contexts (and so do the simulated
-    devices, which fit ``fit_contexts`` themselves)."""
+    """On a CPU the probes add 1,024 cached tokens to 64 and 256 (a narrow span misjudged the cost of a context token):
+    over 8 sequences and the whole grid where the cache holds them beside it, else up to n = 16 over 2 sequences
+    (chains of up to 8 tokens: what separates a cell's cost), over 1 where the cache holds one, not at all where it
+    holds none; a GPU keeps its contexts (and so do the simulated devices, which fit ``fit_contexts`` themselves)."""
     cfg = ProfilerConfig()
     every, grid = {64: 8, 256: 8}, {64: 256, 256: 256}
-    for capacity in (5824, 10**6):  # SmolLM2-135M's 256 MiB cache (5,824 tokens), and a roomy one
-        plan = probe_plan(stub("cpu", capacity), cfg)
-        assert plan == ((64, 256, 1024), 256, every | {1024: 2}, grid | {1024: 16})
-        assert plan.label() == "64,256,1024x2:16"
+    roomy = probe_plan(stub("cpu", 2 * (8 * 1024 + 256)), cfg)
+    assert roomy == ((64, 256, 1024), 256, every | {1024: 8}, grid | {1024: 256}) and roomy.label() == "64,256,1024"
+    # one token short of that: 2 sequences up to n = 16
+    assert probe_plan(stub("cpu", 2 * (8 * 1024 + 255)), cfg).label() == "64,256,1024x2:16"
+    # SmolLM2-135M's 256 MiB cache: 5,824 tokens
+    default_target = probe_plan(stub("cpu", 5824), cfg)
+    assert default_target == ((64, 256, 1024), 256, every | {1024: 2}, grid | {1024: 16})
+    assert default_target.label() == "64,256,1024x2:16"
+    assert probe_plan(stub("cpu", 5824), ProfilerConfig(cpu_sequences=1)).label() == "64,256,1024x1:16"
     # a cache too small for the grid (its probes stop at n = 1) holds one sequence of 1,024 beside one new token
     assert probe_plan(stub("cpu", 2 * 1100), cfg) == ((64, 256, 1024), 1, every | {1024: 1}, {64: 1, 256: 1, 1024: 1})
-    assert probe_plan(stub("cpu", 1000), cfg) == ((64, 256), 1, every, {64: 1, 256: 1})  # a tiny cache: as before
+    assert probe_plan(stub("cpu", 1000), cfg) == ((64, 256), 1, every, {64: 1, 256: 1})  # none: as before
     assert probe_plan(stub("cuda", 10**6), cfg) == ((64, 256), 1024, every, {64: 1024, 256: 1024})
     assert probe_plan(stub("cpu", 10**6), ProfilerConfig(cpu_contexts=())).label() == "64,256"
-    assert probe_plan(stub("cpu", 10**6), ProfilerConfig(cpu_sequences=8, cpu_max_tokens=256)).label() == "64,256,1024"
     # every probe: each context over the grid of n up to its largest
     assert probe_grid(stub("cpu", 10**6), ProfilerConfig(max_tokens=4)) == [
         (64, 1), (64, 2), (64, 4), (256, 1), (256, 2), (256, 4), (1024, 1), (1024, 2), (1024, 4)]

@@ -269,10 +269,10 @@ def size_grid(limit: int) -> list[int]:
     return out
 
 
-def _room(runner: ModelRunner, longest: int, sequences: int = PROBE_SEQUENCES) -> int:
-    """New tokens a probe can add to ``sequences`` sequences of ``longest`` cached tokens: memory-safe, every probe's
-    prefixes and new tokens must fit in the preallocated cache (with half of it to spare)."""
-    return runner.cache.capacity_tokens // 2 - sequences * longest
+def _room(runner: ModelRunner, longest: int) -> int:
+    """New tokens a probe can add to 8 sequences of ``longest`` cached tokens: memory-safe, every probe's prefixes
+    and new tokens must fit in the preallocated cache (with half of it to spare)."""
+    return runner.cache.capacity_tokens // 2 - PROBE_SEQUENCES * longest
 
 
 def _probe_limit(runner: ModelRunner, cfg: ProfilerConfig) -> int:
@@ -313,7 +313,7 @@ def probe_plan(runner: ModelRunner, cfg: ProfilerConfig) -> ProbePlan:
             if _room(runner, c) >= limit:
                 most[c], top[c] = PROBE_SEQUENCES, limit
             elif (fits := min(cfg.cpu_sequences, (runner.cache.capacity_tokens // 2 - n) // c)) >= 1:
-                most[c], top[c] = fits, n  # the most sequences of c cached tokens with room for n new: _room >= n
+                most[c], top[c] = fits, n  # fits sequences of c cached tokens leave room for n new (as _room)
     return ProbePlan(tuple(sorted(most)), limit, most, top)
 
 

@@ -47,6 +47,7 @@ from adaserve.engine.cost.cost_model import CostModel, fit_cost_model
 from adaserve.engine.cost.profiler import (
     PROBE_SEQUENCES,
     ProfilerConfig,
+    context_label,
     forward_timer,
     measure_interleaved,
     probe_plan,
@@ -137,7 +138,7 @@ def parse_probe_set(text: str) -> ProbeSet:
 
 def probe_label(s: ProbeSet) -> str:
     """The set as ``parse_probe_set`` reads it (8 sequences and the whole grid left unsaid)."""
-    return ",".join(f"{c}{'' if b == PROBE_SEQUENCES else f'x{b}'}{f':{top}' if top else ''}" for c, b, top in s)
+    return ",".join(context_label(c, b, top or None) for c, b, top in s)
 
 
 def probe_fits(runner: ModelRunner, sets: list[ProbeSet], *, repeats: int) -> dict[str, CostModel]:

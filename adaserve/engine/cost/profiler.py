@@ -295,8 +295,14 @@ class ProbePlan(NamedTuple):
     def label(self) -> str:
         """The contexts as the profile key names them: ``64,256,1024``, one over 2 sequences up to n = 16 as
         ``1024x2:16``."""
-        return ",".join(f"{c}{'' if self.most[c] == PROBE_SEQUENCES else f'x{self.most[c]}'}"
-                        f"{'' if self.top[c] == self.limit else f':{self.top[c]}'}" for c in self.contexts)
+        return ",".join(context_label(c, self.most[c], None if self.top[c] == self.limit else self.top[c])
+                        for c in self.contexts)
+
+
+def context_label(context: int, sequences: int, top: int | None) -> str:
+    """One probe context as ``ProbePlan.label`` names it: ``1024``, or ``1024x2`` over fewer than 8 sequences, with
+    ``:16`` when its probes stop at n = 16 (``top``; None: the whole grid)."""
+    return f"{context}{'' if sequences == PROBE_SEQUENCES else f'x{sequences}'}{'' if top is None else f':{top}'}"
 
 
 def probe_plan(runner: ModelRunner, cfg: ProfilerConfig) -> ProbePlan:

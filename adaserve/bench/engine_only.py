@@ -59,7 +59,7 @@ from adaserve.engine.engine import Engine
 from adaserve.engine.model import native_kernels
 from adaserve.engine.model.host_sync import BLOCKING, KINDS, HostSync
 from adaserve.engine.model.kv_cache import KVCacheConfig
-from adaserve.engine.model.quant import served_attention
+from adaserve.engine.model.quant import served_attention, served_description
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.request import Phase, Request
 from adaserve.engine.speculation.draft_steps import DraftSteps
@@ -436,6 +436,8 @@ def settings(target: ModelRunner, cfg: Any, *, model: str, device: str) -> dict[
     ecfg = EngineConfig()
     return {**asdict(cfg), "model": model, "device": device, "source": source_version(),
             "dtype": str(target.dtype).removeprefix("torch."),
+            # the target's linears as loaded (``weights``: float, or its integer kinds and their kernels)
+            "served_weights": served_description(target.model),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "cpus": os.cpu_count(),
             "host_cpu": host_cpu(), "allocator": allocator.in_use(), "d_max": ecfg.adaptive.d_max,
             "w_max": ecfg.adaptive.w_max,
@@ -476,7 +478,7 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Raises ValueError for bad settings (the CLI turns it into a one-line error)."""
     cfg = engine_only_config(args)
     set_threads(args.threads)
-    target, draft, tok = load_pair(args.model, args.device, cfg.kv_memory_mb, cfg.static_shapes)
+    target, draft, tok = load_pair(args.model, args.device, cfg.kv_memory_mb, cfg.static_shapes, weights=cfg.weights)
     config = {**settings(target, cfg, model=args.model, device=args.device), "sampling": "greedy, ignore_eos"}
     served = served_config(target, draft, args.model) if cfg.profiled else None
     if served is not None:  # the speculative cells' own budget and bounds, as served

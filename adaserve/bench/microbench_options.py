@@ -29,6 +29,9 @@ class EngineOnlyConfig:
     # the engine as served: budget, cost models and tree bounds from the pair's start-up profile (build_engine's);
     # off: ``budget`` and cost models that start from a flat guess and learn from the cell's own forwards
     profiled: bool = False
+    # both models' decoder linears as quant.py serves them (checked there): float (the issue-30 figures' setting),
+    # int8, int4, or auto (a GGUF model's own precision, what ``adaserve up`` serves on a CPU); the CLI's --weights
+    weights: str = "float"
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) < 1:
@@ -120,7 +123,8 @@ def engine_only_config(args: argparse.Namespace) -> EngineOnlyConfig:
                             repeats=args.repeats, budget=args.budget,
                             static_shapes=getattr(args, "static_shapes", d.static_shapes),
                             host_cost=getattr(args, "host_cost", d.host_cost),
-                            profiled=getattr(args, "profiled", d.profiled))
+                            profiled=getattr(args, "profiled", d.profiled),
+                            weights=getattr(args, "weights", d.weights))
 
 
 def peer_config(args: argparse.Namespace) -> PeerConfig:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from adaserve.cli.arg_types import add_weights_option
 from adaserve.cli_error import CliError
 
 
@@ -22,6 +23,7 @@ def add_parser(sub: Any) -> None:
                    help="compare with Hugging Face transformers' generate on the same model instead")
     add_common(p)
     add_engine_only(p)
+    add_weights_option(p)  # the engine-only cells' models; the peer races transformers on the float model
     add_peer(p)
     p.set_defaults(func=run)
 
@@ -32,6 +34,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         if args.peer:
+            if args.weights != "float":
+                raise ValueError("--weights sets the engine-only cells' models: --peer races transformers on the "
+                                 "float model")
             from adaserve.bench.peer_compare import run_from_args
         else:
             from adaserve.bench.engine_only import run_from_args

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -222,7 +223,8 @@ def test_peer_loads_where_and_as_the_engine_computes() -> None:
 
 
 @pytest.mark.parametrize("args", [["--batches", "0"], ["--modes", "fast"], ["--peer", "--min-tokens", "9",
-                                                                             "--max-tokens", "4"]])
+                                                                             "--max-tokens", "4"],
+                                  ["--peer", "--weights", "int4"]])
 def test_bad_settings_are_one_line_errors(args: list[str]) -> None:
     res = subprocess.run([sys.executable, "-m", "adaserve", "microbench", "--model", "demo-tiny", *args],
                          capture_output=True, text=True, timeout=120)
@@ -259,3 +261,21 @@ def test_cells_report_non_forward_cpu_ms_with_spread() -> None:
     cell = cell_stats({("spec", 1): [rep, {**rep, "non_forward_cpu_ms": 5.0}, {**rep, "non_forward_cpu_ms": 1.0}]})[0]
     assert (cell["non_forward_cpu_ms_min"], cell["non_forward_cpu_ms_median"], cell["non_forward_cpu_ms_max"]) == (
         1.0, pytest.approx(3.0), 5.0)
+
+
+def test_the_cells_load_the_weights_asked_for(tmp_path: Path) -> None:
+    """``--weights``: the cells' models as quant.py serves them (int4 here: the precision ``adaserve up`` serves a GGUF
+    model at on a CPU), named in the report's settings beside what the target's linears turned out to be; float, the
+    issue-30 figures' setting, stays the default."""
+    out = {}
+    for weights in ("int4", None):
+        path = tmp_path / f"{weights}.json"
+        res = subprocess.run([sys.executable, "-m", "adaserve", "microbench", "--model", "demo-tiny", "--batches", "1",
+                              "--modes", "plain", "--steps", "1", "--warmup", "0", "--count-steps", "0",
+                              "--repeats", "1", "--prompt-tokens", "16", "--json", str(path),
+                              *(["--weights", weights] if weights else [])],
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr
+        out[weights] = json.loads(path.read_text())["config"]
+    assert out["int4"]["weights"] == "int4" and out["int4"]["served_weights"].startswith("int4")
+    assert out[None]["weights"] == "float" and out[None]["served_weights"] == "float"

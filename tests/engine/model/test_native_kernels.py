@@ -42,9 +42,10 @@ def test_activations_are_quantized_per_block_of_32(kernels: nk.NativeKernels) ->
 
 
 def test_int4_product_is_the_stated_integer_sum(kernels: nk.NativeKernels) -> None:
-    """y = sum_g s d (q . a)_g + m (s sum a)_g, the block dots exact integers: against float64 of the same."""
+    """y = sum_g s d (q . a)_g + m (s sum a)_g, the block dots exact integers: against float64 of the same. An odd
+    number of outputs: the kernel's tiles of two columns and the last column alone."""
     torch.manual_seed(1)
-    n, k, g = 48, 128, 4
+    n, k, g = 49, 128, 4
     codes = torch.randint(0, 16, (n, k))
     d, m = torch.rand(n, g) * 0.05, torch.randn(n, g) * 0.2
     x = torch.randn(7, k)
@@ -59,7 +60,7 @@ def test_int4_product_is_the_stated_integer_sum(kernels: nk.NativeKernels) -> No
 def test_int8_product_takes_the_whole_code_range(kernels: nk.NativeKernels) -> None:
     """|w| up to 128 against |a| up to 127: maddubs's int16 pairs do not saturate."""
     torch.manual_seed(2)
-    n, k = 32, 64
+    n, k = 33, 64  # odd, as above
     w = torch.randint(-128, 128, (n, k), dtype=torch.int8)
     w[0], w[1] = -128, 127
     c = torch.rand(n) + 0.5
@@ -76,7 +77,7 @@ def test_int8_product_takes_the_whole_code_range(kernels: nk.NativeKernels) -> N
 def test_a_rows_result_is_bitwise_the_same_in_any_batch_and_thread_count(kernels: nk.NativeKernels,
                                                                         kind: str) -> None:
     torch.manual_seed(3)
-    n, k = 80, 192
+    n, k = 81, 192  # tiles of two columns and the last one alone
     x = torch.randn(11, k)
     if kind == "int4":
         args = (nk.q4_blocks(torch.randint(0, 16, (n, k))), torch.rand(n, k // 32), torch.randn(n, k // 32))

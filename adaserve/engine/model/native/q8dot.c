@@ -12,8 +12,13 @@
  * enables it, _mm256_dpbusd_epi32, which forms the same eight lanes of four products in one instruction: the
  * results are bitwise those of the AVX2 build). Every (r, n) is computed by one thread in one
  * fixed sequence of float operations (eight lanes accumulated over the blocks in order, then one horizontal sum),
- * whatever the number of rows M, the row blocking and the thread count, so a row's result never depends on the
- * batch it came in: the property lossless speculation needs. Built with -ffp-contract=off so that the compiler
+ * whatever the number of rows M, the row and column blocking and the thread count, so a row's result never depends
+ * on the batch it came in: the property lossless speculation needs.
+ *
+ * Tiles: ROWS activation rows share each decoded weight block, and COLS output columns each loaded activation block
+ * (and its scales), so a verification of a few rows reads and decodes its weights about once, not once a row or a
+ * column; the accumulators of a tile stay in registers (an AVX2 build's two-column tiles take two rows, its 16
+ * vector registers holding four accumulators). Built with -ffp-contract=off so that the compiler
  * fuses no multiply-add on its own in one loop and not in another.
  *
  * Layouts: a int8 [M, K]; s and s*sum(a) float [M, K/32]; int4 weights [N, K/32, 16] bytes, byte j of a block
@@ -27,6 +32,12 @@
 
 #define BLOCK 32
 #define ROWS 4 /* activation rows sharing one decode of a weight block */
+#define COLS 2 /* output columns sharing one load of an activation block */
+#if defined(__AVX512VL__)
+#define WIDE_ROWS 4 /* rows of a COLS-column tile: 32 vector registers hold its 8 accumulators */
+#else
+#define WIDE_ROWS 2 /* AVX2's 16 registers: 4 accumulators, so that none spills */
+#endif
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -97,78 +108,110 @@ void quantize_rows_q8(const float *x, int M, int K, int8_t *a, float *s, float *
         }
 }
 
-/* R activation rows (1 <= R <= ROWS) against output column n: each weight block decoded once for the R rows, every
- * (r, n) summed in the order stated at the top (the tile a row falls in changes no bit). Called with constant R,
- * so that the compiler unrolls the rows and keeps their accumulators in registers. */
-static inline __attribute__((always_inline)) void q4_rows(int R, const int8_t *a, const float *s,
-                                                          const float *s_sum, long r0, int K, const uint8_t *wn,
-                                                          const float *dn, const float *mn, long n, int N,
+/* R activation rows (1 <= R <= ROWS) against C output columns n0 .. n0 + C - 1 (1 <= C <= COLS): each weight block
+ * decoded once for the R rows, each activation block loaded once for the C columns, every (r, n) summed in the order
+ * stated at the top (the tile a row or a column falls in changes no bit). Called with constant R and C, so that the
+ * compiler unrolls both and keeps their accumulators in registers. */
+static inline __attribute__((always_inline)) void q4_tile(int R, int C, const int8_t *a, const float *s,
+                                                          const float *s_sum, long r0, int K, const uint8_t *w,
+                                                          const float *d, const float *m, long n0, int N,
                                                           float *y) {
     int G = K / BLOCK;
-    __m256 acc[ROWS];
-    float macc[ROWS];
-    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps(), macc[i] = 0.f;
+    __m256 acc[COLS][ROWS];
+    float macc[COLS][ROWS];
+    for (int c = 0; c < C; c++)
+        for (int i = 0; i < R; i++) acc[c][i] = _mm256_setzero_ps(), macc[c][i] = 0.f;
     for (int g = 0; g < G; g++) {
-        __m256i q = unpack_q4(wn + g * 16);
+        __m256i q[COLS];
+        for (int c = 0; c < C; c++) q[c] = unpack_q4(w + ((n0 + c) * G + g) * 16);
         for (int i = 0; i < R; i++) {
             long row = r0 + i;
             __m256i av = _mm256_loadu_si256((const __m256i *)(a + row * K + (long)g * BLOCK));
-            acc[i] = _mm256_fmadd_ps(block_dot(q, av), _mm256_set1_ps(dn[g] * s[row * G + g]), acc[i]);
-            macc[i] += mn[g] * s_sum[row * G + g];
+            float sg = s[row * G + g], sum = s_sum[row * G + g];
+            for (int c = 0; c < C; c++) {
+                long at = (n0 + c) * G + g;
+                acc[c][i] = _mm256_fmadd_ps(block_dot(q[c], av), _mm256_set1_ps(d[at] * sg), acc[c][i]);
+                macc[c][i] += m[at] * sum;
+            }
         }
     }
-    for (int i = 0; i < R; i++) y[(r0 + i) * N + n] = hsum8(acc[i]) + macc[i];
+    for (int c = 0; c < C; c++)
+        for (int i = 0; i < R; i++) y[(r0 + i) * N + n0 + c] = hsum8(acc[c][i]) + macc[c][i];
+}
+
+/* Every row tile of columns n0 .. n0 + C - 1: ROWS rows at a time, then the last rows in one tile (a constant size,
+ * unrolled: a 2- or 3-row verification decodes each weight block once, not once a row). */
+static inline __attribute__((always_inline)) void q4_columns(int C, const int8_t *a, const float *s,
+                                                             const float *s_sum, int M, int K, const uint8_t *w,
+                                                             const float *d, const float *m, long n0, int N,
+                                                             float *y) {
+    long r = 0;
+    if (C == 1 || WIDE_ROWS == ROWS)
+        for (; r + ROWS <= M; r += ROWS) q4_tile(ROWS, C, a, s, s_sum, r, K, w, d, m, n0, N, y);
+    else
+        for (; r + WIDE_ROWS <= M; r += WIDE_ROWS) q4_tile(WIDE_ROWS, C, a, s, s_sum, r, K, w, d, m, n0, N, y);
+    switch (M - r) {
+    case 3: q4_tile(3, C, a, s, s_sum, r, K, w, d, m, n0, N, y); break;
+    case 2: q4_tile(2, C, a, s, s_sum, r, K, w, d, m, n0, N, y); break;
+    case 1: q4_tile(1, C, a, s, s_sum, r, K, w, d, m, n0, N, y); break;
+    }
 }
 
 void mm_q4_q8(const int8_t *a, const float *s, const float *s_sum, int M, int K, const uint8_t *w,
               const float *d, const float *m, int N, float *y, int threads) {
-    int G = K / BLOCK;
+    long tiles = N / COLS; /* COLS columns a tile, then the last N % COLS one by one */
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int n = 0; n < N; n++) {
-        const uint8_t *wn = w + (long)n * G * 16;
-        const float *dn = d + (long)n * G, *mn = m + (long)n * G;
-        long r = 0;
-        for (; r + ROWS <= M; r += ROWS) q4_rows(ROWS, a, s, s_sum, r, K, wn, dn, mn, n, N, y);
-        switch (M - r) { /* the last rows in one tile (a constant size, unrolled): a 2- or 3-row verification
-                          * decodes each weight block once, not once a row */
-        case 3: q4_rows(3, a, s, s_sum, r, K, wn, dn, mn, n, N, y); break;
-        case 2: q4_rows(2, a, s, s_sum, r, K, wn, dn, mn, n, N, y); break;
-        case 1: q4_rows(1, a, s, s_sum, r, K, wn, dn, mn, n, N, y); break;
-        }
-    }
+    for (long t = 0; t < tiles; t++) q4_columns(COLS, a, s, s_sum, M, K, w, d, m, t * COLS, N, y);
+    for (long n = tiles * COLS; n < N; n++) q4_columns(1, a, s, s_sum, M, K, w, d, m, n, N, y);
 }
 
-static inline __attribute__((always_inline)) void q8_rows(int R, const int8_t *a, const float *s, long r0, int K,
-                                                          const int8_t *wn, float c, long n, int N, float *y) {
+/* q4_tile's int8 form: R rows against C columns, each (r, n) c[n] times its blocks' sum in order. */
+static inline __attribute__((always_inline)) void q8_tile(int R, int C, const int8_t *a, const float *s, long r0,
+                                                          int K, const int8_t *w, const float *cn, long n0, int N,
+                                                          float *y) {
     int G = K / BLOCK;
-    __m256 acc[ROWS];
-    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+    __m256 acc[COLS][ROWS];
+    for (int c = 0; c < C; c++)
+        for (int i = 0; i < R; i++) acc[c][i] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
-        __m256i wv = _mm256_loadu_si256((const __m256i *)(wn + (long)g * BLOCK));
-        __m256i wabs = _mm256_sign_epi8(wv, wv); /* |w|, and a takes w's sign: q . a unchanged */
+        __m256i wv[COLS], wabs[COLS];
+        for (int c = 0; c < C; c++) {
+            wv[c] = _mm256_loadu_si256((const __m256i *)(w + (n0 + c) * K + (long)g * BLOCK));
+            wabs[c] = _mm256_sign_epi8(wv[c], wv[c]); /* |w|, and a takes w's sign: q . a unchanged */
+        }
         for (int i = 0; i < R; i++) {
             long row = r0 + i;
             __m256i av = _mm256_loadu_si256((const __m256i *)(a + row * K + (long)g * BLOCK));
-            acc[i] = _mm256_fmadd_ps(block_dot(wabs, _mm256_sign_epi8(av, wv)), _mm256_set1_ps(s[row * G + g]),
-                                     acc[i]);
+            __m256 sg = _mm256_set1_ps(s[row * G + g]);
+            for (int c = 0; c < C; c++)
+                acc[c][i] = _mm256_fmadd_ps(block_dot(wabs[c], _mm256_sign_epi8(av, wv[c])), sg, acc[c][i]);
         }
     }
-    for (int i = 0; i < R; i++) y[(r0 + i) * N + n] = c * hsum8(acc[i]);
+    for (int c = 0; c < C; c++)
+        for (int i = 0; i < R; i++) y[(r0 + i) * N + n0 + c] = cn[n0 + c] * hsum8(acc[c][i]);
+}
+
+static inline __attribute__((always_inline)) void q8_columns(int C, const int8_t *a, const float *s, int M, int K,
+                                                             const int8_t *w, const float *cn, long n0, int N,
+                                                             float *y) {
+    long r = 0;
+    if (C == 1 || WIDE_ROWS == ROWS)
+        for (; r + ROWS <= M; r += ROWS) q8_tile(ROWS, C, a, s, r, K, w, cn, n0, N, y);
+    else
+        for (; r + WIDE_ROWS <= M; r += WIDE_ROWS) q8_tile(WIDE_ROWS, C, a, s, r, K, w, cn, n0, N, y);
+    switch (M - r) {
+    case 3: q8_tile(3, C, a, s, r, K, w, cn, n0, N, y); break;
+    case 2: q8_tile(2, C, a, s, r, K, w, cn, n0, N, y); break;
+    case 1: q8_tile(1, C, a, s, r, K, w, cn, n0, N, y); break;
+    }
 }
 
 void mm_q8_q8(const int8_t *a, const float *s, int M, int K, const int8_t *w, const float *c, int N, float *y,
               int threads) {
+    long tiles = N / COLS;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int n = 0; n < N; n++) {
-        const int8_t *wn = w + (long)n * K;
-        long r = 0;
-        for (; r + ROWS <= M; r += ROWS) q8_rows(ROWS, a, s, r, K, wn, c[n], n, N, y);
-        switch (M - r) {
-        case 3: q8_rows(3, a, s, r, K, wn, c[n], n, N, y); break;
-        case 2: q8_rows(2, a, s, r, K, wn, c[n], n, N, y); break;
-        case 1: q8_rows(1, a, s, r, K, wn, c[n], n, N, y); break;
-        }
-    }
+    for (long t = 0; t < tiles; t++) q8_columns(COLS, a, s, M, K, w, c, t * COLS, N, y);
+    for (long n = tiles * COLS; n < N; n++) q8_columns(1, a, s, M, K, w, c, n, N, y);
 }
 
 /* The layers' entry points: x float32 [M, K] quantized here (scratch from malloc), then the product. Return 0,

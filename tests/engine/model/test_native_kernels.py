@@ -78,7 +78,7 @@ def test_a_rows_result_is_bitwise_the_same_in_any_batch_and_thread_count(kernels
                                                                         kind: str) -> None:
     torch.manual_seed(3)
     n, k = 81, 192  # tiles of two columns and the last one alone
-    x = torch.randn(11, k)
+    x = torch.randn(17, k)
     if kind == "int4":
         args = (nk.q4_blocks(torch.randint(0, 16, (n, k))), torch.rand(n, k // 32), torch.randn(n, k // 32))
 
@@ -92,10 +92,12 @@ def test_a_rows_result_is_bitwise_the_same_in_any_batch_and_thread_count(kernels
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = torch.cat([mm(x[i:i + 1].contiguous()) for i in range(11)])
+        alone = torch.cat([mm(x[i:i + 1].contiguous()) for i in range(17)])
         for t in (1, 2):
             torch.set_num_threads(t)
-            for m in (1, 2, 3, 4, 5, 6, 7, 8, 11):  # tiles of 4 rows and every tail (3, 2 or 1 rows)
+            # tiles of 4 rows and every tail (3, 2 or 1 rows); two-column tiles up to 7 rows (int8) or 15 (int4 on
+            # AVX2), one column a tile above
+            for m in (1, 2, 3, 4, 5, 6, 7, 8, 11, 15, 16, 17):
                 assert torch.equal(mm(x[:m].contiguous()), alone[:m]), (kind, t, m)
             assert mm(x[:0].contiguous()).shape == (0, n)  # no rows: no scratch, no error
     finally:
@@ -153,14 +155,14 @@ def test_a_vnni_build_gives_bitwise_the_avx2_builds_results(tmp_path: Path, monk
     avx2, fast = (nk.load(b) for b in builds if b is not None)
     torch.manual_seed(5)
     n, k = 64, 256
-    x = torch.randn(9, k)
+    x = torch.randn(16, k)
     x[0] = 5.0  # every activation code +127, against the largest weight codes
     codes = torch.randint(0, 16, (n, k))
     codes[0] = 15
     q4 = (nk.q4_blocks(codes), torch.rand(n, k // 32), torch.randn(n, k // 32))
     w8, c8 = torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n)
     w8[0] = -128
-    for m in (1, 4, 9):
+    for m in (1, 4, 9, 16):  # 16: the AVX2 build's int4 products one column a tile, the VNNI build's two
         assert torch.equal(fast.mm_q4(x[:m].contiguous(), *q4), avx2.mm_q4(x[:m].contiguous(), *q4))
         assert torch.equal(fast.mm_q8(x[:m].contiguous(), w8, c8), avx2.mm_q8(x[:m].contiguous(), w8, c8))
 

@@ -18,7 +18,8 @@
  * Tiles: ROWS activation rows share each decoded weight block, and COLS output columns each loaded activation block
  * (and its scales), so a verification of a few rows reads and decodes its weights about once, not once a row or a
  * column; the accumulators of a tile stay in registers (an AVX2 build's two-column tiles take two rows, its 16
- * vector registers holding four accumulators). Built with -ffp-contract=off so that the compiler
+ * vector registers holding four accumulators). Where two-column tiles measured no faster (an AVX2 build's int4
+ * products from 16 rows, the int8 head from 8), each column is its own tile, as before them. Built with -ffp-contract=off so that the compiler
  * fuses no multiply-add on its own in one loop and not in another.
  *
  * Layouts: a int8 [M, K]; s and s*sum(a) float [M, K/32]; int4 weights [N, K/32, 16] bytes, byte j of a block
@@ -35,9 +36,12 @@
 #define COLS 2 /* output columns sharing one load of an activation block */
 #if defined(__AVX512VL__)
 #define WIDE_ROWS 4 /* rows of a COLS-column tile: 32 vector registers hold its 8 accumulators */
+#define Q4_WIDE_MAX_M 1073741824 /* the int4 products take column tiles at any M */
 #else
 #define WIDE_ROWS 2 /* AVX2's 16 registers: 4 accumulators, so that none spills */
+#define Q4_WIDE_MAX_M 15 /* from 16 rows on, AVX2's 2x2 tiles read a few percent behind one column's 4-row tiles */
 #endif
+#define Q8_WIDE_MAX_M 7 /* the int8 head's column tiles read a few percent behind from 8 rows on */
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -159,6 +163,11 @@ static inline __attribute__((always_inline)) void q4_columns(int C, const int8_t
 
 void mm_q4_q8(const int8_t *a, const float *s, const float *s_sum, int M, int K, const uint8_t *w,
               const float *d, const float *m, int N, float *y, int threads) {
+    if (M > Q4_WIDE_MAX_M) { /* one column at a time */
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (long n = 0; n < N; n++) q4_columns(1, a, s, s_sum, M, K, w, d, m, n, N, y);
+        return;
+    }
     long tiles = N / COLS; /* COLS columns a tile, then the last N % COLS one by one */
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long t = 0; t < tiles; t++) q4_columns(COLS, a, s, s_sum, M, K, w, d, m, t * COLS, N, y);
@@ -208,6 +217,11 @@ static inline __attribute__((always_inline)) void q8_columns(int C, const int8_t
 
 void mm_q8_q8(const int8_t *a, const float *s, int M, int K, const int8_t *w, const float *c, int N, float *y,
               int threads) {
+    if (M > Q8_WIDE_MAX_M) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (long n = 0; n < N; n++) q8_columns(1, a, s, M, K, w, c, n, N, y);
+        return;
+    }
     long tiles = N / COLS;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long t = 0; t < tiles; t++) q8_columns(COLS, a, s, M, K, w, c, t * COLS, N, y);

@@ -19,8 +19,9 @@
  * (and its scales), so a verification of a few rows reads and decodes its weights about once, not once a row or a
  * column; the accumulators of a tile stay in registers (an AVX2 build's two-column tiles take two rows, its 16
  * vector registers holding four accumulators). Where two-column tiles measured no faster (an AVX2 build's int4
- * products from 16 rows, the int8 head from 8), each column is its own tile, as before them. Built with -ffp-contract=off so that the compiler
- * fuses no multiply-add on its own in one loop and not in another.
+ * products from 16 rows, the int8 head from 8), each column is its own tile, as before them.
+ *
+ * Built with -ffp-contract=off so that the compiler fuses no multiply-add on its own in one loop and not in another.
  *
  * Layouts: a int8 [M, K]; s and s*sum(a) float [M, K/32]; int4 weights [N, K/32, 16] bytes, byte j of a block
  * holding column j in its low nibble and column j + 16 in its high one; d, m float [N, K/32]; int8 weights [N, K];

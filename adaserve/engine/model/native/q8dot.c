@@ -19,11 +19,15 @@
  * (and its scales), so a verification of a few rows reads and decodes its weights about once, not once a row or a
  * column; the accumulators of a tile stay in registers (an AVX2 build's two-column tiles take two rows, its 16
  * vector registers holding four accumulators). Where two-column tiles measured no faster (an AVX2 build's int4
- * products from 16 rows, the int8 head from 8), each column is its own tile, as before them.
+ * products from 16 rows, the int8 head from 8), each column is its own tile, as before them. An int4 tile forms its
+ * rows' scales d * s and sums m * s sum(a) four rows at a time in vector lanes (each lane the float operations the
+ * scalar form made, so the same bits; an AVX2 build only in its full 4-row tiles, where that measured faster), from
+ * the scales laid out by block (linear_q4 transposes them).
  *
  * Built with -ffp-contract=off so that the compiler fuses no multiply-add on its own in one loop and not in another.
  *
- * Layouts: a int8 [M, K]; s and s*sum(a) float [M, K/32]; int4 weights [N, K/32, 16] bytes, byte j of a block
+ * Layouts: a int8 [M, K]; s and s*sum(a) float [M, K/32] (mm_q4_q8 takes them by block: [K/32, M rounded up to 4],
+ * zero padded); int4 weights [N, K/32, 16] bytes, byte j of a block
  * holding column j in its low nibble and column j + 16 in its high one; d, m float [N, K/32]; int8 weights [N, K];
  * c float [N]; y float [M, N]. K is a multiple of 32.
  */
@@ -38,9 +42,11 @@
 #if defined(__AVX512VL__)
 #define WIDE_ROWS 4 /* rows of a COLS-column tile: 32 vector registers hold its 8 accumulators */
 #define Q4_WIDE_MAX_M 1073741824 /* the int4 products take column tiles at any M */
+#define VECTOR_SCALES 1 /* every int4 tile forms its rows' scales four at a time (q4_tile) */
 #else
 #define WIDE_ROWS 2 /* AVX2's 16 registers: 4 accumulators, so that none spills */
 #define Q4_WIDE_MAX_M 15 /* from 16 rows on, AVX2's 2x2 tiles read a few percent behind one column's 4-row tiles */
+#define VECTOR_SCALES 0 /* only its full 4-row tiles do: its 2- and 3-row ones read slower so (registers) */
 #endif
 #define Q8_WIDE_MAX_M 7 /* the int8 head's column tiles read a few percent behind from 8 rows on */
 
@@ -115,64 +121,85 @@ void quantize_rows_q8(const float *x, int M, int K, int8_t *a, float *s, float *
 
 /* R activation rows (1 <= R <= ROWS) against C output columns n0 .. n0 + C - 1 (1 <= C <= COLS): each weight block
  * decoded once for the R rows, each activation block loaded once for the C columns, every (r, n) summed in the order
- * stated at the top (the tile a row or a column falls in changes no bit). Called with constant R and C, so that the
- * compiler unrolls both and keeps their accumulators in registers. */
-static inline __attribute__((always_inline)) void q4_tile(int R, int C, const int8_t *a, const float *s,
-                                                          const float *s_sum, long r0, int K, const uint8_t *w,
-                                                          const float *d, const float *m, long n0, int N,
-                                                          float *y) {
+ * stated at the top (the tile a row or a column falls in changes no bit). The rows' scales are read from st and sumt
+ * ([G][MP]: block g's scales of rows 0 .. MP - 1, MP = M rounded up to 4, the padding 0). With vector scales one
+ * multiply forms four rows' d * s of a column (lane i the float product the scalar form makes) and the four rows'
+ * m * s sum(a) terms are added in four lanes (each lane one row's sum, in block order): the same bits, fewer
+ * instructions. Called with constant R and C, so that the compiler unrolls both and keeps their accumulators in
+ * registers. */
+static inline __attribute__((always_inline)) void q4_tile(int R, int C, const int8_t *a, const float *st,
+                                                          const float *sumt, long MP, long r0, int K,
+                                                          const uint8_t *w, const float *d, const float *m, long n0,
+                                                          int N, float *y) {
+    const int vector = VECTOR_SCALES || R == ROWS;
     int G = K / BLOCK;
     __m256 acc[COLS][ROWS];
-    float macc[COLS][ROWS];
-    for (int c = 0; c < C; c++)
+    __m128 macc4[COLS]; /* vector scales: the rows' m terms, lane i row r0 + i */
+    float macc[COLS][ROWS]; /* scalar scales: the same sums, one float each */
+    for (int c = 0; c < C; c++) {
+        macc4[c] = _mm_setzero_ps();
         for (int i = 0; i < R; i++) acc[c][i] = _mm256_setzero_ps(), macc[c][i] = 0.f;
+    }
     for (int g = 0; g < G; g++) {
+        const float *sg = st + g * MP + r0, *sum = sumt + g * MP + r0;
         __m256i q[COLS];
-        for (int c = 0; c < C; c++) q[c] = unpack_q4(w + ((n0 + c) * G + g) * 16);
+        __m256 scale[COLS];
+        for (int c = 0; c < C; c++) {
+            long at = (n0 + c) * G + g;
+            q[c] = unpack_q4(w + at * 16);
+            if (vector) {
+                scale[c] = _mm256_castps128_ps256(_mm_mul_ps(_mm_set1_ps(d[at]), _mm_loadu_ps(sg)));
+                macc4[c] = _mm_add_ps(macc4[c], _mm_mul_ps(_mm_set1_ps(m[at]), _mm_loadu_ps(sum)));
+            }
+        }
         for (int i = 0; i < R; i++) {
-            long row = r0 + i;
-            __m256i av = _mm256_loadu_si256((const __m256i *)(a + row * K + (long)g * BLOCK));
-            float sg = s[row * G + g], sum = s_sum[row * G + g];
+            __m256i av = _mm256_loadu_si256((const __m256i *)(a + (r0 + i) * K + (long)g * BLOCK));
             for (int c = 0; c < C; c++) {
                 long at = (n0 + c) * G + g;
-                acc[c][i] = _mm256_fmadd_ps(block_dot(q[c], av), _mm256_set1_ps(d[at] * sg), acc[c][i]);
-                macc[c][i] += m[at] * sum;
+                __m256 si = vector ? _mm256_permutevar8x32_ps(scale[c], _mm256_set1_epi32(i)) /* lane i, 8 times */
+                                   : _mm256_set1_ps(d[at] * sg[i]);
+                acc[c][i] = _mm256_fmadd_ps(block_dot(q[c], av), si, acc[c][i]);
+                if (!vector) macc[c][i] += m[at] * sum[i];
             }
         }
     }
-    for (int c = 0; c < C; c++)
+    for (int c = 0; c < C; c++) {
+        if (vector) _mm_storeu_ps(macc[c], macc4[c]); /* R <= 4 = the lanes */
         for (int i = 0; i < R; i++) y[(r0 + i) * N + n0 + c] = hsum8(acc[c][i]) + macc[c][i];
+    }
 }
 
 /* Every row tile of columns n0 .. n0 + C - 1: ROWS rows at a time, then the last rows in one tile (a constant size,
  * unrolled: a 2- or 3-row verification decodes each weight block once, not once a row). */
-static inline __attribute__((always_inline)) void q4_columns(int C, const int8_t *a, const float *s,
-                                                             const float *s_sum, int M, int K, const uint8_t *w,
-                                                             const float *d, const float *m, long n0, int N,
-                                                             float *y) {
+static inline __attribute__((always_inline)) void q4_columns(int C, const int8_t *a, const float *st,
+                                                             const float *sumt, long MP, int M, int K,
+                                                             const uint8_t *w, const float *d, const float *m,
+                                                             long n0, int N, float *y) {
     long r = 0;
     if (C == 1 || WIDE_ROWS == ROWS)
-        for (; r + ROWS <= M; r += ROWS) q4_tile(ROWS, C, a, s, s_sum, r, K, w, d, m, n0, N, y);
+        for (; r + ROWS <= M; r += ROWS) q4_tile(ROWS, C, a, st, sumt, MP, r, K, w, d, m, n0, N, y);
     else
-        for (; r + WIDE_ROWS <= M; r += WIDE_ROWS) q4_tile(WIDE_ROWS, C, a, s, s_sum, r, K, w, d, m, n0, N, y);
+        for (; r + WIDE_ROWS <= M; r += WIDE_ROWS) q4_tile(WIDE_ROWS, C, a, st, sumt, MP, r, K, w, d, m, n0, N, y);
     switch (M - r) {
-    case 3: q4_tile(3, C, a, s, s_sum, r, K, w, d, m, n0, N, y); break;
-    case 2: q4_tile(2, C, a, s, s_sum, r, K, w, d, m, n0, N, y); break;
-    case 1: q4_tile(1, C, a, s, s_sum, r, K, w, d, m, n0, N, y); break;
+    case 3: q4_tile(3, C, a, st, sumt, MP, r, K, w, d, m, n0, N, y); break;
+    case 2: q4_tile(2, C, a, st, sumt, MP, r, K, w, d, m, n0, N, y); break;
+    case 1: q4_tile(1, C, a, st, sumt, MP, r, K, w, d, m, n0, N, y); break;
     }
 }
 
-void mm_q4_q8(const int8_t *a, const float *s, const float *s_sum, int M, int K, const uint8_t *w,
+/* a int8 [M, K]; st and sumt the rows' scales by block, [G][MP] (q4_tile); the rest as at the top. */
+void mm_q4_q8(const int8_t *a, const float *st, const float *sumt, int M, int K, const uint8_t *w,
               const float *d, const float *m, int N, float *y, int threads) {
+    long MP = ((long)M + 3) & ~3L;
     if (M > Q4_WIDE_MAX_M) { /* one column at a time */
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (long n = 0; n < N; n++) q4_columns(1, a, s, s_sum, M, K, w, d, m, n, N, y);
+        for (long n = 0; n < N; n++) q4_columns(1, a, st, sumt, MP, M, K, w, d, m, n, N, y);
         return;
     }
     long tiles = N / COLS; /* COLS columns a tile, then the last N % COLS one by one */
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long t = 0; t < tiles; t++) q4_columns(COLS, a, s, s_sum, M, K, w, d, m, t * COLS, N, y);
-    for (long n = tiles * COLS; n < N; n++) q4_columns(1, a, s, s_sum, M, K, w, d, m, n, N, y);
+    for (long t = 0; t < tiles; t++) q4_columns(COLS, a, st, sumt, MP, M, K, w, d, m, t * COLS, N, y);
+    for (long n = tiles * COLS; n < N; n++) q4_columns(1, a, st, sumt, MP, M, K, w, d, m, n, N, y);
 }
 
 /* q4_tile's int8 form: R rows against C columns, each (r, n) c[n] times its blocks' sum in order. */
@@ -249,10 +276,21 @@ int linear_q4(const float *x, int M, int K, const uint8_t *w, const float *d, co
     int8_t *a;
     float *s, *s_sum;
     if (scratch(M, K, &a, &s, &s_sum)) return -1;
+    long G = K / BLOCK, MP = ((long)M + 3) & ~3L;
+    float *st = (float *)calloc((size_t)G * MP * 2, sizeof(float)); /* the scales by block, rows padded with 0 */
+    if (!st) {
+        free(a);
+        free(s);
+        return -1;
+    }
+    float *sumt = st + G * MP;
     quantize_rows_q8(x, M, K, a, s, s_sum);
-    mm_q4_q8(a, s, s_sum, M, K, w, d, m, N, y, threads);
+    for (long r = 0; r < M; r++)
+        for (long g = 0; g < G; g++) st[g * MP + r] = s[r * G + g], sumt[g * MP + r] = s_sum[r * G + g];
+    mm_q4_q8(a, st, sumt, M, K, w, d, m, N, y, threads);
     free(a);
     free(s);
+    free(st);
     return 0;
 }
 

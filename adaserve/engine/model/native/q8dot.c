@@ -22,12 +22,12 @@
  * products from 16 rows, the int8 head from 8), each column is its own tile, as before them. An int4 tile forms its
  * rows' scales d * s and sums m * s sum(a) four rows at a time in vector lanes (each lane the float operations the
  * scalar form made, so the same bits; an AVX2 build only in its full 4-row tiles, where that measured faster), from
- * the scales laid out by block (linear_q4 transposes them).
+ * the scales laid out by block (linear_q4 quantizes into that layout).
  *
  * Built with -ffp-contract=off so that the compiler fuses no multiply-add on its own in one loop and not in another.
  *
  * Layouts: a int8 [M, K]; s and s*sum(a) float [M, K/32] (mm_q4_q8 takes them by block: [K/32, M rounded up to 4],
- * zero padded); int4 weights [N, K/32, 16] bytes, byte j of a block
+ * zero padded, as linear_q4's quantize_rows writes them); int4 weights [N, K/32, 16] bytes, byte j of a block
  * holding column j in its low nibble and column j + 16 in its high one; d, m float [N, K/32]; int8 weights [N, K];
  * c float [N]; y float [M, N]. K is a multiple of 32.
  */
@@ -86,8 +86,9 @@ static inline __m256i unpack_q4(const uint8_t *p) {
 }
 
 /* The activations' int8 codes per block of 32: a = round(x * (127 / amax)), half to even (the vector
- * rounding and nearbyintf in the default mode agree), s = amax / 127, and s * sum(a). */
-void quantize_rows_q8(const float *x, int M, int K, int8_t *a, float *s, float *s_sum) {
+ * rounding and nearbyintf in the default mode agree), s = amax / 127, and s * sum(a); row r's block g scales at
+ * r * rs + g * gs (by row: rs = K/32, gs = 1; by block, as mm_q4_q8 reads them: rs = 1, gs = the padded rows). */
+static void quantize_rows(const float *x, int M, int K, int8_t *a, float *s, float *s_sum, long rs, long gs) {
     int G = K / BLOCK;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (long r = 0; r < M; r++)
@@ -114,9 +115,14 @@ void quantize_rows_q8(const float *x, int M, int K, int8_t *a, float *s, float *
             __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
             s4 = _mm_hadd_epi32(s4, s4);
             s4 = _mm_hadd_epi32(s4, s4);
-            s[r * G + g] = amax / 127.f;
-            s_sum[r * G + g] = (amax / 127.f) * (float)_mm_cvtsi128_si32(s4);
+            s[r * rs + g * gs] = amax / 127.f;
+            s_sum[r * rs + g * gs] = (amax / 127.f) * (float)_mm_cvtsi128_si32(s4);
         }
+}
+
+/* quantize_rows with the scales by row: s and s*sum(a) float [M, K/32] */
+void quantize_rows_q8(const float *x, int M, int K, int8_t *a, float *s, float *s_sum) {
+    quantize_rows(x, M, K, a, s, s_sum, K / BLOCK, 1);
 }
 
 /* R activation rows (1 <= R <= ROWS) against C output columns n0 .. n0 + C - 1 (1 <= C <= COLS): each weight block
@@ -257,12 +263,13 @@ void mm_q8_q8(const int8_t *a, const float *s, int M, int K, const int8_t *w, co
 }
 
 /* The layers' entry points: x float32 [M, K] quantized here (scratch from malloc), then the product. Return 0,
- * or -1 when the scratch could not be allocated (y is then untouched). */
-static int scratch(int M, int K, int8_t **a, float **s, float **s_sum) {
+ * or -1 when the scratch could not be allocated (y is then untouched). The scratch's scales hold ``rows`` rows a
+ * block (M, or M rounded up to 4 for mm_q4_q8's scales by block), zeroed: padding rows read 0. */
+static int scratch(int M, int K, long rows, int8_t **a, float **s, float **s_sum) {
     long G = K / BLOCK;
     *a = (int8_t *)malloc((size_t)M * K);
-    *s = (float *)malloc(sizeof(float) * (size_t)M * G * 2);
-    *s_sum = *s ? *s + (size_t)M * G : 0;
+    *s = (float *)calloc((size_t)rows * G * 2, sizeof(float));
+    *s_sum = *s ? *s + (size_t)rows * G : 0;
     if (!*a || !*s) {
         free(*a);
         free(*s);
@@ -275,29 +282,19 @@ int linear_q4(const float *x, int M, int K, const uint8_t *w, const float *d, co
               int threads) {
     int8_t *a;
     float *s, *s_sum;
-    if (scratch(M, K, &a, &s, &s_sum)) return -1;
-    long G = K / BLOCK, MP = ((long)M + 3) & ~3L;
-    float *st = (float *)calloc((size_t)G * MP * 2, sizeof(float)); /* the scales by block, rows padded with 0 */
-    if (!st) {
-        free(a);
-        free(s);
-        return -1;
-    }
-    float *sumt = st + G * MP;
-    quantize_rows_q8(x, M, K, a, s, s_sum);
-    for (long r = 0; r < M; r++)
-        for (long g = 0; g < G; g++) st[g * MP + r] = s[r * G + g], sumt[g * MP + r] = s_sum[r * G + g];
-    mm_q4_q8(a, st, sumt, M, K, w, d, m, N, y, threads);
+    long MP = ((long)M + 3) & ~3L;
+    if (scratch(M, K, MP, &a, &s, &s_sum)) return -1;
+    quantize_rows(x, M, K, a, s, s_sum, 1, MP); /* the scales by block, as mm_q4_q8 reads them */
+    mm_q4_q8(a, s, s_sum, M, K, w, d, m, N, y, threads);
     free(a);
     free(s);
-    free(st);
     return 0;
 }
 
 int linear_q8(const float *x, int M, int K, const int8_t *w, const float *c, int N, float *y, int threads) {
     int8_t *a;
     float *s, *s_sum;
-    if (scratch(M, K, &a, &s, &s_sum)) return -1;
+    if (scratch(M, K, M, &a, &s, &s_sum)) return -1;
     quantize_rows_q8(x, M, K, a, s, s_sum);
     mm_q8_q8(a, s, M, K, w, c, N, y, threads);
     free(a);

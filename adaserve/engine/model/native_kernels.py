@@ -36,12 +36,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import platform
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,10 +204,13 @@ class SearchPicks:
     per output and level, and no copy or join at the end). With ``anc`` (bool [n, S, S] ancestor rows,
     ``beam_ops.ancestor_rows``: beam_search passes the whole tree's, which the trees then take as their ancestor
     matrices) a level called with ``grow`` fills its nodes' rows in the same call. Every pointer the C code is handed
-    is one of these arrays', checked here against the level's shape. ``NativeKernels.beam_picks`` is the same call
+    is one of these arrays', checked here against the level's shape. ``levels`` (each level's node count, as beam_search
+    knows them before the first pick): a lone request's level ids are made as views here, not sliced after each
+    forward. ``NativeKernels.beam_picks`` is the same call
     for one level with its own bases and outputs (``speculate.expand_level``)."""
 
-    def __init__(self, kernels: NativeKernels, n: int, nodes: int, anc: torch.Tensor | None) -> None:
+    def __init__(self, kernels: NativeKernels, n: int, nodes: int, anc: torch.Tensor | None,
+                 levels: Sequence[int] = ()) -> None:
         if anc is not None and (anc.dtype != torch.bool or anc.device.type != "cpu" or not anc.is_contiguous()
                                 or anc.dim() != 3 or anc.shape[0] != n or anc.shape[1] != anc.shape[2]):
             raise ValueError("SearchPicks: the ancestor rows must be a contiguous bool [n, S, S] tensor on the CPU")
@@ -214,8 +219,15 @@ class SearchPicks:
         held = torch.empty((3, n, nodes), dtype=torch.int64)
         buf = held.numpy()
         self.tokens, self.parents, self.log_probs = buf[0], buf[1], buf[2].view(np.float64)
-        # one request's tokens as torch: each level's ids are a slice of them (a batch's are copied, request-major)
+        # one request's tokens as torch: each level's ids are a slice of them (a batch's are copied, request-major).
+        # ``levels`` (each level's node count, when the caller knows them): those slices made here, in one call, keyed
+        # by their first column (issue 30: a level's slice, made right after the draft's forward, ran cold there)
         self._ids = held[0, 0] if n == 1 else None
+        self._level_ids: dict[int, tuple[int, torch.Tensor]] = {}
+        if self._ids is not None and levels and sum(levels) <= nodes:
+            starts = itertools.accumulate(levels, initial=0)
+            self._level_ids = {c: (size, ids) for c, size, ids in zip(starts, levels, self._ids.split(list(levels)),
+                                                                        strict=False)}
         self.finite = True  # every level's logits finite so far
         self._lib, self._n, self._nodes = kernels.lib, n, nodes
         self._at, self._plane = held.data_ptr(), n * nodes * 8  # the buffer's address, each output's bytes
@@ -223,6 +235,8 @@ class SearchPicks:
         self._roots = _zero_bases(n)
         self._root = self._roots.data_ptr()
         self._anc, self._side = anc, 0 if anc is None else int(anc.shape[1])
+        self._anc_at = 0 if anc is None else anc.data_ptr()
+        self._threads = torch.get_num_threads()  # one search's levels run under one setting
         self._column, self._width = 0, 1  # the next level's first column; the frontier's nodes (columns before it)
 
     def level(self, x: torch.Tensor, *, k: int, width: int | None, frontier: int, grow: bool) -> torch.Tensor:
@@ -231,14 +245,16 @@ class SearchPicks:
         the level's columns; returns its tokens as a flat [n * kept] tensor, request-major (the next level's input
         ids: a view of the columns for one request, a copy of them for more). A logit that is not finite leaves
         ``finite`` False and the level's picks zero (token 0, the frontier's first node, log probability 0)."""
-        n, f, v = self._n, self._width, x.shape[-1]
+        # each torch property read here is a call that runs cold after the draft's forward: the shape is read once
+        n, f, shape = self._n, self._width, x.shape
+        v = shape[-1]
         if x.dtype != torch.float32:
             x = x.float()
         if not x.is_contiguous():
             x = x.contiguous()
         kept = f * k if width is None else min(width, f * k)
         c = self._column
-        if (not x.is_cpu or x.dim() != 2 or x.shape[0] != n * f or not 1 <= k <= min(v, PICKS_MAX_K)
+        if (len(shape) != 2 or shape[0] != n * f or not x.is_cpu or not 1 <= k <= min(v, PICKS_MAX_K)
                 or f * k > PICKS_MAX_CANDIDATES or c + kept > self._nodes):
             raise ValueError(f"SearchPicks.level: float32 logits [{n} * {f}, V] on the CPU, 1 <= k <= "
                              f"min(V, {PICKS_MAX_K}), at most {PICKS_MAX_CANDIDATES} candidates and "
@@ -247,13 +263,13 @@ class SearchPicks:
         if grow:
             if self._anc is None or frontier + f + kept > self._side:
                 raise ValueError("SearchPicks.level: no ancestor rows for the level's nodes")
-            anc = self._anc.data_ptr()
+            anc = self._anc_at
         base, ld_base = ((self._root, 1) if c == 0
                          else (self._at + 2 * self._plane + 8 * (c - f), self._nodes))
         at = self._at + 8 * c
         status = self._lib.beam_picks(x.data_ptr(), n, f, v, base, ld_base, k, 0 if width is None else width,
                                       frontier, at, at + self._plane, at + 2 * self._plane, self._nodes, anc,
-                                      self._side, torch.get_num_threads())
+                                      self._side, self._threads)
         if status < 0:
             raise MemoryError("the beam picks kernel could not allocate its scratch")
         end = c + kept
@@ -261,7 +277,10 @@ class SearchPicks:
             self.finite = False
             self.tokens[:, c:end], self.parents[:, c:end], self.log_probs[:, c:end] = 0, frontier, 0.0
         self._column, self._width = end, kept
-        return self._ids[c:end] if self._ids is not None else torch.from_numpy(self.tokens[:, c:end].reshape(-1))
+        if self._ids is None:
+            return torch.from_numpy(self.tokens[:, c:end].reshape(-1))
+        size, ids = self._level_ids.get(c, (0, self._ids))
+        return ids if size == kept else self._ids[c:end]
 
 
 @functools.lru_cache(maxsize=8)

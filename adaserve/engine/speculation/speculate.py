@@ -102,15 +102,7 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
                and all(kernel_takes(k, f) for k, f in zip(per_node, sizes, strict=False)))
     forwards = BeamLevels(draft, [x.seq for x in inputs], sizes[:depth], pending=[x.pending for x in inputs],
                           host_masks=on_host)
-    if forwards.folds_catch_up:
-        rows = forwards.catch_up()  # [n, V]: each root's logits
-    else:
-        segs = [Segment(x.seq, x.seq.length, TokenTree.chain(x.pending)) for x in inputs]
-        rows = draft.forward_joined(segs, all_logits=[False] * n)
-    _seen(draft, on_forward)
-    if rows.shape[-1] != draft.vocab_size:
-        raise ValueError(f"the draft's logits have {rows.shape[-1]} columns for a vocabulary of {draft.vocab_size}")
-    dev = rows.device
+    dev = draft.device
     # on the device, per level: tokens, parents (tree index), log path probabilities, each [n, k]
     levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     checks: list[tuple[torch.Tensor, torch.Tensor] | None] = []
@@ -119,12 +111,10 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
     steps = None
     if not on_host and paths is None and draft.static is not None:
         steps = steps_for(forwards, depth=depth, width=width, expansion=expansion, sizes=sizes)
-    if steps is not None:
-        for tok, parent, value, check in steps.run(forwards, rows, lambda: _seen(draft, on_forward)):
-            levels.append((tok, parent, value))
-            checks.append(check)
-        host = every = grown = None
-    else:
+    # the levels' loop's own arrays, made here, before the first forward: none of them reads its logits (issue 30:
+    # made after it, they ran cold, the forward's weights having passed through the caches)
+    host = every = grown = anc = base = None
+    if steps is None:
         chains = max(sizes) == 1  # every level one node (width 1): no level reads ancestor rows, none are grown
         # ancestor rows of every node the draft is fed, made once and filled level by level (None: chains); on the CPU's
         # own path of every node, the last level's too: the trees' ancestor matrices, handed to them as they stand
@@ -135,10 +125,24 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
         # the fed nodes' rows (issue 30: on the CPU's own path numpy's slice of them, one view, not torch's three)
         anc = (every if every is None or side == fed
                else torch.from_numpy(grown[:, :fed, :fed]) if grown is not None else every[:, :fed, :fed])
-        host = (native_kernels.SearchPicks(kernels, n, sum(sizes[1:]), every) if on_host and kernels is not None
-                else None)
+        host = (native_kernels.SearchPicks(kernels, n, sum(sizes[1:]), every, sizes[1:])
+                if on_host and kernels is not None else None)
         # the ops' frontier log path probabilities, on the device
         base = None if host is not None else torch.zeros((n, 1), dtype=torch.float64, device=dev)
+    vocab = draft.vocab_size
+    if forwards.folds_catch_up:
+        rows = forwards.catch_up()  # [n, V]: each root's logits
+    else:
+        segs = [Segment(x.seq, x.seq.length, TokenTree.chain(x.pending)) for x in inputs]
+        rows = draft.forward_joined(segs, all_logits=[False] * n)
+    _seen(draft, on_forward)
+    if rows.shape[-1] != vocab:
+        raise ValueError(f"the draft's logits have {rows.shape[-1]} columns for a vocabulary of {vocab}")
+    if steps is not None:
+        for tok, parent, value, check in steps.run(forwards, rows, lambda: _seen(draft, on_forward)):
+            levels.append((tok, parent, value))
+            checks.append(check)
+    else:
         frontier = 0  # tree index of the frontier's first node; the frontier is level ``step``, ``rows`` its logits
         for step in range(depth):
             if host is not None:  # level 1's rows (children of the root) were made with the rows

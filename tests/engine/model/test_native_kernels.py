@@ -396,7 +396,8 @@ def test_search_picks_are_each_levels_picks_with_their_rows_grown(kernels: nk.Na
         side = sum(sizes)
         anc = ancestor_rows(n, side, torch.device("cpu"), first_level=sizes[1])
         ref_anc = anc.clone()
-        picks = nk.SearchPicks(kernels, n, side - 1, anc)
+        # every other case names its levels' sizes: a lone request's level ids are then views made up front
+        picks = nk.SearchPicks(kernels, n, side - 1, anc, sizes[1:] if case % 2 else ())
         base, frontier, column = torch.zeros((n, 1), dtype=torch.float64), 0, 0
         for step, k in enumerate(ks):
             x = torch.from_numpy(rng.standard_normal((n * sizes[step], v)).astype(np.float32))
@@ -407,6 +408,8 @@ def test_search_picks_are_each_levels_picks_with_their_rows_grown(kernels: nk.Na
             assert ref is not None
             end = column + sizes[step + 1]
             assert torch.equal(tok, ref[0].reshape(-1))
+            if n == 1:  # the level's columns themselves, not a copy
+                assert tok.data_ptr() == picks.tokens[0, column:end].ctypes.data
             assert np.array_equal(picks.tokens[:, column:end], ref[0].numpy())
             assert np.array_equal(picks.parents[:, column:end], ref[1].numpy())
             assert np.array_equal(picks.log_probs[:, column:end], ref[2].numpy())

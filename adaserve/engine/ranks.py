@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from adaserve.engine.loading.catalog import local_dir
-from adaserve.engine.loading.loader import default_dtype, load_model, read_config
+from adaserve.engine.loading.loader import default_dtype, freeze_long_lived, load_model, read_config
 from adaserve.engine.model import parallel
 from adaserve.engine.model.kv_cache import KVCacheConfig
 from adaserve.engine.model.runner import ForwardSettings, ModelRunner
@@ -55,6 +55,7 @@ def _rank_main(rank: int, size: int, port: int, target: str, device: str, dtype:
     tp = parallel.init_rank(rank, size, port=port, device=torch.device(device))
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device(device)
     runner = ModelRunner(load_model(Path(target), device=dev, dtype=dtype, weights=weights, tp=tp), settings)
+    freeze_long_lived()  # the rank keeps what it loaded until it exits: no full collection walks it again
     served = parallel.serve(runner, tp)
     log.info("tensor-parallel rank %d stopped after %d forwards", rank, served)
     parallel.leave()

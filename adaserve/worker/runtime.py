@@ -26,7 +26,7 @@ from adaserve.engine.build import BuiltEngine, EngineBuildError, build_engine
 from adaserve.engine.engine import Engine, StepMetrics, TokenEvent
 from adaserve.engine.loading.catalog import ModelNotFoundError, resolve_drafts
 from adaserve.engine.loading.chat import ChatTemplateError, chat_text, has_chat_template
-from adaserve.engine.loading.loader import load_tokenizer, trim_heap
+from adaserve.engine.loading.loader import freeze_long_lived, load_tokenizer, thaw, trim_heap
 from adaserve.engine.loading.tokenizer import Tokenizer
 from adaserve.engine.loop import EngineLoop
 from adaserve.engine.model.quant import served_description
@@ -171,6 +171,7 @@ class Runtime:
         built.engine.step_listeners.append(self._measure_step)
         self.metrics.declare_classes([self.settings.default_slo_class, *self.settings.slo_classes])
         self.metrics.declare_drafts(published.model_names(self.settings, built).drafts)
+        frozen = freeze_long_lived()  # what loading and the warm-up left stays: no full collection walks it again
         self.loop = EngineLoop(built.engine).start()
         self.state = State.READY
         self.metrics.ready.set(1)
@@ -182,8 +183,9 @@ class Runtime:
             await self.registry.start()
         else:
             log.info("no Redis configured (ADASERVE_REDIS_URL / --redis-url): local mode, not registering")
-        log.info("worker %s ready at %s (budget %d; weights %s)", self.settings.worker_id, self.settings.address,
-                 built.engine.cfg.budget, served_description(built.engine.target.model))
+        log.info("worker %s ready at %s (budget %d; weights %s; %d objects kept out of the garbage collector's "
+                 "full collections)", self.settings.worker_id, self.settings.address, built.engine.cfg.budget,
+                 served_description(built.engine.target.model), frozen)
 
     def _measure_step(self, m: StepMetrics) -> None:
         """Engine thread, after each iteration: the curve, with what each decoding request of a known class gained
@@ -275,6 +277,7 @@ class Runtime:
             await asyncio.to_thread(self.loop.stop)
         if self.built is not None:  # a tensor-parallel target stops its other ranks (after the loop's last forward)
             await asyncio.to_thread(_close_target, self.built)
+        thaw()  # startup's freeze: what it kept may be garbage now
 
     def registration(self) -> Registration:
         """What this worker publishes about itself now (Redis and ``GET /v1/status``)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -67,6 +68,9 @@ def test_health_profile_and_local_mode(worker: Service, client: httpx.Client) ->
     assert {"alpha", "gamma", "delta"} <= set(prof["cost_model"]["target"]) <= {"alpha", "gamma", "delta", "beta"}
     assert prof["device"].startswith("cpu")
     assert "local mode" in worker.logs()
+    # what loading and the warm-up left is frozen out of the collector's full collections (loader.freeze_long_lived)
+    frozen = re.search(r"(\d+) objects kept out of the garbage collector's full collections", worker.logs())
+    assert frozen is not None and int(frozen.group(1)) > 10_000
 
 
 def test_stream_equals_adaserve_generate(models: tuple[Path, Path], client: httpx.Client, tmp_path: Path) -> None:

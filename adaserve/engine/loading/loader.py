@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import json
 import logging
 from pathlib import Path
@@ -217,6 +218,26 @@ def trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     with contextlib.suppress(OSError, AttributeError):  # the symbol is there only where TCMalloc is loaded
         ctypes.CDLL(None).MallocExtension_ReleaseFreeMemory()
+
+
+def freeze_long_lived() -> int:
+    """Keep every object alive now out of the garbage collector's full collections (``gc.freeze``), after one full
+    collection (what is garbage already is freed, not frozen); returns the objects frozen.
+
+    A serving process loads once (the models' modules, the tokenizer's tables, the web framework) and keeps all of
+    it: ~175k objects for the demo pair alone, which each of Python's full collections walks, ~35-45 ms on a CPU
+    (docs/benchmarks.md, "Thirty-second round"): an iteration stalled by a TPOT SLO's worth. Frozen, they are left
+    out (vLLM's engine freezes after start-up the same way); objects made later are collected as before. Frozen ones
+    that become garbage stay until ``thaw``: call it once what the process holds is what it will keep (the worker
+    after its warm-up, a tensor-parallel rank after loading its shard)."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+def thaw() -> None:
+    """Hand every frozen object back to the collector (its oldest generation): a stopping server's."""
+    gc.unfreeze()
 
 
 # tokenizer classes whose tokenizer_config.json names them for any model type (transformers >= 5)

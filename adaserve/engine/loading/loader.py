@@ -225,8 +225,8 @@ def freeze_long_lived() -> int:
     collection (what is garbage already is freed, not frozen); returns the objects frozen.
 
     A serving process loads once (the models' modules, the tokenizer's tables, the web framework) and keeps all of
-    it: ~175k objects for the demo pair alone, which each of Python's full collections walks, ~35-45 ms on a CPU
-    (docs/benchmarks.md, "Thirty-second round"): an iteration stalled by a TPOT SLO's worth. Frozen, they are left
+    it: ~435k objects in a worker serving the demo pair, which each of Python's full collections walks, 190-215 ms on
+    a CPU (docs/benchmarks.md, "Thirty-second round"): an iteration stalled by several TPOT SLOs. Frozen, they are left
     out (vLLM's engine freezes after start-up the same way); objects made later are collected as before. Frozen ones
     that become garbage stay until ``thaw``: call it once what the process holds is what it will keep (the worker
     after its warm-up, a tensor-parallel rank after loading its shard)."""

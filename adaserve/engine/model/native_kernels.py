@@ -43,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,7 +218,7 @@ class SearchPicks:
             if (anc.dtype != torch.bool or not anc.is_cpu or not anc.is_contiguous() or len(shape) != 3
                     or shape[0] != n or shape[1] != shape[2]):
                 raise ValueError("SearchPicks: the ancestor rows must be a contiguous bool [n, S, S] tensor on the CPU")
-        bufs = _search_buffers(n, nodes, tuple(levels))
+        bufs = _search_buffers(n, nodes, tuple(levels), threading.get_ident())
         self.tokens, self.parents, self.log_probs = bufs.tokens, bufs.parents, bufs.log_probs
         self._ids, self._level_ids = bufs.ids, bufs.level_ids
         self._at, self._plane, self._root = bufs.at, bufs.plane, bufs.root
@@ -289,11 +290,12 @@ class _SearchBuffers:
 
 
 @functools.lru_cache(maxsize=16)
-def _search_buffers(n: int, nodes: int, levels: tuple[int, ...]) -> _SearchBuffers:
+def _search_buffers(n: int, nodes: int, levels: tuple[int, ...], thread: int) -> _SearchBuffers:
     """The host arrays of every search with ``n`` requests, ``nodes`` nodes a tree after the root and these levels'
     node counts, made at its first search and reused by the next ones (issue 30: their dozen torch and numpy calls
     ran in every search). Each search writes every column before it reads it, and the trees copy what they keep
-    (``speculate.build_trees``), so a search leaves nothing the next one could disturb.
+    (``speculate.build_trees``), so a search leaves nothing the next one could disturb. Per ``thread`` (its
+    ``threading.get_ident()``): engines searching on two threads of one process never share them.
 
     One torch buffer, read by numpy: its address is one call (numpy's ``ctypes.data`` builds a Python object each
     time it is read). One request's tokens as torch: each level's ids are a slice of them (a batch's are copied,

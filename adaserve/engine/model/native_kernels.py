@@ -43,7 +43,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,8 +206,7 @@ class SearchPicks:
     matrices) a level called with ``grow`` fills its nodes' rows in the same call. Every pointer the C code is handed
     is one of these arrays', checked here against the level's shape. ``levels`` (each level's node count, as beam_search
     knows them before the first pick): a lone request's level ids are made as views up front, not sliced after each
-    forward. The arrays are the search shape's (``_search_buffers``), reused by the next search of that shape: read
-    them before it starts. ``NativeKernels.beam_picks`` is the same call for one level with its own bases and outputs
+    forward. ``NativeKernels.beam_picks`` is the same call for one level with its own bases and outputs
     (``speculate.expand_level``)."""
 
     def __init__(self, kernels: NativeKernels, n: int, nodes: int, anc: torch.Tensor | None,
@@ -218,10 +216,24 @@ class SearchPicks:
             if (anc.dtype != torch.bool or not anc.is_cpu or not anc.is_contiguous() or len(shape) != 3
                     or shape[0] != n or shape[1] != shape[2]):
                 raise ValueError("SearchPicks: the ancestor rows must be a contiguous bool [n, S, S] tensor on the CPU")
-        bufs = _search_buffers(n, nodes, tuple(levels), threading.get_ident())
-        self.tokens, self.parents, self.log_probs = bufs.tokens, bufs.parents, bufs.log_probs
-        self._ids, self._level_ids = bufs.ids, bufs.level_ids
-        self._at, self._plane, self._root = bufs.at, bufs.plane, bufs.root
+        # one torch buffer, read by numpy: its address is one call (issue 30: numpy's ``ctypes.data`` builds a Python
+        # object each time it is read)
+        held = torch.empty((3, n, nodes), dtype=torch.int64)
+        buf = held.numpy()
+        self.tokens, self.parents, self.log_probs = buf[0], buf[1], buf[2].view(np.float64)
+        # one request's tokens as torch: each level's ids are a slice of them (a batch's are copied, request-major).
+        # ``levels`` (each level's node count, when the caller knows them): those slices made here, in one call, keyed
+        # by their first column (issue 30: a level's slice, made right after the draft's forward, ran cold there)
+        self._ids = held[0, 0] if n == 1 else None
+        self._level_ids: dict[int, tuple[int, torch.Tensor]] = {}
+        if self._ids is not None and levels and sum(levels) <= nodes:
+            starts = itertools.accumulate(levels, initial=0)
+            self._level_ids = {c: (size, ids) for c, size, ids in zip(starts, levels, self._ids.split(list(levels)),
+                                                                        strict=False)}
+        self._at, self._plane = held.data_ptr(), n * nodes * 8  # the buffer's address, each output's bytes
+        # the first level's base: the roots' log path probability, 0 (held here, read at its address)
+        self._roots = _zero_bases(n)
+        self._root = self._roots.data_ptr()
         self.finite = True  # every level's logits finite so far
         self._lib, self._n, self._nodes = kernels.lib, n, nodes
         self._anc, self._side = anc, 0 if anc is None else int(anc.shape[1])
@@ -273,44 +285,10 @@ class SearchPicks:
         return ids if size == kept else self._ids[c:end]
 
 
-@dataclass(frozen=True)
-class _SearchBuffers:
-    """One search shape's host arrays (``_search_buffers``)."""
-
-    held: torch.Tensor  # int64 [3, n, nodes]: tokens, parents, log path probabilities (their float64 bits)
-    tokens: np.ndarray
-    parents: np.ndarray
-    log_probs: np.ndarray
-    ids: torch.Tensor | None  # one request's tokens as torch (None for a batch's)
-    level_ids: dict[int, tuple[int, torch.Tensor]]  # first column -> (nodes, that level's tokens as torch)
-    at: int  # ``held``'s address
-    plane: int  # each output's bytes
-    roots: torch.Tensor  # n float64 zeros, never written: the first level's base
-    root: int  # their address
-
-
-@functools.lru_cache(maxsize=16)
-def _search_buffers(n: int, nodes: int, levels: tuple[int, ...], thread: int) -> _SearchBuffers:
-    """The host arrays of every search with ``n`` requests, ``nodes`` nodes a tree after the root and these levels'
-    node counts, made at its first search and reused by the next ones (issue 30: their dozen torch and numpy calls
-    ran in every search). Each search writes every column before it reads it, and the trees copy what they keep
-    (``speculate.build_trees``), so a search leaves nothing the next one could disturb. Per ``thread`` (its
-    ``threading.get_ident()``): engines searching on two threads of one process never share them.
-
-    One torch buffer, read by numpy: its address is one call (numpy's ``ctypes.data`` builds a Python object each
-    time it is read). One request's tokens as torch: each level's ids are a slice of them (a batch's are copied,
-    request-major); with ``levels``, those slices made here, in one call, keyed by their first column (a level's slice,
-    made right after the draft's forward, ran cold there)."""
-    held = torch.empty((3, n, nodes), dtype=torch.int64)
-    buf = held.numpy()
-    ids = held[0, 0] if n == 1 else None
-    level_ids: dict[int, tuple[int, torch.Tensor]] = {}
-    if ids is not None and levels and sum(levels) <= nodes:
-        starts = itertools.accumulate(levels, initial=0)
-        level_ids = {c: (size, part) for c, size, part in zip(starts, levels, ids.split(list(levels)), strict=False)}
-    roots = torch.zeros(n, dtype=torch.float64)
-    return _SearchBuffers(held, buf[0], buf[1], buf[2].view(np.float64), ids, level_ids, held.data_ptr(),
-                          n * nodes * 8, roots, roots.data_ptr())
+@functools.lru_cache(maxsize=8)
+def _zero_bases(n: int) -> torch.Tensor:
+    """n float64 zeros, never written: a search's first level reads its base there (one array per request count)."""
+    return torch.zeros(n, dtype=torch.float64)
 
 
 def mode() -> str:

@@ -458,27 +458,3 @@ def test_search_picks_refuse_what_their_pointers_would_misread(kernels: nk.Nativ
     nogrow.level(torch.randn(2, 50), k=1, width=1, frontier=0, grow=False)
     with pytest.raises(ValueError, match="SearchPicks"):  # growing rows it was not given
         nogrow.level(torch.randn(2, 50), k=1, width=1, frontier=0, grow=True)
-
-
-def test_searches_of_one_shape_share_their_arrays_and_the_trees_keep_their_own(kernels: nk.NativeKernels) -> None:
-    """A search shape's host arrays are made once and reused by the next search of that shape (``_search_buffers``):
-    the trees built from one search are copies, which the next search's picks leave as they were."""
-    from adaserve.engine.speculation.speculate import build_trees
-
-    rng = np.random.default_rng(11)
-    for n in (1, 3):
-        built = []
-        for _ in range(2):
-            picks = nk.SearchPicks(kernels, n, 4, None, (2, 2))
-            picks.level(torch.from_numpy(rng.standard_normal((n, 40)).astype(np.float32)), k=2, width=2,
-                        frontier=0, grow=False)
-            picks.level(torch.from_numpy(rng.standard_normal((2 * n, 40)).astype(np.float32)), k=2, width=2,
-                        frontier=1, grow=False)
-            snapshot = (picks.tokens.copy(), picks.parents.copy(), picks.log_probs.copy())
-            trees = build_trees(np.zeros((n, 1), np.int64), picks.tokens, picks.parents, picks.log_probs, [2, 2])
-            built.append((picks, snapshot, [(t.tokens.copy(), t.parents.copy()) for t in trees], trees))
-        (first, snap, kept, trees), (second, _, _, _) = built
-        assert first.tokens is second.tokens  # one shape, one set of arrays
-        assert not np.array_equal(snap[0], second.tokens)  # the second search wrote its own picks there
-        for tree, (tokens, parents) in zip(trees, kept, strict=True):
-            assert np.array_equal(tree.tokens, tokens) and np.array_equal(tree.parents, parents)

@@ -1,10 +1,11 @@
 """Where an iteration's host time goes, function by function (issue 30).
 
 Decodes ``--requests`` requests with speculation (the microbench's ``spec`` mode: the adaserve policy, greedy,
-one torch thread) and wraps each function below in a timer that charges it its own wall time minus the time
-spent inside either model's forward while it ran. Inclusive: a function's figure contains its callees' (the
-table is a tree, not a partition). Prints JSON: per function, milliseconds and calls per iteration, with the
-iteration's total time outside the forwards and the tree shapes drafted.
+one torch thread; ``--mode plain``: its ``plain`` mode, the incremental policy) and wraps each function below in a
+timer that charges it its own wall time minus the time spent inside either model's forward while it ran.
+Inclusive: a function's figure contains its callees' (the table is a tree, not a partition). Prints JSON: per
+function, milliseconds and calls per iteration, with the iteration's total time outside the forwards and the tree
+shapes drafted.
 
     PYTHONPATH=. python scripts/host-time-breakdown.py --requests 1 --iterations 1500 > out.json
 
@@ -107,6 +108,17 @@ FUNCTIONS = [  # (module, qualified name)
     ("adaserve.engine.cost.timing", "OnlineCostModel._refit"),  # the least-squares refit, inside observe
     ("adaserve.engine.model.native_kernels", "chosen"),  # reads ADASERVE_NATIVE_KERNELS at each call
     ("adaserve.engine.engine", "Engine._emit"),
+    # per request, or once a forward: what a batch's host time grows with
+    ("adaserve.engine.model.tree", "TokenTree.root"),
+    ("adaserve.engine.model.tree", "TokenTree.subtree"),
+    ("adaserve.engine.speculation.adaptive", "recent_ratios"),
+    ("adaserve.engine.speculation.verify", "walk"),
+    ("adaserve.engine.speculation.verify", "commit_moves"),
+    ("adaserve.engine.speculation.verify", "first_argmax"),
+    ("adaserve.engine.model.runner", "joined_rows"),
+    ("adaserve.engine.model.kv_cache", "PagedKVCache.ensure"),
+    ("adaserve.engine.model.batch", "page_table"),
+    ("adaserve.engine.model.attention.masks", "grid_mask"),
 ]
 
 
@@ -245,6 +257,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="demo-tiny")
     ap.add_argument("--requests", type=int, default=1)
+    ap.add_argument("--mode", choices=("spec", "plain"), default="spec", help="the microbench's mode (docstring)")
     ap.add_argument("--iterations", type=int, default=1500)
     ap.add_argument("--max-tokens", type=int, default=1500, help="each request's cap; a batch restarts near it")
     ap.add_argument("--kernels-ab", action="store_true", help="alternate ADASERVE_NATIVE_KERNELS off / on by block")
@@ -266,6 +279,8 @@ def main() -> None:
     if unknown := [f for f in alone if f not in {q for _, q in FUNCTIONS}]:
         ap.error(f"--alone: not among the timed functions: {', '.join(unknown)}")
     shape = _pinned_shape(ap, args.shape)
+    if shape is not None and args.mode == "plain":
+        ap.error("--shape pins the trees drafted: --mode plain drafts none")
     again = [f for f in args.again.split(",") if f]
     if unknown := [f for f in again if f not in AGAIN_PURE]:
         ap.error(f"--again: not a pure timed function: {', '.join(unknown)} (choose from {', '.join(AGAIN_PURE)})")
@@ -297,7 +312,7 @@ def main() -> None:
 
     def fresh() -> Engine:
         mode, replayed.mode = replayed.mode, "real"  # prefill and warm-up always on real forwards
-        eng = Engine(target, draft, EngineConfig(policy=MODES["spec"], max_batch=max(64, args.requests)))
+        eng = Engine(target, draft, EngineConfig(policy=MODES[args.mode], max_batch=max(64, args.requests)))
         if shape is not None:
             pin_shape(eng.policy, shape)
         for i, p in enumerate(ids):
@@ -378,7 +393,8 @@ def main() -> None:
     report: dict[str, Any] = {
         "benchmark": "host-time-breakdown", "source": source_version(), "cpu": host_cpu(),
         "allocator": allocator.in_use(), "model": args.model,
-        "requests": args.requests, "iterations": args.iterations, "threads": 1, "policy": MODES["spec"],
+        "requests": args.requests, "iterations": args.iterations, "threads": 1,
+        "mode": args.mode, "policy": MODES[args.mode],
         "pinned_shape": args.shape or None, "static_shapes": args.static_shapes,
         "not_timed": timers.absent,
     }

@@ -91,10 +91,11 @@ def test_again_calls_a_stage_twice_and_leaves_the_second_call_out_of_every_other
 
 
 @pytest.mark.parametrize(("argv", "why"), [(["--again", "Engine.step"], "not a pure timed function: Engine.step"),
-                                           (["--faults", "--count-calls"], "--faults counts one engine's iterations")])
+                                           (["--faults", "--count-calls"], "--faults counts one engine's iterations"),
+                                           (["--mode", "plain", "--shape", "4,2"], "--mode plain drafts none")])
 def test_options_that_cannot_run_are_cli_errors(breakdown: types.ModuleType, monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str], argv: list[str], why: str) -> None:
-    """``--again`` takes only pure functions; ``--faults`` runs alone."""
+    """``--again`` takes only pure functions; ``--faults`` runs alone; plain decoding has no trees to pin."""
     monkeypatch.setattr(sys, "argv", ["host-time-breakdown.py", *argv])
     with pytest.raises(SystemExit) as exc:
         breakdown.main()

@@ -6,7 +6,8 @@ within the hour (docs/benchmarks.md, "Twenty-third round": four such pairs calle
 found them 3% faster, B lower in 105 of 160 pairs). Here two worker processes, one per checkout, each hold an engine
 decoding ``--requests`` requests with speculation (the microbench's ``spec`` mode: the adaserve policy, greedy, one
 torch thread, demo-tiny unless ``--model``), every tree pinned to ``--shape`` (the policy's own choice is still
-computed, then dropped: two engines left to choose would draft different mixes of shapes). They take turns on one
+computed, then dropped: two engines left to choose would draft different mixes of shapes); ``--mode plain``: plain
+decoding instead (the microbench's ``plain`` mode, the incremental policy; no trees). They take turns on one
 CPU, ``--block`` iterations at a time: A, B, A, B, ... A block's figure is its milliseconds per iteration outside both
 models' forwards (timed by forward hooks; ``--measure forwards``: inside them, for a change to the forwards;
 ``iteration``: the whole); the pairs are each A block with the B block after it.
@@ -86,15 +87,16 @@ def worker(args: argparse.Namespace) -> None:
     ids = prompts(tok, args.requests, 128)
 
     def fresh() -> Any:
-        eng = Engine(target, draft, EngineConfig(policy=MODES["spec"], max_batch=max(64, args.requests)))
-        policy, shape = eng.policy, TreeShape(depth, width)
-        chosen = type(policy).tree_shape.__get__(policy)
+        eng = Engine(target, draft, EngineConfig(policy=MODES[args.mode], max_batch=max(64, args.requests)))
+        if args.mode == "spec":
+            policy, shape = eng.policy, TreeShape(depth, width)
+            chosen = type(policy).tree_shape.__get__(policy)
 
-        def pinned(view: Any) -> Any:
-            chosen(view)  # its cost is paid, its choice dropped
-            return shape
+            def pinned(view: Any) -> Any:
+                chosen(view)  # its cost is paid, its choice dropped
+                return shape
 
-        object.__setattr__(policy, "tree_shape", pinned)  # policies are frozen dataclasses
+            object.__setattr__(policy, "tree_shape", pinned)  # policies are frozen dataclasses
         for i, p in enumerate(ids):
             eng.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)))
         while eng.waiting or any(r.phase is not Phase.DECODE for r in eng.running):
@@ -150,6 +152,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1)
     ap.add_argument("--shape", type=lambda s: tuple(int(x) for x in s.split(",")), default=(4, 2),
                     help="D,W: every tree's depth and width (default 4,2)")
+    ap.add_argument("--mode", choices=("spec", "plain"), default="spec",
+                    help="the microbench's mode: spec (trees pinned to --shape) or plain (no trees; --shape unused)")
     ap.add_argument("--model", default="demo-tiny")
     ap.add_argument("--max-tokens", type=int, default=1800)
     ap.add_argument("--cpu", type=int, default=None, help="the CPU both workers run on (default: the first allowed)")
@@ -172,7 +176,8 @@ def main() -> None:
         ap.error("--blocks and --block must be >= 1")
     cpu = args.cpu if args.cpu is not None else min(os.sched_getaffinity(0))
     passed = [f"--block={args.block}", f"--requests={args.requests}", f"--shape={args.shape[0]},{args.shape[1]}",
-              f"--model={args.model}", f"--max-tokens={args.max_tokens}", f"--measure={args.measure}"]
+              f"--model={args.model}", f"--max-tokens={args.max_tokens}", f"--measure={args.measure}",
+              f"--mode={args.mode}"]
     procs = []
     for d in (args.base, args.cand):
         env = {**os.environ, "PYTHONPATH": str(d.resolve())}
@@ -198,7 +203,8 @@ def main() -> None:
             p.wait(timeout=60)
     report = {"benchmark": "host-time-ab", "base": str(args.base), "base_source": source(args.base),
               "candidate": str(args.cand), "candidate_source": source(args.cand), "cpu": cpu,
-              "model": args.model, "requests": args.requests, "shape": f"{args.shape[0]},{args.shape[1]}",
+              "model": args.model, "requests": args.requests, "mode": args.mode,
+              "shape": f"{args.shape[0]},{args.shape[1]}" if args.mode == "spec" else None,
               "measure": args.measure,
               "block": args.block, **summarize(*blocks), "a_blocks_ms": blocks[0], "b_blocks_ms": blocks[1]}
     print(json.dumps(report, indent=2))

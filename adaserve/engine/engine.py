@@ -534,7 +534,7 @@ class Engine:
         m.predicted_iter_s = self.predict_iteration(shape, len(decoding), n_ctx, prompt, predict_draft)
         if shape is None or shape.depth < 1 or self.draft is None:
             # plain decoding: each request's lone root (built only here: a speculating iteration never reads them)
-            roots = [TokenTree.root(r.last_token) for r in decoding]
+            roots = TokenTree.roots([r.last_token for r in decoding])
             m.tokens_verified = len(roots)
             m.per_request_verified = {r.request_id: 1 for r in decoding}
             return roots

@@ -44,20 +44,21 @@ def test_summarize_pairs_in_order_and_drops_ties_from_the_test(ab: types.ModuleT
     assert s["diff_median_share"] == pytest.approx(-0.75 / 2.0)
 
 
-@pytest.mark.parametrize("measure", ["host", "forwards"])
-def test_a_checkout_against_itself(tmp_path: Path, measure: str) -> None:
+@pytest.mark.parametrize(("measure", "mode"), [("host", "spec"), ("forwards", "spec"), ("host", "plain")])
+def test_a_checkout_against_itself(tmp_path: Path, measure: str, mode: str) -> None:
     """Two workers on one CPU, two blocks each: every block a positive figure, paired in order; the figure is the
-    host's time or the forwards' as asked."""
+    host's time or the forwards' as asked, of speculative iterations (trees pinned) or plain ones."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, str(SCRIPT), str(ROOT), str(ROOT), "--blocks", "2", "--block", "2",
-                           "--max-tokens", "200", "--measure", measure],
+                           "--max-tokens", "200", "--measure", measure, "--mode", mode],
                           capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
     assert report["benchmark"] == "host-time-ab" and report["pairs"] == 2 and report["measure"] == measure
     assert len(report["a_blocks_ms"]) == len(report["b_blocks_ms"]) == 2
     assert all(ms > 0 for ms in report["a_blocks_ms"] + report["b_blocks_ms"])
-    assert report["shape"] == "4,2" and report["requests"] == 1
+    assert report["mode"] == mode and report["shape"] == ("4,2" if mode == "spec" else None)
+    assert report["requests"] == 1
     assert report["cpu"] in os.sched_getaffinity(0)
     assert 0.0 <= report["sign_test_p"] <= 1.0
 

@@ -107,6 +107,25 @@ def test_chain_and_root() -> None:
     assert TokenTree.root(9).size == 1
 
 
+def test_roots_are_each_tokens_root() -> None:
+    """``roots`` builds what ``root`` does for each token (fields, dtypes, the caches it seeds), each tree its own
+    token; their shared arrays are read-only, so no tree can change another's."""
+    tokens = [9, 4, 9, 2**40]
+    trees = TokenTree.roots(tokens)
+    assert len(trees) == len(tokens) and TokenTree.roots([]) == []
+    for tok, tree in zip(tokens, trees, strict=True):
+        one = TokenTree.root(tok)
+        assert tree.__dict__.keys() == one.__dict__.keys()
+        for name in ("tokens", "parents", "log_probs"):
+            a, b = getattr(tree, name), getattr(one, name)
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tolist() == b.tolist()
+        assert tree.tokens.tolist() == [tok] and tree.is_chain and tree.depth == 0 and tree.strictly_decreasing
+        assert tree.depths().tolist() == [0] and tree.ancestor_matrix().tolist() == [[True]]
+        for shared in (tree.parents, tree.log_probs, tree.depths()):
+            with pytest.raises(ValueError, match="read-only"):
+                shared[0] = 1
+
+
 def naive_depths_and_ancestors(parents: list[int]) -> tuple[list[int], np.ndarray]:
     m = len(parents)
     depth, anc = [0] * m, np.zeros((m, m), bool)

@@ -104,3 +104,25 @@ def test_prefill_chunk_beside_trees_uses_its_own_grid(target_dir: Path, hf_model
     for p, t, lg in zip(prefixes, trees, (logits[0], logits[2]), strict=True):
         for node in range(t.size):
             assert (lg[node] - reference(hf_model, p + path_tokens(t, node))).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("n_new", [[1] * 32, [4, 4, 4], [40, 40], [1], [], [3, 1, 3], [40, 9, 40, 10], [64, 1, 1]])
+def test_group_segments_of_alike_segments_is_one_group_as_the_sort_gives(n_new: list[int]) -> None:
+    """Segments that all bring as many new tokens (decode steps, equal chains) take one group in batch order without
+    the sort: what the sort and the split rule give them."""
+    from adaserve.engine.model.attention import torch_sdpa
+
+    def sorted_groups(sizes: list[int]) -> list[list[int]]:  # the general rule, the shortcut left out
+        order = sorted(range(len(sizes)), key=lambda b: -sizes[b])
+        groups: list[list[int]] = []
+        for b in order:
+            first = sizes[groups[-1][0]] if groups else 0
+            if groups and not (first > torch_sdpa.SPLIT_ROWS and sizes[b] * torch_sdpa.SPLIT_RATIO <= first):
+                groups[-1].append(b)
+            else:
+                groups.append([b])
+        return [sorted(g) for g in groups]
+
+    assert torch_sdpa.group_segments(n_new) == sorted_groups(n_new)
+    if n_new and len(set(n_new)) == 1:
+        assert torch_sdpa.group_segments(n_new) == [list(range(len(n_new)))]

@@ -43,6 +43,8 @@ SPLIT_ROWS, SPLIT_RATIO = 32, 4
 
 def group_segments(n_new: list[int]) -> list[list[int]]:
     """Segment indices in groups sharing one padded grid; each group in batch order, groups by size."""
+    if n_new and min(n_new) == max(n_new):  # every segment alike (decode steps, equal chains): one group, no sort
+        return [list(range(len(n_new)))]
     order = sorted(range(len(n_new)), key=lambda b: -n_new[b])
     groups: list[list[int]] = []
     for b in order:

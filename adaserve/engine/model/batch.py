@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from adaserve.engine.model.kv_cache import SequenceKV
+from adaserve.engine.model.kv_cache import SequenceKV, page_slots
 from adaserve.engine.model.staging import HostStage
 from adaserve.engine.model.tree import TokenTree
 
@@ -115,6 +115,19 @@ def page_table(pages_of: list[list[int]], kv_lens: np.ndarray, page_size: int) -
     # every row's pages in one assignment: the rows' leading n_b columns, in row-major order
     table[np.arange(table.shape[1])[None, :] < n_pages[:, None]] = flat
     return table
+
+
+def grid_key_slots(table: np.ndarray, kv_lens: np.ndarray, k: int, page_size: int) -> np.ndarray:
+    """``[B, k]``: row b's cache slot of key index j for j < kv_lens[b]; a padded key (j >= kv_lens[b]) repeats the
+    slot of its last key, kv_lens[b] - 1 (masked out, it is read but never weighed). ``table`` ``[B, P]``: each
+    sequence's pages (``page_table``), covering its kv_lens[b] >= 1 keys. Without dividing (``page_slots``)."""
+    slots = page_slots(table, page_size)
+    width = min(k, slots.shape[1])  # keys past the table's pages are all padding
+    last = slots[np.arange(len(slots)), kv_lens - 1]
+    out = np.empty((len(slots), k), np.int64)
+    out[:, :width] = np.where(np.arange(width) < kv_lens[:, None], slots[:, :width], last[:, None])
+    out[:, width:] = last[:, None]
+    return out
 
 
 def build_layout(segments: list[Segment], *, page_size: int, device: torch.device,

@@ -61,6 +61,15 @@ class SharedPageWriteError(RuntimeError):
 SHORT_SLOTS = 32
 
 
+def page_slots(pages: np.ndarray, page_size: int) -> np.ndarray:
+    """``[..., P]`` page ids -> ``[..., P * page_size]``: the cache slot of every key index those pages cover, in
+    order (key index i lies in slot ``pages[i // page_size] * page_size + i % page_size``). Laid out by broadcasting,
+    with no division and no gather per key (issue 30: a 32-request grid of 1,600 keys took 0.33 ms by the division's
+    formula on an AVX2 EPYC, 0.17 ms this way; ``batch.grid_key_slots``)."""
+    pages = np.asarray(pages, np.int64)
+    return (pages[..., None] * page_size + np.arange(page_size)).reshape(*pages.shape[:-1], -1)
+
+
 @dataclass
 class SequenceKV:
     """One request's view of the cache: its pages and how many leading slots hold committed KV.
@@ -82,7 +91,10 @@ class SequenceKV:
         if stop - start <= SHORT_SLOTS:  # a handful (a verification's new tokens): Python ints, one numpy call
             pages = self.pages
             return np.array([pages[i // page_size] * page_size + i % page_size for i in range(start, stop)], np.int64)
-        return self.slots_at(np.arange(start, stop), page_size)
+        first, end = start // page_size, -(-stop // page_size)  # the pages spanning the range
+        if end > len(self.pages):
+            raise IndexError(f"token index {stop - 1} is past the sequence's {len(self.pages)} pages")
+        return page_slots(self.pages[first:end], page_size)[start - first * page_size : stop - first * page_size]
 
     def slots_at(self, index: np.ndarray, page_size: int) -> np.ndarray:
         """Cache slots of token indices ``index`` (int64 array)."""

@@ -35,8 +35,8 @@ import torch
 
 from adaserve.engine.model.attention.base import additive_mask, grid_sdpa, write_kv
 from adaserve.engine.model.attention.masks import grid_mask, lone_tree_cells
-from adaserve.engine.model.batch import BatchLayout
-from adaserve.engine.model.kv_cache import PagedKVCache
+from adaserve.engine.model.batch import BatchLayout, grid_key_slots
+from adaserve.engine.model.kv_cache import PagedKVCache, page_slots
 from adaserve.engine.model.layers import CausalLM
 from adaserve.engine.model.native_kernels import NativeKernels
 
@@ -281,14 +281,11 @@ class StaticForward:
         ps = layout.page_size
         if b_real == 1:
             kv = layout.kv_lens[0]
-            pages = layout.page_table[0]
-            got = (pages[:, None] * ps + np.arange(ps)).ravel()[:kv]
+            got = page_slots(layout.page_table[0], ps)[:kv]
             keys[0, :kv] = got
             keys[0, kv:] = got[-1]
         else:
-            kv_lens = np.asarray(layout.kv_lens, np.int64)
-            k_idx = np.minimum(np.arange(k)[None, :], kv_lens[:, None] - 1)
-            keys[:b_real] = np.take_along_axis(layout.page_table, k_idx // ps, 1) * ps + k_idx % ps
+            keys[:b_real] = grid_key_slots(layout.page_table, np.asarray(layout.kv_lens, np.int64), k, ps)
         keys[b_real:] = scratch
         # row bounds: padded rows (and padded segments' rows) see key 0 only
         hi[:] = 1

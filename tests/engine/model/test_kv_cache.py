@@ -185,23 +185,52 @@ def test_disabling_frees_the_idle_pages_and_forgets_every_key() -> None:
     assert c.reuse_prefix(SequenceKV(), list(range(8)), limit=7) == 0
 
 
-def test_slots_of_a_few_tokens_are_the_array_lookups() -> None:
-    """``SequenceKV.slots`` computes a short range one token at a time: the same slots, in the same dtype, as the
-    array lookup (``slots_at``) that longer ranges take, and the same error past the sequence's pages."""
+def test_slots_of_a_range_are_the_array_lookups() -> None:
+    """``SequenceKV.slots`` computes a short range one token at a time and a long one from its pages' slots
+    (``page_slots``, no division): both the same slots, in the same dtype, as the division's array lookup
+    (``slots_at``), and the same error past the sequence's pages."""
     import numpy as np
 
     from adaserve.engine.model.kv_cache import SHORT_SLOTS
 
     rng = np.random.default_rng(4)
-    for _ in range(200):
+    for _ in range(400):
         ps = int(rng.integers(1, 9))
-        seq = SequenceKV(pages=rng.permutation(40)[: int(rng.integers(1, 12))].tolist())
+        seq = SequenceKV(pages=rng.permutation(200)[: int(rng.integers(1, 60))].tolist())
         start = int(rng.integers(0, len(seq.pages) * ps))
-        stop = int(rng.integers(start, min(len(seq.pages) * ps, start + 2 * SHORT_SLOTS) + 1))
+        stop = int(rng.integers(start, min(len(seq.pages) * ps, start + rng.choice([2 * SHORT_SLOTS, 400])) + 1))
         got = seq.slots(start, stop, ps)
         want = seq.slots_at(np.arange(start, stop), ps)
         assert got.dtype == want.dtype == np.int64 and np.array_equal(got, want), (ps, start, stop)
     seq = SequenceKV(pages=[3, 1])
-    for stop in (5, 5 + 2 * SHORT_SLOTS):  # past 2 pages of 2 slots: short and long ranges alike
+    for start, stop in ((0, 5), (0, 5 + 2 * SHORT_SLOTS), (3, 5 + 2 * SHORT_SLOTS)):  # past 2 pages of 2 slots
         with pytest.raises(IndexError):
-            seq.slots(0, stop, 2)
+            seq.slots(start, stop, 2)
+
+
+def test_page_slots_and_grid_key_slots_are_the_divisions() -> None:
+    """``page_slots`` lays out key index i's slot ``pages[i // P] * P + i % P`` for every key its pages cover, and
+    ``grid_key_slots`` gives each row its keys' slots up to its length and its last key's slot after it, wider
+    than its pages or not (a static bucket's K), as the division's formula does."""
+    import numpy as np
+
+    from adaserve.engine.model.batch import grid_key_slots, page_table
+    from adaserve.engine.model.kv_cache import page_slots
+
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        ps = int(rng.integers(1, 17))
+        b = int(rng.integers(1, 6))
+        kv_lens = rng.integers(1, 90, b)
+        pages = [rng.permutation(500)[: -(-int(n) // ps) + int(rng.integers(0, 3))].tolist() for n in kv_lens]
+        table = page_table(pages, kv_lens, ps)
+        flat = page_slots(table, ps)
+        assert flat.shape == (b, table.shape[1] * ps) and flat.dtype == np.int64
+        i = np.arange(flat.shape[1])
+        assert np.array_equal(flat, table[:, i // ps] * ps + i % ps)
+        k = int(kv_lens.max()) + int(rng.integers(0, 40))  # past every row's pages, sometimes
+        k_idx = np.minimum(np.arange(k)[None, :], kv_lens[:, None] - 1)
+        want = np.take_along_axis(table, k_idx // ps, 1) * ps + k_idx % ps
+        got = grid_key_slots(table, kv_lens, k, ps)
+        assert got.dtype == np.int64 and np.array_equal(got, want), (ps, kv_lens, k)
+        assert np.array_equal(page_slots(table[0], ps), flat[0])  # one sequence's pages: a 1-D layout

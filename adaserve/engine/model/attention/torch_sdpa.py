@@ -32,8 +32,8 @@ import torch
 from adaserve.engine.model import native_kernels
 from adaserve.engine.model.attention.base import additive_mask, grid_sdpa, sum_dtype, write_kv_into
 from adaserve.engine.model.attention.masks import fill_grid_mask, grid_mask, lone_tree_cells
-from adaserve.engine.model.batch import BatchLayout
-from adaserve.engine.model.kv_cache import PagedKVCache
+from adaserve.engine.model.batch import BatchLayout, grid_key_slots
+from adaserve.engine.model.kv_cache import PagedKVCache, page_slots
 from adaserve.engine.model.native_kernels import NativeKernels
 
 # A group with more query rows than this splits off segments with at most 1/SPLIT_RATIO of its rows:
@@ -103,8 +103,7 @@ class TorchAttention:
         seg, stage, ps = layout.segments[0], layout.stage, layout.page_size
         tree, c, prefix = seg.tree, seg.num_cached, seg.prefix_len
         q_max, k_max = tree.size - c, prefix + tree.size
-        keys = np.arange(k_max)
-        stage.put("sdpa.0.key_slots", (layout.page_table[0][keys // ps] * ps + keys % ps).reshape(1, k_max))
+        stage.put("sdpa.0.key_slots", page_slots(layout.page_table[0], ps)[:k_max].reshape(1, k_max))
         if layout.device.type == "cpu" and native_kernels.chosen() is not None:  # the mask in host memory
             grid = np.zeros((1, q_max, k_max), bool)
             grid[0, :, :prefix] = True  # every row sees the prefix,
@@ -155,12 +154,9 @@ class TorchAttention:
                     stage.put(f"sdpa.{j}.rows", seg_local * q_max + row)
                 if not every:
                     stage.put(f"sdpa.{j}.tok", indptr[g][seg_local] + row)
-            # key index k of a segment lives in slot pages[k // page_size] * page_size + k % page_size;
-            # padding keys repeat the last real one
-            k_idx = np.minimum(np.arange(k_max)[None, :], kv_lens[g][:, None] - 1)
-            table = layout.page_table  # one flat take, not two-array indexing (half its cost at 32 requests)
-            pages = table.ravel()[g[:, None] * table.shape[1] + k_idx // ps]
-            stage.put(f"sdpa.{j}.key_slots", pages * ps + k_idx % ps)
+            # each member's key slots; padding keys repeat its last real one
+            table = layout.page_table if every else layout.page_table[g]
+            stage.put(f"sdpa.{j}.key_slots", grid_key_slots(table, kv_lens[g], k_max, ps))
             gm = grid_mask(layout.segments, members, q_max, k_max, self.sliding_window, device_rows=device_rows)
             for name in ("hi", "lo", "cells", "src"):
                 if (arr := getattr(gm, name)) is not None:

@@ -173,8 +173,7 @@ def _batch_layout(segments: list[Segment], *, page_size: int, device: torch.devi
         raise ValueError("a batch needs at least one segment")
     trees = [s.tree for s in segments]
     # one pass over the segments: prefix, cached nodes and tree size of each
-    # (one flat list: numpy reads it in about half the time of a list of tuples)
-    prefix, cached, size = np.array([x for s in segments for x in (s.prefix_len, s.num_cached, len(s.tree.tokens))],
+    prefix, cached, size = np.array([(s.prefix_len, s.num_cached, len(s.tree.tokens)) for s in segments],
                                     np.int64).reshape(len(segments), 3).T
     n_new = size - cached
     if np.minimum.reduce(n_new) <= 0:  # ufuncs' C forms, not the methods' Python layer (issue 30)

@@ -106,7 +106,7 @@ def worker(args: argparse.Namespace) -> None:
         return eng
 
     eng = fresh()
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps({"ready": True, "policy": eng.policy.name}), flush=True)
     for line in sys.stdin:
         if line.strip() != "go":
             break
@@ -184,9 +184,10 @@ def main() -> None:
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", f"--cpu={cpu}", *passed], cwd=d, env=env,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
     try:
+        policies = []
         for p, who in zip(procs, ("base", "candidate"), strict=True):
             assert p.stdout is not None
-            _read(p.stdout, who)  # ready: loaded and warmed up
+            policies.append(_read(p.stdout, who).get("policy"))  # ready: loaded and warmed up
         blocks: list[list[float]] = [[], []]
         for b in range(args.blocks):
             for side, (p, who) in enumerate(zip(procs, ("base", "candidate"), strict=True)):
@@ -203,7 +204,7 @@ def main() -> None:
             p.wait(timeout=60)
     report = {"benchmark": "host-time-ab", "base": str(args.base), "base_source": source(args.base),
               "candidate": str(args.cand), "candidate_source": source(args.cand), "cpu": cpu,
-              "model": args.model, "requests": args.requests, "mode": args.mode,
+              "model": args.model, "requests": args.requests, "mode": args.mode, "policies": policies,
               "shape": f"{args.shape[0]},{args.shape[1]}" if args.mode == "spec" else None,
               "measure": args.measure,
               "block": args.block, **summarize(*blocks), "a_blocks_ms": blocks[0], "b_blocks_ms": blocks[1]}

@@ -58,6 +58,7 @@ def test_a_checkout_against_itself(tmp_path: Path, measure: str, mode: str) -> N
     assert len(report["a_blocks_ms"]) == len(report["b_blocks_ms"]) == 2
     assert all(ms > 0 for ms in report["a_blocks_ms"] + report["b_blocks_ms"])
     assert report["mode"] == mode and report["shape"] == ("4,2" if mode == "spec" else None)
+    assert report["policies"] == [{"spec": "adaserve", "plain": "incremental"}[mode]] * 2  # what each worker ran
     assert report["requests"] == 1
     assert report["cpu"] in os.sched_getaffinity(0)
     assert 0.0 <= report["sign_test_p"] <= 1.0

@@ -96,9 +96,6 @@ class SequenceKV:
             raise IndexError(f"token index {stop - 1} is past the sequence's {len(self.pages)} pages")
         return page_slots(self.pages[first:end], page_size)[start - first * page_size : stop - first * page_size]
 
-    def slots_at(self, index: np.ndarray, page_size: int) -> np.ndarray:
-        """Cache slots of token indices ``index`` (int64 array)."""
-        return np.asarray(self.pages, np.int64)[index // page_size] * page_size + index % page_size
 
 
 def bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:

@@ -55,7 +55,7 @@ import torch
 from adaserve.engine.model.attention.masks import fill_grid_mask
 from adaserve.engine.model.attention.torch_sdpa import TorchAttention, group_segments
 from adaserve.engine.model.batch import DeviceNodes, Segment, page_table
-from adaserve.engine.model.kv_cache import SequenceKV
+from adaserve.engine.model.kv_cache import SequenceKV, page_slots
 from adaserve.engine.model.runner import ModelRunner, chunk_cells, joined_rows
 from adaserve.engine.model.staging import HostStage
 from adaserve.engine.model.static import INT_ROWS, int_views, pack_ints
@@ -313,7 +313,7 @@ class BeamLevels:
         table = page_table([s.pages for s in self.seqs], prefix + self.ends[-1], ps)
         # [n, pages * P]: the cache slot of every key index of each sequence, up to the deepest level's (issue 30:
         # one lookup per array below, not the page arithmetic of each)
-        slots = (table[:, :, None] * ps + np.arange(ps)).reshape(n, -1)
+        slots = page_slots(table, ps)
         b = np.arange(n)[:, None]
         # slots[b, i] as one flat take: half the cost of numpy's two-array indexing at 32 requests
         flat, row0 = slots.ravel(), b * slots.shape[1]

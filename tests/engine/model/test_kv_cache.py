@@ -187,8 +187,8 @@ def test_disabling_frees_the_idle_pages_and_forgets_every_key() -> None:
 
 def test_slots_of_a_range_are_the_array_lookups() -> None:
     """``SequenceKV.slots`` computes a short range one token at a time and a long one from its pages' slots
-    (``page_slots``, no division): both the same slots, in the same dtype, as the division's array lookup
-    (``slots_at``), and the same error past the sequence's pages."""
+    (``page_slots``, no division): both the same slots, in the same dtype, as the division's array lookup, and the
+    same error past the sequence's pages."""
     import numpy as np
 
     from adaserve.engine.model.kv_cache import SHORT_SLOTS
@@ -200,7 +200,8 @@ def test_slots_of_a_range_are_the_array_lookups() -> None:
         start = int(rng.integers(0, len(seq.pages) * ps))
         stop = int(rng.integers(start, min(len(seq.pages) * ps, start + rng.choice([2 * SHORT_SLOTS, 400])) + 1))
         got = seq.slots(start, stop, ps)
-        want = seq.slots_at(np.arange(start, stop), ps)
+        index = np.arange(start, stop)  # the definition: page index // P, offset index % P
+        want = np.asarray(seq.pages, np.int64)[index // ps] * ps + index % ps
         assert got.dtype == want.dtype == np.int64 and np.array_equal(got, want), (ps, start, stop)
     seq = SequenceKV(pages=[3, 1])
     for start, stop in ((0, 5), (0, 5 + 2 * SHORT_SLOTS), (3, 5 + 2 * SHORT_SLOTS)):  # past 2 pages of 2 slots

@@ -12,13 +12,24 @@ computed on the device (the beam levels, speculate.py) is laid out without bring
 Reading any array sends whatever is pending, so a caller that reads early still gets a correct (if
 extra) copy; the runner puts everything first and reads after, which makes one copy per forward.
 
-May import: numpy, torch.
+On a CPU the host's memory is the device's: there is nothing to send, and the join cost more than it saved (a
+lone request's two stages an iteration, concatenated, sliced and viewed back: ~70 us each in the engine, issue 30).
+Each array is then taken as it is put, as its own copy (the stage's arrays are never the caller's). While a
+``HostSync`` counts (host_sync.py: the tests and the microbench's crossings, which stand for a GPU's), a CPU stage
+joins and sends as a GPU's does, so that what they count is the GPU's one copy per forward.
+
+May import: numpy, torch, model.host_sync.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from adaserve.engine.model.host_sync import HostSync
+
+# the numpy type a CPU stage copies an array into for each torch dtype it hands out (others: int64, then cast)
+_NUMPY = {torch.int64: np.int64, torch.bool: np.bool_, torch.int32: np.int32}
 
 
 class HostStage:
@@ -29,12 +40,19 @@ class HostStage:
         self._pending: dict[str, tuple[np.ndarray, torch.dtype]] = {}
         self._sent: dict[str, torch.Tensor] = {}
         self.copies = 0  # transfers made (one per forward when used as meant)
+        # one joined copy (a GPU's, or a CPU's while a HostSync counts), else each array taken as it is put
+        self.join = self.device.type != "cpu" or bool(HostSync.active)
 
     def put(self, name: str, array: np.ndarray | list[int], dtype: torch.dtype = torch.int64) -> None:
         """Queue ``array`` (integers or bools) for the device under ``name``; it arrives as ``dtype``."""
         if name in self._pending or name in self._sent:
             raise ValueError(f"{name!r} is already staged")
-        self._pending[name] = (np.asarray(array), dtype)
+        if self.join:
+            self._pending[name] = (np.asarray(array), dtype)
+            return
+        kind = _NUMPY.get(dtype)
+        own = torch.from_numpy(np.array(array, kind or np.int64))  # a C-contiguous copy of its own
+        self._sent[name] = own if kind is not None else own.to(dtype)
 
     def bind(self, name: str, tensor: torch.Tensor) -> None:
         """Serve ``name`` from a tensor already on the device (beam search's picks): nothing is copied."""

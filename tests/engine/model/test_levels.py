@@ -24,8 +24,11 @@ from tests.engine.helpers import runner
 
 
 def staged(levels: BeamLevels) -> dict[str, np.ndarray]:
-    """The arrays the plan put in its stage, by name, before anything is sent."""
-    return {name: np.asarray(a) for name, (a, _) in levels.stage._pending.items()}
+    """The arrays the plan put in its stage, by name, before anything is sent (a CPU's stage takes them as they are put:
+    its tensors, as numpy reads them)."""
+    stage = levels.stage
+    return {**{name: np.asarray(a) for name, (a, _) in stage._pending.items()},
+            **{name: t.numpy() for name, t in stage._sent.items()}}
 
 
 def random_sizes(rng: np.random.Generator) -> list[int]:

@@ -69,22 +69,38 @@ from adaserve.engine.speculation.sampling import SamplingParams
 class ForwardClock:
     """Seconds spent inside one model's forwards.
 
-    On a CPU: wall time between hooks on the module's forward. On CUDA: the model's own device timer
-    (``CausalLM.timer``, CUDA events around every eager forward and every graph replay), read after the
-    iteration's copy back has waited for the device: the device time of the forwards, without synchronising
-    anything (a graph replay never passes through the module's hooks, and a synchronise would change what
-    is measured). ``cpu_seconds``: the process's CPU time inside the hooked forwards (every thread), which
-    other work on a shared machine inflates far less (with one torch thread, not at all).
+    On a CPU: wall time around the module's ``forward``, which the clock wraps for as long as it lives (an attribute
+    of the instance, which ``nn.Module.__call__`` calls as it would the method). Not forward hooks: a module with
+    hooks takes ``nn.Module``'s slow call path, whose work (the hooks' dispatch, the closures it runs them in) lands
+    mostly outside the span, so the time outside the forwards read 10-40 us a forward that a served engine, which has
+    no hooks, never pays (issue 30). On CUDA: the model's own device timer (``CausalLM.timer``, CUDA events around
+    every eager forward and every graph replay), read after the iteration's copy back has waited for the device: the
+    device time of the forwards, without synchronising anything (a graph replay never passes through the module's
+    ``forward``, and a synchronise would change what is measured). ``cpu_seconds``: the process's CPU time inside
+    the wrapped forwards (every thread), which other work on a shared machine inflates far less (with one torch
+    thread, not at all).
     """
 
     def __init__(self, module: nn.Module) -> None:
         self._wall = self.cpu_seconds = 0.0
         self.calls = 0
-        self._t0 = self._c0 = 0.0
         timer = getattr(module, "timer", None)
         self._device_timer = timer if next(module.parameters()).is_cuda and timer is not None else None
         self._base = self._device_timer.seconds if self._device_timer is not None else 0.0
-        self._hooks = [module.register_forward_pre_hook(self._start), module.register_forward_hook(self._stop)]
+        self._module = module
+        forward = module.forward
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self._wall += time.perf_counter() - t0
+                self.cpu_seconds += time.process_time() - c0
+                self.calls += 1
+
+        module.forward = timed  # type: ignore[method-assign]
 
     @property
     def seconds(self) -> float:
@@ -92,17 +108,9 @@ class ForwardClock:
             return self._device_timer.seconds - self._base
         return self._wall
 
-    def _start(self, *_: Any) -> None:
-        self._t0, self._c0 = time.perf_counter(), time.process_time()
-
-    def _stop(self, *_: Any) -> None:
-        self._wall += time.perf_counter() - self._t0
-        self.calls += 1
-        self.cpu_seconds += time.process_time() - self._c0
-
     def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
+        """The module's own ``forward`` again."""
+        self._module.__dict__.pop("forward", None)
 
 
 @dataclass(frozen=True)

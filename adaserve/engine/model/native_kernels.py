@@ -216,21 +216,22 @@ class SearchPicks:
             if (anc.dtype != torch.bool or not anc.is_cpu or not anc.is_contiguous() or len(shape) != 3
                     or shape[0] != n or shape[1] != shape[2]):
                 raise ValueError("SearchPicks: the ancestor rows must be a contiguous bool [n, S, S] tensor on the CPU")
-        # one torch buffer, read by numpy: its address is one call (issue 30: numpy's ``ctypes.data`` builds a Python
-        # object each time it is read)
-        held = torch.empty((3, n, nodes), dtype=torch.int64)
-        buf = held.numpy()
+        # one numpy buffer, its address read once (issue 30: numpy's ``ctypes.data`` builds a Python object each time it
+        # is read). Made by numpy, and the torch views of it by ``from_numpy``, which the search's plan has just run:
+        # a torch ``empty``, an index and a ``split`` were entry points of their own, each cold after the draft's last
+        # forward (on an AVX2 EPYC ~4% of a lone request's host time; docs/benchmarks.md, thirty-fourth round)
+        buf = np.empty((3, n, nodes), np.int64)
         self.tokens, self.parents, self.log_probs = buf[0], buf[1], buf[2].view(np.float64)
         # one request's tokens as torch: each level's ids are a slice of them (a batch's are copied, request-major).
-        # ``levels`` (each level's node count, when the caller knows them): those slices made here, in one call, keyed
-        # by their first column (issue 30: a level's slice, made right after the draft's forward, ran cold there)
-        self._ids = held[0, 0] if n == 1 else None
+        # ``levels`` (each level's node count, when the caller knows them): those slices made here, keyed by their
+        # first column (issue 30: a level's slice, made right after the draft's forward, ran cold there)
+        self._row = buf[0, 0] if n == 1 else None
         self._level_ids: dict[int, tuple[int, torch.Tensor]] = {}
-        if self._ids is not None and levels and sum(levels) <= nodes:
+        if self._row is not None and levels and sum(levels) <= nodes:
             starts = itertools.accumulate(levels, initial=0)
-            self._level_ids = {c: (size, ids) for c, size, ids in zip(starts, levels, self._ids.split(list(levels)),
-                                                                        strict=False)}
-        self._at, self._plane = held.data_ptr(), n * nodes * 8  # the buffer's address, each output's bytes
+            self._level_ids = {c: (size, torch.from_numpy(self._row[c : c + size]))
+                               for c, size in zip(starts, levels, strict=False)}
+        self._at, self._plane = buf.__array_interface__["data"][0], n * nodes * 8  # the address, each output's bytes
         # the first level's base: the roots' log path probability, 0 (held here, read at its address)
         self._roots = _zero_bases(n)
         self._root = self._roots.data_ptr()
@@ -279,10 +280,10 @@ class SearchPicks:
             self.finite = False
             self.tokens[:, c:end], self.parents[:, c:end], self.log_probs[:, c:end] = 0, frontier, 0.0
         self._column, self._width = end, kept
-        if self._ids is None:
+        if self._row is None:
             return torch.from_numpy(self.tokens[:, c:end].reshape(-1))
-        size, ids = self._level_ids.get(c, (0, self._ids))
-        return ids if size == kept else self._ids[c:end]
+        size, ids = self._level_ids.get(c, (0, None))
+        return ids if size == kept and ids is not None else torch.from_numpy(self._row[c:end])
 
 
 @functools.lru_cache(maxsize=8)

@@ -44,6 +44,21 @@ def initial_rows(n: int, size: int, first_level: int, device: torch.device) -> t
     return rows
 
 
+def host_ancestor_rows(n: int, size: int, *, first_level: int = 0) -> np.ndarray:
+    """``ancestor_rows`` in host memory, as numpy makes them (the CPU kernels' picks grow them there): a copy of one
+    array per shape."""
+    return _initial_host_rows(n, size, first_level).copy()
+
+
+@functools.lru_cache(maxsize=64)
+def _initial_host_rows(n: int, size: int, first_level: int) -> np.ndarray:
+    rows = np.zeros((n, size, size), bool)
+    rows[:, np.arange(size), np.arange(size)] = True
+    rows[:, 1 : 1 + first_level, 0] = True
+    rows.flags.writeable = False  # callers get a copy
+    return rows
+
+
 def grow_ancestors(anc: torch.Tensor, start: int, parent: torch.Tensor) -> None:
     """Rows ``start`` .. ``start + k`` of the [n, S, S] ancestor rows, for a new level's parents [n, k] (tree indices
     below ``start``), filled in place: a new node's row is its parent's row or'ed into its own, which holds only its

@@ -36,6 +36,7 @@ from adaserve.engine.speculation.beam_ops import (
     ancestor_rows,
     expand_on_device,
     grow_ancestors,
+    host_ancestor_rows,
     kernel_takes,
 )
 from adaserve.engine.speculation.draft_steps import steps_for
@@ -119,8 +120,12 @@ def beam_search(draft: ModelRunner, inputs: list[DraftInput], *, depth: int, wid
         # ancestor rows of every node the draft is fed, made once and filled level by level (None: chains); on the CPU's
         # own path of every node, the last level's too: the trees' ancestor matrices, handed to them as they stand
         side = sum(sizes) if on_host else forwards.tree_size
-        every = None if chains else ancestor_rows(n, side, dev, first_level=sizes[1])
-        grown = every.numpy() if on_host and every is not None else None  # the same rows, as numpy reads them
+        # on the CPU's own path made by numpy and read by torch through ``from_numpy`` (issue 30: a torch ``clone`` and
+        # ``numpy`` were two entry points of their own, cold after the last iteration's forwards); ``grown``: the same
+        # rows, as numpy reads them
+        grown = None if chains or not on_host else host_ancestor_rows(n, side, first_level=sizes[1])
+        every = (None if chains else torch.from_numpy(grown) if grown is not None
+                 else ancestor_rows(n, side, dev, first_level=sizes[1]))
         fed = forwards.tree_size
         # the fed nodes' rows (issue 30: on the CPU's own path numpy's slice of them, one view, not torch's three)
         anc = (every if every is None or side == fed

@@ -22,7 +22,7 @@ from adaserve.engine.model.host_sync import HostSync
 from adaserve.engine.model.kv_cache import SequenceKV
 from adaserve.engine.model.runner import ModelRunner
 from adaserve.engine.model.tree import TokenTree
-from adaserve.engine.speculation.beam_ops import ancestor_rows, grow_ancestors
+from adaserve.engine.speculation.beam_ops import ancestor_rows, grow_ancestors, host_ancestor_rows
 from adaserve.engine.speculation.speculate import DraftInput, beam_search, expand_level
 from tests.engine.helpers import runner, use_cpu_kernels
 
@@ -200,6 +200,16 @@ def test_rows_made_with_the_first_level_are_the_grown_ones() -> None:
     grown = ancestor_rows(n, side, torch.device("cpu"))
     grow_ancestors(grown, 1, torch.zeros((n, first), dtype=torch.int64))
     assert torch.equal(ancestor_rows(n, side, torch.device("cpu"), first_level=first), grown)
+
+
+@pytest.mark.parametrize(("n", "side", "first"), [(1, 1, 0), (1, 9, 2), (3, 7, 3), (2, 13, 0)])
+def test_host_rows_are_the_device_rows(n: int, side: int, first: int) -> None:
+    """The CPU's own path makes the rows by numpy: the same bits, each call a fresh array it may grow in place."""
+    rows = host_ancestor_rows(n, side, first_level=first)
+    assert rows.dtype == bool and rows.flags.writeable and rows.flags.c_contiguous
+    assert np.array_equal(rows, ancestor_rows(n, side, torch.device("cpu"), first_level=first).numpy())
+    rows[:] = True  # a copy: the next search's rows are not this one's
+    assert not np.array_equal(host_ancestor_rows(n, side, first_level=first), rows) or n * side * side == 1
 
 
 def test_device_nodes_are_checked_against_the_layout(draft_dir: Path) -> None:

@@ -72,13 +72,13 @@ class ForwardClock:
     On a CPU: wall time around the module's ``forward``, which the clock wraps for as long as it lives (an attribute
     of the instance, which ``nn.Module.__call__`` calls as it would the method). Not forward hooks: a module with
     hooks takes ``nn.Module``'s slow call path, whose work (the hooks' dispatch, the closures it runs them in) lands
-    mostly outside the span, so the time outside the forwards read 10-40 us a forward that a served engine, which has
-    no hooks, never pays (issue 30). On CUDA: the model's own device timer (``CausalLM.timer``, CUDA events around
-    every eager forward and every graph replay), read after the iteration's copy back has waited for the device: the
-    device time of the forwards, without synchronising anything (a graph replay never passes through the module's
-    ``forward``, and a synchronise would change what is measured). ``cpu_seconds``: the process's CPU time inside
-    the wrapped forwards (every thread), which other work on a shared machine inflates far less (with one torch
-    thread, not at all).
+    mostly outside the span, so the time outside the forwards read up to tens of us a forward that a served engine,
+    which has no hooks, never pays (issue 30; docs/benchmarks.md, thirty-fourth round). On CUDA: the model's own
+    device timer (``CausalLM.timer``, CUDA events around every eager forward and every graph replay), read after the
+    iteration's copy back has waited for the device: the device time of the forwards, without synchronising anything
+    (a graph replay never passes through the module's ``forward``, and a synchronise would change what is measured).
+    ``cpu_seconds``: the process's CPU time inside the wrapped forwards (every thread), which other work on a shared
+    machine inflates far less (with one torch thread, not at all).
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -88,6 +88,7 @@ class ForwardClock:
         self._device_timer = timer if next(module.parameters()).is_cuda and timer is not None else None
         self._base = self._device_timer.seconds if self._device_timer is not None else 0.0
         self._module = module
+        self._outer = module.__dict__.get("forward")  # another clock's wrapper, restored by ``remove``
         forward = module.forward
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -109,8 +110,11 @@ class ForwardClock:
         return self._wall
 
     def remove(self) -> None:
-        """The module's own ``forward`` again."""
-        self._module.__dict__.pop("forward", None)
+        """The module's ``forward`` as it was before this clock (its own, or an earlier clock's wrapper)."""
+        if self._outer is None:
+            self._module.__dict__.pop("forward", None)
+        else:
+            self._module.__dict__["forward"] = self._outer
 
 
 @dataclass(frozen=True)

@@ -73,3 +73,19 @@ def test_decode_only_steps_teach_the_host_time_the_shape_rules_price(target_dir:
     assert seen and all((v.predict_host is not None) == priced for v in seen)
     if priced:
         assert seen[-1].predict_host is not None and seen[-1].predict_host(2, 1) == eng.host_time.predict(2, 1)
+
+
+def test_clocks_nest_and_remove_in_turn(target_dir: Path, draft_dir: Path) -> None:
+    """Two clocks on one model both count its forwards; each ``remove`` gives back the forward it found."""
+    eng = engine(target_dir, draft_dir, "incremental", budget=16)
+    model = eng.target.model
+    outer = ForwardClock(model)
+    inner = ForwardClock(model)
+    eng.add_request(Request("r", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)))
+    eng.step()
+    assert outer.calls == inner.calls >= 1
+    inner.remove()
+    eng.step()
+    assert outer.calls == inner.calls + 1
+    outer.remove()
+    assert "forward" not in model.__dict__

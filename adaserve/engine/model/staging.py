@@ -13,7 +13,7 @@ Reading any array sends whatever is pending, so a caller that reads early still 
 extra) copy; the runner puts everything first and reads after, which makes one copy per forward.
 
 On a CPU the host's memory is the device's: there is nothing to send, and the join cost more than it saved (a
-lone request's two stages an iteration, concatenated, sliced and viewed back: ~70 us each in the engine, issue 30).
+lone request's draft plan of 13 arrays concatenated, sliced and viewed back: ~60 us warm, more in the engine; issue 30).
 Each array is then taken as it is put, as its own copy (the stage's arrays are never the caller's). While a
 ``HostSync`` counts (host_sync.py: the tests and the microbench's crossings, which stand for a GPU's), a CPU stage
 joins and sends as a GPU's does, so that what they count is the GPU's one copy per forward.

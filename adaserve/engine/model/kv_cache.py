@@ -97,7 +97,6 @@ class SequenceKV:
         return page_slots(self.pages[first:end], page_size)[start - first * page_size : stop - first * page_size]
 
 
-
 def bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
     """K and V of one token in every layer."""
     return 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype.itemsize

@@ -36,12 +36,9 @@ def ancestor_rows(n: int, size: int, device: torch.device, *, first_level: int =
 
 @functools.lru_cache(maxsize=64)
 def initial_rows(n: int, size: int, first_level: int, device: torch.device) -> torch.Tensor:
-    """``ancestor_rows``' content, made once per shape (never written: callers get a clone)."""
-    rows = torch.zeros((n, size, size), dtype=torch.bool, device=device)
-    rows.diagonal(dim1=1, dim2=2).fill_(True)
-    if first_level:
-        rows[:, 1 : 1 + first_level, 0] = True
-    return rows
+    """``ancestor_rows``' content, made once per shape and device (never written: callers get a clone), from the host
+    rows (``_initial_host_rows``: one definition of the layout)."""
+    return torch.from_numpy(_initial_host_rows(n, size, first_level).copy()).to(device)
 
 
 def host_ancestor_rows(n: int, size: int, *, first_level: int = 0) -> np.ndarray:
@@ -52,6 +49,7 @@ def host_ancestor_rows(n: int, size: int, *, first_level: int = 0) -> np.ndarray
 
 @functools.lru_cache(maxsize=64)
 def _initial_host_rows(n: int, size: int, first_level: int) -> np.ndarray:
+    """The rows as a search begins (``ancestor_rows``' docstring), read-only: the diagonal, and level 1's root bit."""
     rows = np.zeros((n, size, size), bool)
     rows[:, np.arange(size), np.arange(size)] = True
     rows[:, 1 : 1 + first_level, 0] = True

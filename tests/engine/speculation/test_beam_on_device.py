@@ -205,11 +205,15 @@ def test_rows_made_with_the_first_level_are_the_grown_ones() -> None:
 @pytest.mark.parametrize(("n", "side", "first"), [(1, 1, 0), (1, 9, 2), (3, 7, 3), (2, 13, 0)])
 def test_host_rows_are_the_device_rows(n: int, side: int, first: int) -> None:
     """The CPU's own path makes the rows by numpy: the same bits, each call a fresh array it may grow in place."""
+    want = np.zeros((n, side, side), bool)  # each node its own ancestor; level 1 hangs off the root
+    want[:, np.arange(side), np.arange(side)] = True
+    want[:, 1 : 1 + first, 0] = True
     rows = host_ancestor_rows(n, side, first_level=first)
     assert rows.dtype == bool and rows.flags.writeable and rows.flags.c_contiguous
-    assert np.array_equal(rows, ancestor_rows(n, side, torch.device("cpu"), first_level=first).numpy())
-    rows[:] = True  # a copy: the next search's rows are not this one's
-    assert not np.array_equal(host_ancestor_rows(n, side, first_level=first), rows) or n * side * side == 1
+    assert np.array_equal(rows, want)
+    assert np.array_equal(ancestor_rows(n, side, torch.device("cpu"), first_level=first).numpy(), want)
+    rows[:] = False  # a copy: the next search's rows are not this one's
+    assert np.array_equal(host_ancestor_rows(n, side, first_level=first), want)
 
 
 def test_device_nodes_are_checked_against_the_layout(draft_dir: Path) -> None:

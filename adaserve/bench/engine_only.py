@@ -3,11 +3,11 @@
     for each (speculation on/off, batch n):   n requests decoding at once on a fresh engine
         prefill every prompt, run ``warmup`` iterations, then time ``steps`` iterations:
             t_step                 the whole ``Engine.step()``
-            t_forward              inside the target's and the draft's ``CausalLM.forward`` (module hooks)
+            t_forward              inside the target's and the draft's ``CausalLM.forward`` (ForwardClock)
             non-forward share      (t_step - t_forward) / t_step      scheduling, selection, tree
                                    building, batch layout, verification walk, KV commit, bookkeeping
 
-The forward time is taken by forward hooks on the models, not by anything the engine reports, so the
+The forward time is taken by wrapping the models' ``forward``, not by anything the engine reports, so the
 same module measures any version of the engine (the before/after table in docs/benchmarks.md).
 
 After the timed iterations, ``count_steps`` more run under ``host_sync.HostSync``, which counts per
@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -70,10 +70,11 @@ class ForwardClock:
     """Seconds spent inside one model's forwards.
 
     On a CPU: wall time around the module's ``forward``, which the clock wraps for as long as it lives (an attribute
-    of the instance, which ``nn.Module.__call__`` calls as it would the method). Not forward hooks: a module with
-    hooks takes ``nn.Module``'s slow call path, whose work (the hooks' dispatch, the closures it runs them in) lands
-    mostly outside the span, so the time outside the forwards read up to tens of us a forward that a served engine,
-    which has no hooks, never pays (issue 30; docs/benchmarks.md, thirty-fourth round). On CUDA: the model's own
+    of the instance, which the engine calls, as ``nn.Module.__call__`` would the method). Not forward hooks: the
+    engine does not call the module (runner.py), and with hooks ``nn.Module`` takes its slow call path, whose work
+    (the hooks' dispatch, the closures it runs them in) lands mostly outside the span: the time outside the
+    forwards read up to tens of us a forward that a served engine never pays (issue 30; docs/benchmarks.md,
+    thirty-fourth round). On CUDA: the model's own
     device timer (``CausalLM.timer``, CUDA events around every eager forward and every graph replay), read after the
     iteration's copy back has waited for the device: the device time of the forwards, without synchronising anything
     (a graph replay never passes through the module's ``forward``, and a synchronise would change what is measured).
@@ -244,17 +245,32 @@ class OpCount(TorchDispatchMode):
         super().__init__()
         self.inside = self.outside = 0
         self.names: Counter[str] = Counter()
-        self._models, self._hooks, self._depth = list(models), [], 0
+        self._models, self._depth = list(models), 0
+        self._found: list[Any] = []
 
-    def __enter__(self) -> OpCount:  # the models' hooks live as long as the mode
-        self._hooks = [h for m in self._models for h in (m.register_forward_pre_hook(self._in),
-                                                          m.register_forward_hook(self._out))]
+    def __enter__(self) -> OpCount:  # the models' ``forward`` wrapped as long as the mode (the engine calls it,
+        # not ``nn.Module.__call__``: runner.py), each restored to what it found (another clock's wrapper or its own)
+        self._found = [m.__dict__.get("forward") for m in self._models]
+        for m in self._models:
+            m.forward = self._counted(m.forward)  # type: ignore[method-assign]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        for h in self._hooks:
-            h.remove()
+        for m, found in zip(self._models, self._found, strict=True):
+            if found is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = found  # type: ignore[method-assign]
         super().__exit__(*exc)
+
+    def _counted(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def inside(*args: Any, **kwargs: Any) -> Any:
+            self._in()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self._out()
+        return inside
 
     def _in(self, *_: Any) -> None:
         self._depth += 1

@@ -510,8 +510,8 @@ class BeamLevels:
                 mask = fill_grid_mask(backend.columns(k, runner.device), get("0.hi"), lo, None, None)
             backend.use_grid(get("0.write_slots"), get("0.key_slots"), mask, get("0.rows") if g > 1 else None)
             rows = get("0.logits_rows") if "0.logits_rows" in stage else None
-            logits = runner.model(get("0.ids"), get("0.positions"), backend=backend, cache=runner.cache,
-                                  logits_rows=rows)
+            logits = runner.model.forward(get("0.ids"), get("0.positions"), backend=backend, cache=runner.cache,
+                                          logits_rows=rows)
         n_new = sum(map(len, self.pending))
         runner.record(n_new=n_new, n_context=self.context + len(self.seqs) - n_new, n_cells=self._catch_up_cells,
                       t0=t0)
@@ -546,7 +546,7 @@ class BeamLevels:
                 lo = get(f"{level}.lo") if runner.model.cfg.sliding_window is not None else None
                 mask = fill_grid_mask(backend.columns(k, runner.device), get(f"{level}.hi"), lo, cells, values)
             backend.use_grid(get(f"{level}.write_slots"), get(f"{level}.key_slots"), mask)
-            logits = runner.model(ids, get(f"{level}.positions"), backend=backend, cache=runner.cache)
+            logits = runner.model.forward(ids, get(f"{level}.positions"), backend=backend, cache=runner.cache)
         else:  # the bucket's buffers: one copy of the integers, the picked ids, the tree cells (the graph masks)
             static = runner.static
             assert static is not None

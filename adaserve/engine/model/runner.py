@@ -127,7 +127,8 @@ class ModelRunner:
         ancestor rows) are read from the device, and the segments' trees give only their shape.
         """
         logits, counts = self._forward(segments, all_logits, on_device)
-        return [logits] if len(counts) == 1 else list(torch.split(logits, counts))
+        # ``split_with_sizes``: ``torch.split``'s op without its Python layer (a block a segment: 32 at 32 requests)
+        return [logits] if len(counts) == 1 else list(logits.split_with_sizes(counts))
 
     def forward_joined(self, segments: list[Segment], *, all_logits: list[bool],
                        on_device: DeviceNodes | None = None) -> torch.Tensor:

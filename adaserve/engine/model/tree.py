@@ -149,7 +149,9 @@ class TokenTree:
     @property
     def depth(self) -> int:
         """The deepest level (0 for a lone root): a chain's is its size less one, no reduction over its depths."""
-        return self.size - 1 if self.is_chain else int(self.depths().max())
+        # the ufunc's reduce, not ``ndarray.max`` (whose Python layer, numpy's ``_methods``, ran cold once a tree an
+        # iteration: issue 30)
+        return self.size - 1 if self.is_chain else int(np.maximum.reduce(self._depths))
 
     def depths(self) -> np.ndarray:
         """depth[0] = 0, depth[i] = depth[parent[i]] + 1. Positions are ``prefix_len + depth``. Read-only."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from adaserve.engine.model.batch import Segment
@@ -31,6 +32,17 @@ def test_other_blocks_are_copied_in_order() -> None:
         assert joined.data_ptr() != a.data_ptr()  # a copy: a view would read the wrong rows
     strided = torch.randn(5, 2).t()  # [2, 5], not contiguous
     assert torch.equal(joined_rows([strided, a]), torch.cat([strided, a]))
+
+
+def test_blocks_of_another_storage_right_after_the_first_are_copied() -> None:
+    """Two storages end to end in memory (each a tensor over its own rows of one numpy array): the second's rows
+    start where the first's end, but a view of the first's storage cannot reach them."""
+    rows = np.arange(20, dtype=np.float32).reshape(4, 5)
+    a, b = torch.from_numpy(rows[:2]), torch.from_numpy(rows[2:])
+    assert b.data_ptr() == a.data_ptr() + a.nbytes  # adjacent
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    joined = joined_rows([a, b])
+    assert torch.equal(joined, torch.cat([a, b])) and joined.data_ptr() != a.data_ptr()
 
 
 def test_a_forward_reports_its_tokens_context_and_attention_cells(target_dir: Path) -> None:

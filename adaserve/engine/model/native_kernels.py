@@ -292,13 +292,6 @@ def _zero_bases(n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.float64)
 
 
-# The variable set to its default where it is unset, once: ``mode`` reads it at every call (tests and benchmarks
-# switch it on a live engine), three times an iteration, and reading an unset variable through ``os.environ`` raises
-# and catches two KeyErrors, 2.5% of a lone request's host time outside the forwards in a sampling profile (issue
-# 30). Every reader sees what it saw unset ("auto"), and so does a child process that inherits it.
-os.environ.setdefault(ENV, "auto")
-
-
 def mode() -> str:
     value = os.environ.get(ENV, "auto").lower()
     if value not in ("auto", "on", "off"):

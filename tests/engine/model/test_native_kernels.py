@@ -3,9 +3,6 @@ states, and a row's result independent of the batch, the row blocking and the th
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -127,20 +124,6 @@ def test_built_once_per_machine_into_the_cache(tmp_path: Path, monkeypatch: pyte
     again = nk.kernels()
     assert again is not None and again.path == first.path and first.path.stat().st_mtime_ns == stamp
     assert [p.name for p in (tmp_path / "native").iterdir()] == [first.path.name]  # no build leftovers
-
-
-def test_an_unset_mode_is_set_to_its_default_on_import() -> None:
-    """``mode`` reads the variable at each call; set, the read raises nothing (module comment). A fresh interpreter
-    without it imports the module and finds it set to "auto"; one with it set keeps its value."""
-    code = "import os; import adaserve.engine.model.native_kernels as nk; print(os.environ[nk.ENV], nk.mode())"
-    env = {k: v for k, v in os.environ.items() if k != nk.ENV}
-    root = Path(__file__).resolve().parents[3]  # the repository: what ``-c`` imports from
-    unset = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
-                           check=True)
-    assert unset.stdout.split() == ["auto", "auto"]
-    kept = subprocess.run([sys.executable, "-c", code], env={**env, nk.ENV: "off"}, cwd=root, capture_output=True,
-                          text=True, check=True)
-    assert kept.stdout.split() == ["off", "off"]
 
 
 def test_the_mode_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch, kernels: nk.NativeKernels) -> None:

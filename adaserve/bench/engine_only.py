@@ -74,10 +74,10 @@ class ForwardClock:
     engine does not call the module (runner.py), and with hooks ``nn.Module`` takes its slow call path, whose work
     (the hooks' dispatch, the closures it runs them in) lands mostly outside the span: the time outside the
     forwards read up to tens of us a forward that a served engine never pays (issue 30; docs/benchmarks.md,
-    thirty-fourth round). On CUDA: the model's own
-    device timer (``CausalLM.timer``, CUDA events around every eager forward and every graph replay), read after the
-    iteration's copy back has waited for the device: the device time of the forwards, without synchronising anything
-    (a graph replay never passes through the module's ``forward``, and a synchronise would change what is measured).
+    thirty-fourth round). On CUDA: the model's own device timer (``CausalLM.timer``, CUDA events around every eager
+    forward and every graph replay), read after the iteration's copy back has waited for the device: the device time
+    of the forwards, without synchronising anything (a graph replay never passes through the module's ``forward``,
+    and a synchronise would change what is measured).
     ``cpu_seconds``: the process's CPU time inside the wrapped forwards (every thread), which other work on a shared
     machine inflates far less (with one torch thread, not at all).
     """

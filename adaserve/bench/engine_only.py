@@ -66,6 +66,22 @@ from adaserve.engine.speculation.draft_steps import DraftSteps
 from adaserve.engine.speculation.sampling import SamplingParams
 
 
+def wrap_forward(module: nn.Module, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
+    """Set ``module.forward`` to ``wrapper(module.forward)`` (an attribute of the instance: the engine calls
+    ``forward``, runner.py) and return what undoes it: the ``forward`` found before (the class's, or another
+    wrapper's), so wrappers nest and come off in turn (``ForwardClock``, ``OpCount``)."""
+    found = module.__dict__.get("forward")
+    module.forward = wrapper(module.forward)  # type: ignore[method-assign]
+
+    def restore() -> None:
+        if found is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.__dict__["forward"] = found
+
+    return restore
+
+
 class ForwardClock:
     """Seconds spent inside one model's forwards.
 
@@ -88,10 +104,9 @@ class ForwardClock:
         timer = getattr(module, "timer", None)
         self._device_timer = timer if next(module.parameters()).is_cuda and timer is not None else None
         self._base = self._device_timer.seconds if self._device_timer is not None else 0.0
-        self._module = module
-        self._outer = module.__dict__.get("forward")  # another clock's wrapper, restored by ``remove``
-        forward = module.forward
+        self._restore = wrap_forward(module, self._timed)
 
+    def _timed(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             # the CPU clock's reads (a system call each, ~0.7 us warm) inside the wall span, so they are not charged
             # to the engine's time outside the forwards: only the wall clock's (vDSO, ~60 ns) are
@@ -104,7 +119,7 @@ class ForwardClock:
                 self._wall += time.perf_counter() - t0
                 self.calls += 1
 
-        module.forward = timed  # type: ignore[method-assign]
+        return timed
 
     @property
     def seconds(self) -> float:
@@ -114,10 +129,7 @@ class ForwardClock:
 
     def remove(self) -> None:
         """The module's ``forward`` as it was before this clock (its own, or an earlier clock's wrapper)."""
-        if self._outer is None:
-            self._module.__dict__.pop("forward", None)
-        else:
-            self._module.__dict__["forward"] = self._outer
+        self._restore()
 
 
 @dataclass(frozen=True)
@@ -248,21 +260,15 @@ class OpCount(TorchDispatchMode):
         self.inside = self.outside = 0
         self.names: Counter[str] = Counter()
         self._models, self._depth = list(models), 0
-        self._found: list[Any] = []
+        self._restores: list[Callable[[], None]] = []
 
-    def __enter__(self) -> OpCount:  # the models' ``forward`` wrapped as long as the mode (the engine calls it,
-        # not ``nn.Module.__call__``: runner.py), each restored to what it found (another clock's wrapper or its own)
-        self._found = [m.__dict__.get("forward") for m in self._models]
-        for m in self._models:
-            m.forward = self._counted(m.forward)  # type: ignore[method-assign]
+    def __enter__(self) -> OpCount:  # the models' ``forward`` wrapped as long as the mode (``wrap_forward``)
+        self._restores = [wrap_forward(m, self._counted) for m in self._models]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        for m, found in zip(self._models, self._found, strict=True):
-            if found is None:
-                m.__dict__.pop("forward", None)
-            else:
-                m.forward = found  # type: ignore[method-assign]
+        for restore in reversed(self._restores):
+            restore()
         super().__exit__(*exc)
 
     def _counted(self, forward: Callable[..., Any]) -> Callable[..., Any]:

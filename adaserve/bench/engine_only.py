@@ -132,6 +132,43 @@ class ForwardClock:
         self._restore()
 
 
+class ScanClock:
+    """Seconds spent in the CPU kernels' scans of the vocabulary, outside the forwards: the draft's beam picks (a
+    log-softmax and a top-k over each frontier row's V logits) and the verification's greedy argmax over every tree
+    node's V logits (native/picks.c). On a GPU these are device kernels, as the forwards are; on a CPU they are the
+    host's, and with a large vocabulary (SmolLM2's 49,152 against the demo pair's 4,096) they are much of the time
+    outside the forwards at many requests (issue 30; docs/benchmarks.md, thirty-sixth round). Timed around the
+    library's two C entry points themselves (the ctypes functions, set on the loaded library for as long as the clock
+    lives and put back by ``remove``), so no Python of the engine's is counted; 0 where the kernels do not serve."""
+
+    NAMES = ("beam_picks", "first_argmax")
+
+    def __init__(self, kernels: native_kernels.NativeKernels | None) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self._lib = None if kernels is None else kernels.lib
+        self._found = {} if self._lib is None else {name: getattr(self._lib, name) for name in self.NAMES}
+        for name, fn in self._found.items():
+            setattr(self._lib, name, self._timed(fn))
+
+    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+
+        return timed
+
+    def remove(self) -> None:
+        """The library's own functions again."""
+        for name, fn in self._found.items():
+            setattr(self._lib, name, fn)
+        self._found = {}
+
+
 @dataclass(frozen=True)
 class IterationTimes:
     """One timed iteration, in seconds (``draft_fwd`` is 0 without speculation)."""
@@ -151,6 +188,7 @@ class IterationTimes:
     width: int = 0
     predicted: float = 0.0
     predicted_plain: float = 0.0
+    scans: float = 0.0  # inside the CPU kernels' vocabulary scans (ScanClock), outside the forwards
 
     @property
     def forward(self) -> float:
@@ -177,6 +215,10 @@ def summarize_cell(its: Sequence[IterationTimes]) -> dict[str, Any]:
         "iteration_ms": ms([i.step for i in its]),
         "forward_ms": ms([i.forward for i in its]),
         "non_forward_ms": ms([i.non_forward for i in its]),
+        # the CPU kernels' vocabulary scans (a GPU's device work: ScanClock), and the time outside the forwards
+        # without them
+        "vocab_scan_ms": ms([i.scans for i in its]),
+        "non_forward_less_scans_ms": ms([i.non_forward - i.scans for i in its]),
         # where the non-forward time goes (each without the forwards it contains)
         "speculate_other_ms": ms([i.speculate - i.draft_fwd for i in its]),
         "select_ms": ms([i.select for i in its]),
@@ -223,6 +265,7 @@ def run_cell(target: ModelRunner, draft: ModelRunner, prompt_ids: list[list[int]
     for _ in range(cfg.warmup_steps):
         eng.step()
     clocks = (ForwardClock(target.model), ForwardClock(draft.model))
+    scans = ScanClock(native_kernels.chosen() if target.device.type == "cpu" else None)
     out = []
     try:
         for _ in range(cfg.steps):
@@ -230,6 +273,7 @@ def run_cell(target: ModelRunner, draft: ModelRunner, prompt_ids: list[list[int]
             plain = eng.predict_iteration(None, len(eng.running), sum(r.target_kv.length for r in eng.running))
             f0 = [c.seconds for c in clocks]
             c0 = sum(c.cpu_seconds for c in clocks)
+            s0 = scans.seconds
             t0, p0 = time.perf_counter(), time.process_time()
             eng.step()
             t, cpu = time.perf_counter() - t0, time.process_time() - p0
@@ -239,8 +283,9 @@ def run_cell(target: ModelRunner, draft: ModelRunner, prompt_ids: list[list[int]
                                       select=m.t_select_s, verify=m.t_verify_s, tokens=m.tokens_emitted,
                                       cpu_step=cpu, cpu_fwd=sum(c.cpu_seconds for c in clocks) - c0,
                                       depth=m.depth, width=m.width, predicted=m.predicted_iter_s,
-                                      predicted_plain=plain))
+                                      predicted_plain=plain, scans=scans.seconds - s0))
     finally:
+        scans.remove()
         for c in clocks:
             c.remove()
     try:
@@ -378,8 +423,9 @@ def run_engine_only(target: ModelRunner, draft: ModelRunner, tokenizer: Any, cfg
                     s = runs[(mode, n)][-1]
                     print(f"[{rep + 1}/{cfg.repeats}] {mode:5s} n={n:3d}: non-forward {s['non_forward_share']:.1%} "
                           f"of {s['iteration_ms']:.1f} ms = {s['non_forward_ms']:.2f} ms (cpu time "
-                          f"{s['non_forward_share_cpu']:.1%} = {s['non_forward_cpu_ms']:.2f} ms, "
-                          f"load {s['load_before']:.1f})", file=sys.stderr)
+                          f"{s['non_forward_share_cpu']:.1%} = {s['non_forward_cpu_ms']:.2f} ms; "
+                          f"vocabulary scans {s['vocab_scan_ms']:.2f} ms; load {s['load_before']:.1f})",
+                          file=sys.stderr)
     return {"cells": cell_stats(runs)}
 
 
@@ -401,6 +447,11 @@ def cell_stats(runs: dict[tuple[str, int], list[dict[str, Any]]]) -> list[dict[s
             "non_forward_ms_median": statistics.median(r["non_forward_ms"] for r in reps),
             "non_forward_ms_min": min(r["non_forward_ms"] for r in reps),
             "non_forward_ms_max": max(r["non_forward_ms"] for r in reps),
+            **({"vocab_scan_ms_median": statistics.median(r["vocab_scan_ms"] for r in reps),
+                "non_forward_less_scans_ms_median": statistics.median(r["non_forward_less_scans_ms"] for r in reps),
+                "non_forward_less_scans_ms_min": min(r["non_forward_less_scans_ms"] for r in reps),
+                "non_forward_less_scans_ms_max": max(r["non_forward_less_scans_ms"] for r in reps)}
+               if all("vocab_scan_ms" in r for r in reps) else {}),
             **({"non_forward_cpu_ms_median": statistics.median(r["non_forward_cpu_ms"] for r in reps),
                 "non_forward_cpu_ms_min": min(r["non_forward_cpu_ms"] for r in reps),
                 "non_forward_cpu_ms_max": max(r["non_forward_cpu_ms"] for r in reps)}

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from adaserve.bench.engine_only import IterationTimes, load_pair, run_engine_only, settings, summarize_cell
 from adaserve.bench.microbench_options import EngineOnlyConfig, PeerConfig
@@ -67,6 +68,14 @@ def test_engine_only_on_the_demo_pair(demo: tuple) -> None:
         assert 0 <= c["non_forward_share_min"] <= c["non_forward_share_median"] <= c["non_forward_share_max"] < 1
         assert all(r["forward_ms"] > 0 and r["tokens_per_iteration"] >= c["batch"] for r in c["repeats"])
     assert all(r["speculate_other_ms"] == 0 for r in cells[("plain", 3)]["repeats"])  # no draft without speculation
+    # the CPU kernels' vocabulary scans (ScanClock), where they serve: the picks and the argmax, part of the time
+    # outside the forwards, split off beside it
+    serving = native_kernels.chosen() is not None
+    for c in cells.values():
+        for r in c["repeats"]:
+            assert r["non_forward_less_scans_ms"] == pytest.approx(r["non_forward_ms"] - r["vocab_scan_ms"])
+            assert (r["vocab_scan_ms"] > 0) == serving
+            assert r["vocab_scan_ms"] < r["non_forward_ms"]
     # the shapes chosen, counted over the timed iterations of every repeat, and what the cost models priced: plain
     # decoding's own iterations at plain decoding's price, a chain of 4 above it (4 draft steps and 5 tokens)
     for c in cells.values():
@@ -279,3 +288,39 @@ def test_the_cells_load_the_weights_asked_for(tmp_path: Path) -> None:
         out[weights] = json.loads(path.read_text())["config"]
     assert out["int4"]["weights"] == "int4" and out["int4"]["served_weights"].startswith("int4")
     assert out[None]["weights"] == "float" and out[None]["served_weights"] == "float"
+
+
+def test_the_scan_clock_times_the_kernels_own_calls_and_puts_them_back() -> None:
+    from adaserve.bench.engine_only import ScanClock
+    from adaserve.engine.speculation.verify import first_argmax
+
+    kernels = native_kernels.kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernels do not build on this machine")
+    found = kernels.lib.first_argmax
+    rows = torch.randn(64, 4096)
+    clock = ScanClock(kernels)
+    assert kernels.lib.first_argmax is not found
+    want = rows.argmax(-1)
+    assert torch.equal(first_argmax(rows), want)  # the timed function answers as the library's own
+    assert clock.calls == 1 and clock.seconds > 0
+    clock.remove()
+    assert kernels.lib.first_argmax is found
+    first_argmax(rows)
+    assert clock.calls == 1  # no longer counted
+    assert ScanClock(None).seconds == 0.0  # no kernels: nothing to time
+
+
+def test_a_cell_splits_off_the_vocabulary_scans() -> None:
+    from adaserve.bench.engine_only import IterationTimes, cell_stats, summarize_cell
+
+    # 10 ms steps, 6 ms in forwards, 1.5 ms of the other 4 in the kernels' scans
+    its = [IterationTimes(step=0.010, target_fwd=0.005, draft_fwd=0.001, speculate=0.0, select=0.0, verify=0.0,
+                          tokens=1, scans=0.0015) for _ in range(2)]
+    rep = summarize_cell(its)
+    assert rep["vocab_scan_ms"] == pytest.approx(1.5)
+    assert rep["non_forward_less_scans_ms"] == pytest.approx(2.5)
+    cell = cell_stats({("spec", 32): [rep, {**rep, "non_forward_less_scans_ms": 3.5}]})[0]
+    assert cell["vocab_scan_ms_median"] == pytest.approx(1.5)
+    assert (cell["non_forward_less_scans_ms_min"], cell["non_forward_less_scans_ms_max"]) == (
+        pytest.approx(2.5), pytest.approx(3.5))

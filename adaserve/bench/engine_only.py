@@ -66,18 +66,20 @@ from adaserve.engine.speculation.draft_steps import DraftSteps
 from adaserve.engine.speculation.sampling import SamplingParams
 
 
-def wrap_forward(module: nn.Module, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
-    """Set ``module.forward`` to ``wrapper(module.forward)`` (an attribute of the instance: the engine calls
-    ``forward``, runner.py) and return what undoes it: the ``forward`` found before (the class's, or another
-    wrapper's), so wrappers nest and come off in turn (``ForwardClock``, ``OpCount``)."""
-    found = module.__dict__.get("forward")
-    module.forward = wrapper(module.forward)  # type: ignore[method-assign]
+def wrap_attribute(obj: Any, name: str,
+                   wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
+    """Set ``obj.<name>`` to ``wrapper(obj.<name>)`` as an attribute of the instance and return what undoes it: the
+    instance's own attribute found before (another wrapper's, a library's loaded function), or none, so the class's
+    shows again. Wrappers nest and come off in turn (``ForwardClock``, ``OpCount`` on a model's ``forward``, which
+    the engine calls: runner.py; ``ScanClock`` on the CPU kernels' functions)."""
+    found = obj.__dict__.get(name)
+    setattr(obj, name, wrapper(getattr(obj, name)))
 
     def restore() -> None:
         if found is None:
-            module.__dict__.pop("forward", None)
+            obj.__dict__.pop(name, None)
         else:
-            module.__dict__["forward"] = found
+            obj.__dict__[name] = found
 
     return restore
 
@@ -104,7 +106,7 @@ class ForwardClock:
         timer = getattr(module, "timer", None)
         self._device_timer = timer if next(module.parameters()).is_cuda and timer is not None else None
         self._base = self._device_timer.seconds if self._device_timer is not None else 0.0
-        self._restore = wrap_forward(module, self._timed)
+        self._restore = wrap_attribute(module, "forward", self._timed)
 
     def _timed(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -146,10 +148,8 @@ class ScanClock:
     def __init__(self, kernels: native_kernels.NativeKernels | None) -> None:
         self.seconds = 0.0
         self.calls = 0
-        self._lib = None if kernels is None else kernels.lib
-        self._found = {} if self._lib is None else {name: getattr(self._lib, name) for name in self.NAMES}
-        for name, fn in self._found.items():
-            setattr(self._lib, name, self._timed(fn))
+        # ``load`` typed each function, so the library holds it as its own attribute: that one is put back
+        self._restores = [] if kernels is None else [wrap_attribute(kernels.lib, n, self._timed) for n in self.NAMES]
 
     def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any) -> Any:
@@ -164,9 +164,9 @@ class ScanClock:
 
     def remove(self) -> None:
         """The library's own functions again."""
-        for name, fn in self._found.items():
-            setattr(self._lib, name, fn)
-        self._found = {}
+        for restore in reversed(self._restores):
+            restore()
+        self._restores = []
 
 
 @dataclass(frozen=True)
@@ -307,8 +307,8 @@ class OpCount(TorchDispatchMode):
         self._models, self._depth = list(models), 0
         self._restores: list[Callable[[], None]] = []
 
-    def __enter__(self) -> OpCount:  # the models' ``forward`` wrapped as long as the mode (``wrap_forward``)
-        self._restores = [wrap_forward(m, self._counted) for m in self._models]
+    def __enter__(self) -> OpCount:  # the models' ``forward`` wrapped as long as the mode (``wrap_attribute``)
+        self._restores = [wrap_attribute(m, "forward", self._counted) for m in self._models]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:

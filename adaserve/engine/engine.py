@@ -352,14 +352,23 @@ class Engine:
         logits = self.target.forward(segments, all_logits=want_all) if segments else []
         emitted: dict[str, list[int]] = {}
         first: list[tuple[Request, TokenTree, torch.Tensor]] = []  # last prefill chunks: their logits give token 1
-        for (req, seg), lg in zip(prefill, logits[: len(prefill)], strict=True):
+        # each walk's forward segment, and the head's own first maxima per segment (an int8 head on the integer
+        # kernels: ModelRunner.last_argmax), which a greedy walk takes where nothing changed its rows
+        at = list(range(len(prefill), len(logits)))
+        for i, ((req, seg), lg) in enumerate(zip(prefill, logits[: len(prefill)], strict=True)):
             self.target.cache.truncate(req.target_kv, seg.kv_len)
             if req.target_kv.length == len(req.prompt_ids):
                 first.append((req, TokenTree.root(req.prompt_ids[-1]), lg))
+                at.insert(len(first) - 1, i)
+        drawn = self.target.last_argmax if segments else None  # this forward's, when one ran
+        known = (drawn.view(-1, 1).split_with_sizes([lg.shape[0] for lg in logits]) if drawn is not None
+                 else [None] * len(logits))
         walks = [*first, *zip(decoding, trees, logits[len(prefill) :], strict=True)]
         masked = [self._masked(r, t, lg) for r, t, lg in walks]
-        walk_inputs = [WalkInput(t, self._processed(r, t, x), r.params, r.generator, self._stop_ids(r), r.remaining)
-                       for (r, t, _), x in zip(walks, masked, strict=True)]
+        processed = [self._processed(r, t, x) for (r, t, _), x in zip(walks, masked, strict=True)]
+        walk_inputs = [WalkInput(t, x, r.params, r.generator, self._stop_ids(r), r.remaining,
+                                 argmax=known[i] if x is lg else None)
+                       for (r, t, lg), x, i in zip(walks, processed, at, strict=True)]
         # one batched draw for every walk, and its one copy to the host: on a GPU that copy is what waits for
         # the forward (which is queued, not synchronised), so the forward is timed up to it
         draws = draw_at_nodes(walk_inputs)

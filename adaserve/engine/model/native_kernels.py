@@ -180,6 +180,22 @@ class NativeKernels:
         self.lib.first_argmax(rows.data_ptr(), n, v, out.data_ptr(), torch.get_num_threads())
         return out
 
+    def head_refine(self, y: torch.Tensor, x: torch.Tensor, q: torch.Tensor, c: torch.Tensor, k: int) -> torch.Tensor:
+        """The int8 LM head's refinement, in place, and its greedy draws (native/picks.c, head_refine): y float32
+        [n, V] the head's output for x float32 [n, K], q int8 [V, K] and c float32 [V] its weights; each row's ``k``
+        greatest logits (ties to the lower token id) recomputed in float32 from the weights, then the row's first
+        maximum (``first_argmax`` of the refined row, bit for bit). Returns [n] int64; 1 <= k < V."""
+        n, v = y.shape
+        if (y.dtype != torch.float32 or x.dtype != torch.float32 or q.dtype != torch.int8 or c.dtype != torch.float32
+                or any(t.device.type != "cpu" or not t.is_contiguous() for t in (y, x, q, c))
+                or x.shape != (n, q.shape[1]) or q.shape[0] != v or c.shape != (v,) or not 1 <= k < v):
+            raise ValueError("head_refine: float32 y [n, V] and x [n, K], int8 q [V, K], float32 c [V], contiguous, "
+                             "on the CPU, 1 <= k < V")
+        out = torch.from_numpy(np.empty(n, np.int64))
+        self.lib.head_refine(y.data_ptr(), n, v, x.data_ptr(), x.shape[1], q.data_ptr(), c.data_ptr(), k,
+                             out.data_ptr(), torch.get_num_threads())
+        return out
+
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of each row of x float32 [M, K] contiguous, weight w float32 [K]."""
         y = torch.empty_like(x)
@@ -414,4 +430,6 @@ def load(path: Path) -> NativeKernels:
     lib.beam_picks.restype = _I
     lib.first_argmax.argtypes = [_P, ctypes.c_long, _I, _P, _I]
     lib.first_argmax.restype = None
+    lib.head_refine.argtypes = [_P, ctypes.c_long, _I, _P, _I, _P, _P, _I, _P, _I]
+    lib.head_refine.restype = _I
     return NativeKernels(lib, path)

@@ -13,6 +13,7 @@ from adaserve.engine.model.attention import make_backend
 from adaserve.engine.model.batch import DeviceNodes, Segment, build_layout
 from adaserve.engine.model.kv_cache import KVCacheConfig, PagedKVCache
 from adaserve.engine.model.layers import CausalLM
+from adaserve.engine.model.quant import Int8Head
 from adaserve.engine.model.static import StaticForward
 
 
@@ -81,6 +82,10 @@ class ModelRunner:
         self.static = StaticForward(model, self.cache) if cfg is not None and cfg.static_shapes else None
         self.forward_listeners: list[Callable[[ForwardRecord], None]] = []
         self.last_forward: ForwardRecord | None = None  # the latest call's counts (the engine times drafts by it)
+        # the latest ``forward``'s logits rows' first maxima when its LM head found them (an int8 head on the integer
+        # kernels: Int8Head.last_argmax), [rows] int64 in the logits' row order; else None. A greedy draw at a row whose
+        # logits nothing changed takes it instead of scanning the vocabulary again (verify.draw_at_nodes)
+        self.last_argmax: torch.Tensor | None = None
 
     @property
     def capture_failures(self) -> list[str]:
@@ -103,8 +108,12 @@ class ModelRunner:
         # ``forward``, not ``nn.Module.__call__``: the engine puts no hooks on its models, and the call's hook checks
         # cost tens of microseconds cold on a CPU, five times a speculative iteration (issue 30); so do levels.py and
         # static.py. A benchmark that watches the forwards wraps ``forward`` (engine_only.ForwardClock, OpCount)
-        return self.model.forward(layout.input_ids, layout.positions, backend=self.backend, cache=self.cache,
-                                  logits_rows=None if every else layout.stage.get("logits_rows"))
+        logits = self.model.forward(layout.input_ids, layout.positions, backend=self.backend, cache=self.cache,
+                                    logits_rows=None if every else layout.stage.get("logits_rows"))
+        head = self.model.lm_head
+        drawn = head.last_argmax if isinstance(head, Int8Head) else None
+        self.last_argmax = drawn if drawn is not None and drawn.shape[0] == logits.shape[0] else None
+        return logits
 
     def close(self) -> None:
         """Nothing to stop here; a tensor-parallel runner stops its other ranks (parallel.py)."""
@@ -140,6 +149,7 @@ class ModelRunner:
                  on_device: DeviceNodes | None) -> tuple[torch.Tensor, list[int]]:
         """The forward's logits rows and each segment's number of them."""
         t0 = time.perf_counter()
+        self.last_argmax = None  # set by ``compute``'s eager path only (not the static path's buffers)
         if len(all_logits) != len(segments):
             raise ValueError(f"{len(all_logits)} all_logits flags for {len(segments)} segments")
         for s in segments:

@@ -42,6 +42,9 @@ class WalkInput:
     generator: torch.Generator
     stop_ids: frozenset[int]
     budget: int  # tokens still allowed
+    # [M, 1] int64: each row's first maximum, where the forward already found it for exactly these logits (the int8
+    # head's refinement: ModelRunner.last_argmax); None: a greedy draw scans the row (``first_argmax``)
+    argmax: torch.Tensor | None = None
 
 
 Draws = tuple[list[list[int]], list[torch.Tensor | None]]  # draw_at_nodes: tokens per node, generator states
@@ -126,9 +129,11 @@ def draw_at_nodes(inputs: list[WalkInput]) -> Draws:
     parts: list[torch.Tensor] = []
     greedy = [i for i, x in enumerate(inputs) if x.params.greedy]
     if greedy:
-        # one argmax over every greedy request's rows (no copy of the logits)
-        rows = joined_rows([inputs[i].logits for i in greedy])
-        parts.append(first_argmax(rows))
+        known = [inputs[i].argmax for i in greedy]
+        if all(a is not None for a in known):  # the head's own draws (no second pass over the vocabulary)
+            parts.append(joined_rows(known).view(-1))  # type: ignore[arg-type]
+        else:  # one argmax over every greedy request's rows (no copy of the logits)
+            parts.append(first_argmax(joined_rows([inputs[i].logits for i in greedy])))
         order += greedy
     by_setting: dict[tuple[float, int, float], list[int]] = {}
     for i, x in enumerate(inputs):

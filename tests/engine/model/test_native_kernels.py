@@ -458,3 +458,97 @@ def test_search_picks_refuse_what_their_pointers_would_misread(kernels: nk.Nativ
     nogrow.level(torch.randn(2, 50), k=1, width=1, frontier=0, grow=False)
     with pytest.raises(ValueError, match="SearchPicks"):  # growing rows it was not given
         nogrow.level(torch.randn(2, 50), k=1, width=1, frontier=0, grow=True)
+
+
+def refine_reference(y: torch.Tensor, x: torch.Tensor, q: torch.Tensor, c: torch.Tensor, k: int) -> torch.Tensor:
+    """head_refine's rows by its statement: each row's k greatest logits (ties to the lower id: a stable sort) from
+    the int8 weights in float64, the rest as they were; a row holding a NaN as it was."""
+    out = y.clone()
+    for r in range(y.shape[0]):
+        if torch.isnan(y[r]).any():
+            continue
+        top = torch.sort(y[r], descending=True, stable=True).indices[:k]
+        out[r, top] = ((q[top].double() * c[top, None].double()) @ x[r].double()).float()
+    return out
+
+
+def test_head_refine_recomputes_each_rows_top_k_and_draws_its_first_maximum(kernels: nk.NativeKernels) -> None:
+    """The refined values are the int8 weights' float32 product (float64's within rounding) at the row's k greatest
+    logits, every other logit untouched; the draw is the refined row's first maximum (``first_argmax``) at widths
+    that are and are not a multiple of 8: when the greatest refined value stands above the rest, when it falls
+    below the (k+1)-th logit and when it equals it (the scan decides), with refined values tied among themselves,
+    with ties at the k-th place, -inf and NaN logits, and an input whose refinement gives NaN."""
+    gen = torch.Generator().manual_seed(11)
+    for v in (6, 12, 40, 67, 256):
+        k = 4
+        dim = 24  # not a multiple of 8 lanes: the dot's tail too
+        q = torch.randint(-127, 128, (v, dim), generator=gen, dtype=torch.int8)
+        c = torch.rand(v, generator=gen) * 0.01
+        x = torch.randn(9, dim, generator=gen)
+        y = torch.randn(9, v, generator=gen) * 5
+        y[1] = torch.randint(-2, 2, (v,), generator=gen).float()  # ties everywhere, at the k-th place too
+        y[2, : v // 2] = float("-inf")
+        y[3, v // 3] = float("nan")
+        x[4, 0] = float("nan")  # its refined values are NaN: the first of them is the row's first maximum
+        # row 5: a top k with one weight row between them (refined values tied) and a small scale (refined ~0),
+        # below the (k+1)-th logit (90, at the lowest id of the five): the draw is that logit's, by the scan
+        five = torch.randperm(v, generator=gen)[: k + 1].sort().values
+        y[5, five[1:]] = 100 + torch.arange(k).float()
+        y[5, five[0]] = 90.0
+        q[five[1:]] = q[five[1]].clone()
+        c[five[1:]] = 1e-6
+        y[7, -1] = 100.0  # the maximum in the last place (the tail, when v % 8)
+        # row 6: the (k+1)-th logit made equal to the greatest refined value, at a lower id than any of the top k
+        six = torch.randperm(v, generator=gen)[: k + 1].sort().values
+        y[6] = -1000.0  # below any refined value
+        y[6, six[1:]] = 100 + torch.arange(k).float()
+        y[6, six[0]] = 0.0
+        probe = y[6:7].clone()
+        kernels.head_refine(probe, x[6:7].clone(), q, c, k)
+        y[6, six[0]] = probe[0, six[1:]].max()
+        assert (y[6, six[1:]] > y[6, six[0]]).all()  # still the (k+1)-th
+        want = refine_reference(y, x, q, c, k)
+        got = y.clone()
+        drawn = kernels.head_refine(got, x, q, c, k)
+        finite = ~torch.isnan(want)
+        torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), v
+        assert int((got[0] != y[0]).sum()) <= k and torch.equal(got[3].nan_to_num(), y[3].nan_to_num()), v
+        assert drawn.tolist() == got.argmax(-1).tolist() == kernels.first_argmax(got).tolist(), v
+        assert int(drawn[5]) == int(five[0]) and int(drawn[6]) == int(six[0]), v
+
+
+def test_head_refine_is_one_function_of_the_row(kernels: nk.NativeKernels) -> None:
+    """Each row's refined logits and draw are bitwise the same alone, in any batch and at any thread count."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, (300, 64), generator=gen, dtype=torch.int8)
+    c = torch.rand(300, generator=gen) * 0.02
+    x, y = torch.randn(33, 64, generator=gen), torch.randn(33, 300, generator=gen)
+    whole = y.clone()
+    drawn = kernels.head_refine(whole, x, q, c, 16)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for r in range(33):
+                alone = y[r : r + 1].clone()
+                assert kernels.head_refine(alone, x[r : r + 1].clone(), q, c, 16).tolist() == [int(drawn[r])]
+                assert torch.equal(alone[0], whole[r]), (t, r)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_head_refine_refuses_what_its_pointers_would_misread(kernels: nk.NativeKernels) -> None:
+    q, c = torch.zeros(10, 32, dtype=torch.int8), torch.ones(10)
+    y, x = torch.zeros(2, 10), torch.zeros(2, 32)
+    bad = [
+        (y.double(), x, q, c, 2),
+        (y, x[:1], q, c, 2),  # rows that do not match
+        (y, x, q.float(), c, 2),
+        (torch.zeros(10, 2).t(), x, q, c, 2),  # strided
+        (y, x, q, c, 0),
+        (y, x, q, c, 10),  # k = V: nothing outside the top k to compare with
+    ]
+    for args in bad:
+        with pytest.raises(ValueError, match="head_refine"):
+            kernels.head_refine(*args)

@@ -286,6 +286,44 @@ def test_speculation_is_lossless_against_the_quantized_target(target_dir: Path, 
 
 
 
+@pytest.mark.parametrize("policy", ["adaserve", "incremental"])
+def test_greedy_draws_take_the_int8_heads_own_maxima(target_dir: Path, draft_dir: Path, policy: str,
+                                                    cpu_kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the integer kernels the int8 head's refinement finds each row's first maximum (Int8Head.last_argmax, the
+    runner's ``last_argmax``): the greedy walks take it and scan no logits, and emit what the scan emits (the head's
+    maxima withheld). On torch's kernels there are none, and the walks scan."""
+    from adaserve.engine.model.quant import Int8Head
+    from adaserve.engine.speculation import verify
+
+    scans = []
+    scan = verify.first_argmax
+    monkeypatch.setattr(verify, "first_argmax", lambda rows, **kw: scans.append(rows.shape[0]) or scan(rows, **kw))
+
+    def outputs() -> dict[str, list[int]]:
+        reqs = workload(6, 9)
+        drf = quantized_runner(draft_dir, "int4") if policy != "incremental" else None
+        eng = Engine(quantized_runner(target_dir, "int4"), drf, EngineConfig(policy=policy, budget=20))
+        for r in reqs:
+            eng.add_request(r)
+        while eng.has_work:
+            eng.step()
+        return {r.request_id: r.output_ids for r in reqs}
+
+    with_maxima = outputs()
+    assert bool(scans) == (cpu_kernels == "torch")  # the walks scanned only where the head found no maxima
+    forward = Int8Head.forward
+
+    def without_maxima(self: Int8Head, x: torch.Tensor) -> torch.Tensor:
+        y = forward(self, x)
+        self.last_argmax = None
+        return y
+
+    monkeypatch.setattr(Int8Head, "forward", without_maxima)
+    scans.clear()
+    assert outputs() == with_maxima
+    assert scans  # now every greedy draw scanned
+
+
 def test_auto_serves_stored_layers_as_stored_on_a_cpu_and_as_float_on_a_gpu(target_dir: Path,
                                                                             tmp_path: Path) -> None:
     """``auto``: the packed kernels are a CPU's fast path, a bf16 product in a CUDA graph a GPU's (the loader's

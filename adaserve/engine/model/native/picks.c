@@ -33,6 +33,16 @@
  * first_argmax. out[r] = the index of row r's first maximum, a NaN counting as the maximum (its first NaN): what
  * torch.argmax returns, bit for bit (comparisons only, no arithmetic). The target's greedy draws take it, so it
  * must be exact: it decides the emitted tokens.
+ *
+ * head_refine. The int8 LM head's float32 pass (quant.py, Int8Head) and its greedy draw, one row at a time while
+ * the row is in the cache. Row r of y [n, V] is the head's output for input x[r] [K]; q int8 [V, K] and c float [V]
+ * its weights (W[t] = c[t] q[t]). For each row:
+ *     T        = the row's k greatest logits (ties to the lower token id), and u the greatest outside T
+ *     y[r, t]  = sum_j (q[t, j] c[t]) x[r, j]    for t in T (float32: each product rounded, the sum in eight lanes
+ *                over j in order, then across them: one fixed order, whatever n or the thread count)
+ *     out[r]   = the row's first maximum after that: the first t in T with the greatest refined value when that
+ *                value exceeds u (nothing outside T reaches u), else first_argmax's scan of the row
+ * A row holding a NaN is left as it is (out[r] its first NaN, as first_argmax answers). k < V.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -244,4 +254,74 @@ void first_argmax(const float *x, long n, int V, int64_t *out, int threads) {
     } else { /* no OpenMP region: see beam_picks */
         for (long r = 0; r < n; r++) out[r] = argmax_row(x + r * V, V);
     }
+}
+
+/* x[0 .. K) against one int8 weight row, float32: (q[j] c) x[j], summed in eight lanes in order, then across. */
+static float refined_dot(const int8_t *q, float c, const float *x, int K) {
+    __m256 acc = _mm256_setzero_ps(), cv = _mm256_set1_ps(c);
+    int j = 0;
+    for (; j + 8 <= K; j += 8) {
+        __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + j)))),
+                                 cv);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(w, _mm256_loadu_ps(x + j)));
+    }
+    float s = hsum8(acc);
+    for (; j < K; j++) s += ((float)q[j] * c) * x[j];
+    return s;
+}
+
+/* head_refine for one row (the header); k + 1 <= V. */
+static int64_t refine_row(float *row, int V, const float *x, int K, const int8_t *q, const float *c, int k) {
+    int kk = k + 1, count = 0, v = 0;
+    float top[kk];
+    int64_t at[kk];
+    int nan = 0;
+    for (; v < kk; v++) {
+        nan |= row[v] != row[v];
+        insert(top, at, &count, kk, row[v], v);
+    }
+    for (; v < V && (V - v) % 8; v++) {
+        nan |= row[v] != row[v];
+        insert(top, at, &count, kk, row[v], v);
+    }
+    __m256 bad = _mm256_setzero_ps();
+    for (; v + 8 <= V; v += 8) {
+        __m256 xv = _mm256_loadu_ps(row + v);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
+        int hit = _mm256_movemask_ps(_mm256_cmp_ps(xv, _mm256_set1_ps(top[kk - 1]), _CMP_GT_OQ));
+        while (hit) { /* greater than the (k+1)-th so far: a later equal logit never is (ties to the lower id) */
+            int t = __builtin_ctz(hit);
+            insert(top, at, &count, kk, row[v + t], v + t);
+            hit &= hit - 1;
+        }
+    }
+    if (nan || _mm256_movemask_ps(bad)) return first_nan(row, V);
+    float best = -INFINITY;
+    int64_t first = -1;
+    int nan_refined = 0;
+    for (int i = 0; i < k; i++) {
+        int64_t t = at[i];
+        float e = refined_dot(q + t * (long)K, c[t], x, K);
+        row[t] = e;
+        nan_refined |= e != e;
+        if (first < 0 || e > best || (e == best && t < first)) { /* the first of the greatest refined values */
+            best = e;
+            first = t;
+        }
+    }
+    /* u = top[k] bounds every logit outside T; a NaN refined value (an input's NaN or infinity) is the row's
+     * maximum wherever it sits: the scan finds the first */
+    return !nan_refined && best > top[k] ? first : argmax_row(row, V);
+}
+
+int head_refine(float *y, long n, int V, const float *x, int K, const int8_t *q, const float *c, int k,
+                int64_t *out, int threads) {
+    if (k < 1 || k >= V) return -1;
+    if (threads > 1 && n * V >= PARALLEL_MIN) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (long r = 0; r < n; r++) out[r] = refine_row(y + r * V, V, x + r * K, K, q, c, k);
+    } else { /* no OpenMP region: see beam_picks */
+        for (long r = 0; r < n; r++) out[r] = refine_row(y + r * V, V, x + r * K, K, q, c, k);
+    }
+    return 0;
 }

@@ -5,8 +5,9 @@ A run of one commit after a run of the other cannot tell a 3% change from a mach
 within the hour (docs/benchmarks.md, "Twenty-third round": four such pairs called six small cuts a tie; this script
 found them 3% faster, B lower in 105 of 160 pairs). Here two worker processes, one per checkout, each hold an engine
 decoding ``--requests`` requests with speculation (the microbench's ``spec`` mode: the adaserve policy, greedy, one
-torch thread, demo-tiny unless ``--model``), every tree pinned to ``--shape`` (the policy's own choice is still
-computed, then dropped: two engines left to choose would draft different mixes of shapes); ``--mode plain``: plain
+torch thread, demo-tiny unless ``--model``, float unless ``--weights``), every tree pinned to ``--shape`` (the
+policy's own choice is still computed, then dropped: two engines left to choose would draft different mixes of
+shapes); ``--mode plain``: plain
 decoding instead (the microbench's ``plain`` mode, the incremental policy; no trees). They take turns on one
 CPU, ``--block`` iterations at a time: A, B, A, B, ... A block's figure is its milliseconds per iteration outside both
 models' forwards (timed by a wrapper of each model's forward; ``--measure forwards``: inside them, for a change to the
@@ -72,6 +73,7 @@ def worker(args: argparse.Namespace) -> None:
     from adaserve.bench.microbench_options import MODES
     from adaserve.engine.config import EngineConfig
     from adaserve.engine.engine import Engine
+    from adaserve.engine.model.quant import served_weights
     from adaserve.engine.request import Phase, Request
     from adaserve.engine.speculation.policies import TreeShape
     from adaserve.engine.speculation.sampling import SamplingParams
@@ -79,7 +81,9 @@ def worker(args: argparse.Namespace) -> None:
     os.sched_setaffinity(0, {args.cpu})
     torch.set_num_threads(1)
     depth, width = args.shape
-    target, draft, tok = load_pair(args.model, "cpu", 512)
+    # served weights only when asked: a checkout from before load_pair took them still runs the float default
+    target, draft, tok = (load_pair(args.model, "cpu", 512) if args.weights == "float"
+                          else load_pair(args.model, "cpu", 512, weights=args.weights))
     inside = [0.0]
 
     def timed(forward: Any) -> Any:
@@ -120,7 +124,7 @@ def worker(args: argparse.Namespace) -> None:
         return eng
 
     eng = fresh()
-    print(json.dumps({"ready": True, "policy": eng.policy.name}), flush=True)
+    print(json.dumps({"ready": True, "policy": eng.policy.name, "served": served_weights(target.model)}), flush=True)
     for line in sys.stdin:
         if line.strip() != "go":
             break
@@ -169,6 +173,8 @@ def main() -> None:
     ap.add_argument("--mode", choices=("spec", "plain"), default="spec",
                     help="the microbench's mode: spec (trees pinned to --shape) or plain (no trees; --shape unused)")
     ap.add_argument("--model", default="demo-tiny")
+    ap.add_argument("--weights", choices=("float", "int8", "int4", "auto"), default="float",
+                    help="the pair's linear layers as the microbench's --weights serves them (default float)")
     ap.add_argument("--max-tokens", type=int, default=1800)
     ap.add_argument("--cpu", type=int, default=None, help="the CPU both workers run on (default: the first allowed)")
     ap.add_argument("--measure", choices=("host", "forwards", "iteration"), default="host",
@@ -191,17 +197,19 @@ def main() -> None:
     cpu = args.cpu if args.cpu is not None else min(os.sched_getaffinity(0))
     passed = [f"--block={args.block}", f"--requests={args.requests}", f"--shape={args.shape[0]},{args.shape[1]}",
               f"--model={args.model}", f"--max-tokens={args.max_tokens}", f"--measure={args.measure}",
-              f"--mode={args.mode}"]
+              f"--mode={args.mode}", f"--weights={args.weights}"]
     procs = []
     for d in (args.base, args.cand):
         env = {**os.environ, "PYTHONPATH": str(d.resolve())}
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", f"--cpu={cpu}", *passed], cwd=d, env=env,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
     try:
-        policies = []
+        policies, served = [], []
         for p, who in zip(procs, ("base", "candidate"), strict=True):
             assert p.stdout is not None
-            policies.append(_read(p.stdout, who).get("policy"))  # ready: loaded and warmed up
+            ready = _read(p.stdout, who)  # loaded and warmed up
+            policies.append(ready.get("policy"))
+            served.append(ready.get("served"))
         blocks: list[list[float]] = [[], []]
         for b in range(args.blocks):
             for side, (p, who) in enumerate(zip(procs, ("base", "candidate"), strict=True)):
@@ -218,7 +226,8 @@ def main() -> None:
             p.wait(timeout=60)
     report = {"benchmark": "host-time-ab", "base": str(args.base), "base_source": source(args.base),
               "candidate": str(args.cand), "candidate_source": source(args.cand), "cpu": cpu,
-              "model": args.model, "requests": args.requests, "mode": args.mode, "policies": policies,
+              "model": args.model, "weights": args.weights, "requests": args.requests, "mode": args.mode,
+              "policies": policies, "served_weights": served,
               "shape": f"{args.shape[0]},{args.shape[1]}" if args.mode == "spec" else None,
               "measure": args.measure,
               "block": args.block, **summarize(*blocks), "a_blocks_ms": blocks[0], "b_blocks_ms": blocks[1]}

@@ -44,13 +44,15 @@ def test_summarize_pairs_in_order_and_drops_ties_from_the_test(ab: types.ModuleT
     assert s["diff_median_share"] == pytest.approx(-0.75 / 2.0)
 
 
-@pytest.mark.parametrize(("measure", "mode"), [("host", "spec"), ("forwards", "spec"), ("host", "plain")])
-def test_a_checkout_against_itself(tmp_path: Path, measure: str, mode: str) -> None:
+@pytest.mark.parametrize(("measure", "mode", "weights"),
+                         [("host", "spec", "float"), ("forwards", "spec", "float"), ("host", "plain", "int8")])
+def test_a_checkout_against_itself(tmp_path: Path, measure: str, mode: str, weights: str) -> None:
     """Two workers on one CPU, two blocks each: every block a positive figure, paired in order; the figure is the
-    host's time or the forwards' as asked, of speculative iterations (trees pinned) or plain ones."""
+    host's time or the forwards' as asked, of speculative iterations (trees pinned) or plain ones, with the pair's
+    layers served as ``--weights`` asks."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, str(SCRIPT), str(ROOT), str(ROOT), "--blocks", "2", "--block", "2",
-                           "--max-tokens", "200", "--measure", measure, "--mode", mode],
+                           "--max-tokens", "200", "--measure", measure, "--mode", mode, "--weights", weights],
                           capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
@@ -60,6 +62,7 @@ def test_a_checkout_against_itself(tmp_path: Path, measure: str, mode: str) -> N
     assert report["mode"] == mode and report["shape"] == ("4,2" if mode == "spec" else None)
     assert report["policies"] == [{"spec": "adaserve", "plain": "incremental"}[mode]] * 2  # what each worker ran
     assert report["requests"] == 1
+    assert report["weights"] == weights and report["served_weights"] == [weights] * 2  # what each worker served
     assert report["cpu"] in os.sched_getaffinity(0)
     assert 0.0 <= report["sign_test_p"] <= 1.0
 

@@ -432,7 +432,7 @@ class Int8Head(Int8Linear):
         self.refine = min(refine, qweight.shape[0])
 
     # the first maximum of each row the last call returned, from the integer kernels' refinement (``head_refine``), or
-    # None: what a greedy draw at those rows takes (ModelRunner.argmax_rows), without a second scan of the vocabulary
+    # None: what a greedy draw at those rows takes (ModelRunner.last_argmax), without a second scan of the vocabulary
     last_argmax: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

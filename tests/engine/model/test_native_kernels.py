@@ -481,7 +481,7 @@ def test_head_refine_recomputes_each_rows_top_k_and_draws_its_first_maximum(kern
     gen = torch.Generator().manual_seed(11)
     for v in (6, 12, 40, 67, 256):
         k = 4
-        dim = 24  # not a multiple of 8 lanes: the dot's tail too
+        dim = 20  # not a multiple of 8 lanes: the dot's tail too
         q = torch.randint(-127, 128, (v, dim), generator=gen, dtype=torch.int8)
         c = torch.rand(v, generator=gen) * 0.01
         x = torch.randn(9, dim, generator=gen)
@@ -519,21 +519,25 @@ def test_head_refine_recomputes_each_rows_top_k_and_draws_its_first_maximum(kern
 
 
 def test_head_refine_is_one_function_of_the_row(kernels: nk.NativeKernels) -> None:
-    """Each row's refined logits and draw are bitwise the same alone, in any batch and at any thread count."""
+    """Each row's refined logits and draw are bitwise the same alone, in any batch and at any thread count: 17 rows of
+    4096 logits are past PARALLEL_MIN (65,536), so at two threads the batch runs on OpenMP's threads, a row alone
+    on the caller's."""
     gen = torch.Generator().manual_seed(5)
-    q = torch.randint(-127, 128, (300, 64), generator=gen, dtype=torch.int8)
-    c = torch.rand(300, generator=gen) * 0.02
-    x, y = torch.randn(33, 64, generator=gen), torch.randn(33, 300, generator=gen)
-    whole = y.clone()
-    drawn = kernels.head_refine(whole, x, q, c, 16)
+    v, rows = 4096, 17
+    q = torch.randint(-127, 128, (v, 64), generator=gen, dtype=torch.int8)
+    c = torch.rand(v, generator=gen) * 0.02
+    x, y = torch.randn(rows, 64, generator=gen), torch.randn(rows, v, generator=gen)
     threads = torch.get_num_threads()
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            for r in range(33):
+            whole = y.clone()
+            drawn = kernels.head_refine(whole, x, q, c, 16)
+            for r in range(rows):
                 alone = y[r : r + 1].clone()
                 assert kernels.head_refine(alone, x[r : r + 1].clone(), q, c, 16).tolist() == [int(drawn[r])]
                 assert torch.equal(alone[0], whole[r]), (t, r)
+                assert int(drawn[r]) == int(whole[r].argmax())
     finally:
         torch.set_num_threads(threads)
 

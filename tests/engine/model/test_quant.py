@@ -291,7 +291,8 @@ def test_greedy_draws_take_the_int8_heads_own_maxima(target_dir: Path, draft_dir
                                                     cpu_kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """On the integer kernels the int8 head's refinement finds each row's first maximum (Int8Head.last_argmax, the
     runner's ``last_argmax``): the greedy walks take it and scan no logits, and emit what the scan emits (the head's
-    maxima withheld). On torch's kernels there are none, and the walks scan."""
+    maxima withheld). On torch's kernels there are none, and the walks scan. A greedy request whose logits a
+    processor changes (a logit bias that makes token 7 win) draws from its own rows, never from the head's maxima."""
     from adaserve.engine.model.quant import Int8Head
     from adaserve.engine.speculation import verify
 
@@ -299,8 +300,11 @@ def test_greedy_draws_take_the_int8_heads_own_maxima(target_dir: Path, draft_dir
     scan = verify.first_argmax
     monkeypatch.setattr(verify, "first_argmax", lambda rows, **kw: scans.append(rows.shape[0]) or scan(rows, **kw))
 
-    def outputs() -> dict[str, list[int]]:
+    def outputs(biased: bool = False) -> dict[str, list[int]]:
         reqs = workload(6, 9)
+        if biased:
+            reqs.append(Request("biased", [5, 9, 11], SamplingParams(max_tokens=6, ignore_eos=True,
+                                                                      logit_bias=((7, 1000.0),))))
         drf = quantized_runner(draft_dir, "int4") if policy != "incremental" else None
         eng = Engine(quantized_runner(target_dir, "int4"), drf, EngineConfig(policy=policy, budget=20))
         for r in reqs:
@@ -311,6 +315,7 @@ def test_greedy_draws_take_the_int8_heads_own_maxima(target_dir: Path, draft_dir
 
     with_maxima = outputs()
     assert bool(scans) == (cpu_kernels == "torch")  # the walks scanned only where the head found no maxima
+    assert outputs(biased=True)["biased"] == [7] * 6  # its processed rows, scanned
     forward = Int8Head.forward
 
     def without_maxima(self: Int8Head, x: torch.Tensor) -> torch.Tensor:

@@ -36,11 +36,9 @@ REFINE = 16
 
 
 def torch_refine(head: Int8Head, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Int8Head's refinement on torch's ops (its path without the integer kernels), then the greedy draw's scan."""
-    top = y.topk(head.refine, dim=-1).indices
-    rows = head.qweight[top].float() * head.scales32[top][..., None]
-    exact = (rows * x.reshape(-1, 1, head.in_features)).sum(-1)
-    return first_argmax(y.scatter(1, top, exact))
+    """Int8Head's refinement on torch's ops (``Int8Head.refined``, its path without the integer kernels), then the
+    greedy draw's scan."""
+    return first_argmax(head.refined(y, x))
 
 
 def timed(fn: Callable[[], object], repeats: int) -> list[float]:

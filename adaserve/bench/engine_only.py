@@ -141,7 +141,9 @@ class ScanClock:
     host's, and with a large vocabulary (SmolLM2's 49,152 against the demo pair's 4,096) they are much of the time
     outside the forwards at many requests (issue 30; docs/benchmarks.md, thirty-sixth round). Timed around the
     library's two C entry points themselves (the ctypes functions, set on the loaded library for as long as the clock
-    lives and put back by ``remove``), so no Python of the engine's is counted; 0 where the kernels do not serve."""
+    lives and put back by ``remove``), so no Python of the engine's is counted; 0 where the kernels do not serve.
+    An int8 head on the kernels finds its rows' greedy draws inside the forward (``head_refine``): there the
+    verification makes no scan to time."""
 
     NAMES = ("beam_picks", "first_argmax")
 

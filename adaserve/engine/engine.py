@@ -354,12 +354,13 @@ class Engine:
         first: list[tuple[Request, TokenTree, torch.Tensor]] = []  # last prefill chunks: their logits give token 1
         # each walk's forward segment, and the head's own first maxima per segment (an int8 head on the integer
         # kernels: ModelRunner.last_argmax), which a greedy walk takes where nothing changed its rows
-        at = list(range(len(prefill), len(logits)))
+        at: list[int] = []
         for i, ((req, seg), lg) in enumerate(zip(prefill, logits[: len(prefill)], strict=True)):
             self.target.cache.truncate(req.target_kv, seg.kv_len)
             if req.target_kv.length == len(req.prompt_ids):
                 first.append((req, TokenTree.root(req.prompt_ids[-1]), lg))
-                at.insert(len(first) - 1, i)
+                at.append(i)
+        at += range(len(prefill), len(logits))  # the decoding walks' segments, after the first tokens'
         drawn = self.target.last_argmax if segments else None  # this forward's, when one ran
         known = (drawn.view(-1, 1).split_with_sizes([lg.shape[0] for lg in logits]) if drawn is not None
                  else [None] * len(logits))

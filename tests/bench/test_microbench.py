@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from adaserve.bench.engine_only import IterationTimes, load_pair, run_engine_only, settings, summarize_cell
+from adaserve.bench.engine_only import (
+    IterationTimes,
+    ScanClock,
+    cell_stats,
+    load_pair,
+    run_engine_only,
+    settings,
+    summarize_cell,
+)
 from adaserve.bench.microbench_options import EngineOnlyConfig, PeerConfig
 from adaserve.engine.model import native_kernels
 
@@ -291,7 +299,6 @@ def test_the_cells_load_the_weights_asked_for(tmp_path: Path) -> None:
 
 
 def test_the_scan_clock_times_the_kernels_own_calls_and_puts_them_back() -> None:
-    from adaserve.bench.engine_only import ScanClock
     from adaserve.engine.speculation.verify import first_argmax
 
     kernels = native_kernels.kernels()
@@ -311,8 +318,6 @@ def test_the_scan_clock_times_the_kernels_own_calls_and_puts_them_back() -> None
 
 
 def test_a_cell_splits_off_the_vocabulary_scans() -> None:
-    from adaserve.bench.engine_only import IterationTimes, cell_stats, summarize_cell
-
     # 10 ms steps, 6 ms in forwards, 1.5 ms of the other 4 in the kernels' scans
     its = [IterationTimes(step=0.010, target_fwd=0.005, draft_fwd=0.001, speculate=0.0, select=0.0, verify=0.0,
                           tokens=1, scans=0.0015) for _ in range(2)]

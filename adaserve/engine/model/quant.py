@@ -443,19 +443,25 @@ class Int8Head(Int8Linear):
         flat = y.reshape(-1, self.out_features)
         if (self.native is not None and flat.dtype == x.dtype == torch.float32 and flat.is_contiguous()
                 and self.refine < self.out_features):
-            # one pass a row on the integer kernels: its top k by a vectorised threshold scan (torch.topk walks a
-            # row in a scalar loop: 7.4 ms for 96 rows of 49,152 logits on an AVX2 EPYC), the refinement as below,
-            # and the row's first maximum while the row is in the cache
+            # one pass a row on the integer kernels: its top k by a vectorised threshold scan (torch's topk walks a
+            # row in a scalar loop), the refinement as ``refined`` states it, and the row's first maximum while the
+            # row is in the cache (with the draw, 1.5 ms against 7.8 at 32 rows of 49,152 logits on an AVX2 EPYC:
+            # docs/benchmarks.md, thirty-seventh round)
             self.last_argmax = self.native.head_refine(flat, x.reshape(-1, self.in_features).contiguous(),
                                                        self.qweight, self.scales32, self.refine)
             return y
+        return self.refined(flat, x).reshape(y.shape)
+
+    def refined(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The head's output rows ``flat`` [R, V] with each row's ``refine`` largest logits recomputed in float32 from
+        the int8 rows and the row's input ``x`` (R rows of K), on torch's ops: a new tensor."""
         top = flat.float().topk(self.refine, dim=-1).indices  # [R, k]
         rows = self.qweight[top].float() * self.scales32[top][..., None]  # [R, k, K]
         # each row's dot products as a product and a sum over K, not ``einsum``: its batched matmul sums in an order
         # that depends on the number of rows, so a verification's row would differ from the same row decoded
         # alone (by ~1e-5 here: a greedy near-tie could flip, and losslessness needs every row to be one function)
         exact = (rows * x.reshape(-1, 1, self.in_features).float()).sum(-1)
-        return flat.scatter(1, top, exact.to(flat.dtype)).reshape(y.shape)
+        return flat.scatter(1, top, exact.to(flat.dtype))
 
 
 def quantize_head(model: nn.Module) -> None:
